@@ -1,0 +1,87 @@
+"""Atomic, resumable training checkpoints.
+
+A checkpoint is a folder: `config.json` (what the model is), `*.safetensors` (weights), and for
+resuming `trainer_state.json` (step, data position, config hash) plus `optimizer.pt` — our own
+optimizer state, the only file ever read with `torch.load`, and then with `weights_only=True`.
+
+Writes go to `<dir>.tmp-<pid>` and are swapped in with renames, so a kill at any moment leaves
+either the previous checkpoint or the new one, never a mix: `latest/` is replaced by renaming
+`latest` → `latest.old`, `tmp` → `latest`, then deleting `latest.old`. A reader that finds only
+`latest.old` (a kill between the two renames) uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from angelspec.models.hf_io import write_json_atomic
+
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+class ResumeError(ValueError):
+    """A resume that would silently train something else (different config or data)."""
+
+
+def write_checkpoint(
+    ckpt_dir: str | Path,
+    write_model: Callable[[Path], None],
+    trainer_state: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """Write a complete checkpoint atomically. `write_model(tmp_dir)` writes config + safetensors."""
+    final = Path(ckpt_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    old = final.with_name(f"{final.name}.old")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_model(tmp)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+    write_json_atomic(tmp / TRAINER_STATE, trainer_state)
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint at `ckpt_dir` (or its `.old` twin after an unlucky kill)."""
+    final = Path(ckpt_dir)
+    for cand in (final, final.with_name(f"{final.name}.old")):
+        if (cand / TRAINER_STATE).is_file():
+            return cand
+    return None
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((Path(ckpt) / TRAINER_STATE).read_text())
+
+
+def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
+    path = Path(ckpt) / OPTIMIZER_STATE
+    if not path.is_file():
+        raise ResumeError(f"{ckpt} has no {OPTIMIZER_STATE}; cannot resume exactly (start fresh with --force)")
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
+
+
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse to resume when a setting that changes the run differs from the checkpoint's."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    if diffs:
+        raise ResumeError("cannot resume: the run's settings differ from the checkpoint's (" + "; ".join(diffs)
+                          + "). Use the original settings, or --force to start over.")

@@ -1,0 +1,415 @@
+"""`angelspec target build`: assemble the offline corpus, train the tokenizer, and train the small
+Qwen3-architecture target that ships with AngelSpec as the default `--target`.
+
+The run is resumable (atomic checkpoints every `ckpt_every` steps; the data order is a pure
+function of (seed, step), so a resumed run sees exactly the batches it would have seen) and ends by
+writing a HF-layout folder that `AutoModelForCausalLM` / `AutoTokenizer` load directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from angelspec.models.config import DecoderConfig
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import load_target, save_target, write_json_atomic
+from angelspec.train.checkpoint import (
+    check_resume_compatible,
+    find_checkpoint,
+    load_optimizer_state,
+    read_trainer_state,
+    write_checkpoint,
+)
+from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+
+DOMAINS = ("code", "chat", "math", "docs")
+
+
+@dataclass(frozen=True)
+class TargetTrainConfig:
+    """How the embedded target is trained. Presets below; override fields with `replace`."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    context: int = 1024
+    seq_len: int = 1024
+    batch_size: int = 8
+    steps: int = 2400
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    bf16: bool = True
+    ckpt_every: int = 50
+    log_every: int = 10
+    # Repeat factor per domain per epoch: code and maths are what a small model learns fastest
+    # and where drafters shine, so they are weighted up.
+    domain_weights: tuple[tuple[str, float], ...] = (("code", 2.0), ("math", 1.5), ("chat", 1.0), ("docs", 0.5))
+    heldout_docs_per_domain: int = 200
+    corpus_limits: tuple[tuple[str, int], ...] = field(default=())
+
+    def model_config(self, special: dict[str, int]) -> DecoderConfig:
+        return DecoderConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.context, rms_norm_eps=1e-6, rope_theta=10000.0, model_type="qwen3",
+            qk_norm=True, tie_word_embeddings=True, bos_token_id=None,
+            eos_token_id=[special["im_end"], special["endoftext"]], pad_token_id=special["endoftext"],
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def embedded_target() -> TargetTrainConfig:
+    """The shipped default: 6 layers x 256, ~6.8M parameters, about 100 minutes on 2 CPU cores."""
+    return TargetTrainConfig()
+
+
+def tiny_debug() -> TargetTrainConfig:
+    """Seconds-long end-to-end run for tests: tiny corpus, tiny model."""
+    return TargetTrainConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, context=128, seq_len=64, batch_size=4, steps=6, warmup=2,
+        ckpt_every=3, log_every=1, bf16=False, heldout_docs_per_domain=5,
+        corpus_limits=(("code", 40), ("chat", 40), ("math", 40), ("docs", 20)),
+    )
+
+
+PRESETS = {"embedded_target": embedded_target, "tiny_debug": tiny_debug}
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: tokenised documents -> deterministic packed rows
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class TokenizedDomain:
+    tokens: np.ndarray  # [N] int32, documents concatenated
+    offsets: np.ndarray  # [n_docs + 1] int64 document boundaries
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tokenize_split(tokenizer: Any, path: Path, sep_id: int, context: int) -> tuple[TokenizedDomain, int]:
+    """Tokenise one JSONL split with the chat template; each document ends with `sep_id`.
+    Documents longer than the context are truncated (and counted)."""
+    from angelspec.data.chat import render_chat
+
+    texts = [render_chat(rec["messages"], add_generation_prompt=False, enable_thinking=False)
+             for rec in _read_jsonl(path)]
+    encoded = tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else [tokenizer.encode(t) for t in texts]
+    docs, truncated = [], 0
+    for ids in encoded:
+        ids = list(ids)[: context - 1] + [sep_id]
+        truncated += len(ids) >= context
+        docs.append(np.asarray(ids, dtype=np.int32))
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(d) for d in docs])
+    tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
+    return TokenizedDomain(tokens, offsets), truncated
+
+
+class PackedStream:
+    """Rows of `seq_len + 1` tokens from documents repeated per domain weight and shuffled per epoch.
+
+    Row `r` is a pure function of (seed, r): resuming at step s reproduces the same batches.
+    Documents are concatenated (separated by the end-of-text token) as in ordinary pre-training.
+    """
+
+    def __init__(self, domains: dict[str, TokenizedDomain], weights: dict[str, float], seq_len: int, seed: int):
+        self.domains, self.weights, self.seq_len, self.seed = domains, weights, seq_len, seed
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
+        self.rows_per_epoch = len(self._epoch_tokens(0)) // (seq_len + 1)
+        if self.rows_per_epoch == 0:
+            raise ValueError("training corpus is smaller than one row; build a larger corpus")
+
+    def _epoch_tokens(self, epoch: int) -> np.ndarray:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        pieces: list[np.ndarray] = []
+        for name in sorted(self.domains):
+            dom, w = self.domains[name], self.weights.get(name, 1.0)
+            n = len(dom.offsets) - 1
+            reps = int(w) + (rng.random(n) < (w - int(w)))  # fractional weights by Bernoulli
+            idx = np.repeat(np.arange(n), reps if np.ndim(reps) else np.full(n, reps))
+            pieces.extend((name, int(i)) for i in idx)  # type: ignore[arg-type]
+        order = rng.permutation(len(pieces))
+        chunks = []
+        for j in order:
+            name, i = pieces[j]  # type: ignore[misc]
+            dom = self.domains[name]
+            chunks.append(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]])
+        toks = np.concatenate(chunks)
+        self._epoch_cache = (epoch, toks)
+        return toks
+
+    def batch(self, step: int, batch_size: int) -> torch.Tensor:
+        rows = []
+        for r in range(step * batch_size, (step + 1) * batch_size):
+            epoch, k = divmod(r, self.rows_per_epoch)
+            toks = self._epoch_tokens(epoch)
+            rows.append(toks[k * (self.seq_len + 1): (k + 1) * (self.seq_len + 1)])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))  # [B, seq_len + 1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation helpers
+# --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_loss(model: Decoder, dom: TokenizedDomain, max_docs: int, context: int, bf16: bool) -> float:
+    """Mean next-token loss over whole held-out documents (each from position 0, no packing)."""
+    total, count = 0.0, 0
+    n = min(max_docs, len(dom.offsets) - 1)
+    for i in range(n):
+        ids = torch.from_numpy(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]][:context].astype(np.int64))[None]
+        if ids.shape[1] < 2:
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(ids[:, :-1]).logits
+        loss = F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum")
+        total += float(loss)
+        count += ids.shape[1] - 1
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def greedy_complete(model: Decoder, prompt_ids: list[int], max_new: int, stop_ids: tuple[int, ...]) -> list[int]:
+    """Plain single-row greedy decoding with the static cache (reference quality, not speed)."""
+    cache = model.new_cache(1, len(prompt_ids) + max_new + 1)
+    logits = model(torch.tensor([prompt_ids]), cache=cache).logits[:, -1]
+    out: list[int] = []
+    for _ in range(max_new):
+        tok = int(logits.argmax(-1))
+        if tok in stop_ids:
+            break
+        out.append(tok)
+        logits = model(torch.tensor([[tok]]), cache=cache).logits[:, -1]
+    return out
+
+
+SAMPLE_PROMPTS = {
+    "code": "Write a Python function `is_palindrome(s)` that returns True if the string reads the same backwards.",
+    "math": "Tom has 3 boxes with 12 apples each. He gives away 9 apples. How many apples does he have left?",
+    "chat": "What are some tips for staying productive when working from home?",
+    "docs": "Explain the `with` statement from the Python documentation.",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The build
+# --------------------------------------------------------------------------------------------------
+def build_target(
+    out_dir: str | Path,
+    *,
+    work_dir: str | Path,
+    config: TargetTrainConfig | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    max_minutes: float | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Run (or resume) the whole build and export the model to `out_dir`. Returns the build report.
+
+    `max_minutes` stops training early at a checkpoint (resume later with `resume=True`); the
+    export still happens so a usable model exists after any budget.
+    """
+    from angelspec.data.corpus import build_corpus
+    from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
+
+    cfg = config or embedded_target()
+    out_dir, work_dir = Path(out_dir), Path(work_dir)
+    ckpt_dir = work_dir / "checkpoint"
+    if out_dir.exists() and any(out_dir.iterdir()) and not (force or resume):
+        raise FileExistsError(f"{out_dir} already exists and is not empty; pass --force to overwrite it "
+                              "or --resume to continue the build")
+    if find_checkpoint(ckpt_dir) is not None and not resume:
+        if not force:
+            raise FileExistsError(f"{work_dir} holds a previous build's checkpoint; pass --resume to continue it "
+                                  "or --force to start over")
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    # 1. corpus and tokenizer (both idempotent: skipped when already built with the same settings)
+    limits = dict(cfg.corpus_limits) or None
+    manifest = build_corpus(work_dir / "corpus", seed=cfg.seed, max_examples=limits, progress=progress)
+    domains = [d for d in DOMAINS if (work_dir / "corpus" / d / "train.jsonl").is_file()]
+    tok_dir = work_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        from angelspec.data.chat import render_chat
+
+        def texts():
+            for d in domains:
+                for rec in _read_jsonl(work_dir / "corpus" / d / "train.jsonl"):
+                    yield render_chat(rec["messages"], add_generation_prompt=False, enable_thinking=False)
+
+        train_tokenizer(texts(), tok_dir, vocab_size=cfg.vocab_size)
+    tok = load_tokenizer(tok_dir)
+    special = {"endoftext": tok.pad_token_id, "im_end": tok.eos_token_id}
+    log(f"corpus + tokenizer ready in {time.time() - t0:.0f}s")
+
+    # 2. tokenised splits
+    train_doms, held_doms, truncated = {}, {}, 0
+    raw_tok = tok.tokenizer if hasattr(tok, "tokenizer") else tok
+    for d in domains:
+        train_doms[d], t1 = tokenize_split(_BatchEncoder(raw_tok), work_dir / "corpus" / d / "train.jsonl",
+                                           special["endoftext"], cfg.context)
+        held_doms[d], t2 = tokenize_split(_BatchEncoder(raw_tok), work_dir / "corpus" / d / "heldout.jsonl",
+                                          special["endoftext"], cfg.context)
+        truncated += t1 + t2
+    weights = {d: w for d, w in cfg.domain_weights if d in domains}
+    stream = PackedStream(train_doms, weights, cfg.seq_len, cfg.seed)
+    n_tokens = {d: int(train_doms[d].tokens.size) for d in domains}
+    log(f"train tokens per domain: {n_tokens}; {truncated} documents truncated to {cfg.context} tokens; "
+        f"{stream.rows_per_epoch} rows of {cfg.seq_len} per epoch")
+
+    # 3. model, optimizer, resume
+    torch.manual_seed(cfg.seed)
+    model_cfg = cfg.model_config(special)
+    model = Decoder(model_cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
+    opt = build_adamw(model, cfg.lr, cfg.weight_decay)
+    run_settings = {"train_config": json.loads(json.dumps(asdict(cfg)))}
+    start_step = 0
+    ckpt = find_checkpoint(ckpt_dir) if resume else None
+    if ckpt is not None:
+        state = read_trainer_state(ckpt)
+        check_resume_compatible(state, run_settings, ("train_config",))
+        model.load_state_dict(load_target(ckpt).state_dict())
+        load_optimizer_state(ckpt, opt)
+        start_step = int(state["step"])
+        log(f"resuming from step {start_step}")
+
+    def save(step: int) -> None:
+        write_checkpoint(ckpt_dir, lambda p: save_target(model, p), {"step": step, **run_settings}, opt)
+
+    # 4. train
+    log_path = work_dir / "train_log.jsonl"
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="target", disable=not progress, unit="step")
+    step, last_log, tok_seen = start_step, time.time(), 0
+    losses: list[float] = []
+    while step < cfg.steps:
+        batch = stream.batch(step, cfg.batch_size)
+        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        set_lr(opt, lr)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        tok_seen += cfg.tokens_per_step
+        losses.append(float(loss))
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            rec = {"step": step, "loss": sum(losses) / len(losses), "lr": lr, "grad_norm": float(gnorm),
+                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens_per_s']:.0f}")
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            losses, last_log, tok_seen = [], now, 0
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save(step)
+        if deadline is not None and time.time() > deadline and step < cfg.steps:
+            save(step)
+            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+            break
+    bar.close()
+    model.eval()
+
+    # 5. evaluate and export
+    report = export_target(model, tok_dir, out_dir, held_doms, cfg, step, tok)
+    report["build_seconds"] = round(time.time() - t0, 1)
+    report["corpus"] = manifest if isinstance(manifest, dict) else {}
+    report["documents_truncated"] = truncated
+    write_json_atomic(out_dir / "build_info.json", report)
+    return report
+
+
+class _BatchEncoder:
+    """Adapter: a `tokenizers.Tokenizer` batch-encodes in Rust; we only need the ids."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if hasattr(self.raw, "encode_batch"):
+            return [e.ids if hasattr(e, "ids") else e for e in self.raw.encode_batch(texts)]
+        return [self.raw.encode(t) for t in texts]
+
+
+def export_target(model: Decoder, tok_dir: Path, out_dir: Path, held: dict[str, TokenizedDomain],
+                  cfg: TargetTrainConfig, step: int, tok: Any) -> dict[str, Any]:
+    """Write the HF folder (bf16 weights keep the repo small) with tokenizer files and a report."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_target(model, out_dir, dtype=torch.bfloat16)
+    for f in tok_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out_dir / f.name)
+    mc = model.config
+    write_json_atomic(out_dir / "generation_config.json", {
+        "eos_token_id": list(mc.eos_token_ids), "pad_token_id": mc.pad_token_id, "do_sample": False,
+        "max_new_tokens": 256,
+    })
+    # Evaluate the exported (bf16-rounded) weights, which is what users get.
+    shipped = load_target(out_dir)
+    losses = {d: round(heldout_loss(shipped, dom, cfg.heldout_docs_per_domain, cfg.context, cfg.bf16), 4)
+              for d, dom in held.items()}
+    samples = {}
+    for d, prompt in SAMPLE_PROMPTS.items():
+        if d not in held:
+            continue
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      enable_thinking=False)
+        out = greedy_complete(shipped, ids, 96, mc.eos_token_ids)
+        samples[d] = {"prompt": prompt, "greedy": tok.decode(out, skip_special_tokens=True)}
+    return {
+        "steps": step, "train_config": asdict(cfg), "parameters": mc.num_parameters(),
+        "heldout_loss": losses, "heldout_ppl": {d: round(math.exp(v), 2) for d, v in losses.items()},
+        "samples": samples, "command": "angelspec target build --out src/angelspec/assets/target",
+    }
+
+
+def with_overrides(cfg: TargetTrainConfig, overrides: dict[str, str]) -> TargetTrainConfig:
+    """Apply `key=value` overrides from the CLI with type checking against the dataclass."""
+    kwargs: dict[str, Any] = {}
+    for key, raw in overrides.items():
+        if not hasattr(cfg, key):
+            raise ValueError(f"unknown setting {key!r}; valid keys: {', '.join(sorted(asdict(cfg)))}")
+        cur = getattr(cfg, key)
+        try:
+            kwargs[key] = (raw.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"setting {key}={raw!r}: expected a {type(cur).__name__}") from None
+    return replace(cfg, **kwargs)
