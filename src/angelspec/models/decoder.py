@@ -196,6 +196,7 @@ class Decoder(nn.Module):
                 raise ValueError(f"hidden layer id {i} out of range: ids are 0..{L - 1} "
                                  "(id i = output of decoder layer i)")
         dev = input_ids.device
+        explicit_positions = positions is not None
         mask: torch.Tensor | None = None
         write_idx = None
         if cache is not None:
@@ -216,8 +217,13 @@ class Decoder(nn.Module):
                 causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
                 same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
                 mask = (same_doc & causal)[:, None]
-        cos_t, sin_t = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1, dev) \
-            if cache is None else self.rope_table(cache.capacity, dev)
+        if cache is not None:
+            table_len = cache.capacity
+        elif explicit_positions:
+            table_len = int(positions.max()) + 1 if positions.numel() else 1  # host sync; training only
+        else:
+            table_len = T
+        cos_t, sin_t = self.rope_table(table_len, dev)
         cos = cos_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)  # [B, 1, T, Dh]
         sin = sin_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)
 
