@@ -35,7 +35,9 @@ def write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
-def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors_atomic(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

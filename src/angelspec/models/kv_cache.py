@@ -54,7 +54,9 @@ class StaticKVCache:
     def truncate(self, lengths: torch.Tensor) -> None:
         """Roll every row back (or forward over already-written slots) to `lengths [B]`."""
         if lengths.shape != self.lengths.shape:
-            raise ValueError(f"truncate expects lengths of shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}")
+            raise ValueError(
+                f"truncate expects lengths of shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}"
+            )
         self.lengths.copy_(lengths)
 
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:

@@ -81,7 +81,9 @@ def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
 
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
     """Refuse to resume when a setting that changes the run differs from the checkpoint's."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise ResumeError("cannot resume: the run's settings differ from the checkpoint's (" + "; ".join(diffs)
                           + "). Use the original settings, or --force to start over.")
