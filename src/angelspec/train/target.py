@@ -51,7 +51,7 @@ class TargetTrainConfig:
     context: int = 1024
     seq_len: int = 1024
     batch_size: int = 8
-    steps: int = 1300
+    steps: int = 1000
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
     warmup: int = 60
@@ -83,7 +83,7 @@ class TargetTrainConfig:
 
 
 def embedded_target() -> TargetTrainConfig:
-    """The shipped default: 6 layers x 256, ~6.8M parameters, 1300 steps x 8k tokens (~2 h on 2 CPU cores)."""
+    """The shipped default: 6 layers x 256, ~6.8M parameters, 1000 steps x 8k tokens (~1.7 h on 2 CPU cores)."""
     return TargetTrainConfig()
 
 
@@ -232,6 +232,7 @@ def build_target(
     force: bool = False,
     progress: bool = True,
     max_minutes: float | None = None,
+    corpus_dir: str | Path | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """Run (or resume) the whole build and export the model to `out_dir`. Returns the build report.
@@ -257,16 +258,22 @@ def build_target(
     t0 = time.time()
 
     # 1. corpus and tokenizer (both idempotent: skipped when already built with the same settings)
-    limits = dict(cfg.corpus_limits) or None
-    manifest = build_corpus(work_dir / "corpus", seed=cfg.seed, max_examples=limits, progress=progress)
-    domains = [d for d in DOMAINS if (work_dir / "corpus" / d / "train.jsonl").is_file()]
+    if corpus_dir is None:
+        corpus = work_dir / "corpus"
+        manifest = build_corpus(corpus, seed=cfg.seed, max_examples=dict(cfg.corpus_limits) or None,
+                                progress=progress)
+    else:  # a prepared corpus in the same layout (<domain>/{train,heldout}.jsonl)
+        corpus, manifest = Path(corpus_dir), {"corpus_dir": str(corpus_dir)}
+    domains = [d for d in DOMAINS if (corpus / d / "train.jsonl").is_file()]
+    if not domains:
+        raise FileNotFoundError(f"{corpus} holds no <domain>/train.jsonl for any of {', '.join(DOMAINS)}")
     tok_dir = work_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         from angelspec.data.chat import render_chat
 
         def texts():
             for d in domains:
-                for rec in _read_jsonl(work_dir / "corpus" / d / "train.jsonl"):
+                for rec in _read_jsonl(corpus / d / "train.jsonl"):
                     yield render_chat(rec["messages"], add_generation_prompt=False, enable_thinking=False)
 
         train_tokenizer(texts(), tok_dir, vocab_size=cfg.vocab_size)
@@ -277,10 +284,8 @@ def build_target(
     # 2. tokenised splits
     train_doms, held_doms, truncated = {}, {}, 0
     for d in domains:
-        train_doms[d], t1 = tokenize_split(tok, work_dir / "corpus" / d / "train.jsonl", special["endoftext"],
-                                           cfg.context)
-        held_doms[d], t2 = tokenize_split(tok, work_dir / "corpus" / d / "heldout.jsonl", special["endoftext"],
-                                          cfg.context)
+        train_doms[d], t1 = tokenize_split(tok, corpus / d / "train.jsonl", special["endoftext"], cfg.context)
+        held_doms[d], t2 = tokenize_split(tok, corpus / d / "heldout.jsonl", special["endoftext"], cfg.context)
         truncated += t1 + t2
     weights = {d: w for d, w in cfg.domain_weights if d in domains}
     stream = PackedStream(train_doms, weights, cfg.seq_len, cfg.seed)
@@ -294,12 +299,17 @@ def build_target(
     model = Decoder(model_cfg)
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
-    run_settings = {"train_config": json.loads(json.dumps(asdict(cfg)))}
+    # Settings that only say how long to run or how often to save may change on resume (so a run can be
+    # extended or shortened); everything else must match the checkpoint exactly.
+    run_length_keys = ("steps", "ckpt_every", "log_every")
+    identity = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in run_length_keys}
+    run_settings = {"train_config": identity}
     start_step = 0
     ckpt = find_checkpoint(ckpt_dir) if resume else None
     if ckpt is not None:
         state = read_trainer_state(ckpt)
-        check_resume_compatible(state, run_settings, ("train_config",))
+        saved = {k: v for k, v in state.get("train_config", {}).items() if k not in run_length_keys}
+        check_resume_compatible({"train_config": saved}, run_settings, ("train_config",))
         model.load_state_dict(load_target(ckpt).state_dict())
         load_optimizer_state(ckpt, opt)
         start_step = int(state["step"])
