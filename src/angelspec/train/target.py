@@ -8,7 +8,6 @@ writing a HF-layout folder that `AutoModelForCausalLM` / `AutoTokenizer` load di
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -19,20 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from angelspec.data.tokenizer import ChatTokenizer
+from angelspec.data.lm_data import PackedStream, TokenizedDomain, read_jsonl, tokenize_split
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
-from angelspec.train.checkpoint import (
-    check_resume_compatible,
-    find_checkpoint,
-    load_optimizer_state,
-    read_trainer_state,
-    write_checkpoint,
-)
-from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+from angelspec.train.checkpoint import find_checkpoint
+from angelspec.train.lm import train_causal_lm
 
 DOMAINS = ("code", "chat", "math", "docs")
 
@@ -98,83 +90,6 @@ def tiny_debug() -> TargetTrainConfig:
 
 
 PRESETS = {"embedded_target": embedded_target, "tiny_debug": tiny_debug}
-
-
-# --------------------------------------------------------------------------------------------------
-# Data: tokenised documents -> deterministic packed rows
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class TokenizedDomain:
-    tokens: np.ndarray  # [N] int32, documents concatenated
-    offsets: np.ndarray  # [n_docs + 1] int64 document boundaries
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def tokenize_split(tokenizer: ChatTokenizer, path: Path, sep_id: int, context: int) -> tuple[TokenizedDomain, int]:
-    """Tokenise one JSONL split with the chat template; each document ends with `sep_id`.
-    Documents longer than the context are truncated (and counted)."""
-    from angelspec.data.chat import render_chat
-
-    texts = [render_chat(rec["messages"], add_generation_prompt=False, enable_thinking=False)
-             for rec in _read_jsonl(path)]
-    encoded = tokenizer.encode_batch(texts)
-    docs, truncated = [], 0
-    for ids in encoded:
-        ids = list(ids)[: context - 1] + [sep_id]
-        truncated += len(ids) >= context
-        docs.append(np.asarray(ids, dtype=np.int32))
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(d) for d in docs])
-    tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
-    return TokenizedDomain(tokens, offsets), truncated
-
-
-class PackedStream:
-    """Rows of `seq_len + 1` tokens from documents repeated per domain weight and shuffled per epoch.
-
-    Row `r` is a pure function of (seed, r): resuming at step s reproduces the same batches.
-    Documents are concatenated (separated by the end-of-text token) as in ordinary pre-training.
-    """
-
-    def __init__(self, domains: dict[str, TokenizedDomain], weights: dict[str, float], seq_len: int, seed: int):
-        self.domains, self.weights, self.seq_len, self.seed = domains, weights, seq_len, seed
-        self._epoch_cache: tuple[int, np.ndarray] | None = None
-        self.rows_per_epoch = len(self._epoch_tokens(0)) // (seq_len + 1)
-        if self.rows_per_epoch == 0:
-            raise ValueError("training corpus is smaller than one row; build a larger corpus")
-
-    def _epoch_tokens(self, epoch: int) -> np.ndarray:
-        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
-            return self._epoch_cache[1]
-        rng = np.random.default_rng([self.seed, epoch])
-        pieces: list[np.ndarray] = []
-        for name in sorted(self.domains):
-            dom, w = self.domains[name], self.weights.get(name, 1.0)
-            n = len(dom.offsets) - 1
-            reps = int(w) + (rng.random(n) < (w - int(w)))  # fractional weights by Bernoulli
-            idx = np.repeat(np.arange(n), reps if np.ndim(reps) else np.full(n, reps))
-            pieces.extend((name, int(i)) for i in idx)  # type: ignore[arg-type]
-        order = rng.permutation(len(pieces))
-        chunks = []
-        for j in order:
-            name, i = pieces[j]  # type: ignore[misc]
-            dom = self.domains[name]
-            chunks.append(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]])
-        toks = np.concatenate(chunks)
-        self._epoch_cache = (epoch, toks)
-        return toks
-
-    def batch(self, step: int, batch_size: int) -> torch.Tensor:
-        rows = []
-        for r in range(step * batch_size, (step + 1) * batch_size):
-            epoch, k = divmod(r, self.rows_per_epoch)
-            toks = self._epoch_tokens(epoch)
-            rows.append(toks[k * (self.seq_len + 1): (k + 1) * (self.seq_len + 1)])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))  # [B, seq_len + 1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,7 +188,7 @@ def build_target(
 
         def texts():
             for d in domains:
-                for rec in _read_jsonl(corpus / d / "train.jsonl"):
+                for rec in read_jsonl(corpus / d / "train.jsonl"):
                     yield render_chat(rec["messages"], add_generation_prompt=False, enable_thinking=False)
 
         train_tokenizer(texts(), tok_dir, vocab_size=cfg.vocab_size)
@@ -293,69 +208,12 @@ def build_target(
     log(f"train tokens per domain: {n_tokens}; {truncated} documents truncated to {cfg.context} tokens; "
         f"{stream.rows_per_epoch} rows of {cfg.seq_len} per epoch")
 
-    # 3. model, optimizer, resume
+    # 3. model; 4. train (resumable)
     torch.manual_seed(cfg.seed)
-    model_cfg = cfg.model_config(special)
-    model = Decoder(model_cfg)
+    model = Decoder(cfg.model_config(special))
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
-    opt = build_adamw(model, cfg.lr, cfg.weight_decay)
-    # Settings that only say how long to run or how often to save may change on resume (so a run can be
-    # extended or shortened); everything else must match the checkpoint exactly.
-    run_length_keys = ("steps", "ckpt_every", "log_every")
-    identity = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in run_length_keys}
-    run_settings = {"train_config": identity}
-    start_step = 0
-    ckpt = find_checkpoint(ckpt_dir) if resume else None
-    if ckpt is not None:
-        state = read_trainer_state(ckpt)
-        saved = {k: v for k, v in state.get("train_config", {}).items() if k not in run_length_keys}
-        check_resume_compatible({"train_config": saved}, run_settings, ("train_config",))
-        model.load_state_dict(load_target(ckpt).state_dict())
-        load_optimizer_state(ckpt, opt)
-        start_step = int(state["step"])
-        log(f"resuming from step {start_step}")
-
-    def save(step: int) -> None:
-        write_checkpoint(ckpt_dir, lambda p: save_target(model, p), {"step": step, **run_settings}, opt)
-
-    # 4. train
-    log_path = work_dir / "train_log.jsonl"
-    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
-    model.train()
-    bar = tqdm(total=cfg.steps, initial=start_step, desc="target", disable=not progress, unit="step")
-    step, last_log, tok_seen = start_step, time.time(), 0
-    losses: list[float] = []
-    while step < cfg.steps:
-        batch = stream.batch(step, cfg.batch_size)
-        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
-        set_lr(opt, lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = model(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        tok_seen += cfg.tokens_per_step
-        losses.append(loss.item())  # host sync: once per step, for the log
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            now = time.time()
-            rec = {"step": step, "loss": sum(losses) / len(losses), "lr": lr, "grad_norm": float(gnorm),
-                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens_per_s']:.0f}")
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            losses, last_log, tok_seen = [], now, 0
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save(step)
-        if deadline is not None and time.time() > deadline and step < cfg.steps:
-            save(step)
-            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
-            break
-    bar.close()
-    model.eval()
+    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work_dir / "train_log.jsonl",
+                           resume=resume, progress=progress, max_minutes=max_minutes, desc="target", log=log)
 
     # 5. evaluate and export
     report = export_target(model, tok_dir, out_dir, held_doms, cfg, step, tok)

@@ -1,0 +1,131 @@
+"""The resumable causal-LM training loop shared by the embedded target build and the draft-LM baseline.
+
+Plain next-token cross-entropy on packed rows, AdamW, warm-up + cosine schedule, gradient clipping,
+JSONL logs once per `log_every` steps, atomic checkpoints every `ckpt_every` steps. Resuming restores
+the weights, the optimizer state and the step; the data order is a pure function of (seed, step), so a
+resumed run follows the same loss curve as an uninterrupted one (tested bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from angelspec.data.lm_data import PackedStream
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import load_target, save_target
+from angelspec.train.checkpoint import (
+    check_resume_compatible,
+    find_checkpoint,
+    load_optimizer_state,
+    read_trainer_state,
+    write_checkpoint,
+)
+from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+
+# Settings that only say how long to run or how often to save may change on resume (a run can be
+# extended or shortened); every other setting must match the checkpoint exactly.
+RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
+
+
+class LMTrainSettings(Protocol):
+    """The fields the loop reads; the target and draft-LM configs both provide them."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+    bf16: bool
+    ckpt_every: int
+    log_every: int
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """The JSON form of a (dataclass) config minus the run-length keys: what a resume must match."""
+    return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RUN_LENGTH_KEYS}
+
+
+def train_causal_lm(
+    model: Decoder,
+    stream: PackedStream,
+    cfg: LMTrainSettings,
+    *,
+    ckpt_dir: Path,
+    log_path: Path,
+    resume: bool,
+    progress: bool = True,
+    max_minutes: float | None = None,
+    desc: str = "train",
+    save_model: Callable[[Decoder, Path], Any] = save_target,
+    log: Callable[[str], None] = print,
+) -> int:
+    """Train `model` in place (resuming from `ckpt_dir` when asked) and return the last step reached.
+
+    `max_minutes` stops early at a checkpoint so the caller can export what exists and resume later.
+    """
+    opt = build_adamw(model, cfg.lr, cfg.weight_decay)
+    settings = {"train_config": run_identity(cfg)}
+    step = 0
+    ckpt = find_checkpoint(ckpt_dir) if resume else None
+    if ckpt is not None:
+        state = read_trainer_state(ckpt)
+        saved = {k: v for k, v in state.get("train_config", {}).items() if k not in RUN_LENGTH_KEYS}
+        check_resume_compatible({"train_config": saved}, settings, ("train_config",))
+        model.load_state_dict(load_target(ckpt).state_dict())
+        load_optimizer_state(ckpt, opt)
+        step = int(state["step"])
+        log(f"resuming from step {step}")
+
+    def save(at: int) -> None:
+        write_checkpoint(ckpt_dir, lambda p: save_model(model, p), {"step": at, **settings}, opt)
+
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress, unit="step")
+    last_log, tok_seen = time.time(), 0
+    losses: list[float] = []
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    while step < cfg.steps:
+        batch = stream.batch(step, cfg.batch_size)  # [B, seq_len + 1]
+        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        set_lr(opt, lr)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        tok_seen += tokens_per_step
+        losses.append(loss.item())  # host sync: once per step, for the log
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            rec = {"step": step, "loss": sum(losses) / len(losses), "lr": lr, "grad_norm": float(gnorm),
+                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens_per_s']:.0f}")
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            losses, last_log, tok_seen = [], now, 0
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save(step)
+        if deadline is not None and time.time() > deadline and step < cfg.steps:
+            save(step)
+            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+            break
+    bar.close()
+    model.eval()
+    return step
