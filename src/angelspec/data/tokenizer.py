@@ -4,6 +4,8 @@ The folder :func:`train_tokenizer` writes is a plain Hugging Face tokenizer fold
 (``tokenizer.json`` + ``tokenizer_config.json`` with the chat template), so
 ``transformers.AutoTokenizer.from_pretrained(folder)`` and peer engines load it unchanged, while
 :func:`load_tokenizer` gives a light wrapper over ``tokenizers.Tokenizer`` that needs no transformers.
+Given any other model's Hugging Face folder (Qwen3, Llama, ...) it returns an
+:class:`~angelspec.data.hf_tokenizer.HFChatTokenizer` instead, which has the same interface.
 
 Special tokens have fixed ids 0..5 (see :data:`~angelspec.data.chat.SPECIAL_TOKENS`): ``<|endoftext|>``
 (also padding), ``<|im_start|>``, ``<|im_end|>`` (end of turn = eos for chat), ``<think>``,
@@ -26,7 +28,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -43,6 +45,9 @@ from angelspec.data.chat import (
     encode_conversation,
     render_chat,
 )
+
+if TYPE_CHECKING:
+    from angelspec.data.hf_tokenizer import HFChatTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -170,6 +175,8 @@ class ChatTokenizer:
         self.think_start_id: int = ids[THINK_START]
         self.think_end_id: int = ids[THINK_END]
         self.mask_token_id: int = ids[MASK]
+        # Stop ids, as in the generation_config.json the embedded target ships: end of turn, end of text.
+        self.eos_token_ids: tuple[int, ...] = (self.im_end_id, self.endoftext_id)
 
     @property
     def vocab_size(self) -> int:
@@ -219,12 +226,14 @@ class ChatTokenizer:
         return f"ChatTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> ChatTokenizer:
-    """Load a folder written by :func:`train_tokenizer` without importing transformers.
+def read_tokenizer_folder(path: str | os.PathLike[str]) -> tuple[Tokenizer, dict[str, Any]]:
+    """Check a tokenizer folder and parse its ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    Shared by both tokenizer classes so a missing or corrupt file gets the same message whichever
+    layout the folder turns out to have.
 
     Raises:
-        TokenizerError: the folder or one of its files is missing or unreadable, or the special tokens
-            do not have the ids this project relies on.
+        TokenizerError: the folder or one of the two files is missing or unreadable.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -244,5 +253,38 @@ def load_tokenizer(path: str | os.PathLike[str]) -> ChatTokenizer:
         backend = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
     except Exception as exc:  # the Rust binding raises a bare `Exception` for every parse error
         raise TokenizerError(f"cannot parse {folder / TOKENIZER_FILE}: {exc}") from None
+    return backend, config
+
+
+def is_angelspec_layout(backend: Tokenizer) -> bool:
+    """Whether :data:`SPECIAL_TOKENS` occupy ids 0..5, in any order.
+
+    Any order, so a folder of ours with shuffled ids still reaches :class:`ChatTokenizer` and its precise
+    error; a model that merely shares some names (Qwen3 has ``<|im_start|>`` at 151644) does not.
+    """
+    ids = [backend.token_to_id(token) for token in SPECIAL_TOKENS]
+    return sorted(i for i in ids if i is not None) == list(range(len(SPECIAL_TOKENS)))
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> ChatTokenizer | HFChatTokenizer:
+    """Load a tokenizer folder without importing transformers.
+
+    A folder written by :func:`train_tokenizer` (our special tokens at ids 0..5) gives a
+    :class:`ChatTokenizer` with the chat format built in; any other Hugging Face fast-tokenizer folder (a
+    Qwen3 or Llama checkpoint's) gives an :class:`~angelspec.data.hf_tokenizer.HFChatTokenizer` that renders
+    the folder's own chat template. Both have the same interface.
+
+    Raises:
+        TokenizerError: the folder or one of its files is missing or unreadable; (our layout) the special
+            tokens do not have the ids this project relies on; (other folders) the files disagree with each
+            other or the chat template does not parse.
+    """
+    # Imported here: hf_tokenizer builds on this module (TokenizerError, read_tokenizer_folder).
+    from angelspec.data.hf_tokenizer import HFChatTokenizer
+
+    folder = Path(path)
+    backend, config = read_tokenizer_folder(folder)
+    if not is_angelspec_layout(backend):
+        return HFChatTokenizer(backend, folder, config)
     max_len = config.get("model_max_length")
     return ChatTokenizer(backend, folder, max_len if isinstance(max_len, int) else None)

@@ -1,0 +1,297 @@
+"""The drafter interface, the depth-policy hook, and the drafter registry.
+
+A drafter proposes K tokens per row for a batch of rows and is told what the target committed; it never
+owns the target. What flows between the engine and a drafter, once per speculative step:
+
+    engine                                   drafter
+    DraftState (last token, lengths, ...) -> propose()  -> Proposal(tokens [B, K], probs, confidences, ...)
+    depth policy (Proposal, DraftState)   -> depth [B]  (how many drafts each row verifies)
+    target verify forward, verification
+    Commit (tokens, num_accepted, ...)    -> on_commit()   (roll the drafter's own cache back: DESIGN.md trap 4)
+
+Rows are KV-cache slots. A request joins a free row (`prefill`) and leaves it (`reset_rows`) between steps.
+A drafter that wants target hidden states lists tap ids in `target_layer_ids` (id i = output of target
+decoder layer i, DESIGN.md trap 2); the engine hands the taps of the prefill and verify forwards over.
+
+Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt length, V vocab, D model dim.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from angelspec.models.config import DecoderConfig
+from angelspec.spec.sampling import BatchSampling
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter was built for another target or tokenizer; raised before any decoding."""
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """What a drafter may read when proposing. Device tensors cover every row; inactive rows hold garbage
+    and their drafts are never verified."""
+
+    last_tokens: Tensor  # [B] int64, newest committed token per row; the target has not cached it yet
+    seq_lens: Tensor  # [B] int64, committed tokens per row including last_tokens (at position seq_lens - 1)
+    active: Tensor  # [B] bool, rows that hold a running request
+    active_rows: tuple[int, ...]  # the same on the host, ascending
+    sampling: BatchSampling  # per-row temperature / top-k / top-p / seed
+    draft_round: Tensor  # [B] int64, speculative steps this row's request has run (keys NoiseStream.DRAFT)
+    num_draft_tokens: int  # K, the number of drafts to propose per row
+    deterministic: bool  # True: the engine verifies with the deterministic-draft protocol; propose argmaxes
+    all_greedy: bool  # host flag: every active row decodes at temperature 0
+    seq_len_bound: int  # host upper bound of seq_lens over active rows (for `kv_len`)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """K drafts per row and what the drafter knows about them.
+
+    tokens: [B, K] int64, valid token ids everywhere (pad unused positions with any id, e.g. 0): they are
+        fed to the target embedding even where they are not verified.
+    probs: [B, K, V] float or None, the distributions the drafts were *sampled* from; needed by standard
+        speculative sampling, None for deterministic drafts.
+    confidences: [B, K] float in [0, 1] or None, the drafter's belief that each draft is right (for depth
+        policies such as D-cut); per position, not cumulative.
+    lengths: [B] int64 or None, drafts per row worth verifying (the rest is padding). It must not depend
+        on the values of *sampled* drafts (DESIGN.md trap 1); None = K.
+    deterministic: True when the drafts are a deterministic function of the committed prefix (an argmax or
+        a lookup), which makes the deterministic-draft protocol exact under any depth policy.
+    """
+
+    tokens: Tensor
+    probs: Tensor | None = None
+    confidences: Tensor | None = None
+    lengths: Tensor | None = None
+    deterministic: bool = False
+
+    def check(self, batch_size: int, k: int, vocab_size: int) -> None:
+        """Shape checks only (reading values would be a host sync)."""
+        if self.tokens.shape != (batch_size, k) or self.tokens.dtype != torch.int64:
+            raise ValueError(f"Proposal.tokens must be int64 [B, K] = [{batch_size}, {k}], "
+                             f"got {self.tokens.dtype} {tuple(self.tokens.shape)}")
+        if self.probs is not None and self.probs.shape != (batch_size, k, vocab_size):
+            raise ValueError(f"Proposal.probs must be [B, K, V] = [{batch_size}, {k}, {vocab_size}], "
+                             f"got {tuple(self.probs.shape)}")
+        if self.confidences is not None and self.confidences.shape != (batch_size, k):
+            raise ValueError(f"Proposal.confidences must be [B, K] = [{batch_size}, {k}], "
+                             f"got {tuple(self.confidences.shape)}")
+        if self.lengths is not None and self.lengths.shape != (batch_size,):
+            raise ValueError(f"Proposal.lengths must be [B] = [{batch_size}], got {tuple(self.lengths.shape)}")
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What the target committed in one speculative step."""
+
+    tokens: Tensor  # [B, T] int64, accepted drafts then the recovered/bonus token, then PLACEHOLDER_TOKEN_ID
+    num_accepted: Tensor  # [B] int64; each active row committed num_accepted + 1 tokens
+    seq_lens: Tensor  # [B] int64, committed lengths after this step (inactive rows unchanged)
+    active: Tensor  # [B] bool, rows that took part
+    host_tokens: tuple[tuple[int, ...], ...]  # per row, the committed tokens on the host (() if inactive)
+    target_hidden: tuple[Tensor, ...]  # one [B, T, D] per id in target_layer_ids, from the verify forward
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Depth policies: how many drafts each row verifies
+# ---------------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DepthPolicy(Protocol):
+    """`policy(proposal, state) -> depth [B] int64 in [0, K]`.
+
+    `uses_proposal` says whether the depth reads this round's drafts (tokens, confidences, probs). If it
+    does and the drafts were sampled, standard speculative sampling would be biased (DESIGN.md trap 1), so
+    the engine then verifies with the deterministic-draft protocol and asks the drafter for argmax drafts.
+    A plain callable without the attribute is treated as `uses_proposal = True` (the safe choice).
+
+    `static_depth`: a host int when every row always gets the same depth (lets the engine skip a host sync
+    for the verify width), else None. Adaptive policies (D-cut, DSpark's scheduler) plug in here.
+    """
+
+    uses_proposal: bool
+    static_depth: int | None
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class FixedDepth:
+    """Every row verifies `depth` drafts (None = all K)."""
+
+    depth: int | None = None
+    uses_proposal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int)
+                                       or self.depth < 0):
+            raise ValueError(f"FixedDepth.depth must be an int >= 0 or None (= K), got {self.depth!r}")
+
+    @property
+    def static_depth(self) -> int | None:
+        return self.depth
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
+        k = state.num_draft_tokens if self.depth is None else min(self.depth, state.num_draft_tokens)
+        return torch.full_like(state.seq_lens, k)
+
+
+@dataclass(frozen=True)
+class ConfidenceThreshold:
+    """Verify the longest prefix whose cumulative confidence prod_{t<=k} c_t stays >= `threshold`
+    (D-cut's per-request score s_{i,k}, without the batch-level budget), at least `min_depth` drafts.
+
+    Reads this round's confidences, so the engine verifies with the deterministic-draft protocol."""
+
+    threshold: float
+    min_depth: int = 0
+    uses_proposal: bool = True
+    static_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"ConfidenceThreshold.threshold must be in [0, 1], got {self.threshold!r}")
+        if self.min_depth < 0:
+            raise ValueError(f"ConfidenceThreshold.min_depth must be >= 0, got {self.min_depth!r}")
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
+        if proposal.confidences is None:
+            raise ValueError("ConfidenceThreshold needs a drafter that reports confidences")
+        score = torch.cumprod(proposal.confidences.float(), dim=-1)  # [B, K] s_{i,k}
+        depth = (score >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)  # leading run
+        return depth.clamp(min=min(self.min_depth, state.num_draft_tokens))
+
+
+def policy_uses_proposal(policy: Callable[..., Tensor]) -> bool:
+    return bool(getattr(policy, "uses_proposal", True))
+
+
+def policy_static_depth(policy: Callable[..., Tensor]) -> int | None:
+    return getattr(policy, "static_depth", None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafter base class and registry
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Drafter(ABC):
+    """Base class of all drafters. Subclasses set the class attributes they need and implement `propose`.
+
+    Life cycle inside `SpecEngine.generate`: `allocate(B, max_len, ...)` once, then per request
+    `prefill(rows, ...)` when it joins a row, `propose` / `on_commit` every step, `reset_rows` when it leaves.
+    """
+
+    # Tap ids of the target whose hidden states the drafter wants (id i = output of target layer i).
+    target_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token-id space the drafter proposes in; None = any (e.g. copied from the prompt)."""
+        return None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...] | None:
+        """Special tokens the drafter was trained with; None = no claim."""
+        return None
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        """`DecoderConfig.fingerprint()` of the target the drafter was trained for; None = no claim."""
+        return None
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the drafter can handle; None = unlimited."""
+        return None
+
+    def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
+        """Raise DrafterMismatchError if this drafter cannot serve `target`; called before any decoding."""
+        name = type(self).__name__
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise DrafterMismatchError(
+                f"{name} has vocab size {self.vocab_size} but the target has {target.vocab_size}: the drafter "
+                "was built for another tokenizer")
+        eos = self.eos_token_ids
+        if eos is not None and target.eos_token_ids and set(eos) != set(target.eos_token_ids):
+            raise DrafterMismatchError(
+                f"{name} was trained with eos/special token ids {sorted(eos)} but the target uses "
+                f"{sorted(target.eos_token_ids)}: the drafter was built for another tokenizer")
+        fp = self.target_fingerprint
+        if fp is not None and fp != target.fingerprint():
+            raise DrafterMismatchError(
+                f"{name} was trained for a target with config fingerprint {fp}, but this target's is "
+                f"{target.fingerprint()}: train or pick a drafter for this target")
+        for i in self.target_layer_ids:
+            if not 0 <= i < target.num_hidden_layers:
+                raise DrafterMismatchError(
+                    f"{name} wants target layer {i}, but the target has layers 0..{target.num_hidden_layers - 1}")
+        if max_seq_len is not None and self.max_positions is not None and self.max_positions < max_seq_len:
+            raise DrafterMismatchError(
+                f"{name} handles at most {self.max_positions} positions but the engine may need {max_seq_len}; "
+                "lower EngineConfig.max_seq_len")
+
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:  # noqa: B027
+        """Allocate per-row state for `batch_size` rows of up to `max_len` committed tokens (+ `slack`)."""
+
+    @abstractmethod
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
+                target_hidden: tuple[Tensor, ...]) -> None:
+        """Requests joined `rows`: their prompts were prefilled by the target, which then emitted
+        `first_tokens` (so each row's committed sequence is prompt + [first_token]).
+        target_hidden: one [n, P_max, D] per tap id, prompts right-padded, rows in the order of `rows`."""
+
+    @abstractmethod
+    def propose(self, state: DraftState) -> Proposal:
+        """Propose `state.num_draft_tokens` drafts for every row (see `Proposal`)."""
+
+    @abstractmethod
+    def on_commit(self, commit: Commit) -> None:
+        """The target committed `commit`; roll back any draft state past the committed tokens."""
+
+    def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027
+        """Requests left `rows`; their state may be dropped."""
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    """Class decorator: make a drafter findable by `name` (one registry entry per drafter family)."""
+
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+            raise TypeError(f"register_drafter({name!r}) expects a Drafter subclass, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"drafter name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_drafter(name: str) -> type[Drafter]:
+    """The drafter class registered as `name`."""
+    _import_builtin_drafters()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}")
+    return _REGISTRY[name]
+
+
+def registered_drafters() -> tuple[str, ...]:
+    _import_builtin_drafters()
+    return tuple(sorted(_REGISTRY))
+
+
+def _import_builtin_drafters() -> None:
+    # Importing the package runs the @register_drafter decorators of the baseline drafters.
+    import angelspec.spec.drafters  # noqa: F401

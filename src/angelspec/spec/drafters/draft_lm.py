@@ -1,0 +1,136 @@
+"""An independent small draft LM (same tokenizer as the target): K autoregressive steps of a small
+`Decoder` with its own static KV cache per proposal.
+
+Cache convention, per row, after every commit: the draft cache holds the committed sequence except its
+newest token (like the target's), or except its newest two when the target accepted all K drafts (the
+K-th draft was proposed but never fed back). `propose` therefore starts with one forward of two tokens,
+[pending, last] or [last, pad] (ragged via num_new), then K-1 forwards of one token: K forwards per step.
+`on_commit` rolls the cache back to the committed tokens (DESIGN.md trap 4).
+
+Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they
+are sampled from q = process_logits(draft logits, the request's temperature / top-k / top-p) with the
+request's DRAFT noise, and q is returned for standard speculative sampling. Confidences are the draft
+model's own (temperature-1) probability of each draft token.
+
+Shape legend: B rows, K draft depth, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import load_target
+from angelspec.models.kv_cache import StaticKVCache
+from angelspec.spec.batching import PerLayerKVCache, prefill_rows
+from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, register_drafter
+from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
+
+
+@register_drafter("draft-lm")
+class DraftLMDrafter(Drafter):
+    def __init__(self, model: Decoder, *, target_fingerprint: str | None = None) -> None:
+        self.model = model.eval()
+        self._target_fingerprint = target_fingerprint
+        self.cache: StaticKVCache | None = None
+        self._k = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> DraftLMDrafter:
+        """Load a HF-layout causal-LM folder. An optional `"angelspec": {"target_fingerprint": ...}` entry in
+        its config.json ties it to the target it was trained for."""
+        model = load_target(path, dtype=dtype, device=device)
+        raw = json.loads((Path(path) / "config.json").read_text())
+        fingerprint = (raw.get("angelspec") or {}).get("target_fingerprint")
+        return cls(model, target_fingerprint=fingerprint)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...] | None:
+        return self.model.config.eos_token_ids or None
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        return self._target_fingerprint
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
+        c = self.cache
+        if c is None or c.batch_size != batch_size or c.capacity < max_len + slack + 1:
+            self.cache = None
+            w = self.model.embed_tokens.weight
+            self.cache = PerLayerKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
+                                         device=w.device)
+        self.cache.reset()
+        self._pending = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] K-th draft, not cached
+        self._has_pending = torch.zeros(batch_size, dtype=torch.bool, device=device)  # [B]
+        self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] lengths before propose
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
+                target_hidden: tuple[Tensor, ...]) -> None:
+        assert self.cache is not None
+        prefill_rows(self.model, self.cache, rows, prompts, compute_logits=False)
+        self._has_pending[torch.as_tensor(list(rows), dtype=torch.int64, device=self._has_pending.device)] = False
+
+    def propose(self, state: DraftState) -> Proposal:
+        cache, k = self.cache, state.num_draft_tokens
+        assert cache is not None
+        b = state.seq_lens.shape[0]
+        self._k = k
+        deterministic = state.deterministic or state.all_greedy
+        if k == 0:
+            empty = torch.zeros(b, 0, dtype=torch.int64, device=state.seq_lens.device)
+            return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
+        self._base = cache.lengths.clone()
+        act = state.active.long()  # [B] idle rows append nothing
+        last = state.last_tokens
+        first_in = torch.stack([torch.where(self._has_pending, self._pending, last), last], dim=1)  # [B, 2]
+        pend = self._has_pending.long()
+        # Cache length before = seq_len - 1 - pending, so kv_len = seq_len + 1 bounds every row.
+        logits = self.model(first_in, cache=cache, num_new=(1 + pend) * act, kv_len=state.seq_len_bound + 1,
+                            logits_index=pend[:, None]).logits[:, 0]  # [B, V]
+        s = state.sampling
+        tokens, probs, confs = [], [], []
+        for j in range(k):
+            if deterministic:
+                d = logits.argmax(dim=-1)  # [B]
+            else:
+                q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+                counters = draft_noise_counter(state.seq_lens + j, state.draft_round)  # draft j at seq_len + j
+                d = sample(q, s.seeds, counters, NoiseStream.DRAFT)
+                probs.append(q)
+            confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
+            tokens.append(d)
+            if j < k - 1:
+                logits = self.model(d[:, None], cache=cache, num_new=act,
+                                    kv_len=state.seq_len_bound + j + 2).logits[:, 0]
+        tok = torch.stack(tokens, dim=1)  # [B, K]
+        self._pending = tok[:, -1]
+        return Proposal(tokens=tok, probs=None if deterministic else torch.stack(probs, dim=1),
+                        confidences=torch.stack(confs, dim=1), deterministic=deterministic)
+
+    def on_commit(self, commit: Commit) -> None:
+        cache, k = self.cache, self._k
+        assert cache is not None
+        if k == 0:
+            return
+        # All K drafts accepted: the K-th is committed but was never fed, so it becomes the pending token.
+        pending = commit.active & (commit.num_accepted == k)
+        cache.truncate(torch.where(commit.active, commit.seq_lens - 1 - pending.long(), self._base))
+        self._has_pending = torch.where(commit.active, pending, self._has_pending)
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self._has_pending.device)
+        self._has_pending[idx] = False

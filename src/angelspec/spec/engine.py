@@ -1,0 +1,554 @@
+"""The batched decoding engine: plain autoregressive generation (no drafter) and lossless speculative
+decoding (draft -> choose depth -> one target forward -> verify -> commit), both with continuous batching.
+
+Rows and requests
+-----------------
+`generate(requests)` runs a queue of requests over at most `max_batch_size` rows, each row a slot of one
+static KV cache. Between steps, finished requests leave their rows and queued ones join them (a prefill
+of just the joining rows, ragged prompts padded and masked). A row's committed sequence is
+prompt + emitted tokens; the target cache holds every committed token but the newest ("last"), which is
+the input of the next step:
+
+    AR step           input [B, 1] = last            -> one logits row -> one token per row
+    speculative step  input [B, n+1] = last, d_1..d_n -> verify -> num_accepted + 1 tokens per row,
+                      then cache.truncate(old_len + num_accepted + 1) (rows keep exactly what they committed)
+
+Stop tokens are INCLUDED in `Result.token_ids` (finish_reason "stop"); max_new_tokens truncates
+(finish_reason "length"). A stop token or the length limit inside an accepted block truncates the block.
+
+Randomness and batch independence
+---------------------------------
+Every random number comes from `sampling.uniform_noise`, keyed by (request seed, absolute position of the
+produced token, stream): a request draws the same tokens alone or in any batch at any row. An AR step and
+a depth-0 speculative step draw the same token for the same request (see `sampling`'s docstring).
+
+Verification protocol (DESIGN.md trap 1), chosen per step on the host:
+* every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
+* drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
+  (exact for any depth choice);
+* otherwise                           -> `verify_speculative` with the drafter's probabilities.
+
+Cost notes
+----------
+Shapes are static within a step and the hot loop has ONE host sync per step: the step's tokens (and, for
+speculative steps, num_accepted and depth) are copied to the host to learn which rows finished. A depth
+policy whose depths depend on data adds a second sync (the verify width, so pruned positions cost no
+compute). Host-side upper bounds of row lengths give the target its `kv_len`, so attention only reads the
+slots in use. Idle rows (queue drained, others still running) are still computed: they are masked, not
+removed.
+
+Shape legend: B rows, T tokens per forward, K draft depth, n verify width (<= K), V vocab, D model dim.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from angelspec.models.decoder import Decoder
+from angelspec.models.kv_cache import StaticKVCache
+from angelspec.spec.batching import PerLayerKVCache, prefill_rows
+from angelspec.spec.drafter import (
+    Commit,
+    Drafter,
+    DraftState,
+    FixedDepth,
+    Proposal,
+    policy_static_depth,
+    policy_uses_proposal,
+)
+from angelspec.spec.metrics import DecodeMetrics
+from angelspec.spec.sampling import (
+    BatchSampling,
+    NoiseStream,
+    SamplingParams,
+    VerifyOutput,
+    process_logits,
+    sample,
+    verify_deterministic,
+    verify_greedy,
+    verify_speculative,
+)
+
+FinishReason = Literal["stop", "length"]
+DepthPolicyFn = Callable[[Proposal, DraftState], Tensor]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request. stop_ids None = the target's eos ids; () = stop on length only."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: tuple[int, ...] | None = None
+    request_id: Any = None
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: Any  # Request.request_id, or the request's index when that was None
+    token_ids: list[int]  # emitted tokens; ends with the stop token when finish_reason == "stop"
+    finish_reason: FinishReason
+    num_steps: int  # target forwards that emitted this request's tokens (its prefill included)
+    prompt_len: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.token_ids) / self.num_steps
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """max_batch_size: concurrency limit (KV-cache rows). max_seq_len: longest prompt + max_new_tokens a
+    request may have (None = the target's max_position_embeddings). num_draft_tokens: K, drafts proposed
+    per row per step (ignored without a drafter). dtype: the dtype the target must already have (None = any;
+    the engine never casts the caller's model). seed: seeds requests whose SamplingParams.seed is None
+    (None = fresh randomness per call). compile: torch.compile the AR decode step (drafter=None only; the
+    first call pays the compilation, about 5-20 s on CPU; falls back to eager if compilation fails). The
+    compiled step freezes the target's weights as constants: do not modify the target under a compiled
+    engine."""
+
+    max_batch_size: int = 8
+    max_seq_len: int | None = None
+    num_draft_tokens: int = 4
+    dtype: torch.dtype | None = None
+    seed: int | None = None
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "num_draft_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_batch_size" else 0):
+                raise ValueError(f"EngineConfig.{name} must be an int >= {1 if name == 'max_batch_size' else 0}, "
+                                 f"got {v!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1):
+            raise ValueError(f"EngineConfig.max_seq_len must be an int > 1 or None, got {self.max_seq_len!r}")
+
+
+@dataclass
+class _Slot:
+    """Host-side record of the request running in one row."""
+
+    index: int  # position of the request in the generate() call
+    request: Request
+    stop: frozenset[int]
+    seq_len: int  # committed tokens including the newest one (= cache length + 1)
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 1  # the prefill emitted the first token
+    finish: FinishReason | None = None
+
+    def emit(self, new: Sequence[int]) -> None:
+        """Append tokens until a stop token (kept) or max_new_tokens."""
+        for t in new:
+            self.tokens.append(t)
+            if t in self.stop:
+                self.finish = "stop"
+                return
+            if len(self.tokens) >= self.request.max_new_tokens:
+                self.finish = "length"
+                return
+
+
+class SpecEngine:
+    """Batched AR (drafter=None) and speculative decoding over a frozen target `Decoder`.
+
+    depth_policy: `(Proposal, DraftState) -> depth [B]` (see `drafter.DepthPolicy`); None = FixedDepth(K).
+    After `generate`, `engine.metrics` holds that call's `DecodeMetrics`.
+    """
+
+    def __init__(self, target: Decoder, drafter: Drafter | None = None, config: EngineConfig | None = None,
+                 depth_policy: DepthPolicyFn | None = None) -> None:
+        config = config or EngineConfig()
+        self.target, self.drafter, self.config = target, drafter, config
+        tcfg = target.config
+        self.vocab_size = tcfg.vocab_size
+        self.max_seq_len = config.max_seq_len or tcfg.max_position_embeddings
+        if self.max_seq_len > tcfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_seq_len {self.max_seq_len} exceeds the target context "
+                             f"{tcfg.max_position_embeddings}")
+        self.dtype = target.embed_tokens.weight.dtype
+        if config.dtype is not None and config.dtype != self.dtype:
+            raise ValueError(f"the target is {self.dtype} but EngineConfig.dtype is {config.dtype}; load it in that "
+                             f"dtype (load_target(dir, dtype={config.dtype}))")
+        self.device = target.embed_tokens.weight.device
+        self.k = config.num_draft_tokens if drafter is not None else 0
+        if drafter is None and depth_policy is not None:
+            raise ValueError("a depth_policy needs a drafter")
+        self.depth_policy: DepthPolicyFn = depth_policy or FixedDepth()
+        static = policy_static_depth(self.depth_policy)
+        if static is not None and not 0 <= static <= self.k:
+            raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {self.k}")
+        self._policy_uses_proposal = policy_uses_proposal(self.depth_policy)
+        self._taps: tuple[int, ...] = ()
+        if drafter is not None:
+            # Before any decoding: a drafter for another target/tokenizer fails here, not mid-generation.
+            # (Drafted positions may run K past max_seq_len; RoPE extends there and such drafts are never kept.)
+            drafter.check_compatible(tcfg, self.max_seq_len)
+            self._taps = tuple(drafter.target_layer_ids)
+        self.metrics = DecodeMetrics(num_draft_tokens=self.k)
+        self._cache: StaticKVCache | None = None
+        self._decode_fn: Callable[..., Tensor] = self._decode_logits
+        if config.compile and drafter is None:
+            self._decode_fn = _try_compile(self._decode_logits)
+
+    # ------------------------------------------------------------------------------------------------
+    # Public entry point
+    # ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[Request], progress: bool = False) -> list[Result]:
+        """Run every request to completion; results in request order."""
+        requests = list(requests)
+        self._validate(requests)
+        self.metrics = DecodeMetrics(num_draft_tokens=self.k, requests=len(requests),
+                                     prompt_tokens=sum(len(r.prompt_ids) for r in requests))
+        if not requests:
+            return []
+        t_start = time.perf_counter()
+        seeds = self._resolve_seeds(requests)
+        n_rows = min(self.config.max_batch_size, len(requests))
+        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        self._setup(n_rows, max_len)
+
+        queue = deque(range(len(requests)))
+        self._slots: list[_Slot | None] = [None] * n_rows
+        results: list[Result | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
+        while True:
+            free = [r for r, s in enumerate(self._slots) if s is None]
+            if queue and free:
+                joined = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                self._admit(free[: len(joined)], joined, requests, seeds)
+            elif not self._active_rows:
+                break
+            if self._active_rows:
+                if self.drafter is None:
+                    self._ar_step()
+                else:
+                    self._spec_step()
+            # Rows finish in a step or already at admission (first token a stop token, max_new_tokens == 1).
+            done = [r for r, s in enumerate(self._slots) if s is not None and s.finish is not None]
+            if done:
+                for r in done:
+                    s = self._slots[r]
+                    assert s is not None and s.finish is not None
+                    results[s.index] = Result(request_id=s.index if s.request.request_id is None
+                                              else s.request.request_id, token_ids=s.tokens,
+                                              finish_reason=s.finish, num_steps=s.steps,
+                                              prompt_len=len(s.request.prompt_ids))
+                    self.metrics.output_tokens += len(s.tokens)
+                    self._slots[r] = None
+                self._release(done)
+                bar.update(len(done))
+        bar.close()
+        self.metrics.wall_s = time.perf_counter() - t_start
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------------
+    # Set-up, validation, admission
+    # ------------------------------------------------------------------------------------------------
+    def _validate(self, requests: list[Request]) -> None:
+        v, limit = self.vocab_size, self.max_seq_len
+        for i, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise TypeError(f"request {i}: expected a Request, got {type(r).__name__}")
+            if not isinstance(r.sampling, SamplingParams):
+                raise TypeError(f"request {i}: sampling must be a SamplingParams, got {type(r.sampling).__name__}")
+            n = len(r.prompt_ids)
+            if n == 0:
+                raise ValueError(f"request {i}: empty prompt (at least one token is needed)")
+            m = r.max_new_tokens
+            if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+                raise ValueError(f"request {i}: max_new_tokens must be an int > 0, got {m!r}")
+            if n + m > limit:
+                raise ValueError(f"request {i}: prompt of {n} tokens + max_new_tokens {m} = {n + m} tokens exceeds "
+                                 f"the limit of {limit} tokens (target context / EngineConfig.max_seq_len)")
+            for name, ids in (("prompt", r.prompt_ids), ("stop", r.stop_ids or ())):
+                for j, t in enumerate(ids):
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                        raise TypeError(f"request {i}: {name} token at index {j} is a {type(t).__name__}, not an int")
+                    if not 0 <= t < v:
+                        raise ValueError(f"request {i}: {name} token {t!r} at index {j} is outside the "
+                                         f"target vocab [0, {v})")
+
+    def _resolve_seeds(self, requests: list[Request]) -> list[int]:
+        # Host-side, once per call: a request's seed must stay fixed across all of its steps.
+        gen = torch.Generator()
+        if self.config.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.config.seed)
+        draws = torch.randint(0, 2**62, (len(requests),), generator=gen).tolist()
+        return [r.sampling.seed if r.sampling.seed is not None else d for r, d in zip(requests, draws, strict=True)]
+
+    def _setup(self, n_rows: int, max_len: int) -> None:
+        slack = self.k + 2  # a verify forward appends up to K+1 tokens past the last committed one
+        c = self._cache
+        if c is None or c.batch_size != n_rows or c.capacity < max_len + slack:
+            self._cache = None  # free the old buffers before allocating new ones
+            self._cache = PerLayerKVCache(self.target.config, n_rows, max_len, slack=slack, dtype=self.dtype,
+                                          device=self.device)
+        self._cache.reset()
+        dev, b = self.device, n_rows
+        self._last = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] newest committed token
+        self._seq_lens = torch.ones(b, dtype=torch.int64, device=dev)  # [B] committed tokens incl. last
+        self._active = torch.zeros(b, dtype=torch.bool, device=dev)  # [B]
+        self._active_long = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] num_new of an AR step
+        self._draft_round = torch.zeros(b, dtype=torch.int64, device=dev)  # [B]
+        self._sampling = BatchSampling.from_params([SamplingParams(seed=0)] * b, device=dev)
+        self._active_rows: tuple[int, ...] = ()
+        self._all_greedy = True
+        if self.drafter is not None:
+            self.drafter.allocate(b, max_len, device=dev, slack=slack)
+
+    def _admit(self, rows: list[int], indices: list[int], requests: list[Request], seeds: list[int]) -> None:
+        """Prefill the joining requests into `rows` and emit their first token."""
+        t0 = time.perf_counter()
+        reqs = [requests[i] for i in indices]
+        prompts = [list(r.prompt_ids) for r in reqs]
+        params = [SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, seeds[i])
+                  for r, i in zip(reqs, indices, strict=True)]
+        joiners = BatchSampling.from_params(params, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        s = self._sampling
+        for mine, theirs in ((s.temperature, joiners.temperature), (s.top_k, joiners.top_k),
+                             (s.top_p, joiners.top_p), (s.seeds, joiners.seeds)):
+            mine[idx] = theirs
+
+        out = prefill_rows(self.target, self._cache, rows, prompts, hidden_layers=self._taps)
+        p_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=self.device)  # [n]
+        # The first emitted token sits at position P: that is its noise counter.
+        first = self._choose(out.logits[:, 0], joiners, p_lens, all(p.is_greedy for p in params))  # [n]
+        first_host = first.tolist()  # host sync: once per admission
+
+        self._last[idx] = first
+        self._seq_lens[idx] = p_lens + 1
+        self._active[idx] = True
+        self._active_long[idx] = 1
+        self._draft_round[idx] = 0
+        for r, i, req, tok in zip(rows, indices, reqs, first_host, strict=True):
+            stop = req.stop_ids if req.stop_ids is not None else self.target.config.eos_token_ids
+            slot = _Slot(index=i, request=req, stop=frozenset(stop), seq_len=len(req.prompt_ids) + 1)
+            slot.emit([tok])
+            self._slots[r] = slot
+        self._refresh_rows()
+        if self.drafter is not None:
+            self.drafter.prefill(rows, prompts, first_host, out.hidden)
+        self.metrics.seconds["prefill"] += time.perf_counter() - t0
+
+    def _release(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self._active[idx] = False
+        self._active_long[idx] = 0
+        # Freed rows decode greedily as padding, so they never force the sampling path.
+        self._sampling.temperature[idx] = 0.0
+        self._refresh_rows()
+        if self.drafter is not None:
+            self.drafter.reset_rows(rows)
+
+    def _refresh_rows(self) -> None:
+        self._active_rows = tuple(r for r, s in enumerate(self._slots) if s is not None and s.finish is None)
+        self._all_greedy = all(self._slots[r].request.sampling.is_greedy  # type: ignore[union-attr]
+                               for r in self._active_rows)
+
+    # ------------------------------------------------------------------------------------------------
+    # Token choice shared by prefill and AR steps
+    # ------------------------------------------------------------------------------------------------
+    def _choose(self, logits: Tensor, s: BatchSampling, counters: Tensor, greedy: bool) -> Tensor:
+        """logits [B, V] -> token ids [B]; counters [B] = absolute positions of the produced tokens."""
+        if greedy:
+            return logits.argmax(dim=-1)  # same as process_logits' one-hot (ties -> lowest id), minus the sort
+        probs = process_logits(logits, s.temperature, s.top_k, s.top_p)
+        return sample(probs, s.seeds, counters, NoiseStream.TARGET)
+
+    # ------------------------------------------------------------------------------------------------
+    # Plain autoregressive step
+    # ------------------------------------------------------------------------------------------------
+    def _decode_logits(self, last: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
+        """last [B] -> next-token logits [B, V]; the cache grows by num_new [B] (0 for idle rows)."""
+        return self.target(last[:, None], cache=cache, num_new=num_new, kv_len=kv_len).logits[:, 0]
+
+    def _ar_step(self) -> None:
+        t0 = time.perf_counter()
+        rows, slots, cache = self._active_rows, self._slots, self._cache
+        assert cache is not None
+        # kv_len: the longest active row's cache after appending one token = its seq_len.
+        kv_len = max(slots[r].seq_len for r in rows)  # type: ignore[union-attr]
+        logits = self._decode_fn(self._last, cache, self._active_long, kv_len)  # [B, V]
+        # After the forward, cache.lengths = position of the token being produced (its noise counter).
+        nxt = self._choose(logits, self._sampling, cache.lengths, self._all_greedy)  # [B]
+        self._last = nxt
+        t1 = time.perf_counter()
+        host = nxt.tolist()  # host sync: once per step, to learn which rows finished
+        for r in rows:
+            s = slots[r]
+            assert s is not None
+            s.seq_len += 1
+            s.steps += 1
+            s.emit((host[r],))
+        self.metrics.record_decode(len(rows))
+        t2 = time.perf_counter()
+        self.metrics.seconds["verify"] += t1 - t0
+        self.metrics.seconds["commit"] += t2 - t1
+
+    # ------------------------------------------------------------------------------------------------
+    # Speculative step
+    # ------------------------------------------------------------------------------------------------
+    def _spec_step(self) -> None:
+        assert self.drafter is not None and self._cache is not None
+        t0 = time.perf_counter()
+        rows, slots, cache, k = self._active_rows, self._slots, self._cache, self.k
+        b = cache.batch_size
+        bound = max(slots[r].seq_len for r in rows)  # type: ignore[union-attr]
+        state = DraftState(last_tokens=self._last, seq_lens=self._seq_lens, active=self._active, active_rows=rows,
+                           sampling=self._sampling, draft_round=self._draft_round, num_draft_tokens=k,
+                           deterministic=self._policy_uses_proposal, all_greedy=self._all_greedy,
+                           seq_len_bound=bound)
+        proposal = self.drafter.propose(state)
+        proposal.check(b, k, self.vocab_size)
+        t1 = time.perf_counter()
+
+        depth, width = self._select(proposal, state)  # [B], host int n
+        t2 = time.perf_counter()
+
+        drafts = proposal.tokens[:, :width]  # [B, n]
+        old_len = cache.lengths.clone()  # [B]
+        out = self.target(torch.cat([self._last[:, None], drafts], dim=1), cache=cache, kv_len=bound + width,
+                          hidden_layers=self._taps)
+        protocol, v = self._verify(drafts, proposal, out.logits, depth, width)  # tokens [B, n+1], accepted [B]
+        t3 = time.perf_counter()
+
+        acc = v.num_accepted
+        cache.truncate(torch.where(self._active, old_len + acc + 1, old_len))  # rollback: trap 4
+        self._seq_lens = torch.where(self._active, self._seq_lens + acc + 1, self._seq_lens)
+        self._last = v.tokens.gather(1, acc[:, None])[:, 0]
+        self._draft_round += self._active_long
+        payload = torch.cat([v.tokens, acc[:, None], depth[:, None]], dim=1).tolist()  # host sync: once per step
+        host_tokens: list[tuple[int, ...]] = [()] * b
+        accepted, depths = [], []
+        for r in rows:
+            s = slots[r]
+            assert s is not None
+            a = payload[r][width + 1]
+            host_tokens[r] = tuple(payload[r][: a + 1])
+            accepted.append(a)
+            depths.append(payload[r][width + 2])
+            s.seq_len += a + 1
+            s.steps += 1
+            s.emit(host_tokens[r])
+        self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
+                                      active=self._active, host_tokens=tuple(host_tokens),
+                                      target_hidden=out.hidden))
+        self.metrics.record_verify(accepted, depths, protocol)
+        t4 = time.perf_counter()
+        sec = self.metrics.seconds
+        sec["draft"] += t1 - t0
+        sec["select"] += t2 - t1
+        sec["verify"] += t3 - t2
+        sec["commit"] += t4 - t3
+
+    def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int]:
+        """Per-row depth [B] (0 for idle rows) and the verify width n = max depth (host int)."""
+        k = self.k
+        raw = self.depth_policy(proposal, state)
+        if not isinstance(raw, Tensor) or raw.shape != self._active.shape or raw.is_floating_point():
+            raise ValueError(f"depth policy must return an integer tensor [B] = [{self._active.shape[0]}], got "
+                             f"{getattr(raw, 'dtype', type(raw).__name__)} {tuple(getattr(raw, 'shape', ()))}")
+        raw = raw.long()
+        depth = raw if proposal.lengths is None else torch.minimum(raw, proposal.lengths)
+        depth = torch.where(self._active, depth, 0)
+        static = policy_static_depth(self.depth_policy)
+        if static is not None and proposal.lengths is None:
+            return depth, static
+        # host sync (the second of this step, only for data-dependent depths): the verify width, so that
+        # positions no row verifies cost no compute; also lets us check the policy's values.
+        masked = torch.where(self._active, raw, 0)
+        lo, hi, width = torch.stack([masked.min(), masked.max(), depth.max()]).tolist()
+        if lo < 0 or hi > k:
+            raise ValueError(f"depth policy returned depths in [{lo}, {hi}]; they must lie in [0, K={k}]")
+        return depth, width
+
+    def _verify(self, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
+                width: int) -> tuple[str, VerifyOutput]:
+        """drafts [B, n], logits [B, n+1, V] -> (protocol name, VerifyOutput(tokens [B, n+1], num_accepted [B]))."""
+        if self._all_greedy:
+            return "greedy", verify_greedy(drafts, logits, depth)
+        s = self._sampling
+        probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, n+1, V]
+        if proposal.deterministic or self._policy_uses_proposal:
+            # Exact for any depth choice, even one computed from this round's drafts (trap 1).
+            return "deterministic", verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
+        if proposal.probs is None:
+            raise ValueError(f"{type(self.drafter).__name__} proposed sampled drafts (deterministic=False) without "
+                             "probs [B, K, V]; standard speculative sampling needs the draft distributions")
+        return "speculative", verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds,
+                                                 self._seq_lens)
+
+
+def _try_compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """torch.compile `fn`, falling back to eager at the first call that fails to compile."""
+    # freezing: weights become constants, so inductor can prepack them for oneDNN (the frozen target never
+    # changes under the engine); dynamic: kv_len changes every step and must not trigger recompiles.
+    compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
+    state = {"fn": compiled}
+
+    def call(*args: Any) -> Tensor:
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # any compiler failure (dynamo, inductor, C++ build) means "run eager"
+            if state["fn"] is fn:
+                raise
+            import warnings
+
+            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); running eager",
+                          stacklevel=2)
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
+
+
+def reference_generate(target: Decoder, requests: Sequence[Request],
+                       seeds: Sequence[int] | None = None) -> list[Result]:
+    """Slow reference: one request at a time, one token per forward, no batching, no admission logic.
+
+    Samples with the same counter-based noise as the engine (TARGET stream, counter = position of the
+    produced token), so for greedy requests and for seeded sampled requests the engine must match it
+    token for token (up to floating-point ties between batched and single-row arithmetic).
+    """
+    results = []
+    with torch.inference_mode():
+        for i, r in enumerate(requests):
+            seed = r.sampling.seed if r.sampling.seed is not None else (seeds[i] if seeds is not None else 0)
+            s = BatchSampling.from_params([SamplingParams(r.sampling.temperature, r.sampling.top_k,
+                                                          r.sampling.top_p, seed)])
+            stop = set(r.stop_ids if r.stop_ids is not None else target.config.eos_token_ids)
+            prompt = list(r.prompt_ids)
+            cache = target.new_cache(1, len(prompt) + r.max_new_tokens + 1)
+            logits = target(torch.tensor([prompt]), cache=cache).logits[:, -1]  # [1, V]
+            out: list[int] = []
+            finish: FinishReason = "length"
+            while len(out) < r.max_new_tokens:
+                pos = len(prompt) + len(out)
+                if r.sampling.is_greedy:
+                    tok = int(logits.argmax(dim=-1))
+                else:
+                    probs = process_logits(logits, s.temperature, s.top_k, s.top_p)
+                    tok = int(sample(probs, s.seeds, torch.tensor([pos]), NoiseStream.TARGET))
+                out.append(tok)
+                if tok in stop:
+                    finish = "stop"
+                    break
+                logits = target(torch.tensor([[tok]]), cache=cache).logits[:, -1]
+            results.append(Result(request_id=i if r.request_id is None else r.request_id, token_ids=out,
+                                  finish_reason=finish, num_steps=len(out), prompt_len=len(prompt)))
+    return results

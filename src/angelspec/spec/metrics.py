@@ -1,0 +1,104 @@
+"""Decoding metrics: mean accepted length, acceptance per position, acceptance histogram, time split, speed.
+
+The engine already copies each step's verification result to the host once (to learn which rows
+finished), so everything here is accumulated from those host ints: no extra syncs, no device tensors.
+
+Definitions (per verify step per active row, a "row-step"):
+* MAL (mean accepted length) = mean of num_accepted + 1, i.e. drafts accepted plus the recovered/bonus
+  token, counted as the verifier saw them (before truncation at a stop token or max_new_tokens).
+* acceptance[j-1] = P(the first j drafts were all accepted | the row verified >= j drafts), j = 1..K;
+  with a fixed depth this is the usual cumulative acceptance p_j.
+* accept_hist[a] = row-steps that accepted exactly a drafts; depth_hist[n] = row-steps that verified n.
+* Time split per step: draft (drafter proposes), select (depth policy), verify (target forward and
+  verification), commit (cache rollback, host copy, bookkeeping, drafter rollback), plus prefill.
+  In AR steps the forward and sampling are billed to verify, the host bookkeeping to commit.
+  Host wall-clock: exact on CPU; on an asynchronous device queued work is billed to the phase that syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASES = ("prefill", "draft", "select", "verify", "commit")
+
+
+@dataclass
+class DecodeMetrics:
+    num_draft_tokens: int = 0  # K
+    steps: int = 0  # decode / verify forwards of the whole batch (prefills not counted)
+    row_steps: int = 0  # sum over steps of active rows
+    accepted_plus_one: int = 0  # sum over row-steps of num_accepted + 1
+    output_tokens: int = 0  # tokens returned to callers (after stop / length truncation)
+    prompt_tokens: int = 0
+    requests: int = 0
+    wall_s: float = 0.0
+    accept_hist: list[int] = field(default_factory=list)  # [K+1]
+    depth_hist: list[int] = field(default_factory=list)  # [K+1]
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    protocols: dict[str, int] = field(default_factory=dict)  # verify steps per protocol (greedy / ...)
+
+    def __post_init__(self) -> None:
+        if not self.accept_hist:
+            self.accept_hist = [0] * (self.num_draft_tokens + 1)
+        if not self.depth_hist:
+            self.depth_hist = [0] * (self.num_draft_tokens + 1)
+
+    def record_verify(self, num_accepted: list[int], depths: list[int], protocol: str) -> None:
+        """One speculative step: num_accepted and depths of the active rows (host ints)."""
+        self.steps += 1
+        self.protocols[protocol] = self.protocols.get(protocol, 0) + 1
+        self.row_steps += len(num_accepted)
+        for a, n in zip(num_accepted, depths, strict=True):
+            self.accepted_plus_one += a + 1
+            self.accept_hist[a] += 1
+            self.depth_hist[n] += 1
+
+    def record_decode(self, active_rows: int) -> None:
+        """One plain AR step: every active row emitted one token."""
+        self.steps += 1
+        self.row_steps += active_rows
+        self.accepted_plus_one += active_rows
+        self.accept_hist[0] += active_rows
+        self.depth_hist[0] += active_rows
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted_plus_one / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """p_1..p_K as defined in the module docstring."""
+        out = []
+        for j in range(1, self.num_draft_tokens + 1):
+            verified = sum(self.depth_hist[j:])
+            all_ok = sum(self.accept_hist[j:])
+            out.append(all_ok / verified if verified else 0.0)
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "steps": self.steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance": self.acceptance,
+            "accept_hist": list(self.accept_hist),
+            "depth_hist": list(self.depth_hist),
+            "seconds": dict(self.seconds),
+            "protocols": dict(self.protocols),
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+    def format(self) -> str:
+        acc = " ".join(f"{p:.2f}" for p in self.acceptance)
+        t = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in self.seconds.items())
+        return (f"{self.output_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+                f"{self.steps} steps, MAL {self.mean_accepted_length:.2f}, p_1..p_K [{acc}], {t}")

@@ -1,0 +1,174 @@
+"""`angelspec train --drafter draft-lm`: the independent small draft LM baseline.
+
+A shallow `Decoder` with the target's tokenizer and vocabulary, trained with plain next-token CE on
+conversations rendered with the target's chat template. Its embedding (tied with the LM head) starts
+from the target's, which gives a one-layer model a useful start in a few minutes of CPU time. The
+output folder is a HF causal-LM checkpoint plus the target's tokenizer files; its `config.json` carries
+an `angelspec` entry (drafter kind, target fingerprint) that the engine checks before decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from angelspec.data.lm_data import PackedStream, TokenizedDomain, tokenize_split
+from angelspec.models.config import DecoderConfig
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import load_target, read_config, save_target, write_json_atomic
+from angelspec.train.checkpoint import find_checkpoint
+from angelspec.train.lm import train_causal_lm
+from angelspec.train.target import heldout_loss
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@dataclass(frozen=True)
+class DraftLMTrainConfig:
+    num_hidden_layers: int = 1
+    hidden_size: int | None = None  # None: the target's width (so its embedding can be reused)
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    init_embeddings_from_target: bool = True
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 300
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    bf16: bool = False
+    ckpt_every: int = 50
+    log_every: int = 10
+    domain_weights: tuple[tuple[str, float], ...] = (("code", 2.0), ("math", 1.5), ("chat", 1.0), ("docs", 0.5))
+    heldout_docs_per_domain: int = 50
+
+    def model_config(self, target: DecoderConfig) -> DecoderConfig:
+        return replace(
+            target,
+            num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size or target.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            tie_word_embeddings=True,
+        )
+
+
+def draft_lm_embedded() -> DraftLMTrainConfig:
+    """One layer at the embedded target's width: a few minutes on 2 CPU cores."""
+    return DraftLMTrainConfig()
+
+
+def draft_lm_tiny_debug() -> DraftLMTrainConfig:
+    return DraftLMTrainConfig(num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                              seq_len=64, batch_size=4, steps=4, warmup=1, ckpt_every=2, log_every=1,
+                              heldout_docs_per_domain=4)
+
+
+PRESETS = {"draft_lm_embedded": draft_lm_embedded, "tiny_debug": draft_lm_tiny_debug}
+
+
+def _data_domains(data: Path) -> dict[str, tuple[Path, Path | None]]:
+    """A corpus folder (<domain>/train.jsonl [+ heldout.jsonl]) or a single JSONL file of conversations."""
+    if data.is_file():
+        return {"data": (data, None)}
+    if data.is_dir():
+        found = {d.name: (d / "train.jsonl", d / "heldout.jsonl" if (d / "heldout.jsonl").is_file() else None)
+                 for d in sorted(data.iterdir()) if (d / "train.jsonl").is_file()}
+        if found:
+            return found
+    raise FileNotFoundError(f"--data {data}: expected a JSONL file of conversations or a corpus folder with "
+                            "<domain>/train.jsonl files")
+
+
+def train_draft_lm(
+    target_dir: str | Path,
+    data: str | Path,
+    out_dir: str | Path,
+    *,
+    config: DraftLMTrainConfig | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    max_minutes: float | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train the draft LM for the target at `target_dir` and write it to `out_dir`; returns a report."""
+    from angelspec.data.tokenizer import load_tokenizer
+
+    cfg = config or draft_lm_embedded()
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    work = out_dir / "training"
+    ckpt_dir = work / "checkpoint"
+    if (out_dir / "config.json").exists() and not (force or resume):
+        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
+    if force and not resume and out_dir.exists():
+        shutil.rmtree(out_dir)
+    if find_checkpoint(ckpt_dir) is None and resume:
+        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
+    t0 = time.time()
+    target_cfg = read_config(target_dir)
+    tok = load_tokenizer(target_dir)
+    sep = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    train, held, truncated = {}, {}, 0
+    for name, (train_path, held_path) in _data_domains(Path(data)).items():
+        train[name], t = tokenize_split(tok, train_path, sep, target_cfg.max_position_embeddings)
+        truncated += t
+        if held_path is not None:
+            held[name], _ = tokenize_split(tok, held_path, sep, target_cfg.max_position_embeddings)
+    weights = {d: w for d, w in cfg.domain_weights if d in train}
+    stream = PackedStream(train, weights, cfg.seq_len, cfg.seed)
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = cfg.model_config(target_cfg)
+    model = Decoder(model_cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
+    if cfg.init_embeddings_from_target:
+        if model_cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError("init_embeddings_from_target needs hidden_size equal to the target's "
+                             f"({target_cfg.hidden_size}); set hidden_size=None or init_embeddings_from_target=false")
+        target = load_target(target_dir)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target.embed_tokens.weight)
+            model.norm.weight.copy_(target.norm.weight)
+        del target
+    meta = {"drafter": "draft-lm", "target_fingerprint": target_cfg.fingerprint(),
+            "train_config": json.loads(json.dumps(asdict(cfg)))}
+
+    def save_model(m: Decoder, path: Path) -> None:
+        save_target(m, path)
+        raw = json.loads((path / "config.json").read_text())
+        raw["angelspec"] = meta
+        write_json_atomic(path / "config.json", raw)
+
+    work.mkdir(parents=True, exist_ok=True)
+    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work / "train_log.jsonl",
+                           resume=resume, progress=progress, max_minutes=max_minutes, desc="draft-lm",
+                           save_model=save_model, log=log)
+    save_model(model, out_dir)
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copy2(target_dir / name, out_dir / name)
+    report = {
+        "drafter": "draft-lm", "steps": step, "parameters": model_cfg.num_parameters(),
+        "heldout_loss": {d: round(heldout_loss(model, dom, cfg.heldout_docs_per_domain,
+                                               target_cfg.max_position_embeddings, False), 4)
+                         for d, dom in held.items() if isinstance(dom, TokenizedDomain)},
+        "documents_truncated": truncated, "train_seconds": round(time.time() - t0, 1),
+        "target": str(target_dir), "target_fingerprint": target_cfg.fingerprint(),
+    }
+    write_json_atomic(out_dir / "train_report.json", report)
+    return report

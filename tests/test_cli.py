@@ -1,0 +1,275 @@
+"""CLI behaviour through `main([...])`: exit codes and one-line error messages for each kind of bad input,
+and a happy-path `generate` (plus the demo) on the tiny target from conftest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from angelspec import cli
+from angelspec.cli import main
+from angelspec.data.prompts import PromptFileError, load_prompts
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad_input(code: int, err: str, *needles: str) -> None:
+    """Exit 2 with exactly one `angelspec: error:` line that contains every needle (and no traceback)."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("angelspec: error: "), err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+def write_lines(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    return write_lines(tmp_path / "prompts.jsonl", json.dumps({"prompt": "def add(x, y):"}))
+
+
+# ----- parser -------------------------------------------------------------------------------------
+def test_help_and_missing_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "generate" in out and "target" in out
+    code, _, err = run(capsys)
+    assert code == 2 and "COMMAND" in err
+
+
+# ----- prompts file ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("lines", "needles"),
+    [
+        ([json.dumps({"prompt": "ok"}), '{"prompt": "unterminated'], [":2:", "malformed JSON"]),
+        ([json.dumps({"text": "hi"})], [":1:", '"prompt"', '"messages"', "'text'"]),
+        ([json.dumps({"prompt": 3})], [":1:", '"prompt" must be a string', "number"]),
+        ([json.dumps({"prompt": "a", "messages": []})], [":1:", "both"]),
+        ([json.dumps({"messages": "hi"})], [":1:", '"messages" must be a list']),
+        ([json.dumps({"messages": []})], [":1:", "empty list"]),
+        ([json.dumps({"messages": [{"role": "robot", "content": "x"}]})], [":1:", "messages[0]", "'robot'"]),
+        ([json.dumps({"messages": [{"role": "user", "content": None}]})], [":1:", "content", "null"]),
+        ([json.dumps(["prompt"])], [":1:", "JSON object", "array"]),
+        (["", "   "], ["is empty"]),
+    ],
+)
+def test_bad_prompt_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, lines: list[str],
+                          needles: list[str]) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", *lines)
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--out", tmp_path / "o.jsonl")
+    assert_bad_input(code, err, str(prompts), *needles)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_missing_prompts_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "generate", "--prompts", tmp_path / "nope.jsonl", "--out", tmp_path / "o.jsonl")
+    assert_bad_input(code, err, "nope.jsonl", "does not exist")
+
+
+def test_load_prompts_wraps_prompt_and_keeps_line_numbers(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", json.dumps({"prompt": "hi", "id": 7}), "",
+                       json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "hello"}]}))
+    first, second = load_prompts(path)
+    assert first == {"line": 1, "messages": [{"role": "user", "content": "hi"}], "record": {"prompt": "hi", "id": 7}}
+    assert second["line"] == 3 and [m["role"] for m in second["messages"]] == ["system", "user"]
+    with pytest.raises(PromptFileError):
+        load_prompts(write_lines(tmp_path / "empty.jsonl"))
+
+
+# ----- options -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("option", "needles"),
+    [
+        (["--temperature", "-0.5"], ["temperature", "-0.5"]),
+        (["--top-p", "0"], ["top_p", "(0, 1]"]),
+        (["--top-p", "1.5"], ["top_p"]),
+        (["--top-k", "-1"], ["top_k"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens", "at least 1"]),
+        (["--batch-size", "0"], ["--batch-size"]),
+    ],
+)
+def test_invalid_generation_options(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                                    option: list[str], needles: list[str]) -> None:
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl", *option)
+    assert_bad_input(code, err, *needles)
+
+
+def test_existing_output_is_not_overwritten(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                            prompts_file: Path) -> None:
+    out = write_lines(tmp_path / "o.jsonl", "keep me")
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", out)
+    assert_bad_input(code, err, "already exists", "--force")
+    assert out.read_text() == "keep me\n"
+
+
+def test_bugs_keep_their_traceback(tmp_path: Path, prompts_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only deliberate bad-input errors become one-line messages; anything else must surface."""
+
+    def broken(_: Path) -> None:
+        raise RuntimeError("a genuine bug")
+
+    monkeypatch.setattr(cli, "load_target_and_tokenizer", broken)
+    with pytest.raises(RuntimeError, match="genuine bug"):
+        main(["generate", "--prompts", str(prompts_file), "--out", str(tmp_path / "o.jsonl"), "--target", "x"])
+
+
+# ----- target folder -----------------------------------------------------------------------------
+def test_missing_target_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path) -> None:
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
+                       "--target", tmp_path / "no-such-model")
+    assert_bad_input(code, err, "no-such-model", "does not exist")
+
+
+def test_embedded_target_not_built(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "DEFAULT_TARGET", tmp_path / "assets" / "target")
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl")
+    assert_bad_input(code, err, "embedded target is not built yet", "angelspec target build")
+
+
+def test_half_written_target(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                             tiny_target_dir: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_target_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy interrupted part-way
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
+                       "--target", broken)
+    assert_bad_input(code, err, str(broken), "half-written")
+    weights.unlink()
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
+                       "--target", broken)
+    assert_bad_input(code, err, "model.safetensors")
+
+
+def test_target_without_tokenizer(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                                  tiny_target_dir: Path) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_target_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl", "--target", bare)
+    assert_bad_input(code, err, "tokenizer", str(bare))
+
+
+def test_unknown_architecture(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                              tiny_target_dir: Path) -> None:
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_target_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (other / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
+                       "--target", other)
+    assert_bad_input(code, err, "unknown architecture", "GPT2LMHeadModel")
+
+
+def test_prompt_longer_than_context(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                    tiny_target_dir: Path) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", json.dumps({"prompt": "short"}),
+                          json.dumps({"prompt": " ".join(f"word{i}" for i in range(400))}))
+    code, _, err = run(capsys, "generate", "--prompts", prompts, "--out", tmp_path / "o.jsonl",
+                       "--target", tiny_target_dir)
+    assert_bad_input(code, err, f"{prompts}:2:", "tokens", "context is 256")
+
+
+def test_drafter_not_available_yet(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
+                                   tiny_target_dir: Path) -> None:
+    for spec, needle in [("ngram", "not available yet"), ("draft-lm:/x", "not available yet"),
+                         ("bogus", "unknown drafter")]:
+        code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
+                           "--target", tiny_target_dir, "--drafter", spec)
+        assert_bad_input(code, err, needle)
+
+
+# ----- happy path --------------------------------------------------------------------------------
+def test_generate_writes_one_line_per_prompt(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             tiny_target_dir: Path) -> None:
+    inputs = [
+        {"prompt": "def add(x, y):"},
+        {"messages": [{"role": "system", "content": "Answer briefly."},
+                      {"role": "user", "content": "Tom has 3 apples. How many?"}]},
+        {"prompt": "The cache stores", "id": "row-3"},
+    ]
+    prompts = write_lines(tmp_path / "p.jsonl", *(json.dumps(r) for r in inputs))
+    out = tmp_path / "out" / "o.jsonl"
+    code, stdout, err = run(capsys, "generate", "--prompts", prompts, "--out", out, "--target", tiny_target_dir,
+                            "--max-new-tokens", 8, "--batch-size", 2)
+    assert code == 0, err
+    assert "tokens/s" in stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(inputs)
+    for given, row in zip(inputs, rows, strict=True):
+        assert {k: row[k] for k in given} == given
+        assert isinstance(row["completion"], str)
+        assert 1 <= len(row["token_ids"]) <= 8 and all(isinstance(t, int) for t in row["token_ids"])
+        assert isinstance(row["finish_reason"], str)
+
+
+def test_seeded_sampling_is_reproducible_and_force_overwrites(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                              tiny_target_dir: Path) -> None:
+    prompts = write_lines(tmp_path / "p.jsonl", *(json.dumps({"prompt": p}) for p in ("a", "b")))
+    out = tmp_path / "o.jsonl"
+    args = ["generate", "--prompts", prompts, "--out", out, "--target", tiny_target_dir, "--max-new-tokens", 6,
+            "--temperature", 1.0, "--top-p", 0.9, "--seed", 5, "--quiet"]
+    assert run(capsys, *args)[0] == 0
+    first = out.read_text()
+    assert run(capsys, *args)[0] == 2  # refuses to overwrite
+    assert run(capsys, *args, "--force")[0] == 0
+    assert out.read_text() == first
+
+
+# ----- target build (argument checks only; the build itself is tested in test_train_target) -------
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--preset", "huge"], ["unknown preset", "tiny_debug"]),
+        (["steps"], ["key=value"]),
+        (["no_such_field=1"], ["no_such_field"]),
+        (["steps=many"], ["steps", "int"]),
+        (["--max-minutes", "0"], ["--max-minutes"]),
+    ],
+)
+def test_target_build_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list[str],
+                                    needles: list[str]) -> None:
+    code, _, err = run(capsys, "target", "build", "--out", tmp_path / "t", "--work-dir", tmp_path / "w", *extra)
+    assert_bad_input(code, err, *needles)
+
+
+def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    code, _, err = run(capsys, "target", "build", "--out", out, "--work-dir", tmp_path / "w", "--preset",
+                       "tiny_debug")
+    assert_bad_input(code, err, "--force")
+    assert (out / "config.json").read_text() == "{}"
+
+
+# ----- demo --------------------------------------------------------------------------------------
+def test_demo_on_tiny_target(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path) -> None:
+    from angelspec import demo
+
+    assert demo.main(["--target", str(tiny_target_dir), "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "demo report" in out and "tokens/s" in out
+    assert all(f"[{domain}]" in out for domain in demo.DEMO_PROMPTS)
+
+
+def test_demo_without_embedded_target(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec import demo
+
+    monkeypatch.setattr(cli, "DEFAULT_TARGET", tmp_path / "missing")
+    assert demo.main([]) == 2
+    assert "angelspec target build" in capsys.readouterr().err

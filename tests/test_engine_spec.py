@@ -1,0 +1,481 @@
+"""Speculative decoding through `SpecEngine`: losslessness at T=0 (token for token against AR), at T=1
+(empirical distribution against the exact AR distribution, for every verification protocol, and a
+demonstration that the biased combination of DESIGN.md trap 1 is caught), KV rollback (trap 4), edge cases,
+drafter compatibility, the registry and bad input.
+
+Models are tiny and float64 so that the verify forward (K+1 tokens at once) and AR decoding (one token at
+a time) agree far below any argmax gap."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from angelspec.models import Decoder, DecoderConfig, save_target
+from angelspec.spec.drafter import (
+    Commit,
+    ConfidenceThreshold,
+    Drafter,
+    DrafterMismatchError,
+    DraftState,
+    FixedDepth,
+    Proposal,
+    get_drafter,
+    register_drafter,
+    registered_drafters,
+)
+from angelspec.spec.drafters import DraftLMDrafter, NGramDrafter
+from angelspec.spec.drafters.ngram import reference_lookup
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+from angelspec.spec.sampling import SamplingParams
+
+V = 64
+EOS = 3
+
+
+def tiny_decoder(*, vocab: int = V, layers: int = 2, seed: int = 0, std: float = 0.3, context: int = 512,
+                 eos: int | None = EOS, dtype: torch.dtype = torch.float64) -> Decoder:
+    cfg = DecoderConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=context,
+                        eos_token_id=eos)
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    model.init_weights(std=std)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: a second intra-op thread only adds sync overhead, and on a shared 2-core machine a busy
+    # core makes OpenMP barriers spin (measured 20x slower). Restored afterwards.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    return tiny_decoder()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Test drafters and policies
+# ---------------------------------------------------------------------------------------------------------
+
+
+class OracleDrafter(Drafter):
+    """Knows each prompt's AR greedy continuation and proposes it, corrupting each draft with probability
+    `error` (confidence 0.9 when kept, 0.2 when corrupted, so confidence policies see a signal).
+    `ragged` also reports random per-row lengths."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], error: float, seed: int = 0,
+                 ragged: bool = False) -> None:
+        self.continuations, self.error, self.ragged = continuations, error, ragged
+        self.rng = random.Random(seed)
+
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
+        self.rows: list[tuple[list[int], list[int]] | None] = [None] * batch_size  # (full truth, history)
+
+    def prefill(self, rows, prompts, first_tokens, target_hidden) -> None:
+        for r, p, t in zip(rows, prompts, first_tokens, strict=True):
+            self.rows[r] = (list(p) + self.continuations[tuple(p)], list(p) + [t])
+
+    def propose(self, state: DraftState) -> Proposal:
+        k, b = state.num_draft_tokens, state.seq_lens.shape[0]
+        tokens, conf, lengths = [[0] * k for _ in range(b)], [[0.0] * k for _ in range(b)], [k] * b
+        for r in state.active_rows:
+            truth, hist = self.rows[r]
+            for j in range(k):
+                pos = len(hist) + j
+                t = truth[pos] if pos < len(truth) else self.rng.randrange(V)
+                if self.rng.random() < self.error:
+                    tokens[r][j], conf[r][j] = (t + 1 + self.rng.randrange(V - 1)) % V, 0.2
+                else:
+                    tokens[r][j], conf[r][j] = t, 0.9
+            if self.ragged:
+                lengths[r] = self.rng.randint(0, k)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.int64).view(b, k),
+                        confidences=torch.tensor(conf, dtype=torch.float32).view(b, k),
+                        lengths=torch.tensor(lengths) if self.ragged else None, deterministic=True)
+
+    def on_commit(self, commit: Commit) -> None:
+        for r, toks in enumerate(commit.host_tokens):
+            if toks:
+                truth, hist = self.rows[r]
+                hist.extend(toks)
+                # Greedy lossless: whatever is committed is the AR continuation (as far as it is known).
+                n = min(len(hist), len(truth))
+                assert hist[:n] == truth[:n], "committed tokens diverge from AR greedy"
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            self.rows[r] = None
+
+
+@dataclass(frozen=True)
+class PositionHashDepth:
+    """Mixed per-row depths that depend on the committed state only (never on this round's drafts)."""
+
+    uses_proposal: bool = False
+    static_depth: int | None = None
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
+        # +1 position and +1 round move the depth by 9 (mod K+1), so no row gets stuck at one depth.
+        return (state.seq_lens * 7 + state.draft_round * 2) % (state.num_draft_tokens + 1)
+
+
+@dataclass(frozen=True)
+class DishonestConfidenceDepth:
+    """Reads this round's confidences but claims it does not: the biased combination of DESIGN.md trap 1
+    (sampled drafts + standard speculative sampling + a depth that depends on the sampled drafts)."""
+
+    threshold: float
+    uses_proposal: bool = False
+    static_depth: int | None = None
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
+        return torch.where(proposal.confidences[:, 0] >= self.threshold, state.num_draft_tokens, 0)
+
+
+class AlwaysSampledDraftLM(DraftLMDrafter):
+    """Samples its drafts even when the engine asks for argmax drafts."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        return super().propose(DraftState(**{**state.__dict__, "deterministic": False}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# T = 0: token-for-token equality with AR
+# ---------------------------------------------------------------------------------------------------------
+
+N_PROMPTS, N_NEW = 50, 256
+
+
+@pytest.fixture(scope="module")
+def greedy_case(target):
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, V, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(N_PROMPTS)]
+    requests = [Request(p, max_new_tokens=N_NEW, stop_ids=()) for p in prompts]
+    ar = SpecEngine(target, config=EngineConfig(max_batch_size=N_PROMPTS)).generate(requests)
+    continuations = {tuple(p): r.token_ids for p, r in zip(prompts, ar, strict=True)}
+    return requests, [r.token_ids for r in ar], continuations
+
+
+@pytest.mark.parametrize("batch_size, k, policy, ragged", [
+    (1, 4, FixedDepth(), False),
+    (7, 4, PositionHashDepth(), True),
+    (16, 6, ConfidenceThreshold(0.5, min_depth=1), False),
+    (50, 3, FixedDepth(2), True),
+], ids=["b1-fixed", "b7-hash-ragged", "b16-confidence", "b50-fixed2-ragged"])
+def test_greedy_spec_equals_ar(target, greedy_case, batch_size, k, policy, ragged):
+    requests, ar_tokens, continuations = greedy_case
+    drafter = OracleDrafter(continuations, error=0.3, seed=batch_size, ragged=ragged)
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=batch_size, num_draft_tokens=k),
+                        depth_policy=policy)
+    out = engine.generate(requests)
+    assert [r.token_ids for r in out] == ar_tokens
+    m = engine.metrics
+    assert m.protocols == {"greedy": m.steps}
+    assert 1.3 < m.mean_accepted_length < k + 1  # sometimes right, sometimes wrong
+    assert sum(m.depth_hist[1:]) > 0 and m.accept_hist[0] > 0
+    if ragged or not isinstance(policy, FixedDepth):
+        assert sum(n > 0 for n in m.depth_hist) >= 3  # mixed depths
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "draft-lm"])
+def test_greedy_baseline_drafters_equal_ar(target, greedy_case, drafter_name):
+    requests, ar_tokens, _ = greedy_case
+    requests, ar_tokens = requests[:12], ar_tokens[:12]
+    if drafter_name == "ngram":
+        drafter = get_drafter("ngram")(max_ngram=3)
+    else:
+        draft = tiny_decoder(layers=1, seed=5)
+        draft.load_state_dict(target.state_dict(), strict=False)  # layer 0 + embeddings: a fair, imperfect drafter
+        drafter = get_drafter("draft-lm")(draft)
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4))
+    out = engine.generate(requests)
+    assert [r.token_ids for r in out] == ar_tokens
+    assert engine.metrics.mean_accepted_length > 1.2
+
+
+def test_draft_lm_rollback_keeps_an_exact_drafter_exact(target, greedy_case):
+    """DESIGN.md trap 4: a draft LM identical to the target must have every verified draft accepted, also
+    after partial verifies (depth < K) force its cache to roll back. A stale draft-cache entry would
+    change its proposals and lower acceptance without breaking T=0 equality."""
+    requests, ar_tokens, _ = greedy_case
+    requests, ar_tokens = requests[:10], ar_tokens[:10]
+    engine = SpecEngine(target, DraftLMDrafter(copy.deepcopy(target)),
+                        EngineConfig(max_batch_size=4, num_draft_tokens=5), depth_policy=PositionHashDepth())
+    out = engine.generate(requests)
+    assert [r.token_ids for r in out] == ar_tokens
+    m = engine.metrics
+    assert m.accept_hist == m.depth_hist and 0 < m.depth_hist[5] < m.row_steps  # full and partial verifies
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Edge cases
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _oracle_engine(target, greedy_case, error, k=4, batch_size=4, **kw):
+    return SpecEngine(target, OracleDrafter(greedy_case[2], error=error), EngineConfig(max_batch_size=batch_size,
+                      num_draft_tokens=k), **kw)
+
+
+def test_k0_equals_ar(target, greedy_case):
+    requests, ar_tokens, _ = greedy_case
+    for drafter in (NGramDrafter(), DraftLMDrafter(tiny_decoder(layers=1, seed=2)), None):
+        engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=0))
+        out = engine.generate(requests[:5])
+        assert [r.token_ids for r in out] == ar_tokens[:5]
+        assert engine.metrics.mean_accepted_length == 1.0
+
+
+def test_all_accepted(target, greedy_case):
+    requests, ar_tokens, _ = greedy_case
+    k, n_new = 4, 41  # prefill emits 1 token, then 8 steps of K+1 = 5
+    reqs = [Request(r.prompt_ids, n_new, stop_ids=()) for r in requests[:6]]
+    engine = _oracle_engine(target, greedy_case, error=0.0, k=k)
+    out = engine.generate(reqs)
+    assert [r.token_ids for r in out] == [t[:n_new] for t in ar_tokens[:6]]
+    assert all(r.num_steps == 1 + 8 for r in out)
+    assert engine.metrics.accept_hist == [0, 0, 0, 0, 6 * 8] and engine.metrics.mean_accepted_length == k + 1
+    assert engine.metrics.acceptance == [1.0] * k
+
+
+def test_first_rejected(target, greedy_case):
+    requests, ar_tokens, _ = greedy_case
+    engine = _oracle_engine(target, greedy_case, error=1.0)
+    out = engine.generate(requests[:6])
+    assert [r.token_ids for r in out] == ar_tokens[:6]
+    m = engine.metrics
+    assert m.mean_accepted_length == 1.0 and m.accept_hist[0] == m.row_steps and m.acceptance == [0.0] * 4
+
+
+def test_stop_and_length_inside_an_accepted_block(target, greedy_case):
+    requests, ar_tokens, _ = greedy_case
+    k = 4
+    prompt, truth = requests[0].prompt_ids, ar_tokens[0]
+    # Stop at index 7 = the 2nd token of the second fully accepted block (indices 6..10).
+    stop = truth[7]
+    first = truth.index(stop)
+    reqs = [Request(prompt, N_NEW, stop_ids=(stop,)), Request(prompt, 9, stop_ids=())]
+    engine = _oracle_engine(target, greedy_case, error=0.0, k=k, batch_size=2)
+    out = engine.generate(reqs)
+    assert out[0].token_ids == truth[: first + 1] and out[0].finish_reason == "stop"
+    assert out[1].token_ids == truth[:9] and out[1].finish_reason == "length"
+    assert out[1].num_steps == 3  # prefill (1) + 5 + 5 (truncated to 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# T = 1: the output distribution is the target's
+# ---------------------------------------------------------------------------------------------------------
+
+DV = 16  # tiny vocab so the distribution of the first emitted tokens can be compared cell by cell
+PROMPT = [1, 2, 3]
+N_SAMPLES = 4000
+
+
+def chi2_crit(df: int, alpha_z: float = 3.719) -> float:
+    """Upper quantile of chi-square(df) at alpha = 1e-4 (z = 3.719), Wilson-Hilferty approximation."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + alpha_z * math.sqrt(h)) ** 3
+
+
+def chi2(samples: Tensor, probs: Tensor) -> tuple[float, int]:
+    """Pearson chi-square of samples [N] (cell ids) against probs [C]; cells expecting < 5 are pooled."""
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double().flatten() * samples.numel()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.fixture(scope="module")
+def dist_case():
+    """A target with moderate entropy and an overconfident drafter (the target with its logits scaled x1.8),
+    plus the exact AR distributions of emitted tokens 1..3 after PROMPT."""
+    tgt = tiny_decoder(vocab=DV, seed=0, context=64, eos=None)
+    draft = copy.deepcopy(tgt)
+    with torch.no_grad():
+        draft.norm.weight.mul_(1.8)
+        p1 = torch.softmax(tgt(torch.tensor([PROMPT])).logits[0, -1], -1)  # [V]
+        p2 = torch.softmax(tgt(torch.tensor([PROMPT + [a] for a in range(DV)])).logits[:, -1], -1)  # [V, V]
+        seqs = torch.tensor([PROMPT + [a, b] for a in range(DV) for b in range(DV)])
+        p3 = torch.softmax(tgt(seqs).logits[:, -1], -1).view(DV, DV, DV)
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # [V, V, V] exact P(y1, y2, y3)
+    return tgt, draft, joint
+
+
+def _sample_spec(tgt, drafter, policy, k=3, n=N_SAMPLES):
+    engine = SpecEngine(tgt, drafter, EngineConfig(max_batch_size=n, num_draft_tokens=k), depth_policy=policy)
+    out = engine.generate([Request(PROMPT, max_new_tokens=3, sampling=SamplingParams(temperature=1.0, seed=i),
+                                   stop_ids=()) for i in range(n)])
+    return torch.tensor([r.token_ids for r in out]), engine.metrics  # [N, 3]
+
+
+def _distribution_stats(y: Tensor, joint: Tensor) -> dict[str, tuple[float, int]]:
+    return {
+        "y2": chi2(y[:, 1], joint.sum((0, 2))),
+        "y3": chi2(y[:, 2], joint.sum((0, 1))),
+        "y1y2": chi2(y[:, 0] * DV + y[:, 1], joint.sum(2)),
+        "y2y3": chi2(y[:, 1] * DV + y[:, 2], joint.sum(0)),
+    }
+
+
+@pytest.mark.parametrize("case", ["standard", "deterministic-confidence", "sampled-drafts-confidence", "ngram"])
+def test_t1_distribution_matches_ar(dist_case, case):
+    tgt, draft, joint = dist_case
+    drafter, policy, protocol = {
+        "standard": (DraftLMDrafter(draft), None, "speculative"),
+        "deterministic-confidence": (DraftLMDrafter(draft), ConfidenceThreshold(0.3), "deterministic"),
+        "sampled-drafts-confidence": (AlwaysSampledDraftLM(draft), ConfidenceThreshold(0.3), "deterministic"),
+        "ngram": (NGramDrafter(max_ngram=2), None, "deterministic"),
+    }[case]
+    y, metrics = _sample_spec(tgt, drafter, policy)
+    assert set(metrics.protocols) == {protocol}
+    if case != "ngram":
+        assert metrics.mean_accepted_length > 1.3  # drafts get accepted, so the test exercises verification
+    for name, (stat, df) in _distribution_stats(y, joint).items():
+        assert stat < chi2_crit(df), f"{case}: {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f} (df {df})"
+
+
+def test_t1_test_detects_the_biased_combination(dist_case):
+    """Trap 1: sampled drafts, standard speculative sampling and a depth chosen from the sampled drafts'
+    confidences is biased (TV ~0.1 on y2 for this pair); the same statistics must reject it."""
+    tgt, draft, joint = dist_case
+    y, metrics = _sample_spec(tgt, DraftLMDrafter(draft), DishonestConfidenceDepth(0.3))
+    assert set(metrics.protocols) == {"speculative"}
+    stat, df = _distribution_stats(y, joint)["y2"]
+    assert stat > 3 * chi2_crit(df), f"bias not detected: chi2 = {stat:.1f}"
+
+
+def test_t1_spec_is_seeded_and_batch_independent(dist_case):
+    tgt, draft, _ = dist_case
+    reqs = [Request(PROMPT + [i % DV], max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=100 + i),
+                    stop_ids=()) for i in range(6)]
+    runs = [SpecEngine(tgt, DraftLMDrafter(draft), EngineConfig(max_batch_size=b, num_draft_tokens=3)).generate(reqs)
+            for b in (1, 4, 6)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[2]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafter compatibility, registry, n-gram matching, bad input
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_drafter_mismatch_raises_before_decoding(target, tmp_path):
+    with pytest.raises(DrafterMismatchError, match="vocab size 65 but the target has 64"):
+        SpecEngine(target, DraftLMDrafter(tiny_decoder(vocab=V + 1, layers=1)))
+    with pytest.raises(DrafterMismatchError, match="eos/special token ids"):
+        SpecEngine(target, DraftLMDrafter(tiny_decoder(layers=1, eos=7)))
+    with pytest.raises(DrafterMismatchError, match="at most 64 positions"):
+        SpecEngine(target, DraftLMDrafter(tiny_decoder(layers=1, context=64)))
+    # A drafter folder that records the fingerprint of another target.
+    save_target(tiny_decoder(layers=1, dtype=torch.float32), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["angelspec"] = {"target_fingerprint": "0123456789abcdef"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterMismatchError, match="fingerprint 0123456789abcdef"):
+        SpecEngine(target, DraftLMDrafter.from_pretrained(tmp_path, dtype=torch.float64))
+    cfg["angelspec"] = {"target_fingerprint": target.config.fingerprint()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    SpecEngine(target, DraftLMDrafter.from_pretrained(tmp_path, dtype=torch.float64))
+
+    class WantsLayer9(NGramDrafter):
+        target_layer_ids = (9,)
+
+    with pytest.raises(DrafterMismatchError, match="wants target layer 9"):
+        SpecEngine(target, WantsLayer9())
+
+
+def test_registry():
+    assert {"ngram", "draft-lm"} <= set(registered_drafters())
+    assert get_drafter("ngram") is NGramDrafter and get_drafter("draft-lm") is DraftLMDrafter
+    with pytest.raises(KeyError, match="unknown drafter 'nope'"):
+        get_drafter("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_drafter("ngram")(OracleDrafter)
+    with pytest.raises(TypeError, match="Drafter subclass"):
+        register_drafter("not-a-drafter")(int)
+
+
+def test_ngram_lookup_matches_reference():
+    """The incremental index (prefill, then commits in random chunks) agrees with a brute-force scan."""
+    rng = random.Random(0)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5])
+        hist = [rng.randrange(vocab) for _ in range(rng.randint(2, 30))]
+        max_n = rng.randint(1, 4)
+        min_n, k = rng.randint(1, max_n), rng.randint(1, 6)
+        d = NGramDrafter(max_ngram=max_n, min_ngram=min_n)
+        d.allocate(2, 64, device=torch.device("cpu"), slack=0)
+        split = rng.randint(1, len(hist) - 1)
+        d.prefill([1], [hist[:split]], [hist[split]], ())
+        done = split + 1
+        while done < len(hist):
+            step = hist[done: done + rng.randint(1, 4)]
+            d.on_commit(_host_commit([(), tuple(step)]))
+            done += len(step)
+        assert d.lookup(1, k) == reference_lookup(hist, k, max_n, min_n), (trial, hist, max_n, min_n, k)
+    d = NGramDrafter()
+    d.allocate(1, 64, device=torch.device("cpu"), slack=0)
+    d.prefill([0], [[5, 6, 7, 5, 6]], [7], ())
+    assert d.lookup(0, 4) == [5, 6, 7, 5]  # continues the loop past the end of the history
+
+
+def _host_commit(host_tokens: list[tuple[int, ...]]) -> Commit:
+    b = len(host_tokens)
+    zeros = torch.zeros(b, dtype=torch.int64)
+    return Commit(tokens=zeros[:, None], num_accepted=zeros, seq_lens=zeros,
+                  active=torch.tensor([bool(t) for t in host_tokens]), host_tokens=tuple(host_tokens),
+                  target_hidden=())
+
+
+def test_bad_depth_and_config(target, greedy_case):
+    requests = greedy_case[0][:2]
+    with pytest.raises(ValueError, match="FixedDepth.depth"):
+        FixedDepth(-1)
+    with pytest.raises(ValueError, match="threshold"):
+        ConfidenceThreshold(1.5)
+    with pytest.raises(ValueError, match="verifies 5 drafts but num_draft_tokens is 4"):
+        SpecEngine(target, NGramDrafter(), EngineConfig(num_draft_tokens=4), depth_policy=FixedDepth(5))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpecEngine(target, depth_policy=FixedDepth(1))
+
+    def too_deep(proposal, state):
+        return torch.full_like(state.seq_lens, state.num_draft_tokens + 1)
+
+    def not_integer(proposal, state):
+        return torch.ones_like(state.seq_lens, dtype=torch.float32)
+
+    for policy, match in ((too_deep, r"must lie in \[0, K=4\]"), (not_integer, "integer tensor")):
+        engine = SpecEngine(target, OracleDrafter(greedy_case[2], error=0.5), EngineConfig(num_draft_tokens=4),
+                            depth_policy=policy)
+        with pytest.raises(ValueError, match=match):
+            engine.generate(requests)
+
+
+def test_sampled_drafts_without_probs_are_rejected(target, greedy_case):
+    class NoProbs(OracleDrafter):
+        def propose(self, state):
+            p = super().propose(state)
+            return Proposal(tokens=p.tokens, deterministic=False)
+
+    engine = SpecEngine(target, NoProbs(greedy_case[2], error=0.5), EngineConfig(num_draft_tokens=2))
+    with pytest.raises(ValueError, match="without probs"):
+        engine.generate([Request(greedy_case[0][0].prompt_ids, 5, SamplingParams(temperature=1.0, seed=0))])
