@@ -52,3 +52,15 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.init_weights(generator=torch.Generator().manual_seed(0))
     save_target(model, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: a second intra-op thread only adds sync overhead, and on a shared 2-core machine a busy
+    core makes OpenMP barriers spin (measured 20x slower). Restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -52,14 +52,7 @@ def tiny_decoder(*, vocab: int = V, layers: int = 2, seed: int = 0, std: float =
     return model.to(dtype).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: a second intra-op thread only adds sync overhead, and on a shared 2-core machine a busy
-    # core makes OpenMP barriers spin (measured 20x slower). Restored afterwards.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

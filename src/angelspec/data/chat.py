@@ -84,20 +84,26 @@ class _Backend(Protocol):  # the subset of `tokenizers.Tokenizer` used here
     def encode(self, sequence: str, add_special_tokens: bool = ...) -> Any: ...
 
 
+def check_message_list(messages: Any) -> Sequence[Mapping[str, Any]]:
+    """The outer shape every conversation must have: a non-empty list of dicts (errors name the index)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(msg).__name__}")
+    return messages
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a conversation's shape; errors name the offending message index.
 
     Each message must be a mapping with ``role`` in :data:`ROLES` and a ``str`` ``content``; an
     assistant message may add a ``reasoning_content`` string (or None).
     """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty")
     out: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(msg).__name__}")
+    for i, msg in enumerate(check_message_list(messages)):
         role, content = msg.get("role"), msg.get("content")
         if role not in ROLES:
             raise ValueError(f"message {i} has unknown role {role!r}; expected one of {ROLES}")

@@ -32,17 +32,19 @@ Where this module deliberately differs, see :class:`HFChatTokenizer`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from angelspec.data.chat import check_message_list
 from angelspec.data.tokenizer import (
     CONFIG_FILE,
     SPECIAL_MAP_FILE,
     TOKENIZER_FILE,
+    BackendTokenizer,
     TokenizerError,
     read_tokenizer_folder,
 )
@@ -65,7 +67,7 @@ class ChatTemplateError(ValueError):
     """The chat template refused a conversation (its own ``raise_exception``, or a type it cannot render)."""
 
 
-class HFChatTokenizer:
+class HFChatTokenizer(BackendTokenizer):
     """A Hugging Face tokenizer folder behind :class:`~angelspec.data.tokenizer.ChatTokenizer`'s interface.
 
     ``encode`` / ``encode_batch`` never add BOS/EOS (special-token strings in the text still become
@@ -137,14 +139,6 @@ class HFChatTokenizer:
 
     # ------------------------------------------------------------------------------ vocabulary
     @property
-    def vocab_size(self) -> int:
-        """Number of ids, added tokens included (what the model's embedding table must at least hold)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    @property
     def special_ids(self) -> frozenset[int]:
         """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
         return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
@@ -155,24 +149,6 @@ class HFChatTokenizer:
         (``config.json``'s when there is none). Chat models often stop on several, e.g. Llama 3
         Instruct on ``<|eot_id|>`` and ``<|end_of_text|>``."""
         return tuple(dict.fromkeys((self.eos_token_id, *self.generation_eos_ids)))
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
-    # ------------------------------------------------------------------------------ text
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without BOS/EOS; special-token strings in it become their single ids."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Like :meth:`encode` for many texts, parallelised inside the Rust library."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------------------ chat
     def render_chat_template(
@@ -230,14 +206,8 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     """Copy a conversation into what transformers hands the template: None-valued keys dropped and the
     reasoning aliases filled. Roles and content types are the template's business (tool turns, content
     block lists), so only the outer shape is checked here."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("messages is empty")
     out: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(msg).__name__}")
+    for msg in check_message_list(messages):
         chat_msg = {key: value for key, value in msg.items() if value is not None}
         reasoning = next((chat_msg[key] for key in REASONING_KEYS if key in chat_msg), None)
         if reasoning is not None:

@@ -153,7 +153,40 @@ def _write_hf_config(out: Path, tok: Tokenizer, model_max_length: int) -> None:
     (out / SPECIAL_MAP_FILE).write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
 
 
-class ChatTokenizer:
+class BackendTokenizer:
+    """What every tokenizer we load shares: a ``tokenizers.Tokenizer`` backend and plain text <-> ids.
+    Subclasses add the special ids and the chat template of their layout."""
+
+    backend: Tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (the embedding table size a model needs at least)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without BOS/EOS; special-token strings in it become their single ids (as in
+        transformers)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Like :meth:`encode` for many texts, parallelised inside the Rust library."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class ChatTokenizer(BackendTokenizer):
     """Thin wrapper over ``tokenizers.Tokenizer`` with the chat format and special ids built in."""
 
     def __init__(self, backend: Tokenizer, path: Path | None = None, model_max_length: int | None = None) -> None:
@@ -179,33 +212,8 @@ class ChatTokenizer:
         self.eos_token_ids: tuple[int, ...] = (self.im_end_id, self.endoftext_id)
 
     @property
-    def vocab_size(self) -> int:
-        """Number of ids, special tokens included (the embedding table size a model needs)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    @property
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(len(SPECIAL_TOKENS)))
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``; special-token strings in it become their single ids (as in transformers)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Like :meth:`encode` for many texts, parallelised inside the Rust library."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,
