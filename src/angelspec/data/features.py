@@ -1,0 +1,386 @@
+"""The target hidden-state features drafters train on, behind one contract (report §6; issue 4 "Data").
+
+Every drafter family consumes the frozen target's outputs on the training tokens: MTP and EAGLE-3 read
+hidden states of some layers, DFlash/DFly read several, KL-style losses read the teacher distribution.
+:class:`FeatureSpec` says which; two producers honour it and give IDENTICAL batches (a test checks
+``torch.equal`` on every tensor):
+
+* :class:`OnlineFeatures`: the frozen target runs inside the training step under ``no_grad``. No disk,
+  always fresh, but every epoch pays the target forward again.
+* :class:`OfflineFeatureCache`: the same computation run once over the packed dataset and stored as
+  sharded safetensors. Training then reads memory-mapped shards instead of running an 8B target, which
+  is how the report's disaggregated design keeps trainers busy; the price is disk,
+  ``rows * T * D * bytes * len(layer_ids)``: about 100 GB per 1k rows of 4k tokens for 3 bf16 layers of
+  D=4096, while full fp32 logits of a 150k vocab would add 2.5 TB more; hence top-K teacher logits.
+
+Cache layout (``DIR/``)::
+
+    manifest.json            {"format", "spec", "target_fingerprint", "rows_per_shard", "complete",
+                              "num_batches", "shards": [{"file", "batches", "rows", "bytes", "sha256", "inputs"}]}
+    shard-00000.safetensors  tensors "{j}.{field}" for the j-th batch of the shard (fields of FeatureBatch.to_tensors)
+
+A shard holds whole input batches (never split), so a batch read back is exactly the batch the online
+path computes: splitting or merging rows could change float results through different matmul blocking.
+Each shard is written atomically (temp file + rename) and only then recorded in the manifest (also
+atomic), so after a kill the manifest lists only complete shards. ``resume=True`` skips listed shards
+whose size (and input digest) match, and rebuilds a shard that is missing, truncated or unlisted. The
+reader checks sizes on open (and SHA-256 with ``verify=True``) and refuses a cache built from another
+target (fingerprint) or with another spec.
+
+Shape legend: B rows, T row length, D model dim, K teacher top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from angelspec.data.fingerprint import file_sha256, model_fingerprint
+from angelspec.data.packing import PackedBatch
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import save_safetensors_atomic, write_json_atomic
+
+CACHE_FORMAT = "angelspec-features/1"
+MANIFEST = "manifest.json"
+_SHARD_RE = re.compile(r"shard-\d{5}\.safetensors")
+_TEMP_RE = re.compile(r"\.shard-\d{5}\.safetensors\..*\.tmp")  # save_safetensors_atomic's temp files
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that cannot be built, resumed or read; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which target outputs a drafter needs.
+
+    layer_ids: hidden-state taps, id i = OUTPUT of decoder layer i (HF ``hidden_states[i + 1]``; DESIGN.md
+        trap 2), in the order the drafter concatenates them.
+    with_logits: False = no teacher; True = full logits [B, T, V] fp32; an int K = the teacher's top-K
+        log-probabilities and ids [B, T, K] (what forward KL on the top-K support, Eq. 3, needs, at K/V of
+        the storage).
+    dtype: storage dtype of the hidden states ("float32", "bfloat16", "float16"); logits stay fp32.
+    """
+
+    layer_ids: tuple[int, ...]
+    with_logits: bool | int = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        ids = self.layer_ids
+        if not isinstance(ids, tuple) or not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                          for i in ids):
+            raise ValueError(f"FeatureSpec.layer_ids must be a non-empty tuple of ints >= 0, got {ids!r}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"FeatureSpec.layer_ids has duplicates: {ids!r}")
+        w = self.with_logits
+        if not isinstance(w, bool) and (not isinstance(w, int) or w < 1):
+            raise ValueError(f"FeatureSpec.with_logits must be a bool or a top-K int >= 1, got {w!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"FeatureSpec.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def topk(self) -> int:
+        """K of the teacher top-K (0 = none or full logits)."""
+        return 0 if isinstance(self.with_logits, bool) else self.with_logits
+
+    @property
+    def full_logits(self) -> bool:
+        return self.with_logits is True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def check_target(self, target: Decoder) -> None:
+        """Fail before any forward when the spec cannot be served by this target."""
+        L, V = target.config.num_hidden_layers, target.config.vocab_size
+        bad = [i for i in self.layer_ids if i >= L]
+        if bad:
+            raise FeatureCacheError(f"layer ids {bad} out of range: the target has {L} layers (ids 0..{L - 1})")
+        if self.topk > V:
+            raise FeatureCacheError(f"teacher top-K {self.topk} exceeds the target vocabulary {V}")
+
+    def to_json(self) -> dict[str, Any]:
+        # Spelled out: JSON (and Python's ==) would not tell `True` (full logits) from `1` (top-1).
+        teacher = "full" if self.full_logits else "topk" if self.topk else "none"
+        return {"layer_ids": list(self.layer_ids), "teacher": teacher, "topk": self.topk, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> FeatureSpec:
+        teacher = {"none": False, "full": True, "topk": obj["topk"]}[obj["teacher"]]
+        return cls(tuple(obj["layer_ids"]), teacher, obj["dtype"])
+
+
+@dataclass
+class FeatureBatch:
+    """One packed batch with the target features a drafter trains on (all on one device)."""
+
+    input_ids: Tensor  # [B, T] int64
+    positions: Tensor  # [B, T] int64, document-local
+    document_ids: Tensor  # [B, T] int64, -1 in padding
+    loss_mask: Tensor  # [B, T] bool, assistant tokens
+    labels: Tensor  # [B, T] int64, next token or IGNORE_INDEX (packing's document gate)
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer id -> [B, T, D] in spec.dtype
+    teacher_topk_ids: Tensor | None = None  # [B, T, K] int64
+    teacher_topk_vals: Tensor | None = None  # [B, T, K] fp32 teacher log-probs (log_softmax over all V)
+    logits: Tensor | None = None  # [B, T, V] fp32
+
+    def to_tensors(self) -> dict[str, Tensor]:
+        """Flat name -> tensor (the safetensors keys of one batch)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hidden"}
+        out.update({f"hidden.{i}": t for i, t in self.hidden.items()})
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], layer_ids: tuple[int, ...]) -> FeatureBatch:
+        hidden = {i: tensors[f"hidden.{i}"] for i in layer_ids}  # spec order, as the online path builds it
+        plain = {f.name: tensors.get(f.name) for f in fields(cls) if f.name != "hidden"}
+        return cls(**plain, hidden=hidden)
+
+    def to(self, device: torch.device | str) -> FeatureBatch:
+        return FeatureBatch.from_tensors({k: v.to(device) for k, v in self.to_tensors().items()}, tuple(self.hidden))
+
+
+class OnlineFeatures:
+    """The frozen target's forward inside the training step: ``features = OnlineFeatures(target, spec)(packed)``.
+
+    Runs under ``no_grad`` (not ``inference_mode``: inference tensors cannot be saved for the drafter's
+    backward). Cost: one full target forward per step, plus a [B, T, V] logits tensor when a teacher is
+    requested; skip logits entirely with ``with_logits=False``.
+    """
+
+    def __init__(self, target: Decoder, spec: FeatureSpec) -> None:
+        spec.check_target(target)
+        self.target, self.spec = target, spec
+        self.device = target.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def __call__(self, packed: PackedBatch) -> FeatureBatch:
+        if packed.input_ids.dim() != 2:
+            raise ValueError(f"packed.input_ids must be [B, T], got shape {tuple(packed.input_ids.shape)}")
+        p = packed.to(self.device)
+        spec = self.spec
+        out = self.target(p.input_ids, positions=p.positions, document_ids=p.document_ids,
+                          hidden_layers=spec.layer_ids, compute_logits=spec.with_logits is not False)
+        batch = FeatureBatch(input_ids=p.input_ids, positions=p.positions, document_ids=p.document_ids,
+                             loss_mask=p.loss_mask, labels=p.labels,
+                             hidden={i: h.to(spec.torch_dtype) for i, h in zip(spec.layer_ids, out.hidden,
+                                                                                strict=True)})
+        if spec.full_logits:
+            batch.logits = out.logits  # [B, T, V] fp32
+        elif spec.topk:
+            logprobs = torch.log_softmax(out.logits, dim=-1)  # [B, T, V]
+            vals, ids = logprobs.topk(spec.topk, dim=-1)  # [B, T, K]
+            batch.teacher_topk_vals, batch.teacher_topk_ids = vals, ids
+        return batch
+
+
+def _inputs_digest(batches: list[PackedBatch]) -> str:
+    """Digest of a shard's input tokens, so a resume cannot splice shards of two different datasets."""
+    h = hashlib.sha256()
+    for b in batches:
+        for t in (b.input_ids, b.positions, b.document_ids, b.loss_mask):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _group(batches: Iterable[PackedBatch], rows_per_shard: int) -> Iterator[list[PackedBatch]]:
+    """Whole batches into shards of at least ``rows_per_shard`` rows (the last shard may have fewer)."""
+    group: list[PackedBatch] = []
+    for b in batches:
+        group.append(b)
+        if sum(x.num_rows for x in group) >= rows_per_shard:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _save_shard(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    save_safetensors_atomic(tensors, path, metadata)
+
+
+class OfflineFeatureCache:
+    """A sharded, memory-mapped feature cache: :meth:`build` it once, :meth:`open` it to train.
+
+    Iterating yields :class:`FeatureBatch` es in build order, each read lazily from its shard through
+    ``safetensors.safe_open`` (memory-mapped: only the tensors of the batch in use are paged in).
+    """
+
+    def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
+        self.root, self.manifest = root, manifest
+        self.spec = FeatureSpec.from_json(manifest["spec"])
+
+    # ----- producer -----
+    @classmethod
+    def build(cls, target: Decoder, spec: FeatureSpec, batches: Iterable[PackedBatch], root: str | Path, *,
+              rows_per_shard: int = 256, resume: bool = False, force: bool = False, verify: bool = False,
+              log: Any = None) -> OfflineFeatureCache:
+        """Run :class:`OnlineFeatures` over ``batches`` and write the cache (resumable, see the module doc).
+
+        ``batches`` must come out the same on a resume (pack deterministically); each shard records a
+        digest of its input tokens and a resume with different data is refused. ``log`` is a
+        ``print``-like callable for rebuild notes (None = silent). On resume a listed shard is reused when
+        its size matches; ``verify=True`` also re-hashes it (reads it once).
+        """
+        if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+            raise FeatureCacheError(f"rows_per_shard must be an int >= 1, got {rows_per_shard!r}")
+        root = Path(root)
+        online = OnlineFeatures(target, spec)
+        fingerprint = model_fingerprint(target)
+        manifest = cls._start_manifest(root, spec, fingerprint, rows_per_shard, resume=resume, force=force)
+        old = {s["file"]: s for s in manifest["shards"]}
+        shards: list[dict[str, Any]] = []
+        num_batches = 0
+        for k, group in enumerate(_group(batches, rows_per_shard)):
+            name = f"shard-{k:05d}.safetensors"
+            digest = _inputs_digest(group)
+            prev = old.get(name)
+            if prev is not None and prev["inputs"] != digest:
+                raise FeatureCacheError(f"cannot resume {root}: the input batches of {name} differ from the "
+                                        "interrupted run (data or packing changed); rebuild with force=True")
+            problem = None if prev is None else _shard_problem(root, prev, verify=verify)
+            if prev is not None and problem is None:
+                shards.append(prev)
+            else:
+                if problem is not None and log is not None:
+                    log(f"rebuilding {name}: {problem}")
+                tensors = {}
+                for j, packed in enumerate(group):
+                    tensors.update({f"{j}.{key}": t for key, t in online(packed).to_tensors().items()})
+                path = root / name
+                # One metadata key only: safetensors writes metadata from a hash map, and two keys would come
+                # out in random order, making identical shards differ in bytes (and in SHA-256).
+                _save_shard(tensors, path, {"format": CACHE_FORMAT})
+                shards.append({"file": name, "batches": len(group), "rows": sum(b.num_rows for b in group),
+                               "bytes": path.stat().st_size, "sha256": file_sha256(path), "inputs": digest})
+                # Keep not-yet-revisited entries of the old run: a kill now must not forget shards after k.
+                manifest["shards"] = shards + [s for s in manifest["shards"]
+                                               if s["file"] not in {x["file"] for x in shards}]
+                write_json_atomic(root / MANIFEST, manifest)
+            num_batches += len(group)
+        stale = [s["file"] for s in manifest["shards"] if s["file"] not in {x["file"] for x in shards}]
+        if stale:
+            raise FeatureCacheError(f"cannot resume {root}: the interrupted run had more shards ({stale[:3]}) than "
+                                    "the input now produces (data changed); rebuild with force=True")
+        if not shards:
+            raise FeatureCacheError("no batches to cache")
+        manifest.update(shards=shards, complete=True, num_batches=num_batches)
+        write_json_atomic(root / MANIFEST, manifest)
+        return cls(root, manifest)
+
+    @staticmethod
+    def _start_manifest(root: Path, spec: FeatureSpec, fingerprint: str, rows_per_shard: int, *, resume: bool,
+                        force: bool) -> dict[str, Any]:
+        fresh = {"format": CACHE_FORMAT, "spec": spec.to_json(), "target_fingerprint": fingerprint,
+                 "rows_per_shard": rows_per_shard, "complete": False, "num_batches": 0, "shards": []}
+        path = root / MANIFEST
+        if root.exists() and not root.is_dir():
+            raise FeatureCacheError(f"feature cache path {root} is a file, expected a folder")
+        for tmp in root.glob(".shard-*.tmp") if root.is_dir() else ():
+            if _TEMP_RE.fullmatch(tmp.name):  # a shard write that a kill interrupted before its rename
+                tmp.unlink()
+        if not path.is_file() or force:
+            ours = [p for p in root.iterdir() if _SHARD_RE.fullmatch(p.name)] if root.is_dir() else []
+            if ours and not force:
+                raise FileExistsError(f"{root} holds feature shards but no {MANIFEST}; pass force=True to rebuild")
+            for p in ours:  # only files this module writes; never the rest of the folder
+                p.unlink()
+            root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, fresh)
+            return fresh
+        if not resume:
+            raise FileExistsError(f"feature cache {root} already exists; pass resume=True to continue it or "
+                                  "force=True to rebuild it")
+        manifest = _read_manifest(root)
+        for key, want in (("spec", spec.to_json()), ("target_fingerprint", fingerprint),
+                          ("rows_per_shard", rows_per_shard)):
+            if manifest.get(key) != want:
+                raise FeatureCacheError(f"cannot resume {root}: {key} was {manifest.get(key)!r}, now {want!r}; "
+                                        "resume with the original target and settings or rebuild with force=True")
+        manifest["complete"] = False
+        return manifest
+
+    # ----- reader -----
+    @classmethod
+    def open(cls, root: str | Path, *, target: Decoder | None = None, spec: FeatureSpec | None = None,
+             verify: bool = False) -> OfflineFeatureCache:
+        """Open a complete cache; refuse it if it was built from another target or with another spec.
+
+        ``target`` is fingerprinted (cheap, see :mod:`angelspec.data.fingerprint`); ``verify=True`` also
+        re-hashes every shard (reads the whole cache once).
+        """
+        root = Path(root)
+        manifest = _read_manifest(root)
+        if not manifest.get("complete"):
+            raise FeatureCacheError(f"feature cache {root} is incomplete (its build was interrupted); finish it "
+                                    "with OfflineFeatureCache.build(..., resume=True)")
+        if target is not None and manifest["target_fingerprint"] != (fp := model_fingerprint(target)):
+            raise FeatureCacheError(f"feature cache {root} was built from target {manifest['target_fingerprint']}, "
+                                    f"but this target is {fp}: the features belong to another model (or dtype); "
+                                    "rebuild the cache for this target")
+        if spec is not None and manifest["spec"] != spec.to_json():
+            raise FeatureCacheError(f"feature cache {root} has spec {manifest['spec']}, but {spec.to_json()} is "
+                                    "needed; rebuild the cache with this spec")
+        for s in manifest["shards"]:
+            problem = _shard_problem(root, s, verify=verify)
+            if problem is not None:
+                raise FeatureCacheError(f"feature cache {root}: {problem}; rebuild it with "
+                                        "OfflineFeatureCache.build(..., resume=True)")
+        return cls(root, manifest)
+
+    def __len__(self) -> int:
+        return self.manifest["num_batches"]
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        for s in self.manifest["shards"]:
+            path = self.root / s["file"]
+            try:
+                with safe_open(path, framework="pt") as f:
+                    per_batch: list[list[str]] = [[] for _ in range(s["batches"])]
+                    for key in f.keys():  # "{j}.{field}"
+                        per_batch[int(key.split(".", 1)[0])].append(key)
+                    for keys in per_batch:
+                        tensors = {k.split(".", 1)[1]: f.get_tensor(k) for k in keys}
+                        yield FeatureBatch.from_tensors(tensors, self.spec.layer_ids)
+            except (SafetensorError, OSError) as e:
+                raise FeatureCacheError(f"feature shard {path} is unreadable ({e}); rebuild the cache with "
+                                        "OfflineFeatureCache.build(..., resume=True)") from None
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FeatureCacheError(f"{root} is not a feature cache: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FeatureCacheError(f"{path} is unreadable ({e}); rebuild the cache") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        raise FeatureCacheError(f"{path} is not a {CACHE_FORMAT} manifest")
+    return manifest
+
+
+def _shard_problem(root: Path, shard: dict[str, Any], *, verify: bool) -> str | None:
+    """Why a listed shard cannot be used (missing, wrong size, wrong hash), or None when it is fine."""
+    path = root / shard["file"]
+    if not path.is_file():
+        return f"shard {shard['file']} is missing"
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        return f"shard {shard['file']} is corrupt or half-written ({size} bytes, the manifest says {shard['bytes']})"
+    if verify and file_sha256(path) != shard["sha256"]:
+        return f"shard {shard['file']} is corrupt (SHA-256 differs from the manifest)"
+    return None

@@ -1,0 +1,49 @@
+"""Cheap identity checks for the inputs of long, resumable data jobs (rollouts, feature caches).
+
+A resumed job must refuse to mix outputs of two different targets or two different input files: the
+result would look fine and silently train a drafter on a blend of teachers. Hashing every weight of an
+8B target costs tens of seconds, so :func:`model_fingerprint` hashes the config, every parameter's
+name, shape and dtype, and a strided sample of its values: any retrained or re-quantised model changes
+the sample, while the check stays O(#parameters tensors), not O(#weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SAMPLES_PER_TENSOR = 1024
+_CHUNK = 1 << 20
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hex id of a model's config, parameter layout and sampled weight values.
+
+    Two loads of the same checkpoint in the same dtype give the same id; a different checkpoint, a
+    different dtype or a different architecture gives another one. Not a cryptographic hash of all
+    weights (see the module docstring for the trade-off).
+    """
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_hf_dict"):
+        h.update(json.dumps(config.to_hf_dict("any"), sort_keys=True, default=str).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLES_PER_TENSOR)
+        sample = flat[::step][:SAMPLES_PER_TENSOR].contiguous().cpu()
+        h.update(sample.view(torch.uint8).numpy().tobytes())  # raw bytes: works for bf16 too
+    return h.hexdigest()[:16]
+
+
+def file_sha256(path: str | Path) -> str:
+    """Full SHA-256 of a file, streamed (input files and cache shards are hashed whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,383 @@
+"""Target-model rollout (report §2.4): regenerate a dataset's assistant turns with the frozen target.
+
+Why: a drafter is scored on how well it predicts the *deployed target*, so training on the target's own
+responses (its token choices and uncertainty) beats training on human or other-model references. The
+prompts are rendered with the target's chat template in the serving mode (think / no-think) and decoded
+in batches through :class:`~angelspec.spec.engine.SpecEngine`.
+
+Input lines (the prompts format of :mod:`angelspec.data.prompts`): ``{"prompt": str}`` or
+``{"messages": [...]}``. Every assistant turn is replaced by the target's response, turn by turn: the
+prefix up to the first assistant turn is generated from, the response appended, the next user turn
+appended, and so on; a conversation that ends with a user turn gets one more response. Output lines::
+
+    {"messages": [...], <the input line's other keys>, "rollout": {"finish_reason": "stop" | "length",
+     "num_tokens": int, "turns": [{"finish_reason", "num_tokens"}, ...], "dropped_turns": int}}
+
+``finish_reason`` is "length" when any turn hit ``max_new_tokens`` (or the context end): such responses are
+kept, flagged and counted. A first prompt longer than the context is skipped (counted); a later turn
+that no longer fits ends the conversation there (``dropped_turns``).
+
+Resuming
+--------
+Lines are processed in fixed chunks. After each chunk the output is appended and fsynced, then a sidecar
+``OUT.progress.json`` is replaced atomically with ``{lines_done, bytes, counters, config}``. A kill at any
+moment leaves the sidecar describing a prefix of complete chunks; ``resume=True`` truncates the output
+to the recorded byte count (dropping a partially written chunk or line) and continues at ``lines_done``.
+Request seeds derive from (seed, line index, turn), and the engine draws the same tokens for a request
+in any batch, so a resumed file is byte-identical to an uninterrupted one. The sidecar's ``config``
+(target fingerprint, prompts hash, sampling settings) must match, or resuming is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from angelspec.data.fingerprint import file_sha256, model_fingerprint
+from angelspec.data.prompts import load_prompts
+from angelspec.models.hf_io import write_json_atomic
+
+PROGRESS_SUFFIX = ".progress.json"
+SIDECAR_VERSION = 1
+LINES_PER_CHUNK_PER_ROW = 8  # chunk = 8 x batch size: enough requests to keep the engine's rows busy
+
+
+class RolloutError(ValueError):
+    """A rollout that cannot run or resume; the message names the file, line or setting to fix."""
+
+
+@dataclass
+class RolloutSummary:
+    """Counts over the whole output file (a resumed run includes the lines written before the kill)."""
+
+    lines: int = 0  # input lines
+    written: int = 0  # conversations in the output
+    skipped_too_long: int = 0  # first prompt does not fit the context
+    turns: int = 0  # responses generated
+    truncated_turns: int = 0  # responses that hit max_new_tokens or the context end (kept, flagged)
+    truncated_lines: int = 0  # conversations with at least one such response
+    dropped_turns: int = 0  # later turns cut because the conversation outgrew the context
+    tokens: int = 0  # generated tokens
+    resumed_at: int = 0  # input line the run started at (0 = fresh)
+    wall_s: float = 0.0  # this run only
+
+    def format(self) -> str:
+        return (f"rollout: {self.written}/{self.lines} conversations, {self.turns} responses, {self.tokens} tokens "
+                f"in {self.wall_s:.1f} s | hit max_new_tokens: {self.truncated_turns} responses in "
+                f"{self.truncated_lines} conversations (kept, rollout.finish_reason='length') | skipped "
+                f"(prompt longer than context): {self.skipped_too_long} | turns dropped at context end: "
+                f"{self.dropped_turns}" + (f" | resumed at line {self.resumed_at}" if self.resumed_at else ""))
+
+
+_COUNTERS = ("written", "skipped_too_long", "turns", "truncated_turns", "truncated_lines", "dropped_turns", "tokens")
+
+
+@dataclass
+class _Conversation:
+    """One input line in flight: the input messages, the output built so far, and a cursor into the input."""
+
+    index: int  # 0-based index among the file's prompts (seeds key on it)
+    line: int  # 1-based line number, for messages
+    source: list[dict[str, Any]]
+    extras: dict[str, Any]
+    out: list[dict[str, Any]] = field(default_factory=list)
+    cursor: int = 0
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    dropped_turns: int = 0
+    skipped: bool = False
+    done: bool = False
+
+    def advance(self) -> bool:
+        """Copy input messages up to the next assistant turn; True if a response must be generated now."""
+        while self.cursor < len(self.source) and self.source[self.cursor]["role"] != "assistant":
+            self.out.append(self.source[self.cursor])
+            self.cursor += 1
+        if self.out and self.out[-1]["role"] == "user":
+            return True
+        self.done = True
+        return False
+
+    def remaining_turns(self) -> int:
+        rest = self.source[self.cursor:]
+        return sum(m["role"] == "assistant" for m in rest) + int(bool(rest) and rest[-1]["role"] == "user")
+
+
+def check_turn_structure(messages: Sequence[dict[str, Any]], where: str) -> None:
+    """Every assistant turn must answer a user turn, and a conversation may end only with an assistant
+    or a user turn: otherwise there is no well-defined prompt to regenerate a response from."""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and (i == 0 or messages[i - 1]["role"] != "user"):
+            prev = "nothing" if i == 0 else f"a {messages[i - 1]['role']} turn"
+            raise RolloutError(f"{where}: messages[{i}] is an assistant turn after {prev}; each assistant turn must "
+                               "follow a user turn")
+    if messages[-1]["role"] == "system":
+        raise RolloutError(f"{where}: the conversation ends with a system message; nothing to respond to")
+
+
+def split_response(token_ids: Sequence[int], finish_reason: str, tokenizer: Any, stop_ids: Sequence[int],
+                   enable_thinking: bool) -> dict[str, Any]:
+    """Turn generated ids into an assistant message that re-renders under the chat template.
+
+    The stop token is dropped (the template adds ``<|im_end|>`` itself). In thinking mode the target
+    writes ``<think>\\n{reasoning}\\n</think>\\n\\n{content}``; the ids are split at ``</think>`` so the
+    reasoning lands in ``reasoning_content``. Special tokens inside the text are skipped when decoding:
+    a message content may not carry control tokens (they would forge turn boundaries).
+    """
+    ids = list(token_ids)
+    if finish_reason == "stop" and ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    message: dict[str, Any] = {"role": "assistant"}
+    think_start = tokenizer.token_to_id("<think>")
+    think_end = tokenizer.token_to_id("</think>")
+    if enable_thinking and think_start is not None and ids and ids[0] == think_start:
+        if think_end in ids:
+            cut = ids.index(think_end)
+            reasoning = tokenizer.decode(ids[1:cut], skip_special_tokens=True)
+            content = tokenizer.decode(ids[cut + 1:], skip_special_tokens=True).removeprefix("\n\n")
+        else:  # ran out of tokens while thinking
+            reasoning, content = tokenizer.decode(ids[1:], skip_special_tokens=True), ""
+        message["content"] = content
+        message["reasoning_content"] = reasoning.removeprefix("\n").removesuffix("\n")
+    else:
+        message["content"] = tokenizer.decode(ids, skip_special_tokens=True)
+    return message
+
+
+def _progress_path(out: Path) -> Path:
+    return out.with_name(out.name + PROGRESS_SUFFIX)
+
+
+def _write_progress(path: Path, state: dict[str, Any]) -> None:
+    write_json_atomic(path, state)
+
+
+def _append_chunk(out: Path, lines: list[str]) -> int:
+    """Append complete lines and fsync them before the sidecar may count them; returns the new size."""
+    with open(out, "ab") as f:
+        f.write("".join(lines).encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: bool) -> dict[str, Any]:
+    """Validate the output path and return the progress state to start from (fresh or resumed)."""
+    progress = _progress_path(out)
+    if out.is_dir():
+        raise RolloutError(f"--out {out} is a directory; give a file name such as {out / 'rollout.jsonl'}")
+    fresh = {"version": SIDECAR_VERSION, "config": config, "lines_done": 0, "bytes": 0, "complete": False,
+             "counters": dict.fromkeys(_COUNTERS, 0)}
+    if force and not resume:
+        out.unlink(missing_ok=True)
+        progress.unlink(missing_ok=True)
+    if resume and progress.is_file():
+        try:
+            state = json.loads(progress.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise RolloutError(f"cannot resume: {progress} is unreadable ({e}); start over with --force") from None
+        if state.get("version") != SIDECAR_VERSION or not isinstance(state.get("config"), dict):
+            raise RolloutError(f"cannot resume: {progress} was written by another rollout format; use --force")
+        changed = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
+        if changed:
+            detail = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
+            raise RolloutError(f"cannot resume {out}: the settings differ from the interrupted run ({detail}); rerun "
+                               "with the original settings, or start over with --force")
+        size = out.stat().st_size if out.is_file() else -1
+        if size < state["bytes"]:
+            raise RolloutError(f"cannot resume: {out} has {max(size, 0)} bytes but {progress} records {state['bytes']} "
+                               "written; the output was modified or lost, start over with --force")
+        if size > state["bytes"]:
+            # A chunk was being written when the run stopped; its lines are regenerated identically.
+            os.truncate(out, state["bytes"])
+        return state
+    if resume and out.exists():
+        raise RolloutError(f"cannot resume {out}: no progress file {progress} beside it (was it written by "
+                           "`angelspec rollout`?); start over with --force")
+    if out.exists() or progress.exists():
+        raise FileExistsError(f"--out {out} already exists; pass --resume to continue it or --force to overwrite it")
+    return fresh
+
+
+def rollout(
+    target_dir: str | Path,
+    prompts_path: str | Path,
+    out_path: str | Path,
+    *,
+    enable_thinking: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = False,
+    chunk_lines: int | None = None,
+) -> RolloutSummary:
+    """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir``.
+
+    ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
+    chunks lose less work to a kill, larger ones keep more requests in flight between turns.
+    Returns the :class:`RolloutSummary` of the whole file.
+    """
+    import torch
+
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.models import load_target
+    from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+    from angelspec.spec.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RolloutError(f"{name} must be an int >= 1, got {value!r}")
+    chunk = chunk_lines or LINES_PER_CHUNK_PER_ROW * batch_size
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise RolloutError(f"seed must be an int (per-line seeds derive from it, so a resume reproduces), got {seed!r}")
+    try:
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as e:
+        raise RolloutError(f"invalid sampling settings: {e}") from None
+    out = Path(out_path)
+    if out.exists() and not (resume or force):  # fail before loading a large target; full checks below
+        raise FileExistsError(f"--out {out} already exists; pass --resume to continue it or --force to overwrite it")
+    prompts = load_prompts(prompts_path)  # validates every line before the model is loaded
+    conversations = []
+    for i, p in enumerate(prompts):
+        check_turn_structure(p["messages"], f"{prompts_path}:{p['line']}")
+        extras = {k: v for k, v in p["record"].items() if k not in ("prompt", "messages", "rollout")}
+        conversations.append(_Conversation(index=i, line=p["line"], source=p["messages"], extras=extras))
+
+    tokenizer = load_tokenizer(target_dir)
+    target = load_target(target_dir, dtype=torch.float32)
+    context = target.config.max_position_embeddings
+    stop_ids = tuple(tokenizer.eos_token_ids)
+    config = {"target": model_fingerprint(target), "prompts": file_sha256(prompts_path),
+              "enable_thinking": enable_thinking, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+              "seed": seed, "max_new_tokens": max_new_tokens}
+    state = _prepare_output(out, config, resume=resume, force=force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    progress_file = _progress_path(out)
+    summary = RolloutSummary(lines=len(conversations), resumed_at=state["lines_done"])
+    engine = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
+
+    start = state["lines_done"]
+    if start == 0 and not out.exists():
+        out.touch()
+        _write_progress(progress_file, state)
+    for lo in range(start, len(conversations), chunk):
+        group = conversations[lo:lo + chunk]
+        for turn in range(max((c.remaining_turns() for c in group), default=0) + 1):
+            requests, owners = [], []
+            for c in group:
+                if c.done or not c.advance():
+                    continue
+                ids = tokenizer.apply_chat_template(c.out, add_generation_prompt=True, enable_thinking=enable_thinking)
+                if len(ids) >= context:
+                    if turn == 0:
+                        c.skipped = True  # the whole line: not even its first prompt fits
+                    else:
+                        c.out.pop()  # the user turn that has no room for an answer, and all after it
+                        c.dropped_turns = c.remaining_turns() if c.cursor < len(c.source) else 1
+                    c.done = True
+                    continue
+                params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=_request_seed(seed, c.index, turn))
+                requests.append(Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)),
+                                        sampling=params, stop_ids=stop_ids, request_id=len(owners)))
+                owners.append(c)
+            if not requests:
+                break
+            for c, res in zip(owners, engine.generate(requests, progress=progress), strict=True):
+                c.out.append(split_response(res.token_ids, res.finish_reason, tokenizer, stop_ids, enable_thinking))
+                c.turns.append({"finish_reason": res.finish_reason, "num_tokens": len(res.token_ids)})
+                c.cursor += 1 if c.cursor < len(c.source) else 0  # skip the input's assistant turn, if any
+        lines = [_record_line(c, state["counters"]) for c in group]
+        state["bytes"] = _append_chunk(out, [ln for ln in lines if ln is not None])
+        state["lines_done"] = lo + len(group)
+        state["complete"] = state["lines_done"] == len(conversations)
+        _write_progress(progress_file, state)
+    if not state["complete"]:  # resumed a finished run, or an empty tail
+        state["complete"] = state["lines_done"] >= len(conversations)
+        _write_progress(progress_file, state)
+    for k in _COUNTERS:
+        setattr(summary, k, state["counters"][k])
+    summary.wall_s = time.perf_counter() - t0
+    return summary
+
+
+def _request_seed(seed: int, index: int, turn: int) -> int:
+    """Distinct per (line, turn), independent of chunking and batching: the key of resume == fresh."""
+    return seed * 1_000_003 + (index << 12) + turn
+
+
+def _record_line(c: _Conversation, counters: dict[str, int]) -> str | None:
+    """The output line of one conversation (None when skipped); updates the running counters."""
+    counters["dropped_turns"] += c.dropped_turns
+    if c.skipped or not c.turns:
+        counters["skipped_too_long"] += 1
+        return None
+    truncated = [t for t in c.turns if t["finish_reason"] == "length"]
+    counters["written"] += 1
+    counters["turns"] += len(c.turns)
+    counters["truncated_turns"] += len(truncated)
+    counters["truncated_lines"] += int(bool(truncated))
+    counters["tokens"] += sum(t["num_tokens"] for t in c.turns)
+    info = {"finish_reason": "length" if truncated else "stop", "num_tokens": sum(t["num_tokens"] for t in c.turns),
+            "turns": c.turns, "dropped_turns": c.dropped_turns}
+    record = {"messages": c.out, **c.extras, "rollout": info}
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: `angelspec rollout` (wired into angelspec.cli by add_rollout_parser)
+# --------------------------------------------------------------------------------------------------
+def add_rollout_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "rollout", help="regenerate a dataset's assistant turns with the target (report §2.4)",
+        description="Replace every assistant turn of a JSONL conversation dataset with the target's own response, "
+                    "rendered with its chat template and decoded in batches. Resumable with --resume.",
+    )
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+                   help='input: one {"prompt": str} or {"messages": [...]} per line')
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output conversations")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
+                   help="render prompts in thinking mode (default: --no-think)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = disabled (default: 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seeds derive from (S, line, turn) (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="per response (default: 512)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
+    p.add_argument("--force", action="store_true", help="overwrite --out (and its progress file)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_rollout)
+    return p
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    """`angelspec rollout`: run :func:`rollout` and print its summary."""
+    from angelspec.cli import resolve_target_dir
+
+    if args.resume and args.force:
+        raise RolloutError("--resume and --force contradict each other: pick one")
+    summary = rollout(resolve_target_dir(args.target), args.prompts, args.out, enable_thinking=args.think,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, resume=args.resume,
+                      force=args.force, progress=not args.quiet)
+    print(summary.format())
+    print(f"wrote {args.out}")
+    if summary.truncated_turns:
+        print(f"note: {summary.truncated_turns} responses hit --max-new-tokens {args.max_new_tokens}; they are kept "
+              "with rollout.finish_reason 'length' (filter them out or raise the limit)", file=sys.stderr)
+    return 0

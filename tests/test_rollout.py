@@ -1,0 +1,286 @@
+"""Target rollout (data/rollout.py) and decontamination (data/decontam.py) on the tiny target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from angelspec.data import rollout as rollout_mod
+from angelspec.data.rollout import RolloutError, rollout, split_response
+from angelspec.data.tokenizer import load_tokenizer
+from angelspec.models import load_target
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+from angelspec.spec.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+LINES = [
+    {"prompt": "Tom has 3 apples and buys 4 more.", "domain": "math", "id": 7},
+    {"messages": [SYSTEM, {"role": "user", "content": "def add(x, y):"},
+                  {"role": "assistant", "content": "ORIGINAL-A"}, {"role": "user", "content": "The cache returns"},
+                  {"role": "assistant", "content": "ORIGINAL-B"}], "domain": "code"},
+    {"messages": [{"role": "user", "content": "A drafter accepts"}, {"role": "assistant", "content": "ORIGINAL-C"},
+                  {"role": "user", "content": "this loop prints"}]},
+    {"prompt": "The tokenizer reads every row."},
+    {"prompt": "My function computes the answer."},
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def reference_generate(target_dir: Path, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """Plain greedy `SpecEngine.generate` on one rendered prompt: the path rollout must agree with."""
+    tok = load_tokenizer(target_dir)
+    model = load_target(target_dir, dtype=torch.float32)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    engine = SpecEngine(model, config=EngineConfig(max_batch_size=1))
+    req = Request(prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=0.0, seed=0),
+                  stop_ids=tuple(tok.eos_token_ids))
+    return engine.generate([req])[0].token_ids
+
+
+def test_schema_multiturn_and_greedy_equals_generate(tiny_target_dir: Path, tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:3])
+    out = tmp_path / "out.jsonl"
+    summary = rollout(tiny_target_dir, prompts, out, temperature=0.0, max_new_tokens=6, batch_size=2)
+    rows = read_jsonl(out)
+    assert len(rows) == 3 and summary.written == 3 and summary.turns == 1 + 2 + 2
+    assert rows[0]["domain"] == "math" and rows[0]["id"] == 7 and "prompt" not in rows[0]
+    assert [m["role"] for m in rows[1]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in rows[2]["messages"]] == ["user", "assistant", "user", "assistant"]
+    for row in rows:
+        info = row["rollout"]
+        assert set(info) == {"finish_reason", "num_tokens", "turns", "dropped_turns"}
+        assert info["num_tokens"] == sum(t["num_tokens"] for t in info["turns"]) > 0
+        assert info["finish_reason"] == ("length" if any(t["finish_reason"] == "length" for t in info["turns"])
+                                         else "stop")
+        assert not any(m["content"].startswith("ORIGINAL") for m in row["messages"])
+    assert summary.truncated_turns == sum(t["finish_reason"] == "length" for r in rows for t in r["rollout"]["turns"])
+
+    # Turn by turn: the second response is generated after the target's OWN first response.
+    tok = load_tokenizer(tiny_target_dir)
+    msgs = rows[1]["messages"]
+    first = reference_generate(tiny_target_dir, msgs[:2], 6)
+    assert msgs[2] == split_response(first, "stop" if first[-1] in tok.eos_token_ids else "length", tok,
+                                     tok.eos_token_ids, False)
+    second = reference_generate(tiny_target_dir, msgs[:4], 6)
+    assert msgs[4]["content"] == split_response(second, "stop", tok, tok.eos_token_ids, False)["content"]
+    assert rows[1]["rollout"]["turns"][1]["num_tokens"] == len(second)
+    single = reference_generate(tiny_target_dir, [{"role": "user", "content": LINES[0]["prompt"]}], 6)
+    assert rows[0]["messages"][1]["content"] == split_response(single, "stop", tok, tok.eos_token_ids, False)["content"]
+
+
+def test_resume_after_kill_mid_line_is_byte_identical(tiny_target_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
+    kw = dict(temperature=0.9, top_p=0.95, seed=3, max_new_tokens=5, batch_size=2, chunk_lines=2)
+    full = tmp_path / "full.jsonl"
+    rollout(tiny_target_dir, prompts, full, **kw)
+
+    out = tmp_path / "killed.jsonl"
+    real_write = rollout_mod._write_progress
+    calls = []
+
+    def dying_write(path: Path, state: dict) -> None:
+        calls.append(state["lines_done"])
+        if state["lines_done"] == 4:  # the second chunk reached the file, but the kill beats its sidecar
+            with open(out, "ab") as f:
+                f.write(b'{"messages": [{"role": "user", "cont')  # and a third chunk was half written
+            raise KeyboardInterrupt
+        real_write(path, state)
+
+    monkeypatch.setattr(rollout_mod, "_write_progress", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        rollout(tiny_target_dir, prompts, out, **kw)
+    monkeypatch.setattr(rollout_mod, "_write_progress", real_write)
+    assert out.read_bytes() != full.read_bytes() and not out.read_bytes().endswith(b"\n")
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        rollout(tiny_target_dir, prompts, out, **kw)
+    with pytest.raises(RolloutError, match="settings differ.*seed"):
+        rollout(tiny_target_dir, prompts, out, **{**kw, "seed": 4}, resume=True)
+    summary = rollout(tiny_target_dir, prompts, out, **kw, resume=True)
+    assert summary.resumed_at == 2 and summary.written == len(LINES)
+    assert out.read_bytes() == full.read_bytes()
+    # Resuming a finished run changes nothing.
+    rollout(tiny_target_dir, prompts, out, **kw, resume=True)
+    assert out.read_bytes() == full.read_bytes()
+
+
+def test_refusals_and_force(tiny_target_dir: Path, tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    out = tmp_path / "out.jsonl"
+    out.write_text("not ours\n")
+    with pytest.raises(FileExistsError, match="--force"):
+        rollout(tiny_target_dir, prompts, out, max_new_tokens=2)
+    with pytest.raises(RolloutError, match="no progress file"):
+        rollout(tiny_target_dir, prompts, out, max_new_tokens=2, resume=True)
+    summary = rollout(tiny_target_dir, prompts, out, max_new_tokens=1, force=True)
+    row = read_jsonl(out)[0]
+    # One token: either a stop token at once or a response cut by max_new_tokens, kept but flagged.
+    assert row["rollout"]["num_tokens"] == 1
+    assert summary.truncated_turns == int(row["rollout"]["finish_reason"] == "length")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
+    with pytest.raises(RolloutError, match=r"bad.jsonl:1: messages\[0\] is an assistant turn"):
+        rollout(tiny_target_dir, bad, tmp_path / "o2.jsonl")
+
+
+def test_split_response_thinking(tiny_target_dir: Path) -> None:
+    tok = load_tokenizer(tiny_target_dir)
+    msg = {"role": "assistant", "content": "the answer", "reasoning_content": "three apples"}
+    rendered = tok.apply_chat_template([{"role": "user", "content": "q"}, msg], add_generation_prompt=False,
+                                       enable_thinking=True)
+    head = tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True,
+                                   enable_thinking=True)
+    generated = rendered[len(head):-1]  # what the target writes: up to and including <|im_end|>, minus "\n"
+    assert generated[-1] == tok.im_end_id
+    assert split_response(generated, "stop", tok, tok.eos_token_ids, True) == msg
+    cut = split_response(generated[:3], "length", tok, tok.eos_token_ids, True)
+    assert cut["content"] == "" and "reasoning_content" in cut
+
+
+# ----- decontamination -----
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: makes "16 shared tokens" exact by construction."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        inv = {i: w for w, i in self.vocab.items()}
+        return " ".join(inv[i] for i in ids)
+
+
+def words(lo: int, hi: int) -> str:
+    return " ".join(f"w{i}" for i in range(lo, hi))
+
+
+def test_decontaminate_drops_exactly_the_16_token_overlaps() -> None:
+    from angelspec.data.decontam import decontaminate
+
+    evals = [{"prompt": words(0, 30)}, "an unrelated eval prompt"]
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    train = [
+        {"prompt": f"x y {words(5, 21)} z", "domain": "math"},  # 16 shared -> dropped
+        {"prompt": f"{words(5, 20)} q {words(21, 30)}", "domain": "math"},  # 15 + 9: near miss, kept
+        {"messages": [user("hello"), {"role": "assistant", "content": "a"}, user(words(10, 26))],
+         "domain": "chat"},  # second user turn -> dropped
+        {"messages": [user("hello"), {"role": "assistant", "content": words(0, 30)}], "domain": "chat"},  # answer
+        {"messages": [user(words(0, 8)), {"role": "assistant", "content": "a"}, user(words(8, 16))]},  # split turns
+    ]
+    kept, report = decontaminate(train, evals, WordTokenizer(), n=16)
+    assert kept == [train[1], train[3], train[4]]
+    assert [d["index"] for d in report.dropped] == [0, 2]
+    assert report.dropped[0]["overlap"] == words(5, 21) and report.dropped[0]["eval_index"] == 0
+    assert report.dropped_by_domain == {"math": 1, "chat": 1}
+    assert report.total_by_domain == {"math": 2, "chat": 2, "unknown": 1}
+    assert "dropped 2/5" in report.format()
+    kept15, _ = decontaminate(train, evals, WordTokenizer(), n=15)
+    assert train[1] not in kept15
+
+
+def test_ngram_hashes_match_a_slow_reference() -> None:
+    from angelspec.data.decontam import _BASE, ngram_hashes
+
+    rng = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50_000, (200,), generator=rng).tolist()
+    n, b = 16, int(_BASE)
+    slow = [sum((ids[i + j] + 1) * pow(b, n - 1 - j, 1 << 64) for j in range(n)) % (1 << 64)
+            for i in range(len(ids) - n + 1)]
+    assert ngram_hashes(ids, n).tolist() == slow
+    assert ngram_hashes(ids[:15], n).size == 0
+
+
+def test_decontam_cli_function(tiny_target_dir: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from angelspec.data.decontam import add_decontam_parser, cmd_decontam, report_path
+
+    eval_text = ("Tom has 12 apples and buys 30 more. 12 + 30 = 42. The answer is 42. "
+                 "Tom has 7 apples and buys 8 more.")
+    ev = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": eval_text}])
+    train = write_jsonl(tmp_path / "train.jsonl", [
+        {"prompt": "Please solve: " + eval_text, "domain": "math"},
+        {"prompt": "def add(x, y):\n    return x + y * 3", "domain": "code"},
+    ])
+    parser = argparse.ArgumentParser()
+    add_decontam_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "clean.jsonl"
+    args = parser.parse_args(["decontam", "--train", str(train), "--eval", str(ev), "--out", str(out),
+                              "--target", str(tiny_target_dir)])
+    assert args.func(args) == 0 and args.func is cmd_decontam
+    assert [r["domain"] for r in read_jsonl(out)] == ["code"]
+    assert json.loads(report_path(out).read_text())["dropped_by_domain"] == {"math": 1}
+    with pytest.raises(FileExistsError, match="--force"):
+        args.func(args)
+
+
+def test_rollout_cli_function(tiny_target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from angelspec.data.rollout import add_rollout_parser, cmd_rollout
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:2])
+    parser = argparse.ArgumentParser()
+    add_rollout_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "o.jsonl"
+    argv = ["rollout", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out),
+            "--no-think", "--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3",
+            "--batch-size", "2", "--quiet"]
+    args = parser.parse_args(argv)
+    assert args.func is cmd_rollout and args.func(args) == 0
+    assert "rollout: 2/2 conversations" in capsys.readouterr().out
+    assert len(read_jsonl(out)) == 2
+    with pytest.raises(RolloutError, match="contradict"):
+        cmd_rollout(parser.parse_args([*argv, "--resume", "--force"]))
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_context_overflow_skips_or_cuts_conversations(tiny_target_dir: Path, tmp_path: Path, think: bool) -> None:
+    long = "Tom has three apples. " * 120  # far beyond the tiny target's 256-token context
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": long, "id": "too-long"},
+        {"messages": [user("hi"), {"role": "assistant", "content": "x"}, user(long),
+                      {"role": "assistant", "content": "y"}, user("bye")], "id": "cut"},
+        {"prompt": "The cache returns the answer.", "id": "ok"},
+    ])
+    out = tmp_path / "out.jsonl"
+    summary = rollout(tiny_target_dir, prompts, out, enable_thinking=think, max_new_tokens=4)
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == ["cut", "ok"]
+    assert summary.skipped_too_long == 1 and summary.dropped_turns == 2 and summary.written == 2
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+    assert rows[0]["rollout"]["dropped_turns"] == 2 and len(rows[0]["rollout"]["turns"]) == 1
+    tok = load_tokenizer(tiny_target_dir)
+    for row in rows:  # every output conversation is trainable data under the same template
+        enc = tok.encode_conversation(row["messages"], enable_thinking=think)
+        assert sum(enc.loss_mask) > 0
+
+
+def test_batch_size_and_chunking_do_not_change_the_file(tiny_target_dir: Path, tmp_path: Path) -> None:
+    """Why resuming with another --batch-size is allowed: per-request seeds make rows batch-independent."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
+    outs = []
+    for bs, chunk in [(1, 2), (4, None)]:
+        out = tmp_path / f"o{bs}.jsonl"
+        rollout(tiny_target_dir, prompts, out, temperature=0.9, seed=5, max_new_tokens=6, batch_size=bs,
+                chunk_lines=chunk)
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
