@@ -42,7 +42,7 @@ def prompts_file(tmp_path: Path) -> Path:
 # ----- parser -------------------------------------------------------------------------------------
 def test_help_and_missing_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
-    assert code == 0 and "generate" in out and "target" in out
+    assert code == 0 and all(name in out for name in ("generate", "eval", "train", "target"))
     code, _, err = run(capsys)
     assert code == 2 and "COMMAND" in err
 
@@ -183,15 +183,6 @@ def test_prompt_longer_than_context(capsys: pytest.CaptureFixture[str], tmp_path
     assert_bad_input(code, err, f"{prompts}:2:", "tokens", "context is 256")
 
 
-def test_drafter_not_available_yet(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
-                                   tiny_target_dir: Path) -> None:
-    for spec, needle in [("ngram", "not available yet"), ("draft-lm:/x", "not available yet"),
-                         ("bogus", "unknown drafter")]:
-        code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl",
-                           "--target", tiny_target_dir, "--drafter", spec)
-        assert_bad_input(code, err, needle)
-
-
 # ----- happy path --------------------------------------------------------------------------------
 def test_generate_writes_one_line_per_prompt(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                              tiny_target_dir: Path) -> None:
@@ -257,13 +248,19 @@ def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], t
 
 
 # ----- demo --------------------------------------------------------------------------------------
-def test_demo_on_tiny_target(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path) -> None:
+def test_demo_on_tiny_target_without_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path,
+                                              tmp_path: Path) -> None:
+    """No trained draft LM yet: the demo still runs AR and n-gram, and says how to train the draft LM."""
     from angelspec import demo
 
-    assert demo.main(["--target", str(tiny_target_dir), "--max-new-tokens", "4"]) == 0
+    args = ["--target", str(tiny_target_dir), "--max-new-tokens", "4", "--per-domain", "2",
+            "--draft-lm", str(tmp_path / "no-draft-lm")]
+    assert demo.main(args) == 0
     out = capsys.readouterr().out
     assert "demo report" in out and "tokens/s" in out
-    assert all(f"[{domain}]" in out for domain in demo.DEMO_PROMPTS)
+    assert all(f"[{domain}]" in out for domain in ("code", "math", "chat"))
+    assert "skipped" in out and "angelspec train --drafter draft-lm" in out
+    assert "n-gram" in out and "identical to AR (6/6)" in out and "draft-LM" not in out
 
 
 def test_demo_without_embedded_target(capsys: pytest.CaptureFixture[str], tmp_path: Path,

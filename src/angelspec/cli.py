@@ -4,7 +4,8 @@ Each subcommand is one small function; heavy modules (torch, the engine, the tra
 inside them so `angelspec --help` answers instantly. Errors that AngelSpec raises on purpose for bad
 input (its own exception classes such as `CheckpointError`, `PromptFileError`, `UsageError`, plus
 `FileExistsError` / `FileNotFoundError`) become one line on stderr and exit code 2; anything else is
-a bug and keeps its traceback.
+a bug and keeps its traceback. `eval` exits 1 when speculative outputs at T=0 differ from AR outputs:
+that is a bug in the engine, not bad input.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec import __version__
-from angelspec.assets import DEFAULT_TARGET
+from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS
 
 if TYPE_CHECKING:
-    from angelspec.models import Decoder
+    import torch
 
+    from angelspec.eval.speculative import EvalPrompt
+    from angelspec.models import Decoder
+    from angelspec.spec.drafter import Drafter
+
+EXIT_NOT_LOSSLESS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
-DRAFTER_SPECS = "none | ngram | draft-lm:DIR | DIR"
+DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
+# Drafters `angelspec train` can train today; the others in the roadmap (MTP, EAGLE-3, the DFlash family)
+# are named only in the refusal message until they exist.
+TRAINABLE_DRAFTERS = ("draft-lm",)
+PLANNED_DRAFTERS = "mtp, eagle3, dflash, dflare, dfly, dspark"
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json / the output file
 
 
@@ -90,7 +100,8 @@ def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: in
 
 
 def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
-               batch_size: int, drafter: Any = None, progress: bool = True) -> tuple[list[Any], Any]:
+               batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
+               progress: bool = True) -> tuple[list[Any], Any]:
     """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
     `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used).
 
@@ -100,7 +111,8 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 
     context = model.config.max_position_embeddings
-    engine = SpecEngine(model, drafter=drafter, config=EngineConfig(max_batch_size=batch_size))
+    engine = SpecEngine(model, drafter=drafter,
+                        config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens))
     requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
                         request_id=i)
                 for i, (ids, s) in enumerate(zip(prompt_ids, sampling, strict=True))]
@@ -108,18 +120,129 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     return results, engine.metrics
 
 
-def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path) -> Any:
-    """Turn `--drafter SPEC` into a drafter object for the engine (None = plain autoregressive decoding).
+def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
+                    dtype: torch.dtype | None = None) -> Drafter | None:
+    """Turn `--drafter SPEC` into a drafter for the engine (None = plain autoregressive decoding).
 
-    Accepted specs: `none`, `ngram` (prompt lookup), `draft-lm:DIR` (an independent small LM with the
-    target's tokenizer), or a drafter checkpoint DIR. Only `none` works until the speculative engine lands.
+    Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
+    drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
+    target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
+    `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
+    `from_pretrained(DIR, *, target=..., dtype=...)` (each keyword passed when the loader takes it: a
+    draft LM has its own weights in `dtype`, an MTP head shares the target's embedding), found via the
+    registry, so a new drafter kind needs no change here. The drafter is checked against the target
+    before it is returned: a drafter for another target fails here, before any decoding.
     """
     if spec is None or spec == "none":
         return None
-    if spec == "ngram" or spec.startswith("draft-lm:") or Path(spec).is_dir():
-        raise UsageError(f"drafter {spec!r} is not available yet: speculative decoding is still being built; "
-                         "use --drafter none (plain autoregressive decoding)")
-    raise UsageError(f"unknown drafter {spec!r}: expected {DRAFTER_SPECS} (no such directory: {spec})")
+    from angelspec.spec.drafter import DrafterMismatchError, registered_drafters
+    from angelspec.spec.drafters.ngram import NGramDrafter
+
+    kind, sep, arg = spec.partition(":")
+    dtype = dtype or target.embed_tokens.weight.dtype
+    drafter: Drafter
+    try:
+        if kind == "ngram":
+            drafter = NGramDrafter(max_ngram=_ngram_size(spec, arg) if sep else 3)
+        elif kind in registered_drafters():
+            if not sep or not arg:
+                raise UsageError(f"drafter {spec!r} needs the folder it was saved in: {kind}:DIR; "
+                                 f"valid forms: {drafter_forms()}")
+            drafter = _load_saved_drafter(spec, Path(arg), kind, target, dtype)
+        elif Path(spec).exists():
+            drafter = _load_saved_drafter(spec, Path(spec), None, target, dtype)
+        else:
+            what = f"{kind!r} is not a drafter kind" if sep else "not a drafter name, and no such directory"
+            raise UsageError(f"unknown drafter {spec!r} ({what}); valid forms: {drafter_forms()}")
+        drafter.check_compatible(target.config)
+    except DrafterMismatchError as e:
+        raise DrafterMismatchError(f"drafter {spec!r} does not fit the target {target_dir}: {e}") from None
+    return drafter
+
+
+def drafter_forms(include_none: bool = True) -> str:
+    """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
+    from angelspec.spec.drafter import get_drafter, registered_drafters
+
+    kinds = [k for k in registered_drafters() if callable(getattr(get_drafter(k), "from_pretrained", None))]
+    saved = ", ".join(f"{k}:DIR" for k in kinds)
+    none = "none, " if include_none else ""
+    return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
+           "`angelspec train`)"
+
+
+def _ngram_size(spec: str, arg: str) -> int:
+    try:
+        n = int(arg)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UsageError(f"drafter {spec!r}: ngram:N needs a positive integer N (the longest n-gram to match), "
+                         f"got {arg!r}")
+    return n
+
+
+def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
+    """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`."""
+    import inspect
+
+    from angelspec.spec.drafter import get_drafter, registered_drafters
+
+    if not path.is_dir():
+        problem = "is a file, not a folder" if path.exists() else "does not exist"
+        raise UsageError(f"drafter {spec!r}: {path} {problem}; valid forms: {drafter_forms()}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise UsageError(f"drafter {spec!r}: {path} is not a drafter folder (no config.json); "
+                         f"valid forms: {drafter_forms()}")
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"drafter {spec!r}: {config} is not valid JSON ({e})") from None
+    meta = raw.get("angelspec") if isinstance(raw, dict) else None
+    recorded = meta.get("drafter") if isinstance(meta, dict) else None
+    if kind is None:
+        if not isinstance(recorded, str):
+            raise UsageError(f'drafter {spec!r}: {path} is not an AngelSpec drafter folder (its config.json has no '
+                             f'"angelspec": {{"drafter": ...}} entry); to use a plain HF causal LM that shares the '
+                             f"target's tokenizer as a draft model, pass draft-lm:{path}")
+        if recorded not in registered_drafters():
+            raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, which this version of AngelSpec "
+                             f"cannot load (known kinds: {', '.join(registered_drafters())})")
+        kind = recorded
+    elif recorded is not None and recorded != kind:
+        raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
+                         f"pass --drafter {path} (or {recorded}:{path})")
+    loader = getattr(get_drafter(kind), "from_pretrained", None)
+    if not callable(loader):
+        raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
+                         f"valid forms: {drafter_forms()}")
+    accepted = inspect.signature(loader).parameters
+    return loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
+
+
+def eval_prompts(tokenizer: Any, records: list[dict[str, Any]], *, context: int, source: str,
+                 limit: int | None = None, think: bool = False) -> list[EvalPrompt]:
+    """Prompts for `evaluate`: grouped by each line's "domain" key, at most `limit` per domain.
+
+    Lines without a domain are grouped as "other" when some lines have one, and everything is one group
+    ("all") when none has; a domain that is not a string is refused with its line number.
+    """
+    from angelspec.eval.speculative import ALL, EvalPrompt
+
+    has_domains = any("domain" in p["record"] for p in records)
+    kept, counts = [], {}
+    for p in records:
+        domain = p["record"].get("domain", "other") if has_domains else ALL
+        if has_domains and (not isinstance(domain, str) or not domain.strip() or domain == ALL):
+            raise UsageError(f'{source}:{p["line"]}: "domain" must be a non-empty string other than {ALL!r}, '
+                             f"got {domain!r}")
+        if limit is not None and counts.get(domain, 0) >= limit:
+            continue
+        counts[domain] = counts.get(domain, 0) + 1
+        kept.append((p, domain))
+    ids = encode_prompts(tokenizer, [p for p, _ in kept], context=context, think=think, source=source)
+    return [EvalPrompt(ids=i, domain=d, line=p["line"]) for i, (p, d) in zip(ids, kept, strict=True)]
 
 
 def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
@@ -136,11 +259,11 @@ def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
         raise
 
 
-def _check_output_path(path: Path, force: bool) -> None:
+def _check_output_path(path: Path, force: bool, flag: str = "--out", example: str = "out.jsonl") -> None:
     if path.is_dir():
-        raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'out.jsonl'}")
+        raise UsageError(f"{flag} {path} is a directory; give a file name such as {path / example}")
     if path.exists() and not force:
-        raise FileExistsError(f"--out {path} already exists; pass --force to overwrite it")
+        raise FileExistsError(f"{flag} {path} already exists; pass --force to overwrite it")
 
 
 def _sampling_params(args: argparse.Namespace, n: int) -> list[Any]:
@@ -171,6 +294,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _positive("--max-new-tokens", args.max_new_tokens)
     _positive("--batch-size", args.batch_size)
+    _positive("--num-draft-tokens", args.num_draft_tokens)
     out = Path(args.out)
     _check_output_path(out, args.force)
     prompts = load_prompts(args.prompts)
@@ -186,7 +310,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               'context; they stop at the context limit (finish_reason "length")', file=sys.stderr)
 
     results, metrics = run_engine(model, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                  batch_size=args.batch_size, drafter=drafter, progress=not args.quiet)
+                                  batch_size=args.batch_size, drafter=drafter,
+                                  num_draft_tokens=args.num_draft_tokens, progress=not args.quiet)
     records = []
     for p, res in zip(prompts, results, strict=True):
         ids = [int(t) for t in res.token_ids]
@@ -195,33 +320,118 @@ def cmd_generate(args: argparse.Namespace) -> int:
     write_jsonl_atomic(out, records)
     print(f"wrote {len(records)} completions to {out}: {metrics.output_tokens} tokens in {metrics.wall_s:.2f} s "
           f"({metrics.tokens_per_s:.1f} tokens/s, batch size {min(args.batch_size, len(records))}, "
-          f"drafter {args.drafter})")
+          f"drafter {args.drafter}{_mal_text(metrics) if drafter is not None else ''})")
     return 0
+
+
+def _mal_text(metrics: Any) -> str:
+    return f", MAL {metrics.mean_accepted_length:.2f} with K={metrics.num_draft_tokens}"
 
 
 def cmd_target_build(args: argparse.Namespace) -> int:
     """`angelspec target build`: build the corpus and tokenizer, train the target, export a HF folder."""
-    from angelspec.train.target import PRESETS, build_target, with_overrides
+    from angelspec.train.target import PRESETS, build_target
 
-    if args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
-    overrides: dict[str, str] = {}
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"setting {item!r} is not of the form key=value (e.g. steps=100)")
-        overrides[key] = value
-    try:
-        config = with_overrides(PRESETS[args.preset](), overrides)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    config = _preset_config(PRESETS, args)
     out = Path(args.out) if args.out is not None else DEFAULT_TARGET
     report = build_target(out, work_dir=Path(args.work_dir), config=config, resume=args.resume, force=args.force,
                           progress=not args.quiet, max_minutes=args.max_minutes, log=print)
     print(format_build_report(report, out))
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`angelspec eval`: AR and a drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.eval.speculative import EvalSettings, evaluate
+    from angelspec.models.hf_io import write_json_atomic
+
+    if args.drafter == "none":
+        raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
+                         f"choose a drafter: {drafter_forms(include_none=False)}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--num-draft-tokens", args.num_draft_tokens), ("--limit", args.limit)):
+        if value is not None:
+            _positive(flag, value)
+    json_out = Path(args.json) if args.json is not None else None
+    if json_out is not None:
+        _check_output_path(json_out, args.force, "--json", "eval.json")
+    prompts_path = Path(args.prompts) if args.prompts is not None else EVAL_PROMPTS
+    records = load_prompts(prompts_path)
+    sampling = _sampling_params(args, 1)[0]  # evaluate gives request i the seed S + i
+    target_dir = resolve_target_dir(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    prompts = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
+                           source=str(prompts_path), limit=args.limit, think=args.think)
+    drafter = resolve_drafter(args.drafter, model, target_dir)
+    assert drafter is not None
+    settings = EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                            num_draft_tokens=args.num_draft_tokens, sampling=sampling)
+    report = evaluate(model, drafter, prompts, settings, name=args.drafter, progress=not args.quiet)
+    print(f"target {target_dir}\nprompts {prompts_path}")
+    print(report.format())
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(json_out, {"target": str(target_dir), "prompts_file": str(prompts_path),
+                                     **report.to_dict()})
+        print(f"wrote {json_out}")
+    if report.lossless is False:
+        bar = "!" * 100
+        print(f"{bar}\nangelspec: LOSSLESS CHECK FAILED: {report.lossless_line().removeprefix('lossless: NO: ')}\n"
+              + "\n".join(m.describe() for m in report.mismatches[:5]) + f"\n{bar}", file=sys.stderr)
+        return EXIT_NOT_LOSSLESS
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
+    if args.drafter not in TRAINABLE_DRAFTERS:
+        hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
+                if args.drafter.partition(":")[0] == "ngram" else f" ({PLANNED_DRAFTERS} are planned)")
+        raise UsageError(f"cannot train drafter {args.drafter!r}: the drafters that can be trained today are "
+                         f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
+    from angelspec.train.draft_lm import PRESETS, train_draft_lm
+
+    config = _preset_config(PRESETS, args)
+    data = Path(args.data)
+    if not data.exists():
+        raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
+                                "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
+    target_dir = resolve_target_dir(args.target)
+    out = Path(args.out)
+    report = train_draft_lm(target_dir, data, out, config=config, resume=args.resume, force=args.force,
+                            progress=not args.quiet, max_minutes=args.max_minutes, log=print)
+    print(format_train_report(report, out, planned_steps=config.steps))
+    return 0
+
+
+def _preset_config(presets: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The named preset with `key=value` overrides applied; also checks --max-minutes."""
+    from angelspec.train.overrides import parse_overrides, with_overrides
+
+    if args.preset not in presets:
+        raise UsageError(f"unknown preset {args.preset!r}; choose one of {', '.join(sorted(presets))}")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
+    try:
+        return with_overrides(presets[args.preset](), parse_overrides(args.overrides))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def format_train_report(report: dict[str, Any], out: Path, planned_steps: int) -> str:
+    """Human-readable summary of a drafter training report, with how to use or continue it."""
+    steps = report.get("steps", 0)
+    lines = [f"{report.get('drafter', 'drafter')} written to {out}: {report.get('parameters', 0) / 1e6:.2f}M "
+             f"parameters, {steps} steps, {report.get('train_seconds', 0) / 60:.1f} min"]
+    if steps < planned_steps:
+        lines.append(f"stopped at step {steps} of {planned_steps}; continue with the same command and --resume")
+    losses = report.get("heldout_loss", {})
+    if losses:
+        lines.append("held-out loss per domain (nats/token): "
+                     + ", ".join(f"{d} {loss:.3f}" for d, loss in losses.items()))
+    lines.append(f"use it: angelspec eval --drafter {out}   (or angelspec generate --drafter {out} ...)")
+    return "\n".join(lines)
 
 
 def format_build_report(report: dict[str, Any], out: Path) -> str:
@@ -261,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"angelspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
+    _add_eval(sub)
+    _add_train(sub)
     _add_target(sub)
     return parser
 
@@ -277,6 +489,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
     p.add_argument("--drafter", default="none", metavar="SPEC", help=f"{DRAFTER_SPECS} (default: none)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="drafts proposed and verified per step (default: 4; ignored without a drafter)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = disabled (default: 0)")
@@ -287,6 +501,63 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="render the chat template in thinking mode (default: --no-think)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="measure a drafter against autoregressive decoding on the same prompts",
+        description="Decode the same prompts autoregressively and with the drafter, in one process and with the "
+                    "same settings (after an untimed warm-up), and print MAL, acceptance p_1..p_K, the "
+                    "acceptance-length histogram, the time split, tokens/s and the speed-up over AR, per domain "
+                    'when prompt lines carry a "domain" key. At T=0 the outputs must be identical to AR\'s; '
+                    "if they are not, the command says so loudly and exits 1.",
+    )
+    p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS)
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help='prompts, one {"prompt"} or {"messages"} object per line, optional "domain" '
+                        "(default: the shipped held-out prompts for code, math and chat)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per domain")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy, with the token-for-token check against AR (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = disabled (default: 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="request i uses seed S+i (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per prompt (default: 128)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="drafts proposed and verified per step (default: 4)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
+                   help="render the chat template in thinking mode (default: --no-think)")
+    p.add_argument("--json", metavar="OUT", help="also write the numbers as JSON (refused if it exists)")
+    p.add_argument("--force", action="store_true", help="overwrite --json if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a drafter for a target",
+        description="Train a drafter for a frozen target and write a self-describing folder (config.json with "
+                    "the drafter kind and the target's fingerprint, safetensors, the target's tokenizer) that "
+                    f"generate and eval load with --drafter DIR. Trainable today: {', '.join(TRAINABLE_DRAFTERS)}.",
+    )
+    p.add_argument("--drafter", required=True, metavar="KIND",
+                   help=f"drafter kind to train: {', '.join(TRAINABLE_DRAFTERS)}")
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
+                   help="a JSONL file of conversations, or a corpus folder with <domain>/train.jsonl "
+                        "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
+    p.add_argument("--preset", default="draft_lm_embedded", metavar="NAME",
+                   help="training preset: draft_lm_embedded (default) or tiny_debug")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out/training")
+    p.add_argument("--force", action="store_true", help="start over, overwriting --out")
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                   help="stop after M minutes at a checkpoint and export (continue later with --resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override preset fields, e.g. steps=100")
+    p.set_defaults(func=cmd_train)
 
 
 def _add_target(sub: argparse._SubParsersAction) -> None:

@@ -1,11 +1,17 @@
 """`make demo`: the AngelSpec story on the embedded target, as a list of stages.
 
-Today the story is: load the target, then decode a few prompts per domain (code, maths, chat) greedily
-through the engine and report tokens/s. Later stages (train a drafter, evaluate acceptance, benchmark
-against AR and peers) are appended to `STAGES`; each stage reads what earlier ones left in the shared
-`DemoState` and returns a few numbers for the closing report.
+The story: load the target; decode a few held-out prompts per domain (code, maths, chat) greedily with
+plain autoregressive (AR) decoding, the baseline; decode the same prompts with n-gram prompt lookup and
+with the shipped draft LM; close with one table per domain of tokens/s, mean accepted length (MAL),
+speed-up over AR, and whether the speculative outputs are identical to AR's (they must be, at T=0).
+The measuring is `angelspec.eval.speculative`, the same code as `angelspec eval`, so the demo's numbers
+mean what `eval`'s numbers mean.
 
-Run with `python -m angelspec.demo [--target DIR] [--max-new-tokens N]`.
+Each stage reads what earlier ones left in the shared `DemoState` and returns a few facts for the
+closing report; later work appends stages (train a drafter, benchmark against peers) to `STAGES`.
+
+Run with `python -m angelspec.demo [--target DIR] [--draft-lm DIR] [--per-domain N] [--max-new-tokens N]
+[--batch-size B]`.
 """
 
 from __future__ import annotations
@@ -18,32 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS
 from angelspec.cli import (
     EXIT_BAD_INPUT,
-    MAX_SAMPLE_LINES,
-    encode_prompts,
+    UsageError,
     is_user_error,
     load_target_and_tokenizer,
     preview_lines,
+    resolve_drafter,
     resolve_target_dir,
-    run_engine,
 )
 
-# A few prompts per domain, in the style of the embedded target's training data.
-DEMO_PROMPTS: dict[str, list[str]] = {
-    "code": [
-        "Write a Python function `is_palindrome(s)` that returns True if the string reads the same backwards.",
-        "Write a Python function that returns the n-th Fibonacci number.",
-    ],
-    "maths": [
-        "Tom has 3 boxes with 12 apples each. He gives away 9 apples. How many apples does he have left?",
-        "A train travels 60 km per hour for 3 hours. How far does it travel?",
-    ],
-    "chat": [
-        "What are some tips for staying productive when working from home?",
-        "Can you explain what a cache is in simple terms?",
-    ],
-}
+PREVIEW_LINES = 6  # of the one sample completion shown per domain
 
 
 @dataclass
@@ -51,11 +43,19 @@ class DemoState:
     """What stages hand to each other: settings in, loaded objects and measurements out."""
 
     target: str | None
-    max_new_tokens: int
+    max_new_tokens: int = 96
+    per_domain: int = 6
+    batch_size: int = 8
+    num_draft_tokens: int = 4
+    draft_lm: Path = DEFAULT_DRAFT_LM
     target_dir: Path | None = None
     model: Any = None
     tokenizer: Any = None
-    outputs: dict[str, Any] = field(default_factory=dict)
+    prompts: list[Any] = field(default_factory=list)  # EvalPrompt
+    questions: list[str] = field(default_factory=list)  # the user message of each prompt, for previews
+    settings: Any = None  # EvalSettings
+    baseline: Any = None  # DecodeRun of AR decoding
+    reports: list[Any] = field(default_factory=list)  # EvalReport per drafter, in stage order
 
 
 @dataclass(frozen=True)
@@ -73,30 +73,106 @@ def stage_load_target(state: DemoState) -> dict[str, str]:
                      f"context {cfg.max_position_embeddings}"}
 
 
-def stage_generate_ar(state: DemoState) -> dict[str, str]:
-    """Greedy autoregressive decoding of every demo prompt in one batch: the baseline later stages beat."""
-    from angelspec.spec.sampling import SamplingParams
+def select_prompts(state: DemoState) -> tuple[list[Any], list[str]]:
+    """The first `per_domain` held-out prompts of each domain that leave room for the whole token budget,
+    so every request decodes the same number of tokens in every mode (a small target's context may be
+    shorter than some prompts)."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.eval.speculative import EvalPrompt
 
-    prompts = [{"line": i + 1, "messages": [{"role": "user", "content": text}], "domain": domain}
-               for i, (domain, text) in enumerate((d, t) for d, ts in DEMO_PROMPTS.items() for t in ts)]
-    context = state.model.config.max_position_embeddings
-    ids = encode_prompts(state.tokenizer, prompts, context=context, think=False, source="demo prompts")
-    results, metrics = run_engine(state.model, ids, max_new_tokens=state.max_new_tokens,
-                                  sampling=[SamplingParams()] * len(ids), batch_size=len(ids))
-    for p, res in zip(prompts, results, strict=True):
-        text = state.tokenizer.decode([int(t) for t in res.token_ids], skip_special_tokens=True)
-        print(f"\n[{p['domain']}] {p['messages'][0]['content']}")
-        print("\n".join(preview_lines(text, MAX_SAMPLE_LINES)))
-        print(f"    -- {len(res.token_ids)} tokens, finish_reason={res.finish_reason}")
-    state.outputs["ar_metrics"] = metrics
-    return {"prompts": f"{len(prompts)} ({', '.join(DEMO_PROMPTS)})",
-            "AR greedy": f"{metrics.output_tokens} tokens in {metrics.wall_s:.2f} s = {metrics.tokens_per_s:.1f} "
-                         f"tokens/s (batch {len(prompts)}, {metrics.steps} decode steps)"}
+    room = state.model.config.max_position_embeddings - state.max_new_tokens
+    chosen: list[EvalPrompt] = []
+    questions: list[str] = []
+    counts: dict[str, int] = {}
+    for p in load_prompts(EVAL_PROMPTS):
+        domain = p["record"].get("domain", "other")
+        if counts.get(domain, 0) >= state.per_domain:
+            continue
+        ids = state.tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, enable_thinking=False)
+        if len(ids) <= room:
+            chosen.append(EvalPrompt(ids=ids, domain=domain, line=p["line"]))
+            questions.append(p["messages"][-1]["content"])
+            counts[domain] = counts.get(domain, 0) + 1
+    if not chosen:
+        raise UsageError(f"no prompt of {EVAL_PROMPTS} fits the target's context with {state.max_new_tokens} new "
+                         "tokens; lower --max-new-tokens")
+    return chosen, questions
+
+
+def stage_ar_baseline(state: DemoState) -> dict[str, str]:
+    """Greedy AR decoding of the demo prompts: the reference every drafter must reproduce and beat."""
+    from angelspec.eval.speculative import EvalSettings, run_decoding
+
+    state.prompts, state.questions = select_prompts(state)
+    state.settings = EvalSettings(max_new_tokens=state.max_new_tokens, batch_size=state.batch_size,
+                                  num_draft_tokens=state.num_draft_tokens)
+    state.baseline = run_decoding(state.model, state.prompts, state.settings, desc="AR")
+    shown: set[str] = set()
+    for prompt, question, out in zip(state.prompts, state.questions, state.baseline.outputs, strict=True):
+        if prompt.domain in shown:
+            continue
+        shown.add(prompt.domain)
+        first_line = question.strip().splitlines()[0] if question.strip() else ""
+        print(f"\n[{prompt.domain}] {first_line[:100]}")
+        print("\n".join(preview_lines(state.tokenizer.decode(out, skip_special_tokens=True), PREVIEW_LINES)))
+    m = state.baseline.overall
+    counts = ", ".join(f"{d} {sum(p.domain == d for p in state.prompts)}" for d in state.baseline.domains)
+    return {"prompts": f"{len(state.prompts)} held-out ({counts}), greedy, {state.max_new_tokens} new tokens, "
+                       f"batch {state.batch_size}",
+            "AR": f"{m.output_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tokens/s"}
+
+
+def _speculative_stage(state: DemoState, spec: str, name: str) -> dict[str, str]:
+    from angelspec.eval.speculative import evaluate
+
+    drafter = resolve_drafter(spec, state.model, state.target_dir)
+    report = evaluate(state.model, drafter, state.prompts, state.settings, name=name, baseline=state.baseline)
+    state.reports.append(report)
+    print(report.format())
+    r = report.overall
+    return {name: f"{r.spec.tokens_per_s:.1f} tokens/s, MAL {r.spec.mean_accepted_length:.2f} "
+                  f"(K={state.num_draft_tokens}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
+
+
+def stage_ngram(state: DemoState) -> dict[str, str]:
+    """Prompt lookup: no model and no training, strong wherever outputs copy from the prompt (code)."""
+    return _speculative_stage(state, "ngram", "n-gram")
+
+
+def stage_draft_lm(state: DemoState) -> dict[str, str]:
+    """The shipped one-layer draft LM; skipped with a note when it has not been trained yet, or when it was
+    trained for another target than the one the demo runs."""
+    from angelspec.spec.drafter import DrafterMismatchError
+
+    folder = state.draft_lm
+    if not (folder / "config.json").is_file():
+        note = (f"skipped: {folder} has no draft LM yet; train it with `angelspec train --drafter draft-lm "
+                f"--data .cache/target-build/corpus --out {folder}` (a few minutes on CPU)")
+        print(note)
+        return {"draft LM": note}
+    try:
+        return _speculative_stage(state, f"draft-lm:{folder}", "draft-LM")
+    except DrafterMismatchError as e:
+        note = f"skipped: {e}"
+        print(note)
+        return {"draft LM": note}
+
+
+def stage_report(state: DemoState) -> dict[str, str]:
+    """AR and every drafter side by side, per domain."""
+    from angelspec.eval.speculative import format_comparison
+
+    print(format_comparison(state.baseline, state.reports))
+    ok = all(r.lossless for r in state.reports)
+    return {"lossless": "every speculative output identical to AR" if ok else "SPECULATIVE OUTPUTS DIFFER FROM AR"}
 
 
 STAGES: list[Stage] = [
     Stage("load target", stage_load_target),
-    Stage("generate (autoregressive, greedy)", stage_generate_ar),
+    Stage("AR baseline (greedy)", stage_ar_baseline),
+    Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
+    Stage("speculative decoding: draft LM", stage_draft_lm),
+    Stage("AR vs drafters, per domain", stage_report),
 ]
 
 
@@ -122,9 +198,18 @@ def format_report(report: list[tuple[str, float, dict[str, str]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m angelspec.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    parser.add_argument("--draft-lm", default=str(DEFAULT_DRAFT_LM), metavar="DIR",
+                        help="draft LM folder for the draft-LM stage (default: the shipped one)")
+    parser.add_argument("--per-domain", type=int, default=6, metavar="N", help="prompts per domain (default: 6)")
     parser.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="per prompt (default: 96)")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
     args = parser.parse_args(argv)
-    state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens)
+    for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
+                        ("--batch-size", args.batch_size)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
+                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm))
     try:
         report = run_demo(state)
     except Exception as e:
@@ -133,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_report(report))
-    return 0
+    return 0 if all(r.lossless is not False for r in state.reports) else 1
 
 
 if __name__ == "__main__":

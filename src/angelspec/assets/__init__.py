@@ -1,8 +1,12 @@
-"""Files that ship inside the package: the embedded default target (`assets/target/`)."""
+"""Files that ship inside the package: the embedded default target (`assets/target/`), the draft LM
+trained for it (`assets/draft_lm/`), and held-out evaluation prompts."""
 
 from pathlib import Path
 
 DEFAULT_TARGET = Path(__file__).parent / "target"
+# The draft-LM baseline trained for DEFAULT_TARGET (`angelspec train --drafter draft-lm`); the demo skips
+# its stage while this folder has no config.json.
+DEFAULT_DRAFT_LM = Path(__file__).parent / "draft_lm"
 # Held-out prompts per domain (code, math, chat) from the embedded corpus' held-out splits, for `eval`,
 # benchmarks and the demo. Never used for training.
 EVAL_PROMPTS = Path(__file__).parent / "prompts" / "eval.jsonl"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -256,16 +256,3 @@ def export_target(model: Decoder, tok_dir: Path, out_dir: Path, held: dict[str, 
         "samples": samples, "command": "angelspec target build --out src/angelspec/assets/target",
     }
 
-
-def with_overrides(cfg: TargetTrainConfig, overrides: dict[str, str]) -> TargetTrainConfig:
-    """Apply `key=value` overrides from the CLI with type checking against the dataclass."""
-    kwargs: dict[str, Any] = {}
-    for key, raw in overrides.items():
-        if not hasattr(cfg, key):
-            raise ValueError(f"unknown setting {key!r}; valid keys: {', '.join(sorted(asdict(cfg)))}")
-        cur = getattr(cfg, key)
-        try:
-            kwargs[key] = (raw.lower() in ("1", "true", "yes")) if isinstance(cur, bool) else type(cur)(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"setting {key}={raw!r}: expected a {type(cur).__name__}") from None
-    return replace(cfg, **kwargs)
