@@ -474,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_train(sub)
     _add_target(sub)
+    # Data commands live with their modules; each registers its parser and sets `func`.
+    from angelspec.data.decontam import add_decontam_parser
+    from angelspec.data.rollout import add_rollout_parser
+
+    add_rollout_parser(sub)
+    add_decontam_parser(sub)
     return parser
 
 

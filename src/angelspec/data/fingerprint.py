@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 SAMPLES_PER_TENSOR = 1024
 _CHUNK = 1 << 20
@@ -27,6 +28,8 @@ def model_fingerprint(model: nn.Module) -> str:
     different dtype or a different architecture gives another one. Not a cryptographic hash of all
     weights (see the module docstring for the trade-off).
     """
+    import torch  # here, not at module level: the CLI parser imports this module and must stay light
+
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_hf_dict"):

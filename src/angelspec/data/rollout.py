@@ -42,7 +42,7 @@ from typing import Any
 
 from angelspec.data.fingerprint import file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
-from angelspec.models.hf_io import write_json_atomic
+from angelspec.fileio import write_json_atomic
 
 PROGRESS_SUFFIX = ".progress.json"
 SIDECAR_VERSION = 1

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from angelspec.fileio import write_json_atomic
 from angelspec.models.config import ConfigError, DecoderConfig, rope_inv_freq
 from angelspec.models.decoder import Decoder
 
@@ -23,16 +24,6 @@ INDEX_NAME = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the folder and the fix."""
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON via a temp file + rename so a crash never leaves a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def save_safetensors_atomic(
