@@ -1,0 +1,238 @@
+"""The shared-parameter multi-depth MTP block (report §2.1, Eq. 1–2).
+
+One physical block, invoked recurrently for D logical depths k = 0..D-1:
+
+    Eq. 1   u^(k) = W_proj [RMSNorm(h^(k-1)) ; RMSNorm(E(x̃_k))]
+    Eq. 2   h^(k) = F_θ(u^(k), K^(<k)),        q_k = softmax(W_lm · RMSNorm_out(h^(k)))
+
+h^(-1) is the target's tap hidden state (by default the output of the target's last decoder layer, tap
+id L-1; DESIGN.md trap 2), E and W_lm are the target's embedding and LM head, and F_θ is one decoder
+layer (`DecoderLayer`: RMSNorm, GQA attention with RoPE and the target family's q/k norm, SwiGLU MLP)
+attending over the draft KV K^(<k). Like DeepSeek-V3's MTP module (and unlike the bare Eq. 2) the
+layer output passes through the block's own final RMSNorm before W_lm, because the target's head was
+trained on normalised states; h^(k) itself (pre-norm) is what the next depth consumes.
+
+Alignment (report §2.3): at sequence position i, depth 0 fuses the target state h_i with E(x_{i+1})
+and predicts x_{i+2}; depth k predicts x_{i+k+2}. The block's RoPE position for depth k at i is
+p_i + k, so a draft chain at inference (positions t, t+1, ...) sees the same relative offsets as
+training.
+
+E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the block keeps plain references (not submodules),
+reads their weights detached, and its `state_dict()` holds only its own weights. Model code only: no
+file I/O, no target loading.
+
+Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv heads, Dh head dim, V vocab
+(D is reserved for the number of depths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.decoder import Attention, DecoderLayer, RMSNorm, rotate_half
+from angelspec.models.kv_cache import StaticKVCache
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Shape of one MTP block and the target it belongs to.
+
+    `hidden_size` and `vocab_size` must equal the target's (E and W_lm are shared); the attention
+    shape and MLP width are the block's own. `target_layer_id` is the tap fed as h^(-1) (id i = output
+    of target decoder layer i). `num_depths` is D, the TTT unroll length used in training; at inference
+    the block may be invoked for more depths recurrently.
+    """
+
+    target_fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_depths: int
+    target_layer_id: int
+    target_num_layers: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_norm: bool = True
+    model_type: str = "qwen3"
+
+    def __post_init__(self) -> None:
+        if self.num_depths < 1:
+            raise ConfigError(f"num_depths must be >= 1, got {self.num_depths}")
+        if not 0 <= self.target_layer_id < self.target_num_layers:
+            raise ConfigError(f"target_layer_id {self.target_layer_id} out of range: the target has layers "
+                              f"0..{self.target_num_layers - 1} (id i = output of decoder layer i)")
+        self.layer_config()  # validates head shapes
+
+    @classmethod
+    def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
+                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                   head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
+        """A block for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
+        return cls(
+            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            num_attention_heads=num_attention_heads or target.num_attention_heads,
+            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
+            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
+            num_depths=num_depths,
+            target_layer_id=target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id,
+            target_num_layers=target.num_hidden_layers, max_position_embeddings=target.max_position_embeddings,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=target.qk_norm,
+            model_type=target.model_type,
+        )
+
+    def layer_config(self) -> DecoderConfig:
+        """The one-layer `DecoderConfig` that `DecoderLayer` / `StaticKVCache` are built from (plain RoPE)."""
+        return DecoderConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
+        )
+
+    def check_target(self, target: DecoderConfig) -> None:
+        """Raise ConfigError when `target` is not the model this block was built for."""
+        if target.fingerprint() != self.target_fingerprint:
+            raise ConfigError(f"MTP block was built for a target with fingerprint {self.target_fingerprint}, but "
+                              f"this target's is {target.fingerprint()}: train or pick an MTP drafter for it")
+        if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"MTP block expects vocab {self.vocab_size} / hidden {self.hidden_size}, the target "
+                              f"has {target.vocab_size} / {target.hidden_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MTPConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown MTP config fields {unknown}; is this an MTP drafter folder?")
+        return cls(**raw)
+
+
+def project_qkv(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k/v part of `Attention.forward` (projection, q/k norm, RoPE), for custom attention patterns.
+
+    x [B, T, C], cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]."""
+    B, T, _ = x.shape
+    qkv = attn.qkv_proj(x).view(B, T, attn.n_heads + 2 * attn.n_kv, attn.head_dim)
+    q, k, v = qkv.split((attn.n_heads, attn.n_kv, attn.n_kv), dim=2)  # [B, T, H|Hkv, Dh]
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+class MTPBlock(nn.Module):
+    """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved)."""
+
+    def __init__(self, cfg: MTPConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ConfigError(f"embedding {tuple(embed_tokens.weight.shape)} does not match the MTP config's "
+                              f"[vocab, hidden] = [{cfg.vocab_size}, {cfg.hidden_size}]")
+        if lm_head.weight.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ConfigError(f"LM head {tuple(lm_head.weight.shape)} does not match [{cfg.vocab_size}, "
+                              f"{cfg.hidden_size}]")
+        self.config = cfg
+        # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
+        self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
+        d = cfg.hidden_size
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)  # RMSNorm(h^(k-1)) of Eq. 1
+        self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)  # RMSNorm(E(x̃_k)) of Eq. 1
+        self.proj = nn.Linear(2 * d, d, bias=False)  # W_proj of Eq. 1
+        self.layer = DecoderLayer(cfg.layer_config(), 0)  # F_θ of Eq. 2
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)  # before W_lm
+        dh = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=generator)
+
+    # ----- pieces shared by training and inference -----
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """E(x) [B, T, C], frozen."""
+        return F.embedding(token_ids, self._shared[0].weight.detach())
+
+    def fuse(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Eq. 1: h [B, T, C], x̃ [B, T] -> u [B, T, C]."""
+        e = self.embed(token_ids).to(hidden.dtype)
+        return self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(e)], dim=-1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Eq. 2's head: h^(k) [..., C] -> fp32 logits [..., V] (W_lm frozen)."""
+        return F.linear(self.norm(hidden), self._shared[1].weight.detach()).float()
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, Dh] (fp32 angles, like `rope_inv_freq`)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def attend_out(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The rest of `DecoderLayer.forward` after attention: x [B, T, C], attn_out [B, H, T, Dh] -> h [B, T, C]."""
+        B, H, T, Dh = attn_out.shape
+        x = x + self.layer.attn.o_proj(attn_out.transpose(1, 2).reshape(B, T, H * Dh))
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    # ----- depth 0, teacher-forced (base MTP and the "one causal pass" of benchmarks/ttt_memory.py) -----
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One causal pass of Eq. 1–2 over a (packed) sequence: -> h^(0) [B, T, C].
+
+        hidden [B, T, C] target taps h_i; token_ids [B, T] the aligned inputs x_{i+1}; positions [B, T]
+        document-local; document_ids [B, T] gate attention to the own document (None = plain causal)."""
+        if hidden.dim() != 3 or token_ids.shape != hidden.shape[:2]:
+            raise ValueError(f"hidden must be [B, T, C] and token_ids [B, T], got {tuple(hidden.shape)}, "
+                             f"{tuple(token_ids.shape)}")
+        x = self.fuse(hidden, token_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        mask = None
+        if document_ids is not None:
+            T = x.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
+        return self.layer(x, cos, sin, mask, None, None, None)
+
+    # ----- inference: one decoder layer over a static draft KV cache -----
+    def new_cache(self, batch_size: int, max_len: int, *, slack: int, dtype: torch.dtype,
+                  device: torch.device) -> StaticKVCache:
+        return StaticKVCache(self.config.layer_config(), batch_size, max_len, slack=slack, dtype=dtype,
+                             device=device)
+
+    def forward_cached(self, hidden: torch.Tensor, token_ids: torch.Tensor, cache: StaticKVCache, *,
+                       num_new: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """Append T entries per row at slots `cache.lengths + arange(T)` (slot == RoPE position) and attend
+        over each row's cached entries: -> h [B, T, C]; `cache.lengths += num_new` (default T)."""
+        B, T = token_ids.shape
+        dev = token_ids.device
+        slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]
+        kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+        key_pos = torch.arange(kv_len, device=dev)
+        mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
+        write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
+        x = self.fuse(hidden, token_ids)
+        cos, sin = self.rope(slots, x.dtype)
+        out = self.layer(x, cos, sin, mask, cache, write_idx, kv_len)
+        cache.lengths += T if num_new is None else num_new
+        return out

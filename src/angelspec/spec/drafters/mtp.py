@@ -1,0 +1,170 @@
+"""The shared-parameter MTP drafter (report §2.1): K recurrent invocations of one MTP block per step.
+
+The block needs the target's tap hidden state at committed positions (it declares `target_layer_ids`),
+and shares the target's embedding and LM head: build it with `MTPDrafter.from_pretrained(dir, target=...)`
+(or `MTPDrafter(block)` around a block built on the target's modules). It never loads the target.
+
+Draft KV cache convention, per row, after every commit (DESIGN.md trap 4): the cache holds exactly the
+depth-0 entries of the committed positions 0..s-2 (s = committed length), entry j being Eq. 1–2 applied to
+(target tap h_j, E(x_{j+1})) at RoPE position j, and `_h_last` holds the block's output h^(0) at entry s-2,
+whose head predicts x_s (the first draft). A drafting round then appends draft-chain entries for depths
+1..K-1 at slots s-1.. (positions s-2+k), which is exactly the TTT pattern of training (causal prefix of
+depth-0 keys + the round's diagonal keys). `on_commit` truncates the chain away and appends the new
+depth-0 entries of the a+1 newly committed positions from the verify forward's taps: one ragged forward.
+
+K may exceed the trained depth D: the block is simply invoked again (recurrently).
+
+Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
+sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
+and q is returned. Confidences are the block's own (temperature-1) probability of each draft.
+
+Shape legend: B rows, K draft depth, C model dim, V vocab, n verify width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.decoder import Decoder
+from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.mtp import MTPBlock
+from angelspec.models.mtp_io import load_mtp, read_mtp_config
+from angelspec.spec.batching import pad_prompts
+from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
+from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
+
+
+@register_drafter("mtp")
+class MTPDrafter(Drafter):
+    def __init__(self, block: MTPBlock) -> None:
+        self.block = block.eval()
+        self.target_layer_ids = (block.config.target_layer_id,)
+        self.cache: StaticKVCache | None = None
+        self._k = 0
+        self._bound = 1
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, target: Decoder) -> MTPDrafter:
+        """Load an MTP folder for `target` (the engine's model: its embedding and LM head are shared).
+        A folder trained for another target raises DrafterMismatchError before anything is built."""
+        cfg, _ = read_mtp_config(path)
+        try:
+            cfg.check_target(target.config)
+        except ConfigError as e:
+            raise DrafterMismatchError(f"{path}: {e}") from None
+        return cls(load_mtp(path, target))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.block.config.vocab_size
+
+    @property
+    def target_fingerprint(self) -> str:
+        return self.block.config.target_fingerprint
+
+    @property
+    def max_positions(self) -> int:
+        return self.block.config.max_position_embeddings
+
+    def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
+        super().check_compatible(target, max_seq_len)
+        if target.hidden_size != self.block.config.hidden_size:
+            raise DrafterMismatchError(f"MTPDrafter has hidden size {self.block.config.hidden_size}, the target "
+                                       f"{target.hidden_size}")
+
+    # ----- engine life cycle -----
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
+        w = next(self.block.parameters())
+        c = self.cache
+        if c is None or c.batch_size != batch_size or c.capacity < max_len + slack:
+            self.cache = None
+            self.cache = self.block.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
+        self.cache.reset()
+        self._h_last = torch.zeros(batch_size, self.block.config.hidden_size, dtype=w.dtype, device=device)  # [B, C]
+        self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] committed entries
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
+                target_hidden: tuple[Tensor, ...]) -> None:
+        cache = self.cache
+        assert cache is not None
+        (taps,) = target_hidden  # [n, P_max, C]
+        # Entry j fuses h_j with x_{j+1}: the prompt shifted by one, then the first emitted token.
+        ids, lengths = pad_prompts([list(p[1:]) + [f] for p, f in zip(prompts, first_tokens, strict=True)],
+                                   cache.device)  # [n, P_max], [n]
+        n, p_max = ids.shape
+        tmp = self.block.new_cache(n, p_max, slack=0, dtype=cache.dtype, device=cache.device)
+        out = self.block.forward_cached(taps.to(cache.dtype), ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
+        cache.k[0][idx, :, :p_max] = tmp.k[0]
+        cache.v[0][idx, :, :p_max] = tmp.v[0]
+        cache.lengths[idx] = lengths
+        self._h_last[idx] = out[torch.arange(n, device=out.device), lengths - 1]
+
+    def propose(self, state: DraftState) -> Proposal:
+        cache, k = self.cache, state.num_draft_tokens
+        assert cache is not None
+        self._k, self._bound = k, state.seq_len_bound
+        self._base = cache.lengths.clone()
+        if k == 0:
+            empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
+            return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
+        deterministic = state.deterministic or state.all_greedy
+        act = state.active.long()
+        s = state.sampling
+        h = self._h_last  # [B, C]
+        logits = self.block.logits(h)  # [B, V], depth 0
+        tokens, probs, confs = [], [], []
+        for j in range(k):
+            if deterministic:
+                d = logits.argmax(dim=-1)  # [B]
+            else:
+                q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+                d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
+                probs.append(q)
+            confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
+            tokens.append(d)
+            if j < k - 1:
+                # Depth j+1: entry at slot s-1+j (position s-2+(j+1)), fusing h^(j) with the draft d_j.
+                h = self.block.forward_cached(h[:, None], d[:, None], cache, num_new=act,
+                                              kv_len=state.seq_len_bound + j)[:, 0]
+                logits = self.block.logits(h)
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=None if deterministic else torch.stack(probs, 1),
+                        confidences=torch.stack(confs, dim=1), deterministic=deterministic)
+
+    def on_commit(self, commit: Commit) -> None:
+        cache = self.cache
+        assert cache is not None
+        cache.truncate(self._base)  # drop this round's draft chain: trap 4
+        (taps,) = commit.target_hidden  # [B, n+1, C]: last, d_1..d_n as the target saw them
+        width = taps.shape[1]
+        acc = commit.num_accepted  # [B]
+        count = torch.where(commit.active, acc + 1, 0)  # [B] new committed positions per row
+        keep = torch.arange(width, device=acc.device)[None, :] < count[:, None]  # [B, n+1]
+        tok = torch.where(keep, commit.tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
+        out = self.block.forward_cached(taps.to(cache.dtype), tok, cache, num_new=count,
+                                        kv_len=self._bound + width)  # [B, n+1, C]
+        newest = out.gather(1, acc.clamp(max=width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        assert self.cache is not None
+        self.cache.reset_rows(list(rows))
+
+
+@torch.no_grad()
+def reference_drafts(block: MTPBlock, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
+    """Slow reference for greedy `propose`: recompute from scratch, through the TRAINING rollout, the K argmax
+    drafts after the committed `sequence` (target forward over it, then `ttt_rollout` read at position s-2)."""
+    from angelspec.train.ttt import ttt_rollout  # serving code does not import the trainer
+
+    ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
+    s = ids.shape[1]
+    taps = target(ids, hidden_layers=[block.config.target_layer_id], compute_logits=False).hidden[0]  # [1, s, C]
+    pos = torch.arange(s, device=ids.device)[None]
+    out = ttt_rollout(block, taps, ids, pos, None, k)
+    return out.logits[0, s - 2].argmax(dim=-1).tolist()

@@ -1,0 +1,309 @@
+"""`angelspec train --drafter mtp`: the shared-parameter MTP drafter with Training-Time Test (report §2).
+
+Per step: a batch of packed rows (document-aware packing, §6.3) -> frozen target forward under no_grad
+(online features: the tap h_i and the teacher logits) -> TTT rollout of the MTP block for D depths
+(`train.ttt`) -> a loss from `train.losses` chosen by name, by default the report's two-stage recipe
+(LK^α cold start, then e2e TV, via `LossSchedule`) -> AdamW, warm-up + cosine, gradient clipping.
+
+`ttt=False` trains the teacher-forced base MTP of Table 2: one depth (k = 0, no self-conditioned
+rollout), typically with `loss="ce"` (preset `mtp_base`). The drafter still drafts K tokens at inference
+by invoking the block recurrently; it has just never seen its own predictions in training.
+
+Data: JSONL conversations (`{"messages": [...]}`), a file or a corpus folder of `<domain>/train.jsonl`,
+rendered with the target's chat template; the loss covers assistant tokens only (labels x_{i+k+2} must be
+assistant tokens of the same document). Conversations without an assistant message are skipped and
+counted; a dataset with no assistant token at all is an error.
+
+Resuming is exact: the data order is a pure function of (seed, step), the rollout has no randomness, and
+the checkpoint holds the block's weights and the optimizer state (tested bit for bit).
+
+Output folder: `config.json` (`"angelspec": {"drafter": "mtp", "target_fingerprint": ..., ...}`) and
+`model.safetensors` with the block's own weights (the embedding and LM head stay the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from angelspec.data.chat import encode_conversation
+from angelspec.data.lm_data import read_jsonl
+from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
+from angelspec.models.hf_io import load_target, write_json_atomic
+from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.models.mtp_io import save_mtp
+from angelspec.train.checkpoint import (
+    check_resume_compatible,
+    find_checkpoint,
+    load_optimizer_state,
+    read_trainer_state,
+    write_checkpoint,
+)
+from angelspec.train.draft_lm import _data_domains
+from angelspec.train.lm import RUN_LENGTH_KEYS, run_identity
+from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss
+from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+from angelspec.train.ttt import mtp_loss_batch, ttt_rollout
+
+
+@dataclass(frozen=True)
+class MTPTrainConfig:
+    """Block shape (None = the target's), objective and optimisation of one MTP training run."""
+
+    num_depths: int = 3  # D, the TTT unroll (the report's MTP-3)
+    ttt: bool = True  # False: teacher-forced base MTP, one depth
+    target_layer_id: int | None = None  # None: the target's last layer
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    loss: str = "e2e_tv"  # final objective, a name in train.losses.LOSSES
+    cold_start_loss: str | None = "lk_alpha"  # None: `loss` from the first step
+    switch_step: int = 100
+    top_k: int | None = None  # teacher support for KL / TV / α (None = full vocabulary)
+    enable_thinking: bool = False
+    activation_checkpointing: bool = False  # recompute each depth in the backward (ttt_rollout checkpoint_depths)
+    seq_len: int = 512
+    batch_size: int = 4  # packed rows per step
+    steps: int = 300
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    init_std: float = 0.02
+    seed: int = 0
+    ckpt_every: int = 50
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        get_loss(self.loss)
+        if self.cold_start_loss is not None:
+            get_loss(self.cold_start_loss)
+        for name in ("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MTPTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def train_depths(self) -> int:
+        return self.num_depths if self.ttt else 1
+
+    def schedule(self) -> LossSchedule:
+        cold = self.cold_start_loss
+        return LossSchedule(cold_start=cold or self.loss, switch_step=self.switch_step if cold else 0,
+                            final=self.loss, config=LossConfig(top_k=self.top_k))
+
+
+def mtp_embedded() -> MTPTrainConfig:
+    """MTP-3 with TTT for the embedded target (6-layer Qwen3, hidden 256, vocab 8192), sized for a few CPU
+    minutes by a FLOP estimate (~75 GFLOP per step of 2×512 tokens, mostly the target forward and the three
+    LM-head passes); not yet timed against the shipped target."""
+    return MTPTrainConfig(batch_size=2, steps=200, switch_step=60, warmup=10)
+
+
+def mtp_base() -> MTPTrainConfig:
+    """The base-MTP comparison point of Table 2: teacher-forced, one depth, hard-label CE."""
+    return MTPTrainConfig(ttt=False, num_depths=1, loss="ce", cold_start_loss=None)
+
+
+def tiny_debug() -> MTPTrainConfig:
+    """Seconds: 3 steps on 2 short rows, switching objective after step 1."""
+    return MTPTrainConfig(intermediate_size=64, seq_len=64, batch_size=2, steps=3, warmup=1, switch_step=1,
+                          ckpt_every=2, log_every=1)
+
+
+PRESETS = {"mtp_embedded": mtp_embedded, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
+
+
+# ----- data -----
+
+
+def load_conversations(tokenizer: Any, data: Path, seq_len: int, enable_thinking: bool = False
+                       ) -> tuple[list[Doc], dict[str, int]]:
+    """Tokenise every conversation with the chat template + assistant loss mask, cut to `seq_len` tokens.
+
+    Returns the documents (in file order) and counts; raises ValueError when no assistant token is left."""
+    docs: list[Doc] = []
+    stats = {"conversations": 0, "skipped_no_assistant": 0, "truncated": 0, "assistant_tokens": 0}
+    for name, (train_path, _) in _data_domains(Path(data)).items():
+        for i, rec in enumerate(read_jsonl(train_path)):
+            stats["conversations"] += 1
+            messages = rec.get("messages") if isinstance(rec, dict) else None
+            if not isinstance(messages, list):
+                raise ValueError(f"{train_path} record {i}: expected {{\"messages\": [...]}}")
+            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+                stats["skipped_no_assistant"] += 1
+                continue
+            enc = encode_conversation(tokenizer, messages, enable_thinking=enable_thinking, max_length=seq_len)
+            stats["truncated"] += enc.num_truncated > 0
+            # Only tokens that some depth can predict count: x_{i+2} needs i >= 0, so not the first two.
+            trained = int(sum(enc.loss_mask[2:]))
+            stats["assistant_tokens"] += trained
+            if trained:
+                docs.append(Doc.from_encoded(enc, doc_id=f"{name}:{i}"))
+    if not docs:
+        raise ValueError(f"{data}: no assistant tokens to train on ({stats['conversations']} conversations, "
+                         f"{stats['skipped_no_assistant']} without an assistant message); MTP training needs "
+                         "conversations with non-empty assistant turns")
+    return docs, stats
+
+
+class PackedRows:
+    """All documents packed once (first-fit decreasing); step s reads rows s·B .. s·B+B-1 of a per-epoch
+    shuffle keyed by (seed, epoch): a pure function of (seed, step), so resuming replays the same batches."""
+
+    def __init__(self, docs: list[Doc], seq_len: int, pad_id: int, seed: int) -> None:
+        self.packed = pack_documents(docs, seq_len, pad_id=pad_id)
+        self.seed = seed
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.packed.num_rows))
+        return self._perm[1]
+
+    def rows(self, step: int, batch_size: int) -> list[int]:
+        out = []
+        for g in range(step * batch_size, (step + 1) * batch_size):
+            epoch, r = divmod(g, self.packed.num_rows)
+            out.append(int(self._permutation(epoch)[r]))
+        return out
+
+    def batch(self, step: int, batch_size: int) -> PackedBatch:
+        idx = self.rows(step, batch_size)
+        p = self.packed
+        t = torch.tensor(idx)
+        return PackedBatch(input_ids=p.input_ids[t], labels=p.labels[t], loss_mask=p.loss_mask[t],
+                           document_ids=p.document_ids[t], positions=p.positions[t],
+                           row_docs=tuple(p.row_docs[i] for i in idx),
+                           num_tokens=int((p.document_ids[t] >= 0).sum()), num_truncated=0, truncated_tokens=0)
+
+
+# ----- training -----
+
+
+def train_mtp(
+    target_dir: str | Path,
+    data: str | Path,
+    out_dir: str | Path,
+    *,
+    config: MTPTrainConfig | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    max_minutes: float | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train an MTP drafter for the target at `target_dir` on `data`, write it to `out_dir`; returns a report."""
+    from angelspec.data.tokenizer import load_tokenizer
+
+    cfg = config or mtp_embedded()
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    work, t0 = out_dir / "training", time.time()
+    ckpt_dir = work / "checkpoint"
+    if (out_dir / "config.json").exists() and not (force or resume):
+        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
+    if force and not resume and out_dir.exists():
+        shutil.rmtree(out_dir)
+
+    target = load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    tok = load_tokenizer(target_dir)
+    pad_id = tcfg.pad_token_id if tcfg.pad_token_id is not None else (tcfg.eos_token_ids or (0,))[0]
+    docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
+    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
+    log(packing_report(rows.packed).format())
+
+    mcfg = MTPConfig.for_target(tcfg, num_depths=cfg.num_depths, target_layer_id=cfg.target_layer_id,
+                                num_attention_heads=cfg.num_attention_heads,
+                                num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                intermediate_size=cfg.intermediate_size)
+    block = MTPBlock(mcfg, target.embed_tokens, target.lm_head)
+    block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
+    opt = build_adamw(block, cfg.lr, cfg.weight_decay)
+    schedule = cfg.schedule()
+    identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
+    meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
+
+    step = 0
+    ckpt = find_checkpoint(ckpt_dir) if resume else None
+    if resume and ckpt is None:
+        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
+    if ckpt is not None:
+        state = read_trainer_state(ckpt)
+        saved = {"train_config": {k: v for k, v in state.get("train_config", {}).items()
+                                  if k not in RUN_LENGTH_KEYS},
+                 "target_fingerprint": state.get("target_fingerprint")}
+        check_resume_compatible(saved, identity, ("train_config", "target_fingerprint"))
+        from safetensors.torch import load_file
+
+        block.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        load_optimizer_state(ckpt, opt)
+        step = int(state["step"])
+        log(f"resuming from step {step}")
+
+    def save_ckpt(at: int) -> None:
+        write_checkpoint(ckpt_dir, lambda p: save_mtp(block, p, meta), {"step": at, **identity}, opt)
+
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "train_log.jsonl"
+    tap = mcfg.target_layer_id
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    block.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc="mtp", disable=not progress, unit="step")
+    losses: list[float] = []
+    last_log, tok_seen = time.time(), 0
+    while step < cfg.steps:
+        batch = rows.batch(step, cfg.batch_size)
+        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        set_lr(opt, lr)
+        with torch.no_grad():  # online features: the frozen target's tap and teacher logits
+            tout = target(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
+                          hidden_layers=[tap])
+        out = ttt_rollout(block, tout.hidden[0], batch.input_ids, batch.positions, batch.document_ids,
+                          cfg.train_depths, pad_id=pad_id, checkpoint_depths=cfg.activation_checkpointing)
+        lb = mtp_loss_batch(out, batch, tout.logits)
+        loss = schedule.loss(step, lb).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        tok_seen += batch.num_tokens
+        losses.append(loss.item())  # host sync: once per step, for the log
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
+            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": sum(losses) / len(losses),
+                   "lr": lr, "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha.tolist()],
+                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", a0=f"{rec['alpha_per_depth'][0]:.2f}")
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            losses, last_log, tok_seen = [], now, 0
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save_ckpt(step)
+        if deadline is not None and time.time() > deadline and step < cfg.steps:
+            save_ckpt(step)
+            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+            break
+    bar.close()
+    block.eval()
+    save_mtp(block, out_dir, meta)
+    report = {"drafter": "mtp", "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths,
+              "parameters": sum(p.numel() for p in block.parameters()), **stats,
+              "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
+              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint()}
+    write_json_atomic(out_dir / "train_report.json", report)
+    return report

@@ -1,0 +1,362 @@
+"""MTP drafter with Training-Time Test (report §2): the fast TTT attention against its explicit-mask
+reference, packing isolation and the depth-shift gate, lossless decoding through the engine with exact
+draft-cache rollback, training/resume/save/load, and bad input.
+
+Models are tiny; the engine tests run in float64 so that batched and single-row arithmetic agree far below
+any argmax gap."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import synthetic_sentences
+
+from angelspec.data.packing import Doc, pack_documents
+from angelspec.models import Decoder, DecoderConfig
+from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.spec.drafter import DrafterMismatchError, get_drafter
+from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.train.losses import LossConfig, get_loss
+from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_target(vocab: int = 64, seed: int = 0, heads: int = 4, kv: int = 2, std: float = 0.3,
+                dtype: torch.dtype = torch.float64) -> Decoder:
+    cfg = DecoderConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, max_position_embeddings=256,
+                        eos_token_id=3)
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    model.init_weights(std=std)
+    return model.to(dtype).eval()
+
+
+def tiny_block(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> MTPBlock:
+    block = MTPBlock(MTPConfig.for_target(target.config, num_depths=depths), target.embed_tokens, target.lm_head)
+    block.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    return block.to(target.embed_tokens.weight.dtype)
+
+
+def packed_docs(lengths: list[int], seq_len: int, vocab: int, seed: int = 0) -> tuple[list[Doc], object]:
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lengths:
+        mask = (torch.rand(n, generator=g) > 0.3).long()
+        docs.append(Doc(torch.randint(0, vocab, (n,), generator=g), mask))
+    return docs, pack_documents(docs, seq_len, pad_id=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TTT attention: fast == explicit (D·T)×(D·T) mask reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "std"), [(torch.float64, 0.3), (torch.float32, 0.05)])
+def test_fast_ttt_matches_explicit_mask_reference(dtype, std):
+    """fp64 with large weights (sharp attention, 1e-10) and fp32 at a realistic init scale (1e-5)."""
+    target = tiny_target(dtype=dtype)
+    block = tiny_block(target, depths=4, std=std)
+    _, packed = packed_docs([9, 7, 5, 12, 3], seq_len=20, vocab=64)
+    assert packed.num_rows >= 2 and (packed.document_ids == -1).any()  # several docs per row and padding
+    h = torch.randn(*packed.input_ids.shape, 32, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    args = (block, h, packed.input_ids, packed.positions, packed.document_ids, 4)
+    fast, ref = ttt_rollout(*args, query_chunk=6), ttt_rollout(*args, attention="reference")
+    assert torch.equal(fast.inputs, ref.inputs)  # same argmax chain
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(fast.hidden, ref.hidden, atol=tol, rtol=0)
+    torch.testing.assert_close(fast.logits, ref.logits, atol=tol, rtol=0)
+    # gradients agree too
+    gf = torch.autograd.grad(fast.logits.square().mean(), block.proj.weight)[0]
+    gr = torch.autograd.grad(ref.logits.square().mean(), block.proj.weight)[0]
+    torch.testing.assert_close(gf, gr, atol=tol, rtol=1e-4)
+    # per-depth activation checkpointing recomputes the same graph: bit-identical values and gradients
+    ck = ttt_rollout(*args, checkpoint_depths=True, query_chunk=6)
+    assert torch.equal(ck.logits, fast.logits)
+    assert torch.equal(torch.autograd.grad(ck.logits.square().mean(), block.proj.weight)[0], gf)
+
+
+def test_prefix_attention_backward_matches_autograd():
+    """The flash-style backward (recomputed probabilities, + ∂lse term) == plain autograd, and gradcheck."""
+    from angelspec.train.ttt import _PrefixAttention, prefix_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, T, Dh = 2, 2, 2, 7, 4
+    q = torch.randn(B, Hkv, G, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, 1, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, 1, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, -1], [0] * 7])
+    gate = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None, None]
+    w_out, w_lse = torch.randn(B, Hkv, G, T, Dh, dtype=torch.float64), torch.randn(B, Hkv, G, T, dtype=torch.float64)
+
+    def loss(fn):
+        out, lse = fn(q, k, v, gate, 0.5)
+        return (out * w_out).sum() + (lse * w_lse).sum()
+
+    ref = torch.autograd.grad(loss(prefix_attention_reference), (q, k, v))
+    for chunk in (3, 7, 256):  # several query chunks, exactly one, and one larger than T
+        fast = torch.autograd.grad(loss(lambda *a, c=chunk: _PrefixAttention.apply(*a, c)), (q, k, v))
+        for a, b in zip(fast, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    assert torch.autograd.gradcheck(lambda q, k, v: _PrefixAttention.apply(q, k, v, gate, 0.5, 3), (q, k, v))
+
+
+def test_reference_mask_is_the_ttt_pattern():
+    doc = torch.tensor([[0, 0, 0, 1, 1]])
+    m = ttt_reference_mask(doc, 1, 5, 3)[0, 0]  # [15, 15]
+    T = 5
+    # depth 2, position 2 (index 12): depth-0 keys 0..2, depth-1 key at 2, depth-2 key at 2
+    assert m[2 * T + 2].nonzero().flatten().tolist() == [0, 1, 2, T + 2, 2 * T + 2]
+    # depth 1, position 4 (second document): depth-0 keys 3..4 and the own diagonal key
+    assert m[T + 4].nonzero().flatten().tolist() == [3, 4, T + 4]
+    # depth 0 never sees a draft key
+    assert not m[:T, T:].any()
+
+
+def test_depth_alignment_and_teacher_shift():
+    """Depth k at i fuses x_{i+1} (depth 0) and is scored against the target's logits at i+k+1 and label x_{i+k+2}."""
+    ids = torch.arange(10)[None]
+    doc = torch.tensor([[0] * 6 + [1] * 4])
+    assert depth0_inputs(ids, doc, pad_id=99).tolist() == [[1, 2, 3, 4, 5, 99, 7, 8, 9, 99]]
+    tl = torch.arange(10.0)[None, :, None].expand(1, 10, 2)  # "logits" holding their own position
+    t = teacher_for_depths(tl, 3)  # [1, 10, 3, 2]
+    assert t[0, 2, :, 0].tolist() == [3.0, 4.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing: perturbing one document leaves every other document's losses bit-for-bit unchanged
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _per_doc_losses(block, target, docs, seq_len):
+    packed = pack_documents(docs, seq_len, pad_id=0)
+    with torch.no_grad():
+        tout = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
+                      hidden_layers=[block.config.target_layer_id])
+        out = ttt_rollout(block, tout.hidden[0], packed.input_ids, packed.positions, packed.document_ids, 3)
+    lb = mtp_loss_batch(out, packed, tout.logits)
+    per_doc = {}
+    for d in range(len(docs)):
+        rows = (packed.document_ids.reshape(-1) == d)
+        sub = type(lb)(student_logits=lb.student_logits[rows], mask=lb.mask[rows],
+                       teacher_logits=lb.teacher_logits[rows], labels=lb.labels[rows])
+        per_doc[d] = (get_loss("e2e_tv")(sub, LossConfig()).loss, get_loss("ce")(sub, LossConfig()).loss,
+                      out.logits.reshape(-1, 3, out.logits.shape[-1])[rows])
+    return per_doc, packed
+
+
+def test_packed_documents_do_not_leak():
+    target = tiny_target()
+    block = tiny_block(target)
+    docs, _ = packed_docs([9, 7, 5, 12, 3, 6], seq_len=24, vocab=64, seed=3)
+    base, packed = _per_doc_losses(block, target, docs, 24)
+    victim = packed.row_docs[0][0]
+    assert len(packed.row_docs[0]) >= 2  # the victim shares its row
+    changed = list(docs)
+    ids = torch.as_tensor(docs[victim].input_ids).clone()
+    ids[-1] = (ids[-1] + 1) % 64  # the last token: it is the depth-0 input of the previous position
+    changed[victim] = Doc(ids, docs[victim].loss_mask)
+    after, packed2 = _per_doc_losses(block, target, changed, 24)
+    assert torch.equal(packed.document_ids, packed2.document_ids)
+    for d in range(len(docs)):
+        if d != victim:
+            assert torch.equal(base[d][0], after[d][0]) and torch.equal(base[d][1], after[d][1])
+            assert torch.equal(base[d][2], after[d][2])
+    assert not torch.equal(base[victim][2], after[victim][2])
+
+
+def test_depth_shift_gate_never_crosses_a_document_end():
+    target = tiny_target()
+    block = tiny_block(target)
+    docs, packed = packed_docs([6, 5, 4], seq_len=16, vocab=64, seed=4)
+    h = torch.zeros(*packed.input_ids.shape, 32, dtype=torch.float64)
+    out = ttt_rollout(block, h, packed.input_ids, packed.positions, packed.document_ids, 3)
+    lb = mtp_loss_batch(out, packed, None)
+    mask = lb.mask.reshape(*packed.input_ids.shape, 3)
+    doc = packed.document_ids
+    T = doc.shape[1]
+    for r in range(doc.shape[0]):
+        for i in range(T):
+            for k in range(3):
+                j = i + k + 2
+                ok = (j < T and doc[r, i] >= 0 and bool((doc[r, i:j + 1] == doc[r, i]).all())
+                      and bool(packed.loss_mask[r, j]))
+                assert bool(mask[r, i, k]) == ok
+                if ok:
+                    assert lb.labels.reshape(*doc.shape, 3)[r, i, k] == packed.input_ids[r, j]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Engine: lossless greedy decoding, and the incremental drafter == the training rollout (trap 4)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class RecordingMTP(MTPDrafter):
+    """Remembers each row's committed sequence and every greedy proposal made from it."""
+
+    def allocate(self, *args, **kw):
+        super().allocate(*args, **kw)
+        self.history: dict[int, list[int]] = {}
+        self.proposals: list[tuple[list[int], list[int]]] = []
+
+    def prefill(self, rows, prompts, first_tokens, target_hidden):
+        super().prefill(rows, prompts, first_tokens, target_hidden)
+        for r, p, f in zip(rows, prompts, first_tokens, strict=True):
+            self.history[r] = list(p) + [f]
+
+    def propose(self, state):
+        prop = super().propose(state)
+        for r in state.active_rows:
+            self.proposals.append((list(self.history[r]), prop.tokens[r].tolist()))
+        return prop
+
+    def on_commit(self, commit):
+        super().on_commit(commit)
+        for r, toks in enumerate(commit.host_tokens):
+            self.history.setdefault(r, []).extend(toks)
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(64, 3), (8, 5)])
+def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
+    target = tiny_target(vocab=vocab, heads=2, kv=1)
+    drafter = RecordingMTP(tiny_block(target, depths=3))  # k=5 > D=3: the block is reused recurrently
+    rng = random.Random(vocab)
+    reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 24))], max_new_tokens=64, stop_ids=())
+            for _ in range(20)]
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=6, num_draft_tokens=k))
+    got = engine.generate(reqs)
+    want = reference_generate(target, reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert sum(engine.metrics.accept_hist[1:]) > 0  # some drafts were accepted: rollback after partial accepts ran
+    # Rollback is exact iff every proposal equals the from-scratch training rollout on the committed prefix.
+    for seq, drafts in drafter.proposals[::5]:
+        assert reference_drafts(drafter.block, target, seq, k) == drafts
+
+
+def test_sampling_smoke_t1():
+    from angelspec.spec.sampling import SamplingParams
+
+    target = tiny_target(heads=2, kv=1)
+    engine = SpecEngine(target, MTPDrafter(tiny_block(target)), EngineConfig(max_batch_size=3, num_draft_tokens=3))
+    reqs = [Request([5, 6, 7][: i + 1], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=i),
+                    stop_ids=()) for i in range(3)]
+    out = engine.generate(reqs)
+    assert [len(r.token_ids) for r in out] == [16, 16, 16]
+
+
+def test_registry_and_mismatch(tmp_path):
+    from angelspec.models.mtp_io import save_mtp
+
+    assert get_drafter("mtp") is MTPDrafter
+    target = tiny_target(heads=2, kv=1)
+    save_mtp(tiny_block(target), tmp_path / "d")
+    drafter = MTPDrafter.from_pretrained(tmp_path / "d", target=target)
+    assert drafter.target_layer_ids == (1,)
+    other = tiny_target(vocab=96, heads=2, kv=1)
+    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+        MTPDrafter.from_pretrained(tmp_path / "d", target=other)
+    with pytest.raises(DrafterMismatchError, match="another tokenizer"):
+        SpecEngine(other, drafter)  # the engine's own check, before any decoding
+
+
+def test_cli_loads_an_mtp_folder_sharing_the_targets_modules(tmp_path):
+    """`--drafter mtp:DIR` and a bare DIR go through the registry's `from_pretrained(DIR, target=...)`."""
+    from angelspec.cli import resolve_drafter
+    from angelspec.models import load_target, save_target
+    from angelspec.models.mtp_io import save_mtp
+
+    save_target(tiny_target(heads=2, kv=1, dtype=torch.float32), tmp_path / "t")
+    target = load_target(tmp_path / "t")
+    save_mtp(tiny_block(target), tmp_path / "m")
+    for spec in (f"mtp:{tmp_path / 'm'}", str(tmp_path / "m")):
+        drafter = resolve_drafter(spec, target, tmp_path / "t")
+        assert isinstance(drafter, MTPDrafter) and drafter.block._shared[0] is target.embed_tokens
+
+
+def test_block_state_dict_holds_only_its_own_weights():
+    target = tiny_target()
+    block = tiny_block(target)
+    assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in block.state_dict())
+    h = torch.randn(1, 5, 32, dtype=torch.float64)
+    block(h, torch.arange(5)[None], torch.arange(5)[None]).sum().backward()
+    assert target.embed_tokens.weight.grad is None and block.proj.weight.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp_data") / "conv.jsonl"
+    lines = list(synthetic_sentences(60, seed=5))
+    with open(path, "w") as f:
+        for q, a in zip(lines[::2], lines[1::2], strict=False):
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                    + "\n")
+    return path
+
+
+def test_train_resume_exact_save_load(tmp_path, tiny_target_dir, conversations):
+    from safetensors.torch import load_file
+
+    from angelspec.models import load_target
+    from angelspec.train.mtp import tiny_debug, train_mtp
+
+    kw = dict(config=tiny_debug(), progress=False, log=lambda *_: None)
+    report = train_mtp(tiny_target_dir, conversations, tmp_path / "a", **kw)
+    assert report["steps"] == 3 and report["assistant_tokens"] > 0
+    train_mtp(tiny_target_dir, conversations, tmp_path / "b", max_minutes=0, **kw)  # stops after step 1
+    train_mtp(tiny_target_dir, conversations, tmp_path / "b", resume=True, **kw)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in a)
+    raw = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert raw["angelspec"]["drafter"] == "mtp"
+    logs = [json.loads(x) for x in (tmp_path / "a" / "training" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["objective"] for r in logs] == ["lk_alpha", "e2e_tv", "e2e_tv"]
+    target = load_target(tiny_target_dir)
+    drafter = MTPDrafter.from_pretrained(tmp_path / "a", target=target)
+    drafter.check_compatible(target.config)
+    with pytest.raises(FileExistsError, match="--force"):
+        train_mtp(tiny_target_dir, conversations, tmp_path / "a", **kw)
+
+
+def test_base_mtp_trains_one_depth_with_ce(tmp_path, tiny_target_dir, conversations):
+    from dataclasses import replace
+
+    from angelspec.train.mtp import mtp_base, tiny_debug, train_mtp
+
+    cfg = replace(mtp_base(), **{k: getattr(tiny_debug(), k) for k in ("intermediate_size", "seq_len", "batch_size",
+                                                                       "steps", "warmup", "ckpt_every", "log_every")})
+    train_mtp(tiny_target_dir, conversations, tmp_path / "base", config=cfg, progress=False, log=lambda *_: None)
+    logs = [json.loads(x) for x in (tmp_path / "base" / "training" / "train_log.jsonl").read_text().splitlines()]
+    assert {r["objective"] for r in logs} == {"ce"} and len(logs[0]["alpha_per_depth"]) == 1
+
+
+def test_dataset_without_assistant_tokens_is_a_clear_error(tmp_path, tiny_target_dir):
+    from angelspec.train.mtp import tiny_debug, train_mtp
+
+    path = tmp_path / "no_assistant.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello there"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant tokens"):
+        train_mtp(tiny_target_dir, path, tmp_path / "o", config=tiny_debug(), progress=False, log=lambda *_: None)
+
+
+def test_resume_with_another_config_is_refused(tmp_path, tiny_target_dir, conversations):
+    from dataclasses import replace
+
+    from angelspec.train.checkpoint import ResumeError
+    from angelspec.train.mtp import tiny_debug, train_mtp
+
+    kw = dict(progress=False, log=lambda *_: None)
+    train_mtp(tiny_target_dir, conversations, tmp_path / "r", config=tiny_debug(), max_minutes=0, **kw)
+    with pytest.raises(ResumeError, match="num_depths"):
+        train_mtp(tiny_target_dir, conversations, tmp_path / "r", config=replace(tiny_debug(), num_depths=2),
+                  resume=True, **kw)
