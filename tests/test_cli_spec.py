@@ -328,10 +328,23 @@ def test_train_draft_lm_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0 and "lossless: yes (3/3" in stdout, err
 
 
+def test_train_mtp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path,
+                                conversations: Path, prompts_file: Path) -> None:
+    out = tmp_path / "mtp"
+    code, stdout, err = run(capsys, "train", "--drafter", "mtp", "--target", tiny_target_dir, "--data", conversations,
+                            "--out", out, "--preset", "tiny_debug", "--quiet", "steps=2")
+    assert code == 0, err
+    assert f"mtp written to {out}" in stdout
+    assert json.loads((out / "config.json").read_text())["angelspec"]["drafter"] == "mtp"
+    code, stdout, err = run(capsys, "eval", "--target", tiny_target_dir, "--drafter", out, "--prompts", prompts_file,
+                            "--max-new-tokens", 4, "--limit", 1, "--quiet")
+    assert code == 0 and "lossless: yes (3/3" in stdout, err
+
+
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
-        (["--drafter", "eagle3"], ["cannot train drafter 'eagle3'", "trained today are draft-lm"]),
+        (["--drafter", "eagle3"], ["cannot train drafter 'eagle3'", "trained today are draft-lm, mtp"]),
         (["--drafter", "dflash"], ["'dflash'", "draft-lm"]),
         (["--drafter", "ngram"], ["needs no training"]),
         (["--drafter", "draft-lm", "--preset", "huge"], ["unknown preset", "tiny_debug"]),

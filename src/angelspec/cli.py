@@ -34,8 +34,12 @@ EXIT_INTERRUPTED = 130
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
 # Drafters `angelspec train` can train today; the others in the roadmap (MTP, EAGLE-3, the DFlash family)
 # are named only in the refusal message until they exist.
-TRAINABLE_DRAFTERS = ("draft-lm",)
-PLANNED_DRAFTERS = "mtp, eagle3, dflash, dflare, dfly, dspark"
+# Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
+# `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
+TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm_embedded"),
+            "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded")}
+TRAINABLE_DRAFTERS = tuple(TRAINERS)
+PLANNED_DRAFTERS = "eagle3, dflash, dflare, dfly, dspark"
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json / the output file
 
 
@@ -332,7 +336,7 @@ def cmd_target_build(args: argparse.Namespace) -> int:
     """`angelspec target build`: build the corpus and tokenizer, train the target, export a HF folder."""
     from angelspec.train.target import PRESETS, build_target
 
-    config = _preset_config(PRESETS, args)
+    config = _preset_config(PRESETS, args, "embedded_target")
     out = Path(args.out) if args.out is not None else DEFAULT_TARGET
     report = build_target(out, work_dir=Path(args.work_dir), config=config, resume=args.resume, force=args.force,
                           progress=not args.quiet, max_minutes=args.max_minutes, log=print)
@@ -390,31 +394,34 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if args.drafter.partition(":")[0] == "ngram" else f" ({PLANNED_DRAFTERS} are planned)")
         raise UsageError(f"cannot train drafter {args.drafter!r}: the drafters that can be trained today are "
                          f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
-    from angelspec.train.draft_lm import PRESETS, train_draft_lm
+    import importlib
 
-    config = _preset_config(PRESETS, args)
+    module_name, fn_name, default_preset = TRAINERS[args.drafter]
+    module = importlib.import_module(module_name)
+    config = _preset_config(module.PRESETS, args, default_preset)
     data = Path(args.data)
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(args.target)
     out = Path(args.out)
-    report = train_draft_lm(target_dir, data, out, config=config, resume=args.resume, force=args.force,
-                            progress=not args.quiet, max_minutes=args.max_minutes, log=print)
+    report = getattr(module, fn_name)(target_dir, data, out, config=config, resume=args.resume, force=args.force,
+                                      progress=not args.quiet, max_minutes=args.max_minutes, log=print)
     print(format_train_report(report, out, planned_steps=config.steps))
     return 0
 
 
-def _preset_config(presets: dict[str, Any], args: argparse.Namespace) -> Any:
-    """The named preset with `key=value` overrides applied; also checks --max-minutes."""
+def _preset_config(presets: dict[str, Any], args: argparse.Namespace, default: str) -> Any:
+    """The named preset (or `default`) with `key=value` overrides applied; also checks --max-minutes."""
     from angelspec.train.overrides import parse_overrides, with_overrides
 
-    if args.preset not in presets:
-        raise UsageError(f"unknown preset {args.preset!r}; choose one of {', '.join(sorted(presets))}")
+    name = args.preset or default
+    if name not in presets:
+        raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(sorted(presets))}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
     try:
-        return with_overrides(presets[args.preset](), parse_overrides(args.overrides))
+        return with_overrides(presets[name](), parse_overrides(args.overrides))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -555,8 +562,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="a JSONL file of conversations, or a corpus folder with <domain>/train.jsonl "
                         "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
-    p.add_argument("--preset", default="draft_lm_embedded", metavar="NAME",
-                   help="training preset: draft_lm_embedded (default) or tiny_debug")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp; "
+                        "tiny_debug for both; mtp_base = teacher-forced one-depth MTP)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out/training")
     p.add_argument("--force", action="store_true", help="start over, overwriting --out")
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
@@ -581,7 +589,7 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
                    help="corpus, tokenizer and checkpoints (default: .cache/target-build)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir")
     p.add_argument("--force", action="store_true", help="start over, overwriting --out and --work-dir")
-    p.add_argument("--preset", default="embedded_target", metavar="NAME",
+    p.add_argument("--preset", default=None, metavar="NAME",
                    help="training preset: embedded_target (default) or tiny_debug")
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
                    help="stop training after M minutes at a checkpoint and export (continue later with --resume)")
