@@ -344,7 +344,7 @@ def test_train_mtp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
-        (["--drafter", "eagle3"], ["cannot train drafter 'eagle3'", "trained today are draft-lm, mtp"]),
+        (["--drafter", "dspark"], ["cannot train drafter 'dspark'", "trained today are draft-lm, mtp, eagle3"]),
         (["--drafter", "dflash"], ["'dflash'", "draft-lm"]),
         (["--drafter", "ngram"], ["needs no training"]),
         (["--drafter", "draft-lm", "--preset", "huge"], ["unknown preset", "tiny_debug"]),

@@ -32,14 +32,15 @@ EXIT_NOT_LOSSLESS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
-# Drafters `angelspec train` can train today; the others in the roadmap (MTP, EAGLE-3, the DFlash family)
+# Drafters `angelspec train` can train today; the others in the roadmap (the DFlash family)
 # are named only in the refusal message until they exist.
 # Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
 # `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
 TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm_embedded"),
-            "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded")}
+            "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded"),
+            "eagle3": ("angelspec.train.eagle3", "train_eagle3", "eagle3_embedded")}
 TRAINABLE_DRAFTERS = tuple(TRAINERS)
-PLANNED_DRAFTERS = "eagle3, dflash, dflare, dfly, dspark"
+PLANNED_DRAFTERS = "dflash, dflare, dfly, dspark"
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json / the output file
 
 
@@ -405,8 +406,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(args.target)
     out = Path(args.out)
-    report = getattr(module, fn_name)(target_dir, data, out, config=config, resume=args.resume, force=args.force,
-                                      progress=not args.quiet, max_minutes=args.max_minutes, log=print)
+    train_fn = getattr(module, fn_name)
+    extra = {}
+    if args.distributed != "auto":
+        import inspect
+
+        if "distributed" not in inspect.signature(train_fn).parameters:
+            raise UsageError(f"--distributed is not supported by the {args.drafter} trainer yet")
+        extra["distributed"] = args.distributed
+    report = train_fn(target_dir, data, out, config=config, resume=args.resume, force=args.force,
+                      progress=not args.quiet, max_minutes=args.max_minutes, log=print, **extra)
     print(format_train_report(report, out, planned_steps=config.steps))
     return 0
 
@@ -563,13 +572,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
     p.add_argument("--preset", default=None, metavar="NAME",
-                   help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp; "
-                        "tiny_debug for both; mtp_base = teacher-forced one-depth MTP)")
+                   help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp, "
+                        "eagle3_embedded for eagle3; tiny_debug for all; mtp_base = teacher-forced one-depth MTP)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out/training")
     p.add_argument("--force", action="store_true", help="start over, overwriting --out")
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
                    help="stop after M minutes at a checkpoint and export (continue later with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--distributed", choices=("auto", "none", "ddp", "fsdp2"), default="auto",
+                   help="data parallelism under `torchrun --nproc_per_node N -m angelspec.cli train ...` "
+                        "(every trainable kind): auto = DDP when torchrun starts several processes, else one process; "
+                        "batch_size is the global batch")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override preset fields, e.g. steps=100")
     p.set_defaults(func=cmd_train)
 

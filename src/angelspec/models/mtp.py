@@ -21,14 +21,21 @@ E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the block keeps plain reference
 reads their weights detached, and its `state_dict()` holds only its own weights. Model code only: no
 file I/O, no target loading.
 
+The MTP family: `MTPBlock` is also the base of EAGLE-3's block (`models.eagle3`). A member differs only in
+how the target taps become h^(-1) (`condition`: MTP takes its one tap as is, EAGLE-3 applies fc to three)
+and how the depth input (h, x̃) enters the decoder layer (`build_fusion`, `layer_inputs`: MTP's W_proj of
+Eq. 1 vs EAGLE-3's 2C-wide attention input); configs share `DraftBlockConfig`. The TTT rollout, the cached
+inference step, the trainer, the engine drafter and the folder IO are written once against this interface.
+
 Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv heads, Dh head dim, V vocab
 (D is reserved for the number of depths).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +46,17 @@ from angelspec.models.decoder import Attention, DecoderLayer, RMSNorm, rotate_ha
 from angelspec.models.kv_cache import StaticKVCache
 
 
-@dataclass(frozen=True)
-class MTPConfig:
-    """Shape of one MTP block and the target it belongs to.
+@dataclass(frozen=True, kw_only=True)
+class DraftBlockConfig:
+    """Shape of one MTP-family block (MTP, EAGLE-3) and the target it belongs to.
 
     `hidden_size` and `vocab_size` must equal the target's (E and W_lm are shared); the attention
-    shape and MLP width are the block's own. `target_layer_id` is the tap fed as h^(-1) (id i = output
-    of target decoder layer i). `num_depths` is D, the TTT unroll length used in training; at inference
-    the block may be invoked for more depths recurrently.
+    shape and MLP width are the block's own. `num_depths` is D, the TTT unroll length used in training; at
+    inference the block may be invoked for more depths recurrently. Subclasses say which target taps feed the
+    block (`target_layer_ids`, id i = output of target decoder layer i) and which drafter kind they are.
     """
+
+    drafter: ClassVar[str]  # the registry name written to config.json's "angelspec" entry
 
     target_fingerprint: str
     vocab_size: int
@@ -57,7 +66,6 @@ class MTPConfig:
     head_dim: int
     intermediate_size: int
     num_depths: int
-    target_layer_id: int
     target_num_layers: int
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -65,29 +73,37 @@ class MTPConfig:
     qk_norm: bool = True
     model_type: str = "qwen3"
 
+    # Each subclass provides `target_layer_ids: tuple[int, ...]` (a property of MTP's one tap, a field of
+    # EAGLE-3's three); it is not declared here so that a subclass may make it a dataclass field.
+    target_layer_ids: ClassVar[tuple[int, ...]]
+
     def __post_init__(self) -> None:
         if self.num_depths < 1:
             raise ConfigError(f"num_depths must be >= 1, got {self.num_depths}")
-        if not 0 <= self.target_layer_id < self.target_num_layers:
-            raise ConfigError(f"target_layer_id {self.target_layer_id} out of range: the target has layers "
-                              f"0..{self.target_num_layers - 1} (id i = output of decoder layer i)")
+        self.check_layer_ids(self.target_num_layers)
         self.layer_config()  # validates head shapes
 
-    @classmethod
-    def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
-                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
-                   head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
-        """A block for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
-        return cls(
+    def check_layer_ids(self, num_layers: int) -> None:
+        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(f"{self.drafter} target layer ids {list(self.target_layer_ids)} do not fit a target "
+                              f"with {num_layers} layers: ids are 0..{num_layers - 1} (id i = output of decoder "
+                              f"layer i); {bad} out of range")
+
+    @staticmethod
+    def target_shape(target: DecoderConfig, *, num_depths: int, num_attention_heads: int | None = None,
+                     num_key_value_heads: int | None = None, head_dim: int | None = None,
+                     intermediate_size: int | None = None) -> dict[str, Any]:
+        """The fields shared by every block for `target`: attention/MLP shape default to the target's."""
+        return dict(
             target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             num_attention_heads=num_attention_heads or target.num_attention_heads,
             num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
             head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
-            num_depths=num_depths,
-            target_layer_id=target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id,
-            target_num_layers=target.num_hidden_layers, max_position_embeddings=target.max_position_embeddings,
-            rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=target.qk_norm,
-            model_type=target.model_type,
+            num_depths=num_depths, target_num_layers=target.num_hidden_layers,
+            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type,
         )
 
     def layer_config(self) -> DecoderConfig:
@@ -101,31 +117,65 @@ class MTPConfig:
         )
 
     def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this block was built for."""
+        """Raise ConfigError when `target` is not the model this block was built for.
+
+        The tap ids are checked first: a target too shallow for them gets that error, not a fingerprint one."""
+        self.check_layer_ids(target.num_hidden_layers)
         if target.fingerprint() != self.target_fingerprint:
-            raise ConfigError(f"MTP block was built for a target with fingerprint {self.target_fingerprint}, but "
-                              f"this target's is {target.fingerprint()}: train or pick an MTP drafter for it")
+            raise ConfigError(f"{self.drafter} block was built for a target with fingerprint "
+                              f"{self.target_fingerprint}, but this target's is {target.fingerprint()}: train or "
+                              f"pick a {self.drafter} drafter for it")
         if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
-            raise ConfigError(f"MTP block expects vocab {self.vocab_size} / hidden {self.hidden_size}, the target "
-                              f"has {target.vocab_size} / {target.hidden_size}")
+            raise ConfigError(f"{self.drafter} block expects vocab {self.vocab_size} / hidden {self.hidden_size}, "
+                              f"the target has {target.vocab_size} / {target.hidden_size}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> MTPConfig:
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"unknown MTP config fields {unknown}; is this an MTP drafter folder?")
+            raise ConfigError(f"unknown {cls.drafter} config fields {unknown}; is this a {cls.drafter} drafter "
+                              "folder?")
         return cls(**raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MTPConfig(DraftBlockConfig):
+    """An MTP block: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
+
+    drafter: ClassVar[str] = "mtp"
+
+    target_layer_id: int
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return (self.target_layer_id,)
+
+    @classmethod
+    def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
+                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                   head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
+        """A block for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
+        shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
+                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                                 intermediate_size=intermediate_size)
+        tap = target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id
+        return cls(target_layer_id=tap, **shape)
+
+
+def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The target taps a block conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
+    return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
 
 
 def project_qkv(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The q/k/v part of `Attention.forward` (projection, q/k norm, RoPE), for custom attention patterns.
 
-    x [B, T, C], cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]."""
+    x [B, T, C_in] (C_in = C, or 2C for EAGLE-3), cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]."""
     B, T, _ = x.shape
     qkv = attn.qkv_proj(x).view(B, T, attn.n_heads + 2 * attn.n_kv, attn.head_dim)
     q, k, v = qkv.split((attn.n_heads, attn.n_kv, attn.n_kv), dim=2)  # [B, T, H|Hkv, Dh]
@@ -136,28 +186,36 @@ def project_qkv(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 class MTPBlock(nn.Module):
-    """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved)."""
+    """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved).
 
-    def __init__(self, cfg: MTPConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    The base of the MTP family: a subclass (`models.eagle3.Eagle3Block`) changes only how the depth input
+    (h, x̃) enters the decoder layer (`build_fusion`, `condition`, `layer_inputs`); the TTT rollout, the
+    cached inference step, the trainer, the drafter and the folder IO serve every member unchanged."""
+
+    def __init__(self, cfg: DraftBlockConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()
         if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ConfigError(f"embedding {tuple(embed_tokens.weight.shape)} does not match the MTP config's "
-                              f"[vocab, hidden] = [{cfg.vocab_size}, {cfg.hidden_size}]")
+            raise ConfigError(f"embedding {tuple(embed_tokens.weight.shape)} does not match the {cfg.drafter} "
+                              f"config's [vocab, hidden] = [{cfg.vocab_size}, {cfg.hidden_size}]")
         if lm_head.weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ConfigError(f"LM head {tuple(lm_head.weight.shape)} does not match [{cfg.vocab_size}, "
                               f"{cfg.hidden_size}]")
         self.config = cfg
         # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
-        d = cfg.hidden_size
-        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)  # RMSNorm(h^(k-1)) of Eq. 1
-        self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)  # RMSNorm(E(x̃_k)) of Eq. 1
-        self.proj = nn.Linear(2 * d, d, bias=False)  # W_proj of Eq. 1
+        self.build_fusion()
         self.layer = DecoderLayer(cfg.layer_config(), 0)  # F_θ of Eq. 2
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)  # before W_lm
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # before W_lm
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def build_fusion(self) -> None:
+        """The modules that join the depth input (h, x̃) before F_θ; MTP: Eq. 1's norms and W_proj."""
+        d, eps = self.config.hidden_size, self.config.rms_norm_eps
+        self.hidden_norm = RMSNorm(d, eps)  # RMSNorm(h^(k-1)) of Eq. 1
+        self.embed_norm = RMSNorm(d, eps)  # RMSNorm(E(x̃_k)) of Eq. 1
+        self.proj = nn.Linear(2 * d, d, bias=False)  # W_proj of Eq. 1
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():
@@ -178,6 +236,26 @@ class MTPBlock(nn.Module):
         """Eq. 1: h [B, T, C], x̃ [B, T] -> u [B, T, C]."""
         e = self.embed(token_ids).to(hidden.dtype)
         return self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(e)], dim=-1))
+
+    def condition(self, taps: torch.Tensor) -> torch.Tensor:
+        """h^(-1) from the target taps (`concat_taps` of `target_layer_ids`): [B, T, n·Ct] -> [B, T, C].
+        MTP: the one tap as it is."""
+        return taps
+
+    def layer_inputs(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """F_θ's residual stream x [B, T, C] and attention input [B, T, C_in] for the depth input (h, x̃).
+
+        MTP: x = u of Eq. 1 and the attention reads RMSNorm(u), exactly `DecoderLayer.forward`."""
+        u = self.fuse(hidden, token_ids)
+        return u, self.layer.input_layernorm(u)
+
+    def layer_forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor | None, cache: StaticKVCache | None,
+                      write_idx: tuple[torch.Tensor, torch.Tensor] | None, kv_len: int | None) -> torch.Tensor:
+        """One depth of F_θ over (h [B, T, C], x̃ [B, T]) -> h' [B, T, C] (arguments as `Attention.forward`)."""
+        x, attn_in = self.layer_inputs(hidden, token_ids)
+        x = x + self.layer.attn(attn_in, cos, sin, mask, cache, write_idx, kv_len)
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 2's head: h^(k) [..., C] -> fp32 logits [..., V] (W_lm frozen)."""
@@ -200,19 +278,20 @@ class MTPBlock(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One causal pass of Eq. 1–2 over a (packed) sequence: -> h^(0) [B, T, C].
 
-        hidden [B, T, C] target taps h_i; token_ids [B, T] the aligned inputs x_{i+1}; positions [B, T]
-        document-local; document_ids [B, T] gate attention to the own document (None = plain causal)."""
+        hidden [B, T, n·Ct] target taps h_i (`concat_taps`); token_ids [B, T] the aligned inputs x_{i+1};
+        positions [B, T] document-local; document_ids [B, T] gate attention to the own document (None = plain
+        causal)."""
         if hidden.dim() != 3 or token_ids.shape != hidden.shape[:2]:
             raise ValueError(f"hidden must be [B, T, C] and token_ids [B, T], got {tuple(hidden.shape)}, "
                              f"{tuple(token_ids.shape)}")
-        x = self.fuse(hidden, token_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        h = self.condition(hidden)  # [B, T, C]
+        cos, sin = self.rope(positions, h.dtype)
         mask = None
         if document_ids is not None:
-            T = x.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            T = h.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
             mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
-        return self.layer(x, cos, sin, mask, None, None, None)
+        return self.layer_forward(h, token_ids, cos, sin, mask, None, None, None)
 
     # ----- inference: one decoder layer over a static draft KV cache -----
     def new_cache(self, batch_size: int, max_len: int, *, slack: int, dtype: torch.dtype,
@@ -223,7 +302,10 @@ class MTPBlock(nn.Module):
     def forward_cached(self, hidden: torch.Tensor, token_ids: torch.Tensor, cache: StaticKVCache, *,
                        num_new: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
         """Append T entries per row at slots `cache.lengths + arange(T)` (slot == RoPE position) and attend
-        over each row's cached entries: -> h [B, T, C]; `cache.lengths += num_new` (default T)."""
+        over each row's cached entries: -> h [B, T, C]; `cache.lengths += num_new` (default T).
+
+        hidden [B, T, C] is the depth input h, already conditioned: `condition(taps)` for committed entries,
+        the block's own previous output for draft-chain entries."""
         B, T = token_ids.shape
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]
@@ -231,8 +313,7 @@ class MTPBlock(nn.Module):
         key_pos = torch.arange(kv_len, device=dev)
         mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
         write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
-        x = self.fuse(hidden, token_ids)
-        cos, sin = self.rope(slots, x.dtype)
-        out = self.layer(x, cos, sin, mask, cache, write_idx, kv_len)
+        cos, sin = self.rope(slots, hidden.dtype)
+        out = self.layer_forward(hidden, token_ids, cos, sin, mask, cache, write_idx, kv_len)
         cache.lengths += T if num_new is None else num_new
         return out

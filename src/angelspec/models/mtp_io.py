@@ -1,11 +1,11 @@
-"""Saving and loading an MTP block folder: `config.json` + `model.safetensors` (the block's own weights only).
+"""Saving and loading an MTP-family block folder: `config.json` + `model.safetensors` (the block's own weights).
 
-config.json:
-    {"architectures": ["AngelSpecMTP"], "mtp_config": {...MTPConfig...},
-     "angelspec": {"drafter": "mtp", "target_fingerprint": ..., "target_layer_ids": [tap], ...extra}}
+config.json, with KIND the block's drafter kind ("mtp" or "eagle3"):
+    {"architectures": ["AngelSpecMTP" | "AngelSpecEagle3"], "<KIND>_config": {...block config...},
+     "angelspec": {"drafter": KIND, "target_fingerprint": ..., "target_layer_ids": [taps], ...extra}}
 
 The target's embedding and LM head are never written: `load_mtp` takes them from the target the caller
-already holds, after checking the folder was trained for that target.
+already holds, after checking the folder was trained for that target (tap ids first, then the fingerprint).
 """
 
 from __future__ import annotations
@@ -16,13 +16,25 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
+from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
 from angelspec.models.hf_io import WEIGHTS_NAME, CheckpointError, save_safetensors_atomic, write_json_atomic
-from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig
 
 ARCHITECTURE = "AngelSpecMTP"
+# drafter kind -> (config class, block class, architecture name in config.json)
+BLOCK_KINDS: dict[str, tuple[type[DraftBlockConfig], type[MTPBlock], str]] = {
+    "mtp": (MTPConfig, MTPBlock, ARCHITECTURE),
+    "eagle3": (Eagle3Config, Eagle3Block, "AngelSpecEagle3"),
+}
+
+
+def build_block(cfg: DraftBlockConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> MTPBlock:
+    """The block class of `cfg`'s kind around the target's (frozen) embedding and LM head."""
+    return BLOCK_KINDS[cfg.drafter][1](cfg, embed_tokens, lm_head)
 
 
 def save_mtp(block: MTPBlock, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
@@ -30,45 +42,47 @@ def save_mtp(block: MTPBlock, path: str | Path, extra: dict[str, Any] | None = N
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = block.config
+    kind = cfg.drafter
     save_safetensors_atomic(dict(block.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
-    meta = {"drafter": "mtp", "target_fingerprint": cfg.target_fingerprint,
-            "target_layer_ids": [cfg.target_layer_id], **(extra or {})}
-    write_json_atomic(path / "config.json", {"architectures": [ARCHITECTURE], "mtp_config": cfg.to_dict(),
+    meta = {"drafter": kind, "target_fingerprint": cfg.target_fingerprint,
+            "target_layer_ids": list(cfg.target_layer_ids), **(extra or {})}
+    write_json_atomic(path / "config.json", {"architectures": [BLOCK_KINDS[kind][2]], f"{kind}_config": cfg.to_dict(),
                                              "angelspec": meta})
     return path
 
 
-def read_mtp_config(path: str | Path) -> tuple[MTPConfig, dict[str, Any]]:
-    """-> (MTPConfig, the raw `angelspec` entry); clear errors for a folder that is not an MTP drafter."""
+def read_mtp_config(path: str | Path, kind: str = "mtp") -> tuple[DraftBlockConfig, dict[str, Any]]:
+    """-> (the `kind` block config, the raw `angelspec` entry); clear errors for a folder of another kind."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json: is it an MTP drafter folder (angelspec train "
-                              "--drafter mtp)?")
+        raise CheckpointError(f"{path} has no config.json: is it a {kind} drafter folder (angelspec train "
+                              f"--drafter {kind})?")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); the folder may be half-written") from None
     meta = raw.get("angelspec") or {}
-    if meta.get("drafter") != "mtp" or "mtp_config" not in raw:
-        raise CheckpointError(f"{path} is not an MTP drafter (angelspec.drafter = {meta.get('drafter')!r})")
+    key = f"{kind}_config"
+    if meta.get("drafter") != kind or key not in raw:
+        raise CheckpointError(f"{path} is not a {kind} drafter (angelspec.drafter = {meta.get('drafter')!r})")
     try:
-        return MTPConfig.from_dict(raw["mtp_config"]), meta
+        return BLOCK_KINDS[kind][0].from_dict(raw[key]), meta
     except (TypeError, ConfigError) as e:
-        raise CheckpointError(f"{cfg_file}: bad mtp_config ({e})") from None
+        raise CheckpointError(f"{cfg_file}: bad {key} ({e})") from None
 
 
-def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = None) -> MTPBlock:
-    """Build the block on the target's device/dtype with the target's (frozen) embedding and LM head.
+def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = None, kind: str = "mtp") -> MTPBlock:
+    """Build the `kind` block on the target's device/dtype with the target's (frozen) embedding and LM head.
 
     Raises ConfigError when the folder was trained for another target."""
-    cfg, _ = read_mtp_config(path)
+    cfg, _ = read_mtp_config(path, kind)
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
-    block = MTPBlock(cfg, target.embed_tokens, target.lm_head)
+    block = build_block(cfg, target.embed_tokens, target.lm_head)
     state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(w.device))
     missing, unexpected = block.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match mtp_config (missing {missing[:4]}, "
+        raise CheckpointError(f"{path}: weights do not match {kind}_config (missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]})")
     return block.to(device=w.device, dtype=dtype or w.dtype).eval()

@@ -105,18 +105,33 @@ def train_draft_lm(
     progress: bool = True,
     max_minutes: float | None = None,
     log: Any = print,
+    distributed: str | None = None,
 ) -> dict[str, Any]:
-    """Train the draft LM for the target at `target_dir` and write it to `out_dir`; returns a report."""
+    """Train the draft LM for the target at `target_dir` and write it to `out_dir`; returns a report.
+
+    `distributed`: "auto"/None (DDP under a multi-process torchrun, else one process), "none", "ddp" or
+    "fsdp2" (`train.distributed`); `batch_size` is the global batch. Rank 0 alone writes."""
     from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.train.distributed import barrier, init_distributed, resolve_strategy, shutdown, whole_copy
 
     cfg = config or draft_lm_embedded()
+    info = init_distributed()
+    strategy = resolve_strategy(distributed, info)
+    if cfg.batch_size % info.world_size:
+        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must divide over {info.world_size} "
+                         "processes")
+    main = info.is_main
+    if not main:
+        log = _silent
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     work = out_dir / "training"
     ckpt_dir = work / "checkpoint"
     if (out_dir / "config.json").exists() and not (force or resume):
         raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    if force and not resume and out_dir.exists():
+    barrier()  # every rank has looked at out_dir before rank 0 clears it
+    if main and force and not resume and out_dir.exists():
         shutil.rmtree(out_dir)
+    barrier()
     if find_checkpoint(ckpt_dir) is None and resume:
         log(f"no checkpoint in {ckpt_dir}; starting from scratch")
     t0 = time.time()
@@ -157,11 +172,13 @@ def train_draft_lm(
     work.mkdir(parents=True, exist_ok=True)
     step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work / "train_log.jsonl",
                            resume=resume, progress=progress, max_minutes=max_minutes, desc="draft-lm",
-                           save_model=save_model, log=log)
-    save_model(model, out_dir)
-    for name in TOKENIZER_FILES:
-        if (target_dir / name).is_file():
-            shutil.copy2(target_dir / name, out_dir / name)
+                           save_model=save_model, log=log, strategy=strategy, dist_info=info)
+    final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
+    if main:
+        save_model(final, out_dir)
+        for name in TOKENIZER_FILES:
+            if (target_dir / name).is_file():
+                shutil.copy2(target_dir / name, out_dir / name)
     report = {
         "drafter": "draft-lm", "steps": step, "parameters": model_cfg.num_parameters(),
         "heldout_loss": {d: round(heldout_loss(model, dom, cfg.heldout_docs_per_domain,
@@ -170,5 +187,14 @@ def train_draft_lm(
         "documents_truncated": truncated, "train_seconds": round(time.time() - t0, 1),
         "target": str(target_dir), "target_fingerprint": target_cfg.fingerprint(),
     }
-    write_json_atomic(out_dir / "train_report.json", report)
+    if info.enabled:
+        report.update(distributed=strategy, world_size=info.world_size)
+    if main:
+        write_json_atomic(out_dir / "train_report.json", report)
+    barrier()
+    shutdown(info)
     return report
+
+
+def _silent(*_: Any) -> None:
+    """The log function of ranks other than 0."""

@@ -4,6 +4,11 @@ Plain next-token cross-entropy on packed rows, AdamW, warm-up + cosine schedule,
 JSONL logs once per `log_every` steps, atomic checkpoints every `ckpt_every` steps. Resuming restores
 the weights, the optimizer state and the step; the data order is a pure function of (seed, step), so a
 resumed run follows the same loss curve as an uninterrupted one (tested bit for bit).
+
+Data parallelism (`train.distributed`, opt-in by the caller): DDP or FSDP2 over the model, each rank takes its
+slice of the global batch. Every row holds `seq_len` supervised tokens, so each rank's mean loss has the same
+denominator and the averaged gradient is the single-process one (up to reduction order). Rank 0 alone
+writes checkpoints, logs and the progress bar.
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ from angelspec.train.checkpoint import (
     load_optimizer_state,
     read_trainer_state,
     write_checkpoint,
+)
+from angelspec.train.distributed import (
+    DistInfo,
+    Strategy,
+    all_reduce_scalars,
+    any_rank,
+    barrier,
+    clip_grad_norm,
+    shard_rows,
+    whole_copy,
+    wrap_model,
 )
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 
@@ -70,11 +86,22 @@ def train_causal_lm(
     desc: str = "train",
     save_model: Callable[[Decoder, Path], Any] = save_target,
     log: Callable[[str], None] = print,
+    strategy: Strategy = "none",
+    dist_info: DistInfo | None = None,
 ) -> int:
     """Train `model` in place (resuming from `ckpt_dir` when asked) and return the last step reached.
 
     `max_minutes` stops early at a checkpoint so the caller can export what exists and resume later.
+    `strategy` / `dist_info`: data parallelism (module docstring); the caller has run `init_distributed` and
+    guards its own writes by `dist_info.is_main`. Under FSDP2 the model's parameters end as DTensor shards:
+    get whole weights with `train.distributed.whole_copy`.
     """
+    info = dist_info or DistInfo()
+    main = info.is_main
+    if strategy == "fsdp2" and resume:
+        raise ValueError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no optimizer "
+                         "state); resume with ddp or a single process")
+    wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     settings = {"train_config": run_identity(cfg)}
     step = 0
@@ -89,24 +116,33 @@ def train_causal_lm(
         log(f"resuming from step {step}")
 
     def save(at: int) -> None:
-        write_checkpoint(ckpt_dir, lambda p: save_model(model, p), {"step": at, **settings}, opt)
+        whole = whole_copy(model, lambda: Decoder(model.config))  # a collective under FSDP2
+        if main:
+            write_checkpoint(ckpt_dir, lambda p: save_model(whole, p), {"step": at, **settings},
+                             None if strategy == "fsdp2" else opt)
+        barrier()
 
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not progress, unit="step")
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (progress and main), unit="step")
     last_log, tok_seen = time.time(), 0
     losses: list[float] = []
     tokens_per_step = cfg.batch_size * cfg.seq_len
     while step < cfg.steps:
         batch = stream.batch(step, cfg.batch_size)  # [B, seq_len + 1]
+        if info.enabled:
+            batch = batch[shard_rows(range(batch.shape[0]), info)]  # [B / world, seq_len + 1]
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = model(batch[:, :-1]).logits
+            logits = wrapped(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if strategy == "fsdp2":
+            gnorm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
         tok_seen += tokens_per_step
@@ -114,15 +150,19 @@ def train_causal_lm(
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.time()
-            rec = {"step": step, "loss": sum(losses) / len(losses), "lr": lr, "grad_norm": float(gnorm),
+            mean_loss = sum(losses) / len(losses)
+            if info.enabled:  # equal token counts per rank: the mean of the ranks' means is the global mean
+                mean_loss = all_reduce_scalars({"loss": mean_loss}, "mean")["loss"]
+            rec = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(gnorm),
                    "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens_per_s']:.0f}")
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             losses, last_log, tok_seen = [], now, 0
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             save(step)
-        if deadline is not None and time.time() > deadline and step < cfg.steps:
+        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
             save(step)
             log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
             break

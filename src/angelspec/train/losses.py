@@ -43,11 +43,21 @@ vocabulary and KL_S is the full KL. TV and α use the same pair (p̃, q):
     α_S = Σ_{v∈S} min(p̃(v), q(v)),    TV_S = 1 − α_S = ½ (Σ_{v∈S} |p̃(v) − q(v)| + 1 − q(S)),
 
 the exact TV between p̃ and the full student, computed without materialising q off S.
+
+Data parallelism
+----------------
+Every loss is Σ (per-token terms) / (a detached count or weight sum over the batch). Under DDP / FSDP2 each
+rank sees only its slice of the global batch, and averaging per-rank means is not the global mean when the
+ranks hold different numbers of valid tokens. Inside `global_denominators(sum_fn)` every denominator is
+first summed over ranks by `sum_fn`, so each rank's loss is its exact share of the global-batch loss
+(their sum is the single-process loss). Outside it (the default) nothing changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -117,6 +127,27 @@ class LossOutput(NamedTuple):
 # Helpers
 # ---------------------------------------------------------------------------------------------------------
 
+_DENOMINATOR_SUM: ContextVar[Callable[[Tensor], Tensor] | None] = ContextVar("angelspec_denominator_sum",
+                                                                              default=None)
+
+
+@contextmanager
+def global_denominators(sum_fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Within the block, loss denominators are `sum_fn(local denominator)`, e.g. an all-reduce SUM over
+    data-parallel ranks (module docstring, "Data parallelism"). `sum_fn` must not modify its input."""
+    token = _DENOMINATOR_SUM.set(sum_fn)
+    try:
+        yield
+    finally:
+        _DENOMINATOR_SUM.reset(token)
+
+
+def _denominator(local: Tensor) -> Tensor:
+    """The local denominator, or its sum over ranks inside `global_denominators`."""
+    sum_fn = _DENOMINATOR_SUM.get()
+    return local if sum_fn is None else sum_fn(local.detach())
+
+
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     dtype = torch.float32
@@ -181,7 +212,7 @@ def _depth_mean(values: Tensor, mask: Tensor, depth_weights: Sequence[float] | T
     than having its weight redistributed, so the loss scale does not depend on the batch's composition.
     """
     w = normalize_depth_weights(depth_weights, mask.shape[1], dtype=values.dtype, device=values.device)  # [K]
-    count = mask.sum(0).clamp_min(1).to(values.dtype)  # [K]
+    count = _denominator(mask.sum(0)).clamp_min(1).to(values.dtype)  # [K]
     return (w * values.sum(0) / count).sum()
 
 
@@ -326,7 +357,7 @@ def e2e_tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, to
     rows_t = teacher_logits[full].reshape(-1, v)
     alpha = _alpha(_support(rows_s, rows_t, top_k)).reshape(n_full, depth)  # [|I|, K]
     survive = torch.cumprod(alpha, dim=1)  # [|I|, K] Π_{k≤m} α_{i,k}
-    return (1.0 - survive.mean(1)).sum() / max(n_full, 1)
+    return (1.0 - survive.mean(1)).sum() / max(int(_denominator(full.sum())), 1)
 
 
 def dpace_weights(student_logits: Tensor, labels: Tensor, mask: Tensor, rho: float = 0.5) -> Tensor:
@@ -360,7 +391,7 @@ def dpace_lk_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor
     w = dpace_weights(student_logits, labels, mask, rho)  # [N, K], detached
     lk = _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k), eta), mask)
     w = w.to(lk.dtype)
-    return (w * lk).sum() / (w.sum() + eps)
+    return (w * lk).sum() / (_denominator(w.sum()) + eps)
 
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
@@ -383,7 +414,8 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
     tv = (1.0 - alpha) * mask
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
-    denom = w.sum().clamp_min(torch.finfo(w.dtype).tiny)  # 0 only when nothing is valid (then numerators are 0)
+    # 0 only when nothing is valid (then numerators are 0)
+    denom = _denominator(w.sum()).clamp_min(torch.finfo(w.dtype).tiny)
     ce_term = (w * ce).sum() / denom
     tv_term = (w * tv).sum() / denom
     loss = ce_coef * ce_term + tv_coef * tv_term

@@ -17,7 +17,16 @@ counted; a dataset with no assistant token at all is an error.
 Resuming is exact: the data order is a pure function of (seed, step), the rollout has no randomness, and
 the checkpoint holds the block's weights and the optimizer state (tested bit for bit).
 
-Output folder: `config.json` (`"angelspec": {"drafter": "mtp", "target_fingerprint": ..., ...}`) and
+Data parallelism (`train.distributed`): under `torchrun --nproc_per_node N` the block is wrapped with DDP
+(the default) or FSDP2 (`distributed="fsdp2"`), each rank takes its slice of the same global batch, and
+losses are normalised over the global batch, so N processes train the single-process model (up to
+reduction order; tested). The frozen target is not wrapped: every rank runs its own copy. Rank 0 alone
+writes checkpoints, logs and the progress bar. FSDP2 checkpoints hold no optimizer state yet (no resume).
+
+EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3Block`, three target taps joined
+by `concat_taps`) and the presets differ.
+
+Output folder: `config.json` (`"angelspec": {"drafter": "mtp" | "eagle3", "target_fingerprint": ..., ...}`) and
 `model.safetensors` with the block's own weights (the embedding and LM head stay the target's).
 """
 
@@ -37,9 +46,10 @@ from tqdm.auto import tqdm
 from angelspec.data.chat import encode_conversation
 from angelspec.data.lm_data import read_jsonl
 from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
+from angelspec.models.config import DecoderConfig
 from angelspec.models.hf_io import load_target, write_json_atomic
-from angelspec.models.mtp import MTPBlock, MTPConfig
-from angelspec.models.mtp_io import save_mtp
+from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
+from angelspec.models.mtp_io import build_block, save_mtp
 from angelspec.train.checkpoint import (
     check_resume_compatible,
     find_checkpoint,
@@ -47,20 +57,37 @@ from angelspec.train.checkpoint import (
     read_trainer_state,
     write_checkpoint,
 )
+from angelspec.train.distributed import (
+    DistInfo,
+    FunctionModule,
+    all_reduce_scalars,
+    any_rank,
+    barrier,
+    clip_grad_norm,
+    full_state_dict,
+    global_sum,
+    init_distributed,
+    resolve_strategy,
+    shard_rows,
+    shutdown,
+    wrap_model,
+)
 from angelspec.train.draft_lm import _data_domains
 from angelspec.train.lm import RUN_LENGTH_KEYS, run_identity
-from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss
+from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss, global_denominators
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
-from angelspec.train.ttt import mtp_loss_batch, ttt_rollout
+from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
 
 
 @dataclass(frozen=True)
-class MTPTrainConfig:
-    """Block shape (None = the target's), objective and optimisation of one MTP training run."""
+class BlockTrainConfig:
+    """Block shape (None = the target's), objective and optimisation of one MTP-family training run.
+
+    Subclasses add the target taps and build the block config (`block_config`): `MTPTrainConfig` (one tap),
+    `train.eagle3.Eagle3TrainConfig` (three); `train_mtp` trains either."""
 
     num_depths: int = 3  # D, the TTT unroll (the report's MTP-3)
     ttt: bool = True  # False: teacher-forced base MTP, one depth
-    target_layer_id: int | None = None  # None: the target's last layer
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -90,7 +117,11 @@ class MTPTrainConfig:
             get_loss(self.cold_start_loss)
         for name in ("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"MTPTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+
+    def block_config(self, target: DecoderConfig) -> DraftBlockConfig:
+        """The block's config for `target`."""
+        raise NotImplementedError
 
     @property
     def train_depths(self) -> int:
@@ -100,6 +131,19 @@ class MTPTrainConfig:
         cold = self.cold_start_loss
         return LossSchedule(cold_start=cold or self.loss, switch_step=self.switch_step if cold else 0,
                             final=self.loss, config=LossConfig(top_k=self.top_k))
+
+
+@dataclass(frozen=True)
+class MTPTrainConfig(BlockTrainConfig):
+    """An MTP run: the block conditions on one target tap."""
+
+    target_layer_id: int | None = None  # None: the target's last layer
+
+    def block_config(self, target: DecoderConfig) -> MTPConfig:
+        return MTPConfig.for_target(target, num_depths=self.num_depths, target_layer_id=self.target_layer_id,
+                                    num_attention_heads=self.num_attention_heads,
+                                    num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                                    intermediate_size=self.intermediate_size)
 
 
 def mtp_embedded() -> MTPTrainConfig:
@@ -177,8 +221,11 @@ class PackedRows:
             out.append(int(self._permutation(epoch)[r]))
         return out
 
-    def batch(self, step: int, batch_size: int) -> PackedBatch:
+    def batch(self, step: int, batch_size: int, dist_info: DistInfo | None = None) -> PackedBatch:
+        """Global batch `step`, or this rank's slice of it when `dist_info` is given."""
         idx = self.rows(step, batch_size)
+        if dist_info is not None and dist_info.enabled:
+            idx = shard_rows(idx, dist_info)
         p = self.packed
         t = torch.tensor(idx)
         return PackedBatch(input_ids=p.input_ids[t], labels=p.labels[t], loss_mask=p.loss_mask[t],
@@ -195,24 +242,42 @@ def train_mtp(
     data: str | Path,
     out_dir: str | Path,
     *,
-    config: MTPTrainConfig | None = None,
+    config: BlockTrainConfig | None = None,
     resume: bool = False,
     force: bool = False,
     progress: bool = True,
     max_minutes: float | None = None,
     log: Any = print,
+    distributed: str | None = None,
 ) -> dict[str, Any]:
-    """Train an MTP drafter for the target at `target_dir` on `data`, write it to `out_dir`; returns a report."""
+    """Train an MTP-family drafter for the target at `target_dir` on `data`, write it to `out_dir`; returns a
+    report. The kind follows the config: `MTPTrainConfig` (default `mtp_embedded()`) trains MTP,
+    `Eagle3TrainConfig` EAGLE-3 (`train.eagle3.train_eagle3`).
+
+    `distributed`: "auto"/None (DDP under a multi-process torchrun, else single process), "none", "ddp" or
+    "fsdp2" (module docstring). `batch_size` is the global batch; it must divide by the number of processes."""
     from angelspec.data.tokenizer import load_tokenizer
 
     cfg = config or mtp_embedded()
+    info = init_distributed()
+    strategy = resolve_strategy(distributed, info)
+    if strategy == "fsdp2" and resume:
+        raise ValueError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no optimizer "
+                         "state); resume with ddp or a single process")
+    main = info.is_main
+    log = log if main else _silent
+    if cfg.batch_size % info.world_size:
+        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must divide over {info.world_size} "
+                         "processes")
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     work, t0 = out_dir / "training", time.time()
     ckpt_dir = work / "checkpoint"
     if (out_dir / "config.json").exists() and not (force or resume):
         raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    if force and not resume and out_dir.exists():
+    barrier()  # every rank has looked at out_dir before rank 0 clears it
+    if main and force and not resume and out_dir.exists():
         shutil.rmtree(out_dir)
+    barrier()
 
     target = load_target(target_dir)
     for p in target.parameters():
@@ -224,12 +289,20 @@ def train_mtp(
     rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
     log(packing_report(rows.packed).format())
 
-    mcfg = MTPConfig.for_target(tcfg, num_depths=cfg.num_depths, target_layer_id=cfg.target_layer_id,
-                                num_attention_heads=cfg.num_attention_heads,
-                                num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                intermediate_size=cfg.intermediate_size)
-    block = MTPBlock(mcfg, target.embed_tokens, target.lm_head)
+    mcfg = cfg.block_config(tcfg)
+    kind = mcfg.drafter
+    block = build_block(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
+
+    def rollout(b: MTPBlock, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                document_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        out = ttt_rollout(b, hidden, input_ids, positions, document_ids, cfg.train_depths, pad_id=pad_id,
+                          checkpoint_depths=cfg.activation_checkpointing)
+        return out.logits, out.inputs, out.hidden  # a tuple, so DDP / FSDP2 find the outputs to hook
+
+    # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,
+    # since FSDP2 replaces the block's parameters by DTensor shards.
+    model = wrap_model(FunctionModule(block, rollout), strategy, info)
     opt = build_adamw(block, cfg.lr, cfg.weight_decay)
     schedule = cfg.schedule()
     identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
@@ -252,31 +325,51 @@ def train_mtp(
         step = int(state["step"])
         log(f"resuming from step {step}")
 
+    def block_to_save() -> MTPBlock:
+        """The block with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
+        if strategy != "fsdp2":
+            return block
+        whole = build_block(mcfg, target.embed_tokens, target.lm_head)
+        whole.load_state_dict(full_state_dict(block))
+        return whole
+
     def save_ckpt(at: int) -> None:
-        write_checkpoint(ckpt_dir, lambda p: save_mtp(block, p, meta), {"step": at, **identity}, opt)
+        to_save = block_to_save()
+        if main:
+            write_checkpoint(ckpt_dir, lambda p: save_mtp(to_save, p, meta), {"step": at, **identity},
+                             None if strategy == "fsdp2" else opt)
+        barrier()
 
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train_log.jsonl"
-    tap = mcfg.target_layer_id
+    taps = list(mcfg.target_layer_ids)
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     block.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc="mtp", disable=not progress, unit="step")
+    bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
     losses: list[float] = []
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
-        batch = rows.batch(step, cfg.batch_size)
+        batch = rows.batch(step, cfg.batch_size, info)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
         with torch.no_grad():  # online features: the frozen target's tap and teacher logits
             tout = target(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                          hidden_layers=[tap])
-        out = ttt_rollout(block, tout.hidden[0], batch.input_ids, batch.positions, batch.document_ids,
-                          cfg.train_depths, pad_id=pad_id, checkpoint_depths=cfg.activation_checkpointing)
+                          hidden_layers=taps)
+        out = TTTOutput(*model(concat_taps(tout.hidden), batch.input_ids, batch.positions, batch.document_ids))
         lb = mtp_loss_batch(out, batch, tout.logits)
-        loss = schedule.loss(step, lb).loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
+        if info.enabled:
+            # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
+            with global_denominators(global_sum):
+                loss = schedule.loss(step, lb).loss
+            (loss * info.world_size).backward()
+        else:
+            loss = schedule.loss(step, lb).loss
+            loss.backward()
+        if strategy == "fsdp2":
+            gnorm = clip_grad_norm(block.parameters(), cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
         tok_seen += batch.num_tokens
@@ -285,25 +378,43 @@ def train_mtp(
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.time()
             alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
-            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": sum(losses) / len(losses),
-                   "lr": lr, "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha.tolist()],
+            mean_loss, alpha_list = sum(losses) / len(losses), alpha.tolist()
+            if info.enabled:  # loss shares and tokens add up over ranks; α is the mean of the ranks' means
+                summed = all_reduce_scalars({"loss": mean_loss, "tokens": tok_seen}, "sum")
+                mean_loss, tok_seen = summed["loss"], int(summed["tokens"])
+                averaged = all_reduce_scalars({str(k): a for k, a in enumerate(alpha_list)}, "mean")
+                alpha_list = [averaged[str(k)] for k in range(len(alpha_list))]
+            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss,
+                   "lr": lr, "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
                    "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", a0=f"{rec['alpha_per_depth'][0]:.2f}")
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             losses, last_log, tok_seen = [], now, 0
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             save_ckpt(step)
-        if deadline is not None and time.time() > deadline and step < cfg.steps:
+        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
             save_ckpt(step)
             log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
             break
     bar.close()
     block.eval()
-    save_mtp(block, out_dir, meta)
-    report = {"drafter": "mtp", "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths,
+    final = block_to_save()
+    report = {"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths,
               "parameters": sum(p.numel() for p in block.parameters()), **stats,
               "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
               "target": str(target_dir), "target_fingerprint": tcfg.fingerprint()}
-    write_json_atomic(out_dir / "train_report.json", report)
+    if info.enabled:
+        report.update(distributed=strategy, world_size=info.world_size)
+    if main:
+        save_mtp(final, out_dir, meta)
+        write_json_atomic(out_dir / "train_report.json", report)
+    barrier()
+    del model  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
+    shutdown(info)
     return report
+
+
+def _silent(*_: Any) -> None:
+    """The log function of ranks other than 0."""

@@ -33,8 +33,9 @@ def parse_overrides(items: Sequence[str]) -> dict[str, str]:
 def with_overrides(cfg: C, overrides: dict[str, str]) -> C:
     """A copy of the dataclass `cfg` with `overrides` applied, each converted to its field's type.
 
-    Supported field types: bool, int, float, str, and `X | None` of those (the value `none` gives None).
-    Tuple-valued fields (e.g. domain weights) cannot be set this way and say so.
+    Supported field types: bool, int, float, str, tuples of ints (comma-separated: `target_layer_ids=1,3,4`),
+    and `X | None` of those (the value `none` gives None). Other tuple-valued fields (e.g. domain weights)
+    cannot be set this way and say so.
     """
     if not is_dataclass(cfg) or isinstance(cfg, type):
         raise TypeError(f"with_overrides expects a dataclass instance, got {type(cfg).__name__}")
@@ -55,6 +56,8 @@ def _convert(key: str, raw: str, annotation: Any) -> Any:
     options = tuple(t for t in options if t is not type(None))
     if optional and raw.lower() in ("none", "null"):
         return None
+    if len(options) == 1 and _is_int_tuple(options[0]):
+        return _int_tuple(key, raw, options[0])
     if len(options) != 1 or options[0] not in (bool, int, float, str):
         raise ValueError(f"setting {key!r} ({_type_name(annotation)}) cannot be set with key=value; "
                          "edit the preset instead")
@@ -70,6 +73,23 @@ def _convert(key: str, raw: str, annotation: Any) -> Any:
     except ValueError:
         expected = {int: "an integer", float: "a number"}.get(kind, kind.__name__) + (" or none" if optional else "")
         raise ValueError(f"setting {key}={raw!r}: expected {expected}") from None
+
+
+def _is_int_tuple(annotation: Any) -> bool:
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) is tuple and bool(args) and all(a in (int, Ellipsis) for a in args)
+
+
+def _int_tuple(key: str, raw: str, annotation: Any) -> tuple[int, ...]:
+    """`1,3,4` -> (1, 3, 4), checking the length of a fixed-size tuple[int, int, int]."""
+    args = typing.get_args(annotation)
+    try:
+        value = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"setting {key}={raw!r}: expected comma-separated integers, e.g. 1,3,4") from None
+    if Ellipsis not in args and len(value) != len(args):
+        raise ValueError(f"setting {key}={raw!r}: expected {len(args)} comma-separated integers")
+    return value
 
 
 def _type_name(annotation: Any) -> str:

@@ -1,10 +1,15 @@
 """Training-Time Test rollout of the shared MTP block over a whole packed sequence (report §2.2, §6.1).
 
+It serves every member of the MTP family (`models.mtp.MTPBlock` and subclasses such as EAGLE-3's
+`Eagle3Block`): the block maps the target taps to h^(-1) (`block.condition`) and the depth input (h, x̃) to its
+decoder layer's residual stream and attention input (`block.layer_inputs`); the rollout owns the rest.
+
 What each depth sees and predicts (report §2.3; `data.packing.label_offset(k, "mtp") = k + 2`)
 -------------------------------------------------------------------------------------------------
 At sequence position i and zero-based depth k the block predicts token x_{i+k+2}:
 
-* depth 0 fuses the target tap h_i with E(x_{i+1}) (Eq. 1) — the same input as at inference;
+* depth 0 fuses the target tap h_i (EAGLE-3: fc over three taps) with E(x_{i+1}) (Eq. 1) — the same input
+  as at inference;
 * depth k >= 1 fuses the block's own h^(k-1)_i with E(x̂), where x̂ = argmax q_{k-1}(·|i) is depth k-1's
   prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1});
 * the teacher of depth k at i is the frozen target's distribution at position i+k+1 (which predicts
@@ -191,7 +196,8 @@ def ttt_rollout(block: MTPBlock, hidden: Tensor, input_ids: Tensor, positions: T
                 checkpoint_depths: bool = False, query_chunk: int = 256) -> TTTOutput:
     """Unroll the shared block for `num_depths` depths over packed rows (module docstring).
 
-    hidden [B, T, C] target taps (detached here: the target is frozen); input_ids, positions,
+    hidden [B, T, n·Ct] target taps joined by `concat_taps` (detached here: the target is frozen; the block's
+    `condition` maps them to h^(-1) [B, T, C], with gradient into its own weights); input_ids, positions,
     document_ids [B, T] (document-local positions; ids None = one document per row).
     keep_logits=False computes each depth's logits only for the argmax (no grad, freed at once) and
     returns logits=None: a caller that applies the head itself, e.g. chunk-wise from `hidden`, then never
@@ -213,10 +219,10 @@ def ttt_rollout(block: MTPBlock, hidden: Tensor, input_ids: Tensor, positions: T
 
     def depth_step(h_prev: Tensor, tok: Tensor, k: int, prev_k: list[Tensor], prev_v: list[Tensor]
                    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Depth k: Eq. 1 fusion, attention over depth-0 prefix + diagonal keys, rest of Eq. 2 -> (h, k, v)."""
-        x = block.fuse(h_prev, tok)  # [B, T, C]
+        """Depth k: the block's fusion, attention over depth-0 prefix + diagonal keys, rest of Eq. 2 -> (h, k, v)."""
+        x, attn_in = block.layer_inputs(h_prev, tok)  # residual [B, T, C], attention input [B, T, C_in]
         cos, sin = block.rope(positions + k, x.dtype)
-        q, kk, vv = project_qkv(attn, block.layer.input_layernorm(x), cos, sin)
+        q, kk, vv = project_qkv(attn, attn_in, cos, sin)
         ks, vs = [*prev_k, kk], [*prev_v, vv]
         if full_mask is None:
             a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], gate, query_chunk)
@@ -224,7 +230,7 @@ def ttt_rollout(block: MTPBlock, hidden: Tensor, input_ids: Tensor, positions: T
             a = ttt_attention_reference(q, ks, vs, full_mask, k)
         return block.attend_out(x, a), kk, vv
 
-    h_prev, tok = hidden.detach(), depth0_inputs(input_ids, document_ids, pad_id)
+    h_prev, tok = block.condition(hidden.detach()), depth0_inputs(input_ids, document_ids, pad_id)
     keys: list[Tensor] = []
     values: list[Tensor] = []
     inputs, states = [], []

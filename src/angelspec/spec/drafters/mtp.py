@@ -14,6 +14,10 @@ depth-0 entries of the a+1 newly committed positions from the verify forward's t
 
 K may exceed the trained depth D: the block is simply invoked again (recurrently).
 
+The same code drafts with every MTP-family block: committed entries are built from `block.condition(taps)`
+(MTP: the one tap; EAGLE-3: fc over three, `spec.drafters.eagle3`), draft-chain entries from the block's own
+previous output, exactly as in the TTT rollout of training.
+
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
 and q is returned. Confidences are the block's own (temperature-1) probability of each draft.
@@ -32,7 +36,7 @@ from torch import Tensor
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.mtp import MTPBlock
+from angelspec.models.mtp import MTPBlock, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
 from angelspec.spec.batching import pad_prompts
 from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
@@ -41,23 +45,29 @@ from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_lo
 
 @register_drafter("mtp")
 class MTPDrafter(Drafter):
+    """Drafts with any MTP-family block (`MTPBlock` or a subclass); `kind` is the folder kind `from_pretrained`
+    loads (`Eagle3Drafter` only changes it)."""
+
+    kind = "mtp"
+
     def __init__(self, block: MTPBlock) -> None:
         self.block = block.eval()
-        self.target_layer_ids = (block.config.target_layer_id,)
+        self.target_layer_ids = tuple(block.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._k = 0
         self._bound = 1
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder) -> MTPDrafter:
-        """Load an MTP folder for `target` (the engine's model: its embedding and LM head are shared).
-        A folder trained for another target raises DrafterMismatchError before anything is built."""
-        cfg, _ = read_mtp_config(path)
+        """Load a folder of this drafter's kind for `target` (the engine's model: its embedding and LM head are
+        shared). A folder trained for another target, or whose tap ids the target does not have, raises
+        DrafterMismatchError before anything is built."""
+        cfg, _ = read_mtp_config(path, cls.kind)
         try:
             cfg.check_target(target.config)
         except ConfigError as e:
             raise DrafterMismatchError(f"{path}: {e}") from None
-        return cls(load_mtp(path, target))
+        return cls(load_mtp(path, target, kind=cls.kind))
 
     @property
     def vocab_size(self) -> int:
@@ -92,13 +102,13 @@ class MTPDrafter(Drafter):
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None
-        (taps,) = target_hidden  # [n, P_max, C]
+        taps = self.block.condition(concat_taps(target_hidden).to(cache.dtype))  # [n, P_max, C]
         # Entry j fuses h_j with x_{j+1}: the prompt shifted by one, then the first emitted token.
         ids, lengths = pad_prompts([list(p[1:]) + [f] for p, f in zip(prompts, first_tokens, strict=True)],
                                    cache.device)  # [n, P_max], [n]
         n, p_max = ids.shape
         tmp = self.block.new_cache(n, p_max, slack=0, dtype=cache.dtype, device=cache.device)
-        out = self.block.forward_cached(taps.to(cache.dtype), ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
+        out = self.block.forward_cached(taps, ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
         cache.k[0][idx, :, :p_max] = tmp.k[0]
         cache.v[0][idx, :, :p_max] = tmp.v[0]
@@ -140,13 +150,14 @@ class MTPDrafter(Drafter):
         cache = self.cache
         assert cache is not None
         cache.truncate(self._base)  # drop this round's draft chain: trap 4
-        (taps,) = commit.target_hidden  # [B, n+1, C]: last, d_1..d_n as the target saw them
+        # [B, n+1, C]: last, d_1..d_n as the target saw them, conditioned (EAGLE-3: fc over the three taps)
+        taps = self.block.condition(concat_taps(commit.target_hidden).to(cache.dtype))
         width = taps.shape[1]
         acc = commit.num_accepted  # [B]
         count = torch.where(commit.active, acc + 1, 0)  # [B] new committed positions per row
         keep = torch.arange(width, device=acc.device)[None, :] < count[:, None]  # [B, n+1]
         tok = torch.where(keep, commit.tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
-        out = self.block.forward_cached(taps.to(cache.dtype), tok, cache, num_new=count,
+        out = self.block.forward_cached(taps, tok, cache, num_new=count,
                                         kv_len=self._bound + width)  # [B, n+1, C]
         newest = out.gather(1, acc.clamp(max=width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
         self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
@@ -164,7 +175,8 @@ def reference_drafts(block: MTPBlock, target: Decoder, sequence: Sequence[int], 
 
     ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
     s = ids.shape[1]
-    taps = target(ids, hidden_layers=[block.config.target_layer_id], compute_logits=False).hidden[0]  # [1, s, C]
+    hidden = target(ids, hidden_layers=list(block.config.target_layer_ids), compute_logits=False).hidden
+    taps = concat_taps(hidden)  # [1, s, n·C]
     pos = torch.arange(s, device=ids.device)[None]
     out = ttt_rollout(block, taps, ids, pos, None, k)
     return out.logits[0, s - 2].argmax(dim=-1).tolist()
