@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS
+from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS, TRAIN_PROMPTS
 from angelspec.cli import (
     EXIT_BAD_INPUT,
     UsageError,
@@ -48,6 +48,9 @@ class DemoState:
     batch_size: int = 8
     num_draft_tokens: int = 4
     draft_lm: Path = DEFAULT_DRAFT_LM
+    mtp_minutes: float = 3.0  # 0 skips the MTP stage
+    train_prompts: Path = TRAIN_PROMPTS
+    work_dir: Path = Path(".cache/demo")
     target_dir: Path | None = None
     model: Any = None
     tokenizer: Any = None
@@ -158,6 +161,28 @@ def stage_draft_lm(state: DemoState) -> dict[str, str]:
         return {"draft LM": note}
 
 
+def stage_train_mtp(state: DemoState) -> dict[str, str]:
+    """The training story in miniature: roll out the shipped training prompts with the target (its own
+    answers are what a drafter must predict), train an MTP drafter with Training-Time Test on them for a
+    few minutes, then measure it like the others."""
+    from angelspec.data.rollout import rollout
+    from angelspec.train.mtp import mtp_demo, train_mtp
+
+    if state.mtp_minutes <= 0:
+        return {"MTP": "skipped (--mtp-minutes 0)"}
+    work = state.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "rollout.jsonl"
+    summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
+                      batch_size=16, force=True, progress=True)
+    print(summary.format())
+    out = work / "mtp"
+    train_mtp(state.target_dir, data, out, config=mtp_demo(), force=True, max_minutes=state.mtp_minutes,
+              progress=True, log=print)
+    facts = _speculative_stage(state, f"mtp:{out}", "MTP (TTT)")
+    return {"rollout": f"{data}", **facts}
+
+
 def stage_report(state: DemoState) -> dict[str, str]:
     """AR and every drafter side by side, per domain."""
     from angelspec.eval.speculative import format_comparison
@@ -172,6 +197,7 @@ STAGES: list[Stage] = [
     Stage("AR baseline (greedy)", stage_ar_baseline),
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
+    Stage("train an MTP drafter (TTT) for a few minutes, then decode with it", stage_train_mtp),
     Stage("AR vs drafters, per domain", stage_report),
 ]
 
@@ -203,13 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-domain", type=int, default=6, metavar="N", help="prompts per domain (default: 6)")
     parser.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="per prompt (default: 96)")
     parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
+    parser.add_argument("--mtp-minutes", type=float, default=3.0, metavar="M",
+                        help="training budget of the MTP stage in minutes; 0 skips it (default: 3)")
+    parser.add_argument("--train-prompts", default=str(TRAIN_PROMPTS), metavar="FILE",
+                        help="prompts the MTP stage rolls out and trains on (default: the shipped training prompts)")
+    parser.add_argument("--work-dir", default=".cache/demo", metavar="DIR",
+                        help="where the MTP stage writes its rollouts and drafter (default: .cache/demo)")
     args = parser.parse_args(argv)
     for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
-                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm))
+                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm), mtp_minutes=args.mtp_minutes,
+                      work_dir=Path(args.work_dir), train_prompts=Path(args.train_prompts))
     try:
         report = run_demo(state)
     except Exception as e:

@@ -10,3 +10,6 @@ DEFAULT_DRAFT_LM = Path(__file__).parent / "draft_lm"
 # Held-out prompts per domain (code, math, chat) from the embedded corpus' held-out splits, for `eval`,
 # benchmarks and the demo. Never used for training.
 EVAL_PROMPTS = Path(__file__).parent / "prompts" / "eval.jsonl"
+# Training prompts per domain (code, math, chat) from the corpus' TRAIN splits: the demo rolls them out with
+# the target and trains a drafter on the responses. Disjoint from EVAL_PROMPTS by construction.
+TRAIN_PROMPTS = Path(__file__).parent / "prompts" / "train.jsonl"

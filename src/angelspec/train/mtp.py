@@ -153,6 +153,12 @@ def mtp_embedded() -> MTPTrainConfig:
     return MTPTrainConfig(batch_size=2, steps=200, switch_step=60, warmup=10)
 
 
+def mtp_demo() -> MTPTrainConfig:
+    """`make demo`'s few-minute MTP-3 run on the embedded target's rollouts: short schedule, early switch
+    from the LK^alpha cold start to e2e TV. A taste of the pipeline, not a converged drafter."""
+    return MTPTrainConfig(batch_size=2, steps=40, switch_step=15, warmup=4, ckpt_every=20, log_every=5)
+
+
 def mtp_base() -> MTPTrainConfig:
     """The base-MTP comparison point of Table 2: teacher-forced, one depth, hard-label CE."""
     return MTPTrainConfig(ttt=False, num_depths=1, loss="ce", cold_start_loss=None)
@@ -164,7 +170,7 @@ def tiny_debug() -> MTPTrainConfig:
                           ckpt_every=2, log_every=1)
 
 
-PRESETS = {"mtp_embedded": mtp_embedded, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
+PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
 
 
 # ----- data -----
