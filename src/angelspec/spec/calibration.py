@@ -1,0 +1,202 @@
+"""Confidence calibration for the verification budgets: Sequential Temperature Scaling (STS) and the
+Expected Calibration Error (ECE), as in the Uraion DSpark report (§3.2 and §4.x "Sequential Temperature
+Scaling"; DSpark §3.2.1).
+
+The schedulers (spec/budget.py) rank positions by prefix survival s_k = prod_{j<=k} c_j (AngelSpec Eq. 20,
+Algorithm 1's a_{r,j}), so what must be calibrated is the *cumulative* product, not each c_k alone. STS fits
+one temperature per draft position, left to right:
+
+    k = 1..K:  a_k(T) = prod_{j<k} c_j^{1/T_j} * c_k^{1/T}       (earlier positions already calibrated)
+               T_k = argmin_{T in grid} ECE(a_k(T), y_k)           (1-D grid search, 100 points in (0.1, 10))
+    y_k = 1 iff drafts 1..k were all accepted (held-out verification outcomes).
+
+The calibrated score is c~_k = c_k^{1/T_k} (the report's formula; T > 1 raises confidences, T < 1 lowers
+them). For a confidence head c = sigmoid(z) this is exp(logsigmoid(z) / T): order-preserving, keeps 0 and 1
+fixed, and differs from classic sigmoid(z / T) temperature scaling. Temperatures are stored as JSON next to
+the drafter checkpoint (`calibration.json`) so the checkpoint directory stays self-describing.
+
+Shape legend: N held-out draft blocks, K draft positions, G grid points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from angelspec.fileio import write_json_atomic
+from angelspec.spec.drafter import DraftState, Proposal
+
+CALIBRATION_FILE = "calibration.json"
+DEFAULT_NUM_BINS = 15  # the report's 15-bin ECE
+
+
+def temperature_grid(num: int = 100, lo: float = 0.1, hi: float = 10.0) -> Tensor:
+    """[G] float64, log-spaced temperatures in [lo, hi] (the report's 100-point grid over (0.1, 10))."""
+    return torch.logspace(math.log10(lo), math.log10(hi), num, dtype=torch.float64)
+
+
+def ece(conf: Tensor, labels: Tensor, num_bins: int = DEFAULT_NUM_BINS) -> Tensor:
+    """Expected Calibration Error with equal-width bins over [0, 1]: sum_b (n_b / N) |mean(y)_b - mean(c)_b|.
+
+    conf [..., N] in [0, 1], labels [N] or [..., N] in {0, 1} -> ECE [...] (float64). Leading dims are
+    independent problems (the STS grid search evaluates every temperature at once)."""
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+    conf = conf.double()
+    labels = labels.double().expand_as(conf)
+    n = conf.shape[-1]
+    if n == 0:
+        raise ValueError("ECE of an empty set")
+    lead = conf.shape[:-1]
+    bins = (conf * num_bins).long().clamp(0, num_bins - 1)  # [..., N]; 1.0 falls into the last bin
+    flat_bins = bins.reshape(-1, n)  # [P, N]
+    sum_c = torch.zeros(flat_bins.shape[0], num_bins, dtype=torch.float64).scatter_add_(1, flat_bins,
+                                                                                         conf.reshape(-1, n))
+    sum_y = torch.zeros_like(sum_c).scatter_add_(1, flat_bins, labels.reshape(-1, n))
+    # |sum_y - sum_c| / N = (n_b / N) |mean_y - mean_c|: no division by empty bins.
+    return ((sum_y - sum_c).abs().sum(-1) / n).reshape(lead)
+
+
+def survival_labels(accepted: Tensor) -> Tensor:
+    """accepted [N, K] bool/0-1 per position -> y [N, K] float: y_k = 1 iff positions 1..k were accepted."""
+    return torch.cumprod(accepted.double(), dim=-1)
+
+
+def confidences_from_logits(logits: Tensor) -> Tensor:
+    return torch.sigmoid(logits.double())
+
+
+def apply_temperatures(logits: Tensor, temperatures: Tensor | Sequence[float]) -> Tensor:
+    """Raw confidence logits [..., K] -> calibrated confidences [..., K]: c~_k = sigmoid(z_k)^{1/T_k}
+    computed as exp(logsigmoid(z_k) / T_k) (no underflow for very negative logits)."""
+    t = _temps(temperatures, logits)
+    return torch.exp(torch.nn.functional.logsigmoid(logits) / t)
+
+
+def apply_temperatures_to_confidences(conf: Tensor, temperatures: Tensor | Sequence[float]) -> Tensor:
+    """Confidences [..., K] in [0, 1] -> c^{1/T_k} [..., K] (for drafters that only report probabilities)."""
+    t = _temps(temperatures, conf)
+    return conf.clamp(0.0, 1.0) ** (1.0 / t)
+
+
+def _temps(temperatures: Tensor | Sequence[float], like: Tensor) -> Tensor:
+    t = torch.as_tensor(temperatures, dtype=like.dtype if like.is_floating_point() else torch.float64,
+                        device=like.device)
+    if t.dim() != 1 or t.shape[0] != like.shape[-1]:
+        raise ValueError(f"need one temperature per position: {like.shape[-1]}, got {tuple(t.shape)}")
+    if not bool((t > 0).all()):
+        raise ValueError(f"temperatures must be > 0, got {t.tolist()}")
+    return t
+
+
+@dataclass(frozen=True)
+class StsCalibration:
+    """Per-position temperatures from `fit_sts` and the cumulative ECE per position before / after."""
+
+    temperatures: tuple[float, ...]
+    ece_before: tuple[float, ...] = ()
+    ece_after: tuple[float, ...] = ()
+    num_bins: int = DEFAULT_NUM_BINS
+    method: str = field(default="sts", init=False)
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """Raw confidence logits [..., K] -> calibrated confidences [..., K]."""
+        return apply_temperatures(logits, self.temperatures)
+
+    def apply_to_confidences(self, conf: Tensor) -> Tensor:
+        return apply_temperatures_to_confidences(conf, self.temperatures)
+
+    def to_json(self) -> dict[str, object]:
+        return {"method": self.method, "temperatures": list(self.temperatures), "num_bins": self.num_bins,
+                "ece_before": list(self.ece_before), "ece_after": list(self.ece_after)}
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        """Write `calibration.json` into the drafter checkpoint directory; returns its path."""
+        path = Path(checkpoint_dir) / CALIBRATION_FILE
+        write_json_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_json(cls, obj: dict[str, object]) -> StsCalibration:
+        if obj.get("method") != "sts":
+            raise ValueError(f"unknown calibration method {obj.get('method')!r} (expected 'sts')")
+        temps = tuple(float(t) for t in obj["temperatures"])  # type: ignore[union-attr]
+        if not temps or any(not (math.isfinite(t) and t > 0) for t in temps):
+            raise ValueError(f"calibration temperatures must be finite and > 0, got {list(temps)}")
+        return cls(temperatures=temps, ece_before=tuple(obj.get("ece_before", ())),  # type: ignore[arg-type]
+                   ece_after=tuple(obj.get("ece_after", ())),  # type: ignore[arg-type]
+                   num_bins=int(obj.get("num_bins", DEFAULT_NUM_BINS)))  # type: ignore[arg-type]
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> StsCalibration | None:
+        """The calibration stored next to a drafter checkpoint, or None when there is none."""
+        path = Path(checkpoint_dir) / CALIBRATION_FILE
+        if not path.exists():
+            return None
+        return cls.from_json(json.loads(path.read_text()))
+
+
+def cumulative_ece(conf: Tensor, accepted: Tensor, num_bins: int = DEFAULT_NUM_BINS) -> list[float]:
+    """ECE of the prefix survival prod_{j<=k} c_j against y_k, per position k. conf, accepted [N, K]."""
+    s = torch.cumprod(conf.double(), dim=-1)  # [N, K]
+    y = survival_labels(accepted)
+    return [float(ece(s[:, k], y[:, k], num_bins)) for k in range(conf.shape[1])]
+
+
+def fit_sts(logits: Tensor, accepted: Tensor, *, grid: Tensor | None = None,
+            num_bins: int = DEFAULT_NUM_BINS) -> StsCalibration:
+    """Sequential Temperature Scaling on held-out blocks: logits [N, K] raw confidence logits, accepted
+    [N, K] per-position verification outcomes (positions after the first rejection may hold anything: the
+    cumulative label masks them). Left to right, T_k minimises the ECE of prod_{j<k} c~_j * c_k^{1/T}
+    against y_k over `grid` [G] (default: 100 log-spaced points in [0.1, 10]); ties go to the first grid
+    point. Rows with a non-finite logit are dropped."""
+    if logits.dim() != 2 or logits.shape != accepted.shape:
+        raise ValueError(f"fit_sts wants logits and accepted [N, K] of one shape, got {tuple(logits.shape)}, "
+                         f"{tuple(accepted.shape)}")
+    ok = torch.isfinite(logits).all(dim=-1)
+    logits, accepted = logits[ok].double(), accepted[ok]
+    if logits.shape[0] == 0:
+        raise ValueError("fit_sts needs at least one block with finite logits")
+    grid = temperature_grid() if grid is None else grid.double()
+    log_c = torch.nn.functional.logsigmoid(logits)  # [N, K]
+    y = survival_labels(accepted)  # [N, K]
+    prefix = torch.zeros(logits.shape[0], dtype=torch.float64)  # [N] log prod_{j<k} c~_j
+    temps = []
+    for k in range(logits.shape[1]):
+        cand = torch.exp(prefix[None, :] + log_c[None, :, k] / grid[:, None])  # [G, N]
+        errors = ece(cand, y[:, k], num_bins)  # [G]
+        t = float(grid[int(torch.argmin(errors))])
+        temps.append(t)
+        prefix = prefix + log_c[:, k] / t
+    before = cumulative_ece(torch.exp(log_c), accepted, num_bins)
+    after = cumulative_ece(apply_temperatures(logits, temps), accepted, num_bins)
+    return StsCalibration(temperatures=tuple(temps), ece_before=tuple(before), ece_after=tuple(after),
+                          num_bins=num_bins)
+
+
+class CalibratedPolicy:
+    """Wraps a depth policy so that it sees calibrated confidences c_k^{1/T_k} (proposal.confidences are
+    probabilities). Only confidences change, so `uses_proposal` / `static_depth` are the wrapped policy's.
+    Positions beyond the calibrated ones reuse the last temperature."""
+
+    def __init__(self, policy: object, calibration: StsCalibration) -> None:
+        self.policy, self.calibration = policy, calibration
+        self.uses_proposal = bool(getattr(policy, "uses_proposal", True))
+        self.static_depth = getattr(policy, "static_depth", None)
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
+        c = proposal.confidences
+        if c is not None and c.shape[-1] > 0:
+            temps = list(self.calibration.temperatures[: c.shape[-1]])
+            temps += [temps[-1]] * (c.shape[-1] - len(temps))
+            # NaN stays NaN here: the budget policies' guard replaces and counts it.
+            c = apply_temperatures_to_confidences(c.float(), temps)
+            proposal = Proposal(tokens=proposal.tokens, probs=proposal.probs, confidences=c,
+                                lengths=proposal.lengths, deterministic=proposal.deterministic)
+        return self.policy(proposal, state)  # type: ignore[operator]
