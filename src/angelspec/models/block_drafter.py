@@ -1,0 +1,838 @@
+"""Block-parallel drafters: the DFlash / DFlare / DFly backbones and the DSpark / DFly sequential heads.
+
+Report §3.1–3.2 (Eq. 10–15, §6.2) and the DSpark implementation report §3 (UraionSpec: Markov, gated Markov and
+RNN heads, confidence head, DFlash backbone with KV injection).
+
+One backbone pass drafts a whole block. The block is `[x_t, m, m, …, m]` (B = `block_size` entries): the anchor
+x_t is the newest committed token, whose target hidden state does not exist yet, and the B−1 mask-token
+embeddings E(m) are the positions to predict, x_{t+1} … x_{t+B−1}. Block entry k sits at RoPE position p_t + k,
+continuing the context. Every draft layer i attends, bidirectionally inside the block, to
+
+    keys/values = [ W_K g^(i)_{<t} ; W_K u_block ]        (KV injection: the target context as extra keys)
+
+where g^(i)_s is draft layer i's view of the target taps at committed position s < t (one per tap id in
+`target_layer_ids`; id j = output of target decoder layer j, DESIGN.md trap 2):
+
+    dflash  Eq. 10   g^(i)_s = RMSNorm(c_s),  c_s = W_fc [h_s^(1); …; h_s^(n)] + b_fc     (shared by all layers)
+    dflare  Eq. 11   g^(i)_s = RMSNorm_i(f^(i)_s),  f^(i)_s = Σ_j softmax(W_fuse[i])_j h_s^(j)
+    dfly    Eq. 12   g^(i)_s = RMSNorm_i(c_s + f^(i)_s)
+
+(DFlash's `hidden_norm` after fc is kept; DFlare gets a per-layer RMSNorm too, because the raw taps of
+different target layers differ in scale by orders of magnitude and W_K was sized for normalised input.)
+W_fuse starts from a distance prior (§6.2, `distance_prior`): draft layer i first looks at the taps of matching
+relative depth and learns to deviate.
+
+After the parallel backbone, only a small head runs left to right over the B−1 draft positions (Eq. 13). With
+z_k the backbone output at block entry k (pre-norm), h_k = RMSNorm(z_k), U_k = W_lm h_k and x_{k−1} the
+predecessor (the anchor for k = 1, then the previous draft; the clean token in teacher-forced training):
+
+    none     q_k = softmax(U_k)                                            (DFlash)
+    markov   Eq. 14   q_k = softmax(U_k + W2 W1[x_{k−1}])                 (W1 [V, r], W2 [r, V]: rank r)
+    gated    DSpark   q_k = softmax(U_k + W2 (σ(W_g [h_k; W1[x_{k−1}]]) ⊙ W1[x_{k−1}]))
+    rnn      DSpark   ζ_k = [s_{k−1}; W1[x_{k−1}]; h_k],  s_k = σ(W_g ζ_k) ⊙ s_{k−1} + (1−σ(W_g ζ_k)) ⊙ tanh(W_c ζ_k),
+                      q_k = softmax(U_k + W2 tanh(W_o ζ_k)),  s_0 = 0
+    hidden   Eq. 15   ẑ_k = z_k + SwiGLU([RMSNorm(z_k); RMSNorm(E(x_{k−1}))]),  q_k = softmax(W_lm RMSNorm(ẑ_k))
+
+and the optional confidence head (DSpark §3.2) `c_k = σ(w·[h_k; W1[x_{k−1}]] + b)` predicts the acceptance
+1 − TV(p_k, q_k); it shares W1 with a Markov-family head and owns a rank-r W1 otherwise. W2 and the SwiGLU's
+down projection start at zero, so every head starts as the plain backbone.
+
+E and W_lm are the TARGET's, held by reference (not submodules), read detached, never saved. Model code only:
+no file I/O, no target inside, no sampling policy (the caller passes `select`).
+
+Training (`forward_train`): N anchors per packed row, all blocks of a row in ONE attention call per layer.
+Queries are the R·N·B block entries; keys are the row's T context entries (their K/V computed once per layer
+and shared by every anchor) followed by all N·B block entries. The boolean mask [R, 1, N·B, T + N·B] is built
+from indices: context key s is visible to anchor a iff s < a and doc(s) = doc(a); block keys iff same anchor.
+Cost per layer: O(N·B·(T + N·B)·D) flops and N·B·(T + N·B) mask bytes, versus O(N·(T+B)²) for a dense
+per-anchor mask; a block-sparse kernel (FlexAttention) could further skip the fully masked tiles.
+
+Shape legend: R packed rows (batch), T time, N anchors per row, B block size, K = B−1 draft positions,
+C model dim (= the target's), n taps, L draft layers, H heads, Hkv kv heads, Dh head dim, V vocab, r rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
+from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.mtp import concat_taps, project_qkv
+
+CONDITIONINGS = ("dflash", "dflare", "dfly")
+HEADS = ("none", "markov", "gated", "rnn", "hidden")
+MARKOV_HEADS = ("markov", "gated", "rnn")  # the heads with a token embedding W1 and a bias W2 (DSpark §3.1)
+DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
+
+# Selection rule for `propose`: (logits [B, V] fp32, draft index k) -> (tokens [B] int64, probs [B, V] or None).
+Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
+
+
+def default_block_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's tap choice: `num_taps` ids evenly spaced from 1 to L−3 (Qwen3-8B, L = 36, 5 taps: 1, 9, 17, 25,
+    33); small targets fall back to 1..L−1, then to the last layer."""
+    if num_taps < 1:
+        raise ConfigError(f"need at least one target tap, got {num_taps}")
+    start, end = 1, num_target_layers - 3
+    if end - start + 1 < num_taps:
+        start, end = max(0, num_target_layers - num_taps), num_target_layers - 1
+    if num_taps == 1:
+        return (end,)
+    return tuple(int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps))
+
+
+def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], temperature: float) -> Tensor:
+    """W_fuse's initial logits [L, n] (§6.2): −|d_i − t_j| / temperature, where d_i = i / (L−1) is draft layer i's
+    relative depth and t_j = (id_j − id_first) / (id_last − id_first) is tap j's relative depth within the tapped
+    span (0.5 for a single layer or tap). softmax over j therefore peaks at the tap of matching depth."""
+    ids = torch.tensor(list(target_layer_ids), dtype=torch.float64)
+    d = torch.arange(num_draft_layers, dtype=torch.float64) / max(num_draft_layers - 1, 1)
+    if num_draft_layers == 1:
+        d = d + 0.5
+    span = float(ids[-1] - ids[0]) if len(ids) > 1 else 0.0
+    t = (ids - ids[0]) / span if span > 0 else torch.full_like(ids, 0.5)
+    return (-(d[:, None] - t[None, :]).abs() / temperature).float()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockDrafterConfig:
+    """Shape and design of a block-parallel drafter and the target it belongs to.
+
+    `hidden_size` / `vocab_size` equal the target's (E and W_lm are shared); attention and MLP shapes are the
+    draft layers' own (default: the target's). `block_size` B counts the anchor, so a step proposes B−1 drafts
+    (vLLM's `num_speculative_tokens = block_size − 1`). `mask_token_id` must be a real id of the target's
+    vocabulary (DFlash reserves an unused special token; Qwen3: 151669)."""
+
+    target_fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_num_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int | None
+    block_size: int = 8
+    num_draft_layers: int = 5
+    conditioning: str = "dfly"
+    head: str = "hidden"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    head_intermediate_size: int | None = None  # hidden-correction SwiGLU width (None: hidden_size)
+    fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_norm: bool = True
+    model_type: str = "qwen3"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
+                              f"{self.block_size!r}")
+        if self.num_draft_layers < 1:
+            raise ConfigError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.conditioning not in CONDITIONINGS:
+            raise ConfigError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+        if self.head not in HEADS:
+            raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
+        if self.markov_rank < 1:
+            raise ConfigError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        if self.fusion_prior_temperature <= 0:
+            raise ConfigError(f"fusion_prior_temperature must be > 0, got {self.fusion_prior_temperature}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: a block drafter conditions on at least one target tap")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or list(self.target_layer_ids) != sorted(
+                self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
+        self.check_layer_ids(self.target_num_layers)
+        if self.mask_token_id is None:
+            raise ConfigError("mask_token_id is required: block drafters fill the draft positions with the "
+                              "embedding of a reserved token (pass mask_token_id=<an unused special token id>)")
+        self.check_mask_token(self.vocab_size)
+        self.layer_config()  # validates head shapes
+
+    # ----- derived values -----
+    @property
+    def num_drafts(self) -> int:
+        """K = B − 1 drafts per step."""
+        return self.block_size - 1
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def drafter(self) -> str:
+        """The drafter kind written to config.json: "dspark" for the DFlash backbone with a Markov-family head
+        (DSpark report), otherwise the conditioning ("dflash", "dflare", "dfly"; DFly's heads are markov|hidden)."""
+        return "dspark" if self.conditioning == "dflash" and self.head in MARKOV_HEADS else self.conditioning
+
+    # ----- checks -----
+    def check_layer_ids(self, num_layers: int) -> None:
+        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(f"block drafter target layer ids {list(self.target_layer_ids)} do not fit a target "
+                              f"with {num_layers} layers: ids are 0..{num_layers - 1} (id i = output of decoder "
+                              f"layer i); {bad} out of range")
+
+    def check_mask_token(self, num_tokens: int) -> None:
+        """Raise ConfigError unless `mask_token_id` is an id of a vocabulary (or tokenizer) of `num_tokens`."""
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < num_tokens:
+            raise ConfigError(f"mask token id {self.mask_token_id} is not in the vocabulary (ids 0..{num_tokens - 1})"
+                              ": pick a reserved special token of the target's tokenizer")
+
+    def check_target(self, target: DecoderConfig) -> None:
+        """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
+        self.check_layer_ids(target.num_hidden_layers)
+        if target.fingerprint() != self.target_fingerprint:
+            raise ConfigError(f"{self.drafter} drafter was built for a target with fingerprint "
+                              f"{self.target_fingerprint}, but this target's is {target.fingerprint()}: train or "
+                              f"pick a {self.drafter} drafter for it")
+        if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"{self.drafter} drafter expects vocab {self.vocab_size} / hidden {self.hidden_size}, "
+                              f"the target has {target.vocab_size} / {target.hidden_size}")
+
+    def layer_config(self) -> DecoderConfig:
+        """The `DecoderConfig` the draft layers and the context KV cache are built from (plain RoPE)."""
+        return DecoderConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_draft_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
+        )
+
+    # ----- construction / serialisation -----
+    @classmethod
+    def for_target(cls, target: DecoderConfig, *, mask_token_id: int | None, block_size: int = 8,
+                   num_draft_layers: int = 5, target_layer_ids: Sequence[int] | None = None,
+                   num_taps: int | None = None, conditioning: str = "dfly", head: str = "hidden",
+                   markov_rank: int = 256, confidence_head: bool = True, num_attention_heads: int | None = None,
+                   num_key_value_heads: int | None = None, head_dim: int | None = None,
+                   intermediate_size: int | None = None, **design: Any) -> BlockDrafterConfig:
+        """A drafter for `target`: draft-layer shapes default to the target's, taps to `default_block_layer_ids`
+        with `num_taps` (default: one per draft layer, at most the target's layer count). `design` takes the
+        remaining fields (head_intermediate_size, fusion_prior_temperature)."""
+        if target_layer_ids is None:
+            taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
+            target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
+        return cls(
+            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            num_attention_heads=num_attention_heads or target.num_attention_heads,
+            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
+            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
+            target_num_layers=target.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),
+            mask_token_id=mask_token_id, block_size=block_size, num_draft_layers=num_draft_layers,
+            conditioning=conditioning, head=head, markov_rank=markov_rank, confidence_head=confidence_head,
+            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type, **design,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"unknown block drafter config fields {unknown}; is this a block drafter folder?")
+        return cls(**raw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequential heads (Eq. 13–15, DSpark §3.1) and the confidence head (DSpark §3.2)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MarkovHead(nn.Module):
+    """Eq. 14: bias b = W2 W1[x_prev], a rank-r first-order transition added to the backbone logits."""
+
+    stateful = False
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank)  # W1 [V, r]
+        self.out = nn.Linear(rank, vocab_size, bias=False)  # W2 [r, V] (stored transposed, as nn.Linear does)
+
+    def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        return None
+
+    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """h [..., C] (normalised backbone state), prev [...] -> (bias [..., V], next state)."""
+        return self.out(self.embed(prev)), None
+
+    def sequence(self, h: Tensor, prev: Tensor) -> Tensor:
+        """Teacher-forced biases for a whole block: h [..., K, C], prev [..., K] -> [..., K, V]. Stateless heads
+        are position-wise, so every position runs at once; the RNN loops over K (small)."""
+        if not self.stateful:
+            return self.step(h, prev, None)[0]
+        state = self.init_state(prev.shape[:-1], h)
+        out = []
+        for k in range(prev.shape[-1]):
+            b, state = self.step(h[..., k, :], prev[..., k], state)
+            out.append(b)
+        return torch.stack(out, dim=-2)
+
+
+class GatedMarkovHead(MarkovHead):
+    """DSpark §3.1: g = σ(W_g [h; W1[x_prev]]), b = W2 (g ⊙ W1[x_prev])."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__(vocab_size, hidden_size, rank)
+        self.gate = nn.Linear(hidden_size + rank, rank)  # W_g
+
+    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        e = self.embed(prev).to(h.dtype)  # [..., r]
+        g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
+        return self.out(g * e), None
+
+
+class RNNHead(MarkovHead):
+    """DSpark §3.1, a GRU-like head over the realised prefix: ζ_k = [s_{k−1}; W1[x_{k−1}]; h_k],
+    s_k = σ(W_g ζ_k) ⊙ s_{k−1} + (1 − σ(W_g ζ_k)) ⊙ tanh(W_c ζ_k), b_k = W2 tanh(W_o ζ_k); s_0 = 0, state dim r."""
+
+    stateful = True
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__(vocab_size, hidden_size, rank)
+        self.rank = rank
+        width = 2 * rank + hidden_size
+        self.gate = nn.Linear(width, rank)  # W_g
+        self.cand = nn.Linear(width, rank)  # W_c
+        self.proj = nn.Linear(width, rank)  # W_o
+
+    def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return like.new_zeros(*shape, self.rank)
+
+    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        assert state is not None
+        zeta = torch.cat([state, self.embed(prev).to(h.dtype), h], dim=-1)  # [..., 2r + C]
+        u = torch.sigmoid(self.gate(zeta))
+        new_state = u * state + (1 - u) * torch.tanh(self.cand(zeta))
+        return self.out(torch.tanh(self.proj(zeta))), new_state
+
+
+class HiddenCorrectionHead(nn.Module):
+    """Eq. 15: ẑ = z + SwiGLU([RMSNorm(z); RMSNorm(e_prev)]) with e_prev the target embedding of the predecessor.
+    The down projection starts at zero, so the head starts as the identity."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
+        super().__init__()
+        self.inter = intermediate_size
+        self.z_norm = RMSNorm(hidden_size, eps)
+        self.e_norm = RMSNorm(hidden_size, eps)
+        self.gate_up_proj = nn.Linear(2 * hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, z: Tensor, e_prev: Tensor) -> Tensor:
+        """z [..., C] backbone output (pre-norm), e_prev [..., C] -> ẑ [..., C]."""
+        gate, up = self.gate_up_proj(torch.cat([self.z_norm(z), self.e_norm(e_prev.to(z.dtype))], -1)).split(
+            self.inter, dim=-1)
+        return z + self.down_proj(F.silu(gate) * up)
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark §3.2: confidence logit w·[h_k; W1[x_{k−1}]] + b (sigmoid -> c_k), trained on 1 − TV."""
+
+    def __init__(self, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, h: Tensor, e: Tensor) -> Tensor:
+        """h [..., C], e = W1[x_prev] [..., r] -> logits [...] (pre-sigmoid)."""
+        return self.proj(torch.cat([h, e.to(h.dtype)], dim=-1))[..., 0]
+
+
+HEAD_CLASSES: dict[str, type[MarkovHead]] = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training-time helpers: anchors and block targets
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockTargets:
+    """Teacher-forcing inputs and supervision of the K = B−1 draft positions of every anchor.
+
+    Draft k (1..K) of anchor a predicts x_{a+k}; its predecessor is x_{a+k−1}; the target's teacher distribution
+    for it is the target's logits at position a+k−1 (`source_index`)."""
+
+    labels: Tensor  # [R, N, K] int64, x_{a+k} (clamped index where invalid)
+    prev_tokens: Tensor  # [R, N, K] int64, x_{a+k−1}: the teacher-forced predecessor
+    source_index: Tensor  # [R, N, K] int64, a+k−1: where to gather the target's (teacher) logits
+    valid: Tensor  # [R, N, K] bool, inside the row, in the anchor's document, trained on, anchor valid
+
+
+def block_targets(input_ids: Tensor, anchors: Tensor, block_size: int, *, document_ids: Tensor | None = None,
+                  loss_mask: Tensor | None = None, anchor_valid: Tensor | None = None) -> BlockTargets:
+    """input_ids [R, T], anchors [R, N] -> `BlockTargets`. A label is valid when a+k < T, it lies in the anchor's
+    document (never across a packed document end) and `loss_mask` [R, T] (if given) trains on it."""
+    R, T = input_ids.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    idx = anchors[..., None] + k  # [R, N, K]
+    valid = idx < T
+    idx_c = idx.clamp(max=T - 1)
+    flat = idx_c.flatten(1)  # [R, N·K]
+    labels = input_ids.gather(1, flat).view_as(idx)
+    src = (idx - 1).clamp(max=T - 1)
+    prev = input_ids.gather(1, src.flatten(1)).view_as(idx)
+    if document_ids is not None:
+        a_doc = document_ids.gather(1, anchors)[..., None]  # [R, N, 1]
+        valid = valid & (document_ids.gather(1, flat).view_as(idx) == a_doc)
+    if loss_mask is not None:
+        valid = valid & loss_mask.bool().gather(1, flat).view_as(idx)
+    if anchor_valid is not None:
+        valid = valid & anchor_valid[..., None]
+    return BlockTargets(labels=labels, prev_tokens=prev, source_index=src, valid=valid)
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, *, document_ids: Tensor | None = None,
+                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Pick up to `num_anchors` distinct anchors per row, uniformly among positions a whose first draft x_{a+1}
+    is trained on and in a's document. loss_mask [R, T] -> (anchors [R, N] sorted, anchor_valid [R, N]); rows
+    with fewer candidates repeat a candidate (or 0) marked invalid."""
+    R, T = loss_mask.shape
+    cand = torch.zeros(R, T, dtype=torch.bool, device=loss_mask.device)
+    cand[:, :-1] = loss_mask[:, 1:].bool()
+    if document_ids is not None:
+        cand[:, :-1] &= document_ids[:, 1:] == document_ids[:, :-1]
+    score = torch.rand(R, T, generator=generator, device=loss_mask.device)
+    score = torch.where(cand, score, -1.0)
+    n = min(num_anchors, T)
+    top, idx = score.topk(n, dim=1)  # [R, N]
+    valid = top >= 0
+    order = torch.where(valid, idx, T + idx).argsort(dim=1)  # valid anchors first, ascending
+    return idx.gather(1, order), valid.gather(1, order)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockTrainOutput:
+    """`forward_train`'s result; flatten (R, N) with `.flatten(0, 1)` for the losses' [N, K, V] layout."""
+
+    logits: Tensor | None  # [R, N, K, V] fp32 (None with compute_logits=False: use `head_logits` in chunks)
+    confidence_logits: Tensor | None  # [R, N, K] pre-sigmoid, None without a confidence head
+    hidden: Tensor  # [R, N, K, C] backbone output at the draft positions (pre-norm)
+    targets: BlockTargets
+
+
+@dataclass(frozen=True)
+class BlockProposal:
+    """`propose`'s result: K = B−1 drafts per row, left to right through the head."""
+
+    tokens: Tensor  # [B, K] int64
+    logits: Tensor  # [B, K, V] fp32, the head's logits at each position given the chosen predecessors
+    probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy)
+    confidences: Tensor | None  # [B, K] σ(confidence logits) in [0, 1], per position (not cumulative)
+
+
+class BlockDrafter(nn.Module):
+    """A DFlash / DFlare / DFly / DSpark drafter around the target's frozen embedding and LM head."""
+
+    def __init__(self, cfg: BlockDrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        if tuple(embed_tokens.weight.shape) != shape or tuple(lm_head.weight.shape) != shape:
+            raise ConfigError(f"target embedding {tuple(embed_tokens.weight.shape)} / LM head "
+                              f"{tuple(lm_head.weight.shape)} do not match the {cfg.drafter} config's [vocab, hidden]"
+                              f" = {list(shape)}")
+        self.config = cfg
+        # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
+        self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
+        C, L, n, eps = cfg.hidden_size, cfg.num_draft_layers, cfg.num_taps, cfg.rms_norm_eps
+        if cfg.conditioning in ("dflash", "dfly"):
+            self.fc = nn.Linear(n * C, C, bias=True)  # W_fc, b_fc of Eq. 10
+        if cfg.conditioning == "dflash":
+            self.hidden_norm = RMSNorm(C, eps)
+        else:
+            self.fusion_logits = nn.Parameter(torch.zeros(L, n))  # W_fuse of Eq. 11, distance-prior init
+            self.context_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(L))  # RMSNorm of Eq. 12, per layer
+        layer_cfg = cfg.layer_config()
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i) for i in range(L))
+        self.norm = RMSNorm(C, eps)  # before W_lm
+        self.head: nn.Module | None = None
+        if cfg.head in MARKOV_HEADS:
+            self.head = HEAD_CLASSES[cfg.head](cfg.vocab_size, C, cfg.markov_rank)
+        elif cfg.head == "hidden":
+            self.head = HiddenCorrectionHead(C, cfg.head_intermediate_size or C, eps)
+        if cfg.confidence_head:
+            self.confidence = ConfidenceHead(C, cfg.markov_rank)
+            if cfg.head not in MARKOV_HEADS:
+                self.confidence_embed = nn.Embedding(cfg.vocab_size, cfg.markov_rank)  # its own W1
+        dh = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._special_init()
+
+    def _special_init(self) -> None:
+        """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone."""
+        cfg = self.config
+        with torch.no_grad():
+            if cfg.conditioning != "dflash":
+                self.fusion_logits.copy_(distance_prior(cfg.num_draft_layers, cfg.target_layer_ids,
+                                                        cfg.fusion_prior_temperature))
+            if isinstance(self.head, MarkovHead):
+                self.head.out.weight.zero_()
+            elif isinstance(self.head, HiddenCorrectionHead):
+                self.head.down_proj.weight.zero_()
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """RMSNorm weights 1, biases 0, other Linear / Embedding weights N(0, std²); then `_special_init`."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+                elif isinstance(module, nn.Linear | nn.Embedding):
+                    module.weight.normal_(0.0, std, generator=generator)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+        self._special_init()
+
+    # ----- shared pieces -----
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """E(x) [..., C], the target's, frozen."""
+        return F.embedding(token_ids, self._shared[0].weight.detach())
+
+    def lm_logits(self, h: Tensor) -> Tensor:
+        """W_lm h -> fp32 logits [..., V] (h already normalised; W_lm frozen)."""
+        return F.linear(h, self._shared[1].weight.detach()).float()
+
+    def fusion_weights(self) -> Tensor:
+        """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
+        return torch.softmax(self.fusion_logits, dim=-1)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, Dh]."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def context_features(self, taps: Tensor) -> list[Tensor]:
+        """Eq. 10–12: taps [B, T, n·C] (`concat_taps` of `target_layer_ids`) -> g^(i) [B, T, C] for each layer i."""
+        cfg = self.config
+        if taps.dim() != 3 or taps.shape[-1] != cfg.num_taps * cfg.hidden_size:
+            raise ValueError(f"taps must be [B, T, n·C] = [B, T, {cfg.num_taps * cfg.hidden_size}] (the "
+                             f"{cfg.num_taps} taps {list(cfg.target_layer_ids)} joined), got {tuple(taps.shape)}")
+        if cfg.conditioning == "dflash":
+            g = self.hidden_norm(self.fc(taps))  # Eq. 10, shared
+            return [g] * cfg.num_draft_layers
+        B, T, _ = taps.shape
+        per_tap = taps.view(B, T, cfg.num_taps, cfg.hidden_size)  # [B, T, n, C]
+        alpha = self.fusion_weights().to(taps.dtype)  # [L, n]
+        c = self.fc(taps) if cfg.conditioning == "dfly" else None
+        out = []
+        for i, norm in enumerate(self.context_norms):
+            f = torch.einsum("btnc,n->btc", per_tap, alpha[i])  # Eq. 11
+            out.append(norm(f if c is None else c + f))  # Eq. 12 (dfly) / normalised Eq. 11 (dflare)
+        return out
+
+    def context_kv(self, i: int, g: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft layer i's injected keys/values: g [B, T, C] -> k, v [B, Hkv, T, Dh] (W_K, W_V of the layer, its k
+        norm and RoPE at the context positions). Only the k/v rows of the fused qkv projection are used."""
+        attn = self.layers[i].attn
+        B, T, _ = g.shape
+        lo = attn.n_heads * attn.head_dim
+        bias = attn.qkv_proj.bias
+        kv = F.linear(g, attn.qkv_proj.weight[lo:], None if bias is None else bias[lo:])
+        k, v = kv.view(B, T, 2 * attn.n_kv, attn.head_dim).split(attn.n_kv, dim=2)  # [B, T, Hkv, Dh]
+        if attn.qk_norm:
+            k = attn.k_norm(k)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        return k * cos + rotate_half(k) * sin, v
+
+    def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
+                      mask: Tensor | None) -> Tensor:
+        """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
+        [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C]."""
+        layer = self.layers[i]
+        attn = layer.attn
+        q, k, v = project_qkv(attn, layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
+        B, H, Tq, Dh = out.shape
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(B, Tq, H * Dh))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def block_inputs(self, anchor_tokens: Tensor) -> Tensor:
+        """[..., ] anchor ids -> block ids [..., B] = [anchor, mask, …, mask]."""
+        cfg = self.config
+        mask = anchor_tokens.new_full((*anchor_tokens.shape, cfg.block_size - 1), cfg.mask_token_id)
+        return torch.cat([anchor_tokens[..., None], mask], dim=-1)
+
+    # ----- the heads, teacher-forced (training) and one position at a time (inference) -----
+    def markov_embed(self, prev: Tensor) -> Tensor:
+        """W1[x_prev] [..., r] as the confidence head sees it (the Markov-family head's, else its own)."""
+        table = self.head.embed if isinstance(self.head, MarkovHead) else self.confidence_embed
+        return table(prev)
+
+    def head_logits(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
+        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] or None). Position-wise except the
+        RNN, so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
+        h = self.norm(z)
+        if isinstance(self.head, HiddenCorrectionHead):
+            logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
+        else:
+            logits = self.lm_logits(h)
+            if isinstance(self.head, MarkovHead):
+                logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
+        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        return logits, conf
+
+    def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One draft position at inference: z [B, C], prev [B] -> (logits [B, V], confidence logit [B] or None,
+        next head state)."""
+        h = self.norm(z)
+        if isinstance(self.head, HiddenCorrectionHead):
+            logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))
+        else:
+            logits = self.lm_logits(h)
+            if isinstance(self.head, MarkovHead):
+                b, state = self.head.step(h, prev, state)
+                logits = logits + b.float()
+        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        return logits, conf, state
+
+    # ----- training: many anchors per packed row -----
+    def training_mask(self, anchors: Tensor, T: int, document_ids: Tensor | None) -> Tensor:
+        """Index-built mask [R, 1, N·B, T + N·B] (True = attend): block entry (n, k) sees context key s iff
+        s < anchors[n] and doc(s) = doc(anchors[n]), and block keys of its own anchor n (bidirectional)."""
+        R, N = anchors.shape
+        Bk = self.config.block_size
+        q_anchor = anchors.repeat_interleave(Bk, dim=1)  # [R, N·B]
+        key = torch.arange(T, device=anchors.device)
+        ctx = key[None, None, :] < q_anchor[:, :, None]  # [R, N·B, T]
+        if document_ids is not None:
+            q_doc = document_ids.gather(1, q_anchor)  # [R, N·B]
+            ctx = ctx & (document_ids[:, None, :] == q_doc[:, :, None])
+        blk = torch.arange(N, device=anchors.device).repeat_interleave(Bk)  # [N·B]
+        own = (blk[:, None] == blk[None, :]).expand(R, -1, -1)  # [R, N·B, N·B]
+        return torch.cat([ctx, own], dim=2)[:, None]
+
+    def forward_backbone(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor,
+                         document_ids: Tensor | None = None) -> Tensor:
+        """The parallel backbone for N anchors per row: -> z [R, N, B, C] (block entry 0 is the anchor).
+
+        taps [R, T, n·C] target taps at every position; input_ids [R, T]; positions [R, T] document-local;
+        anchors [R, N] indices into T; document_ids [R, T] (None: one document per row)."""
+        if input_ids.dim() != 2 or anchors.dim() != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids/positions must be [R, T] and anchors [R, N], got {tuple(input_ids.shape)}, "
+                             f"{tuple(positions.shape)}, {tuple(anchors.shape)}")
+        if taps.shape[:2] != input_ids.shape:
+            raise ValueError(f"taps {tuple(taps.shape)} do not cover input_ids {tuple(input_ids.shape)}")
+        R, T = input_ids.shape
+        N, Bk, C = anchors.shape[1], self.config.block_size, self.config.hidden_size
+        if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= T):  # host sync; training only
+            raise ValueError(f"anchors must index positions 0..{T - 1}")
+        dtype = taps.dtype
+        ctx_cos, ctx_sin = self.rope(positions, dtype)  # [R, 1, T, Dh]
+        blk_pos = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)
+        cos, sin = self.rope(blk_pos, dtype)  # [R, 1, N·B, Dh]
+        mask = self.training_mask(anchors, T, document_ids)
+        x = self.embed(self.block_inputs(input_ids.gather(1, anchors))).to(dtype).view(R, N * Bk, C)
+        for i, g in enumerate(self.context_features(taps)):
+            ctx_k, ctx_v = self.context_kv(i, g, ctx_cos, ctx_sin)
+            x = self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask)
+        return x.view(R, N, Bk, C)
+
+    def forward_train(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor, *,
+                      document_ids: Tensor | None = None, loss_mask: Tensor | None = None,
+                      anchor_valid: Tensor | None = None, compute_logits: bool = True) -> BlockTrainOutput:
+        """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`;
+        loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`)."""
+        z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids)[:, :, 1:]  # [R, N, K, C]
+        targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
+                                loss_mask=loss_mask, anchor_valid=anchor_valid)
+        logits = conf = None
+        if compute_logits:
+            logits, conf = self.head_logits(z, targets.prev_tokens)
+        elif self.config.confidence_head:
+            conf = self.confidence(self.norm(z), self.markov_embed(targets.prev_tokens))
+        return BlockTrainOutput(logits=logits, confidence_logits=conf, hidden=z, targets=targets)
+
+    # ----- inference: context K/V in a static cache, one backbone pass per step, then the head -----
+    def new_cache(self, batch_size: int, max_len: int, *, slack: int, dtype: torch.dtype,
+                  device: torch.device | str) -> StaticKVCache:
+        """Per-layer context K/V of committed positions (slot == position). Block entries are never cached."""
+        return StaticKVCache(self.config.layer_config(), batch_size, max_len, slack=slack, dtype=dtype,
+                             device=device)
+
+    def append_context(self, taps: Tensor, cache: StaticKVCache, num_new: Tensor | None = None,
+                       rows: Tensor | None = None) -> None:
+        """Write the injected K/V of T new committed positions per row at slots `cache.lengths + arange(T)`;
+        `cache.lengths += num_new` (default T). taps [n_rows, T, n·C] (`concat_taps`) for the cache rows `rows`
+        [n_rows] (default: all rows, in order). Entries past num_new land beyond the new length: invisible, and
+        overwritten by the next append. Only committed positions are ever cached (block entries never are), so a
+        step needs no rollback; `cache.truncate` still rolls back anything."""
+        n, T, _ = taps.shape
+        dev = taps.device
+        rows = torch.arange(n, device=dev) if rows is None else rows
+        slots = cache.lengths[rows][:, None] + torch.arange(T, device=dev)  # [n, T]
+        cos, sin = self.rope(slots, cache.dtype)
+        write = slots.clamp(max=cache.capacity - 1)
+        for i, g in enumerate(self.context_features(taps.to(cache.dtype))):
+            k, v = self.context_kv(i, g, cos, sin)  # [n, Hkv, T, Dh]
+            cache.k[i][rows[:, None], :, write] = k.transpose(1, 2)
+            cache.v[i][rows[:, None], :, write] = v.transpose(1, 2)
+        cache.lengths[rows] += T if num_new is None else num_new
+
+    def backbone_step(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None) -> Tensor:
+        """ONE backbone pass: anchor_tokens [B] (the newest committed token of each row, at position
+        `cache.lengths`) -> z [B, B_blk, C]. `kv_len` (host int) bounds the context slots attended to."""
+        cfg = self.config
+        if anchor_tokens.shape != (cache.batch_size,):
+            raise ValueError(f"anchor_tokens must be [B] = [{cache.batch_size}] (one per cache row), got "
+                             f"{tuple(anchor_tokens.shape)}")
+        dev = anchor_tokens.device
+        Bk = cfg.block_size
+        kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+        pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
+        cos, sin = self.rope(pos, cache.dtype)
+        ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
+        own = torch.ones(ctx.shape[0], Bk, dtype=torch.bool, device=dev)
+        mask = torch.cat([ctx, own], dim=1)[:, None, None, :].expand(-1, 1, Bk, -1)  # [B, 1, B_blk, S + B_blk]
+        x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
+        for i in range(cfg.num_draft_layers):
+            x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], mask)
+        return x
+
+    def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
+                select: Select | None = None) -> BlockProposal:
+        """One backbone pass, then the head left to right (Eq. 13): -> K = B−1 drafts per row.
+
+        `select(logits [B, V], k)` picks draft k from the head's logits and returns (tokens [B], probs [B, V] or
+        None); default: argmax (deterministic drafts). The chosen token is the predecessor of draft k+1."""
+        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
+        state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
+        prev = anchor_tokens
+        tokens, logits_out, probs, confs = [], [], [], []
+        for k in range(self.config.num_drafts):
+            logits, conf, state = self.head_step(z[:, k], prev, state)
+            if select is None:
+                tok, p = logits.argmax(dim=-1), None
+            else:
+                tok, p = select(logits, k)
+            tokens.append(tok)
+            logits_out.append(logits)
+            probs.append(p)
+            if conf is not None:
+                confs.append(torch.sigmoid(conf.float()))
+            prev = tok
+        return BlockProposal(
+            tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits_out, dim=1),
+            probs=None if any(p is None for p in probs) else torch.stack(probs, dim=1),
+            confidences=torch.stack(confs, dim=1) if confs else None)
+
+    @torch.no_grad()
+    def propose_from_taps(self, taps: Sequence[Tensor] | Tensor, lengths: Tensor, anchor_tokens: Tensor,
+                          select: Select | None = None) -> BlockProposal:
+        """Stateless convenience (tests, references): context = taps [B, T, n·C] (or the n taps) of positions
+        0..lengths[b]−1, anchor at position lengths[b]."""
+        taps = taps if isinstance(taps, Tensor) else concat_taps(taps)
+        B, T, _ = taps.shape
+        cache = self.new_cache(B, max(T, 1), slack=0, dtype=taps.dtype, device=taps.device)
+        if T:
+            self.append_context(taps, cache, num_new=lengths)
+        return self.propose(anchor_tokens, cache, kv_len=T, select=select)
+
+
+@torch.no_grad()
+def reference_forward_backbone(model: BlockDrafter, taps: Tensor, input_ids: Tensor, positions: Tensor,
+                               anchors: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    """Slow reference for `forward_backbone`: one anchor at a time, keys = [all T context entries; its own block],
+    with a dense mask built by explicit loops over the positions. -> z [R, N, B, C]."""
+    R, T = input_ids.shape
+    N, Bk = anchors.shape[1], model.config.block_size
+    feats = model.context_features(taps)
+    out = torch.empty(R, N, Bk, model.config.hidden_size, dtype=taps.dtype, device=taps.device)
+    for r in range(R):
+        ctx_cos, ctx_sin = model.rope(positions[r: r + 1], taps.dtype)
+        for n in range(N):
+            a = int(anchors[r, n])
+            visible = [s < a and (document_ids is None or int(document_ids[r, s]) == int(document_ids[r, a]))
+                       for s in range(T)]
+            mask = torch.tensor(visible + [True] * Bk, device=taps.device)[None, None, None, :].expand(1, 1, Bk, -1)
+            pos = int(positions[r, a]) + torch.arange(Bk, device=taps.device)[None]
+            cos, sin = model.rope(pos, taps.dtype)
+            x = model.embed(model.block_inputs(input_ids[r: r + 1, a])).to(taps.dtype)  # [1, B, C]
+            for i, g in enumerate(feats):
+                k, v = model.context_kv(i, g[r: r + 1], ctx_cos, ctx_sin)
+                x = model.layer_forward(i, x, cos, sin, k, v, mask)
+            out[r, n] = x[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------
+
+EMBEDDED_MASK_TOKEN_ID = 5  # the embedded target's reserved mask token
+QWEN3_MASK_TOKEN_ID = 151669  # the unused special token DFlash / DSpark checkpoints for Qwen3 use
+
+
+def embedded_target_shape() -> DecoderConfig:
+    """The shape of the embedded target (Qwen3, 6 × 256, vocab 8192; `angelspec target build`): the fields the
+    fingerprint reads. Pass the real target's config instead wherever one is at hand."""
+    return DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                         model_type="qwen3", qk_norm=True)
+
+
+def qwen3_8b_shape() -> DecoderConfig:
+    """Qwen3-8B's published shape (36 × 4096, 32 / 8 heads of 128, MLP 12288, vocab 151936, rope θ 1e6)."""
+    return DecoderConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                         rope_theta=1_000_000.0, model_type="qwen3", qk_norm=True, tie_word_embeddings=False)
+
+
+def dfly_embedded(target: DecoderConfig | None = None, *, mask_token_id: int = EMBEDDED_MASK_TOKEN_ID,
+                  **overrides: Any) -> BlockDrafterConfig:
+    """DFly for the embedded target: 2 draft layers of the target's width, block 8, taps (1, 3, 5) (low, mid and
+    the last layer: on a 6-layer target the last layer carries most of the next-token signal), hidden-correction
+    head, confidence head with a rank-64 W1. `overrides` replace any field (e.g. head="markov")."""
+    cfg = BlockDrafterConfig.for_target(target or embedded_target_shape(), mask_token_id=mask_token_id,
+                                        block_size=8, num_draft_layers=2, target_layer_ids=(1, 3, 5),
+                                        conditioning="dfly", head="hidden", markov_rank=64, confidence_head=True)
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+def qwen3_8b_dfly(target: DecoderConfig | None = None, *, mask_token_id: int = QWEN3_MASK_TOKEN_ID
+                  ) -> BlockDrafterConfig:
+    """The report's default DFly (§3.5, Table 5: L5-B8): 5 draft layers of the target's shape, block size 8, the
+    DFlash taps (1, 9, 17, 25, 33 on Qwen3-8B), hybrid conditioning, hidden-correction head, confidence head.
+    Pass a scaled-down `target` (and its mask token) to build the same design on a tiny model."""
+    return BlockDrafterConfig.for_target(target or qwen3_8b_shape(), mask_token_id=mask_token_id, block_size=8,
+                                         num_draft_layers=5, conditioning="dfly", head="hidden", markov_rank=256,
+                                         confidence_head=True)
+
+
+def qwen3_8b_dspark(target: DecoderConfig | None = None, *, mask_token_id: int = QWEN3_MASK_TOKEN_ID
+                    ) -> BlockDrafterConfig:
+    """DSpark (DSpark report §3): the DFlash backbone (shared fc context), L5-B8, a rank-256 Markov head and the
+    confidence head sharing its W1."""
+    return BlockDrafterConfig.for_target(target or qwen3_8b_shape(), mask_token_id=mask_token_id, block_size=8,
+                                         num_draft_layers=5, conditioning="dflash", head="markov", markov_rank=256,
+                                         confidence_head=True)
+
+
+PRESETS: dict[str, Callable[..., BlockDrafterConfig]] = {
+    "dfly_embedded": dfly_embedded, "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}

@@ -1,0 +1,491 @@
+"""Block-parallel drafters (report §3.1–3.2, DSpark report §3): the index-masked training attention against its
+per-anchor dense reference, no leakage across anchors and packed documents, the inference path (one backbone
+pass + the head left to right) against the teacher-forced training path, each head's algebra, the DFlare distance
+prior, folder IO, presets and bad input.
+
+Models are tiny and run in float64, so fast paths and references agree far below any argmax gap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from angelspec.models import CheckpointError, ConfigError, Decoder, DecoderConfig
+from angelspec.models.block_drafter import (
+    CONDITIONINGS,
+    HEADS,
+    BlockDrafter,
+    BlockDrafterConfig,
+    GatedMarkovHead,
+    HiddenCorrectionHead,
+    MarkovHead,
+    RNNHead,
+    block_targets,
+    default_block_layer_ids,
+    dfly_embedded,
+    distance_prior,
+    embedded_target_shape,
+    qwen3_8b_dfly,
+    qwen3_8b_dspark,
+    qwen3_8b_shape,
+    reference_forward_backbone,
+    sample_anchors,
+)
+from angelspec.models.block_io import load_block_drafter, read_block_config, save_block_drafter
+from angelspec.models.mtp import concat_taps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, MASK = 64, 5
+
+
+def tiny_target(layers: int = 4, seed: int = 0) -> Decoder:
+    cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    model.init_weights(std=0.3)
+    return model.double().eval()
+
+
+def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hidden", block_size: int = 4,
+                 seed: int = 1, confidence: bool = True, nonzero_heads: bool = True) -> BlockDrafter:
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size, num_draft_layers=2,
+                                        target_layer_ids=(0, 2, 3), conditioning=conditioning, head=head,
+                                        markov_rank=8, confidence_head=confidence)
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
+    if nonzero_heads:  # the zero-initialised projections would hide every head's effect
+        with torch.no_grad():
+            if isinstance(model.head, MarkovHead):
+                model.head.out.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed + 1))
+            elif isinstance(model.head, HiddenCorrectionHead):
+                model.head.down_proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed + 1))
+    return model.double().eval()
+
+
+def taps_of(target: Decoder, model: BlockDrafter, ids: torch.Tensor, positions: torch.Tensor | None = None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():  # the target is frozen: its taps are inputs, as in the trainer
+        out = target(ids, positions=positions, document_ids=document_ids,
+                     hidden_layers=list(model.config.target_layer_ids), compute_logits=False)
+    return concat_taps(out.hidden)
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows of T = 16: row 0 holds documents of 7 and 9 tokens, row 1 one document of 12 plus padding."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(6, VOCAB, (2, 16), generator=g)
+    docs = torch.tensor([[0] * 7 + [1] * 9, [2] * 12 + [-1] * 4])
+    pos = torch.tensor([list(range(7)) + list(range(9)), list(range(12)) + [0] * 4])
+    return ids, pos, docs
+
+
+# ----- training attention -----
+
+
+@pytest.mark.parametrize("conditioning", CONDITIONINGS)
+def test_training_attention_matches_per_anchor_reference(conditioning: str) -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning)
+    ids, pos, docs = packed_batch()
+    taps = taps_of(target, model, ids, pos, docs)
+    anchors = torch.tensor([[0, 3, 7, 12], [1, 4, 10, 11]])
+    fast = model.forward_backbone(taps, ids, pos, anchors, docs)
+    slow = reference_forward_backbone(model, taps, ids, pos, anchors, docs)
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_no_leakage_after_anchor_block_or_across_documents(head: str) -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, head=head)
+    ids, pos, docs = packed_batch()
+    taps = taps_of(target, model, ids, pos, docs)
+    anchors = torch.tensor([[2, 9, 11], [3, 5, 8]])
+    base = model.forward_train(taps, ids, pos, anchors, document_ids=docs)
+
+    # Anchor (0, 0) = 2 in document 0 (positions 0..6): its block covers 2..5. Perturb the tokens after the block
+    # and the taps from the anchor on (the context is strictly before the anchor), and all of document 1.
+    ids2, taps2 = ids.clone(), taps.clone()
+    ids2[0, 6:] = (ids2[0, 6:] + 7) % VOCAB
+    taps2[0, 2:] += torch.randn_like(taps2[0, 2:])
+    ids2[1, 9:] = (ids2[1, 9:] + 3) % VOCAB
+    out = model.forward_train(taps2, ids2, pos, anchors, document_ids=docs)
+    torch.testing.assert_close(out.logits[0, 0], base.logits[0, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.hidden[0, 0], base.hidden[0, 0], rtol=0, atol=1e-12)
+    # Row 1's anchors 3 and 5 have blocks ending at 6 and 8: tokens from 9 on are invisible to both.
+    torch.testing.assert_close(out.logits[1, :2], base.logits[1, :2], rtol=0, atol=1e-12)
+    if base.confidence_logits is not None:
+        torch.testing.assert_close(out.confidence_logits[0, 0], base.confidence_logits[0, 0], rtol=0, atol=1e-12)
+    # Other anchors do see what changed (the perturbation is not a no-op).
+    assert not torch.allclose(out.hidden[0, 1], base.hidden[0, 1])
+    # The other way round: all of document 0 perturbed leaves document 1's anchors (9, 11) untouched.
+    ids4, taps4 = ids.clone(), taps.clone()
+    ids4[0, :7] = (ids4[0, :7] + 5) % VOCAB
+    taps4[0, :7] += torch.randn_like(taps4[0, :7])
+    out4 = model.forward_train(taps4, ids4, pos, anchors, document_ids=docs)
+    torch.testing.assert_close(out4.logits[0, 1:], base.logits[0, 1:], rtol=0, atol=1e-12)
+
+    # The backbone reads only the anchor token of the block: tokens inside the block do not move it either.
+    ids3 = ids.clone()
+    ids3[0, 3:6] = (ids3[0, 3:6] + 1) % VOCAB
+    z3 = model.forward_backbone(taps, ids3, pos, anchors, docs)
+    torch.testing.assert_close(z3[0, 0], model.forward_backbone(taps, ids, pos, anchors, docs)[0, 0], rtol=0, atol=0)
+
+
+def test_packed_document_equals_document_alone() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, head="rnn")
+    ids, pos, docs = packed_batch()
+    taps = taps_of(target, model, ids, pos, docs)
+    packed = model.forward_train(taps, ids, pos, torch.tensor([[8, 10, 13]]).expand(2, -1), document_ids=docs)
+    alone_ids = ids[:1, 7:]  # document 1 of row 0, alone at positions 0..8
+    alone_taps = taps_of(target, model, alone_ids)
+    alone = model.forward_train(alone_taps, alone_ids, pos[:1, 7:], torch.tensor([[1, 3, 6]]))
+    torch.testing.assert_close(packed.logits[0], alone.logits[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(packed.targets.valid[0], alone.targets.valid[0])
+
+
+def test_block_targets_stop_at_document_end_and_follow_loss_mask() -> None:
+    ids, _, docs = packed_batch()
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[0, 9] = False
+    t = block_targets(ids, torch.tensor([[4, 8], [10, 11]]), 4, document_ids=docs, loss_mask=loss_mask)
+    assert t.valid[0, 0].tolist() == [True, True, False]  # 5, 6 in document 0; 7 is document 1
+    assert t.valid[0, 1].tolist() == [False, True, True]  # 9 is masked out
+    assert t.valid[1, 0].tolist() == [True, False, False]  # 11 ends the document, 12 is padding
+    assert t.labels[0, 0].tolist() == ids[0, 5:8].tolist()
+    assert t.prev_tokens[0, 0].tolist() == ids[0, 4:7].tolist()
+    assert t.source_index[0, 0].tolist() == [4, 5, 6]
+
+
+def test_sample_anchors_picks_trained_positions_inside_documents() -> None:
+    _, _, docs = packed_batch()
+    loss_mask = docs >= 0
+    loss_mask[1, :6] = False
+    anchors, valid = sample_anchors(loss_mask, 5, document_ids=docs, generator=torch.Generator().manual_seed(0))
+    assert anchors.shape == valid.shape == (2, 5)
+    for r in range(2):
+        for a, ok in zip(anchors[r].tolist(), valid[r].tolist(), strict=True):
+            if ok:
+                assert loss_mask[r, a + 1] and docs[r, a + 1] == docs[r, a]
+        got = [a for a, ok in zip(anchors[r].tolist(), valid[r].tolist(), strict=True) if ok]
+        assert got == sorted(set(got))
+    few, few_valid = sample_anchors(loss_mask, 16, document_ids=docs)
+    assert int(few_valid[1].sum()) == 6  # row 1: anchors 5..10 predict trained tokens 6..11
+
+
+# ----- inference path -----
+
+
+@pytest.mark.parametrize(("conditioning", "head"), [("dflash", "none"), ("dflash", "markov"), ("dflash", "gated"),
+                                                    ("dflash", "rnn"), ("dfly", "hidden"), ("dflare", "markov")])
+def test_propose_equals_teacher_forced_training_on_its_own_drafts(conditioning: str, head: str) -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning, head=head, block_size=5)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(6, VOCAB, (2, 14), generator=g)
+    lengths = torch.tensor([6, 9])  # committed context; the anchor sits at position `lengths`
+    anchors_tok = ids[torch.arange(2), lengths]
+    taps = taps_of(target, model, ids)
+    prop = model.propose_from_taps(taps, lengths, anchors_tok)
+    assert prop.tokens.shape == (2, 4) and prop.confidences.shape == (2, 4) and prop.probs is None
+    assert torch.equal(prop.tokens, prop.logits.argmax(-1))
+    assert ((prop.confidences > 0) & (prop.confidences < 1)).all()
+    # Training path on the sequence whose block holds the drafts: same logits, same confidences.
+    for r in range(2):
+        a = int(lengths[r])
+        seq = ids[r: r + 1].clone()
+        seq[0, a + 1: a + 5] = prop.tokens[r]
+        out = model.forward_train(taps[r: r + 1], seq, torch.arange(14)[None], torch.tensor([[a]]))
+        torch.testing.assert_close(out.logits[0, 0], prop.logits[r], rtol=1e-9, atol=1e-9)
+        # confidences come back in fp32, like the logits
+        torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0, 0]).float(), prop.confidences[r])
+
+
+def test_propose_cache_appends_in_pieces_and_rolls_back() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, head="rnn")
+    ids = torch.randint(6, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    taps = taps_of(target, model, ids)
+    whole = model.propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
+    cache = model.new_cache(1, 12, slack=4, dtype=torch.float64, device="cpu")
+    model.append_context(taps[:, :5], cache)
+    model.append_context(taps[:, 5:11], cache, num_new=torch.tensor([6]))  # 5..10 written: 3 too many
+    cache.truncate(torch.tensor([8]))  # roll back to 8 committed entries
+    step = model.propose(ids[:, 8], cache, kv_len=11)
+    torch.testing.assert_close(step.logits, whole.logits, rtol=1e-10, atol=1e-10)
+    # Prefill of a subset of rows (a request joining row 2 of 3) writes only that row.
+    big = model.new_cache(3, 12, slack=4, dtype=torch.float64, device="cpu")
+    big.lengths[:] = torch.tensor([4, 0, 6])
+    model.append_context(taps[:, :8], big, num_new=torch.tensor([8]), rows=torch.tensor([1]))
+    assert big.lengths.tolist() == [4, 8, 6] and big.k[:, 0].abs().sum() == 0
+    row = model.propose(ids[:, 8].expand(3), big, kv_len=8)
+    torch.testing.assert_close(row.logits[1], whole.logits[0], rtol=1e-10, atol=1e-10)
+
+
+def test_propose_with_sampling_rule_returns_its_probabilities() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, head="gated")
+    ids = torch.randint(6, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    taps = taps_of(target, model, ids)
+    gen = torch.Generator().manual_seed(0)
+
+    def select(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0], probs
+
+    prop = model.propose_from_taps(taps, torch.tensor([4, 7]), ids[:, 8], select=select)
+    assert prop.probs.shape == (2, 3, VOCAB)
+    torch.testing.assert_close(prop.probs, torch.softmax(prop.logits, -1))
+
+
+# ----- heads -----
+
+
+def test_markov_head_is_low_rank_and_starts_at_zero() -> None:
+    head = MarkovHead(VOCAB, 32, rank=3)
+    torch.nn.init.normal_(head.out.weight)
+    prev = torch.tensor([[1, 7, 7], [0, 63, 2]])
+    bias = head.sequence(torch.zeros(2, 3, 32), prev)
+    torch.testing.assert_close(bias, head.embed.weight[prev] @ head.out.weight.T)  # Eq. 14: W1[x] W2
+    with torch.no_grad():
+        transition = head.double().out(head.embed.weight)  # [V, V], row x = the bias after x
+    assert torch.linalg.matrix_rank(transition) == 3
+    target = tiny_target()
+    model = tiny_drafter(target, head="markov", nonzero_heads=False)
+    assert model.head.out.weight.abs().sum() == 0  # starts as the plain backbone
+    assert model.head.sequence(torch.zeros(1, 2, 32, dtype=torch.float64), prev[:1, :2]).abs().sum() == 0
+
+
+def test_gated_head_matches_formula() -> None:
+    torch.manual_seed(0)
+    head = GatedMarkovHead(VOCAB, 16, rank=4)
+    torch.nn.init.normal_(head.out.weight)
+    h, prev = torch.randn(3, 5, 16), torch.randint(0, VOCAB, (3, 5))
+    e = head.embed.weight[prev]
+    g = torch.sigmoid(torch.cat([h, e], -1) @ head.gate.weight.T + head.gate.bias)
+    torch.testing.assert_close(head.sequence(h, prev), (g * e) @ head.out.weight.T)
+
+
+def test_rnn_head_equals_hand_unrolled_recurrence() -> None:
+    torch.manual_seed(0)
+    head = RNNHead(VOCAB, 16, rank=4)
+    torch.nn.init.normal_(head.out.weight)
+    h, prev = torch.randn(3, 5, 16), torch.randint(0, VOCAB, (3, 5))
+
+    def lin(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return x @ layer.weight.T + layer.bias
+
+    s = torch.zeros(3, 4)
+    expected = []
+    for k in range(5):
+        zeta = torch.cat([s, head.embed.weight[prev[:, k]], h[:, k]], dim=-1)
+        u = torch.sigmoid(lin(head.gate, zeta))
+        expected.append(torch.tanh(lin(head.proj, zeta)) @ head.out.weight.T)  # B_k uses ζ_k (s_{k-1})
+        s = u * s + (1 - u) * torch.tanh(lin(head.cand, zeta))
+    torch.testing.assert_close(head.sequence(h, prev), torch.stack(expected, dim=1))
+    # The state carries history: changing the first predecessor changes the last bias.
+    prev2 = prev.clone()
+    prev2[:, 0] = (prev2[:, 0] + 1) % VOCAB
+    assert not torch.allclose(head.sequence(h, prev2)[:, -1], head.sequence(h, prev)[:, -1])
+
+
+def test_hidden_correction_is_identity_with_zero_output_projection() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, head="hidden", nonzero_heads=False)
+    z, e = torch.randn(2, 3, 32, dtype=torch.float64), torch.randn(2, 3, 32, dtype=torch.float64)
+    assert torch.equal(model.head(z, e), z)
+    # So logits equal the plain backbone's.
+    prev = torch.randint(0, VOCAB, (2, 3))
+    logits, _ = model.head_logits(z, prev)
+    torch.testing.assert_close(logits, model.lm_logits(model.norm(z)), rtol=0, atol=0)
+    with torch.no_grad():
+        model.head.down_proj.weight.normal_()
+    assert not torch.allclose(model.head(z, e), z)
+
+
+def test_confidence_head_shares_markov_embedding_else_owns_one() -> None:
+    target = tiny_target()
+    dspark = tiny_drafter(target, conditioning="dflash", head="markov")
+    assert dspark.config.drafter == "dspark"
+    assert not hasattr(dspark, "confidence_embed")
+    prev = torch.tensor([3, 9])
+    torch.testing.assert_close(dspark.markov_embed(prev), dspark.head.embed(prev))
+    dfly = tiny_drafter(target, head="hidden")
+    assert dfly.confidence_embed.weight.shape == (VOCAB, 8)
+    none = tiny_drafter(target, head="none", confidence=False)
+    ids = torch.randint(6, VOCAB, (1, 8))
+    out = none.forward_train(taps_of(target, none, ids), ids, torch.arange(8)[None], torch.tensor([[2]]))
+    assert out.confidence_logits is None
+
+
+# ----- DFlare / DFly conditioning -----
+
+
+def test_distance_prior_peaks_at_matching_depth() -> None:
+    ids = default_block_layer_ids(36, 5)
+    assert ids == (1, 9, 17, 25, 33)
+    alpha = torch.softmax(distance_prior(5, ids, 0.1), dim=-1)
+    assert alpha.argmax(-1).tolist() == [0, 1, 2, 3, 4]
+    assert (alpha.max(-1).values > 0.5).all()
+    assert torch.softmax(distance_prior(3, ids, 0.1), -1).argmax(-1).tolist() == [0, 2, 4]
+    # Uneven taps: draft depth 0.5 sits nearest the tap at relative depth 0.4 (layer 5 of 1..11).
+    assert torch.softmax(distance_prior(3, (1, 5, 11), 0.1), -1).argmax(-1).tolist() == [0, 1, 2]
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning="dflare")
+    w = model.fusion_weights()
+    assert w.shape == (2, 3) and w.argmax(-1).tolist() == [0, 2]
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, dtype=w.dtype))
+
+
+def test_conditioning_equations() -> None:
+    target = tiny_target()
+    ids = torch.randint(6, VOCAB, (1, 6))
+    for cond in CONDITIONINGS:
+        model = tiny_drafter(target, conditioning=cond)
+        taps = taps_of(target, model, ids)
+        feats = model.context_features(taps)
+        per_tap = taps.view(1, 6, 3, 32)
+        for i, g in enumerate(feats):
+            if cond == "dflash":
+                expected = model.hidden_norm(model.fc(taps))  # Eq. 10
+            else:
+                f = (per_tap * model.fusion_weights()[i][:, None]).sum(-2)  # Eq. 11
+                expected = model.context_norms[i](f + (model.fc(taps) if cond == "dfly" else 0))  # Eq. 12
+            torch.testing.assert_close(g, expected)
+
+
+# ----- folder IO -----
+
+
+def test_save_load_round_trip_and_mismatches(tmp_path) -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning="dflash", head="rnn")
+    out = save_block_drafter(model, tmp_path / "dspark", extra={"step": 3})
+    raw = json.loads((out / "config.json").read_text())
+    meta = raw["angelspec"]
+    assert meta["drafter"] == "dspark" and meta["head"] == "rnn" and meta["block_size"] == 4
+    assert meta["target_layer_ids"] == [0, 2, 3] and meta["target_fingerprint"] == target.config.fingerprint()
+    assert meta["step"] == 3
+    assert not any("embed_tokens" in k or "lm_head" in k for k in model.state_dict())
+    loaded = load_block_drafter(out, target, drafter="dspark", head="rnn")
+    ids = torch.randint(6, VOCAB, (1, 10))
+    taps = taps_of(target, model, ids)
+    a = model.forward_train(taps, ids, torch.arange(10)[None], torch.tensor([[3, 6]]))
+    b = loaded.forward_train(taps, ids, torch.arange(10)[None], torch.tensor([[3, 6]]))
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+
+    with pytest.raises(CheckpointError, match="trained with the 'rnn' head, not 'hidden'"):
+        load_block_drafter(out, target, head="hidden")
+    with pytest.raises(CheckpointError, match="holds a dspark drafter, not dfly"):
+        read_block_config(out, drafter="dfly")
+    other = tiny_target(layers=5)
+    with pytest.raises(ConfigError, match="fingerprint"):
+        load_block_drafter(out, other)
+    shallow = tiny_target(layers=3)
+    with pytest.raises(ConfigError, match=r"out of range"):
+        load_block_drafter(out, shallow)
+    # A config edited to another head no longer matches the weights.
+    raw["block_drafter_config"]["head"] = "gated"
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="weights do not match"):
+        load_block_drafter(out, target)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        read_block_config(tmp_path / "nowhere")
+
+
+# ----- presets -----
+
+
+def test_dfly_embedded_preset_builds_and_runs() -> None:
+    cfg = dfly_embedded()
+    shape = embedded_target_shape()
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.target_num_layers, cfg.mask_token_id) == (8192, 256, 6, 5)
+    assert cfg.drafter == "dfly" and cfg.head == "hidden" and cfg.num_drafts == 7
+    assert cfg.target_fingerprint == shape.fingerprint()
+    assert dfly_embedded(head="markov").head == "markov"
+    embed, head = torch.nn.Embedding(8192, 256), torch.nn.Linear(256, 8192, bias=False)
+    model = BlockDrafter(cfg, embed, head).eval()
+    ids = torch.randint(6, 8192, (1, 12))
+    taps = torch.randn(1, 12, 3 * 256)
+    with torch.no_grad():
+        out = model.forward_train(taps, ids, torch.arange(12)[None], torch.tensor([[3]]))
+        prop = model.propose_from_taps(taps, torch.tensor([5]), ids[:, 5])
+    assert out.logits.shape == (1, 1, 7, 8192) and prop.tokens.shape == (1, 7)
+
+
+@pytest.mark.parametrize("preset", [qwen3_8b_dfly, qwen3_8b_dspark])
+def test_qwen3_8b_presets_have_paper_shapes_and_build_scaled_down(preset) -> None:
+    cfg = preset()
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.num_draft_layers == 5 and cfg.block_size == 8
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.mask_token_id) == (4096, 151936, 151669)
+    assert cfg.target_fingerprint == qwen3_8b_shape().fingerprint()
+    assert cfg.drafter == ("dfly" if preset is qwen3_8b_dfly else "dspark")
+    # The same design on a tiny 10-layer target: build, one training forward + backward, one proposal.
+    target = tiny_target(layers=10)
+    small = preset(target.config, mask_token_id=MASK)
+    assert small.num_draft_layers == 5 and small.num_taps == 5 and small.head == cfg.head
+    model = BlockDrafter(small, target.embed_tokens, target.lm_head).double()
+    ids = torch.randint(6, VOCAB, (1, 20))
+    taps = taps_of(target, model, ids)
+    out = model.forward_train(taps, ids, torch.arange(20)[None], torch.tensor([[2, 9]]))
+    assert out.logits.shape == (1, 2, 7, VOCAB) and out.confidence_logits.shape == (1, 2, 7)
+    out.logits.logsumexp(-1).sum().backward()
+    assert target.embed_tokens.weight.grad is None and target.lm_head.weight.grad is None  # frozen by reference
+    assert model.layers[0].attn.qkv_proj.weight.grad is not None
+    assert model.propose_from_taps(taps, torch.tensor([11]), ids[:, 11]).tokens.shape == (1, 7)
+
+
+# ----- bad input -----
+
+
+def test_bad_configs_raise_clear_errors() -> None:
+    shape = tiny_target().config
+
+    def make(**kw):
+        args = dict(mask_token_id=MASK, block_size=4, num_draft_layers=2, target_layer_ids=(0, 2))
+        args.update(kw)
+        return BlockDrafterConfig.for_target(shape, **args)
+
+    for b in (1, 0, -3):
+        with pytest.raises(ConfigError, match="block_size must be an int >= 2"):
+            make(block_size=b)
+    with pytest.raises(ConfigError, match=r"do not fit a target with 4 layers.*\[4\] out of range"):
+        make(target_layer_ids=(1, 4))
+    with pytest.raises(ConfigError, match="out of range"):
+        make(target_layer_ids=(-1, 2))
+    with pytest.raises(ConfigError, match="mask_token_id is required"):
+        make(mask_token_id=None)
+    with pytest.raises(ConfigError, match="mask token id 64 is not in the vocabulary"):
+        make(mask_token_id=VOCAB)
+    with pytest.raises(ConfigError, match="unknown head 'tree'"):
+        make(head="tree")
+    with pytest.raises(ConfigError, match="unknown conditioning"):
+        make(conditioning="eagle")
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        make(target_layer_ids=(2, 2))
+    with pytest.raises(ConfigError, match="not in the vocabulary"):
+        make().check_mask_token(4)  # a tokenizer with only 4 ids lacks the mask token
+    with pytest.raises(ConfigError, match="unknown block drafter config fields"):
+        BlockDrafterConfig.from_dict({**make().to_dict(), "markov_head_type": "vanilla"})
+
+
+def test_bad_forward_inputs() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target)
+    ids = torch.randint(6, VOCAB, (1, 8))
+    taps = taps_of(target, model, ids)
+    with pytest.raises(ValueError, match="taps must be"):
+        model.forward_train(taps[..., :64], ids, torch.arange(8)[None], torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="anchors must index"):
+        model.forward_train(taps, ids, torch.arange(8)[None], torch.tensor([[8]]))
+    with pytest.raises(ValueError, match=r"anchors \[R, N\]"):
+        model.forward_train(taps, ids, torch.arange(8)[None], torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"anchor_tokens must be \[B\]"):
+        model.propose_from_taps(taps, torch.tensor([4]), torch.tensor([[1]]))
+    with pytest.raises(ConfigError, match="do not match"):
+        BlockDrafter(model.config, torch.nn.Embedding(VOCAB + 1, 32), target.lm_head)
