@@ -344,8 +344,10 @@ def test_train_mtp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
-        (["--drafter", "dspark"], ["cannot train drafter 'dspark'", "trained today are draft-lm, mtp, eagle3"]),
-        (["--drafter", "dflash"], ["'dflash'", "draft-lm"]),
+        (["--drafter", "medusa"], ["cannot train drafter 'medusa'", "trained today are draft-lm, mtp, eagle3"]),
+        (["--drafter", "dspark", "block_size=1"], ["block_size", ">= 2"]),
+        (["--drafter", "dspark", "--head", "hidden"], ["dspark", "Markov-family"]),
+        (["--drafter", "mtp", "--head", "markov"], ["--head applies", "dfly"]),
         (["--drafter", "ngram"], ["needs no training"]),
         (["--drafter", "draft-lm", "--preset", "huge"], ["unknown preset", "tiny_debug"]),
         (["--drafter", "draft-lm", "steps"], ["key=value"]),

@@ -32,15 +32,19 @@ EXIT_NOT_LOSSLESS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
-# Drafters `angelspec train` can train today; the others in the roadmap (the DFlash family)
-# are named only in the refusal message until they exist.
+# Drafters `angelspec train` can train; PLANNED_DRAFTERS names roadmap kinds in the refusal message until they exist.
 # Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
 # `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
 TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm_embedded"),
             "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded"),
-            "eagle3": ("angelspec.train.eagle3", "train_eagle3", "eagle3_embedded")}
+            "eagle3": ("angelspec.train.eagle3", "train_eagle3", "eagle3_embedded"),
+            "dflash": ("angelspec.train.block", "train_dflash", "dflash_embedded"),
+            "dflare": ("angelspec.train.block", "train_dflare", "dflare_embedded"),
+            "dfly": ("angelspec.train.block", "train_dfly", "dfly_embedded"),
+            "dspark": ("angelspec.train.block", "train_dspark", "dspark_embedded")}
 TRAINABLE_DRAFTERS = tuple(TRAINERS)
-PLANNED_DRAFTERS = "dflash, dflare, dfly, dspark"
+BLOCK_DRAFTERS = ("dflash", "dflare", "dfly", "dspark")  # the kinds that take --head
+PLANNED_DRAFTERS = ""  # every roadmap drafter is trainable now
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json / the output file
 
 
@@ -188,7 +192,8 @@ def _ngram_size(spec: str, arg: str) -> int:
 
 
 def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
-    """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`."""
+    """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`.
+    A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
     import inspect
 
     from angelspec.spec.drafter import get_drafter, registered_drafters
@@ -222,8 +227,11 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
     if not callable(loader):
         raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
                          f"valid forms: {drafter_forms()}")
+    from angelspec.spec.calibrated import with_calibration
+
     accepted = inspect.signature(loader).parameters
-    return loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
+    drafter = loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
+    return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences
 
 
 def eval_prompts(tokenizer: Any, records: list[dict[str, Any]], *, context: int, source: str,
@@ -350,6 +358,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from angelspec.data.prompts import load_prompts
     from angelspec.eval.speculative import EvalSettings, evaluate
     from angelspec.models.hf_io import write_json_atomic
+    from angelspec.spec.calibrated import CalibratedDrafter
 
     if args.drafter == "none":
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
@@ -374,10 +383,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                             num_draft_tokens=args.num_draft_tokens, sampling=sampling)
     report = evaluate(model, drafter, prompts, settings, name=args.drafter, progress=not args.quiet)
     print(f"target {target_dir}\nprompts {prompts_path}")
+    calibration = drafter.calibration if isinstance(drafter, CalibratedDrafter) else None
+    if isinstance(drafter, CalibratedDrafter):
+        print(drafter.describe())
     print(report.format())
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json_out, {"target": str(target_dir), "prompts_file": str(prompts_path),
+                                     "calibration": None if calibration is None else calibration.to_json(),
                                      **report.to_dict()})
         print(f"wrote {json_out}")
     if report.lossless is False:
@@ -388,16 +401,77 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """`angelspec profile`: measure (or reuse) the cost table C(B, N) for a target and a drafter."""
+    from angelspec.spec.costmodel import load_or_profile
+
+    try:
+        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    for flag, value in [("--num-draft-tokens", args.num_draft_tokens), ("--repeats", args.repeats),
+                        *(("--batch-sizes", b) for b in batch_sizes)]:
+        _positive(flag, value)
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.drafter == "none":
+        raise UsageError("--drafter none has no speculative step to profile; choose a drafter: "
+                         f"{drafter_forms(include_none=False)}")
+    out = Path(args.out) if args.out is not None else None
+    if out is not None and out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name such as {out / 'costs.json'}")
+    target_dir = resolve_target_dir(args.target)
+    model, _ = load_target_and_tokenizer(target_dir)
+    drafter = resolve_drafter(args.drafter, model, target_dir)
+    assert drafter is not None
+    table, what = load_or_profile(model, drafter, out, batch_sizes=batch_sizes, num_draft_tokens=args.num_draft_tokens,
+                                  force=args.force, repeats=args.repeats, warmup=args.warmup, log=print)
+    print(table.format())
+    print(what)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """`angelspec calibrate`: fit STS temperatures for a drafter's confidences and save calibration.json."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.eval.calibrate import calibrate_drafter, check_writable, drafter_folder
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--num-draft-tokens", args.num_draft_tokens), ("--limit", args.limit)):
+        if value is not None:
+            _positive(flag, value)
+    folder = drafter_folder(args.drafter)
+    check_writable(folder, args.force)  # before anything is loaded or decoded
+    records = load_prompts(args.prompts)[: args.limit]
+    target_dir = resolve_target_dir(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    prompt_ids = encode_prompts(tokenizer, records, context=model.config.max_position_embeddings, think=False,
+                                source=args.prompts)
+    drafter = resolve_drafter(args.drafter, model, target_dir)
+    assert drafter is not None
+    report = calibrate_drafter(model, drafter, prompt_ids, folder, name=args.drafter,
+                               max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                               batch_size=args.batch_size, force=args.force, progress=not args.quiet)
+    print(report)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
     if args.drafter not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
-                if args.drafter.partition(":")[0] == "ngram" else f" ({PLANNED_DRAFTERS} are planned)")
+                if args.drafter.partition(":")[0] == "ngram"
+                else f" ({PLANNED_DRAFTERS} are planned)" if PLANNED_DRAFTERS else "")
         raise UsageError(f"cannot train drafter {args.drafter!r}: the drafters that can be trained today are "
                          f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
     import importlib
 
     module_name, fn_name, default_preset = TRAINERS[args.drafter]
+    if args.head is not None:
+        if args.drafter not in BLOCK_DRAFTERS:
+            raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not "
+                             f"{args.drafter}")
+        args.overrides = [*args.overrides, f"head={args.head}"]
     module = importlib.import_module(module_name)
     config = _preset_config(module.PRESETS, args, default_preset)
     data = Path(args.data)
@@ -490,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_train(sub)
     _add_target(sub)
+    _add_profile(sub)
+    _add_calibrate(sub)
     # Data commands live with their modules; each registers its parser and sets `func`.
     from angelspec.data.decontam import add_decontam_parser
     from angelspec.data.rollout import add_rollout_parser
@@ -573,7 +649,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp, "
-                        "eagle3_embedded for eagle3; tiny_debug for all; mtp_base = teacher-forced one-depth MTP)")
+                        "eagle3_embedded for eagle3, KIND_embedded for dflash / dflare / dfly / dspark; tiny_debug for "
+                        "all; mtp_base = teacher-forced one-depth MTP; qwen3_8b_dfly, qwen3_8b_dspark)")
+    p.add_argument("--head", choices=("none", "markov", "gated", "rnn", "hidden"), default=None,
+                   help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
+                        "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out/training")
     p.add_argument("--force", action="store_true", help="start over, overwriting --out")
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
@@ -609,6 +689,47 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override preset fields, e.g. steps=100")
     p.set_defaults(func=cmd_target_build)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="measure the step-latency table C(B, N) the verification budgets use",
+        description="Time whole speculative steps (draft + select + pack + verify) of the target and a drafter "
+                    "for each batch size B and verified-token count N on synthetic prompts, and cache the table "
+                    "as JSON keyed by model, drafter, dtype, torch version and machine. A cached table for this "
+                    "setup is reused; a stale or foreign one is re-profiled.",
+    )
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS.removeprefix("none | "))
+    p.add_argument("--batch-sizes", default="1,2,4,8", metavar="B,B,...", help="(default: 1,2,4,8)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="(default: 4)")
+    p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed steps per cell, median kept (default: 5)")
+    p.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed steps per cell (default: 2)")
+    p.add_argument("--out", metavar="FILE.json",
+                   help="table file (default: .cache/angelspec-costs/<model>-<key digest>.json)")
+    p.add_argument("--force", action="store_true", help="re-profile even when the cached table is up to date")
+    p.set_defaults(func=cmd_profile)
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="fit per-position temperatures (STS) for a drafter's confidences",
+        description="Decode held-out prompts with the drafter at full depth, record each draft position's "
+                    "confidence and whether the prefix up to it was accepted, fit Sequential Temperature "
+                    "Scaling, print the ECE per position before and after, and write calibration.json next to "
+                    "the drafter checkpoint; generate / eval / the budget policies then see calibrated "
+                    "confidences.",
+    )
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DIR or KIND:DIR)")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="held-out prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="use at most N prompts")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="(default: 4)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing calibration.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_calibrate)
 
 
 def is_user_error(exc: BaseException) -> bool:

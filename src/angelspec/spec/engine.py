@@ -83,6 +83,17 @@ DepthPolicyFn = Callable[[Proposal, DraftState], Tensor]
 
 
 @dataclass(frozen=True)
+class VerifyEvent:
+    """What one speculative step verified, handed to `SpecEngine(on_verify=...)` observers (calibration data,
+    step timing). Device tensors; reading them is a host sync the observer pays for."""
+
+    proposal: Proposal  # the drafter's proposal as proposed (confidences before any depth policy)
+    depth: Tensor  # [B] int64, drafts each row verified (0 for idle rows)
+    num_accepted: Tensor  # [B] int64, drafts accepted per row (a prefix of the verified ones)
+    active: Tensor  # [B] bool, rows that took part (a copy: the engine reuses its own buffer)
+
+
+@dataclass(frozen=True)
 class Request:
     """One generation request. stop_ids None = the target's eos ids; () = stop on length only."""
 
@@ -162,13 +173,17 @@ class SpecEngine:
     """Batched AR (drafter=None) and speculative decoding over a frozen target `Decoder`.
 
     depth_policy: `(Proposal, DraftState) -> depth [B]` (see `drafter.DepthPolicy`); None = FixedDepth(K).
+    on_verify: optional observer called once per speculative step, after verification and before the
+    commit, with a `VerifyEvent` (billed to the "commit" phase; None costs nothing).
     After `generate`, `engine.metrics` holds that call's `DecodeMetrics`.
     """
 
     def __init__(self, target: Decoder, drafter: Drafter | None = None, config: EngineConfig | None = None,
-                 depth_policy: DepthPolicyFn | None = None) -> None:
+                 depth_policy: DepthPolicyFn | None = None,
+                 on_verify: Callable[[VerifyEvent], None] | None = None) -> None:
         config = config or EngineConfig()
         self.target, self.drafter, self.config = target, drafter, config
+        self.on_verify = on_verify
         tcfg = target.config
         self.vocab_size = tcfg.vocab_size
         self.max_seq_len = config.max_seq_len or tcfg.max_position_embeddings
@@ -428,6 +443,8 @@ class SpecEngine:
         t3 = time.perf_counter()
 
         acc = v.num_accepted
+        if self.on_verify is not None:
+            self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=acc, active=self._active.clone()))
         cache.truncate(torch.where(self._active, old_len + acc + 1, old_len))  # rollback: trap 4
         self._seq_lens = torch.where(self._active, self._seq_lens + acc + 1, self._seq_lens)
         self._last = v.tokens.gather(1, acc[:, None])[:, 0]

@@ -1,0 +1,206 @@
+"""The block-parallel drafters in the engine (report §3; DSpark report §3): DFlash, DFlare, DFly and DSpark.
+
+One class, `BlockDrafterAdapter`, drafts with any `models.block_drafter.BlockDrafter`; it is registered under
+the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step it runs ONE backbone pass over
+the block `[last, m, …, m]` and then the small sequential head left to right (`BlockDrafter.propose`), and
+returns the first K ≤ B−1 drafts.
+
+Draft context cache convention, per row, after every commit: the cache holds the injected K/V of every
+committed position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's
+anchor, at position `seq_lens − 1`. Block entries are never cached, so a step needs no rollback: `on_commit` just
+appends the a+1 newly committed positions (the old anchor and the a accepted drafts) from the verify forward's
+taps, whose hidden states the target has now computed.
+
+Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
+sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
+(keyed by the draft's position, as every drafter does) and q is returned. Confidences are the confidence head's
+σ(logit) per draft position (DSpark §3.2) when the drafter has one, else the head's own (temperature-1)
+probability of each draft.
+
+Build it with `BlockDrafterAdapter.from_pretrained(dir, target=...)` (E and W_lm are the target's) or
+`BlockDrafterAdapter(model)`. It never loads the target.
+
+Shape legend: B rows, K drafts, V vocab, n verify width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from angelspec.models.block_drafter import BlockDrafter
+from angelspec.models.block_io import load_block_drafter, read_block_config
+from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.decoder import Decoder
+from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.mtp import concat_taps
+from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
+from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
+
+
+class BlockDrafterAdapter(Drafter):
+    """Engine drafter around a `BlockDrafter`. An instance's `kind` is its model's ("dflash", "dflare", "dfly",
+    "dspark"); the class attribute is the folder kind `from_pretrained` loads (None here: any block drafter; the
+    registered subclasses below each pin theirs, as `Eagle3Drafter` does for the MTP family)."""
+
+    kind: str | None = None
+
+    def __init__(self, model: BlockDrafter) -> None:
+        self.model = model.eval()
+        self.kind = model.config.drafter
+        self.target_layer_ids = tuple(model.config.target_layer_ids)
+        self.cache: StaticKVCache | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
+        """Load a block-drafter folder for `target` (the engine's model: its embedding and LM head are shared).
+        `head`, when given, must be the folder's head (CheckpointError otherwise). A folder trained for another
+        target, whose tap ids the target lacks or whose mask token is outside its vocabulary raises
+        DrafterMismatchError before any weight is read."""
+        cfg, _ = read_block_config(path, drafter=cls.kind, head=head)
+        try:
+            cfg.check_target(target.config)
+            cfg.check_mask_token(target.config.vocab_size)
+        except ConfigError as e:
+            raise DrafterMismatchError(f"{path}: {e}") from None
+        return cls(load_block_drafter(path, target, drafter=cls.kind, head=head))
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """K ≤ B − 1: one backbone pass predicts the block after its anchor."""
+        return self.model.config.num_drafts
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def target_fingerprint(self) -> str:
+        return self.model.config.target_fingerprint
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None,
+                         num_draft_tokens: int | None = None) -> None:
+        """Tap ids first (the clearest message for a target of another depth), then the fingerprint, the mask
+        token, the base checks (vocab, length) and, when given, K ≤ B − 1."""
+        try:
+            self.model.config.check_target(target)
+            self.model.config.check_mask_token(target.vocab_size)
+        except ConfigError as e:
+            raise DrafterMismatchError(f"{type(self).__name__}: {e}") from None
+        super().check_compatible(target, max_seq_len)
+        if num_draft_tokens is not None:
+            self.check_depth(num_draft_tokens)
+
+    def check_depth(self, k: int) -> None:
+        """Raise DrafterMismatchError unless 0 ≤ k ≤ B − 1."""
+        if not 0 <= k <= self.max_draft_tokens:
+            raise DrafterMismatchError(
+                f"a {self.kind} drafter with block size {self.block_size} proposes at most {self.max_draft_tokens} "
+                f"drafts per step, but {k} were asked for: set num_draft_tokens <= {self.max_draft_tokens} or "
+                "train a drafter with a larger block_size")
+
+    # ----- engine life cycle -----
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
+        w = next(self.model.parameters())
+        c = self.cache
+        if c is None or c.batch_size != batch_size or c.capacity < max_len + slack:
+            self.cache = None  # free the old buffers before allocating the new ones
+            self.cache = self.model.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
+        self.cache.reset()
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
+                target_hidden: tuple[Tensor, ...]) -> None:
+        cache = self.cache
+        assert cache is not None, "allocate() before prefill()"
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)  # [n]
+        lengths = torch.as_tensor([len(p) for p in prompts], dtype=torch.int64, device=cache.device)  # [n]
+        cache.lengths[idx] = 0
+        # Context = the P prompt positions; the first emitted token (position P) is the first anchor.
+        self.model.append_context(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
+
+    def propose(self, state: DraftState) -> Proposal:
+        cache, k = self.cache, state.num_draft_tokens
+        assert cache is not None, "allocate() before propose()"
+        self.check_depth(k)
+        if k == 0:
+            empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
+            return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
+        deterministic = state.deterministic or state.all_greedy
+        s = state.sampling
+
+        def select(logits: Tensor, j: int) -> tuple[Tensor, Tensor]:
+            q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+            counter = draft_noise_counter(state.seq_lens + j, state.draft_round)
+            return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
+
+        p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
+                               select=None if deterministic else select)
+        tokens = p.tokens[:, :k]  # [B, K]
+        if p.confidences is not None:
+            conf = p.confidences[:, :k]  # [B, K] σ(confidence logit)
+        else:
+            conf = torch.softmax(p.logits[:, :k].float(), dim=-1).gather(2, tokens[..., None])[..., 0]
+        probs = None if deterministic or p.probs is None else p.probs[:, :k]  # [B, K, V]
+        return Proposal(tokens=tokens, probs=probs, confidences=conf, deterministic=deterministic)
+
+    def on_commit(self, commit: Commit) -> None:
+        cache = self.cache
+        assert cache is not None
+        # The verify forward's taps at [last, d_1..d_n]: the old anchor and the accepted drafts become context.
+        count = torch.where(commit.active, commit.num_accepted + 1, 0)  # [B]
+        self.model.append_context(concat_taps(commit.target_hidden), cache, num_new=count)
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        assert self.cache is not None
+        self.cache.reset_rows(list(rows))
+
+
+@register_drafter("dflash")
+class DFlashDrafter(BlockDrafterAdapter):
+    """DFlash (report Eq. 10): shared fc context, no sequential head."""
+
+    kind = "dflash"
+
+
+@register_drafter("dflare")
+class DFlareDrafter(BlockDrafterAdapter):
+    """DFlare (report Eq. 11): per-draft-layer softmax fusion over the target taps."""
+
+    kind = "dflare"
+
+
+@register_drafter("dfly")
+class DFlyDrafter(BlockDrafterAdapter):
+    """DFly (report Eq. 12, 14–15): hybrid conditioning with a Markov or hidden-correction head."""
+
+    kind = "dfly"
+
+
+@register_drafter("dspark")
+class DSparkDrafter(BlockDrafterAdapter):
+    """DSpark (DSpark report §3): the DFlash backbone, a Markov-family head and the confidence head."""
+
+    kind = "dspark"
+
+
+@torch.no_grad()
+def reference_drafts(model: BlockDrafter, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
+    """Slow reference for greedy `propose`: from scratch, a target forward over the committed `sequence`, its taps
+    at positions 0..s−2 as the context and the newest token as the anchor (`propose_from_taps`)."""
+    ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
+    s = ids.shape[1]
+    hidden = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden
+    taps = concat_taps(hidden)[:, : s - 1]  # [1, s−1, n·C]
+    lengths = torch.tensor([s - 1], device=ids.device)
+    return model.propose_from_taps(taps, lengths, ids[:, -1]).tokens[0, :k].tolist()

@@ -1,0 +1,539 @@
+"""`angelspec train --drafter {dflash,dflare,dfly,dspark}`: the block-parallel drafters (report §3; DSpark report §3).
+
+Per step: a batch of packed rows (document-aware packing, the MTP trainer's `PackedRows`) -> frozen target
+forward under no_grad (online features: the taps `target_layer_ids` and the teacher logits) -> N random anchors
+per row inside assistant spans (`sample_anchors`: the first draft after the anchor must be a trained token of the
+anchor's document) -> ONE index-masked backbone pass over all N blocks of a row plus the teacher-forced head
+(`BlockDrafter.forward_train`) -> the objective -> AdamW, warm-up + cosine, gradient clipping.
+
+Objectives (`objective`, selectable per run):
+
+    "dfly"    report §3.3: the D-PACE-weighted LK^λ cold start (Eq. 16–18, "dpace_lk") for `switch_step` steps,
+              then end-to-end TV (Eq. 9, "e2e_tv"); the block position is the depth axis.
+    "dspark"  DSpark report: ce_coef·CE + tv_coef·TV + conf_coef·BCE(c, sg[1 − TV]) with position weights
+              w_k = exp(−(k−1)/γ) (`train.losses.dspark_loss`).
+
+Under "dfly" a drafter that has a confidence head also gets the confidence term conf_coef·BCE(c, sg[α]) (mean
+over valid positions; α is detached, as in DSpark's loss, so the target of the term never moves with the
+drafter), so the engine's `Proposal.confidences` are trained whatever the objective.
+
+Teacher alignment: draft k of anchor a predicts x_{a+k}; its teacher is the target's distribution at position
+a+k−1 (`BlockTargets.source_index`), gathered from the [R, T, V] teacher logits.
+
+Resuming is exact: the data order and the anchors are pure functions of (seed, step, global row), the model has
+no dropout, and the checkpoint holds the drafter's weights and the optimizer state (tested bit for bit).
+
+Data parallelism as in `train.mtp`: DDP (default under torchrun) or FSDP2 over the drafter only; anchors are
+drawn per global row, so N processes see the single-process batch; losses normalise over the global batch
+(FSDP2 checkpoints hold no optimizer state: no resume).
+
+Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
+`model.safetensors` with the drafter's own weights (`models.block_io`).
+
+Shape legend: R packed rows, T time, N anchors per row, K = B−1 draft positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from angelspec.data.packing import PackedBatch, packing_report
+from angelspec.models.block_drafter import (
+    HEADS,
+    MARKOV_HEADS,
+    QWEN3_MASK_TOKEN_ID,
+    BlockDrafter,
+    BlockDrafterConfig,
+    sample_anchors,
+)
+from angelspec.models.block_io import save_block_drafter
+from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.hf_io import load_target, write_json_atomic
+from angelspec.models.mtp import concat_taps
+from angelspec.train.checkpoint import (
+    check_resume_compatible,
+    find_checkpoint,
+    load_optimizer_state,
+    read_trainer_state,
+    write_checkpoint,
+)
+from angelspec.train.distributed import (
+    FunctionModule,
+    all_reduce_scalars,
+    any_rank,
+    barrier,
+    clip_grad_norm,
+    full_state_dict,
+    global_sum,
+    init_distributed,
+    resolve_strategy,
+    shard_rows,
+    shutdown,
+    wrap_model,
+)
+from angelspec.train.lm import RUN_LENGTH_KEYS, run_identity
+from angelspec.train.losses import (
+    LossBatch,
+    LossConfig,
+    LossSchedule,
+    acceptance_per_depth,
+    global_denominators,
+    token_alpha,
+)
+from angelspec.train.mtp import PackedRows, load_conversations
+from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+
+# kind -> (default head, backbone conditioning, default objective)
+KINDS: dict[str, tuple[str, str, str]] = {
+    "dflash": ("none", "dflash", "dfly"),
+    "dflare": ("none", "dflare", "dfly"),
+    "dfly": ("hidden", "dfly", "dfly"),
+    "dspark": ("markov", "dflash", "dspark"),
+}
+OBJECTIVES = ("dfly", "dspark")
+
+
+@dataclass(frozen=True)
+class BlockDrafterTrainConfig:
+    """Design, objective and optimisation of one block-drafter run. `drafter` / `head` / `objective` None take
+    the kind's defaults (`KINDS`; the kind is the CLI's `--drafter`, else "dfly"); the draft layers' attention
+    and MLP shapes default to the target's; taps default to DFlash's choice (`default_block_layer_ids`, one per
+    draft layer); `mask_token_id` None = the tokenizer's mask token."""
+
+    drafter: str | None = None
+    head: str | None = None
+    block_size: int = 8  # B, counting the anchor: B−1 drafts per step
+    draft_layers: int = 2
+    target_layer_ids: tuple[int, ...] | None = None
+    num_taps: int | None = None
+    mask_token_id: int | None = None
+    markov_rank: int = 64
+    confidence_head: bool = True
+    head_intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    num_anchors: int = 16  # N blocks per packed row
+    objective: str | None = None  # "dfly" | "dspark"
+    switch_step: int = 60  # "dfly": D-PACE LK cold start before, e2e TV from here
+    top_k: int | None = None  # teacher support for TV / α / LK (None = full vocabulary)
+    gamma: float | None = None  # DSpark position decay (None = K)
+    ce_coef: float = 0.1
+    tv_coef: float = 0.9
+    conf_coef: float = 1.0
+    enable_thinking: bool = False
+    seq_len: int = 512
+    batch_size: int = 2
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    init_std: float = 0.02
+    seed: int = 0
+    ckpt_every: int = 50
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
+                              f"{self.block_size!r}")
+        for name in ("draft_layers", "num_anchors", "markov_rank", "seq_len", "batch_size", "steps", "ckpt_every",
+                     "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drafter is not None and self.drafter not in KINDS:
+            raise ConfigError(f"unknown block drafter {self.drafter!r}; choose one of {', '.join(KINDS)}")
+        if self.head is not None and self.head not in HEADS:
+            raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
+        if self.objective is not None and self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        if self.switch_step < 0:
+            raise ConfigError(f"switch_step must be >= 0, got {self.switch_step}")
+        self.loss_config()  # validates top_k, gamma and the coefficients
+        if self.drafter is not None:
+            self._check_head(self.drafter, self.resolved_head)
+
+    @staticmethod
+    def _check_head(kind: str, head: str) -> None:
+        if kind == "dspark" and head not in MARKOV_HEADS:
+            raise ConfigError(f"dspark drafts with a Markov-family head ({', '.join(MARKOV_HEADS)}), not {head!r}; "
+                              f"pass head=markov or another --drafter")
+        if kind == "dflash" and head in MARKOV_HEADS:
+            raise ConfigError(f"the DFlash backbone with a {head} head is DSpark: pass --drafter dspark")
+
+    # ----- derived values -----
+    @property
+    def kind(self) -> str:
+        return self.drafter or "dfly"
+
+    @property
+    def resolved_head(self) -> str:
+        return self.head or KINDS[self.kind][0]
+
+    @property
+    def resolved_objective(self) -> str:
+        return self.objective or KINDS[self.kind][2]
+
+    def for_kind(self, kind: str) -> BlockDrafterTrainConfig:
+        """This config for the CLI's `--drafter kind`; a preset of another kind is refused."""
+        if kind not in KINDS:
+            raise ConfigError(f"unknown block drafter {kind!r}; choose one of {', '.join(KINDS)}")
+        if self.drafter not in (None, kind):
+            raise ConfigError(f"this preset trains a {self.drafter} drafter, not {kind}: pass --drafter "
+                              f"{self.drafter} or pick a {kind} preset")
+        return replace(self, drafter=kind)
+
+    def loss_config(self) -> LossConfig:
+        try:
+            return LossConfig(top_k=self.top_k, gamma=self.gamma, ce_coef=self.ce_coef, tv_coef=self.tv_coef,
+                              conf_coef=self.conf_coef)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def schedule(self) -> LossSchedule:
+        if self.resolved_objective == "dspark":
+            return LossSchedule(cold_start="dspark", switch_step=0, final="dspark", config=self.loss_config())
+        return LossSchedule(cold_start="dpace_lk", switch_step=self.switch_step, final="e2e_tv",
+                            config=self.loss_config())
+
+    def model_config(self, target: DecoderConfig, mask_token_id: int) -> BlockDrafterConfig:
+        """The drafter's config for `target` (raises ConfigError for taps the target lacks, a bad mask id, ...)."""
+        _, conditioning, _ = KINDS[self.kind]
+        return BlockDrafterConfig.for_target(
+            target, mask_token_id=mask_token_id, block_size=self.block_size, num_draft_layers=self.draft_layers,
+            target_layer_ids=self.target_layer_ids, num_taps=self.num_taps, conditioning=conditioning,
+            head=self.resolved_head, markov_rank=self.markov_rank, confidence_head=self.confidence_head,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+            head_intermediate_size=self.head_intermediate_size)
+
+
+# ----- presets -----
+
+EMBEDDED_TAPS = (1, 3, 5)  # low, mid and last layer of the 6-layer embedded target (models.block_drafter)
+
+
+def dfly_embedded() -> BlockDrafterTrainConfig:
+    """DFly with the hidden-correction head for the embedded target (6 × 256, vocab 8192): L2-B8, taps (1, 3, 5),
+    16 anchors per 512-token row, D-PACE LK cold start for 60 steps then e2e TV. Sized like `mtp_embedded` (a
+    few CPU minutes, by a FLOP estimate: the target forward dominates); not yet timed."""
+    return BlockDrafterTrainConfig(drafter="dfly", head="hidden", target_layer_ids=EMBEDDED_TAPS)
+
+
+def dflash_embedded() -> BlockDrafterTrainConfig:
+    """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
+    return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
+
+
+def dflare_embedded() -> BlockDrafterTrainConfig:
+    """DFlare (per-layer fusion, no head) with the same budget and taps as `dfly_embedded`."""
+    return BlockDrafterTrainConfig(drafter="dflare", head="none", target_layer_ids=EMBEDDED_TAPS)
+
+
+def dspark_embedded() -> BlockDrafterTrainConfig:
+    """DSpark for the embedded target: DFlash backbone, rank-64 Markov head, confidence head, the three-term
+    DSpark loss with w_k = exp(−(k−1)/γ), γ = K."""
+    return BlockDrafterTrainConfig(drafter="dspark", head="markov", target_layer_ids=EMBEDDED_TAPS,
+                                   objective="dspark")
+
+
+def tiny_debug() -> BlockDrafterTrainConfig:
+    """Seconds: 3 steps on 2 short rows, block 5 (K = 4 drafts, the CLI's default depth), one draft layer, 4
+    anchors; switches objective after step 1. The kind (and its default head) comes from --drafter."""
+    return BlockDrafterTrainConfig(block_size=5, draft_layers=1, intermediate_size=64, markov_rank=8, num_anchors=4,
+                                   seq_len=64, batch_size=2, steps=3, warmup=1, switch_step=1, ckpt_every=2,
+                                   log_every=1)
+
+
+def qwen3_8b_dfly() -> BlockDrafterTrainConfig:
+    """The report's DFly for Qwen3-8B (§3.5, L5-B8): 5 draft layers of the target's shape, DFlash taps (1, 9, 17,
+    25, 33), hidden-correction head, Qwen3's reserved mask token 151669, 3k-token rows with 64 anchors. The
+    schedule is a starting point for a GPU run, not a tuned recipe."""
+    return BlockDrafterTrainConfig(drafter="dfly", head="hidden", block_size=8, draft_layers=5, markov_rank=256,
+                                   mask_token_id=QWEN3_MASK_TOKEN_ID, num_anchors=64, seq_len=3072, batch_size=8,
+                                   steps=20_000, switch_step=2_000, lr=6e-4, warmup=500, ckpt_every=1_000,
+                                   log_every=50)
+
+
+def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
+    """DSpark for Qwen3-8B (DSpark report §3): DFlash backbone L5-B8, rank-256 Markov head, confidence head,
+    the three-term loss; same data budget as `qwen3_8b_dfly`."""
+    return replace(qwen3_8b_dfly(), drafter="dspark", head="markov", objective="dspark")
+
+
+PRESETS = {"dfly_embedded": dfly_embedded, "dflash_embedded": dflash_embedded, "dflare_embedded": dflare_embedded,
+           "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug, "qwen3_8b_dfly": qwen3_8b_dfly,
+           "qwen3_8b_dspark": qwen3_8b_dspark}
+
+
+# ----- pieces -----
+
+
+def resolve_mask_token(tokenizer: Any, override: int | None, vocab_size: int) -> int:
+    """The mask token id: `override`, else the tokenizer's `mask_token_id`; ConfigError when there is none or it
+    lies outside the target's vocabulary or the tokenizer."""
+    mask = override if override is not None else getattr(tokenizer, "mask_token_id", None)
+    if mask is None:
+        raise ConfigError("the target's tokenizer has no mask token: block drafters fill the draft positions with "
+                          "the embedding of a reserved token; pass mask_token_id=<an unused special token id>")
+    limit = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
+    if not 0 <= mask < limit:
+        raise ConfigError(f"mask token id {mask} is not in the target's vocabulary / tokenizer (ids 0..{limit - 1}): "
+                          "pick a reserved special token")
+    return int(mask)
+
+
+def row_anchors(batch: PackedBatch, num_anchors: int, seed: int, step: int, global_rows: list[int]
+                ) -> tuple[Tensor, Tensor]:
+    """Anchors [R, N] and their validity [R, N] for this rank's rows; row r's draw depends only on
+    (seed, step, its position in the global batch), so resume and data parallelism replay it exactly."""
+    out = []
+    for r, g in enumerate(global_rows):
+        gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_099 + g) % (2**63))
+        out.append(sample_anchors(batch.loss_mask[r: r + 1], num_anchors, document_ids=batch.document_ids[r: r + 1],
+                                  generator=gen))
+    return torch.cat([a for a, _ in out]), torch.cat([v for _, v in out])
+
+
+def confidence_loss(confidence_logits: Tensor, student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
+                    top_k: int | None, denominator: Tensor) -> Tensor:
+    """Σ_valid BCE(c, sg[α]) / denominator: confidence_logits [M, K], logits [M, K, V], mask [M, K] -> []."""
+    with torch.no_grad():
+        alpha = token_alpha(student_logits[mask], teacher_logits[mask], top_k)  # [m]
+    bce = F.binary_cross_entropy_with_logits(confidence_logits[mask].to(alpha.dtype), alpha, reduction="sum")
+    return bce / denominator.clamp_min(1)
+
+
+# ----- training -----
+
+
+def train_block_drafter(
+    target_dir: str | Path,
+    data: str | Path,
+    out_dir: str | Path,
+    *,
+    config: BlockDrafterTrainConfig | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    max_minutes: float | None = None,
+    log: Any = print,
+    distributed: str | None = None,
+) -> dict[str, Any]:
+    """Train a block-parallel drafter for the target at `target_dir` on `data` (JSONL conversations or a corpus
+    folder), write it to `out_dir`; returns a report. The kind is `config.drafter` (default preset
+    `dfly_embedded()`). Arguments as `train.mtp.train_mtp`'s."""
+    from angelspec.data.tokenizer import load_tokenizer
+
+    cfg = config or dfly_embedded()
+    info = init_distributed()
+    strategy = resolve_strategy(distributed, info)
+    if strategy == "fsdp2" and resume:
+        raise ConfigError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no "
+                          "optimizer state); resume with ddp or a single process")
+    main = info.is_main
+    log = log if main else _silent
+    if cfg.batch_size % info.world_size:
+        raise ConfigError(f"batch_size={cfg.batch_size} is the global batch and must divide over "
+                          f"{info.world_size} processes")
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    work, t0 = out_dir / "training", time.time()
+    ckpt_dir = work / "checkpoint"
+    if (out_dir / "config.json").exists() and not (force or resume):
+        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
+
+    target = load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    tok = load_tokenizer(target_dir)
+    # Everything about the design is checked before anything is written.
+    mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
+    kind = mcfg.drafter
+    barrier()  # every rank has looked at out_dir before rank 0 clears it
+    if main and force and not resume and out_dir.exists():
+        shutil.rmtree(out_dir)
+    barrier()
+    pad_id = tcfg.pad_token_id if tcfg.pad_token_id is not None else (tcfg.eos_token_ids or (0,))[0]
+    docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
+    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
+    log(packing_report(rows.packed).format())
+
+    model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
+    model.to(dtype=target.embed_tokens.weight.dtype)
+
+    def block_forward(m: BlockDrafter, taps: Tensor, ids: Tensor, pos: Tensor, anchors: Tensor, doc: Tensor,
+                      loss_mask: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+        o = m.forward_train(taps, ids, pos, anchors, document_ids=doc, loss_mask=loss_mask, anchor_valid=valid)
+        assert o.logits is not None
+        t = o.targets
+        extra = () if o.confidence_logits is None else (o.confidence_logits,)
+        return (o.logits, t.labels, t.source_index, t.valid, *extra)  # a tuple, so DDP / FSDP2 find the outputs
+
+    wrapped = wrap_model(FunctionModule(model, block_forward), strategy, info)
+    opt = build_adamw(model, cfg.lr, cfg.weight_decay)
+    schedule, objective = cfg.schedule(), cfg.resolved_objective
+    identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
+    meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective}
+    global_rows = list(range(cfg.batch_size))
+    if info.enabled:
+        global_rows = shard_rows(global_rows, info)
+
+    step = 0
+    ckpt = find_checkpoint(ckpt_dir) if resume else None
+    if resume and ckpt is None:
+        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
+    if ckpt is not None:
+        state = read_trainer_state(ckpt)
+        saved = {"train_config": {k: v for k, v in state.get("train_config", {}).items()
+                                  if k not in RUN_LENGTH_KEYS},
+                 "target_fingerprint": state.get("target_fingerprint")}
+        check_resume_compatible(saved, identity, ("train_config", "target_fingerprint"))
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        load_optimizer_state(ckpt, opt)
+        step = int(state["step"])
+        log(f"resuming from step {step}")
+
+    def model_to_save() -> BlockDrafter:
+        """The drafter with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
+        if strategy != "fsdp2":
+            return model
+        whole = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
+        whole.load_state_dict(full_state_dict(model))
+        return whole
+
+    def save_ckpt(at: int) -> None:
+        to_save = model_to_save()
+        if main:
+            write_checkpoint(ckpt_dir, lambda p: save_block_drafter(to_save, p, meta), {"step": at, **identity},
+                             None if strategy == "fsdp2" else opt)
+        barrier()
+
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "train_log.jsonl"
+    taps_ids = list(mcfg.target_layer_ids)
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
+    losses: list[float] = []
+    last_log, tok_seen = time.time(), 0
+    while step < cfg.steps:
+        batch = rows.batch(step, cfg.batch_size, info)
+        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        set_lr(opt, lr)
+        with torch.no_grad():  # online features: the frozen target's taps and teacher logits
+            tout = target(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
+                          hidden_layers=taps_ids)
+        anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
+        logits, labels, src, valid, *conf = wrapped(concat_taps(tout.hidden), batch.input_ids, batch.positions,
+                                                    anchors, batch.document_ids, batch.loss_mask, anchor_valid)
+        R, N, K, V = logits.shape
+        # Teacher of draft k of anchor a: the target's distribution at a+k−1. [R, N, K, V]
+        teacher = tout.logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
+        lb = LossBatch(student_logits=logits.flatten(0, 1), mask=valid.flatten(0, 1),
+                       teacher_logits=teacher.flatten(0, 1), labels=labels.flatten(0, 1),
+                       confidence_logits=conf[0].flatten(0, 1) if conf else None)
+        opt.zero_grad(set_to_none=True)
+        with global_denominators(global_sum) if info.enabled else nullcontext():
+            loss = schedule.loss(step, lb).loss
+        if lb.confidence_logits is not None and objective != "dspark":
+            count = lb.mask.sum()
+            loss = loss + cfg.conf_coef * confidence_loss(lb.confidence_logits, lb.student_logits.detach(),
+                                                          lb.teacher_logits, lb.mask, cfg.top_k,
+                                                          global_sum(count) if info.enabled else count)
+        # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
+        (loss * info.world_size if info.enabled else loss).backward()
+        if strategy == "fsdp2":
+            gnorm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        tok_seen += batch.num_tokens
+        losses.append(loss.item())  # host sync: once per step, for the log
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
+            mean_loss, alpha_list = sum(losses) / len(losses), alpha.tolist()
+            if info.enabled:  # loss shares and tokens add up over ranks; α is the mean of the ranks' means
+                summed = all_reduce_scalars({"loss": mean_loss, "tokens": tok_seen}, "sum")
+                mean_loss, tok_seen = summed["loss"], int(summed["tokens"])
+                averaged = all_reduce_scalars({str(k): a for k, a in enumerate(alpha_list)}, "mean")
+                alpha_list = [averaged[str(k)] for k in range(len(alpha_list))]
+            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss, "lr": lr,
+                   "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
+                   "valid_anchors": int(anchor_valid.sum()), "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", a1=f"{rec['alpha_per_depth'][0]:.2f}")
+            if main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            losses, last_log, tok_seen = [], now, 0
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save_ckpt(step)
+        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
+            save_ckpt(step)
+            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+            break
+    bar.close()
+    model.eval()
+    final = model_to_save()
+    report = {"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
+              "draft_layers": mcfg.num_draft_layers, "target_layer_ids": list(mcfg.target_layer_ids),
+              "objective": objective, "parameters": sum(p.numel() for p in model.parameters()), **stats,
+              "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
+              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint()}
+    if info.enabled:
+        report.update(distributed=strategy, world_size=info.world_size)
+    if main:
+        save_block_drafter(final, out_dir, meta)
+        write_json_atomic(out_dir / "train_report.json", report)
+    barrier()
+    del wrapped  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
+    shutdown(info)
+    return report
+
+
+def _silent(*_: Any) -> None:
+    """The log function of ranks other than 0."""
+
+
+def _kind_trainer(kind: str, default: Any) -> Any:
+    """`train_block_drafter` with the kind pinned to `kind` (a preset of another kind is refused) and `default`
+    as the default preset: the entry point `angelspec train --drafter KIND` calls."""
+
+    def train(target_dir: str | Path, data: str | Path, out_dir: str | Path, *,
+              config: BlockDrafterTrainConfig | None = None, resume: bool = False, force: bool = False,
+              progress: bool = True, max_minutes: float | None = None, log: Any = print,
+              distributed: str | None = None) -> dict[str, Any]:
+        return train_block_drafter(target_dir, data, out_dir, config=(config or default()).for_kind(kind),
+                                   resume=resume, force=force, progress=progress, max_minutes=max_minutes, log=log,
+                                   distributed=distributed)
+
+    train.__name__ = train.__qualname__ = f"train_{kind}"
+    train.__doc__ = f"`angelspec train --drafter {kind}`: `train_block_drafter` for {kind} (default preset " \
+                    f"`{default.__name__}`)."
+    return train
+
+
+train_dflash = _kind_trainer("dflash", dflash_embedded)
+train_dflare = _kind_trainer("dflare", dflare_embedded)
+train_dfly = _kind_trainer("dfly", dfly_embedded)
+train_dspark = _kind_trainer("dspark", dspark_embedded)

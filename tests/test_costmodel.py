@@ -1,0 +1,179 @@
+"""The start-up cost profiler (spec/costmodel.py): interpolation of the table, keys, stale/foreign table
+detection, step timing through the engine's on_verify hook with a fake clock, and `angelspec profile`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from angelspec.cli import main
+from angelspec.models import load_target
+from angelspec.spec.budget import DCut, LinearCost, prefix_schedule
+from angelspec.spec.costmodel import (
+    CostKey,
+    CostTable,
+    CostTableError,
+    SpreadDepth,
+    StaleCostTableError,
+    cost_key,
+    default_table_path,
+    load_or_profile,
+    machine_id,
+    profile_costs,
+    token_grid,
+)
+from angelspec.spec.drafters.draft_lm import DraftLMDrafter
+from angelspec.spec.drafters.ngram import NGramDrafter
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+
+KEY = CostKey(model="m" * 16, drafter="draft-lm:abc", num_draft_tokens=3, dtype="float32", torch_version="2.x",
+              machine="host|cpu|2 cores|1 threads")
+
+
+def table_from(fn, batch_sizes=(1, 2, 4), k: int = 3, key: CostKey = KEY) -> CostTable:
+    """A table 'measured' by a fake cost function on the default grid."""
+    return CostTable(key=key, rows={b: tuple((n, fn(b, n)) for n in token_grid(b, k)) for b in batch_sizes})
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir: Path):
+    return load_target(tiny_target_dir)
+
+
+# ----- the table -----------------------------------------------------------------------------------
+def test_token_grid() -> None:
+    assert token_grid(2, 3) == [2, 4, 6, 8]  # B(d+1), d = 0..K
+    assert token_grid(2, 3, [1, 5, 100]) == [2, 5, 8]  # clipped to [B, B(K+1)], both ends always
+
+
+def test_interpolation_is_exact_for_linear_costs_and_piecewise_linear_otherwise() -> None:
+    lin = LinearCost(fixed=0.5, per_token=0.01)
+    table = table_from(lin)
+    for b in (1, 2, 4):
+        for n in range(b, 4 * b + 1):  # between measured points, piecewise-linear = linear
+            assert table(b, n) == pytest.approx(lin(b, n))
+    assert table(4, 20) == pytest.approx(lin(4, 20))  # linear extrapolation beyond the last point
+    # Between measured batch sizes: linear in B at the same tokens per request (u = N / B = 2).
+    quad = table_from(lambda b, n: 1.0 + 0.1 * b + 0.001 * n * n)
+    assert quad(3, 6) == pytest.approx((quad(2, 4) + quad(4, 8)) / 2)
+    assert quad(2, 5) == pytest.approx((quad(2, 4) + quad(2, 6)) / 2)  # piecewise-linear in N
+    assert quad(8, 16) == pytest.approx(quad(4, 8))  # beyond the measured B: the nearest row, same u
+    assert quad.sps(2, 4) == pytest.approx(1 / quad(2, 4))
+
+
+def test_extrapolation_never_goes_below_the_cheapest_measurement() -> None:
+    table = CostTable(key=KEY, rows={2: ((2, 1.0), (4, 3.0))})
+    assert table(2, 0) == 1.0 and table(2, 3) == 2.0 and table(2, 6) == 5.0
+
+
+def test_table_is_a_cost_model_for_the_budgets() -> None:
+    table = table_from(lambda b, n: 1.0 + 0.05 * n)
+    conf = torch.tensor([[0.9, 0.8, 0.1], [0.2, 0.1, 0.1]])
+    active = torch.tensor([True, True])
+    assert prefix_schedule(conf, active, 2, table).tolist() == prefix_schedule(conf, active, 2,
+                                                                              LinearCost(1.0, 0.05)).tolist()
+    assert DCut(cost=table).cost is table
+
+
+@pytest.mark.parametrize("rows", [{}, {2: ()}, {2: ((4, 1.0), (2, 2.0))}, {2: ((2, 0.0),)},
+                                  {2: ((2, float("nan")),)}])
+def test_bad_tables_are_refused(rows) -> None:
+    with pytest.raises(CostTableError):
+        CostTable(key=KEY, rows=rows)
+
+
+# ----- keys, save / load, stale tables --------------------------------------------------------------
+def test_save_load_round_trip_and_stale_detection(tmp_path: Path) -> None:
+    table = table_from(lambda b, n: 1.0 + n)
+    path = table.save(tmp_path / "t.json")
+    assert CostTable.load(path, KEY) == table
+    for change in ({"machine": "other|gpu"}, {"model": "x" * 16}, {"dtype": "bfloat16"}, {"drafter": "mtp"},
+                   {"num_draft_tokens": 5}, {"torch_version": "9.9"}):
+        with pytest.raises(StaleCostTableError) as info:
+            CostTable.load(path, replace(KEY, **change))
+        field = next(iter(change))
+        assert field in str(info.value) and "re-profile" in str(info.value)
+    path.write_text("{broken")
+    with pytest.raises(CostTableError, match="not valid JSON"):
+        CostTable.load(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(CostTableError, match="not an AngelSpec cost table"):
+        CostTable.load(path)
+
+
+def test_keys_name_model_drafter_dtype_and_machine(target) -> None:
+    key = cost_key(target, NGramDrafter(), 3)
+    assert key.model == target.config.fingerprint() and key.drafter == "ngram" and key.dtype == "float32"
+    assert key.torch_version == torch.__version__ and key.machine == machine_id("cpu")
+    assert f"{torch.get_num_threads()} threads" in key.machine
+    assert default_table_path(key).name.startswith(key.model)
+    assert default_table_path(key) != default_table_path(replace(key, machine="elsewhere"))
+
+
+# ----- profiling -------------------------------------------------------------------------------------
+def test_spread_depth_keeps_n_positions(target, one_thread) -> None:
+    seen = []
+    engine = SpecEngine(target, DraftLMDrafter(target), EngineConfig(max_batch_size=3, num_draft_tokens=3),
+                        depth_policy=SpreadDepth(8), on_verify=lambda e: seen.append(e.depth.tolist()))
+    engine.generate([Request(prompt_ids=[5, 6, 7], max_new_tokens=6, stop_ids=())] * 3)
+    assert seen[:2] == [[2, 2, 1]] * 2  # 3 anchors + 5 drafts, the first rows get one more
+    assert seen[-1] == [0, 0, 3]  # rows 0 and 1 finished first; the last row alone is capped at K
+
+
+def test_on_verify_hook_reports_each_step(target) -> None:
+    events = []
+    engine = SpecEngine(target, NGramDrafter(), EngineConfig(max_batch_size=2, num_draft_tokens=2),
+                        on_verify=events.append)
+    engine.generate([Request(prompt_ids=[1, 2, 3], max_new_tokens=5, stop_ids=())] * 2)
+    assert len(events) == engine.metrics.steps
+    for e in events:
+        assert e.depth.shape == e.num_accepted.shape == e.active.shape == (2,)
+        assert bool((e.num_accepted <= e.depth).all()) and e.proposal.tokens.shape == (2, 2)
+
+
+def test_profile_with_a_fake_clock_takes_the_median(target, one_thread) -> None:
+    ticks = itertools.accumulate(itertools.cycle([1.0, 1.0, 1.0, 50.0]))  # every 4th step an outlier
+    table = profile_costs(target, NGramDrafter(), batch_sizes=(1, 2), num_draft_tokens=2, repeats=3, warmup=1,
+                          clock=lambda: next(ticks), machine="fake")
+    assert table.batch_sizes == (1, 2) and [n for n, _ in table.rows[2]] == [2, 4, 6]
+    assert all(c == 1.0 for row in table.rows.values() for _, c in row)  # the median ignores the outlier
+    assert table.key.machine == "fake" and table.settings["repeats"] == 3
+
+
+def test_load_or_profile_reprofiles_stale_tables(target, tmp_path: Path, one_thread) -> None:
+    path = tmp_path / "costs.json"
+    kw = {"batch_sizes": (1,), "num_draft_tokens": 2, "repeats": 1, "warmup": 0, "machine": "here"}
+    table, what = load_or_profile(target, NGramDrafter(), path, **kw)
+    assert what.startswith("profiled (no table yet)") and path.exists()
+    again, what = load_or_profile(target, NGramDrafter(), path, **kw)
+    assert again == table and what == f"loaded {path}"
+    foreign = {**kw, "machine": "another machine"}
+    with pytest.raises(StaleCostTableError, match="machine"):
+        load_or_profile(target, NGramDrafter(), path, reprofile=False, **foreign)
+    fresh, what = load_or_profile(target, NGramDrafter(), path, **foreign)
+    assert "stale" in what and "machine" in what and fresh.key.machine == "another machine"
+    assert CostTable.load(path).key.machine == "another machine"
+    _, what = load_or_profile(target, NGramDrafter(), path, **{**foreign, "batch_sizes": (1, 2)})
+    assert "batch sizes [2] not measured" in what
+
+
+def test_profile_cli(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path, tmp_path: Path,
+                     one_thread) -> None:
+    out = tmp_path / "costs.json"
+    args = ["profile", "--target", tiny_target_dir, "--drafter", "ngram", "--batch-sizes", "1,2",
+            "--num-draft-tokens", 2, "--repeats", 1, "--warmup", 0, "--out", out]
+    assert main([str(a) for a in args]) == 0
+    stdout = capsys.readouterr().out
+    assert "B=2" in stdout and "N=6" in stdout and "profiled (no table yet)" in stdout
+    assert CostTable.load(out).batch_sizes == (1, 2)
+    assert main([str(a) for a in args]) == 0
+    assert f"loaded {out}" in capsys.readouterr().out
+    assert main([str(a) for a in [*args, "--force"]]) == 0
+    assert "profiled (forced)" in capsys.readouterr().out
+    assert main([str(a) for a in [*args[:6], "1,x"]]) == 2
+    assert "--batch-sizes must be comma-separated integers" in capsys.readouterr().err
