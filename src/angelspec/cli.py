@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec import __version__
 from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS
+from angelspec.fileio import write_jsonl_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -256,20 +255,6 @@ def eval_prompts(tokenizer: Any, records: list[dict[str, Any]], *, context: int,
         kept.append((p, domain))
     ids = encode_prompts(tokenizer, [p for p, _ in kept], context=context, think=think, source=source)
     return [EvalPrompt(ids=i, domain=d, line=p["line"]) for i, (p, d) in zip(ids, kept, strict=True)]
-
-
-def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    """Write via a temp file + rename, so an interrupted run never leaves a half-written output."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_output_path(path: Path, force: bool, flag: str = "--out", example: str = "out.jsonl") -> None:

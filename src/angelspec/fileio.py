@@ -1,18 +1,60 @@
-"""Small file helpers with no heavy imports (the CLI's parser imports them, so `--help` stays instant)."""
+"""Small file helpers with no heavy imports (the CLI's parser imports them, so `--help` stays instant).
+
+Every write goes to a temp file in the destination folder and is renamed over the target, so a crash never
+leaves a half-written file. The temp file gets ordinary permissions (0666 minus the umask, like `open`
+would give) because `mkstemp`'s private 0600 would otherwise survive the rename into checkpoints users share.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import IO, Any
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def replace_atomic(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+    """Call `write(tmp_path)` for a temp file beside `path`, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_text(write: Callable[[IO[str]], None]) -> Callable[[Path], None]:
+    def go(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+    return go
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: object) -> None:
-    """Write JSON via a temp file + rename so a crash never leaves a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    """Write `obj` as indented JSON, atomically."""
+    def dump(f: IO[str]) -> None:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
-    os.replace(tmp, path)
+    replace_atomic(path, _write_text(dump))
+
+
+def write_jsonl_atomic(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> None:
+    """Write one JSON object per line, atomically (parent folders are created)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    def dump(f: IO[str]) -> None:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    replace_atomic(path, _write_text(dump))

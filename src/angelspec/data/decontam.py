@@ -185,10 +185,10 @@ def report_path(out: Path) -> Path:
 
 def cmd_decontam(args: argparse.Namespace) -> int:
     """`angelspec decontam`: filter --train against every --eval file; print per-domain counts."""
-    from angelspec.cli import resolve_target_dir, write_jsonl_atomic
+    from angelspec.cli import resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.models.hf_io import write_json_atomic
+    from angelspec.fileio import write_json_atomic, write_jsonl_atomic
 
     out = Path(args.out)
     if out.is_dir():

@@ -6,15 +6,13 @@ and gate/up on load, splitting them on save); it never imports transformers.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from angelspec.fileio import write_json_atomic
+from angelspec.fileio import replace_atomic, write_json_atomic
 from angelspec.models.config import ConfigError, DecoderConfig, rope_inv_freq
 from angelspec.models.decoder import Decoder
 
@@ -29,11 +27,8 @@ class CheckpointError(ValueError):
 def save_safetensors_atomic(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    replace_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_config(path: str | Path) -> DecoderConfig:
