@@ -156,7 +156,7 @@ def mtp_embedded() -> MTPTrainConfig:
 def mtp_demo() -> MTPTrainConfig:
     """`make demo`'s few-minute MTP-3 run on the embedded target's rollouts: short schedule, early switch
     from the LK^alpha cold start to e2e TV. A taste of the pipeline, not a converged drafter."""
-    return MTPTrainConfig(batch_size=2, steps=40, switch_step=15, warmup=4, ckpt_every=20, log_every=5)
+    return MTPTrainConfig(batch_size=2, steps=150, switch_step=50, warmup=10, ckpt_every=50, log_every=10)
 
 
 def mtp_base() -> MTPTrainConfig:
