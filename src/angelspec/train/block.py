@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -62,10 +63,8 @@ from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import concat_taps
 from angelspec.train.checkpoint import (
-    check_resume_compatible,
-    find_checkpoint,
-    load_optimizer_state,
-    read_trainer_state,
+    resume_training,
+    run_identity,
     write_checkpoint,
 )
 from angelspec.train.distributed import (
@@ -82,7 +81,6 @@ from angelspec.train.distributed import (
     shutdown,
     wrap_model,
 )
-from angelspec.train.lm import RUN_LENGTH_KEYS, run_identity
 from angelspec.train.losses import (
     LossBatch,
     LossConfig,
@@ -394,22 +392,8 @@ def train_block_drafter(
     if info.enabled:
         global_rows = shard_rows(global_rows, info)
 
-    step = 0
-    ckpt = find_checkpoint(ckpt_dir) if resume else None
-    if resume and ckpt is None:
-        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
-    if ckpt is not None:
-        state = read_trainer_state(ckpt)
-        saved = {"train_config": {k: v for k, v in state.get("train_config", {}).items()
-                                  if k not in RUN_LENGTH_KEYS},
-                 "target_fingerprint": state.get("target_fingerprint")}
-        check_resume_compatible(saved, identity, ("train_config", "target_fingerprint"))
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-        load_optimizer_state(ckpt, opt)
-        step = int(state["step"])
-        log(f"resuming from step {step}")
+    step = resume_training(ckpt_dir, resume, identity,
+                           lambda c: model.load_state_dict(load_file(str(c / "model.safetensors"))), opt, log)
 
     def model_to_save() -> BlockDrafter:
         """The drafter with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""

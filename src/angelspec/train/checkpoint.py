@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ import torch
 from angelspec.models.hf_io import write_json_atomic
 
 TRAINER_STATE = "trainer_state.json"
+# Settings that only say how long to run or how often to save may change on resume (a run can be
+# extended or shortened); every other setting must match the checkpoint exactly.
+RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -87,3 +91,35 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys
     if diffs:
         raise ResumeError("cannot resume: the run's settings differ from the checkpoint's (" + "; ".join(diffs)
                           + "). Use the original settings, or --force to start over.")
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """The JSON form of a (dataclass) config minus the run-length keys: what a resume must match."""
+    return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RUN_LENGTH_KEYS}
+
+
+def resume_training(
+    ckpt_dir: str | Path,
+    resume: bool,
+    identity: dict[str, Any],
+    load_weights: Callable[[Path], None],
+    optimizer: torch.optim.Optimizer,
+    log: Callable[[str], None],
+) -> int:
+    """The step a run starts from: 0 when not resuming (or nothing to resume), else the newest checkpoint's
+    step after checking that `identity` (its `train_config` compared without the run-length keys) matches the
+    checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state."""
+    ckpt = find_checkpoint(ckpt_dir) if resume else None
+    if ckpt is None:
+        if resume:
+            log(f"no checkpoint in {ckpt_dir}; starting from scratch")
+        return 0
+    state = read_trainer_state(ckpt)
+    saved = {**state, "train_config": {k: v for k, v in state.get("train_config", {}).items()
+                                       if k not in RUN_LENGTH_KEYS}}
+    check_resume_compatible(saved, identity, tuple(identity))
+    load_weights(ckpt)
+    load_optimizer_state(ckpt, optimizer)
+    step = int(state["step"])
+    log(f"resuming from step {step}")
+    return step

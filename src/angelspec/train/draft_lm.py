@@ -22,7 +22,6 @@ from angelspec.data.lm_data import PackedStream, TokenizedDomain, tokenize_split
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, read_config, save_target, write_json_atomic
-from angelspec.train.checkpoint import find_checkpoint
 from angelspec.train.lm import train_causal_lm
 from angelspec.train.target import heldout_loss
 
@@ -132,8 +131,6 @@ def train_draft_lm(
     if main and force and not resume and out_dir.exists():
         shutil.rmtree(out_dir)
     barrier()
-    if find_checkpoint(ckpt_dir) is None and resume:
-        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
     t0 = time.time()
     target_cfg = read_config(target_dir)
     tok = load_tokenizer(target_dir)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,13 +26,7 @@ from tqdm.auto import tqdm
 from angelspec.data.lm_data import PackedStream
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target
-from angelspec.train.checkpoint import (
-    check_resume_compatible,
-    find_checkpoint,
-    load_optimizer_state,
-    read_trainer_state,
-    write_checkpoint,
-)
+from angelspec.train.checkpoint import resume_training, run_identity, write_checkpoint
 from angelspec.train.distributed import (
     DistInfo,
     Strategy,
@@ -46,10 +39,6 @@ from angelspec.train.distributed import (
     wrap_model,
 )
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
-
-# Settings that only say how long to run or how often to save may change on resume (a run can be
-# extended or shortened); every other setting must match the checkpoint exactly.
-RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 
 
 class LMTrainSettings(Protocol):
@@ -66,11 +55,6 @@ class LMTrainSettings(Protocol):
     bf16: bool
     ckpt_every: int
     log_every: int
-
-
-def run_identity(cfg: Any) -> dict[str, Any]:
-    """The JSON form of a (dataclass) config minus the run-length keys: what a resume must match."""
-    return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RUN_LENGTH_KEYS}
 
 
 def train_causal_lm(
@@ -104,16 +88,8 @@ def train_causal_lm(
     wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     settings = {"train_config": run_identity(cfg)}
-    step = 0
-    ckpt = find_checkpoint(ckpt_dir) if resume else None
-    if ckpt is not None:
-        state = read_trainer_state(ckpt)
-        saved = {k: v for k, v in state.get("train_config", {}).items() if k not in RUN_LENGTH_KEYS}
-        check_resume_compatible({"train_config": saved}, settings, ("train_config",))
-        model.load_state_dict(load_target(ckpt).state_dict())
-        load_optimizer_state(ckpt, opt)
-        step = int(state["step"])
-        log(f"resuming from step {step}")
+    step = resume_training(ckpt_dir, resume, settings, lambda c: model.load_state_dict(load_target(c).state_dict()),
+                           opt, log)
 
     def save(at: int) -> None:
         whole = whole_copy(model, lambda: Decoder(model.config))  # a collective under FSDP2

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from angelspec.data.chat import encode_conversation
@@ -51,10 +52,8 @@ from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
 from angelspec.models.mtp_io import build_block, save_mtp
 from angelspec.train.checkpoint import (
-    check_resume_compatible,
-    find_checkpoint,
-    load_optimizer_state,
-    read_trainer_state,
+    resume_training,
+    run_identity,
     write_checkpoint,
 )
 from angelspec.train.distributed import (
@@ -73,7 +72,6 @@ from angelspec.train.distributed import (
     wrap_model,
 )
 from angelspec.train.draft_lm import _data_domains
-from angelspec.train.lm import RUN_LENGTH_KEYS, run_identity
 from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss, global_denominators
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
@@ -314,22 +312,8 @@ def train_mtp(
     identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
     meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
 
-    step = 0
-    ckpt = find_checkpoint(ckpt_dir) if resume else None
-    if resume and ckpt is None:
-        log(f"no checkpoint in {ckpt_dir}; starting from scratch")
-    if ckpt is not None:
-        state = read_trainer_state(ckpt)
-        saved = {"train_config": {k: v for k, v in state.get("train_config", {}).items()
-                                  if k not in RUN_LENGTH_KEYS},
-                 "target_fingerprint": state.get("target_fingerprint")}
-        check_resume_compatible(saved, identity, ("train_config", "target_fingerprint"))
-        from safetensors.torch import load_file
-
-        block.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-        load_optimizer_state(ckpt, opt)
-        step = int(state["step"])
-        log(f"resuming from step {step}")
+    step = resume_training(ckpt_dir, resume, identity,
+                           lambda c: block.load_state_dict(load_file(str(c / "model.safetensors"))), opt, log)
 
     def block_to_save() -> MTPBlock:
         """The block with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
