@@ -387,14 +387,15 @@ def test_demo_with_a_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_di
     from angelspec import demo
 
     assert demo.main(["--target", str(tiny_target_dir), "--draft-lm", str(draft_dir), "--max-new-tokens", "4",
-                      "--per-domain", "1", "--mtp-minutes", "0.05", "--train-prompts", str(conversations),
+                      "--per-domain", "1", "--train-minutes", "0.05", "--train-prompts", str(conversations),
                       "--work-dir", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     table = out[out.index("AR vs drafters, per domain"):]
-    for name in ("AR", "n-gram", "draft-LM", "MTP (TTT)"):
+    for name in ("AR", "n-gram", "draft-LM", "MTP (TTT)", "DFly"):
         assert name in table
-    assert table.count("identical to AR (1/1)") == 9 and "identical to AR (3/3)" in table
+    assert table.count("identical to AR (1/1)") == 12 and "identical to AR (3/3)" in table
     assert (tmp_path / "demo" / "mtp" / "config.json").is_file()
+    assert (tmp_path / "demo" / "dfly" / "config.json").is_file()
     assert "skipped" not in out.replace("skipped (prompt longer than context)", "")
 
 
@@ -406,7 +407,7 @@ def test_demo_skips_a_draft_lm_for_another_target(capsys: pytest.CaptureFixture[
     other = copy_with_config(draft_dir, tmp_path / "other",
                              angelspec={**raw["angelspec"], "target_fingerprint": "0123456789abcdef"})
     assert demo.main(["--target", str(tiny_target_dir), "--draft-lm", str(other), "--max-new-tokens", "2",
-                      "--per-domain", "1", "--mtp-minutes", "0"]) == 0
+                      "--per-domain", "1", "--train-minutes", "0"]) == 0
     out = capsys.readouterr().out
     assert "skipped" in out and "0123456789abcdef" in out
 

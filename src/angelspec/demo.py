@@ -48,7 +48,8 @@ class DemoState:
     batch_size: int = 1
     num_draft_tokens: int = 4
     draft_lm: Path = DEFAULT_DRAFT_LM
-    mtp_minutes: float = 3.0  # 0 skips the MTP stage
+    train_minutes: float = 2.5  # per trained drafter (MTP, DFly); 0 skips those stages
+    rollout_data: Path | None = None
     train_prompts: Path = TRAIN_PROMPTS
     work_dir: Path = Path(".cache/demo")
     target_dir: Path | None = None
@@ -161,26 +162,53 @@ def stage_draft_lm(state: DemoState) -> dict[str, str]:
         return {"draft LM": note}
 
 
-def stage_train_mtp(state: DemoState) -> dict[str, str]:
-    """The training story in miniature: roll out the shipped training prompts with the target (its own
-    answers are what a drafter must predict), train an MTP drafter with Training-Time Test on them for a
-    few minutes, then measure it like the others."""
+def demo_rollout(state: DemoState) -> Path:
+    """Roll out the shipped training prompts with the target once (the drafters train on its own answers)."""
     from angelspec.data.rollout import rollout
-    from angelspec.train.mtp import mtp_demo, train_mtp
 
-    if state.mtp_minutes <= 0:
-        return {"MTP": "skipped (--mtp-minutes 0)"}
-    work = state.work_dir
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / "rollout.jsonl"
-    summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
-                      batch_size=16, force=True, progress=True)
-    print(summary.format())
-    out = work / "mtp"
-    train_mtp(state.target_dir, data, out, config=mtp_demo(), force=True, max_minutes=state.mtp_minutes,
-              progress=True, log=print)
-    facts = _speculative_stage(state, f"mtp:{out}", "MTP (TTT)")
-    return {"rollout": f"{data}", **facts}
+    if state.rollout_data is None:
+        state.work_dir.mkdir(parents=True, exist_ok=True)
+        data = state.work_dir / "rollout.jsonl"
+        summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
+                          batch_size=16, force=True, progress=True)
+        print(summary.format())
+        state.rollout_data = data
+    return state.rollout_data
+
+
+def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
+    """Train drafter `kind` with its demo preset for `state.train_minutes` on the rollouts, then decode."""
+    import importlib
+    from dataclasses import replace
+
+    from angelspec.cli import TRAINERS
+
+    if state.train_minutes <= 0:
+        return {name: "skipped (--train-minutes 0)"}
+    module_name, fn_name, _ = TRAINERS[kind]
+    module = importlib.import_module(module_name)
+    data = demo_rollout(state)
+    out = state.work_dir / kind
+    config = module.PRESETS[f"{kind}_demo"]()
+    taps = getattr(config, "target_layer_ids", None)
+    if taps and max(taps) >= state.model.config.num_hidden_layers:
+        # The demo presets tap the embedded target's layers; another (shallower) --target gets the default taps.
+        config = replace(config, target_layer_ids=None)
+    getattr(module, fn_name)(state.target_dir, data, out, config=config, force=True,
+                             max_minutes=state.train_minutes, progress=True, log=print)
+    return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name)}
+
+
+def stage_train_mtp(state: DemoState) -> dict[str, str]:
+    """The training story in miniature: an MTP drafter with Training-Time Test, trained for a few minutes on
+    the target's own answers to the shipped training prompts, then measured like the others."""
+    return _train_and_decode(state, "mtp", "MTP (TTT)")
+
+
+def stage_train_dfly(state: DemoState) -> dict[str, str]:
+    """The block-parallel drafter: DFly (hybrid conditioning + hidden-correction head) on the same rollouts,
+    one backbone pass per step for the whole block."""
+    return _train_and_decode(state, "dfly", "DFly")
 
 
 def stage_report(state: DemoState) -> dict[str, str]:
@@ -198,6 +226,7 @@ STAGES: list[Stage] = [
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
     Stage("train an MTP drafter (TTT) for a few minutes, then decode with it", stage_train_mtp),
+    Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
     Stage("AR vs drafters, per domain", stage_report),
 ]
 
@@ -231,19 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, metavar="B",
                         help="concurrent requests (default: 1, the latency setting speculative decoding is for; "
                              "on CPU, batched AR is already cheap per token)")
-    parser.add_argument("--mtp-minutes", type=float, default=3.0, metavar="M",
-                        help="training budget of the MTP stage in minutes; 0 skips it (default: 3)")
+    parser.add_argument("--train-minutes", type=float, default=2.5, metavar="M",
+                        help="training budget of each trained drafter (MTP, DFly) in minutes; 0 skips them "
+                             "(default: 2.5)")
     parser.add_argument("--train-prompts", default=str(TRAIN_PROMPTS), metavar="FILE",
                         help="prompts the MTP stage rolls out and trains on (default: the shipped training prompts)")
     parser.add_argument("--work-dir", default=".cache/demo", metavar="DIR",
-                        help="where the MTP stage writes its rollouts and drafter (default: .cache/demo)")
+                        help="where the training stages write rollouts and drafters (default: .cache/demo)")
     args = parser.parse_args(argv)
     for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
-                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm), mtp_minutes=args.mtp_minutes,
+                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
                       work_dir=Path(args.work_dir), train_prompts=Path(args.train_prompts))
     try:
         report = run_demo(state)

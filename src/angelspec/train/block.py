@@ -232,6 +232,12 @@ def dfly_embedded() -> BlockDrafterTrainConfig:
     return BlockDrafterTrainConfig(drafter="dfly", head="hidden", target_layer_ids=EMBEDDED_TAPS)
 
 
+def dfly_demo() -> BlockDrafterTrainConfig:
+    """`make demo`'s few-minute DFly run on the embedded target's rollouts (same recipe as `dfly_embedded`,
+    150 steps, objective switch at 50). A taste of the pipeline, not a converged drafter."""
+    return replace(dfly_embedded(), steps=150, switch_step=50)
+
+
 def dflash_embedded() -> BlockDrafterTrainConfig:
     """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
     return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
@@ -273,9 +279,9 @@ def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
     return replace(qwen3_8b_dfly(), drafter="dspark", head="markov", objective="dspark")
 
 
-PRESETS = {"dfly_embedded": dfly_embedded, "dflash_embedded": dflash_embedded, "dflare_embedded": dflare_embedded,
-           "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug, "qwen3_8b_dfly": qwen3_8b_dfly,
-           "qwen3_8b_dspark": qwen3_8b_dspark}
+PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dflash_embedded": dflash_embedded,
+           "dflare_embedded": dflare_embedded, "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug,
+           "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}
 
 
 # ----- pieces -----
