@@ -1,0 +1,230 @@
+"""Drafter step latency vs one target verification step (issue 5, "Inference"): goal <= 25% at batch 1 on the
+embedded target.
+
+What is measured, per drafter kind and batch size (1 and 16):
+
+    draft   one `Drafter.propose` (K drafts per row): block drafters K = block_size - 1 = 7 (one backbone pass
+            over [last, m, ..., m], then the sequential head), MTP and the draft LM K = 4 (K recurrent steps)
+    commit  one `Drafter.on_commit` (block drafters / MTP: append the newly committed positions' target taps to
+            the draft context; draft LM: roll its cache back); reported separately, not part of the goal
+    verify  one target verify forward over [last, d_1..d_K] (K + 1 tokens) against the KV cache, with the taps
+            the drafter asks for, plus the greedy verification
+
+The drafters: `dfly` (the `dfly_embedded` preset: 2 draft layers, taps (1, 3, 5), hybrid conditioning, hidden-
+correction head, confidence head), `dflash` (same shape, shared-fc conditioning, no head, no confidence head),
+`dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP block, `MTPConfig.for_target`
+with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer). The block and
+MTP drafters are randomly initialised: latency does not depend on their weights (acceptance does, and is ~0
+here, which only means every step commits one token).
+
+How: each drafter runs inside a real `SpecEngine` on greedy requests (EOS disabled) whose prompts are
+`--context` random tokens, so the caches hold ~256 tokens when decoding starts (and ~256 + new tokens at the
+end). The engine already times every speculative step's phases (`metrics.seconds`: draft = propose, verify =
+target forward + verification); `on_commit` is wrapped with a timer because the engine bills it to "commit"
+together with its own bookkeeping. A generation's per-step cost is its phase total / its step count; drafters
+and batch sizes are interleaved and each number is the best of `--repeats` generations (the most stable
+statistic on a shared machine). This measures exactly what a speculative step pays, with the engine's shapes
+(`kv_len` bounds, taps, padding rows) rather than a re-implementation of them.
+
+    .venv/bin/python benchmarks/drafter_cost.py
+    .venv/bin/python benchmarks/drafter_cost.py --new-tokens 16 --repeats 1      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_TARGET
+from angelspec.models import Decoder, DecoderConfig, load_target, save_target
+from angelspec.models.block_drafter import BlockDrafter, dfly_embedded
+from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.spec.drafter import Drafter
+from angelspec.spec.drafters.block import BlockDrafterAdapter
+from angelspec.spec.drafters.draft_lm import DraftLMDrafter
+from angelspec.spec.drafters.mtp import MTPDrafter
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GOAL = 0.25  # drafter propose / verify at batch 1
+DRAFTERS = ("dfly", "dflash", "dspark", "mtp", "draft-lm")
+
+
+def embedded_preset() -> DecoderConfig:
+    """The shape of the embedded target, used when no trained target ships."""
+    return DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                         model_type="qwen3", tie_word_embeddings=True, eos_token_id=[1, 2], pad_token_id=0)
+
+
+def resolve_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
+    if arg is not None:
+        return Path(arg), arg
+    if (DEFAULT_TARGET / "config.json").is_file():
+        return DEFAULT_TARGET, f"embedded target ({DEFAULT_TARGET})"
+    torch.manual_seed(0)
+    model = Decoder(embedded_preset())
+    model.init_weights()
+    save_target(model, workdir)
+    return workdir, "random weights, embedded-target shape (no trained target in assets/target yet)"
+
+
+def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path) -> tuple[Drafter, int]:
+    """A drafter of `kind` for `target` and the K it drafts per step."""
+    gen = torch.Generator().manual_seed(0)
+    if kind in ("dfly", "dflash", "dspark"):
+        overrides = {"dfly": {},
+                     "dflash": {"conditioning": "dflash", "head": "none", "confidence_head": False},
+                     "dspark": {"conditioning": "dflash", "head": "markov", "confidence_head": True}}[kind]
+        cfg = dfly_embedded(target.config, **overrides)
+        model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+        model.init_weights(generator=gen)
+        adapter = BlockDrafterAdapter(model.to(dtype))
+        assert adapter.kind == kind, (adapter.kind, kind)
+        return adapter, cfg.num_drafts
+    if kind == "mtp":
+        block = MTPBlock(MTPConfig.for_target(target.config, num_depths=3), target.embed_tokens, target.lm_head)
+        block.init_weights(generator=gen)
+        return MTPDrafter(block.to(dtype)), 4
+    if kind == "draft-lm":
+        if not (draft_lm / "config.json").is_file():
+            raise SystemExit(f"drafter_cost: no draft LM at {draft_lm} (pass --draft-lm DIR or drop draft-lm)")
+        return DraftLMDrafter.from_pretrained(draft_lm, dtype=dtype), 4
+    raise ValueError(f"unknown drafter {kind!r}")
+
+
+@dataclass
+class Cell:
+    """Best-of-N per-step seconds of one (drafter, batch) pair."""
+
+    k: int
+    draft_s: float = float("inf")
+    commit_s: float = float("inf")
+    verify_s: float = float("inf")
+    steps: list[int] = field(default_factory=list)
+    mal: float = 0.0
+
+    def ratio(self) -> float:
+        return self.draft_s / self.verify_s
+
+
+class CommitTimer:
+    """Wraps a drafter's `on_commit` (instance attribute) and sums its wall time."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.seconds = 0.0
+        inner: Callable = drafter.on_commit
+
+        @functools.wraps(inner)
+        def timed(commit):  # noqa: ANN001, ANN202 - same signature as Drafter.on_commit
+            t0 = time.perf_counter()
+            inner(commit)
+            self.seconds += time.perf_counter() - t0
+
+        drafter.on_commit = timed  # type: ignore[method-assign]
+
+
+def make_prompts(batch: int, length: int, vocab: int, avoid: set[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(4321 + batch)
+    ids = torch.randint(3, vocab, (batch, length), generator=g).tolist()
+    return [[t if t not in avoid else 3 for t in row] for row in ids]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="HF-layout target folder (default: the embedded target)")
+    p.add_argument("--draft-lm", type=Path, default=DEFAULT_DRAFT_LM, help="draft-LM folder (default: shipped)")
+    p.add_argument("--drafters", type=lambda s: s.split(","), default=list(DRAFTERS),
+                   help=f"comma-separated subset of {','.join(DRAFTERS)}")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    p.add_argument("--context", type=int, default=256, help="prompt tokens already in the caches")
+    p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per timed run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a shared 2-core machine a second thread makes "
+                        "OpenMP barriers spin whenever the other core is busy)")
+    p.add_argument("--json", type=Path, help="also write the numbers here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bad = sorted(set(args.drafters) - set(DRAFTERS))
+    if bad:
+        p.error(f"unknown drafters {bad}; choose from {', '.join(DRAFTERS)}")
+
+    dtype = DTYPES[args.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, desc = resolve_target(args.target, Path(tmp))
+        target = load_target(target_dir, dtype=dtype)
+    cfg = target.config
+    avoid = set(cfg.eos_token_ids)
+    drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm) for kind in args.drafters}
+    timers = {kind: CommitTimer(d) for kind, (d, _) in drafters.items()}
+    engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0))
+               for kind, (d, k) in drafters.items() for b in args.batch_sizes}
+    prompts = {b: make_prompts(b, args.context, cfg.vocab_size, avoid) for b in args.batch_sizes}
+    cells = {key: Cell(k=drafters[key[0]][1]) for key in engines}
+
+    def run(key: tuple[str, int]) -> None:
+        kind, b = key
+        engine, timer, cell = engines[key], timers[kind], cells[key]
+        timer.seconds = 0.0
+        engine.generate([Request(pr, max_new_tokens=args.new_tokens, stop_ids=()) for pr in prompts[b]])
+        m = engine.metrics
+        cell.draft_s = min(cell.draft_s, m.seconds["draft"] / m.steps)
+        cell.verify_s = min(cell.verify_s, m.seconds["verify"] / m.steps)
+        cell.commit_s = min(cell.commit_s, timer.seconds / m.steps)
+        cell.steps.append(m.steps)
+        cell.mal = m.accepted_plus_one / m.row_steps
+
+    t_start = time.perf_counter()
+    for key in engines:  # warm-up outside the timed runs
+        run(key)
+    for cell in cells.values():
+        cell.draft_s = cell.commit_s = cell.verify_s = float("inf")
+        cell.steps.clear()
+    for r in range(args.repeats):
+        for key in engines:  # interleaved: drafters and batch sizes share the machine's state evenly
+            run(key)
+        print(f"  repeat {r + 1}/{args.repeats} done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
+              flush=True)
+
+    print(f"\nDrafter step vs target verify step: target = {desc}, {args.dtype}; context {args.context} tokens "
+          f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
+          f"{args.threads} thread(s), torch {torch.__version__}")
+    head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
+            f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
+    print(head)
+    print("-" * len(head))
+    for (kind, b), c in cells.items():
+        print(f"{kind:9} {b:>5} {c.k:>2} {c.draft_s * 1e3:>9.2f} {c.draft_s * 1e3 / c.k:>9.3f} "
+              f"{c.commit_s * 1e3:>10.2f} {c.verify_s * 1e3:>10.2f} {c.ratio():>12.1%} "
+              f"{(c.draft_s + c.commit_s) / c.verify_s:>21.1%} {c.mal:>5.2f}")
+    print(f"\ngoal: one propose <= {GOAL:.0%} of one verify step at batch 1")
+    for kind in args.drafters:
+        c = cells.get((kind, 1))
+        if c is None:
+            print(f"  {kind:9} batch 1 not measured")
+            continue
+        verdict = "MET" if c.ratio() <= GOAL else "NOT met"
+        print(f"  {kind:9} {verdict:7} propose/verify = {c.ratio():.1%} "
+              f"(with on_commit: {(c.draft_s + c.commit_s) / c.verify_s:.1%})")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "target": desc, "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": [{"drafter": kind, "batch": b, "k": c.k, "draft_ms": c.draft_s * 1e3,
+                      "commit_ms": c.commit_s * 1e3, "verify_ms": c.verify_s * 1e3, "ratio": c.ratio(),
+                      "mal": c.mal, "steps": c.steps} for (kind, b), c in cells.items()]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
