@@ -234,8 +234,9 @@ def dfly_embedded() -> BlockDrafterTrainConfig:
 
 def dfly_demo() -> BlockDrafterTrainConfig:
     """`make demo`'s few-minute DFly run on the embedded target's rollouts (same recipe as `dfly_embedded`,
-    150 steps, objective switch at 50). A taste of the pipeline, not a converged drafter."""
-    return replace(dfly_embedded(), steps=150, switch_step=50)
+    600 steps (~2.5 min on 2 CPU cores), objective switch at 200). A taste of the pipeline, not a converged
+    drafter."""
+    return replace(dfly_embedded(), steps=600, switch_step=200)
 
 
 def dflash_embedded() -> BlockDrafterTrainConfig:
