@@ -63,9 +63,9 @@ from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import concat_taps
 from angelspec.train.checkpoint import (
+    make_checkpoint_saver,
     resume_training,
     run_identity,
-    write_checkpoint,
 )
 from angelspec.train.distributed import (
     FunctionModule,
@@ -73,12 +73,12 @@ from angelspec.train.distributed import (
     any_rank,
     barrier,
     clip_grad_norm,
-    full_state_dict,
     global_sum,
     init_distributed,
     resolve_strategy,
     shard_rows,
     shutdown,
+    whole_copy,
     wrap_model,
 )
 from angelspec.train.losses import (
@@ -404,18 +404,10 @@ def train_block_drafter(
 
     def model_to_save() -> BlockDrafter:
         """The drafter with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
-        if strategy != "fsdp2":
-            return model
-        whole = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
-        whole.load_state_dict(full_state_dict(model))
-        return whole
+        return whole_copy(model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head))
 
-    def save_ckpt(at: int) -> None:
-        to_save = model_to_save()
-        if main:
-            write_checkpoint(ckpt_dir, lambda p: save_block_drafter(to_save, p, meta), {"step": at, **identity},
-                             None if strategy == "fsdp2" else opt)
-        barrier()
+    save_ckpt = make_checkpoint_saver(ckpt_dir, model_to_save, lambda m, p: save_block_drafter(m, p, meta),
+                                      identity, None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
 
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train_log.jsonl"

@@ -123,3 +123,27 @@ def resume_training(
     step = int(state["step"])
     log(f"resuming from step {step}")
     return step
+
+
+def make_checkpoint_saver(
+    ckpt_dir: str | Path,
+    snapshot: Callable[[], Any],
+    write_model: Callable[[Any, Path], None],
+    identity: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Callable[[int], None]:
+    """`save(step)` for a training loop: every rank calls `snapshot()` (whole weights; a collective under
+    FSDP2), the main rank writes an atomic checkpoint with `write_model(snapshot, dir)`, the trainer state
+    (`step` + `identity`) and the optimizer state (None: not resumable, e.g. FSDP2 shards), then all ranks
+    meet at `barrier()`."""
+
+    def save(step: int) -> None:
+        whole = snapshot()
+        if is_main:
+            write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), {"step": step, **identity}, optimizer)
+        barrier()
+
+    return save

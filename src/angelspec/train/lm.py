@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from angelspec.data.lm_data import PackedStream
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target
-from angelspec.train.checkpoint import resume_training, run_identity, write_checkpoint
+from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
 from angelspec.train.distributed import (
     DistInfo,
     Strategy,
@@ -91,12 +91,8 @@ def train_causal_lm(
     step = resume_training(ckpt_dir, resume, settings, lambda c: model.load_state_dict(load_target(c).state_dict()),
                            opt, log)
 
-    def save(at: int) -> None:
-        whole = whole_copy(model, lambda: Decoder(model.config))  # a collective under FSDP2
-        if main:
-            write_checkpoint(ckpt_dir, lambda p: save_model(whole, p), {"step": at, **settings},
-                             None if strategy == "fsdp2" else opt)
-        barrier()
+    save = make_checkpoint_saver(ckpt_dir, lambda: whole_copy(model, lambda: Decoder(model.config)), save_model,
+                                 settings, None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
 
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()

@@ -52,9 +52,9 @@ from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
 from angelspec.models.mtp_io import build_block, save_mtp
 from angelspec.train.checkpoint import (
+    make_checkpoint_saver,
     resume_training,
     run_identity,
-    write_checkpoint,
 )
 from angelspec.train.distributed import (
     DistInfo,
@@ -63,12 +63,12 @@ from angelspec.train.distributed import (
     any_rank,
     barrier,
     clip_grad_norm,
-    full_state_dict,
     global_sum,
     init_distributed,
     resolve_strategy,
     shard_rows,
     shutdown,
+    whole_copy,
     wrap_model,
 )
 from angelspec.train.draft_lm import _data_domains
@@ -317,18 +317,10 @@ def train_mtp(
 
     def block_to_save() -> MTPBlock:
         """The block with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
-        if strategy != "fsdp2":
-            return block
-        whole = build_block(mcfg, target.embed_tokens, target.lm_head)
-        whole.load_state_dict(full_state_dict(block))
-        return whole
+        return whole_copy(block, lambda: build_block(mcfg, target.embed_tokens, target.lm_head))
 
-    def save_ckpt(at: int) -> None:
-        to_save = block_to_save()
-        if main:
-            write_checkpoint(ckpt_dir, lambda p: save_mtp(to_save, p, meta), {"step": at, **identity},
-                             None if strategy == "fsdp2" else opt)
-        barrier()
+    save_ckpt = make_checkpoint_saver(ckpt_dir, block_to_save, lambda m, p: save_mtp(m, p, meta), identity,
+                                      None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
 
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train_log.jsonl"
