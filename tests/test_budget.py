@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -337,3 +338,14 @@ def test_edge_cases_k0_and_bad_costs():
         dcut_select(conf, torch.ones(2, dtype=torch.bool), 2, lambda r, n: 0.0)
     with pytest.raises(ValueError, match="non-positive"):
         prefix_schedule(conf, torch.ones(2, dtype=torch.bool), 2, lambda r, n: float("nan"))
+
+
+def test_confidence_threshold_never_sees_nan_or_out_of_range() -> None:
+    from angelspec.spec.drafter import ConfidenceThreshold
+
+    policy = ConfidenceThreshold(threshold=0.5)
+    conf = torch.tensor([[float("nan"), 1.0, 1.0], [1.7, 0.9, float("nan")], [-0.2, 1.0, 1.0]])
+    proposal = Proposal(tokens=torch.zeros(3, 3, dtype=torch.long), confidences=conf)
+    state = SimpleNamespace(num_draft_tokens=3)
+    # NaN / negative -> 0 (stop), above 1 -> 1: depths 0, 2 (1 * 0.9 then NaN -> 0), 0
+    assert policy(proposal, state).tolist() == [0, 2, 0]

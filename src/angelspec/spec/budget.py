@@ -38,7 +38,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from angelspec.spec.drafter import DraftState, Proposal
+from angelspec.spec.drafter import DraftState, Proposal, sanitize_confidences
 
 DCUT_RATIOS: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # the report's R
 
@@ -95,17 +95,6 @@ def _host_costs(cost: CostModel, num_requests: int, num_tokens: Sequence[int]) -
 # ---------------------------------------------------------------------------------------------------------
 # Pure functions
 # ---------------------------------------------------------------------------------------------------------
-
-
-def sanitize_confidences(conf: Tensor) -> tuple[Tensor, Tensor]:
-    """conf [B, K] -> (clean [B, K] float32 in [0, 1], number of bad entries as a 0-dim int64 tensor).
-
-    NaN and -inf become 0 (do not spend verification on a draft nobody vouches for), +inf and values above 1
-    become 1, negatives 0. The count stays on the device (reading it is a host sync)."""
-    c = conf.float()
-    bad = ~((c >= 0) & (c <= 1))  # NaN fails both comparisons
-    clean = torch.nan_to_num(c, nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
-    return clean, bad.sum()
 
 
 def prefix_survival(conf: Tensor) -> Tensor:

@@ -4,7 +4,7 @@ schedulers, reports) sees STS-calibrated confidences c_k^{1/T_k} without further
 
 Why a drafter wrapper rather than `CalibratedPolicy`: the temperatures belong to the drafter checkpoint,
 so loading the checkpoint is the one place that knows about them; `generate`, `eval` and any depth policy
-then get them for free. The confidences are also sanitised here with `budget.sanitize_confidences`
+then get them for free. The confidences are also sanitised here with `drafter.sanitize_confidences`
 (NaN / -inf -> 0, +inf and > 1 -> 1, < 0 -> 0), so values outside [0, 1] never reach a scheduler even
 through policies without their own guard (`ConfidenceThreshold`). Sanitising comes first (c in [0, 1] keeps
 c^(1/T) in [0, 1]); the replaced raw entries are counted on the device (`bad_count` reads them: a host sync).
@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from angelspec.models.config import DecoderConfig
-from angelspec.spec.budget import sanitize_confidences
 from angelspec.spec.calibration import CALIBRATION_FILE, StsCalibration, apply_temperatures_to_confidences
-from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal
+from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, sanitize_confidences
 
 
 class CalibrationError(ValueError):

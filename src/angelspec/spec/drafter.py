@@ -145,6 +145,17 @@ class FixedDepth:
         return torch.full_like(state.seq_lens, k)
 
 
+def sanitize_confidences(conf: Tensor) -> tuple[Tensor, Tensor]:
+    """conf [B, K] -> (clean [B, K] float32 in [0, 1], number of bad entries as a 0-dim int64 tensor).
+
+    NaN and -inf become 0 (do not spend verification on a draft nobody vouches for), +inf and values above 1
+    become 1, negatives 0. The count stays on the device (reading it is a host sync)."""
+    c = conf.float()
+    bad = ~((c >= 0) & (c <= 1))  # NaN fails both comparisons
+    clean = torch.nan_to_num(c, nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
+    return clean, bad.sum()
+
+
 @dataclass(frozen=True)
 class ConfidenceThreshold:
     """Verify the longest prefix whose cumulative confidence prod_{t<=k} c_t stays >= `threshold`
@@ -166,7 +177,8 @@ class ConfidenceThreshold:
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         if proposal.confidences is None:
             raise ValueError("ConfidenceThreshold needs a drafter that reports confidences")
-        score = torch.cumprod(proposal.confidences.float(), dim=-1)  # [B, K] s_{i,k}
+        conf, _ = sanitize_confidences(proposal.confidences)  # NaN / out of range never reach the decision
+        score = torch.cumprod(conf, dim=-1)  # [B, K] s_{i,k}
         depth = (score >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)  # leading run
         return depth.clamp(min=min(self.min_depth, state.num_draft_tokens))
 
