@@ -69,10 +69,7 @@ from angelspec.train.checkpoint import (
 )
 from angelspec.train.distributed import (
     FunctionModule,
-    all_reduce_scalars,
-    any_rank,
     barrier,
-    clip_grad_norm,
     global_sum,
     init_distributed,
     resolve_strategy,
@@ -81,6 +78,7 @@ from angelspec.train.distributed import (
     whole_copy,
     wrap_model,
 )
+from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, reduce_depth_stats
 from angelspec.train.losses import (
     LossBatch,
     LossConfig,
@@ -443,10 +441,7 @@ def train_block_drafter(
                                                           global_sum(count) if info.enabled else count)
         # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
         (loss * info.world_size if info.enabled else loss).backward()
-        if strategy == "fsdp2":
-            gnorm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gnorm = clip_gradients(model.parameters(), cfg.grad_clip, strategy)
         opt.step()
         step += 1
         tok_seen += batch.num_tokens
@@ -455,25 +450,14 @@ def train_block_drafter(
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.time()
             alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
-            mean_loss, alpha_list = sum(losses) / len(losses), alpha.tolist()
-            if info.enabled:  # loss shares and tokens add up over ranks; α is the mean of the ranks' means
-                summed = all_reduce_scalars({"loss": mean_loss, "tokens": tok_seen}, "sum")
-                mean_loss, tok_seen = summed["loss"], int(summed["tokens"])
-                averaged = all_reduce_scalars({str(k): a for k, a in enumerate(alpha_list)}, "mean")
-                alpha_list = [averaged[str(k)] for k in range(len(alpha_list))]
+            mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
             rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss, "lr": lr,
                    "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
                    "valid_anchors": int(anchor_valid.sum()), "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", a1=f"{rec['alpha_per_depth'][0]:.2f}")
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            append_log(log_path, rec, main)
             losses, last_log, tok_seen = [], now, 0
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_ckpt(step)
-        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
-            save_ckpt(step)
-            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save_ckpt, deadline, log):
             break
     bar.close()
     model.eval()

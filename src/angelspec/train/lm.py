@@ -13,7 +13,6 @@ writes checkpoints, logs and the progress bar.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,13 +30,12 @@ from angelspec.train.distributed import (
     DistInfo,
     Strategy,
     all_reduce_scalars,
-    any_rank,
     barrier,
-    clip_grad_norm,
     shard_rows,
     whole_copy,
     wrap_model,
 )
+from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 
 
@@ -111,10 +109,7 @@ def train_causal_lm(
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if strategy == "fsdp2":
-            gnorm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gnorm = clip_gradients(model.parameters(), cfg.grad_clip, strategy)
         opt.step()
         step += 1
         tok_seen += tokens_per_step
@@ -128,15 +123,9 @@ def train_causal_lm(
             rec = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": float(gnorm),
                    "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tps=f"{rec['tokens_per_s']:.0f}")
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            append_log(log_path, rec, main)
             losses, last_log, tok_seen = [], now, 0
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save(step)
-        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
-            save(step)
-            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save, deadline, log):
             break
     bar.close()
     model.eval()

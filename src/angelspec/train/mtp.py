@@ -59,10 +59,7 @@ from angelspec.train.checkpoint import (
 from angelspec.train.distributed import (
     DistInfo,
     FunctionModule,
-    all_reduce_scalars,
-    any_rank,
     barrier,
-    clip_grad_norm,
     global_sum,
     init_distributed,
     resolve_strategy,
@@ -72,6 +69,7 @@ from angelspec.train.distributed import (
     wrap_model,
 )
 from angelspec.train.draft_lm import _data_domains
+from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, reduce_depth_stats
 from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss, global_denominators
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
@@ -348,10 +346,7 @@ def train_mtp(
         else:
             loss = schedule.loss(step, lb).loss
             loss.backward()
-        if strategy == "fsdp2":
-            gnorm = clip_grad_norm(block.parameters(), cfg.grad_clip)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(block.parameters(), cfg.grad_clip)
+        gnorm = clip_gradients(block.parameters(), cfg.grad_clip, strategy)
         opt.step()
         step += 1
         tok_seen += batch.num_tokens
@@ -360,25 +355,14 @@ def train_mtp(
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.time()
             alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
-            mean_loss, alpha_list = sum(losses) / len(losses), alpha.tolist()
-            if info.enabled:  # loss shares and tokens add up over ranks; α is the mean of the ranks' means
-                summed = all_reduce_scalars({"loss": mean_loss, "tokens": tok_seen}, "sum")
-                mean_loss, tok_seen = summed["loss"], int(summed["tokens"])
-                averaged = all_reduce_scalars({str(k): a for k, a in enumerate(alpha_list)}, "mean")
-                alpha_list = [averaged[str(k)] for k in range(len(alpha_list))]
+            mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
             rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss,
                    "lr": lr, "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
                    "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", a0=f"{rec['alpha_per_depth'][0]:.2f}")
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            append_log(log_path, rec, main)
             losses, last_log, tok_seen = [], now, 0
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_ckpt(step)
-        if deadline is not None and any_rank(time.time() > deadline) and step < cfg.steps:
-            save_ckpt(step)
-            log(f"time budget reached at step {step}/{cfg.steps}; resume with --resume")
+        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save_ckpt, deadline, log):
             break
     bar.close()
     block.eval()
