@@ -111,6 +111,8 @@ class Result:
     finish_reason: FinishReason
     num_steps: int  # target forwards that emitted this request's tokens (its prefill included)
     prompt_len: int
+    queued_s: float = field(default=0.0, compare=False)  # generate() call to admission (wall seconds)
+    latency_s: float = field(default=0.0, compare=False)  # admission to last token (per-user speed = tokens / this)
 
     @property
     def tokens_per_step(self) -> float:
@@ -156,6 +158,7 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     steps: int = 1  # the prefill emitted the first token
     finish: FinishReason | None = None
+    admitted_at: float = 0.0  # perf_counter() at admission
 
     def emit(self, new: Sequence[int]) -> None:
         """Append tokens until a stop token (kept) or max_new_tokens."""
@@ -258,7 +261,9 @@ class SpecEngine:
                     results[s.index] = Result(request_id=s.index if s.request.request_id is None
                                               else s.request.request_id, token_ids=s.tokens,
                                               finish_reason=s.finish, num_steps=s.steps,
-                                              prompt_len=len(s.request.prompt_ids))
+                                              prompt_len=len(s.request.prompt_ids),
+                                              queued_s=s.admitted_at - t_start,
+                                              latency_s=time.perf_counter() - s.admitted_at)
                     self.metrics.output_tokens += len(s.tokens)
                     self._slots[r] = None
                 self._release(done)
@@ -352,7 +357,8 @@ class SpecEngine:
         self._draft_round[idx] = 0
         for r, i, req, tok in zip(rows, indices, reqs, first_host, strict=True):
             stop = req.stop_ids if req.stop_ids is not None else self.target.config.eos_token_ids
-            slot = _Slot(index=i, request=req, stop=frozenset(stop), seq_len=len(req.prompt_ids) + 1)
+            slot = _Slot(index=i, request=req, stop=frozenset(stop), seq_len=len(req.prompt_ids) + 1,
+                         admitted_at=t0)
             slot.emit([tok])
             self._slots[r] = slot
         self._refresh_rows()
