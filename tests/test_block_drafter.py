@@ -489,3 +489,49 @@ def test_bad_forward_inputs() -> None:
         model.propose_from_taps(taps, torch.tensor([4]), torch.tensor([[1]]))
     with pytest.raises(ConfigError, match="do not match"):
         BlockDrafter(model.config, torch.nn.Embedding(VOCAB + 1, 32), target.lm_head)
+
+
+@pytest.mark.parametrize(("conditioning", "head"), [("dflash", "none"), ("dflash", "markov"), ("dflash", "gated"),
+                                                    ("dflash", "rnn"), ("dfly", "hidden")])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_jacobi_head_sweeps_equal_the_left_to_right_head(conditioning: str, head: str, sampled: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`propose` solves the head by batched Jacobi sweeps; it must give exactly the sequential head's drafts,
+    logits, sampling distributions and confidences — and the test must exercise sweeps that disagree."""
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning, head=head, block_size=8)
+    if model.head is not None:  # a strong head, so that its predecessor really changes the argmax
+        with torch.no_grad():
+            for p in model.head.parameters():
+                p.mul_(6.0)
+    B, T = 6, 12
+    ids = torch.randint(6, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(11))
+    taps = taps_of(target, model, ids)
+    cache = model.new_cache(B, T, slack=8, dtype=torch.float64, device="cpu")
+    model.append_context(taps[:, :T], cache, num_new=torch.tensor([12, 5, 9, 12, 3, 7]))
+    anchors = ids[:, T]
+
+    def select(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # A pure function of (logits, k), as the engine's counter-based sampling is.
+        probs = torch.softmax(logits / 0.7, dim=-1)
+        u = torch.rand(B, VOCAB, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
+        return (torch.log(u) / probs).argmax(-1), probs  # exponential-race sample of probs
+
+    rule = select if sampled else None
+    sweeps = []
+    inner = model._head_sweep
+    monkeypatch.setattr(model, "_head_sweep", lambda *a: sweeps.append(a[-1]) or inner(*a))
+    with torch.no_grad():
+        fast = model.propose(anchors, cache, kv_len=T, select=rule)
+    ref = model.reference_propose(anchors, cache, kv_len=T, select=rule)
+    assert torch.equal(fast.tokens, ref.tokens)
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fast.confidences, ref.confidences)  # fp32 outputs
+    if sampled:
+        torch.testing.assert_close(fast.probs, ref.probs, rtol=1e-10, atol=1e-10)
+    else:
+        assert fast.probs is None and ref.probs is None
+    if head in ("none", "hidden"):
+        assert sweeps == []  # no head: one batched LM-head call; hidden correction: left to right
+    else:
+        assert sweeps[0] == 0 and 1 < len(sweeps) <= 7, sweeps  # some guesses were wrong; never more than K
