@@ -185,6 +185,29 @@ def test_greedy_spec_equals_ar(target, greedy_case, batch_size, k, policy, ragge
         assert sum(n > 0 for n in m.depth_hist) >= 3  # mixed depths
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_dense_packed_verification_is_used_for_ragged_depths_and_stays_exact(target, greedy_case, dense, monkeypatch):
+    """With per-row depths (and rows idle at the tail of the queue) the verify forward packs only the verified
+    positions; on or off, the output is AR's, token for token."""
+    requests, ar_tokens, continuations = greedy_case
+    packed_calls, forward = [], target.forward
+
+    def spy(*args, **kwargs):
+        if kwargs.get("keep") is not None:
+            packed_calls.append(int(kwargs["keep"].sum()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    engine = SpecEngine(target, OracleDrafter(continuations, error=0.3, seed=5, ragged=True),
+                        EngineConfig(max_batch_size=7, num_draft_tokens=4, dense_verify=dense),
+                        depth_policy=PositionHashDepth())
+    assert [r.token_ids for r in engine.generate(requests)] == ar_tokens
+    if dense:
+        assert len(packed_calls) > 0.5 * engine.metrics.steps and min(packed_calls) >= 1
+    else:
+        assert packed_calls == []
+
+
 @pytest.mark.parametrize("drafter_name", ["ngram", "draft-lm"])
 def test_greedy_baseline_drafters_equal_ar(target, greedy_case, drafter_name):
     requests, ar_tokens, _ = greedy_case

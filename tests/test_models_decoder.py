@@ -164,3 +164,54 @@ def test_config_roundtrip_through_hf_dict():
     for fam in FAMILIES:
         cfg = _cfg(fam, rope_scaling={"rope_type": "linear", "factor": 2.0})
         assert DecoderConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("num_keep_known", [False, True])
+@torch.no_grad()
+def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_known):
+    """keep= runs only each row's kept prefix: kept logits / taps / cache slots equal the padded forward's,
+    dropped tokens write no cache slot and come back as zero logits."""
+    model = _random_model(_cfg(family)).double()
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 6
+    prompt_lens = torch.tensor([7, 3, 11, 5])
+
+    def fresh_cache():
+        cache = model.new_cache(B, 32, slack=8, dtype=torch.float64)
+        ctx = torch.randint(0, 97, (B, 11), generator=torch.Generator().manual_seed(9))
+        model(ctx, cache=cache, num_new=prompt_lens)
+        return cache
+
+    ids = torch.randint(0, 97, (B, T), generator=g)
+    depth = torch.tensor([5, 0, 2, 3])  # kept tokens per row: depth + 1; row 1 keeps only its first token
+    keep = torch.arange(T)[None] <= depth[:, None]
+    keep[3] = False  # an idle row keeps nothing
+    padded_cache, packed_cache = fresh_cache(), fresh_cache()
+    before = packed_cache.k.clone()
+    ref = model(ids, cache=padded_cache, kv_len=24, hidden_layers=[0, 2])
+    out = model(ids, cache=packed_cache, kv_len=24, hidden_layers=[0, 2], keep=keep,
+                num_keep=int(keep.sum()) if num_keep_known else None)
+    torch.testing.assert_close(out.logits[keep], ref.logits[keep], rtol=1e-10, atol=1e-10)
+    assert out.logits[~keep].abs().max() == 0
+    for a, b in zip(out.hidden, ref.hidden, strict=True):
+        torch.testing.assert_close(a[keep], b[keep], rtol=1e-10, atol=1e-10)
+    assert torch.equal(packed_cache.lengths, padded_cache.lengths)
+    for r in range(B):
+        start, n = int(prompt_lens[r]), int(keep[r].sum())
+        written = slice(start, start + n)
+        torch.testing.assert_close(packed_cache.k[:, r, :, written], padded_cache.k[:, r, :, written])
+        dropped = slice(start + n, start + T)
+        assert torch.equal(packed_cache.k[:, r, :, dropped], before[:, r, :, dropped])  # never written
+
+
+def test_dense_packing_bad_input_is_a_clear_error():
+    model = _random_model(_cfg("qwen3"))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="pass cache="):
+        model(ids, keep=torch.ones(2, 3, dtype=torch.bool))
+    cache = model.new_cache(2, 8)
+    with pytest.raises(ValueError, match=r"keep must be a bool tensor \[B, T\] = \[2, 3\]"):
+        model(ids, cache=cache, keep=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        model(ids, cache=cache, keep=torch.ones(2, 3, dtype=torch.bool), logits_index=torch.zeros(2, 1).long())

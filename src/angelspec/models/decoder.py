@@ -63,7 +63,10 @@ class Attention(nn.Module):
         cache: StaticKVCache | None,
         write_idx: tuple[torch.Tensor, torch.Tensor] | None,  # ([B, 1], [B, T]) row / slot indices
         kv_len: int | None,
+        packed: Packing | None = None,
     ) -> torch.Tensor:
+        if packed is not None:
+            return self._forward_packed(x, cos, sin, mask, cache, write_idx, kv_len, packed)
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # [B, T, H|Hkv, Dh]
@@ -87,6 +90,45 @@ class Attention(nn.Module):
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    def _forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                        cache: StaticKVCache | None, write_idx: tuple[torch.Tensor, torch.Tensor] | None,
+                        kv_len: int | None, packed: Packing) -> torch.Tensor:
+        """Dense rows: x [N, D] (the kept tokens only), cos/sin [N, 1, Dh], write_idx ([N], [N]) row / slot.
+        Projections run on the N kept tokens; attention scatters their queries into the padded [B, H, T, Dh]
+        layout (dropped queries are zeros and their outputs are discarded) against the row's cache."""
+        assert cache is not None and write_idx is not None
+        N = x.shape[0]
+        qkv = self.qkv_proj(x).view(N, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)  # [N, H|Hkv, Dh]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rows, slots = write_idx
+        kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [B, Hkv, S, Dh]
+        kc[rows, :, slots] = k.to(kc.dtype)  # only kept tokens are written: dropped ones cost no cache traffic
+        vc[rows, :, slots] = v.to(vc.dtype)
+        B, T = packed.shape
+        qp = q.new_zeros(B * T, self.n_heads, self.head_dim).index_copy_(0, packed.index, q)
+        qp = qp.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        out = F.scaled_dot_product_attention(qp, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask,
+                                             enable_gqa=self.n_kv != self.n_heads)
+        out = out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim).index_select(0, packed.index)
+        return self.o_proj(out)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Which of a [B, T] call's tokens run: index [N] flat positions (b·T + t) of the kept tokens."""
+
+    index: torch.Tensor
+    shape: tuple[int, int]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, F] -> [B, T, F], zeros at dropped positions."""
+        B, T = self.shape
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.index, x).view(B, T, -1)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -108,14 +150,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len)
+    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass
 class DecoderOutput:
-    logits: torch.Tensor | None  # [B, T or n_keep, V] fp32, None when no logits were requested
+    logits: torch.Tensor | None  # [B, T or n_keep, V] fp32, None when no logits were requested (zeros where
+    #                              `keep` dropped a token)
     hidden: tuple[torch.Tensor, ...]  # one [B, T, D] per requested tap id, in request order
     last_hidden: torch.Tensor  # [B, T, D] final-norm output (what the LM head sees)
 
@@ -180,12 +223,19 @@ class Decoder(nn.Module):
         hidden_layers: Sequence[int] = (),
         logits_index: torch.Tensor | None = None,  # [B, n] positions whose logits are needed
         compute_logits: bool = True,
+        keep: torch.Tensor | None = None,  # [B, T] bool, a prefix per row: only these tokens run (with a cache)
+        num_keep: int | None = None,  # host-side keep.sum(), if the caller knows it (saves a host sync)
     ) -> DecoderOutput:
         """One forward pass.
 
         With a cache, the T tokens are appended at slots `lengths[b] .. lengths[b]+T-1`, attend to
         every committed slot of their row plus the earlier new tokens, and `lengths += num_new`
         afterwards. Roll back a partial accept with `cache.truncate(...)`.
+
+        `keep` packs ragged rows densely (speculative verification with per-row depths): the projections, MLPs
+        and LM head run on the kept tokens only, dropped tokens write no cache slot, and their logits / taps
+        come back as zeros. Each row's kept tokens must be a prefix of it (a dropped token is never attended to
+        by a kept one only because it comes after them); roll the cache back to at most the kept length.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -224,6 +274,9 @@ class Decoder(nn.Module):
         else:
             table_len = T
         cos_t, sin_t = self.rope_table(table_len, dev)
+        if keep is not None:
+            return self._forward_packed(input_ids, positions, keep, num_keep, cos_t, sin_t, mask, cache, kv_len,
+                                        num_new, hidden_layers, logits_index, compute_logits)
         cos = cos_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)  # [B, 1, T, Dh]
         sin = sin_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)
 
@@ -242,3 +295,37 @@ class Decoder(nn.Module):
             hl = h if logits_index is None else h.gather(1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
             logits = self.lm_head(hl).float()
         return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers), last_hidden=h)
+
+    def _forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                        num_keep: int | None, cos_t: torch.Tensor, sin_t: torch.Tensor, mask: torch.Tensor | None,
+                        cache: StaticKVCache | None, kv_len: int | None, num_new: torch.Tensor | None,
+                        hidden_layers: Sequence[int], logits_index: torch.Tensor | None,
+                        compute_logits: bool) -> DecoderOutput:
+        """`forward` with `keep`: the kept tokens as one dense [N, D] batch (see `forward`)."""
+        if cache is None:
+            raise ValueError("keep= packs the tokens of a cached (verification) forward; pass cache=")
+        if logits_index is not None:
+            raise ValueError("keep= and logits_index= cannot be combined: keep already selects the positions")
+        B, T = input_ids.shape
+        if keep.shape != (B, T) or keep.dtype != torch.bool:
+            raise ValueError(f"keep must be a bool tensor [B, T] = [{B}, {T}], got {keep.dtype} {tuple(keep.shape)}")
+        flat = keep.reshape(-1)
+        index = flat.nonzero()[:, 0] if num_keep is None else torch.nonzero_static(flat, size=num_keep)[:, 0]
+        packed = Packing(index=index, shape=(B, T))
+        slots = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
+        write_idx = (index // T, slots.reshape(-1).index_select(0, index).clamp(max=cache.capacity - 1))
+        pos = positions.reshape(-1).index_select(0, index)  # [N]
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = cos_t[pos].unsqueeze(1).to(dtype), sin_t[pos].unsqueeze(1).to(dtype)  # [N, 1, Dh]
+        x = self.embed_tokens(input_ids.reshape(-1).index_select(0, index))  # [N, D]
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(hidden_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, write_idx, kv_len, packed)
+            if i in wanted:
+                taps[i] = packed.scatter(x)
+        cache.lengths += T if num_new is None else num_new
+        h = self.norm(x)  # [N, D]
+        logits = packed.scatter(self.lm_head(h).float()) if compute_logits else None
+        return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers),
+                             last_hidden=packed.scatter(h))

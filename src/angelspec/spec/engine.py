@@ -136,6 +136,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     seed: int | None = None
     compile: bool = False
+    dense_verify: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_draft_tokens"):
@@ -438,13 +439,16 @@ class SpecEngine:
         proposal.check(b, k, self.vocab_size)
         t1 = time.perf_counter()
 
-        depth, width = self._select(proposal, state)  # [B], host int n
+        depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
         t2 = time.perf_counter()
 
         drafts = proposal.tokens[:, :width]  # [B, n]
         old_len = cache.lengths.clone()  # [B]
+        keep = None
+        if self.config.dense_verify and num_keep < b * (width + 1):  # ragged or idle rows: pack the kept ones
+            keep = (torch.arange(width + 1, device=self.device)[None, :] <= depth[:, None]) & self._active[:, None]
         out = self.target(torch.cat([self._last[:, None], drafts], dim=1), cache=cache, kv_len=bound + width,
-                          hidden_layers=self._taps)
+                          hidden_layers=self._taps, keep=keep, num_keep=num_keep if keep is not None else None)
         protocol, v = self._verify(drafts, proposal, out.logits, depth, width)  # tokens [B, n+1], accepted [B]
         t3 = time.perf_counter()
 
@@ -479,8 +483,9 @@ class SpecEngine:
         sec["verify"] += t3 - t2
         sec["commit"] += t4 - t3
 
-    def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int]:
-        """Per-row depth [B] (0 for idle rows) and the verify width n = max depth (host int)."""
+    def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int, int]:
+        """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
+        positions sum over active rows of (depth + 1) (host ints)."""
         k = self.k
         raw = self.depth_policy(proposal, state)
         if not isinstance(raw, Tensor) or raw.shape != self._active.shape or raw.is_floating_point():
@@ -491,14 +496,15 @@ class SpecEngine:
         depth = torch.where(self._active, depth, 0)
         static = policy_static_depth(self.depth_policy)
         if static is not None and proposal.lengths is None:
-            return depth, static
+            return depth, static, len(self._active_rows) * (static + 1)
         # host sync (the second of this step, only for data-dependent depths): the verify width, so that
         # positions no row verifies cost no compute; also lets us check the policy's values.
         masked = torch.where(self._active, raw, 0)
-        lo, hi, width = torch.stack([masked.min(), masked.max(), depth.max()]).tolist()
+        kept = torch.where(self._active, depth + 1, 0).sum()
+        lo, hi, width, num_keep = torch.stack([masked.min(), masked.max(), depth.max(), kept]).tolist()
         if lo < 0 or hi > k:
             raise ValueError(f"depth policy returned depths in [{lo}, {hi}]; they must lie in [0, K={k}]")
-        return depth, width
+        return depth, width, num_keep
 
     def _verify(self, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
                 width: int) -> tuple[str, VerifyOutput]:
