@@ -495,3 +495,17 @@ def test_sampled_drafts_without_probs_are_rejected(target, greedy_case):
     engine = SpecEngine(target, NoProbs(greedy_case[2], error=0.5), EngineConfig(num_draft_tokens=2))
     with pytest.raises(ValueError, match="without probs"):
         engine.generate([Request(greedy_case[0][0].prompt_ids, 5, SamplingParams(temperature=1.0, seed=0))])
+
+
+def test_compiled_verify_and_draft_lm_steps_stay_exact(target, greedy_case):
+    """EngineConfig(compile=True) with a drafter compiles the verify forward and the draft LM's steps; the
+    output must still be AR's, and the compile must not have fallen back to eager (a warning)."""
+    import warnings
+
+    requests, ar_tokens, _ = greedy_case
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        engine = SpecEngine(target, DraftLMDrafter(tiny_decoder(layers=1, seed=2)),
+                            EngineConfig(max_batch_size=3, num_draft_tokens=3, compile=True))
+        out = engine.generate(requests[:4])
+    assert [r.token_ids for r in out] == ar_tokens[:4]

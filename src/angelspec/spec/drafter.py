@@ -273,6 +273,10 @@ class Drafter(ABC):
     def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027
         """Requests left `rows`; their state may be dropped."""
 
+    def compile(self) -> None:  # noqa: B027
+        """`EngineConfig(compile=True)`: compile the drafter's hot calls (`spec.compiled.try_compile`); its
+        weights are frozen from then on. Default: nothing to compile."""
+
 
 _REGISTRY: dict[str, type[Drafter]] = {}
 

@@ -56,6 +56,7 @@ from tqdm.auto import tqdm
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.spec.batching import PerLayerKVCache, prefill_rows
+from angelspec.spec.compiled import try_compile
 from angelspec.spec.drafter import (
     Commit,
     Drafter,
@@ -125,8 +126,9 @@ class EngineConfig:
     request may have (None = the target's max_position_embeddings). num_draft_tokens: K, drafts proposed
     per row per step (ignored without a drafter). dtype: the dtype the target must already have (None = any;
     the engine never casts the caller's model). seed: seeds requests whose SamplingParams.seed is None
-    (None = fresh randomness per call). compile: torch.compile the AR decode step (drafter=None only; the
-    first call pays the compilation, about 5-20 s on CPU; falls back to eager if compilation fails). The
+    (None = fresh randomness per call). compile: torch.compile the AR decode step, or with a drafter the
+    unpacked verify forward and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
+    compilation, about 5-60 s on CPU; falls back to eager if compilation fails. The
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
     engine."""
 
@@ -216,8 +218,13 @@ class SpecEngine:
         self.metrics = DecodeMetrics(num_draft_tokens=self.k)
         self._cache: StaticKVCache | None = None
         self._decode_fn: Callable[..., Tensor] = self._decode_logits
-        if config.compile and drafter is None:
-            self._decode_fn = _try_compile(self._decode_logits)
+        self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
+        if config.compile:
+            if drafter is None:
+                self._decode_fn = try_compile(self._decode_logits, "decode step")
+            else:
+                self._verify_fn = try_compile(self._verify_forward, "verify forward")
+                drafter.compile()
 
     # ------------------------------------------------------------------------------------------------
     # Public entry point
@@ -399,6 +406,11 @@ class SpecEngine:
         """last [B] -> next-token logits [B, V]; the cache grows by num_new [B] (0 for idle rows)."""
         return self.target(last[:, None], cache=cache, num_new=num_new, kv_len=kv_len).logits[:, 0]
 
+    def _verify_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """tokens [B, n+1] = [last, drafts] -> (logits [B, n+1, V], the drafter's taps); the cache grows by n+1."""
+        out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps)
+        return out.logits, out.hidden
+
     def _ar_step(self) -> None:
         t0 = time.perf_counter()
         rows, slots, cache = self._active_rows, self._slots, self._cache
@@ -444,12 +456,15 @@ class SpecEngine:
 
         drafts = proposal.tokens[:, :width]  # [B, n]
         old_len = cache.lengths.clone()  # [B]
-        keep = None
+        tokens = torch.cat([self._last[:, None], drafts], dim=1)  # [B, n+1]
         if self.config.dense_verify and num_keep < b * (width + 1):  # ragged or idle rows: pack the kept ones
             keep = (torch.arange(width + 1, device=self.device)[None, :] <= depth[:, None]) & self._active[:, None]
-        out = self.target(torch.cat([self._last[:, None], drafts], dim=1), cache=cache, kv_len=bound + width,
-                          hidden_layers=self._taps, keep=keep, num_keep=num_keep if keep is not None else None)
-        protocol, v = self._verify(drafts, proposal, out.logits, depth, width)  # tokens [B, n+1], accepted [B]
+            out = self.target(tokens, cache=cache, kv_len=bound + width, hidden_layers=self._taps, keep=keep,
+                              num_keep=num_keep)
+            logits, hidden = out.logits, out.hidden
+        else:
+            logits, hidden = self._verify_fn(tokens, cache, bound + width)
+        protocol, v = self._verify(drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
         t3 = time.perf_counter()
 
         acc = v.num_accepted
@@ -474,7 +489,7 @@ class SpecEngine:
             s.emit(host_tokens[r])
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
-                                      target_hidden=out.hidden))
+                                      target_hidden=hidden))
         self.metrics.record_verify(accepted, depths, protocol)
         t4 = time.perf_counter()
         sec = self.metrics.seconds
@@ -521,29 +536,6 @@ class SpecEngine:
                              "probs [B, K, V]; standard speculative sampling needs the draft distributions")
         return "speculative", verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds,
                                                  self._seq_lens)
-
-
-def _try_compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """torch.compile `fn`, falling back to eager at the first call that fails to compile."""
-    # freezing: weights become constants, so inductor can prepack them for oneDNN (the frozen target never
-    # changes under the engine); dynamic: kv_len changes every step and must not trigger recompiles.
-    compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
-    state = {"fn": compiled}
-
-    def call(*args: Any) -> Tensor:
-        try:
-            return state["fn"](*args)
-        except Exception as e:  # any compiler failure (dynamo, inductor, C++ build) means "run eager"
-            if state["fn"] is fn:
-                raise
-            import warnings
-
-            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); running eager",
-                          stacklevel=2)
-            state["fn"] = fn
-            return fn(*args)
-
-    return call
 
 
 def reference_generate(target: Decoder, requests: Sequence[Request],

@@ -28,6 +28,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.spec.batching import PerLayerKVCache, prefill_rows
+from angelspec.spec.compiled import try_compile
 from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, register_drafter
 from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
@@ -39,6 +40,20 @@ class DraftLMDrafter(Drafter):
         self._target_fingerprint = target_fingerprint
         self.cache: StaticKVCache | None = None
         self._k = 0
+        self._first_fn, self._step_fn = self._first_logits, self._step_logits
+
+    def _first_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int,
+                      index: Tensor) -> Tensor:
+        """tokens [B, 2] = [pending or last, last] -> the logits [B, V] at position index [B, 1]."""
+        return self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, logits_index=index).logits[:, 0]
+
+    def _step_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
+        """tokens [B, 1] -> next-token logits [B, V]."""
+        return self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len).logits[:, 0]
+
+    def compile(self) -> None:
+        self._first_fn = try_compile(self._first_logits, "draft LM's first step")
+        self._step_fn = try_compile(self._step_logits, "draft LM's step")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -99,8 +114,7 @@ class DraftLMDrafter(Drafter):
         first_in = torch.stack([torch.where(self._has_pending, self._pending, last), last], dim=1)  # [B, 2]
         pend = self._has_pending.long()
         # Cache length before = seq_len - 1 - pending, so kv_len = seq_len + 1 bounds every row.
-        logits = self.model(first_in, cache=cache, num_new=(1 + pend) * act, kv_len=state.seq_len_bound + 1,
-                            logits_index=pend[:, None]).logits[:, 0]  # [B, V]
+        logits = self._first_fn(first_in, cache, (1 + pend) * act, state.seq_len_bound + 1, pend[:, None])  # [B, V]
         s = state.sampling
         tokens, probs, confs = [], [], []
         for j in range(k):
@@ -114,8 +128,7 @@ class DraftLMDrafter(Drafter):
             confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
             tokens.append(d)
             if j < k - 1:
-                logits = self.model(d[:, None], cache=cache, num_new=act,
-                                    kv_len=state.seq_len_bound + j + 2).logits[:, 0]
+                logits = self._step_fn(d[:, None], cache, act, state.seq_len_bound + j + 2)
         tok = torch.stack(tokens, dim=1)  # [B, K]
         self._pending = tok[:, -1]
         return Proposal(tokens=tok, probs=None if deterministic else torch.stack(probs, dim=1),

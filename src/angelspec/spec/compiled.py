@@ -1,0 +1,34 @@
+"""`torch.compile` for the engine's hot calls (the AR decode step, the verify forward, a draft LM's steps), with
+a fallback to eager so a machine without a working compiler still decodes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+R = TypeVar("R")
+
+
+def try_compile(fn: Callable[..., R], what: str) -> Callable[..., R]:
+    """torch.compile `fn`, falling back to eager (with one warning naming `what`) at the first call that fails
+    to compile. freezing: weights become constants, so inductor can prepack them for oneDNN (frozen models
+    only: never modify the weights under a compiled call); dynamic: kv_len changes every step and must not
+    trigger recompiles."""
+    compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
+    state: dict[str, Callable[..., R]] = {"fn": compiled}
+
+    def call(*args: Any) -> R:
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # any compiler failure (dynamo, inductor, C++ build) means "run eager"
+            if state["fn"] is fn:
+                raise
+            warnings.warn(f"torch.compile of the {what} failed ({type(e).__name__}: {e}); running eager",
+                          stacklevel=2)
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
