@@ -3,7 +3,8 @@
 Two gloo processes on CPU (about 6 s per launch on 2 cores) train a tiny preset with a global batch of 4 rows,
 2 per rank; a single process trains the same 4 rows per step: the MTP drafter for 3 steps (LK^α cold start for
 one step, then e2e TV; its losses need the global-batch denominators) and the draft LM for 4 steps (the causal-LM
-loop). The unit tests of the helpers need no process group.
+loop). An FSDP2 run stopped after its first step resumes bit-identical to an uninterrupted one (the optimizer state
+is saved whole and re-sharded). The unit tests of the helpers need no process group.
 """
 
 from __future__ import annotations
@@ -72,35 +73,45 @@ def single_process_runs(tmp_path_factory, tiny_target_dir, conversations):
     return {"mtp": root / "mtp", "draft-lm": root / "draft-lm"}
 
 
-def _torchrun(drafter: str, strategy: str, target, data, out) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node 2` with this interpreter (same venv), one thread per rank, a free port."""
+def _torchrun(drafter: str, strategy: str, target, data, out, *extra: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2` with this interpreter (same venv), one thread per rank, a free port; `extra`
+    CLI arguments go after the fixed ones."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "angelspec.cli", "train", "--drafter", drafter,
            "--target", str(target), "--data", str(data), "--out", str(out), "--preset", "tiny_debug", "--quiet",
-           "--distributed", strategy, "batch_size=4"]
+           "--distributed", strategy, *extra, "batch_size=4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_target_dir, conversations):
+    """`launched(drafter, strategy)`: the output folder of an uninterrupted 2-process run, launched once per module
+    (the FSDP2 MTP run is also the reference of the resume test)."""
+    done = {}
+
+    def run(drafter: str, strategy: str):
+        if (drafter, strategy) not in done:
+            out = tmp_path_factory.mktemp("dist_runs") / f"{drafter}-{strategy}"
+            _check(_torchrun(drafter, strategy, tiny_target_dir, conversations, out), out.parent)
+            done[drafter, strategy] = out
+        return done[drafter, strategy]
+
+    return run
 
 
 @needs_gloo
 @pytest.mark.parametrize("drafter", ["mtp", "draft-lm"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_train_the_single_process_model(strategy, drafter, tmp_path, tiny_target_dir, conversations,
-                                                      single_process_runs):
+def test_two_processes_train_the_single_process_model(strategy, drafter, launched, single_process_runs):
     """Tolerance: the two runs add the same per-token terms in a different order (two half-batch sums plus an
     all-reduce vs one full-batch sum), so gradients differ by float32 rounding (~1e-7 relative); AdamW's
     normalised update passes that on almost unchanged over 3-4 steps. 1e-5 relative (atol 1e-6 for entries near
     0) is two orders above that and far below one AdamW update (about lr, 1e-4 to 1e-3 per step here)."""
     from safetensors.torch import load_file
 
-    out = tmp_path / strategy
+    out = launched(drafter, strategy)
     ref_dir = single_process_runs[drafter]
-    proc = _torchrun(drafter, strategy, tiny_target_dir, conversations, out)
-    if proc.returncode != 0:
-        log = tmp_path / "torchrun.log"
-        log.write_text(f"$ {' '.join(proc.args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-        pytest.fail(f"torchrun exited with {proc.returncode} (full output in {log}); stderr ends:\n"
-                    f"{proc.stderr[-4000:]}")
     ref = load_file(str(ref_dir / "model.safetensors"))
     got = load_file(str(out / "model.safetensors"))
     assert ref.keys() == got.keys()
@@ -114,6 +125,54 @@ def test_two_processes_train_the_single_process_model(strategy, drafter, tmp_pat
     assert len(logs) == len(ref_logs) == report["steps"]  # log_every=1; rank 0 alone writes the log
     for a, b in zip(logs, ref_logs, strict=True):  # the logged loss is the global-batch loss
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def _check(proc: subprocess.CompletedProcess, tmp_path) -> None:
+    """Fail with the end of stderr (the whole output goes to a file) when a torchrun launch failed."""
+    if proc.returncode != 0:
+        log = tmp_path / f"torchrun-{_free_port()}.log"
+        log.write_text(f"$ {' '.join(proc.args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        pytest.fail(f"torchrun exited with {proc.returncode} (full output in {log}); stderr ends:\n"
+                    f"{proc.stderr[-4000:]}")
+
+
+@needs_gloo
+def test_fsdp2_run_stopped_mid_way_resumes_exactly(tmp_path, tiny_target_dir, conversations, launched,
+                                                   single_process_runs):
+    """Three 2-process FSDP2 launches of the 3-step MTP preset: uninterrupted; stopped after step 1 by the time
+    budget (a checkpoint at step 1, the schedule unchanged, as after a kill); resumed from that checkpoint. The
+    checkpoint's optimizer state is whole (every AdamW moment has its parameter's full shape, keyed by name, though
+    each rank held half of it), and the resumed run ends with the uninterrupted run's weights and losses, bit for
+    bit: without the AdamW moments the steps after the resume would differ. The same checkpoint also resumes in a
+    single process (the state does not depend on the world size), ending at the single-process run's weights up to
+    reduction order (tolerance as above)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from angelspec.train.mtp import tiny_debug, train_mtp
+
+    full, cut = launched("mtp", "fsdp2"), tmp_path / "cut"
+    _check(_torchrun("mtp", "fsdp2", tiny_target_dir, conversations, cut, "--max-minutes", "1e-9"), tmp_path)
+    assert json.loads((cut / "train_report.json").read_text())["steps"] == 1
+    ckpt = cut / "training" / "checkpoint"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert state.keys() == weights.keys()
+    assert all(s["exp_avg"].shape == s["exp_avg_sq"].shape == weights[k].shape for k, s in state.items())
+    assert all(int(s["step"]) == 1 for s in state.values())
+    shutil.copytree(cut, tmp_path / "single")
+    train_mtp(tiny_target_dir, conversations, tmp_path / "single", config=replace(tiny_debug(), batch_size=4),
+              resume=True, progress=False, log=lambda *_: None)
+    ref, got = (load_file(str(d / "model.safetensors")) for d in (single_process_runs["mtp"], tmp_path / "single"))
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    _check(_torchrun("mtp", "fsdp2", tiny_target_dir, conversations, cut, "--resume"), tmp_path)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(cut / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = [[json.loads(x)["loss"] for x in (d / "training" / "train_log.jsonl").read_text().splitlines()]
+              for d in (full, cut)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
 # ----- helpers, no process group -----

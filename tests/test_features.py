@@ -169,3 +169,23 @@ def test_spec_validation(target: Decoder) -> None:
         OnlineFeatures(target, FeatureSpec(layer_ids=(2,)))
     assert FeatureSpec.from_json(FeatureSpec((0,), 1).to_json()) == FeatureSpec((0,), 1)
     assert FeatureSpec.from_json(FeatureSpec((0,), True).to_json()).full_logits
+
+
+def test_resume_compares_the_recorded_dataset_not_its_notes(target: Decoder, batches: list[PackedBatch],
+                                                            tmp_path: Path) -> None:
+    from angelspec.data.features import dataset_identity
+
+    root, spec = tmp_path / "cache", FeatureSpec(layer_ids=(1,))
+    dataset = dataset_identity(batches[0], source="a.jsonl")
+    OfflineFeatureCache.build(target, spec, batches[:1], root, dataset=dataset)
+    resumed = OfflineFeatureCache.build(target, spec, batches[:1], root, resume=True,
+                                        dataset={**dataset, "source": "moved/a.jsonl"})
+    assert resumed.manifest["dataset"]["source"] == "moved/a.jsonl"
+    with pytest.raises(FeatureCacheError, match="cannot resume .*dataset"):
+        OfflineFeatureCache.build(target, spec, batches[:1], root, resume=True,
+                                  dataset=dataset_identity(batches[1]))
+    reader = OfflineFeatureCache.open(root, target=target)
+    reader.require([1], dataset)
+    with pytest.raises(FeatureCacheError, match=r"lacks target layer\(s\) \[0\]"):
+        reader.require([0, 1], dataset)
+    assert torch.equal(reader.rows([0]).hidden[1], OnlineFeatures(target, spec)(batches[0]).hidden[1])

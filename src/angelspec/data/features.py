@@ -15,7 +15,7 @@ hidden states of some layers, DFlash/DFly read several, KL-style losses read the
 
 Cache layout (``DIR/``)::
 
-    manifest.json            {"format", "spec", "target_fingerprint", "rows_per_shard", "complete",
+    manifest.json            {"format", "spec", "target_fingerprint", "rows_per_shard", "dataset", "complete",
                               "num_batches", "shards": [{"file", "batches", "rows", "bytes", "sha256", "inputs"}]}
     shard-00000.safetensors  tensors "{j}.{field}" for the j-th batch of the shard (fields of FeatureBatch.to_tensors)
 
@@ -26,6 +26,15 @@ atomic), so after a kill the manifest lists only complete shards. ``resume=True`
 whose size (and input digest) match, and rebuilds a shard that is missing, truncated or unlisted. The
 reader checks sizes on open (and SHA-256 with ``verify=True``) and refuses a cache built from another
 target (fingerprint) or with another spec.
+
+Training from a cache (``train.mtp`` / ``train.block``, config ``features=DIR``; made by ``angelspec
+features``): the cache holds the trainer's packed rows, one row per stored batch, in packing order, and
+records the packed dataset (``dataset_identity``: rows, seq_len, digest of the tokens). A trainer reads the
+rows of a step with :meth:`OfflineFeatureCache.rows` (any order, so one cache serves every seed, batch size
+and data-parallel split) after :meth:`OfflineFeatureCache.require` has checked the dataset and the layers.
+No teacher logits are stored: the trainer recomputes them from the last layer's tap with the target's own
+final norm and LM head, ``lm_head(norm(h_{L-1}))``, the exact ops of the target's forward, so the batches
+equal the online ones while the cache stays at D (not V) values per token and layer.
 
 Shape legend: B rows, T row length, D model dim, K teacher top-k, V vocab.
 """
@@ -54,6 +63,14 @@ MANIFEST = "manifest.json"
 _SHARD_RE = re.compile(r"shard-\d{5}\.safetensors")
 _TEMP_RE = re.compile(r"\.shard-\d{5}\.safetensors\..*\.tmp")  # save_safetensors_atomic's temp files
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The :attr:`FeatureSpec.dtype` name of a torch dtype (e.g. a target's, to store its taps unchanged)."""
+    for name, t in _DTYPES.items():
+        if t == dtype:
+            return name
+    raise ValueError(f"hidden states of dtype {dtype} cannot be cached; supported: {sorted(_DTYPES)}")
 
 
 class FeatureCacheError(ValueError):
@@ -222,13 +239,19 @@ class OfflineFeatureCache:
     def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
         self.root, self.manifest = root, manifest
         self.spec = FeatureSpec.from_json(manifest["spec"])
+        self._row_index: list[tuple[str, int, int]] | None = None  # global row -> (shard file, batch j, row in j)
+        self._handles: dict[str, Any] = {}  # open safe_open handles, one per shard read by rows()
+        self._keys: dict[str, set[str]] = {}  # tensor names of each open shard
 
     # ----- producer -----
     @classmethod
     def build(cls, target: Decoder, spec: FeatureSpec, batches: Iterable[PackedBatch], root: str | Path, *,
               rows_per_shard: int = 256, resume: bool = False, force: bool = False, verify: bool = False,
-              log: Any = None) -> OfflineFeatureCache:
+              log: Any = None, dataset: dict[str, Any] | None = None) -> OfflineFeatureCache:
         """Run :class:`OnlineFeatures` over ``batches`` and write the cache (resumable, see the module doc).
+
+        ``dataset``: what the batches are (e.g. :func:`dataset_identity`), recorded in the manifest for
+        :meth:`require` and compared on resume.
 
         ``batches`` must come out the same on a resume (pack deterministically); each shard records a
         digest of its input tokens and a resume with different data is refused. ``log`` is a
@@ -240,7 +263,8 @@ class OfflineFeatureCache:
         root = Path(root)
         online = OnlineFeatures(target, spec)
         fingerprint = model_fingerprint(target)
-        manifest = cls._start_manifest(root, spec, fingerprint, rows_per_shard, resume=resume, force=force)
+        manifest = cls._start_manifest(root, spec, fingerprint, rows_per_shard, dataset, resume=resume,
+                                       force=force)
         old = {s["file"]: s for s in manifest["shards"]}
         shards: list[dict[str, Any]] = []
         num_batches = 0
@@ -282,10 +306,11 @@ class OfflineFeatureCache:
         return cls(root, manifest)
 
     @staticmethod
-    def _start_manifest(root: Path, spec: FeatureSpec, fingerprint: str, rows_per_shard: int, *, resume: bool,
-                        force: bool) -> dict[str, Any]:
+    def _start_manifest(root: Path, spec: FeatureSpec, fingerprint: str, rows_per_shard: int,
+                        dataset: dict[str, Any] | None, *, resume: bool, force: bool) -> dict[str, Any]:
         fresh = {"format": CACHE_FORMAT, "spec": spec.to_json(), "target_fingerprint": fingerprint,
-                 "rows_per_shard": rows_per_shard, "complete": False, "num_batches": 0, "shards": []}
+                 "rows_per_shard": rows_per_shard, "dataset": dataset, "complete": False, "num_batches": 0,
+                 "shards": []}
         path = root / MANIFEST
         if root.exists() and not root.is_dir():
             raise FeatureCacheError(f"feature cache path {root} is a file, expected a folder")
@@ -302,15 +327,18 @@ class OfflineFeatureCache:
             write_json_atomic(path, fresh)
             return fresh
         if not resume:
-            raise FileExistsError(f"feature cache {root} already exists; pass resume=True to continue it or "
-                                  "force=True to rebuild it")
+            raise FileExistsError(f"feature cache {root} already exists; pass resume=True (`angelspec features "
+                                  "--resume`) to continue it or force=True (--force) to rebuild it")
         manifest = _read_manifest(root)
         for key, want in (("spec", spec.to_json()), ("target_fingerprint", fingerprint),
-                          ("rows_per_shard", rows_per_shard)):
-            if manifest.get(key) != want:
-                raise FeatureCacheError(f"cannot resume {root}: {key} was {manifest.get(key)!r}, now {want!r}; "
+                          ("rows_per_shard", rows_per_shard), ("dataset", dataset)):
+            have = manifest.get(key)
+            if key == "dataset":  # its notes (e.g. the source path) may change; the data may not
+                have, want = _compared(have), _compared(want)
+            if have != want:
+                raise FeatureCacheError(f"cannot resume {root}: {key} was {have!r}, now {want!r}; "
                                         "resume with the original target and settings or rebuild with force=True")
-        manifest["complete"] = False
+        manifest["complete"], manifest["dataset"] = False, dataset
         return manifest
 
     # ----- reader -----
@@ -356,8 +384,99 @@ class OfflineFeatureCache:
                         tensors = {k.split(".", 1)[1]: f.get_tensor(k) for k in keys}
                         yield FeatureBatch.from_tensors(tensors, self.spec.layer_ids)
             except (SafetensorError, OSError) as e:
-                raise FeatureCacheError(f"feature shard {path} is unreadable ({e}); rebuild the cache with "
-                                        "OfflineFeatureCache.build(..., resume=True)") from None
+                raise _unreadable(path, e) from None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s["rows"] for s in self.manifest["shards"])
+
+    def require(self, layer_ids: Iterable[int], dataset: dict[str, Any]) -> None:
+        """Refuse a cache that cannot stand in for the online features of a training run: made from another
+        packed dataset (``dataset``, from :func:`dataset_identity`: seq_len, row count, token digest) or
+        without some of ``layer_ids``; the message says which (the trainer adds the command that makes a
+        matching cache)."""
+        have = self.manifest.get("dataset") or {}
+        problem = None
+        if not have:
+            problem = "it records no training dataset (it was not made by `angelspec features`)"
+        elif have.get("seq_len") != dataset["seq_len"]:
+            problem = (f"it was made with seq_len={have.get('seq_len')}, but this run packs rows of "
+                       f"seq_len={dataset['seq_len']}")
+        elif (have.get("rows"), have.get("digest")) != (dataset["rows"], dataset["digest"]):
+            problem = (f"it was made from another dataset or packing ({have.get('rows')} packed rows from "
+                       f"{have.get('source', '?')}, digest {have.get('digest')}; this run packs {dataset['rows']} "
+                       f"rows from {dataset.get('source', '?')}, digest {dataset['digest']}: other conversations, "
+                       "chat template, enable_thinking or pad token)")
+        elif missing := sorted(set(layer_ids) - set(self.spec.layer_ids)):
+            problem = (f"it lacks target layer(s) {missing} that this drafter needs (it holds layers "
+                       f"{list(self.spec.layer_ids)})")
+        elif self.num_rows != dataset["rows"]:
+            problem = f"its shards hold {self.num_rows} rows, but this run packs {dataset['rows']}"
+        if problem is not None:
+            raise FeatureCacheError(f"feature cache {self.root} does not fit this run: {problem}")
+
+    def rows(self, idx: Iterable[int], layer_ids: Iterable[int] | None = None) -> FeatureBatch:
+        """Global rows ``idx`` (counted over the stored batches in build order) as one batch [len(idx), T, ...],
+        with the hidden states of ``layer_ids`` (default: all), read through memory-mapped slices: only the
+        requested rows are paged in. All stored batches must share T (a training cache's rows do)."""
+        layer_ids = self.spec.layer_ids if layer_ids is None else tuple(layer_ids)
+        missing = [i for i in layer_ids if i not in self.spec.layer_ids]
+        if missing:
+            raise FeatureCacheError(f"feature cache {self.root} holds layers {list(self.spec.layer_ids)}, "
+                                    f"not {missing}")
+        index = self._rows_index()
+        parts: list[dict[str, Tensor]] = []
+        for g in idx:
+            if not 0 <= g < len(index):
+                raise IndexError(f"row {g} out of range: feature cache {self.root} holds {len(index)} rows")
+            file, j, r = index[g]
+            f = self._handle(file)
+            names = [n for n in _ROW_FIELDS if f"{j}.{n}" in self._keys[file]]
+            names += [f"hidden.{i}" for i in layer_ids]
+            parts.append({n: f.get_slice(f"{j}.{n}")[r:r + 1] for n in names})
+        if not parts:
+            raise ValueError("rows() needs at least one row index")
+        return FeatureBatch.from_tensors({n: torch.cat([p[n] for p in parts]) for n in parts[0]}, layer_ids)
+
+    def _rows_index(self) -> list[tuple[str, int, int]]:
+        if self._row_index is None:
+            index: list[tuple[str, int, int]] = []
+            for s in self.manifest["shards"]:
+                f = self._handle(s["file"])
+                for j in range(s["batches"]):
+                    index += [(s["file"], j, r) for r in range(f.get_slice(f"{j}.input_ids").get_shape()[0])]
+            self._row_index = index
+        return self._row_index
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            path = self.root / file
+            try:
+                self._handles[file] = safe_open(path, framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(path, e) from None
+            self._keys[file] = set(self._handles[file].keys())
+        return self._handles[file]
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(FeatureBatch) if f.name != "hidden")  # stored as "{j}.{name}"
+
+
+def dataset_identity(packed: PackedBatch, **extra: Any) -> dict[str, Any]:
+    """What a training cache was made from: row count, seq_len and a digest of the packed tokens (ids,
+    positions, document ids, loss mask, so also the chat template, thinking mode and pad token), plus
+    ``extra`` notes (e.g. ``source``) that are shown in messages but not compared."""
+    return {"rows": packed.num_rows, "seq_len": packed.seq_len, "digest": _inputs_digest([packed]), **extra}
+
+
+def _compared(dataset: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of a :func:`dataset_identity` that must match: rows, seq_len and digest, not the notes."""
+    return None if dataset is None else {k: dataset.get(k) for k in ("rows", "seq_len", "digest")}
+
+
+def _unreadable(path: Path, e: Exception) -> FeatureCacheError:
+    return FeatureCacheError(f"feature shard {path} is unreadable ({e}); rebuild the cache with "
+                             "OfflineFeatureCache.build(..., resume=True)")
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:

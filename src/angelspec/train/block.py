@@ -1,7 +1,8 @@
 """`angelspec train --drafter {dflash,dflare,dfly,dspark}`: the block-parallel drafters (report §3; DSpark report §3).
 
 Per step: a batch of packed rows (document-aware packing, the MTP trainer's `PackedRows`) -> frozen target
-forward under no_grad (online features: the taps `target_layer_ids` and the teacher logits) -> N random anchors
+forward under no_grad (online features: the taps `target_layer_ids` and the teacher logits; or the same tensors
+from an offline cache with `features=DIR`, `train.mtp.TargetFeatures`) -> N random anchors
 per row inside assistant spans (`sample_anchors`: the first draft after the anchor must be a trained token of the
 anchor's document) -> ONE index-masked backbone pass over all N blocks of a row plus the teacher-forced head
 (`BlockDrafter.forward_train`) -> the objective -> AdamW, warm-up + cosine, gradient clipping.
@@ -25,7 +26,7 @@ no dropout, and the checkpoint holds the drafter's weights and the optimizer sta
 
 Data parallelism as in `train.mtp`: DDP (default under torchrun) or FSDP2 over the drafter only; anchors are
 drawn per global row, so N processes see the single-process batch; losses normalise over the global batch
-(FSDP2 checkpoints hold no optimizer state: no resume).
+(checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
 `model.safetensors` with the drafter's own weights (`models.block_io`).
@@ -72,6 +73,7 @@ from angelspec.train.distributed import (
     barrier,
     global_sum,
     init_distributed,
+    load_full_state_dict,
     resolve_strategy,
     shard_rows,
     shutdown,
@@ -87,7 +89,7 @@ from angelspec.train.losses import (
     global_denominators,
     token_alpha,
 )
-from angelspec.train.mtp import PackedRows, load_conversations
+from angelspec.train.mtp import PackedRows, load_conversations, pad_token_id, target_features
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 
 # kind -> (default head, backbone conditioning, default objective)
@@ -142,6 +144,7 @@ class BlockDrafterTrainConfig:
     seed: int = 0
     ckpt_every: int = 50
     log_every: int = 10
+    features: str | None = None  # an offline feature cache (`angelspec features`) instead of the target forward
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
@@ -345,9 +348,6 @@ def train_block_drafter(
     cfg = config or dfly_embedded()
     info = init_distributed()
     strategy = resolve_strategy(distributed, info)
-    if strategy == "fsdp2" and resume:
-        raise ConfigError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no "
-                          "optimizer state); resume with ddp or a single process")
     main = info.is_main
     log = log if main else _silent
     if cfg.batch_size % info.world_size:
@@ -371,10 +371,11 @@ def train_block_drafter(
     if main and force and not resume and out_dir.exists():
         shutil.rmtree(out_dir)
     barrier()
-    pad_id = tcfg.pad_token_id if tcfg.pad_token_id is not None else (tcfg.eos_token_ids or (0,))[0]
     docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
-    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
+    rows = PackedRows(docs, cfg.seq_len, pad_token_id(tcfg), cfg.seed)
     log(packing_report(rows.packed).format())
+    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=target_dir,
+                               data=Path(data), enable_thinking=cfg.enable_thinking)
 
     model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -398,36 +399,35 @@ def train_block_drafter(
         global_rows = shard_rows(global_rows, info)
 
     step = resume_training(ckpt_dir, resume, identity,
-                           lambda c: model.load_state_dict(load_file(str(c / "model.safetensors"))), opt, log)
+                           lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt, log,
+                           model=model)
 
     def model_to_save() -> BlockDrafter:
         """The drafter with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
         return whole_copy(model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head))
 
     save_ckpt = make_checkpoint_saver(ckpt_dir, model_to_save, lambda m, p: save_block_drafter(m, p, meta),
-                                      identity, None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
+                                      identity, opt, is_main=main, barrier=barrier, model=model)
 
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train_log.jsonl"
-    taps_ids = list(mcfg.target_layer_ids)
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
     losses: list[float] = []
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
-        batch = rows.batch(step, cfg.batch_size, info)
+        idx = rows.local_rows(step, cfg.batch_size, info)
+        batch = rows.take(idx)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
-        with torch.no_grad():  # online features: the frozen target's taps and teacher logits
-            tout = target(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                          hidden_layers=taps_ids)
+        taps, teacher_logits = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
-        logits, labels, src, valid, *conf = wrapped(concat_taps(tout.hidden), batch.input_ids, batch.positions,
+        logits, labels, src, valid, *conf = wrapped(concat_taps(taps), batch.input_ids, batch.positions,
                                                     anchors, batch.document_ids, batch.loss_mask, anchor_valid)
         R, N, K, V = logits.shape
         # Teacher of draft k of anchor a: the target's distribution at a+k−1. [R, N, K, V]
-        teacher = tout.logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
+        teacher = teacher_logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
         lb = LossBatch(student_logits=logits.flatten(0, 1), mask=valid.flatten(0, 1),
                        teacher_logits=teacher.flatten(0, 1), labels=labels.flatten(0, 1),
                        confidence_logits=conf[0].flatten(0, 1) if conf else None)
@@ -466,7 +466,7 @@ def train_block_drafter(
               "draft_layers": mcfg.num_draft_layers, "target_layer_ids": list(mcfg.target_layer_ids),
               "objective": objective, "parameters": sum(p.numel() for p in model.parameters()), **stats,
               "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
-              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint()}
+              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
     if info.enabled:
         report.update(distributed=strategy, world_size=info.world_size)
     if main:

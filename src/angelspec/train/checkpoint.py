@@ -4,6 +4,15 @@ A checkpoint is a folder: `config.json` (what the model is), `*.safetensors` (we
 resuming `trainer_state.json` (step, data position, config hash) plus `optimizer.pt` — our own
 optimizer state, the only file ever read with `torch.load`, and then with `weights_only=True`.
 
+Two forms of `optimizer.pt`: `optimizer.state_dict()` (parameters numbered in optimizer order; what a
+caller gets without `model=`), and with `model=` the FULL state keyed by parameter name
+(`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(..., full_state_dict=True)`). The
+named form is what makes FSDP2 resumable: every rank's DTensor shards of the AdamW moments are gathered
+into whole tensors (a collective; rank 0 keeps them, on CPU) and written once, and on resume every rank
+reads the file and keeps its own shard (`set_optimizer_state_dict`). It does not depend on the number
+of processes or the strategy (tests/test_distributed.py: a stopped 2-process FSDP2 run resumes
+bit-identical to an uninterrupted one, and its checkpoint also resumes in a single process).
+
 Writes go to `<dir>.tmp-<pid>` and are swapped in with renames, so a kill at any moment leaves
 either the previous checkpoint or the new one, never a mix: `latest/` is replaced by renaming
 `latest` → `latest.old`, `tmp` → `latest`, then deleting `latest.old`. A reader that finds only
@@ -21,13 +30,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from angelspec.models.hf_io import write_json_atomic
+from angelspec.train.distributed import has_dtensors
 
 TRAINER_STATE = "trainer_state.json"
 # Settings that only say how long to run or how often to save may change on resume (a run can be
 # extended or shortened); every other setting must match the checkpoint exactly.
 RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
+# ... and so may where the target features come from: online, or an offline cache of the same target and data
+# (the trainer checks that), which holds the very tensors the online forward computes.
+RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features")
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -39,9 +53,10 @@ def write_checkpoint(
     ckpt_dir: str | Path,
     write_model: Callable[[Path], None],
     trainer_state: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | dict[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint atomically. `write_model(tmp_dir)` writes config + safetensors."""
+    """Write a complete checkpoint atomically. `write_model(tmp_dir)` writes config + safetensors; `optimizer`
+    is an optimizer (its `state_dict()` is saved), an already gathered state dict, or None (not resumable)."""
     final = Path(ckpt_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
@@ -51,7 +66,8 @@ def write_checkpoint(
     tmp.mkdir()
     write_model(tmp)
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+        state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        torch.save(state, tmp / OPTIMIZER_STATE)
     write_json_atomic(tmp / TRAINER_STATE, trainer_state)
     if old.exists():
         shutil.rmtree(old)
@@ -76,11 +92,41 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / TRAINER_STATE).read_text())
 
 
-def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer) -> None:
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> dict[str, Any]:
+    """What `optimizer.pt` holds: `optimizer.state_dict()` when `model` is None, else the full state keyed by
+    `model`'s parameter names (module docstring). With `model` it is a collective under FSDP2 (every rank calls
+    it; rank 0 gets the whole state on CPU, the other ranks an empty dict)."""
+    if model is None:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+
+
+def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+    """Restore `optimizer` from `ckpt/optimizer.pt` (either form, see the module docstring). A named (full)
+    state needs `model`, the module the optimizer's parameters belong to; under FSDP2 each rank keeps its
+    shards of it."""
     path = Path(ckpt) / OPTIMIZER_STATE
     if not path.is_file():
         raise ResumeError(f"{ckpt} has no {OPTIMIZER_STATE}; cannot resume exactly (start fresh with --force)")
-    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    state = torch.load(path, weights_only=True)
+    named = any(isinstance(k, str) for k in state.get("state", {})) or any(
+        isinstance(p, str) for g in state.get("param_groups", ()) for p in g.get("params", ()))
+    if not named:
+        if model is not None and has_dtensors(model):
+            raise ResumeError(f"{path} holds per-process optimizer state numbered by parameter, which an FSDP2 "
+                              "run cannot shard; resume it with the strategy that wrote it, or start fresh with "
+                              "--force")
+        optimizer.load_state_dict(state)
+        return
+    if model is None:
+        raise ResumeError(f"{path} holds an optimizer state keyed by parameter name; this trainer cannot load it "
+                          "(start fresh with --force)")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
@@ -95,7 +141,7 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys
 
 def run_identity(cfg: Any) -> dict[str, Any]:
     """The JSON form of a (dataclass) config minus the run-length keys: what a resume must match."""
-    return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RUN_LENGTH_KEYS}
+    return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RESUME_FREE_KEYS}
 
 
 def resume_training(
@@ -105,10 +151,13 @@ def resume_training(
     load_weights: Callable[[Path], None],
     optimizer: torch.optim.Optimizer,
     log: Callable[[str], None],
+    *,
+    model: nn.Module | None = None,
 ) -> int:
     """The step a run starts from: 0 when not resuming (or nothing to resume), else the newest checkpoint's
     step after checking that `identity` (its `train_config` compared without the run-length keys) matches the
-    checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state."""
+    checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state (`model`: the module
+    of the optimizer's parameters, for the named form; see `load_optimizer_state`)."""
     ckpt = find_checkpoint(ckpt_dir) if resume else None
     if ckpt is None:
         if resume:
@@ -116,10 +165,10 @@ def resume_training(
         return 0
     state = read_trainer_state(ckpt)
     saved = {**state, "train_config": {k: v for k, v in state.get("train_config", {}).items()
-                                       if k not in RUN_LENGTH_KEYS}}
+                                       if k not in RESUME_FREE_KEYS}}
     check_resume_compatible(saved, identity, tuple(identity))
     load_weights(ckpt)
-    load_optimizer_state(ckpt, optimizer)
+    load_optimizer_state(ckpt, optimizer, model)
     step = int(state["step"])
     log(f"resuming from step {step}")
     return step
@@ -134,16 +183,19 @@ def make_checkpoint_saver(
     *,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
+    model: nn.Module | None = None,
 ) -> Callable[[int], None]:
     """`save(step)` for a training loop: every rank calls `snapshot()` (whole weights; a collective under
-    FSDP2), the main rank writes an atomic checkpoint with `write_model(snapshot, dir)`, the trainer state
-    (`step` + `identity`) and the optimizer state (None: not resumable, e.g. FSDP2 shards), then all ranks
-    meet at `barrier()`."""
+    FSDP2) and gathers the optimizer state (`optimizer_state(optimizer, model)`: with `model`, the named full
+    form, which FSDP2 needs; None: not resumable), the main rank writes an atomic checkpoint with
+    `write_model(snapshot, dir)`, the trainer state (`step` + `identity`) and that state, then all ranks meet
+    at `barrier()`."""
 
     def save(step: int) -> None:
         whole = snapshot()
+        opt_state = None if optimizer is None else optimizer_state(optimizer, model)
         if is_main:
-            write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), {"step": step, **identity}, optimizer)
+            write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), {"step": step, **identity}, opt_state)
         barrier()
 
     return save

@@ -19,6 +19,9 @@ The torchtitan habit: a trainer builds its model first and applies parallelism a
 6. Only rank 0 writes checkpoints, logs and progress bars (`info.is_main`); logged scalars are all-reduced
    (`all_reduce_scalars`); model weights for writing come from `full_state_dict` (a collective: every rank
    calls it, rank 0 writes).
+7. Resuming: every rank reads the checkpoint's whole weights and keeps its part (`load_full_state_dict`); the
+   optimizer state is saved whole, keyed by parameter name, and re-sharded the same way
+   (`train.checkpoint.optimizer_state` / `load_optimizer_state` with `model=`), so an FSDP2 run resumes exactly.
 """
 
 from __future__ import annotations
@@ -217,12 +220,29 @@ def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
     return {k: _full(v).detach().clone() for k, v in module.state_dict().items()}
 
 
+def has_dtensors(module: nn.Module) -> bool:
+    """True when FSDP2 has turned (some of) `module`'s parameters into DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load whole tensors (e.g. a checkpoint's safetensors) into `module`, strictly. Under FSDP2 every rank
+    calls it with the same `state` and keeps its own shard of each parameter (a plain `load_state_dict` would
+    try to copy whole tensors into DTensor shards)."""
+    if not has_dtensors(module):
+        module.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
 def whole_copy(module: nn.Module, factory: Callable[[], nn.Module]) -> nn.Module:
     """`module` itself when it holds no FSDP2 shards, else `factory()` (an unwrapped twin) loaded with the
     gathered weights, e.g. for writing. A collective under FSDP2: every rank calls it."""
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in module.parameters()):
+    if not has_dtensors(module):
         return module
     twin = factory()
     twin.load_state_dict(full_state_dict(module))

@@ -1,8 +1,9 @@
 """`angelspec train --drafter eagle3`: the EAGLE-3 drafter, trained by the MTP trainer (`train.mtp.train_mtp`).
 
-EAGLE-3 is a member of the MTP family (`models.eagle3`): the same data, packing, online features, TTT rollout,
-loss schedule, checkpoints and exact resume; only the block and the target taps differ. This module holds the
-run config and the presets; `train_eagle3` is `train_mtp` with an EAGLE-3 default.
+EAGLE-3 is a member of the MTP family (`models.eagle3`): the same data, packing, target features (online or
+from an offline cache, `features=DIR`), TTT rollout, loss schedule, checkpoints and exact resume; only the block
+and the target taps differ. This module holds the run config and the presets; `train_eagle3` is `train_mtp` with
+an EAGLE-3 default.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`angelspec train --drafter mtp`: the shared-parameter MTP drafter with Training-Time Test (report §2).
 
 Per step: a batch of packed rows (document-aware packing, §6.3) -> frozen target forward under no_grad
-(online features: the tap h_i and the teacher logits) -> TTT rollout of the MTP block for D depths
+(online features: the tap h_i and the teacher logits; or, with `features=DIR`, the same tensors read from an
+offline cache made by `angelspec features`, see `TargetFeatures`) -> TTT rollout of the MTP block for D depths
 (`train.ttt`) -> a loss from `train.losses` chosen by name, by default the report's two-stage recipe
 (LK^α cold start, then e2e TV, via `LossSchedule`) -> AdamW, warm-up + cosine, gradient clipping.
 
@@ -21,7 +22,8 @@ Data parallelism (`train.distributed`): under `torchrun --nproc_per_node N` the 
 (the default) or FSDP2 (`distributed="fsdp2"`), each rank takes its slice of the same global batch, and
 losses are normalised over the global batch, so N processes train the single-process model (up to
 reduction order; tested). The frozen target is not wrapped: every rank runs its own copy. Rank 0 alone
-writes checkpoints, logs and the progress bar. FSDP2 checkpoints hold no optimizer state yet (no resume).
+writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer state whole and keyed by
+parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3Block`, three target taps joined
 by `concat_taps`) and the presets differ.
@@ -45,9 +47,17 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from angelspec.data.chat import encode_conversation
+from angelspec.data.features import (
+    FeatureCacheError,
+    FeatureSpec,
+    OfflineFeatureCache,
+    dataset_identity,
+    dtype_name,
+)
 from angelspec.data.lm_data import read_jsonl
 from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
 from angelspec.models.config import DecoderConfig
+from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
 from angelspec.models.mtp_io import build_block, save_mtp
@@ -62,6 +72,7 @@ from angelspec.train.distributed import (
     barrier,
     global_sum,
     init_distributed,
+    load_full_state_dict,
     resolve_strategy,
     shard_rows,
     shutdown,
@@ -106,6 +117,7 @@ class BlockTrainConfig:
     seed: int = 0
     ckpt_every: int = 50
     log_every: int = 10
+    features: str | None = None  # an offline feature cache (`angelspec features`) instead of the target forward
 
     def __post_init__(self) -> None:
         get_loss(self.loss)
@@ -217,23 +229,128 @@ class PackedRows:
         return self._perm[1]
 
     def rows(self, step: int, batch_size: int) -> list[int]:
+        """The packed-row indices of global batch `step`."""
         out = []
         for g in range(step * batch_size, (step + 1) * batch_size):
             epoch, r = divmod(g, self.packed.num_rows)
             out.append(int(self._permutation(epoch)[r]))
         return out
 
+    def local_rows(self, step: int, batch_size: int, dist_info: DistInfo | None = None) -> list[int]:
+        """The row indices of global batch `step`, or of this rank's slice of it when `dist_info` is given."""
+        idx = self.rows(step, batch_size)
+        return shard_rows(idx, dist_info) if dist_info is not None and dist_info.enabled else idx
+
     def batch(self, step: int, batch_size: int, dist_info: DistInfo | None = None) -> PackedBatch:
         """Global batch `step`, or this rank's slice of it when `dist_info` is given."""
-        idx = self.rows(step, batch_size)
-        if dist_info is not None and dist_info.enabled:
-            idx = shard_rows(idx, dist_info)
+        return self.take(self.local_rows(step, batch_size, dist_info))
+
+    def take(self, idx: list[int]) -> PackedBatch:
+        """Packed rows `idx` as one batch [len(idx), seq_len]."""
         p = self.packed
         t = torch.tensor(idx)
         return PackedBatch(input_ids=p.input_ids[t], labels=p.labels[t], loss_mask=p.loss_mask[t],
                            document_ids=p.document_ids[t], positions=p.positions[t],
                            row_docs=tuple(p.row_docs[i] for i in idx),
                            num_tokens=int((p.document_ids[t] >= 0).sum()), num_truncated=0, truncated_tokens=0)
+
+
+def pad_token_id(cfg: DecoderConfig) -> int:
+    """The id that fills packed rows: the target's pad token, else its first EOS token, else 0."""
+    return cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_ids or (0,))[0]
+
+
+# ----- target features: online or from an offline cache -----
+
+
+class TargetFeatures:
+    """The frozen target's taps and teacher logits for a step's rows: `taps, logits = features(batch, rows)`.
+
+    Online (`cache` None): the target's forward under no_grad. Offline: the rows' hidden states read from an
+    `OfflineFeatureCache` made by `build_feature_cache` (`angelspec features`), and the teacher logits
+    recomputed from the last layer's tap as `lm_head(norm(h_{L-1})).float()`, the very ops of the target's
+    forward, while the cache stores D values per token and layer instead of V logits. The cache computes one
+    row per forward and the online path a whole batch: the same values wherever the kernels treat rows
+    independently (CPU: tested bit for bit, same losses and weights); elsewhere (e.g. GPU GEMMs picking tiles
+    by batch size) they agree up to float rounding. The offline path still needs the target's embedding, final
+    norm and LM head (the drafter shares them), not its layers' compute."""
+
+    def __init__(self, target: Decoder, layer_ids: list[int] | tuple[int, ...],
+                 cache: OfflineFeatureCache | None = None) -> None:
+        self.target, self.layer_ids, self.cache = target, tuple(layer_ids), cache
+        self.last = target.config.num_hidden_layers - 1
+
+    @property
+    def source(self) -> str:
+        return "online" if self.cache is None else str(self.cache.root)
+
+    @torch.no_grad()
+    def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32."""
+        t = self.target
+        if self.cache is None:
+            out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
+                    hidden_layers=self.layer_ids)
+            return list(out.hidden), out.logits
+        fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(batch.input_ids.device)
+        if not torch.equal(fb.input_ids, batch.input_ids):
+            raise FeatureCacheError(f"feature cache {self.cache.root}: rows {rows} hold other tokens than this run's "
+                                    "packed rows; remake the cache with `angelspec features`")
+        return [fb.hidden[i] for i in self.layer_ids], t.lm_head(t.norm(fb.hidden[self.last])).float()
+
+
+def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: list[int], seq_len: int,
+                     enable_thinking: bool) -> str:
+    """The `angelspec features` command line that makes a cache for these settings."""
+    layers = ",".join(str(i) for i in layer_ids)
+    flags = (" --think" if enable_thinking else "") + (" --force" if Path(out).exists() else "")
+    return (f"angelspec features --target {target_dir} --data {data} --out {out} --layers {layers} "
+            f"--seq-len {seq_len}{flags}")
+
+
+def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None, rows: PackedRows, *,
+                    target_dir: Path, data: Path, enable_thinking: bool) -> TargetFeatures:
+    """The features of a training run: online when `cache_dir` is None, else the cache at `cache_dir` after
+    checking that it was made from this target (fingerprint), this packed dataset (rows, seq_len, tokens) and
+    holds `layer_ids` plus the last layer; FeatureCacheError (with the command that makes a matching cache)
+    otherwise."""
+    if cache_dir is None:
+        return TargetFeatures(target, layer_ids)
+    need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
+    try:
+        cache = OfflineFeatureCache.open(cache_dir, target=target)
+        cache.require(need, dataset_identity(rows.packed))
+    except FeatureCacheError as e:
+        fix = features_command(target_dir, data, cache_dir, need, rows.packed.seq_len, enable_thinking)
+        raise FeatureCacheError(f"features={cache_dir}: {e}. Make a matching cache with: {fix}") from None
+    return TargetFeatures(target, layer_ids, cache)
+
+
+def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,
+                        layers: list[int] | tuple[int, ...] = (), seq_len: int = 512, enable_thinking: bool = False,
+                        rows_per_shard: int = 32, resume: bool = False, force: bool = False,
+                        log: Any = print) -> OfflineFeatureCache:
+    """`angelspec features`: the offline feature cache that `features=DIR` trains from.
+
+    Tokenises and packs `data` exactly as the trainers do (`load_conversations`, `PackedRows` with
+    `seq_len` / `enable_thinking`), runs the target over every packed row (one row per forward, the row
+    being the unit a trainer reads) and stores the hidden states of `layers` plus the last layer (its tap
+    gives the teacher logits) in the target's dtype. Resumable (`resume=True`) after a kill."""
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.models.hf_io import load_target
+
+    target_dir, data = Path(target_dir), Path(data)
+    target = load_target(target_dir)
+    docs, _ = load_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking)
+    rows = PackedRows(docs, seq_len, pad_token_id(target.config), seed=0)
+    ids = tuple(sorted({*layers, target.config.num_hidden_layers - 1}))
+    spec = FeatureSpec(ids, with_logits=False, dtype=dtype_name(target.embed_tokens.weight.dtype))
+    log(packing_report(rows.packed).format())
+    log(f"caching layers {list(ids)} of {rows.packed.num_rows} rows to {out}")
+    batches = (rows.take([r]) for r in range(rows.packed.num_rows))
+    return OfflineFeatureCache.build(target, spec, batches, out, rows_per_shard=rows_per_shard, resume=resume,
+                                     force=force, log=log,
+                                     dataset=dataset_identity(rows.packed, source=str(data)))
 
 
 # ----- training -----
@@ -263,9 +380,6 @@ def train_mtp(
     cfg = config or mtp_embedded()
     info = init_distributed()
     strategy = resolve_strategy(distributed, info)
-    if strategy == "fsdp2" and resume:
-        raise ValueError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no optimizer "
-                         "state); resume with ddp or a single process")
     main = info.is_main
     log = log if main else _silent
     if cfg.batch_size % info.world_size:
@@ -286,12 +400,14 @@ def train_mtp(
         p.requires_grad_(False)
     tcfg = target.config
     tok = load_tokenizer(target_dir)
-    pad_id = tcfg.pad_token_id if tcfg.pad_token_id is not None else (tcfg.eos_token_ids or (0,))[0]
+    pad_id = pad_token_id(tcfg)
     docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
     rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
     log(packing_report(rows.packed).format())
 
     mcfg = cfg.block_config(tcfg)
+    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=target_dir,
+                               data=Path(data), enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
     block = build_block(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -311,32 +427,31 @@ def train_mtp(
     meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
 
     step = resume_training(ckpt_dir, resume, identity,
-                           lambda c: block.load_state_dict(load_file(str(c / "model.safetensors"))), opt, log)
+                           lambda c: load_full_state_dict(block, load_file(str(c / "model.safetensors"))), opt, log,
+                           model=block)
 
     def block_to_save() -> MTPBlock:
         """The block with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
         return whole_copy(block, lambda: build_block(mcfg, target.embed_tokens, target.lm_head))
 
-    save_ckpt = make_checkpoint_saver(ckpt_dir, block_to_save, lambda m, p: save_mtp(m, p, meta), identity,
-                                      None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
+    save_ckpt = make_checkpoint_saver(ckpt_dir, block_to_save, lambda m, p: save_mtp(m, p, meta), identity, opt,
+                                      is_main=main, barrier=barrier, model=block)
 
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "train_log.jsonl"
-    taps = list(mcfg.target_layer_ids)
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     block.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
     losses: list[float] = []
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
-        batch = rows.batch(step, cfg.batch_size, info)
+        idx = rows.local_rows(step, cfg.batch_size, info)
+        batch = rows.take(idx)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
-        with torch.no_grad():  # online features: the frozen target's tap and teacher logits
-            tout = target(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                          hidden_layers=taps)
-        out = TTTOutput(*model(concat_taps(tout.hidden), batch.input_ids, batch.positions, batch.document_ids))
-        lb = mtp_loss_batch(out, batch, tout.logits)
+        taps, teacher = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
+        out = TTTOutput(*model(concat_taps(taps), batch.input_ids, batch.positions, batch.document_ids))
+        lb = mtp_loss_batch(out, batch, teacher)
         opt.zero_grad(set_to_none=True)
         if info.enabled:
             # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
@@ -370,7 +485,7 @@ def train_mtp(
     report = {"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths,
               "parameters": sum(p.numel() for p in block.parameters()), **stats,
               "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
-              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint()}
+              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
     if info.enabled:
         report.update(distributed=strategy, world_size=info.world_size)
     if main:
