@@ -175,6 +175,19 @@ def test_fsdp2_run_stopped_mid_way_resumes_exactly(tmp_path, tiny_target_dir, co
     assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
+@needs_gloo
+def test_fsdp2_draft_lm_run_stopped_mid_way_resumes_exactly(tmp_path, tiny_target_dir, conversations, launched):
+    """The causal-LM loop (draft LM, embedded target build) resumes an FSDP2 run exactly too."""
+    full, cut = launched("draft-lm", "fsdp2"), tmp_path / "cut"
+    _check(_torchrun("draft-lm", "fsdp2", tiny_target_dir, conversations, cut, "--max-minutes", "1e-9"), tmp_path)
+    assert (cut / "training" / "checkpoint" / "optimizer.pt").is_file()
+    _check(_torchrun("draft-lm", "fsdp2", tiny_target_dir, conversations, cut, "--resume"), tmp_path)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(d / "model.safetensors")) for d in (full, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ----- helpers, no process group -----
 
 

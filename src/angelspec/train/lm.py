@@ -31,6 +31,7 @@ from angelspec.train.distributed import (
     Strategy,
     all_reduce_scalars,
     barrier,
+    load_full_state_dict,
     shard_rows,
     whole_copy,
     wrap_model,
@@ -80,17 +81,15 @@ def train_causal_lm(
     """
     info = dist_info or DistInfo()
     main = info.is_main
-    if strategy == "fsdp2" and resume:
-        raise ValueError("resume is not supported with --distributed fsdp2 yet (its checkpoints hold no optimizer "
-                         "state); resume with ddp or a single process")
     wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     settings = {"train_config": run_identity(cfg)}
-    step = resume_training(ckpt_dir, resume, settings, lambda c: model.load_state_dict(load_target(c).state_dict()),
-                           opt, log)
+    step = resume_training(ckpt_dir, resume, settings,
+                           lambda c: load_full_state_dict(model, load_target(c).state_dict()),
+                           opt, log, model=model)
 
     save = make_checkpoint_saver(ckpt_dir, lambda: whole_copy(model, lambda: Decoder(model.config)), save_model,
-                                 settings, None if strategy == "fsdp2" else opt, is_main=main, barrier=barrier)
+                                 settings, opt, is_main=main, barrier=barrier, model=model)
 
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()
