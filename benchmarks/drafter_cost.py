@@ -15,7 +15,10 @@ correction head, confidence head), `dflash` (same shape, shared-fc conditioning,
 `dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP block, `MTPConfig.for_target`
 with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer). The block and
 MTP drafters are randomly initialised: latency does not depend on their weights (acceptance does, and is ~0
-here, which only means every step commits one token).
+here, which only means every step commits one token) -- with one exception: dspark's Markov head is solved by
+Jacobi sweeps (`BlockDrafter.propose`) whose count depends on how often the head changes the backbone's argmax;
+its zero-initialised W2 never does, so dspark's number here is its one-sweep best case (the worst case adds up to
+K-1 rank-64 sweeps).
 
 How: each drafter runs inside a real `SpecEngine` on greedy requests (EOS disabled) whose prompts are
 `--context` random tokens, so the caches hold ~256 tokens when decoding starts (and ~256 + new tokens at the
@@ -154,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads (default 1: on a shared 2-core machine a second thread makes "
                         "OpenMP barriers spin whenever the other core is busy)")
     p.add_argument("--json", type=Path, help="also write the numbers here")
+    p.add_argument("--compile", action="store_true",
+                   help="EngineConfig(compile=True): the verify forward and each drafter's hot calls compiled "
+                        "(the untimed warm-up run pays the compilation)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     bad = sorted(set(args.drafters) - set(DRAFTERS))
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     avoid = set(cfg.eos_token_ids)
     drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm) for kind in args.drafters}
     timers = {kind: CommitTimer(d) for kind, (d, _) in drafters.items()}
-    engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0))
+    engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
+                                                             compile=args.compile))
                for kind, (d, k) in drafters.items() for b in args.batch_sizes}
     prompts = {b: make_prompts(b, args.context, cfg.vocab_size, avoid) for b in args.batch_sizes}
     cells = {key: Cell(k=drafters[key[0]][1]) for key in engines}
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nDrafter step vs target verify step: target = {desc}, {args.dtype}; context {args.context} tokens "
           f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
-          f"{args.threads} thread(s), torch {torch.__version__}")
+          f"{args.threads} thread(s), torch {torch.__version__}{', compiled' if args.compile else ', eager'}")
     head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
             f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
     print(head)

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true",
+                   help="also time our engine with EngineConfig(compile=True) (AR decode step; verify forward and "
+                        "draft-LM steps), after one untimed warm-up generation that pays the compilation")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
@@ -95,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     requests = [Request(pr, max_new_tokens=new, stop_ids=()) for pr in prompts]
     cfg = EngineConfig(max_batch_size=1, num_draft_tokens=k)
 
-    def ours(drafter):
-        engine = SpecEngine(target, drafter, cfg)
+    def ours(drafter, compile_: bool = False):
+        engine = SpecEngine(target, drafter, dataclasses.replace(cfg, compile=compile_))
+        if compile_:
+            engine.generate([Request(prompts[0], max_new_tokens=2 * k + 2, stop_ids=())])  # pays the compilation
 
         def run():
             return [r.token_ids for r in engine.generate(requests)], engine.metrics.mean_accepted_length
@@ -117,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         "ours AR": ours(None),
         "ours n-gram": ours(NGramDrafter(max_ngram=3)),
         "ours draft-LM": ours(DraftLMDrafter(draft)),
+        **({"ours AR compiled": ours(None, True), "ours n-gram compiled": ours(NGramDrafter(max_ngram=3), True),
+            "ours draft-LM compiled": ours(DraftLMDrafter(draft), True)} if args.compile else {}),
         "HF AR": theirs(),
         "HF prompt lookup": theirs(prompt_lookup_num_tokens=k),
         "HF assisted": theirs(assistant_model=hf_draft),
@@ -134,17 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     ar_tokens = res["ours AR"][1][0]
     print(f"\nT=0, batch 1, {len(prompts)} prompts x {new} new tokens, K={k}, {args.dtype}, best of {args.repeats}, "
           f"{args.threads} thread(s), EOS disabled\ntarget: {desc}\ndraft LM: {draft_desc}\nprompts: {prompts_desc}")
-    head = f"{'':18}{'ms/token':>10}{'vs own AR':>11}{'MAL':>7}  same tokens as own AR"
+    head = f"{'':24}{'ms/token':>10}{'vs own AR':>11}{'MAL':>7}  same tokens as own AR"
     print(head + "\n" + "-" * len(head))
     for name, (_, (tokens, mal)) in res.items():
-        own_ar = "ours AR" if name.startswith("ours") else "HF AR"
+        own_ar = "HF AR" if not name.startswith("ours") else "ours AR compiled" if name.endswith("compiled") \
+            else "ours AR"
         same = sum(a == b for a, b in zip(tokens, res[own_ar][1][0], strict=True))
         mal_s = f"{mal:7.2f}" if mal is not None else f"{'':7}"
-        print(f"{name:18}{ms(name):>10.2f}{ms(own_ar) / ms(name):>10.2f}x{mal_s}  {same}/{len(prompts)}")
+        print(f"{name:24}{ms(name):>10.2f}{ms(own_ar) / ms(name):>10.2f}x{mal_s}  {same}/{len(prompts)}")
     print("\nours / theirs wall-clock speed (same drafter):")
     for ours_name, hf_name in (("ours AR", "HF AR"), ("ours n-gram", "HF prompt lookup"),
                                ("ours draft-LM", "HF assisted")):
-        print(f"  {ours_name:14} vs {hf_name:17} {ms(hf_name) / ms(ours_name):.2f}x")
+        for variant in (ours_name, f"{ours_name} compiled"):
+            if variant in res:
+                print(f"  {variant:23} vs {hf_name:17} {ms(hf_name) / ms(variant):.2f}x")
     same_ar = sum(a == b for a, b in zip(ar_tokens, res["HF AR"][1][0], strict=True))
     print(f"ours AR == HF AR: {same_ar}/{len(prompts)} prompts")
     return 0

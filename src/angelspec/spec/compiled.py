@@ -20,15 +20,15 @@ def try_compile(fn: Callable[..., R], what: str) -> Callable[..., R]:
     compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
     state: dict[str, Callable[..., R]] = {"fn": compiled}
 
-    def call(*args: Any) -> R:
+    def call(*args: Any, **kwargs: Any) -> R:
         try:
-            return state["fn"](*args)
+            return state["fn"](*args, **kwargs)
         except Exception as e:  # any compiler failure (dynamo, inductor, C++ build) means "run eager"
             if state["fn"] is fn:
                 raise
             warnings.warn(f"torch.compile of the {what} failed ({type(e).__name__}: {e}); running eager",
                           stacklevel=2)
             state["fn"] = fn
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     return call

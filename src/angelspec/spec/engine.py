@@ -224,7 +224,9 @@ class SpecEngine:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
             else:
                 self._verify_fn = try_compile(self._verify_forward, "verify forward")
-                drafter.compile()
+                if not getattr(drafter, "_compiled_by_engine", False):  # engines may share a drafter: once
+                    drafter.compile()
+                    drafter._compiled_by_engine = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------------------------
     # Public entry point

@@ -37,6 +37,7 @@ from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
+from angelspec.spec.compiled import try_compile
 from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
 from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
@@ -164,6 +165,14 @@ class BlockDrafterAdapter(Drafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
         self.cache.reset_rows(list(rows))
+
+    def compile(self) -> None:
+        """The backbone pass and the head's per-position / per-sweep calls (instance attributes shadow the
+        methods, so `propose` picks them up)."""
+        m = self.model
+        m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
+        m.head_step = try_compile(m.head_step, f"{self.kind} head step")  # type: ignore[method-assign]
+        m._head_sweep = try_compile(m._head_sweep, f"{self.kind} head sweep")  # type: ignore[method-assign]
 
 
 @register_drafter("dflash")

@@ -39,6 +39,7 @@ from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import MTPBlock, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
 from angelspec.spec.batching import pad_prompts
+from angelspec.spec.compiled import try_compile
 from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
 from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
@@ -161,6 +162,13 @@ class MTPDrafter(Drafter):
                                         kv_len=self._bound + width)  # [B, n+1, C]
         newest = out.gather(1, acc.clamp(max=width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
         self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
+
+    def compile(self) -> None:
+        """The block's cached forward (draft chain and commit) and its LM head (instance attributes shadow the
+        methods)."""
+        b = self.block
+        b.forward_cached = try_compile(b.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
+        b.logits = try_compile(b.logits, f"{self.kind} logits")  # type: ignore[method-assign]
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
