@@ -31,6 +31,9 @@ EXIT_NOT_LOSSLESS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
+POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "
+               "alg1:TAU | production (default: full; dcut, alg1 and production read a measured cost table, "
+               "profiled on first use and cached)")
 # Drafters `angelspec train` can train; PLANNED_DRAFTERS names roadmap kinds in the refusal message until they exist.
 # Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
 # `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
@@ -109,9 +112,10 @@ def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: in
 
 def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
                batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
-               progress: bool = True) -> tuple[list[Any], Any]:
+               progress: bool = True, depth_policy: Any = None) -> tuple[list[Any], Any]:
     """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
-    `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used).
+    `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used). depth_policy: drafts each row
+    verifies (`angelspec.spec.policies.make_policy`); None = all K.
 
     Each request's budget is capped so prompt + completion fits the context; such rows end with
     finish_reason "length" like any other that ran out of tokens.
@@ -120,7 +124,8 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
 
     context = model.config.max_position_embeddings
     engine = SpecEngine(model, drafter=drafter,
-                        config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens))
+                        config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens),
+                        depth_policy=depth_policy)
     requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
                         request_id=i)
                 for i, (ids, s) in enumerate(zip(prompt_ids, sampling, strict=True))]
@@ -278,6 +283,32 @@ def _sampling_params(args: argparse.Namespace, n: int) -> list[Any]:
     return [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + i) for i in range(n)]
 
 
+def _policy_spec(args: argparse.Namespace) -> Any:
+    """Check `--policy` before any weights are loaded (a typo costs nothing)."""
+    from angelspec.spec.policies import PolicyError, parse_policy
+
+    try:
+        spec = parse_policy(args.policy)
+    except PolicyError as e:
+        raise UsageError(f"--policy: {e}") from None
+    if spec.uses_drafts and getattr(args, "drafter", "none") == "none":
+        raise UsageError(f"--policy {args.policy} chooses how many drafts to verify, but --drafter is none; "
+                         "pick a drafter or drop --policy")
+    return spec
+
+
+def _build_policy(args: argparse.Namespace, spec: Any, model: Decoder, drafter: Drafter | None) -> Any:
+    """The `--policy` object for the engine; a cost table covers batch sizes up to --batch-size."""
+    from angelspec.spec.policies import PolicyError, cost_batch_sizes, make_policy
+
+    try:
+        return make_policy(spec, target=model, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
+                           cost_table_path=args.cost_table, batch_sizes=cost_batch_sizes(args.batch_size),
+                           log=None if args.quiet else print)
+    except PolicyError as e:
+        raise UsageError(f"--policy: {e}") from None
+
+
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise UsageError(f"{name} must be at least 1, got {value}")
@@ -295,6 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _positive("--num-draft-tokens", args.num_draft_tokens)
     out = Path(args.out)
     _check_output_path(out, args.force)
+    policy_spec = _policy_spec(args)
     prompts = load_prompts(args.prompts)
     sampling = _sampling_params(args, len(prompts))
     target_dir = resolve_target_dir(args.target)
@@ -302,6 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = model.config.max_position_embeddings
     prompt_ids = encode_prompts(tokenizer, prompts, context=context, think=args.think, source=args.prompts)
     drafter = resolve_drafter(args.drafter, model, target_dir)
+    depth_policy = _build_policy(args, policy_spec, model, drafter)
     capped = sum(len(ids) + args.max_new_tokens > context for ids in prompt_ids)
     if capped:
         print(f"note: {capped} prompt(s) leave fewer than {args.max_new_tokens} tokens of the {context}-token "
@@ -309,7 +342,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     results, metrics = run_engine(model, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   batch_size=args.batch_size, drafter=drafter,
-                                  num_draft_tokens=args.num_draft_tokens, progress=not args.quiet)
+                                  num_draft_tokens=args.num_draft_tokens, progress=not args.quiet,
+                                  depth_policy=depth_policy)
     records = []
     for p, res in zip(prompts, results, strict=True):
         ids = [int(t) for t in res.token_ids]
@@ -318,8 +352,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     write_jsonl_atomic(out, records)
     print(f"wrote {len(records)} completions to {out}: {metrics.output_tokens} tokens in {metrics.wall_s:.2f} s "
           f"({metrics.tokens_per_s:.1f} tokens/s, batch size {min(args.batch_size, len(records))}, "
-          f"drafter {args.drafter}{_mal_text(metrics) if drafter is not None else ''})")
+          f"drafter {args.drafter}{_policy_text(args.policy)}{_mal_text(metrics) if drafter is not None else ''})")
     return 0
+
+
+def _policy_text(policy: str) -> str:
+    return "" if policy == "full" else f", policy {policy}"
 
 
 def _mal_text(metrics: Any) -> str:
@@ -352,6 +390,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         ("--num-draft-tokens", args.num_draft_tokens), ("--limit", args.limit)):
         if value is not None:
             _positive(flag, value)
+    policy_spec = _policy_spec(args)
     json_out = Path(args.json) if args.json is not None else None
     if json_out is not None:
         _check_output_path(json_out, args.force, "--json", "eval.json")
@@ -364,9 +403,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                            source=str(prompts_path), limit=args.limit, think=args.think)
     drafter = resolve_drafter(args.drafter, model, target_dir)
     assert drafter is not None
+    depth_policy = _build_policy(args, policy_spec, model, drafter)
     settings = EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             num_draft_tokens=args.num_draft_tokens, sampling=sampling)
-    report = evaluate(model, drafter, prompts, settings, name=args.drafter, progress=not args.quiet)
+    report = evaluate(model, drafter, prompts, settings, name=args.drafter, progress=not args.quiet,
+                      depth_policy=depth_policy, policy=args.policy)
     print(f"target {target_dir}\nprompts {prompts_path}")
     calibration = drafter.calibration if isinstance(drafter, CalibratedDrafter) else None
     if isinstance(drafter, CalibratedDrafter):
@@ -416,6 +457,50 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`angelspec bench`: closed-loop serving sweep of AR and drafters under depth policies."""
+    from angelspec.eval.serving import ServingError, bench, check_configs, lossless, parse_concurrency, parse_config
+    from angelspec.spec.policies import PolicyError
+
+    try:
+        configs = [parse_config(c) for c in args.config]
+        check_configs(configs)
+        concurrency = parse_concurrency(args.concurrency)
+    except (ServingError, PolicyError) as e:
+        raise UsageError(str(e)) from None
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-draft-tokens", args.num_draft_tokens),
+                        ("--min-requests", args.min_requests)):
+        _positive(flag, value)
+    if args.warmup_tokens < 0:
+        raise UsageError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for results.json, results.md and the plots")
+    for c in configs:  # a missing drafter folder fails before the target is loaded
+        folder = _drafter_folder(c.drafter)
+        if folder is not None and not folder.exists():
+            raise UsageError(f"--config {c.name}={c.drafter}: drafter folder {folder} does not exist; train it with "
+                             f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
+    prompts_path = Path(args.prompts) if args.prompts is not None else EVAL_PROMPTS
+    target_dir = resolve_target_dir(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    report = bench(model, tokenizer, target_dir, configs, concurrency=concurrency, max_new_tokens=args.max_new_tokens,
+                   num_draft_tokens=args.num_draft_tokens, min_requests=args.min_requests,
+                   warmup_tokens=args.warmup_tokens, out_dir=out, breakeven=args.breakeven, prompts_path=prompts_path,
+                   log=None if args.quiet else print)
+    return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
+
+
+def _drafter_folder(spec: str) -> Path | None:
+    """The folder a `--drafter` spec loads from (None for none / ngram forms)."""
+    from angelspec.spec.drafter import registered_drafters
+
+    kind, sep, arg = spec.partition(":")
+    if spec == "none" or kind == "ngram":
+        return None
+    return Path(arg) if sep and kind in registered_drafters() else Path(spec)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """`angelspec calibrate`: fit STS temperatures for a drafter's confidences and save calibration.json."""
     from angelspec.data.prompts import load_prompts
@@ -438,6 +523,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                                batch_size=args.batch_size, force=args.force, progress=not args.quiet)
     print(report)
+    return 0
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    """`angelspec features`: cache the target's hidden states on a training dataset, for `train ... features=DIR`."""
+    from angelspec.train.mtp import build_feature_cache
+
+    _positive("--seq-len", args.seq_len)
+    _positive("--rows-per-shard", args.rows_per_shard)
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else []
+    except ValueError:
+        layers = [-1]
+    if any(i < 0 for i in layers):
+        raise UsageError(f"--layers must be comma-separated layer ids >= 0 (id i = output of decoder layer i), "
+                         f"e.g. 1,3,5; got {args.layers!r}")
+    data = Path(args.data)
+    if not data.exists():
+        raise FileNotFoundError(f"--data {data} does not exist; expected the JSONL file or corpus folder you train on")
+    cache = build_feature_cache(resolve_target_dir(args.target), data, Path(args.out), layers=layers,
+                                seq_len=args.seq_len, enable_thinking=args.think, rows_per_shard=args.rows_per_shard,
+                                resume=args.resume, force=args.force, log=print)
+    print(f"wrote the features of {cache.num_rows} packed rows (layers {list(cache.spec.layer_ids)}) to {args.out}; "
+          f"train from them with: angelspec train ... seq_len={args.seq_len}"
+          f"{' enable_thinking=true' if args.think else ''} features={args.out}")
     return 0
 
 
@@ -551,6 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(sub)
     _add_profile(sub)
     _add_calibrate(sub)
+    _add_features(sub)
+    _add_bench(sub)
     # Data commands live with their modules; each registers its parser and sets `func`.
     from angelspec.data.decontam import add_decontam_parser
     from angelspec.data.rollout import add_rollout_parser
@@ -582,8 +694,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                    help="render the chat template in thinking mode (default: --no-think)")
+    _add_policy_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)
+
+
+def _add_policy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="full", metavar="SPEC", help=POLICY_HELP)
+    p.add_argument("--cost-table", default=None, metavar="FILE.json",
+                   help="cost table of --policy dcut / alg1 / production (default: "
+                        ".cache/angelspec-costs/<model>-<key digest>.json; re-profiled when stale)")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -612,6 +732,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                    help="render the chat template in thinking mode (default: --no-think)")
+    _add_policy_flags(p)
     p.add_argument("--json", metavar="OUT", help="also write the numbers as JSON (refused if it exists)")
     p.add_argument("--force", action="store_true", help="overwrite --json if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -715,6 +836,66 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing calibration.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
+        description="For each --config and each concurrency C, run max(2C, --min-requests) greedy requests of "
+                    "--max-new-tokens tokens (a chat/code/math mix of the held-out prompts) through one engine "
+                    "with C rows (continuous batching = C closed-loop clients), after an untimed warm-up. Print "
+                    "aggregate and per-user tokens/s, MAL, speed-up over the AR config, per-step verify and "
+                    "draft+select time, and whether D-cut beats full verification at the highest C (dcut, alg1 and "
+                    "production profile a cost table per drafter on first use, cached under "
+                    ".cache/angelspec-costs); write "
+                    "results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') "
+                    "into --out. Exits 1 if a speculative output differs from AR's (a bug).",
+    )
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY]",
+                   help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
+                        "(default full), e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
+                   help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="drafts per step (default: 4)")
+    p.add_argument("--min-requests", type=int, default=8, metavar="N",
+                   help="requests per point are max(2C, N) (default: 8)")
+    p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",
+                   help="new tokens of the untimed warm-up batch per config (default: 8)")
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
+    p.add_argument("--breakeven", action="store_true",
+                   help="also print the break-even committed length per drafter and concurrency (report Eq. 25)")
+    p.add_argument("--quiet", action="store_true", help="print only the tables")
+    p.set_defaults(func=cmd_bench)
+
+
+def _add_features(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "features", help="cache the target's hidden states on a training dataset (offline features)",
+        description="Tokenise and pack --data exactly as `angelspec train` does and store the frozen target's "
+                    "hidden states of every packed row (the --layers taps plus the last layer, whose tap gives the "
+                    "teacher logits) as sharded safetensors. `angelspec train ... features=DIR` then reads them "
+                    "instead of running the target each step, with the same losses. Resumable after a kill.",
+    )
+    p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
+                   help="the JSONL file of conversations or corpus folder the drafter will train on")
+    p.add_argument("--out", required=True, metavar="DIR", help="cache folder")
+    p.add_argument("--layers", default="", metavar="I,J,...",
+                   help="target layers the drafter reads (id i = output of decoder layer i), e.g. the EAGLE-3 or "
+                        "DFlash taps; the last layer is always stored (default: the last layer only, MTP's tap)")
+    p.add_argument("--seq-len", type=int, default=512, metavar="T", help="packed row length, the training "
+                   "run's seq_len (default: 512)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
+                   help="render conversations in thinking mode, as training with enable_thinking=true "
+                        "(default: --no-think)")
+    p.add_argument("--rows-per-shard", type=int, default=32, metavar="N", help="packed rows per file (default: 32)")
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted cache")
+    p.add_argument("--force", action="store_true", help="rebuild the cache from scratch")
+    p.set_defaults(func=cmd_features)
 
 
 def is_user_error(exc: BaseException) -> bool:

@@ -211,6 +211,50 @@ def stage_train_dfly(state: DemoState) -> dict[str, str]:
     return _train_and_decode(state, "dfly", "DFly")
 
 
+SERVING_CONCURRENCY = (1, 4, 16)
+SERVING_NEW_TOKENS = 16
+SERVING_MIN_REQUESTS = 4
+
+
+def stage_serving(state: DemoState) -> dict[str, str]:
+    """Serving in miniature (AngelSpec report Figure 4): AR, MTP, DFly and DFly + D-cut as closed-loop
+    clients at concurrency 1, 4 and 16, short greedy generations (about 2 minutes on 2 CPU cores; the full
+    sweep is `benchmarks/serving.py`). Needs the drafters the two training stages just wrote."""
+    from angelspec.eval.serving import ServingConfig, bench, lossless
+    from angelspec.spec.drafter import DrafterMismatchError
+
+    mtp, dfly = state.work_dir / "mtp", state.work_dir / "dfly"
+    missing = [str(d) for d in (mtp, dfly) if not (d / "config.json").is_file()]
+    if state.train_minutes <= 0 or missing:
+        why = "--train-minutes 0" if state.train_minutes <= 0 else f"no drafter in {', '.join(missing)}"
+        note = f"skipped ({why}): the serving sweep needs the MTP and DFly drafters of the training stages"
+        print(note)
+        return {"serving": note}
+    configs = [ServingConfig("AR", "none"), ServingConfig("MTP", f"mtp:{mtp}"), ServingConfig("DFly", f"dfly:{dfly}"),
+               ServingConfig("DFly+D-cut", f"dfly:{dfly}", "dcut")]
+    out_dir = state.work_dir / "serving"
+    try:
+        report = bench(state.model, state.tokenizer, state.target_dir, configs, concurrency=SERVING_CONCURRENCY,
+                       max_new_tokens=min(SERVING_NEW_TOKENS, state.max_new_tokens),
+                       num_draft_tokens=state.num_draft_tokens, min_requests=SERVING_MIN_REQUESTS, warmup_tokens=4,
+                       out_dir=out_dir, workload=state.prompts, cost_table_path=out_dir / "dfly-cost-table.json")
+    except DrafterMismatchError as e:
+        note = f"skipped: {e}"
+        print(note)
+        return {"serving": note}
+    top = max(SERVING_CONCURRENCY)
+    cells = []
+    for name in report.configs:
+        r = report.row(name, top)
+        if r is not None:
+            cells.append(f"{name} {r.tokens_per_s:.1f} tok/s" + ("" if r.speedup is None else f" ({r.speedup:.2f}x)"))
+    ok = lossless(report)
+    return {"serving": f"at concurrency {top}: " + ", ".join(cells),
+            "serving goal": report.goal_line().removeprefix("goal: "),
+            "serving lossless": "every output identical to AR" if ok else "OUTPUTS DIFFER FROM AR",
+            "serving results": str(out_dir)}
+
+
 def stage_report(state: DemoState) -> dict[str, str]:
     """AR and every drafter side by side, per domain."""
     from angelspec.eval.speculative import format_comparison
@@ -227,6 +271,7 @@ STAGES: list[Stage] = [
     Stage("speculative decoding: draft LM", stage_draft_lm),
     Stage("train an MTP drafter (TTT) for a few minutes, then decode with it", stage_train_mtp),
     Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
+    Stage("serving sweep: throughput vs concurrency (AR, MTP, DFly, DFly + D-cut)", stage_serving),
     Stage("AR vs drafters, per domain", stage_report),
 ]
 

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from angelspec.models.decoder import Decoder
 from angelspec.spec.drafter import Drafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+from angelspec.spec.engine import DepthPolicyFn, EngineConfig, Request, SpecEngine
 from angelspec.spec.metrics import PHASES, DecodeMetrics
 from angelspec.spec.sampling import SamplingParams
 
@@ -137,6 +137,7 @@ class EvalReport:
     domains: dict[str, DomainResult]
     overall: DomainResult
     mismatches: list[Mismatch]
+    policy: str = "full"  # the depth-policy spec of the speculative run (`angelspec.spec.policies`)
 
     @property
     def lossless_checked(self) -> bool:
@@ -150,6 +151,7 @@ class EvalReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "drafter": self.drafter,
+            "policy": self.policy,
             "settings": self.settings.to_dict(),
             "prompts": self.overall.prompts,
             "speedup": self.overall.speedup,
@@ -172,7 +174,9 @@ class EvalReport:
     def format(self) -> str:
         s, k = self.settings, self.settings.num_draft_tokens
         rows = [*self.domains.items()] + ([(ALL, self.overall)] if len(self.domains) > 1 else [])
-        lines = [f"drafter {self.drafter}: K={k}, {_sampling_text(s.sampling)}, {self.overall.prompts} prompts, "
+        policy = "" if self.policy == "full" else f", policy {self.policy}"
+        lines = [f"drafter {self.drafter}{policy}: K={k}, {_sampling_text(s.sampling)}, "
+                 f"{self.overall.prompts} prompts, "
                  f"max {s.max_new_tokens} new tokens, batch {s.batch_size}", ""]
         head = f"{'domain':<8}{'prompts':>8}{'AR tok/s':>10}{'spec tok/s':>12}{'speed-up':>10}{'MAL':>7}  p_1..p_{k}"
         lines.append(head)
@@ -201,8 +205,10 @@ class EvalReport:
 # Running
 # --------------------------------------------------------------------------------------------------
 def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalSettings, drafter: Drafter | None = None,
-                 *, progress: bool = True, desc: str | None = None) -> DecodeRun:
+                 *, progress: bool = True, desc: str | None = None,
+                 depth_policy: DepthPolicyFn | None = None) -> DecodeRun:
     """Decode every prompt with `drafter` (None = AR), one engine run per domain, after an untimed warm-up.
+    depth_policy: how many drafts each row verifies (`spec.policies.make_policy`); None = all K.
 
     The engine is built before anything is decoded, so a drafter that does not fit the target
     (`DrafterMismatchError`) fails here with nothing spent.
@@ -211,7 +217,8 @@ def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalS
     context = target.config.max_position_embeddings
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=settings.batch_size,
                                                       max_seq_len=_max_seq_len(target, prompts, settings),
-                                                      num_draft_tokens=settings.num_draft_tokens))
+                                                      num_draft_tokens=settings.num_draft_tokens),
+                        depth_policy=depth_policy)
     requests = [_request(p, i, settings, context) for i, p in enumerate(prompts)]
     if settings.warmup_tokens:
         warm = [_request(p, i, settings, context, budget=settings.warmup_tokens)
@@ -236,8 +243,10 @@ def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalS
 
 
 def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
-             name: str, baseline: DecodeRun | None = None, progress: bool = True) -> EvalReport:
+             name: str, baseline: DecodeRun | None = None, progress: bool = True,
+             depth_policy: DepthPolicyFn | None = None, policy: str = "full") -> EvalReport:
     """Decode `prompts` with AR (unless `baseline` holds that run already) and with `drafter`; compare.
+    depth_policy: the speculative run's depth policy (None = all K); `policy` is its spec, for the report.
 
     The speculative engine is built (and the drafter checked against the target) before the AR baseline
     runs, so a mismatched drafter costs nothing.
@@ -248,11 +257,12 @@ def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], s
     drafter.check_compatible(target.config, _max_seq_len(target, prompts, settings))
     if baseline is None:
         baseline = run_decoding(target, prompts, settings, progress=progress, desc="AR")
-    spec = run_decoding(target, prompts, settings, drafter, progress=progress, desc=name)
-    return compare(baseline, spec, prompts, name=name)
+    spec = run_decoding(target, prompts, settings, drafter, progress=progress, desc=name, depth_policy=depth_policy)
+    return compare(baseline, spec, prompts, name=name, policy=policy)
 
 
-def compare(ar: DecodeRun, spec: DecodeRun, prompts: Sequence[EvalPrompt], *, name: str) -> EvalReport:
+def compare(ar: DecodeRun, spec: DecodeRun, prompts: Sequence[EvalPrompt], *, name: str,
+            policy: str = "full") -> EvalReport:
     """Build the report from two runs over the same prompts."""
     settings = spec.settings
     checked = settings.greedy
@@ -266,7 +276,8 @@ def compare(ar: DecodeRun, spec: DecodeRun, prompts: Sequence[EvalPrompt], *, na
                                        identical=sum(i not in bad for i in idx) if checked else None)
     overall = DomainResult(prompts=len(prompts), ar=ar.overall, spec=spec.overall,
                            identical=len(prompts) - len(bad) if checked else None)
-    return EvalReport(drafter=name, settings=settings, domains=domains, overall=overall, mismatches=mismatches)
+    return EvalReport(drafter=name, settings=settings, domains=domains, overall=overall, mismatches=mismatches,
+                      policy=policy)
 
 
 def format_comparison(baseline: DecodeRun, reports: Sequence[EvalReport]) -> str:

@@ -1,0 +1,207 @@
+"""The closed-loop serving sweep (eval/serving.py), `angelspec bench`, benchmarks/serving.py and the demo's
+serving stage, on the tiny target with the n-gram drafter (no training needed)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from angelspec.cli import main
+from angelspec.eval.serving import (
+    ServingConfig,
+    ServingError,
+    ServingReport,
+    ServingRow,
+    check_configs,
+    interleave_domains,
+    parse_concurrency,
+    parse_config,
+)
+from angelspec.eval.speculative import EvalPrompt
+from angelspec.spec.policies import PolicyError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [("code", "def add(x, y):"), ("code", "def scale(x):"), ("math", "What is 7 + 8?"),
+            ("chat", "What does a drafter do?"), ("math", "Tom has 3 apples and buys 4 more.")]
+    path.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
+    return path
+
+
+# ----- parsing -------------------------------------------------------------------------------------------
+def test_parse_config_forms() -> None:
+    assert parse_config("AR=none") == ServingConfig("AR", "none", "full")
+    assert parse_config("DFly+D-cut=dfly:/x/y@dcut") == ServingConfig("DFly+D-cut", "dfly:/x/y", "dcut")
+    assert parse_config(" T = ngram:2 @ threshold:0.5 ") == ServingConfig("T", "ngram:2", "threshold:0.5")
+    for bad in ("AR", "=none", "AR=", "X=@dcut"):
+        with pytest.raises(ServingError, match="NAME=SPEC"):
+            parse_config(bad)
+    with pytest.raises(PolicyError, match="valid forms"):
+        parse_config("X=ngram@dcut:0.3")
+
+
+def test_parse_concurrency_and_configs() -> None:
+    assert parse_concurrency("4, 1,2") == (1, 2, 4)
+    for bad, needle in (("1,x", "not an integer"), ("0,2", "not a usable"), ("2,2", "twice"), ("", "not an integer")):
+        with pytest.raises(ServingError, match=needle):
+            parse_concurrency(bad)
+    with pytest.raises(ServingError, match="used twice"):
+        check_configs([ServingConfig("A"), ServingConfig("A", "ngram")])
+    with pytest.raises(ServingError, match="policy must be full"):
+        check_configs([ServingConfig("A", "none", "dcut")])
+    with pytest.raises(ServingError, match="at least once"):
+        check_configs([])
+
+
+def test_interleave_domains() -> None:
+    ps = [EvalPrompt([1], "code"), EvalPrompt([2], "code"), EvalPrompt([3], "math"), EvalPrompt([4], "chat")]
+    assert [p.ids[0] for p in interleave_domains(ps)] == [1, 3, 4, 2]
+
+
+# ----- report logic on synthetic rows -------------------------------------------------------------------
+def _row(config: str, kind: str, policy: str, c: int, tps: float, mal: float, exec_s: float, sample_s: float,
+         drafter: str = "d") -> ServingRow:
+    return ServingRow(config=config, drafter="none" if kind == "ar" else drafter, kind=kind, policy=policy,
+                      num_draft_tokens=0 if kind == "ar" else 7, concurrency=c, requests=2 * c, output_tokens=100,
+                      wall_s=1.0, tokens_per_s=tps, per_user_tokens_per_s=tps / c, mal=mal, mean_depth=1.0, steps=10,
+                      exec_s_per_step=exec_s, sample_s_per_step=sample_s)
+
+
+def _report(dcut_tps: float, dcut_mal: float) -> ServingReport:
+    rows = []
+    for c in (1, 64):
+        rows += [_row("AR", "ar", "full", c, 100, 1.0, 0.010, 0.0),
+                 _row("MTP", "mtp", "full", c, 150, 2.5, 0.020, 0.010, drafter="m"),
+                 _row("DFly", "dfly", "full", c, 200, 3.0, 0.040, 0.005),
+                 _row("DFly+D-cut", "dfly", "dcut", c, dcut_tps, dcut_mal, 0.030, 0.005)]
+    return ServingReport(settings={"max_new_tokens": 8, "min_requests": 4}, rows=rows)
+
+
+def test_goal_line_met_and_not_met() -> None:
+    met = _report(dcut_tps=221, dcut_mal=2.95)  # +10.5%, 1.7% MAL loss
+    g = met.goal()
+    assert g is not None and g.dcut == "DFly+D-cut" and g.full == "DFly" and g.concurrency == 64 and g.met
+    assert "MET" in met.goal_line() and "+10.5%" in met.goal_line() and "C=64" in met.goal_line()
+    assert "NOT met" in _report(dcut_tps=240, dcut_mal=2.8).goal_line()  # MAL loss 6.7%
+    assert "NOT met" in _report(dcut_tps=210, dcut_mal=3.0).goal_line()  # +5% only
+    no_pair = ServingReport(settings={}, rows=[r for r in met.rows if r.config != "DFly"])
+    assert "not evaluated" in no_pair.goal_line()
+
+
+def test_breakeven_eq25_uses_the_mtp_reference() -> None:
+    be = _report(221, 2.95).breakeven()
+    assert be is not None and be.reference == "MTP" and "MTP" in be.why
+    # C_BE = 3 (T_exec + T_sample) / (T_exec,ref + T_sample,ref) = 3 * 0.045 / 0.030
+    assert be.values["DFly"][64] == pytest.approx(4.5) and be.values["MTP"][1] == pytest.approx(3.0)
+    assert be.measured_ref["DFly"][1] == pytest.approx(2.5 * 0.045 / 0.030)
+    assert "AR" not in be.values
+    text = _report(221, 2.95).format_breakeven()
+    assert "reference 'MTP'" in text and "4.50 / 3.00" in text and "Avg." in text
+    rows = [r for r in _report(221, 2.95).rows if r.kind != "mtp"]
+    fallback = ServingReport(settings={}, rows=rows).breakeven()
+    assert fallback is not None and fallback.reference == "DFly" and "no MTP" in fallback.why
+
+
+def test_table_json_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _report(221, 2.95)
+    table = report.format_table()
+    assert table.startswith("| config") and table.count("\n") == 1 + len(report.rows)
+    obj = report.to_json()
+    assert obj["goal"]["met"] and obj["breakeven"]["reference"] == "MTP" and len(obj["rows"]) == 8
+    paths, note = report.write(tmp_path / "out", breakeven=True)
+    assert note is None and {p.name for p in paths} == {"results.json", "results.md", "serving.png", "phases.png"}
+    assert "break-even" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "serving.png").read_bytes()[:4] == b"\x89PNG"
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    paths, note = report.write(tmp_path / "bare")
+    assert note is not None and "pip install 'angelspec[bench]'" in note and len(note.splitlines()) == 1
+    assert {p.name for p in paths} == {"results.json", "results.md"}
+
+
+# ----- angelspec bench ------------------------------------------------------------------------------------
+def test_bench_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path,
+                              prompts_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the dcut cost table goes to ./.cache/angelspec-costs
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts_file), "--config", "AR=none",
+                 "--config", "NG=ngram", "--config", "NG+D-cut=ngram@dcut",
+                 "--concurrency", "1,2", "--max-new-tokens", "4", "--min-requests", "3", "--num-draft-tokens", "2",
+                 "--warmup-tokens", "2",
+                 "--out", str(out), "--breakeven", "--quiet"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "| NG+D-cut" in stdout and "goal: at the highest concurrency" in stdout and "C=2" in stdout
+    assert "break-even committed length" in stdout and "no MTP configuration" in stdout
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 6 and {r["concurrency"] for r in rows} == {1, 2}
+    assert all(r["identical"] == r["requests"] for r in rows)  # lossless against AR at T=0
+    assert [r["requests"] for r in rows if r["config"] == "AR"] == [3, 4]  # max(2C, 3)
+    assert all(r["output_tokens"] == 4 * r["requests"] for r in rows)  # fixed length, stop tokens ignored
+    assert all(r["speedup"] == 1.0 for r in rows if r["config"] == "AR")
+    assert data["goal"]["dcut"] == "NG+D-cut" and data["goal"]["full"] == "NG"
+    assert (out / "results.md").is_file() and (out / "serving.png").is_file() and (out / "phases.png").is_file()
+    assert list((tmp_path / ".cache" / "angelspec-costs").glob("*.json"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--config", "A=none", "--config", "A=ngram"], "used twice"),
+    (["--config", "A=none", "--concurrency", "1,two"], "not an integer"),
+    (["--config", "A=none", "--concurrency", "0"], "not a usable"),
+    (["--config", "A=none@dcut"], "policy must be full"),
+    (["--config", "A=dfly:/nonexistent/dfly"], "does not exist"),
+    (["--config", "A=/nonexistent/drafter"], "does not exist"),
+    (["--config", "A"], "NAME=SPEC"),
+    (["--config", "A=ngram@dcut:0.3"], "valid forms"),
+])
+def test_bench_bad_input_is_one_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                           tiny_target_dir: Path, args: list[str], needle: str) -> None:
+    code = main(["bench", "--target", str(tiny_target_dir), "--out", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+# ----- benchmarks/serving.py and the demo stage ------------------------------------------------------------
+def test_benchmark_script_skips_missing_drafters(tmp_path: Path, tiny_target_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serving as script  # benchmarks/serving.py
+
+    args = script.argparse.Namespace(mtp=str(tmp_path / "no-mtp"), dflash=str(tmp_path / "no-dflash"),
+                                     dfly=str(tmp_path / "no-dfly"), block_k=None, mtp_k=3, threshold=0.5)
+    configs = script.configs_for(args)
+    assert [c.name for c in configs] == ["AR"]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--help"], capture_output=True,
+                          text=True, check=True)
+    assert "--dfly" in proc.stdout
+
+
+def test_demo_serving_stage_skips_without_drafters(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from angelspec import demo
+
+    assert any(s.run is demo.stage_serving for s in demo.STAGES)
+    names = [s.name for s in demo.STAGES]
+    assert names.index(next(n for n in names if n.startswith("serving"))) == names.index(
+        next(n for n in names if "DFly" in n)) + 1
+    facts = demo.stage_serving(demo.DemoState(target=None, train_minutes=0, work_dir=tmp_path))
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and "skipped (--train-minutes 0)" in facts["serving"]
+    facts = demo.stage_serving(demo.DemoState(target=None, train_minutes=1, work_dir=tmp_path))
+    assert "no drafter in" in facts["serving"]
