@@ -224,6 +224,31 @@ def test_greedy_baseline_drafters_equal_ar(target, greedy_case, drafter_name):
     assert engine.metrics.mean_accepted_length > 1.2
 
 
+@pytest.mark.parametrize("stop_below", [None, 0.0, 0.3, 1.0])
+def test_draft_lm_early_stop_stays_exact_and_saves_draft_steps(target, greedy_case, stop_below, monkeypatch):
+    """The draft LM ends a row's proposal at its first draft below `stop_below` and stops drafting once every row
+    has ended: outputs equal AR for any threshold; 1.0 drafts one token per step, 0.0 / None always K."""
+    requests, ar_tokens, _ = greedy_case
+    requests, ar_tokens = requests[:12], ar_tokens[:12]
+    draft = tiny_decoder(layers=1, seed=5)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    drafter = DraftLMDrafter(draft, stop_below=stop_below)
+    calls, forward = [], draft.forward
+    monkeypatch.setattr(draft, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=4))
+    assert [r.token_ids for r in engine.generate(requests)] == ar_tokens
+    m = engine.metrics
+    per_step = (len(calls) - len(requests)) / m.steps  # draft forwards per step, the 12 prefills excluded
+    if stop_below == 1.0:
+        assert m.depth_hist[2:] == [0] * (len(m.depth_hist) - 2) and per_step < 1.5
+    elif stop_below in (None, 0.0):
+        assert per_step > 3.5 and m.depth_hist[4] > 0
+    else:
+        assert 1.5 < per_step < 3.5 and m.depth_hist[1] > 0 and m.depth_hist[4] > 0  # mixed lengths
+    with pytest.raises(ValueError, match="stop_below must be a confidence in"):
+        DraftLMDrafter(draft, stop_below=1.5)
+
+
 def test_draft_lm_rollback_keeps_an_exact_drafter_exact(target, greedy_case):
     """DESIGN.md trap 4: a draft LM identical to the target must have every verified draft accepted, also
     after partial verifies (depth < K) force its cache to roll back. A stale draft-cache entry would

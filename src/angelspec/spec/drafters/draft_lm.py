@@ -12,6 +12,12 @@ are sampled from q = process_logits(draft logits, the request's temperature / to
 request's DRAFT noise, and q is returned for standard speculative sampling. Confidences are the draft
 model's own (temperature-1) probability of each draft token.
 
+Early stop (`stop_below`, default 0.4, as HF's assisted generation): with argmax drafts, a row's proposal
+ends at its first draft whose confidence is below the threshold (that draft included), and drafting stops as
+soon as every active row has ended: unlikely drafts cost neither draft forwards nor verified positions. The
+row lengths go out as `Proposal.lengths`; they depend on the drafts' values, which only the deterministic
+protocol (and greedy verification) allows (DESIGN.md trap 1), so sampled drafts always run all K steps.
+
 Shape legend: B rows, K draft depth, V vocab.
 """
 
@@ -35,8 +41,12 @@ from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_lo
 
 @register_drafter("draft-lm")
 class DraftLMDrafter(Drafter):
-    def __init__(self, model: Decoder, *, target_fingerprint: str | None = None) -> None:
+    def __init__(self, model: Decoder, *, target_fingerprint: str | None = None,
+                 stop_below: float | None = 0.4) -> None:
+        if stop_below is not None and not 0.0 <= stop_below <= 1.0:
+            raise ValueError(f"stop_below must be a confidence in [0, 1] or None (never stop early), got {stop_below}")
         self.model = model.eval()
+        self.stop_below = stop_below
         self._target_fingerprint = target_fingerprint
         self.cache: StaticKVCache | None = None
         self._k = 0
@@ -57,13 +67,13 @@ class DraftLMDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> DraftLMDrafter:
+                        device: str | torch.device = "cpu", stop_below: float | None = 0.4) -> DraftLMDrafter:
         """Load a HF-layout causal-LM folder. An optional `"angelspec": {"target_fingerprint": ...}` entry in
         its config.json ties it to the target it was trained for."""
         model = load_target(path, dtype=dtype, device=device)
         raw = json.loads((Path(path) / "config.json").read_text())
         fingerprint = (raw.get("angelspec") or {}).get("target_fingerprint")
-        return cls(model, target_fingerprint=fingerprint)
+        return cls(model, target_fingerprint=fingerprint, stop_below=stop_below)
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +127,9 @@ class DraftLMDrafter(Drafter):
         logits = self._first_fn(first_in, cache, (1 + pend) * act, state.seq_len_bound + 1, pend[:, None])  # [B, V]
         s = state.sampling
         tokens, probs, confs = [], [], []
+        early = self.stop_below is not None and deterministic
+        lengths = torch.full_like(act, k)  # [B] drafts worth verifying per row
+        ended = ~state.active  # [B] rows whose proposal is complete (idle rows never draft)
         for j in range(k):
             if deterministic:
                 d = logits.argmax(dim=-1)  # [B]
@@ -127,20 +140,33 @@ class DraftLMDrafter(Drafter):
                 probs.append(q)
             confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
             tokens.append(d)
+            if early and j < k - 1:
+                low = ~ended & (confs[-1] < self.stop_below)
+                lengths = torch.where(low, j + 1, lengths)
+                ended = ended | low
+                if bool(ended.all()):  # host sync, once per draft step: stop when every row has ended
+                    pad = k - 1 - j
+                    tokens += [d] * pad  # valid ids, never verified (lengths)
+                    confs += [torch.zeros_like(confs[-1])] * pad
+                    break
             if j < k - 1:
                 logits = self._step_fn(d[:, None], cache, act, state.seq_len_bound + j + 2)
         tok = torch.stack(tokens, dim=1)  # [B, K]
-        self._pending = tok[:, -1]
+        self._lengths = lengths
+        # The last proposed draft of each row: never fed back when the proposal ended before the loop did.
+        self._pending = tok.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
         return Proposal(tokens=tok, probs=None if deterministic else torch.stack(probs, dim=1),
-                        confidences=torch.stack(confs, dim=1), deterministic=deterministic)
+                        confidences=torch.stack(confs, dim=1), lengths=lengths if early else None,
+                        deterministic=deterministic)
 
     def on_commit(self, commit: Commit) -> None:
         cache, k = self.cache, self._k
         assert cache is not None
         if k == 0:
             return
-        # All K drafts accepted: the K-th is committed but was never fed, so it becomes the pending token.
-        pending = commit.active & (commit.num_accepted == k)
+        # All of a row's drafts accepted: the last one is committed but may never have been fed (it was when the
+        # row ended before the loop did; it is then fed again, harmlessly), so it becomes the pending token.
+        pending = commit.active & (commit.num_accepted == self._lengths)
         cache.truncate(torch.where(commit.active, commit.seq_lens - 1 - pending.long(), self._base))
         self._has_pending = torch.where(commit.active, pending, self._has_pending)
 
