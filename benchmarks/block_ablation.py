@@ -40,15 +40,15 @@ Trained drafters are kept under `--out` and reused by a rerun with the same sett
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mtp_ablation import DEFAULT_DATA, DOMAINS, ROLLOUT_HINT, _verdict  # noqa: E402  (a sibling script)
+import _ablation  # noqa: E402  (a sibling module)
+from _ablation import DOMAINS, verdict  # noqa: E402  (a sibling module)
 
 # The six benchmarks of Tables 3–5, in the paper's column order, and how they average into our domains.
 BENCHMARKS = ("Math500", "GSM8K", "HumanEval", "MBPP", "LiveCodeBench", "MT-Bench")
@@ -100,13 +100,8 @@ def sweep_variants(blocks: list[int], layers: list[int]) -> list[Variant]:
     return out
 
 
-def _domain_mean(values: list[float], domain: str) -> float:
-    picked = [values[BENCHMARKS.index(b)] for b in PAPER_DOMAINS[domain]]
-    return sum(picked) / len(picked)
-
-
 def _paper_mal(values: list[float]) -> dict[str, float]:
-    out = {d: _domain_mean(values, d) for d in DOMAINS}
+    out = {d: _ablation.domain_mean(values, d, BENCHMARKS, PAPER_DOMAINS) for d in DOMAINS}
     out["all"] = sum(values) / len(values)
     return out
 
@@ -159,21 +154,14 @@ def train_variant(variant: Variant, target_dir: Path, data: Path, args: argparse
 
     cfg = build_config(variant, args)
     out = Path(args.out) / variant.name
-    stamp = {"family": variant.family, "config": json.loads(json.dumps(asdict(cfg))), "data": str(data),
-             "target": str(target_dir)}
-    stamp_path = out / "ablation_settings.json"
-    if (not args.retrain and stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp
-            and (out / "train_report.json").is_file()):
-        print(f"[{variant.name}] reusing {out}")
-        return out, json.loads((out / "train_report.json").read_text())
     shape = (f"D={cfg.num_depths}" if variant.family == "mtp" else
              f"L{cfg.draft_layers}-B{cfg.block_size}, head {cfg.resolved_head}")
-    print(f"[{variant.name}] training {variant.label} ({shape}): {cfg.steps} steps x {cfg.batch_size} rows x "
-          f"{cfg.seq_len} tokens", flush=True)
     trainer = train_mtp if variant.family == "mtp" else train_block_drafter
-    report = trainer(target_dir, data, out, config=cfg, force=True, progress=not args.quiet, log=lambda *_: None)
-    stamp_path.write_text(json.dumps(stamp, indent=1))
-    return out, report
+    return _ablation.train_or_reuse(
+        variant.name, out, cfg, data, target_dir, args.retrain,
+        f"{variant.label} ({shape}): {cfg.steps} steps x {cfg.batch_size} rows x {cfg.seq_len} tokens",
+        lambda: trainer(target_dir, data, out, config=cfg, force=True, progress=not args.quiet, log=lambda *_: None),
+        family=variant.family)
 
 
 # ----- evaluation -----
@@ -183,34 +171,7 @@ def evaluate_variants(target_dir: Path, drafters: dict[str, Path], depths: dict[
                       args: argparse.Namespace) -> dict[float, dict[str, Any]]:
     """{T: {variant: EvalReport}} on the held-out prompts, drafter `name` verified at K = depths[name]. One AR
     baseline per temperature, shared by every drafter (AR decoding does not depend on K)."""
-    from angelspec.assets import EVAL_PROMPTS
-    from angelspec.cli import eval_prompts, load_target_and_tokenizer, resolve_drafter
-    from angelspec.data.prompts import load_prompts
-    from angelspec.eval.speculative import EvalSettings, evaluate, run_decoding
-    from angelspec.spec.sampling import SamplingParams
-
-    model, tokenizer = load_target_and_tokenizer(target_dir)
-    prompts_file = Path(args.prompts) if args.prompts else EVAL_PROMPTS
-    prompts = eval_prompts(tokenizer, load_prompts(prompts_file), context=model.config.max_position_embeddings,
-                           source=str(prompts_file), limit=args.limit)
-    loaded = {name: resolve_drafter(str(path), model, target_dir) for name, path in drafters.items()}
-    results: dict[float, dict[str, Any]] = {}
-    for temp in temperatures:
-        def settings(k: int, temp: float = temp) -> EvalSettings:
-            return EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, num_draft_tokens=k,
-                                sampling=SamplingParams(temperature=temp, seed=args.seed),
-                                warmup_tokens=min(16, args.max_new_tokens))
-
-        baseline = run_decoding(model, prompts, settings(1), progress=not args.quiet, desc=f"AR T={temp}")
-        results[temp] = {}
-        for name, drafter in loaded.items():
-            s = settings(depths[name])
-            rep = evaluate(model, drafter, prompts, s, name=name, baseline=replace(baseline, settings=s),
-                           progress=not args.quiet)
-            if rep.lossless is False:
-                print(f"WARNING: {name} at T=0 is not lossless: {rep.lossless_line()}", file=sys.stderr)
-            results[temp][name] = rep
-    return results
+    return _ablation.evaluate_drafters(target_dir, drafters, depths, temperatures, args)
 
 
 def _mal(rep: Any) -> dict[str, float]:
@@ -242,32 +203,32 @@ def main_tables(results: dict[float, dict[str, Any]], k: int) -> tuple[str, list
         paper_r = (_paper_mal(PAPER_T3["Hy3-A21B"]["dfly_hidden"])["all"] / _paper_mal(PAPER_T3["Hy3-A21B"]["dflash"])
                    ["all"] if temp > 0 else _paper_mal(PAPER_T4["dfly_hidden"])["all"] / _paper_mal(PAPER_T4["dflash"])
                    ["all"])
-        verdicts.append(_verdict(1.15 <= r <= 1.45, f"{tag}: DFly's MAL is ~1.3x DFlash's (1.15-1.45x)",
+        verdicts.append(verdict(1.15 <= r <= 1.45, f"{tag}: DFly's MAL is ~1.3x DFlash's (1.15-1.45x)",
                                  f"ours {r:.2f}x, paper {paper_r:.2f}x"))
-        verdicts.append(_verdict(all(fly[d] > mtp[d] for d in cols), f"{tag}: DFly beats MTP in every domain",
+        verdicts.append(verdict(all(fly[d] > mtp[d] for d in cols), f"{tag}: DFly beats MTP in every domain",
                                  ", ".join(f"{d} {fly[d]:.2f} vs {mtp[d]:.2f}" for d in cols)))
         domains = [d for d in cols if d != "all"]
         if {"code", "math", "chat"} <= set(domains):
             for base_name, base in (("DFlash", flash), ("MTP", mtp)):
                 gain = {d: _ratio(fly, base, d) for d in domains}
-                verdicts.append(_verdict(min(gain["code"], gain["math"]) > gain["chat"],
+                verdicts.append(verdict(min(gain["code"], gain["math"]) > gain["chat"],
                                          f"{tag}: DFly's gain over {base_name} is largest on code and maths",
                                          " ".join(f"{d} {gain[d]:.2f}x" for d in domains)))
         if temp == 0:
             gain = {d: none[d] - flash[d] for d in domains}
-            verdicts.append(_verdict(none["all"] > flash["all"], f"{tag}: the DFly backbone beats DFlash (4.40 vs "
+            verdicts.append(verdict(none["all"] > flash["all"], f"{tag}: the DFly backbone beats DFlash (4.40 vs "
                                      "3.77)", f"{none['all']:.2f} vs {flash['all']:.2f}"))
             if "code" in gain:
-                verdicts.append(_verdict(max(gain, key=gain.get) == "code",
+                verdicts.append(verdict(max(gain, key=gain.get) == "code",
                                          f"{tag}: the backbone's gain is largest on code",
                                          " ".join(f"{d} {g:+.2f}" for d, g in gain.items())))
-        verdicts.append(_verdict(mal["dfly_markov"]["all"] > none["all"],
+        verdicts.append(verdict(mal["dfly_markov"]["all"] > none["all"],
                                  f"{tag}: the Markov head adds MAL to the backbone (paper T=0: 4.40 -> 4.56)",
                                  f"{none['all']:.2f} -> {mal['dfly_markov']['all']:.2f}"))
-        verdicts.append(_verdict(fly["all"] > none["all"],
+        verdicts.append(verdict(fly["all"] > none["all"],
                                  f"{tag}: hidden correction adds MAL to the backbone (paper T=0: 4.40 -> 4.60)",
                                  f"{none['all']:.2f} -> {fly['all']:.2f}"))
-        verdicts.append(_verdict(fly["all"] >= mal["dfly_markov"]["all"],
+        verdicts.append(verdict(fly["all"] >= mal["dfly_markov"]["all"],
                                  f"{tag}: hidden correction >= Markov head (paper T=0: 4.60 vs 4.56)",
                                  f"{fly['all']:.2f} vs {mal['dfly_markov']['all']:.2f}"))
     cols = [*DOMAINS, "all"]
@@ -299,14 +260,14 @@ def sweep_table(reps: dict[str, Any], variants: list[Variant], temp: float) -> t
     for n in layers:
         series = [by_shape[(n, b)] for b in blocks]
         if len(series) > 1:
-            verdicts.append(_verdict(series[1] > series[0], f"L{n}: a longer block raises MAL (paper B5 -> B8: "
+            verdicts.append(verdict(series[1] > series[0], f"L{n}: a longer block raises MAL (paper B5 -> B8: "
                                      "3.39 -> 4.25)", " -> ".join(f"B{b} {m:.2f}" for b, m in zip(blocks, series,
                                                                                                 strict=True))))
     if len(layers) > 1 and len(blocks) > 1:
         depth_spread = max(abs(by_shape[(layers[-1], b)] - by_shape[(layers[0], b)]) for b in blocks)
         block_spread = max(max(by_shape[(n, b)] for b in blocks) - min(by_shape[(n, b)] for b in blocks)
                            for n in layers)
-        verdicts.append(_verdict(block_spread > depth_spread, "block size matters more than draft depth",
+        verdicts.append(verdict(block_spread > depth_spread, "block size matters more than draft depth",
                                  f"largest spread over blocks {block_spread:.2f}, over depths {depth_spread:.2f}"))
     return "\n".join(lines), verdicts
 
@@ -316,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="Table 5: DFly block size x draft depth instead of Tables 3-4")
     p.add_argument("--sweep-blocks", default="4,8,16", metavar="B,B", help="block sizes of --sweep (default 4,8,16)")
     p.add_argument("--sweep-layers", default="1,2", metavar="L,L", help="draft depths of --sweep (default 1,2)")
-    p.add_argument("--target", metavar="DIR", help="target folder (default: the embedded target)")
-    p.add_argument("--data", metavar="FILE", help=f"conversations JSONL (default: {DEFAULT_DATA})")
-    p.add_argument("--prompts", metavar="FILE", help="evaluation prompts JSONL with a domain per line "
-                   "(default: the shipped EVAL_PROMPTS)")
+    _ablation.add_input_args(p)
     p.add_argument("--out", default=".cache/block-ablation", metavar="DIR", help="where drafters and results go")
     p.add_argument("--steps", type=int, default=450,
                    help="training steps per drafter (default: 450, about 25 min for the default table on 1 thread)")
@@ -327,34 +285,18 @@ def main(argv: list[str] | None = None) -> int:
                    "the report's Table 3 aligns it with the block: 7)")
     p.add_argument("--temperatures", default=None, metavar="T,T",
                    help="evaluation temperatures (default: 0,1; 1 with --sweep)")
-    p.add_argument("--limit", type=int, default=12, help="prompts per domain (default: 12)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="per prompt (default: 96)")
-    p.add_argument("--batch-size", type=int, default=8, help="concurrent requests (default: 8)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; request i uses seed + i")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--retrain", action="store_true", help="retrain drafters even if --out holds matching ones")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _ablation.add_eval_args(p)
+    _ablation.add_run_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override fields of every trained config "
                    "that has them")
     args = p.parse_args(argv)
 
-    from angelspec.assets import DEFAULT_TARGET
-
-    target_dir = Path(args.target) if args.target else DEFAULT_TARGET
-    if not (target_dir / "config.json").is_file():
-        print(f"block_ablation: {target_dir} has no config.json: the embedded target is not built yet. Build it "
-              "with `make data-sources && angelspec target build`, or pass --target DIR.", file=sys.stderr)
+    inputs = _ablation.resolve_inputs(args, "block_ablation", "report")
+    if inputs is None:
         return 2
-    data = Path(args.data) if args.data else DEFAULT_DATA
-    if not data.is_file():
-        print(f"block_ablation: no training data at {data}. The report trains on the target's own rollouts; make "
-              f"them with\n    {ROLLOUT_HINT}\nor pass --data FILE (a conversations JSONL).", file=sys.stderr)
-        return 2
+    target_dir, data = inputs
     check_overrides(args.overrides)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _ablation.set_threads(args.threads)
     temperatures = [float(t) for t in (args.temperatures or ("1" if args.sweep else "0,1")).split(",")]
     if args.sweep:
         variants = sweep_variants([int(b) for b in args.sweep_blocks.split(",")],
@@ -381,20 +323,12 @@ def main(argv: list[str] | None = None) -> int:
           f"max_new_tokens {args.max_new_tokens}  K " + ", ".join(f"{n} {k}" for n, k in depths.items()))
     print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
           + f" (total {t_train:.0f}s); evaluation {t_eval:.0f}s")
-    print(text)
-    print("\nClaims (ours vs the paper):")
-    print("\n".join(verdicts))
-    print("Where we disagree, suspect scale before method: a 7M-parameter target, minutes of CPU training, 1-2 draft "
-          f"layers and {args.limit} prompts per domain (a few hundredths of MAL are noise).")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "table5_sweep.json" if args.sweep else "tables3_4_block.json"
-    (out / name).write_text(json.dumps({
-        "target": str(target_dir), "data": str(data), "steps": args.steps, "num_draft_tokens": depths,
-        "train_reports": {n: r for n, (_, r) in trained.items()},
-        "results": {str(t): {n: rep.to_dict() for n, rep in reps.items()} for t, reps in results.items()},
-        "verdicts": verdicts}, indent=1, default=str))
-    print(f"wrote {out / name}")
+    _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 7M-parameter "
+                            f"target, minutes of CPU training, 1-2 draft layers and {args.limit} prompts per domain "
+                            "(a few hundredths of MAL are noise).")
+    _ablation.write_results(args.out, "table5_sweep.json" if args.sweep else "tables3_4_block.json",
+                            {"target": str(target_dir), "data": str(data), "steps": args.steps,
+                             "num_draft_tokens": depths}, trained, results, verdicts)
     return 0
 
 

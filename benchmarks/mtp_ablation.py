@@ -34,17 +34,15 @@ Trained drafters are kept under `--out` and reused by a rerun with the same sett
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DATA = Path(".cache/draft-data/rollout/train.jsonl")
-ROLLOUT_HINT = ("angelspec rollout --prompts .cache/draft-data/rollout_prompts.jsonl "
-                "--out .cache/draft-data/rollout/train.jsonl")
-DOMAINS = ("math", "code", "chat")
+import _ablation
+from _ablation import DOMAINS, verdict
+
 _PAPER_DOMAINS = {"math": ("GSM8K", "Math500"), "code": ("HumanEval", "MBPP", "LiveCodeBench"),
                   "chat": ("AlpacaEval", "MT-Bench")}
 _BENCHMARKS = ("GSM8K", "Math500", "HumanEval", "MBPP", "LiveCodeBench", "AlpacaEval", "MT-Bench")
@@ -89,8 +87,7 @@ TABLE1 = (Variant("ce", "CE", "mtp_embedded", (("loss", "ce"), ("cold_start_loss
 
 
 def _domain_mean(values: list[float], domain: str) -> float:
-    picked = [values[_BENCHMARKS.index(b)] for b in _PAPER_DOMAINS[domain]]
-    return sum(picked) / len(picked)
+    return _ablation.domain_mean(values, domain, _BENCHMARKS, _PAPER_DOMAINS)
 
 
 def build_config(variant: Variant, args: argparse.Namespace) -> Any:
@@ -114,48 +111,20 @@ def train_variant(variant: Variant, target_dir: Path, data: Path, args: argparse
 
     cfg = build_config(variant, args)
     out = Path(args.out) / variant.name
-    stamp = {"config": json.loads(json.dumps(asdict(cfg))), "data": str(data), "target": str(target_dir)}
-    stamp_path = out / "ablation_settings.json"
-    if (not args.retrain and stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp
-            and (out / "train_report.json").is_file()):
-        print(f"[{variant.name}] reusing {out}")
-        return out, json.loads((out / "train_report.json").read_text())
-    print(f"[{variant.name}] training {variant.label}: {cfg.steps} steps x {cfg.batch_size} rows x {cfg.seq_len} "
-          f"tokens, loss {cfg.cold_start_loss or '-'} -> {cfg.loss}")
-    report = train_mtp(target_dir, data, out, config=cfg, force=True, progress=not args.quiet,
-                       log=lambda *_: None)
-    stamp_path.write_text(json.dumps(stamp, indent=1))
-    return out, report
+    return _ablation.train_or_reuse(
+        variant.name, out, cfg, data, target_dir, args.retrain,
+        f"{variant.label}: {cfg.steps} steps x {cfg.batch_size} rows x {cfg.seq_len} tokens, loss "
+        f"{cfg.cold_start_loss or '-'} -> {cfg.loss}",
+        lambda: train_mtp(target_dir, data, out, config=cfg, force=True, progress=not args.quiet, log=lambda *_: None))
 
 
 def evaluate_all(target_dir: Path, drafters: dict[str, Path], temperatures: list[float],
                  args: argparse.Namespace) -> dict[float, dict[str, Any]]:
-    """{T: {variant: EvalReport}} on EVAL_PROMPTS; one AR baseline per temperature, shared by the drafters."""
-    from angelspec.assets import EVAL_PROMPTS
-    from angelspec.cli import eval_prompts, load_target_and_tokenizer, resolve_drafter
-    from angelspec.data.prompts import load_prompts
-    from angelspec.eval.speculative import EvalSettings, evaluate, run_decoding
-    from angelspec.spec.sampling import SamplingParams
-
-    model, tokenizer = load_target_and_tokenizer(target_dir)
-    prompts_file = Path(args.prompts) if args.prompts else EVAL_PROMPTS
-    prompts = eval_prompts(tokenizer, load_prompts(prompts_file), context=model.config.max_position_embeddings,
-                           source=str(prompts_file), limit=args.limit)
-    loaded = {name: resolve_drafter(str(path), model, target_dir) for name, path in drafters.items()}
-    results: dict[float, dict[str, Any]] = {}
-    for temp in temperatures:
-        settings = EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                num_draft_tokens=args.num_draft_tokens,
-                                sampling=SamplingParams(temperature=temp, seed=args.seed),
-                                warmup_tokens=min(16, args.max_new_tokens))
-        baseline = run_decoding(model, prompts, settings, progress=not args.quiet, desc=f"AR T={temp}")
-        results[temp] = {}
-        for name, drafter in loaded.items():
-            rep = evaluate(model, drafter, prompts, settings, name=name, baseline=baseline, progress=not args.quiet)
-            if rep.lossless is False:
-                print(f"WARNING: {name} at T=0 is not lossless: {rep.lossless_line()}", file=sys.stderr)
-            results[temp][name] = rep
-    return results
+    """{T: {variant: EvalReport}} on EVAL_PROMPTS at K = --num-draft-tokens; one AR baseline per temperature,
+    shared by the drafters."""
+    k = args.num_draft_tokens
+    return _ablation.evaluate_drafters(target_dir, drafters, dict.fromkeys(drafters, k), temperatures, args,
+                                       baseline_k=k)
 
 
 def _cell(metrics: Any, k: int) -> tuple[float, list[float]]:
@@ -184,11 +153,11 @@ def table2(results: dict[float, dict[str, Any]], k: int) -> tuple[str, list[str]
                      + " ".join(f"{100 * g:+.1f}pp" for g in gains))
         per_domain = {d: _cell(reps["ttt"].domains[d].spec, k)[0] > _cell(reps["base"].domains[d].spec, k)[0]
                       for d in domains if d != "all"}
-        verdicts.append(_verdict(all(per_domain.values()),
+        verdicts.append(verdict(all(per_domain.values()),
                                  f"T={temp}: TTT beats base on MAL in every domain",
                                  ", ".join(f"{d}: {'yes' if v else 'no'}" for d, v in per_domain.items())))
         if k >= 3:
-            verdicts.append(_verdict(min(gains[1], gains[2]) > max(gains[0], 0.0),
+            verdicts.append(verdict(min(gains[1], gains[2]) > max(gains[0], 0.0),
                                      f"T={temp}: TTT gains at p_2, p_3, and more than at p_1 "
                                      "(Δp_2, Δp_3 > max(Δp_1, 0))",
                                      " ".join(f"Δp_{i + 1}={100 * g:+.1f}pp" for i, g in enumerate(gains[:3]))))
@@ -218,13 +187,13 @@ def table1(results: dict[float, dict[str, Any]]) -> tuple[str, list[str]]:
                                                        for d in domains) + f" {mal[v.name]:6.2f}")
         order = " < ".join(sorted(mal, key=mal.get))
         for better, worse in (("kl", "ce"), ("lk", "kl")):
-            verdicts.append(_verdict(mal[better] > mal[worse], f"T={temp}: {better.upper()} beats {worse.upper()}",
+            verdicts.append(verdict(mal[better] > mal[worse], f"T={temp}: {better.upper()} beats {worse.upper()}",
                                      f"{mal[better]:.2f} vs {mal[worse]:.2f}"))
         best_rest = max(m for n, m in mal.items() if n != "e2e_tv+lk")
         worst_rest = min(m for n, m in mal.items() if n != "tv")
-        verdicts.append(_verdict(mal["e2e_tv+lk"] > best_rest, f"T={temp}: e2e TV with LK cold start is best",
+        verdicts.append(verdict(mal["e2e_tv+lk"] > best_rest, f"T={temp}: e2e TV with LK cold start is best",
                                  f"ours: {order}"))
-        verdicts.append(_verdict(mal["tv"] < worst_rest, f"T={temp}: per-token TV from scratch is worst",
+        verdicts.append(verdict(mal["tv"] < worst_rest, f"T={temp}: per-token TV from scratch is worst",
                                  f"ours: {order}"))
     lines += ["", "Paper (small MoE target, D=4; its benchmarks averaged into our domains): MAL",
               f"{'objective':<24} " + " ".join(f"{d:>6}" for d in DOMAINS) + f" {'avg':>6}"]
@@ -235,48 +204,25 @@ def table1(results: dict[float, dict[str, Any]]) -> tuple[str, list[str]]:
     return "\n".join(lines), verdicts
 
 
-def _verdict(ok: bool, claim: str, detail: str) -> str:
-    return f"{'agrees   ' if ok else 'DISAGREES'} | {claim} ({detail})"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--losses", action="store_true", help="Table 1: the loss ablation instead of base vs TTT")
-    p.add_argument("--target", metavar="DIR", help="target folder (default: the embedded target)")
-    p.add_argument("--data", metavar="FILE", help=f"conversations JSONL (default: {DEFAULT_DATA})")
-    p.add_argument("--prompts", metavar="FILE", help="evaluation prompts JSONL with a domain per line "
-                   "(default: the shipped EVAL_PROMPTS)")
+    _ablation.add_input_args(p)
     p.add_argument("--out", default=".cache/mtp-ablation", metavar="DIR", help="where drafters and results go")
     p.add_argument("--steps", type=int, default=200, help="training steps per drafter (default: 200)")
     p.add_argument("--temperatures", default=None, metavar="T,T",
                    help="evaluation temperatures (default: 0,0.9; 0 with --losses)")
-    p.add_argument("--limit", type=int, default=12, help="prompts per domain (default: 12)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="per prompt (default: 96)")
-    p.add_argument("--batch-size", type=int, default=8, help="concurrent requests (default: 8)")
+    _ablation.add_eval_args(p)
     p.add_argument("--num-draft-tokens", type=int, default=3, help="K drafted per step (default: 3, as Table 2)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; request i uses seed + i")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--retrain", action="store_true", help="retrain drafters even if --out holds matching ones")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _ablation.add_run_args(p)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override fields of every trained config")
     args = p.parse_args(argv)
 
-    from angelspec.assets import DEFAULT_TARGET
-
-    target_dir = Path(args.target) if args.target else DEFAULT_TARGET
-    if not (target_dir / "config.json").is_file():
-        print(f"mtp_ablation: {target_dir} has no config.json: the embedded target is not built yet. Build it "
-              "with `make data-sources && angelspec target build`, or pass --target DIR.", file=sys.stderr)
+    inputs = _ablation.resolve_inputs(args, "mtp_ablation", "paper")
+    if inputs is None:
         return 2
-    data = Path(args.data) if args.data else DEFAULT_DATA
-    if not data.is_file():
-        print(f"mtp_ablation: no training data at {data}. The paper trains on the target's own rollouts; make "
-              f"them with\n    {ROLLOUT_HINT}\nor pass --data FILE (a conversations JSONL).", file=sys.stderr)
-        return 2
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    target_dir, data = inputs
+    _ablation.set_threads(args.threads)
     temperatures = [float(t) for t in (args.temperatures or ("0" if args.losses else "0,0.9")).split(",")]
     variants = TABLE1 if args.losses else TABLE2
     t0 = time.time()
@@ -291,20 +237,12 @@ def main(argv: list[str] | None = None) -> int:
           f"max_new_tokens {args.max_new_tokens}  K {args.num_draft_tokens}")
     print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
           + f"; evaluation {t_eval:.0f}s")
-    print(text)
-    print("\nClaims (ours vs the paper):")
-    print("\n".join(verdicts))
-    print("Where we disagree, suspect scale before method: a 10M-parameter target, minutes of CPU training and "
-          f"{args.limit} prompts per domain (a few points of acceptance are noise), D=3 in both tables.")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "table1_losses.json" if args.losses else "table2_base_vs_ttt.json"
-    (out / name).write_text(json.dumps({
-        "target": str(target_dir), "data": str(data), "steps": args.steps,
-        "train_reports": {n: r for n, (_, r) in trained.items()},
-        "results": {str(t): {n: rep.to_dict() for n, rep in reps.items()} for t, reps in results.items()},
-        "verdicts": verdicts}, indent=1, default=str))
-    print(f"wrote {out / name}")
+    _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 10M-parameter "
+                            f"target, minutes of CPU training and {args.limit} prompts per domain (a few points of "
+                            "acceptance are noise), D=3 in both tables.")
+    _ablation.write_results(args.out, "table1_losses.json" if args.losses else "table2_base_vs_ttt.json",
+                            {"target": str(target_dir), "data": str(data), "steps": args.steps}, trained, results,
+                            verdicts)
     return 0
 
 

@@ -3,9 +3,11 @@ template) small enough that CLI, engine and demo tests never need the real embed
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +66,98 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ----- helpers shared by the drafter test files (tiny targets, engine checks, trainer data and outputs) -----
+
+DOMAIN_PROMPTS = [("code", "def add(x, y):"), ("math", "What is 7 + 8?"), ("chat", "Hello there.")]
+
+
+def tiny_decoder(vocab: int = 64, layers: int = 2, heads: int = 4, kv: int = 2, seed: int = 0, std: float = 0.3,
+                 dtype: Any = None) -> Any:
+    """A random eval-mode decoder (hidden 32, head_dim 8, EOS 3) in `dtype` (default float64), weights drawn
+    after `torch.manual_seed(seed)` with `std` large enough that random drafters still get drafts accepted."""
+    import torch
+
+    from angelspec.models import Decoder, DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, max_position_embeddings=256,
+                        eos_token_id=3)
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    model.init_weights(std=std)
+    return model.to(torch.float64 if dtype is None else dtype).eval()
+
+
+class RecordingMixin:
+    """Mixed in before a drafter class: remembers each row's committed sequence and every greedy proposal made
+    from it (`proposals`: (committed sequence, drafts)), to recompute each proposal from scratch. Call
+    `start_recording()` when the drafter is set up."""
+
+    def start_recording(self) -> None:
+        self.history: dict[int, list[int]] = {}
+        self.proposals: list[tuple[list[int], list[int]]] = []
+
+    def prefill(self, rows, prompts, first_tokens, target_hidden):
+        super().prefill(rows, prompts, first_tokens, target_hidden)
+        for r, p, f in zip(rows, prompts, first_tokens, strict=True):
+            self.history[r] = [*p, f]
+
+    def propose(self, state):
+        prop = super().propose(state)
+        for r in state.active_rows:
+            self.proposals.append((list(self.history[r]), prop.tokens[r].tolist()))
+        return prop
+
+    def on_commit(self, commit):
+        super().on_commit(commit)
+        for r, toks in enumerate(commit.host_tokens):
+            self.history.setdefault(r, []).extend(toks)
+
+
+def check_lossless_and_recorded(target: Any, drafter: RecordingMixin, requests: list, config: Any, every: int,
+                                recompute: Any) -> list:
+    """Greedy speculative decoding of `requests` with a recording drafter equals plain autoregressive decoding,
+    some drafts were accepted (so partial accepts and the cache rollback ran), and every `every`-th proposal
+    equals `recompute(committed sequence)`, the from-scratch drafts; returns the outputs."""
+    from angelspec.spec.engine import SpecEngine, reference_generate
+
+    engine = SpecEngine(target, drafter, config)
+    got = engine.generate(requests)
+    want = reference_generate(target, requests)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert sum(engine.metrics.accept_hist[1:]) > 0
+    for seq, drafts in drafter.proposals[::every]:
+        assert recompute(seq) == drafts
+    return got
+
+
+def write_conversations(path: Path, n: int, seed: int) -> Path:
+    """`n` synthetic lines as n // 2 user / assistant conversations, one JSON line each."""
+    lines = list(synthetic_sentences(n, seed=seed))
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in zip(lines[::2], lines[1::2], strict=True)))
+    return path
+
+
+def write_domain_prompts(path: Path) -> Path:
+    """One evaluation prompt per domain (code, math, chat)."""
+    path.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in DOMAIN_PROMPTS))
+    return path
+
+
+def train_log(out_dir: Path) -> list[dict]:
+    """A trainer's JSONL log lines under `out_dir`."""
+    return [json.loads(x) for x in (out_dir / "training" / "train_log.jsonl").read_text().splitlines()]
+
+
+def same_weights(a: Path, b: Path) -> dict:
+    """Assert that the drafter folders `a` and `b` hold bit-identical `model.safetensors`; returns a's tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return wa

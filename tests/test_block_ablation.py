@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_sentences
+from conftest import write_conversations, write_domain_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import block_ablation  # noqa: E402
@@ -23,15 +23,7 @@ SMOKE = ["--steps", "2", "--limit", "1", "--max-new-tokens", "8", "--batch-size"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("block_ablation")
-    lines = list(synthetic_sentences(40, seed=3))
-    conv = root / "conv.jsonl"
-    conv.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                     {"role": "assistant", "content": a}]}) + "\n"
-                            for q, a in zip(lines[::2], lines[1::2], strict=True)))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in
-                               [("code", "def add(x, y):"), ("math", "What is 7 + 8?"), ("chat", "Hello there.")]))
-    return conv, prompts
+    return write_conversations(root / "conv.jsonl", 40, seed=3), write_domain_prompts(root / "prompts.jsonl")
 
 
 def test_default_table_and_sweep_smoke(capsys, tmp_path, tiny_target_dir, files):

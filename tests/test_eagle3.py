@@ -10,13 +10,15 @@ import json
 import random
 import shutil
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
-from conftest import synthetic_sentences
+from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
 
-from angelspec.models import Decoder, DecoderConfig, load_target, save_target
+from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError
 from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
 from angelspec.models.hf_io import CheckpointError
@@ -25,7 +27,7 @@ from angelspec.models.mtp_io import load_mtp, save_mtp
 from angelspec.spec.drafter import DrafterMismatchError, get_drafter
 from angelspec.spec.drafters.eagle3 import Eagle3Drafter
 from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.spec.engine import EngineConfig, Request
 from angelspec.train.ttt import ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,14 +36,7 @@ LAYERS = 6
 TAPS = (1, 3, 4)
 
 
-def tiny_target(vocab: int = 64, layers: int = LAYERS, seed: int = 0, dtype: torch.dtype = torch.float64) -> Decoder:
-    cfg = DecoderConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                        eos_token_id=3)
-    torch.manual_seed(seed)
-    model = Decoder(cfg)
-    model.init_weights(std=0.3)
-    return model.to(dtype).eval()
+tiny_target = partial(tiny_decoder, layers=LAYERS)
 
 
 def tiny_block(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> Eagle3Block:
@@ -99,29 +94,12 @@ def test_fast_ttt_matches_explicit_mask_reference():
     torch.testing.assert_close(fast.hidden[:, :-1, 0][row_inner], d0[:, :-1][row_inner], atol=1e-10, rtol=0)
 
 
-class RecordingEagle3(Eagle3Drafter):
+class RecordingEagle3(RecordingMixin, Eagle3Drafter):
     """Remembers each row's committed sequence and every greedy proposal made from it."""
 
     def allocate(self, *args, **kw):
         super().allocate(*args, **kw)
-        self.history: dict[int, list[int]] = {}
-        self.proposals: list[tuple[list[int], list[int]]] = []
-
-    def prefill(self, rows, prompts, first_tokens, target_hidden):
-        super().prefill(rows, prompts, first_tokens, target_hidden)
-        for r, p, f in zip(rows, prompts, first_tokens, strict=True):
-            self.history[r] = list(p) + [f]
-
-    def propose(self, state):
-        prop = super().propose(state)
-        for r in state.active_rows:
-            self.proposals.append((list(self.history[r]), prop.tokens[r].tolist()))
-        return prop
-
-    def on_commit(self, commit):
-        super().on_commit(commit)
-        for r, toks in enumerate(commit.host_tokens):
-            self.history.setdefault(r, []).extend(toks)
+        self.start_recording()
 
 
 def test_greedy_spec_decoding_is_lossless_and_drafts_match_training():
@@ -133,14 +111,10 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training():
     rng = random.Random(7)
     reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 20))], max_new_tokens=48, stop_ids=())
             for _ in range(12)]
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4))
-    got = engine.generate(reqs)
-    want = reference_generate(target, reqs)
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    # partial accepts happen, so rollback is exercised
+    got = check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=5, num_draft_tokens=4), 7,
+                                      lambda seq: reference_drafts(drafter.block, target, seq, 4))
     assert all(len(r.token_ids) == 48 for r in got)
-    assert sum(engine.metrics.accept_hist[1:]) > 0  # partial accepts happened: rollback was exercised
-    for seq, drafts in drafter.proposals[::7]:
-        assert reference_drafts(drafter.block, target, seq, 4) == drafts
 
 
 def test_save_load_round_trip_and_tap_refusal(tmp_path):
@@ -189,18 +163,10 @@ def deep_target_dir(tmp_path_factory, tiny_target_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("eagle3_data") / "conv.jsonl"
-    lines = list(synthetic_sentences(40, seed=5))
-    with open(path, "w") as f:
-        for q, a in zip(lines[::2], lines[1::2], strict=True):
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                    + "\n")
-    return path
+    return conftest.write_conversations(tmp_path_factory.mktemp("eagle3_data") / "conv.jsonl", 40, seed=5)
 
 
 def test_train_two_steps_and_exact_resume(tmp_path, deep_target_dir, conversations):
-    from safetensors.torch import load_file
-
     from angelspec.train.eagle3 import tiny_debug, train_eagle3
 
     cfg = replace(tiny_debug(), steps=2, ckpt_every=1)
@@ -209,9 +175,8 @@ def test_train_two_steps_and_exact_resume(tmp_path, deep_target_dir, conversatio
     assert report["drafter"] == "eagle3" and report["steps"] == 2
     train_eagle3(deep_target_dir, conversations, tmp_path / "b", max_minutes=0, **kw)  # stops after step 1
     train_eagle3(deep_target_dir, conversations, tmp_path / "b", resume=True, **kw)
-    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
-    assert a.keys() == b.keys() and "fc.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
-    logs = [json.loads(x) for x in (tmp_path / "a" / "training" / "train_log.jsonl").read_text().splitlines()]
+    assert "fc.weight" in conftest.same_weights(tmp_path / "a", tmp_path / "b")
+    logs = conftest.train_log(tmp_path / "a")
     assert [r["objective"] for r in logs] == ["lk_alpha", "e2e_tv"] and len(logs[0]["alpha_per_depth"]) == 3
     target = load_target(deep_target_dir)
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "a", target=target)
@@ -221,9 +186,7 @@ def test_train_two_steps_and_exact_resume(tmp_path, deep_target_dir, conversatio
 def test_train_and_eval_from_the_cli(capsys, tmp_path, deep_target_dir, conversations):
     from angelspec.cli import main
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in
-                               [("code", "def add(x, y):"), ("math", "What is 7 + 8?"), ("chat", "Hello there.")]))
+    prompts = conftest.write_domain_prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "eagle3"
     code = main(["train", "--drafter", "eagle3", "--target", str(deep_target_dir), "--data", str(conversations),
                  "--out", str(out), "--preset", "tiny_debug", "--quiet", "steps=2"])

@@ -12,29 +12,19 @@ import random
 
 import pytest
 import torch
-from conftest import synthetic_sentences
+from conftest import RecordingMixin, check_lossless_and_recorded, same_weights, train_log, write_conversations
+from conftest import tiny_decoder as tiny_target
 
 from angelspec.data.packing import Doc, pack_documents
-from angelspec.models import Decoder, DecoderConfig
+from angelspec.models import Decoder
 from angelspec.models.mtp import MTPBlock, MTPConfig
 from angelspec.spec.drafter import DrafterMismatchError, get_drafter
 from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_target(vocab: int = 64, seed: int = 0, heads: int = 4, kv: int = 2, std: float = 0.3,
-                dtype: torch.dtype = torch.float64) -> Decoder:
-    cfg = DecoderConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, max_position_embeddings=256,
-                        eos_token_id=3)
-    torch.manual_seed(seed)
-    model = Decoder(cfg)
-    model.init_weights(std=std)
-    return model.to(dtype).eval()
 
 
 def tiny_block(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> MTPBlock:
@@ -196,29 +186,12 @@ def test_depth_shift_gate_never_crosses_a_document_end():
 # ---------------------------------------------------------------------------------------------------------
 
 
-class RecordingMTP(MTPDrafter):
+class RecordingMTP(RecordingMixin, MTPDrafter):
     """Remembers each row's committed sequence and every greedy proposal made from it."""
 
     def allocate(self, *args, **kw):
         super().allocate(*args, **kw)
-        self.history: dict[int, list[int]] = {}
-        self.proposals: list[tuple[list[int], list[int]]] = []
-
-    def prefill(self, rows, prompts, first_tokens, target_hidden):
-        super().prefill(rows, prompts, first_tokens, target_hidden)
-        for r, p, f in zip(rows, prompts, first_tokens, strict=True):
-            self.history[r] = list(p) + [f]
-
-    def propose(self, state):
-        prop = super().propose(state)
-        for r in state.active_rows:
-            self.proposals.append((list(self.history[r]), prop.tokens[r].tolist()))
-        return prop
-
-    def on_commit(self, commit):
-        super().on_commit(commit)
-        for r, toks in enumerate(commit.host_tokens):
-            self.history.setdefault(r, []).extend(toks)
+        self.start_recording()
 
 
 @pytest.mark.parametrize(("vocab", "k"), [(64, 3), (8, 5)])
@@ -228,14 +201,10 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
     rng = random.Random(vocab)
     reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 24))], max_new_tokens=64, stop_ids=())
             for _ in range(20)]
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=6, num_draft_tokens=k))
-    got = engine.generate(reqs)
-    want = reference_generate(target, reqs)
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert sum(engine.metrics.accept_hist[1:]) > 0  # some drafts were accepted: rollback after partial accepts ran
-    # Rollback is exact iff every proposal equals the from-scratch training rollout on the committed prefix.
-    for seq, drafts in drafter.proposals[::5]:
-        assert reference_drafts(drafter.block, target, seq, k) == drafts
+    # Some drafts are accepted, so rollback after partial accepts runs; it is exact iff every proposal equals the
+    # from-scratch training rollout on the committed prefix.
+    check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=6, num_draft_tokens=k), 5,
+                                lambda seq: reference_drafts(drafter.block, target, seq, k))
 
 
 def test_sampling_smoke_t1():
@@ -294,18 +263,10 @@ def test_block_state_dict_holds_only_its_own_weights():
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mtp_data") / "conv.jsonl"
-    lines = list(synthetic_sentences(60, seed=5))
-    with open(path, "w") as f:
-        for q, a in zip(lines[::2], lines[1::2], strict=False):
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                    + "\n")
-    return path
+    return write_conversations(tmp_path_factory.mktemp("mtp_data") / "conv.jsonl", 60, seed=5)
 
 
 def test_train_resume_exact_save_load(tmp_path, tiny_target_dir, conversations):
-    from safetensors.torch import load_file
-
     from angelspec.models import load_target
     from angelspec.train.mtp import tiny_debug, train_mtp
 
@@ -314,12 +275,11 @@ def test_train_resume_exact_save_load(tmp_path, tiny_target_dir, conversations):
     assert report["steps"] == 3 and report["assistant_tokens"] > 0
     train_mtp(tiny_target_dir, conversations, tmp_path / "b", max_minutes=0, **kw)  # stops after step 1
     train_mtp(tiny_target_dir, conversations, tmp_path / "b", resume=True, **kw)
-    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = same_weights(tmp_path / "a", tmp_path / "b")
     assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in a)
     raw = json.loads((tmp_path / "a" / "config.json").read_text())
     assert raw["angelspec"]["drafter"] == "mtp"
-    logs = [json.loads(x) for x in (tmp_path / "a" / "training" / "train_log.jsonl").read_text().splitlines()]
+    logs = train_log(tmp_path / "a")
     assert [r["objective"] for r in logs] == ["lk_alpha", "e2e_tv", "e2e_tv"]
     target = load_target(tiny_target_dir)
     drafter = MTPDrafter.from_pretrained(tmp_path / "a", target=target)
@@ -336,7 +296,7 @@ def test_base_mtp_trains_one_depth_with_ce(tmp_path, tiny_target_dir, conversati
     cfg = replace(mtp_base(), **{k: getattr(tiny_debug(), k) for k in ("intermediate_size", "seq_len", "batch_size",
                                                                        "steps", "warmup", "ckpt_every", "log_every")})
     train_mtp(tiny_target_dir, conversations, tmp_path / "base", config=cfg, progress=False, log=lambda *_: None)
-    logs = [json.loads(x) for x in (tmp_path / "base" / "training" / "train_log.jsonl").read_text().splitlines()]
+    logs = train_log(tmp_path / "base")
     assert {r["objective"] for r in logs} == {"ce"} and len(logs[0]["alpha_per_depth"]) == 1
 
 

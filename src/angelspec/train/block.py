@@ -37,20 +37,15 @@ Shape legend: R packed rows, T time, N anchors per row, K = B−1 draft position
 from __future__ import annotations
 
 import json
-import shutil
-import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from angelspec.data.packing import PackedBatch, packing_report
+from angelspec.data.packing import PackedBatch
 from angelspec.models.block_drafter import (
     HEADS,
     MARKOV_HEADS,
@@ -61,36 +56,18 @@ from angelspec.models.block_drafter import (
 )
 from angelspec.models.block_io import save_block_drafter
 from angelspec.models.config import ConfigError, DecoderConfig
-from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.models.mtp import concat_taps
-from angelspec.train.checkpoint import (
-    make_checkpoint_saver,
-    resume_training,
-    run_identity,
+from angelspec.train.distributed import FunctionModule, global_sum, shard_rows, shutdown, wrap_model
+from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, token_alpha
+from angelspec.train.mtp import (
+    drafter_report,
+    frozen_target,
+    packed_conversations,
+    pad_token_id,
+    target_features,
 )
-from angelspec.train.distributed import (
-    FunctionModule,
-    barrier,
-    global_sum,
-    init_distributed,
-    load_full_state_dict,
-    resolve_strategy,
-    shard_rows,
-    shutdown,
-    whole_copy,
-    wrap_model,
-)
-from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, reduce_depth_stats
-from angelspec.train.losses import (
-    LossBatch,
-    LossConfig,
-    LossSchedule,
-    acceptance_per_depth,
-    global_denominators,
-    token_alpha,
-)
-from angelspec.train.mtp import PackedRows, load_conversations, pad_token_id, target_features
-from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+from angelspec.train.optim import build_adamw
 
 # kind -> (default head, backbone conditioning, default objective)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -343,38 +320,18 @@ def train_block_drafter(
     """Train a block-parallel drafter for the target at `target_dir` on `data` (JSONL conversations or a corpus
     folder), write it to `out_dir`; returns a report. The kind is `config.drafter` (default preset
     `dfly_embedded()`). Arguments as `train.mtp.train_mtp`'s."""
-    from angelspec.data.tokenizer import load_tokenizer
-
     cfg = config or dfly_embedded()
-    info = init_distributed()
-    strategy = resolve_strategy(distributed, info)
-    main = info.is_main
-    log = log if main else _silent
-    if cfg.batch_size % info.world_size:
-        raise ConfigError(f"batch_size={cfg.batch_size} is the global batch and must divide over "
-                          f"{info.world_size} processes")
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    work, t0 = out_dir / "training", time.time()
-    ckpt_dir = work / "checkpoint"
-    if (out_dir / "config.json").exists() and not (force or resume):
-        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-
-    target = load_target(target_dir)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    run = start_run(target_dir, out_dir, batch_size=cfg.batch_size, distributed=distributed, log=log, force=force,
+                    resume=resume, error=ConfigError)
+    info = run.info
+    target, tok = frozen_target(run.target_dir)
     tcfg = target.config
-    tok = load_tokenizer(target_dir)
     # Everything about the design is checked before anything is written.
     mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
-    barrier()  # every rank has looked at out_dir before rank 0 clears it
-    if main and force and not resume and out_dir.exists():
-        shutil.rmtree(out_dir)
-    barrier()
-    docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
-    rows = PackedRows(docs, cfg.seq_len, pad_token_id(tcfg), cfg.seed)
-    log(packing_report(rows.packed).format())
-    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=target_dir,
+    run.clear_out_dir(force, resume)
+    rows, stats = packed_conversations(tok, Path(data), cfg, pad_token_id(tcfg), run.log)
+    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=Path(data), enable_thinking=cfg.enable_thinking)
 
     model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
@@ -389,38 +346,19 @@ def train_block_drafter(
         extra = () if o.confidence_logits is None else (o.confidence_logits,)
         return (o.logits, t.labels, t.source_index, t.valid, *extra)  # a tuple, so DDP / FSDP2 find the outputs
 
-    wrapped = wrap_model(FunctionModule(model, block_forward), strategy, info)
+    wrapped = wrap_model(FunctionModule(model, block_forward), run.strategy, info)
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     schedule, objective = cfg.schedule(), cfg.resolved_objective
-    identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
     meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective}
     global_rows = list(range(cfg.batch_size))
     if info.enabled:
         global_rows = shard_rows(global_rows, info)
+    step, model_to_save, save_ckpt = drafter_checkpoints(
+        run, cfg, tcfg.fingerprint(), model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head),
+        lambda m, p: save_block_drafter(m, p, meta), opt, resume)
 
-    step = resume_training(ckpt_dir, resume, identity,
-                           lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt, log,
-                           model=model)
-
-    def model_to_save() -> BlockDrafter:
-        """The drafter with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
-        return whole_copy(model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head))
-
-    save_ckpt = make_checkpoint_saver(ckpt_dir, model_to_save, lambda m, p: save_block_drafter(m, p, meta),
-                                      identity, opt, is_main=main, barrier=barrier, model=model)
-
-    work.mkdir(parents=True, exist_ok=True)
-    log_path = work / "train_log.jsonl"
-    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
-    model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
-    losses: list[float] = []
-    last_log, tok_seen = time.time(), 0
-    while step < cfg.steps:
-        idx = rows.local_rows(step, cfg.batch_size, info)
-        batch = rows.take(idx)
-        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
-        set_lr(opt, lr)
+    def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
+                  ) -> tuple[Tensor, LossBatch, dict[str, Any]]:
         taps, teacher_logits = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
         logits, labels, src, valid, *conf = wrapped(concat_taps(taps), batch.input_ids, batch.positions,
@@ -431,55 +369,26 @@ def train_block_drafter(
         lb = LossBatch(student_logits=logits.flatten(0, 1), mask=valid.flatten(0, 1),
                        teacher_logits=teacher.flatten(0, 1), labels=labels.flatten(0, 1),
                        confidence_logits=conf[0].flatten(0, 1) if conf else None)
-        opt.zero_grad(set_to_none=True)
-        with global_denominators(global_sum) if info.enabled else nullcontext():
-            loss = schedule.loss(step, lb).loss
+        loss = scheduled_loss(schedule, step, lb, info)
         if lb.confidence_logits is not None and objective != "dspark":
             count = lb.mask.sum()
             loss = loss + cfg.conf_coef * confidence_loss(lb.confidence_logits, lb.student_logits.detach(),
                                                           lb.teacher_logits, lb.mask, cfg.top_k,
                                                           global_sum(count) if info.enabled else count)
-        # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
-        (loss * info.world_size if info.enabled else loss).backward()
-        gnorm = clip_gradients(model.parameters(), cfg.grad_clip, strategy)
-        opt.step()
-        step += 1
-        tok_seen += batch.num_tokens
-        losses.append(loss.item())  # host sync: once per step, for the log
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            now = time.time()
-            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
-            mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
-            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss, "lr": lr,
-                   "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
-                   "valid_anchors": int(anchor_valid.sum()), "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", a1=f"{rec['alpha_per_depth'][0]:.2f}")
-            append_log(log_path, rec, main)
-            losses, last_log, tok_seen = [], now, 0
-        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save_ckpt, deadline, log):
-            break
-    bar.close()
-    model.eval()
+        return loss, lb, {"valid_anchors": anchor_valid.sum()}
+
+    step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
+                               step_loss=step_loss, save=save_ckpt, desc=kind, progress=progress,
+                               max_minutes=max_minutes, alpha_label="a1")
     final = model_to_save()
-    report = {"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
-              "draft_layers": mcfg.num_draft_layers, "target_layer_ids": list(mcfg.target_layer_ids),
-              "objective": objective, "parameters": sum(p.numel() for p in model.parameters()), **stats,
-              "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
-              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
-    if info.enabled:
-        report.update(distributed=strategy, world_size=info.world_size)
-    if main:
-        save_block_drafter(final, out_dir, meta)
-        write_json_atomic(out_dir / "train_report.json", report)
-    barrier()
+    report = drafter_report(run, {"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
+                                  "draft_layers": mcfg.num_draft_layers,
+                                  "target_layer_ids": list(mcfg.target_layer_ids), "objective": objective},
+                            model, stats, rows, tcfg, features)
+    run.finish(report, lambda: save_block_drafter(final, run.out_dir, meta))
     del wrapped  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
     shutdown(info)
     return report
-
-
-def _silent(*_: Any) -> None:
-    """The log function of ranks other than 0."""
 
 
 def _kind_trainer(kind: str, default: Any) -> Any:

@@ -23,6 +23,7 @@ from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, read_config, save_target, write_json_atomic
 from angelspec.train.lm import train_causal_lm
+from angelspec.train.loop import start_run
 from angelspec.train.target import heldout_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -111,27 +112,13 @@ def train_draft_lm(
     `distributed`: "auto"/None (DDP under a multi-process torchrun, else one process), "none", "ddp" or
     "fsdp2" (`train.distributed`); `batch_size` is the global batch. Rank 0 alone writes."""
     from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.train.distributed import barrier, init_distributed, resolve_strategy, shutdown, whole_copy
+    from angelspec.train.distributed import shutdown, whole_copy
 
     cfg = config or draft_lm_embedded()
-    info = init_distributed()
-    strategy = resolve_strategy(distributed, info)
-    if cfg.batch_size % info.world_size:
-        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must divide over {info.world_size} "
-                         "processes")
-    main = info.is_main
-    if not main:
-        log = _silent
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    work = out_dir / "training"
-    ckpt_dir = work / "checkpoint"
-    if (out_dir / "config.json").exists() and not (force or resume):
-        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    barrier()  # every rank has looked at out_dir before rank 0 clears it
-    if main and force and not resume and out_dir.exists():
-        shutil.rmtree(out_dir)
-    barrier()
-    t0 = time.time()
+    run = start_run(target_dir, out_dir, batch_size=cfg.batch_size, distributed=distributed, log=log, force=force,
+                    resume=resume)
+    info, main, target_dir, out_dir = run.info, run.main, run.target_dir, run.out_dir
+    run.clear_out_dir(force, resume)
     target_cfg = read_config(target_dir)
     tok = load_tokenizer(target_dir)
     sep = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -166,10 +153,10 @@ def train_draft_lm(
         raw["angelspec"] = meta
         write_json_atomic(path / "config.json", raw)
 
-    work.mkdir(parents=True, exist_ok=True)
-    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work / "train_log.jsonl",
+    run.work.mkdir(parents=True, exist_ok=True)
+    step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
                            resume=resume, progress=progress, max_minutes=max_minutes, desc="draft-lm",
-                           save_model=save_model, log=log, strategy=strategy, dist_info=info)
+                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
         save_model(final, out_dir)
@@ -181,17 +168,9 @@ def train_draft_lm(
         "heldout_loss": {d: round(heldout_loss(model, dom, cfg.heldout_docs_per_domain,
                                                target_cfg.max_position_embeddings, False), 4)
                          for d, dom in held.items() if isinstance(dom, TokenizedDomain)},
-        "documents_truncated": truncated, "train_seconds": round(time.time() - t0, 1),
+        "documents_truncated": truncated, "train_seconds": round(time.time() - run.t0, 1),
         "target": str(target_dir), "target_fingerprint": target_cfg.fingerprint(),
     }
-    if info.enabled:
-        report.update(distributed=strategy, world_size=info.world_size)
-    if main:
-        write_json_atomic(out_dir / "train_report.json", report)
-    barrier()
+    run.finish(report)
     shutdown(info)
     return report
-
-
-def _silent(*_: Any) -> None:
-    """The log function of ranks other than 0."""

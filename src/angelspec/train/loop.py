@@ -1,18 +1,115 @@
-"""The end-of-step bookkeeping every trainer loop shares: gradient clipping under any parallelism, the JSONL
-log line, the per-depth acceptance reduction across ranks, and the checkpoint / time-budget decision."""
+"""What every trainer shares: the run set-up (process group, strategy, output folder, rank-0 logging), the
+end-of-step bookkeeping (gradient clipping under any parallelism, the JSONL log line, the per-depth acceptance
+reduction across ranks, the checkpoint / time-budget decision), the drafter trainers' resumable step loop with
+its checkpoints, and the closing report."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
-from angelspec.train.distributed import DistInfo, all_reduce_scalars, any_rank, clip_grad_norm
+from angelspec.models.hf_io import write_json_atomic
+from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
+from angelspec.train.distributed import (
+    DistInfo,
+    Strategy,
+    all_reduce_scalars,
+    any_rank,
+    barrier,
+    clip_grad_norm,
+    global_sum,
+    init_distributed,
+    load_full_state_dict,
+    resolve_strategy,
+    whole_copy,
+)
+from angelspec.train.losses import LossBatch, LossSchedule, acceptance_per_depth, global_denominators
+from angelspec.train.optim import cosine_lr, set_lr
+
+if TYPE_CHECKING:
+    from angelspec.data.packing import PackedBatch
+    from angelspec.train.mtp import PackedRows
+
+
+def silent(*_: Any) -> None:
+    """The log function of ranks other than 0."""
+
+
+# ----- run set-up and close -----
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """A trainer's process-group view and folders: `out_dir` gets the model, `work` the log and checkpoints."""
+
+    info: DistInfo
+    strategy: Strategy
+    log: Callable[[str], None]  # `silent` on ranks other than 0
+    target_dir: Path
+    out_dir: Path
+    t0: float
+
+    @property
+    def main(self) -> bool:
+        return self.info.is_main
+
+    @property
+    def work(self) -> Path:
+        return self.out_dir / "training"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.work / "checkpoint"
+
+    def clear_out_dir(self, force: bool, resume: bool) -> None:
+        """`force` without `resume`: rank 0 removes the old output folder, once every rank has looked at it."""
+        barrier()
+        if self.main and force and not resume and self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        barrier()
+
+    def finish(self, report: dict[str, Any], write_model: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Add the parallelism to `report`; rank 0 writes the model (`write_model()`) and `train_report.json`;
+        all ranks meet. The caller drops its DDP / FSDP2 wrapper and calls `shutdown` after this."""
+        if self.info.enabled:
+            report.update(distributed=self.strategy, world_size=self.info.world_size)
+        if self.main:
+            if write_model is not None:
+                write_model()
+            write_json_atomic(self.out_dir / "train_report.json", report)
+        barrier()
+        return report
+
+
+def start_run(target_dir: str | Path, out_dir: str | Path, *, batch_size: int, distributed: str | None,
+              log: Callable[[str], None], force: bool, resume: bool,
+              error: type[Exception] = ValueError) -> TrainRun:
+    """Join the process group, resolve the strategy and check, before anything is loaded or written, that the
+    global `batch_size` divides over the processes (else `error`) and that `out_dir` holds no model unless
+    `force` or `resume` (FileExistsError)."""
+    info = init_distributed()
+    strategy = resolve_strategy(distributed, info)
+    if batch_size % info.world_size:
+        raise error(f"batch_size={batch_size} is the global batch and must divide over {info.world_size} "
+                    "processes")
+    run = TrainRun(info, strategy, log if info.is_main else silent, Path(target_dir), Path(out_dir), time.time())
+    if (run.out_dir / "config.json").exists() and not (force or resume):
+        raise FileExistsError(f"{run.out_dir} already holds a model; pass --force to overwrite it or --resume")
+    return run
+
+
+# ----- end-of-step bookkeeping -----
 
 
 def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float, strategy: str) -> Tensor:
@@ -54,3 +151,100 @@ def checkpoint_or_stop(step: int, steps: int, ckpt_every: int, save: Callable[[i
         log(f"time budget reached at step {step}/{steps}; resume with --resume")
         return True
     return False
+
+
+# ----- the drafter trainers' loop (MTP family and block drafters) -----
+
+
+class DrafterLoopSettings(Protocol):
+    """The config fields `train_drafter_steps` reads."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    grad_clip: float
+    top_k: int | None
+    ckpt_every: int
+    log_every: int
+
+
+# (the wrapped model, step, this rank's rows, their row indices) -> (this rank's share of the loss, the loss
+# batch its α is logged from, extra log fields: tensors are read at log time only)
+StepLoss = Callable[[nn.Module, int, "PackedBatch", list[int]], tuple[Tensor, LossBatch, dict[str, Any]]]
+
+
+def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch, info: DistInfo) -> Tensor:
+    """The schedule's loss at `step`; under data parallelism its denominators are sums over the global batch."""
+    with global_denominators(global_sum) if info.enabled else nullcontext():
+        return schedule.loss(step, lb).loss
+
+
+def drafter_checkpoints(run: TrainRun, cfg: Any, target_fingerprint: str, model: nn.Module,
+                        rebuild: Callable[[], nn.Module], write_model: Callable[[Any, Path], None],
+                        opt: torch.optim.Optimizer, resume: bool
+                        ) -> tuple[int, Callable[[], Any], Callable[[int], None]]:
+    """The start step (when resuming: the newest checkpoint's, after checking it was made with this config and
+    target, restoring `model.safetensors` and the optimizer state), the whole-weights snapshot (a collective
+    under FSDP2: every rank calls it, rank 0 writes; `rebuild()` makes an empty model) and the checkpoint saver."""
+    identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
+    step = resume_training(run.ckpt_dir, resume, identity,
+                           lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
+                           run.log, model=model)
+
+    def snapshot() -> Any:
+        return whole_copy(model, rebuild)
+
+    save = make_checkpoint_saver(run.ckpt_dir, snapshot, write_model, identity, opt, is_main=run.main,
+                                 barrier=barrier, model=model)
+    return step, snapshot, save
+
+
+def train_drafter_steps(run: TrainRun, cfg: DrafterLoopSettings, step: int, *, model: nn.Module,
+                        wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
+                        step_loss: StepLoss, save: Callable[[int], None], desc: str, progress: bool,
+                        max_minutes: float | None, alpha_label: str = "a0") -> int:
+    """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
+    batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
+    DDP / FSDP2), the backward (× world size: DDP / FSDP2
+    average gradients), clipping and AdamW; every `log_every` steps a JSONL line with the loss, lr, gradient norm
+    and per-depth α over all ranks; checkpoints and the `max_minutes` budget as `checkpoint_or_stop`."""
+    info = run.info
+    run.work.mkdir(parents=True, exist_ok=True)
+    log_path = run.work / "train_log.jsonl"
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (progress and run.main), unit="step")
+    losses: list[float] = []
+    last_log, tok_seen = time.time(), 0
+    while step < cfg.steps:
+        idx = rows.local_rows(step, cfg.batch_size, info)
+        batch = rows.take(idx)
+        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        set_lr(opt, lr)
+        opt.zero_grad(set_to_none=True)
+        loss, lb, extra = step_loss(wrapped, step, batch, idx)
+        (loss * info.world_size if info.enabled else loss).backward()
+        gnorm = clip_gradients(model.parameters(), cfg.grad_clip, run.strategy)
+        opt.step()
+        step += 1
+        tok_seen += batch.num_tokens
+        losses.append(loss.item())  # host sync: once per step, for the log
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
+            mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
+            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss, "lr": lr,
+                   "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
+                   **{k: v.item() if isinstance(v, Tensor) else v for k, v in extra.items()},
+                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", **{alpha_label: f"{rec['alpha_per_depth'][0]:.2f}"})
+            append_log(log_path, rec, run.main)
+            losses, last_log, tok_seen = [], now, 0
+        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save, deadline, run.log):
+            break
+    bar.close()
+    model.eval()
+    return step

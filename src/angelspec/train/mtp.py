@@ -35,7 +35,6 @@ Output folder: `config.json` (`"angelspec": {"drafter": "mtp" | "eagle3", "targe
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,8 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
 from angelspec.data.chat import encode_conversation
 from angelspec.data.features import (
@@ -58,31 +55,14 @@ from angelspec.data.lm_data import read_jsonl
 from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
-from angelspec.models.hf_io import load_target, write_json_atomic
+from angelspec.models.hf_io import load_target
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
 from angelspec.models.mtp_io import build_block, save_mtp
-from angelspec.train.checkpoint import (
-    make_checkpoint_saver,
-    resume_training,
-    run_identity,
-)
-from angelspec.train.distributed import (
-    DistInfo,
-    FunctionModule,
-    barrier,
-    global_sum,
-    init_distributed,
-    load_full_state_dict,
-    resolve_strategy,
-    shard_rows,
-    shutdown,
-    whole_copy,
-    wrap_model,
-)
+from angelspec.train.distributed import DistInfo, FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.draft_lm import _data_domains
-from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, reduce_depth_stats
-from angelspec.train.losses import LossConfig, LossSchedule, acceptance_per_depth, get_loss, global_denominators
-from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+from angelspec.train.loop import TrainRun, drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, get_loss
+from angelspec.train.optim import build_adamw
 from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
 
 
@@ -375,38 +355,17 @@ def train_mtp(
 
     `distributed`: "auto"/None (DDP under a multi-process torchrun, else single process), "none", "ddp" or
     "fsdp2" (module docstring). `batch_size` is the global batch; it must divide by the number of processes."""
-    from angelspec.data.tokenizer import load_tokenizer
-
     cfg = config or mtp_embedded()
-    info = init_distributed()
-    strategy = resolve_strategy(distributed, info)
-    main = info.is_main
-    log = log if main else _silent
-    if cfg.batch_size % info.world_size:
-        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must divide over {info.world_size} "
-                         "processes")
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    work, t0 = out_dir / "training", time.time()
-    ckpt_dir = work / "checkpoint"
-    if (out_dir / "config.json").exists() and not (force or resume):
-        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    barrier()  # every rank has looked at out_dir before rank 0 clears it
-    if main and force and not resume and out_dir.exists():
-        shutil.rmtree(out_dir)
-    barrier()
-
-    target = load_target(target_dir)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    run = start_run(target_dir, out_dir, batch_size=cfg.batch_size, distributed=distributed, log=log, force=force,
+                    resume=resume)
+    run.clear_out_dir(force, resume)
+    target, tok = frozen_target(run.target_dir)
     tcfg = target.config
-    tok = load_tokenizer(target_dir)
     pad_id = pad_token_id(tcfg)
-    docs, stats = load_conversations(tok, Path(data), cfg.seq_len, cfg.enable_thinking)
-    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
-    log(packing_report(rows.packed).format())
+    rows, stats = packed_conversations(tok, Path(data), cfg, pad_id, run.log)
 
     mcfg = cfg.block_config(tcfg)
-    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=target_dir,
+    features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=Path(data), enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
     block = build_block(mcfg, target.embed_tokens, target.lm_head)
@@ -420,82 +379,57 @@ def train_mtp(
 
     # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,
     # since FSDP2 replaces the block's parameters by DTensor shards.
-    model = wrap_model(FunctionModule(block, rollout), strategy, info)
+    model = wrap_model(FunctionModule(block, rollout), run.strategy, run.info)
     opt = build_adamw(block, cfg.lr, cfg.weight_decay)
     schedule = cfg.schedule()
-    identity = {"train_config": run_identity(cfg), "target_fingerprint": tcfg.fingerprint()}
     meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
+    step, block_to_save, save_ckpt = drafter_checkpoints(
+        run, cfg, tcfg.fingerprint(), block, lambda: build_block(mcfg, target.embed_tokens, target.lm_head),
+        lambda m, p: save_mtp(m, p, meta), opt, resume)
 
-    step = resume_training(ckpt_dir, resume, identity,
-                           lambda c: load_full_state_dict(block, load_file(str(c / "model.safetensors"))), opt, log,
-                           model=block)
-
-    def block_to_save() -> MTPBlock:
-        """The block with whole weights: a collective under FSDP2 (every rank calls it, rank 0 writes)."""
-        return whole_copy(block, lambda: build_block(mcfg, target.embed_tokens, target.lm_head))
-
-    save_ckpt = make_checkpoint_saver(ckpt_dir, block_to_save, lambda m, p: save_mtp(m, p, meta), identity, opt,
-                                      is_main=main, barrier=barrier, model=block)
-
-    work.mkdir(parents=True, exist_ok=True)
-    log_path = work / "train_log.jsonl"
-    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
-    block.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=kind, disable=not (progress and main), unit="step")
-    losses: list[float] = []
-    last_log, tok_seen = time.time(), 0
-    while step < cfg.steps:
-        idx = rows.local_rows(step, cfg.batch_size, info)
-        batch = rows.take(idx)
-        lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
-        set_lr(opt, lr)
+    def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
+                  ) -> tuple[torch.Tensor, LossBatch, dict[str, Any]]:
         taps, teacher = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
-        out = TTTOutput(*model(concat_taps(taps), batch.input_ids, batch.positions, batch.document_ids))
+        out = TTTOutput(*wrapped(concat_taps(taps), batch.input_ids, batch.positions, batch.document_ids))
         lb = mtp_loss_batch(out, batch, teacher)
-        opt.zero_grad(set_to_none=True)
-        if info.enabled:
-            # This rank's share of the global-batch loss; DDP / FSDP2 average gradients, hence × world size.
-            with global_denominators(global_sum):
-                loss = schedule.loss(step, lb).loss
-            (loss * info.world_size).backward()
-        else:
-            loss = schedule.loss(step, lb).loss
-            loss.backward()
-        gnorm = clip_gradients(block.parameters(), cfg.grad_clip, strategy)
-        opt.step()
-        step += 1
-        tok_seen += batch.num_tokens
-        losses.append(loss.item())  # host sync: once per step, for the log
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            now = time.time()
-            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
-            mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
-            rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss,
-                   "lr": lr, "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],
-                   "tokens_per_s": tok_seen / max(now - last_log, 1e-9)}
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", a0=f"{rec['alpha_per_depth'][0]:.2f}")
-            append_log(log_path, rec, main)
-            losses, last_log, tok_seen = [], now, 0
-        if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save_ckpt, deadline, log):
-            break
-    bar.close()
-    block.eval()
+        return scheduled_loss(schedule, step, lb, run.info), lb, {}
+
+    step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,
+                               step_loss=step_loss, save=save_ckpt, desc=kind, progress=progress,
+                               max_minutes=max_minutes)
     final = block_to_save()
-    report = {"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths,
-              "parameters": sum(p.numel() for p in block.parameters()), **stats,
-              "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - t0, 1),
-              "target": str(target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
-    if info.enabled:
-        report.update(distributed=strategy, world_size=info.world_size)
-    if main:
-        save_mtp(final, out_dir, meta)
-        write_json_atomic(out_dir / "train_report.json", report)
-    barrier()
+    report = drafter_report(run, {"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths},
+                            block, stats, rows, tcfg, features)
+    run.finish(report, lambda: save_mtp(final, run.out_dir, meta))
     del model  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
-    shutdown(info)
+    shutdown(run.info)
     return report
 
 
-def _silent(*_: Any) -> None:
-    """The log function of ranks other than 0."""
+def frozen_target(target_dir: Path) -> tuple[Decoder, Any]:
+    """The target at `target_dir` with every parameter frozen, and its tokenizer."""
+    from angelspec.data.tokenizer import load_tokenizer
+
+    target = load_target(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target, load_tokenizer(target_dir)
+
+
+def packed_conversations(tokenizer: Any, data: Path, cfg: Any, pad_id: int, log: Any
+                         ) -> tuple[PackedRows, dict[str, int]]:
+    """`data`'s conversations (`load_conversations`) packed as the run's `cfg` says (seq_len, enable_thinking,
+    seed), and their counts; logs the packing report."""
+    docs, stats = load_conversations(tokenizer, data, cfg.seq_len, cfg.enable_thinking)
+    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
+    log(packing_report(rows.packed).format())
+    return rows, stats
+
+
+def drafter_report(run: TrainRun, head: dict[str, Any], model: torch.nn.Module, stats: dict[str, int],
+                   rows: PackedRows, tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
+    """A drafter trainer's report: `head` (kind, steps, design), then the parameter count, the data counts and
+    packing, the training time, the target and where the features came from."""
+    return {**head, "parameters": sum(p.numel() for p in model.parameters()), **stats,
+            "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - run.t0, 1),
+            "target": str(run.target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
