@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -501,6 +502,41 @@ def _drafter_folder(spec: str) -> Path | None:
     return Path(arg) if sep and kind in registered_drafters() else Path(spec)
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    """`angelspec draft-vocab`: give a block drafter a draft vocabulary of the data's most frequent tokens."""
+    from angelspec.data.vocab import coverage, frequent_tokens, token_counts
+    from angelspec.models.block_drafter import BlockDrafter
+    from angelspec.models.block_io import load_block_drafter, read_block_config, save_block_drafter
+    from angelspec.train.mtp import load_conversations
+
+    _positive("--size", args.size)
+    src = Path(args.drafter)
+    out = Path(args.out) if args.out is not None else src
+    if out != src and (out / "config.json").exists() and not args.force:
+        raise UsageError(f"--out {out} already holds a model; pass --force to overwrite it")
+    cfg, meta = read_block_config(src)
+    if args.size > cfg.vocab_size:
+        raise UsageError(f"--size {args.size} exceeds the target vocabulary of {cfg.vocab_size} tokens")
+    target_dir = resolve_target_dir(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    old = load_block_drafter(src, model)
+    docs, stats = load_conversations(tokenizer, Path(args.data), model.config.max_position_embeddings)
+    counts = token_counts(docs, cfg.vocab_size)
+    ids = frequent_tokens(counts, args.size, always=model.config.eos_token_ids)
+    new = BlockDrafter(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
+    state = {k: v for k, v in old.state_dict().items() if k != "draft_vocab"}
+    new.load_state_dict(state, strict=False)
+    new.set_draft_vocab(ids)
+    extra = {k: v for k, v in meta.items() if k not in ("drafter", "target_fingerprint", "target_layer_ids",
+                                                        "block_size", "head", "conditioning", "mask_token_id",
+                                                        "confidence_head")}
+    save_block_drafter(new, out, {**extra, "draft_vocab": {"size": args.size, "data": str(args.data),
+                                                           "coverage": coverage(counts, ids)}})
+    print(f"draft vocabulary: the {args.size} most frequent of {cfg.vocab_size} tokens in {args.data} "
+          f"({stats['assistant_tokens']} assistant tokens) cover {coverage(counts, ids):.1%} of them\nwrote {out}")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """`angelspec calibrate`: fit STS temperatures for a drafter's confidences and save calibration.json."""
     from angelspec.data.prompts import load_prompts
@@ -661,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(sub)
     _add_profile(sub)
     _add_calibrate(sub)
+    _add_draft_vocab(sub)
     _add_features(sub)
     _add_bench(sub)
     # Data commands live with their modules; each registers its parser and sets `func`.
@@ -815,6 +852,24 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="table file (default: .cache/angelspec-costs/<model>-<key digest>.json)")
     p.add_argument("--force", action="store_true", help="re-profile even when the cached table is up to date")
     p.set_defaults(func=cmd_profile)
+
+
+def _add_draft_vocab(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "draft-vocab", help="restrict a block drafter's drafts to the data's most frequent tokens",
+        description="Count the assistant tokens of a conversations JSONL (the drafter's training data), keep the "
+                    "--size most frequent target tokens (plus the end-of-turn tokens) as the drafter's draft "
+                    "vocabulary and save the drafter with it: every draft step then multiplies only those rows "
+                    "of the LM head (EAGLE-3's reduced draft vocabulary). Training is unaffected; drafts the "
+                    "target would pick outside the set are never proposed, so check MAL with `angelspec eval`.",
+    )
+    p.add_argument("--drafter", required=True, metavar="DIR", help="block drafter folder (dflash/dflare/dfly/dspark)")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
+    p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
+    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
+    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place)")
+    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
+    p.set_defaults(func=cmd_draft_vocab)
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:

@@ -128,6 +128,7 @@ class BlockDrafterConfig:
     confidence_head: bool = True
     head_intermediate_size: int | None = None  # hidden-correction SwiGLU width (None: hidden_size)
     fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
+    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -147,6 +148,9 @@ class BlockDrafterConfig:
             raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
         if self.markov_rank < 1:
             raise ConfigError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        if isinstance(self.draft_vocab_size, bool) or not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size must be an int in [0, vocab_size = {self.vocab_size}] (0: draft from "
+                              f"the whole vocabulary), got {self.draft_vocab_size!r}")
         if self.fusion_prior_temperature <= 0:
             raise ConfigError(f"fusion_prior_temperature must be > 0, got {self.fusion_prior_temperature}")
         if not self.target_layer_ids:
@@ -272,18 +276,27 @@ class MarkovHead(nn.Module):
 
     def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """h [..., C] (normalised backbone state), prev [...] -> (bias [..., V], next state)."""
-        return self.out(self.embed(prev)), None
+        u, state = self.features(h, prev, state)
+        return self.out(u), state
+
+    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The rank-r vector W2 maps to the bias: h [..., C], prev [...] -> (u [..., r], next state)."""
+        return self.embed(prev), None
 
     def sequence(self, h: Tensor, prev: Tensor) -> Tensor:
         """Teacher-forced biases for a whole block: h [..., K, C], prev [..., K] -> [..., K, V]. Stateless heads
         are position-wise, so every position runs at once; the RNN loops over K (small)."""
+        return self.out(self.sequence_features(h, prev))
+
+    def sequence_features(self, h: Tensor, prev: Tensor) -> Tensor:
+        """`features` over a whole block: h [..., K, C], prev [..., K] -> u [..., K, r]."""
         if not self.stateful:
-            return self.step(h, prev, None)[0]
+            return self.features(h, prev, None)[0]
         state = self.init_state(prev.shape[:-1], h)
         out = []
         for k in range(prev.shape[-1]):
-            b, state = self.step(h[..., k, :], prev[..., k], state)
-            out.append(b)
+            u, state = self.features(h[..., k, :], prev[..., k], state)
+            out.append(u)
         return torch.stack(out, dim=-2)
 
 
@@ -294,10 +307,10 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, hidden_size, rank)
         self.gate = nn.Linear(hidden_size + rank, rank)  # W_g
 
-    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
         e = self.embed(prev).to(h.dtype)  # [..., r]
         g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
-        return self.out(g * e), None
+        return g * e, None
 
 
 class RNNHead(MarkovHead):
@@ -317,12 +330,12 @@ class RNNHead(MarkovHead):
     def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         return like.new_zeros(*shape, self.rank)
 
-    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
         assert state is not None
         zeta = torch.cat([state, self.embed(prev).to(h.dtype), h], dim=-1)  # [..., 2r + C]
         u = torch.sigmoid(self.gate(zeta))
         new_state = u * state + (1 - u) * torch.tanh(self.cand(zeta))
-        return self.out(torch.tanh(self.proj(zeta))), new_state
+        return torch.tanh(self.proj(zeta)), new_state
 
 
 class HiddenCorrectionHead(nn.Module):
@@ -438,21 +451,12 @@ class BlockTrainOutput:
 class BlockProposal:
     """`propose`'s result: K = B−1 drafts per row, left to right through the head."""
 
-    tokens: Tensor  # [B, K] int64
-    logits: Tensor  # [B, K, V] fp32, the head's logits at each position given the chosen predecessors
-    probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy)
+    tokens: Tensor  # [B, K] int64 target token ids
+    logits: Tensor  # [B, K, V'] fp32, the head's logits given the chosen predecessors, over the draft vocabulary
+    #                 (V' = draft_vocab_size; V when the drafter drafts from the whole vocabulary)
+    probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
     confidences: Tensor | None  # [B, K] σ(confidence logits) in [0, 1], per position (not cumulative)
-
-
-def _select_positions(logits: Tensor, select: Select | None, start: int) -> tuple[Tensor, Tensor | None]:
-    """Drafts at positions start.. from logits [B, n, V]: argmax over all at once, or `select` per position
-    (its draft index k = start + j) -> (tokens [B, n], probs [B, n, V] or None)."""
-    if select is None:
-        return logits.argmax(dim=-1), None
-    picks = [select(logits[:, j], start + j) for j in range(logits.shape[1])]
-    tokens = torch.stack([t for t, _ in picks], dim=1)
-    probs = None if any(p is None for _, p in picks) else torch.stack([p for _, p in picks], dim=1)
-    return tokens, probs
+    token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
 class BlockDrafter(nn.Module):
@@ -491,6 +495,9 @@ class BlockDrafter(nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if cfg.draft_vocab_size:  # target ids inference drafts from (`set_draft_vocab`); saved with the weights
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
+        self._vocab_cache: tuple[tuple[int, ...], Tensor, Tensor | None] | None = None
         self._special_init()
 
     def _special_init(self) -> None:
@@ -525,6 +532,60 @@ class BlockDrafter(nn.Module):
     def lm_logits(self, h: Tensor) -> Tensor:
         """W_lm h -> fp32 logits [..., V] (h already normalised; W_lm frozen)."""
         return F.linear(h, self._shared[1].weight.detach()).float()
+
+    # ----- the draft vocabulary (inference only; training always scores the whole vocabulary) -----
+    def set_draft_vocab(self, token_ids: Sequence[int] | Tensor) -> None:
+        """Draft only from `token_ids` (e.g. `frequent_tokens` of the training data): [draft_vocab_size] distinct
+        target ids. Their LM-head rows are the only ones an inference step multiplies, so the head's cost falls by
+        V / draft_vocab_size; a draft the target would pick outside the set is simply never proposed."""
+        n = self.config.draft_vocab_size
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+        if not n:
+            raise ConfigError("this drafter drafts from the whole vocabulary (draft_vocab_size = 0); build it with "
+                              "draft_vocab_size=N to give it a draft vocabulary")
+        if ids.numel() != n or ids.unique().numel() != n or not bool(((ids >= 0) & (ids < self.config.vocab_size)
+                                                                     ).all()):
+            raise ConfigError(f"a draft vocabulary must be {n} distinct target ids in [0, {self.config.vocab_size}), "
+                              f"got {ids.numel()} ids ({ids.unique().numel()} distinct)")
+        with torch.no_grad():
+            self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+
+    def _vocab_weights(self) -> tuple[Tensor, Tensor | None]:
+        """(W_lm rows [V', C], Markov W2 rows [V', r] or None) of the draft vocabulary, cached until a weight or
+        the vocabulary changes."""
+        w = self._shared[1].weight
+        w2 = self.head.out.weight if isinstance(self.head, MarkovHead) else None
+        tensors = (w, self.draft_vocab) if w2 is None else (w, self.draft_vocab, w2)
+        key = tuple(x for t in tensors for x in (t.data_ptr(), t._version, t.dtype.itemsize))
+        if self._vocab_cache is None or self._vocab_cache[0] != key:
+            v = self.draft_vocab
+            self._vocab_cache = (key, w.detach()[v], None if w2 is None else w2.detach()[v])
+        return self._vocab_cache[1], self._vocab_cache[2]
+
+    def draft_logits(self, h: Tensor) -> Tensor:
+        """Inference logits over the draft vocabulary: h [..., C] (normalised) -> [..., V'] fp32."""
+        if not self.config.draft_vocab_size:
+            return self.lm_logits(h)
+        return F.linear(h, self._vocab_weights()[0]).float()
+
+    def draft_bias(self, u: Tensor) -> Tensor:
+        """A Markov-family head's bias over the draft vocabulary: u [..., r] (`features`) -> [..., V']."""
+        assert isinstance(self.head, MarkovHead)
+        if not self.config.draft_vocab_size:
+            return self.head.out(u)
+        return F.linear(u, self._vocab_weights()[1])
+
+    def to_target_ids(self, index: Tensor) -> Tensor:
+        """Indices along the draft vocabulary -> target token ids (identity without one)."""
+        return self.draft_vocab[index] if self.config.draft_vocab_size else index
+
+    def full_logits(self, logits: Tensor) -> Tensor:
+        """[..., V'] -> [..., V] with −inf outside the draft vocabulary (what a sampling rule over the target's
+        vocabulary sees: it can only pick draft-vocabulary tokens)."""
+        if not self.config.draft_vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
@@ -610,16 +671,16 @@ class BlockDrafter(nn.Module):
         return logits, conf
 
     def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """One draft position at inference: z [B, C], prev [B] -> (logits [B, V], confidence logit [B] or None,
-        next head state)."""
+        """One draft position at inference: z [B, C], prev [B] -> (logits [B, V'] over the draft vocabulary,
+        confidence logit [B] or None, next head state)."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
-            logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))
+            logits = self.draft_logits(self.norm(self.head(z, self.embed(prev))))
         else:
-            logits = self.lm_logits(h)
+            logits = self.draft_logits(h)
             if isinstance(self.head, MarkovHead):
-                b, state = self.head.step(h, prev, state)
-                logits = logits + b.float()
+                u, state = self.head.features(h, prev, state)
+                logits = logits + self.draft_bias(u).float()
         conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
         return logits, conf, state
 
@@ -750,21 +811,21 @@ class BlockDrafter(nn.Module):
             return self._propose_left_to_right(z, anchor_tokens, select)
         h = self.norm(z)
         B, K = z.shape[:2]
-        base = self.lm_logits(h)  # [B, K, V] the backbone's own logits: the head's base, or its first guess
+        base = self.draft_logits(h)  # [B, K, V'] the backbone's own logits: the head's base, or its first guess
         if self.head is None:
             logits = base  # the backbone alone: no dependence on predecessors, one sweep
-            tokens, probs = _select_positions(logits, select, 0)
+            index, tokens, probs = self._pick(logits, select, 0)
         else:
-            guess = base.argmax(dim=-1)  # [B, K]
-            prev = torch.cat([anchor_tokens[:, None], guess[:, :-1]], dim=1)  # [B, K] predecessor guesses
-            logits = z.new_empty(B, K, cfg.vocab_size, dtype=torch.float32)
-            tokens = guess.clone()
+            index = base.argmax(dim=-1)  # [B, K]
+            tokens = self.to_target_ids(index)  # first guesses
+            prev = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K] predecessor guesses
+            logits = torch.empty_like(base)
             probs = None if select is None else logits.new_empty(B, K, cfg.vocab_size)
             done = 0  # positions < done are final
             while done < K:
-                lg = self._head_sweep(h, base, prev, done)  # [B, K - done, V]
-                tok, p = _select_positions(lg, select, done)
-                logits[:, done:], tokens[:, done:] = lg, tok
+                lg = self._head_sweep(h, base, prev, done)  # [B, K - done, V']
+                idx, tok, p = self._pick(lg, select, done)
+                logits[:, done:], index[:, done:], tokens[:, done:] = lg, idx, tok
                 if probs is not None and p is not None:
                     probs[:, done:] = p
                 # Position done is final; each next one is final while its guessed predecessor was right.
@@ -776,16 +837,35 @@ class BlockDrafter(nn.Module):
         conf = None
         if cfg.confidence_head:
             conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev)).float())  # [B, K]
-        return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf)
+        return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
+
+    def _pick(self, logits: Tensor, select: Select | None, start: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Drafts at positions start.. from logits [B, n, V'] (draft vocabulary): argmax over all at once, or
+        `select` per position (its draft index k = start + j) on the logits over the whole vocabulary
+        -> (index along V' [B, n], target ids [B, n], probs [B, n, V] or None)."""
+        if select is None:
+            index = logits.argmax(dim=-1)
+            return index, self.to_target_ids(index), None
+        picks = [select(self.full_logits(logits[:, j]), start + j) for j in range(logits.shape[1])]
+        tokens = torch.stack([t for t, _ in picks], dim=1)
+        probs = None if any(p is None for _, p in picks) else torch.stack([p for _, p in picks], dim=1)
+        index = tokens
+        if self.config.draft_vocab_size:  # sampled ids lie in the draft vocabulary (−inf elsewhere)
+            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=tokens.device)
+            inverse.index_copy_(0, self.draft_vocab, torch.arange(self.config.draft_vocab_size, device=tokens.device))
+            index = inverse[tokens]
+        return index, tokens, probs
 
     def _head_sweep(self, h: Tensor, base: Tensor, prev: Tensor, start: int) -> Tensor:
-        """A Markov-family head's logits at positions start..K−1 given predecessors prev [B, K] -> [B, K − start, V]
-        fp32; base = W_lm RMSNorm(z) [B, K, V]."""
+        """A Markov-family head's logits at positions start..K−1 given predecessors prev [B, K] -> [B, K − start, V']
+        fp32; base = the backbone's logits [B, K, V'] over the draft vocabulary."""
         head = self.head
         assert isinstance(head, MarkovHead)
         if head.stateful:  # the RNN's state runs over the whole block: recompute it from position 0
-            return base[:, start:] + head.sequence(h, prev)[:, start:].float()
-        return base[:, start:] + head.sequence(h[:, start:], prev[:, start:]).float()  # Eq. 14 / gated
+            u = head.sequence_features(h, prev)[:, start:]
+        else:
+            u = head.sequence_features(h[:, start:], prev[:, start:])  # Eq. 14 / gated: position-wise
+        return base[:, start:] + self.draft_bias(u).float()
 
     @torch.no_grad()
     def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
@@ -799,23 +879,21 @@ class BlockDrafter(nn.Module):
         """The head over backbone outputs z [B, K, C], one position at a time."""
         state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
         prev = anchor_tokens
-        tokens, logits_out, probs, confs = [], [], [], []
+        index, tokens, logits_out, probs, confs = [], [], [], [], []
         for k in range(self.config.num_drafts):
             logits, conf, state = self.head_step(z[:, k], prev, state)
-            if select is None:
-                tok, p = logits.argmax(dim=-1), None
-            else:
-                tok, p = select(logits, k)
-            tokens.append(tok)
+            idx, tok, p = self._pick(logits[:, None], select, k)
+            index.append(idx[:, 0])
+            tokens.append(tok[:, 0])
             logits_out.append(logits)
-            probs.append(p)
+            probs.append(None if p is None else p[:, 0])
             if conf is not None:
                 confs.append(torch.sigmoid(conf.float()))
-            prev = tok
+            prev = tok[:, 0]
         return BlockProposal(
             tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits_out, dim=1),
             probs=None if any(p is None for p in probs) else torch.stack(probs, dim=1),
-            confidences=torch.stack(confs, dim=1) if confs else None)
+            confidences=torch.stack(confs, dim=1) if confs else None, token_index=torch.stack(index, dim=1))
 
     @torch.no_grad()
     def propose_from_taps(self, taps: Sequence[Tensor] | Tensor, lengths: Tensor, anchor_tokens: Tensor,

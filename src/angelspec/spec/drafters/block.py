@@ -151,7 +151,7 @@ class BlockDrafterAdapter(Drafter):
         if p.confidences is not None:
             conf = p.confidences[:, :k]  # [B, K] σ(confidence logit)
         else:
-            conf = torch.softmax(p.logits[:, :k].float(), dim=-1).gather(2, tokens[..., None])[..., 0]
+            conf = torch.softmax(p.logits[:, :k].float(), dim=-1).gather(2, p.token_index[:, :k, None])[..., 0]
         probs = None if deterministic or p.probs is None else p.probs[:, :k]  # [B, K, V]
         return Proposal(tokens=tokens, probs=probs, confidences=conf, deterministic=deterministic)
 
