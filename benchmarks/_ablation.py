@@ -92,7 +92,7 @@ def train_or_reuse(name: str, out: Path, cfg: Any, data: Path, target_dir: Path,
     stamp = {**stamp_extra, "config": json.loads(json.dumps(asdict(cfg))), "data": str(data),
              "target": str(target_dir)}
     stamp_path = out / "ablation_settings.json"
-    if (not retrain and stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp
+    if (not retrain and stamp_path.is_file() and _same_settings(json.loads(stamp_path.read_text()), stamp, cfg)
             and (out / "train_report.json").is_file()):
         print(f"[{name}] reusing {out}")
         return out, json.loads((out / "train_report.json").read_text())
@@ -100,6 +100,18 @@ def train_or_reuse(name: str, out: Path, cfg: Any, data: Path, target_dir: Path,
     report = train()
     stamp_path.write_text(json.dumps(stamp, indent=1))
     return out, report
+
+
+def _same_settings(saved: dict[str, Any], stamp: dict[str, Any], cfg: Any) -> bool:
+    """Saved settings match when everything equals, except that a config field added to the code since (absent
+    from `saved`) must hold its default: new options that change nothing keep old drafters reusable."""
+    if {k: v for k, v in saved.items() if k != "config"} != {k: v for k, v in stamp.items() if k != "config"}:
+        return False
+    old, new = saved.get("config", {}), stamp["config"]
+    if any(k not in new or old[k] != new[k] for k in old):
+        return False
+    defaults = json.loads(json.dumps(asdict(type(cfg)())))
+    return all(new[k] == defaults.get(k) for k in new if k not in old)
 
 
 def evaluate_drafters(target_dir: Path, drafters: dict[str, Path], depths: dict[str, int],

@@ -10,16 +10,25 @@ import torch
 from angelspec.data.packing import Doc
 
 
+def count_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """How often each target id is a trained-on token of input_ids [...] (loss_mask [...] True; every token
+    without a mask) -> [V] int64."""
+    ids = torch.as_tensor(input_ids, dtype=torch.int64)
+    if loss_mask is not None:
+        ids = ids[torch.as_tensor(loss_mask, dtype=torch.bool)]
+    ids = ids.flatten()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token ids outside the target vocabulary [0, {vocab_size}): is this data tokenized for "
+                         "another model?")
+    return torch.bincount(ids, minlength=vocab_size)
+
+
 def token_counts(docs: Iterable[Doc], vocab_size: int) -> torch.Tensor:
-    """How often each target id is a trained-on token (loss mask 1; every token without a mask) -> [V] int64."""
+    """`count_tokens` summed over documents -> [V] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for doc in docs:
-        ids = torch.as_tensor(doc.input_ids, dtype=torch.int64)
-        if doc.loss_mask is not None:
-            ids = ids[torch.as_tensor(doc.loss_mask, dtype=torch.bool)]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            raise ValueError(f"document {doc.doc_id!r} holds token ids outside the target vocabulary [0, {vocab_size})")
-        counts += torch.bincount(ids, minlength=vocab_size)
+        counts += count_tokens(torch.as_tensor(doc.input_ids), None if doc.loss_mask is None
+                               else torch.as_tensor(doc.loss_mask), vocab_size)
     return counts
 
 

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from angelspec.data.packing import PackedBatch
+from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.block_drafter import (
     HEADS,
     MARKOV_HEADS,
@@ -96,6 +97,7 @@ class BlockDrafterTrainConfig:
     markov_rank: int = 64
     confidence_head: bool = True
     head_intermediate_size: int | None = None
+    draft_vocab_size: int = 0  # >0: inference drafts from the N most frequent trained-on tokens (data.vocab)
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -195,7 +197,7 @@ class BlockDrafterTrainConfig:
             head=self.resolved_head, markov_rank=self.markov_rank, confidence_head=self.confidence_head,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-            head_intermediate_size=self.head_intermediate_size)
+            head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size)
 
 
 # ----- presets -----
@@ -337,6 +339,9 @@ def train_block_drafter(
     model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     model.to(dtype=target.embed_tokens.weight.dtype)
+    if mcfg.draft_vocab_size:  # inference only: training still scores the whole vocabulary
+        counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
+        model.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
     def block_forward(m: BlockDrafter, taps: Tensor, ids: Tensor, pos: Tensor, anchors: Tensor, doc: Tensor,
                       loss_mask: Tensor, valid: Tensor) -> tuple[Tensor, ...]:

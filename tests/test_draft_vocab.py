@@ -1,0 +1,172 @@
+"""Draft vocabularies (EAGLE-3's reduced draft vocabulary for the block drafters): the frequency choice, the
+inference path over the chosen LM-head rows against the full-vocabulary one, losslessness in the engine at T=0
+and T=1, folder round trips, the trainer and the `angelspec draft-vocab` command."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import conftest
+import pytest
+import torch
+from test_block_drafter import MASK, VOCAB, taps_of, tiny_drafter, tiny_target
+
+from angelspec.data.packing import Doc
+from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_counts
+from angelspec.models import ConfigError
+from angelspec.models.block_drafter import BlockDrafter
+from angelspec.models.block_io import load_block_drafter, save_block_drafter
+from angelspec.spec.drafters.block import BlockDrafterAdapter
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_frequent_tokens_counts_trained_tokens_keeps_forced_ids_and_breaks_ties_by_id():
+    docs = [Doc([5, 5, 7, 9, 9, 9], [0, 1, 1, 1, 1, 1]), Doc([7, 3], None)]
+    counts = token_counts(docs, 12)
+    assert counts.tolist() == [0, 0, 0, 1, 0, 1, 0, 2, 0, 3, 0, 0]  # the masked-out 5 is not counted
+    assert frequent_tokens(counts, 3).tolist() == [9, 7, 3]  # 3 and 5 tie: the lower id
+    assert frequent_tokens(counts, 3, always=[11]).tolist() == [9, 7, 11]  # 11 replaces the least frequent
+    assert coverage(counts, torch.tensor([9, 7])) == pytest.approx(5 / 7)
+    assert count_tokens(torch.tensor([[1, 2], [2, 2]]), torch.tensor([[True, False], [True, True]]), 4).tolist() == [
+        0, 1, 2, 0]
+    with pytest.raises(ValueError, match="size must be in"):
+        frequent_tokens(counts, 13)
+    with pytest.raises(ValueError, match="more than the draft vocabulary"):
+        frequent_tokens(counts, 1, always=[1, 2])
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        token_counts([Doc([3, 40])], 12)
+
+
+def with_vocab(model: BlockDrafter, ids: torch.Tensor) -> BlockDrafter:
+    """The same drafter, drafting from `ids`."""
+    sub = BlockDrafter(replace(model.config, draft_vocab_size=len(ids)), *model._shared)
+    sub.load_state_dict(model.state_dict(), strict=False)
+    sub.set_draft_vocab(ids)
+    return sub.to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "rnn", "hidden"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_draft_vocab_propose_is_the_full_head_restricted_to_the_vocabulary(head, sampled):
+    target = tiny_target()
+    full = tiny_drafter(target, conditioning="dflash" if head != "hidden" else "dfly", head=head, block_size=6,
+                        confidence=head == "hidden")
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 10
+    ids = torch.randint(6, VOCAB, (B, T + 1), generator=g)
+    taps = taps_of(target, full, ids)
+    lengths = torch.tensor([10, 6, 8, 3])
+    perm = torch.randperm(VOCAB, generator=g)
+
+    def select(logits, k):  # a pure function of (logits, k) over the whole vocabulary
+        probs = torch.softmax(logits, dim=-1)
+        u = torch.rand(B, VOCAB, generator=torch.Generator().manual_seed(50 + k), dtype=torch.float64)
+        return (torch.log(u) / probs).argmax(-1), probs
+
+    rule = select if sampled else None
+    with torch.no_grad():
+        ref = full.propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        # A permuted whole vocabulary changes nothing but the index order.
+        same = with_vocab(full, perm).propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        sub_ids = perm[: VOCAB // 4]
+        sub = with_vocab(full, sub_ids)
+        got = sub.propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        slow = sub.reference_propose(anchor_tokens=ids[:, T], cache=_cache_of(sub, taps, lengths), kv_len=T,
+                                     select=rule)
+    assert torch.equal(same.tokens, ref.tokens)
+    torch.testing.assert_close(same.logits, ref.logits[..., perm])
+    assert torch.equal(sub.draft_vocab[got.token_index], got.tokens)
+    assert torch.isin(got.tokens, sub_ids).all()
+    assert torch.equal(got.tokens, slow.tokens)
+    torch.testing.assert_close(got.logits, slow.logits)
+    if sampled:
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[sub_ids] = False
+        assert got.probs[..., outside].abs().max() == 0
+        torch.testing.assert_close(got.probs.sum(-1), torch.ones_like(got.probs[..., 0]))
+    elif head in ("none", "hidden"):  # position 0 depends only on the anchor: the subset argmax of the full logits
+        assert torch.equal(got.tokens[:, 0], sub_ids[ref.logits[:, 0, sub_ids].argmax(-1)])
+
+
+def _cache_of(model: BlockDrafter, taps: torch.Tensor, lengths: torch.Tensor):
+    cache = model.new_cache(taps.shape[0], taps.shape[1], slack=0, dtype=taps.dtype, device="cpu")
+    model.append_context(taps, cache, num_new=lengths)
+    return cache
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_vocab_drafter_is_lossless_in_the_engine_and_round_trips(tmp_path, temperature):
+    target = tiny_target()
+    full = tiny_drafter(target, conditioning="dflash", head="markov", block_size=5)
+    sub = with_vocab(full, torch.arange(VOCAB)[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))][:24])
+    save_block_drafter(sub, tmp_path / "d")
+    back = load_block_drafter(tmp_path / "d", target)
+    assert torch.equal(back.draft_vocab, sub.draft_vocab) and back.config.draft_vocab_size == 24
+    rng = random.Random(0)
+    from angelspec.spec.sampling import SamplingParams
+
+    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))], max_new_tokens=24, stop_ids=(),
+                    sampling=SamplingParams(temperature=temperature, seed=i)) for i in range(6)]
+    engine = SpecEngine(target, BlockDrafterAdapter(back), EngineConfig(max_batch_size=3, num_draft_tokens=4))
+    got = engine.generate(reqs)
+    if temperature == 0.0:
+        assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    else:  # the engine's own AR path draws the same per-request noise only for the bonus/AR tokens: check validity
+        assert all(len(r.token_ids) == 24 for r in got)
+        assert engine.metrics.protocols.get("speculative", 0) + engine.metrics.protocols.get("deterministic", 0) > 0
+
+
+def test_bad_draft_vocabularies_are_clear_errors():
+    target = tiny_target()
+    full = tiny_drafter(target)
+    with pytest.raises(ConfigError, match="drafts from the whole vocabulary"):
+        full.set_draft_vocab([1, 2])
+    sub = with_vocab(full, torch.arange(8))
+    with pytest.raises(ConfigError, match="8 distinct target ids"):
+        sub.set_draft_vocab([1, 1, 2, 3, 4, 5, 6, 7])
+    with pytest.raises(ConfigError, match="draft_vocab_size must be an int in"):
+        replace(full.config, draft_vocab_size=VOCAB + 1)
+    assert MASK < VOCAB
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    return conftest.write_conversations(tmp_path_factory.mktemp("vocab_data") / "conv.jsonl", 24, seed=3)
+
+
+def test_trainer_and_cli_choose_the_most_frequent_assistant_tokens(capsys, tmp_path, tiny_target_dir, conversations):
+    from angelspec.cli import main
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.models import load_target
+    from angelspec.train.block import tiny_debug, train_block_drafter
+    from angelspec.train.mtp import load_conversations
+
+    target = load_target(tiny_target_dir)
+    docs, _ = load_conversations(load_tokenizer(tiny_target_dir), conversations, 64)
+    counts = token_counts(docs, target.config.vocab_size)
+    want = frequent_tokens(counts, 40, always=target.config.eos_token_ids)
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "t", config=replace(
+        tiny_debug(), steps=1, seq_len=64, draft_vocab_size=40), progress=False, log=lambda *_: None)
+    trained = load_block_drafter(tmp_path / "t", target)
+    assert sorted(trained.draft_vocab.tolist()) == sorted(want.tolist())
+    # The command gives an already trained full-vocabulary drafter one.
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "f", config=replace(tiny_debug(), steps=1),
+                        progress=False, log=lambda *_: None)
+    code = main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "f"), "--data",
+                 str(conversations), "--size", "40", "--out", str(tmp_path / "v")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cover" in out
+    meta = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert meta["block_drafter_config"]["draft_vocab_size"] == 40 and meta["angelspec"]["draft_vocab"]["size"] == 40
+    assert sorted(load_block_drafter(tmp_path / "v", target).draft_vocab.tolist()) == sorted(
+        frequent_tokens(token_counts(load_conversations(load_tokenizer(tiny_target_dir), conversations,
+                                                        target.config.max_position_embeddings)[0],
+                                     target.config.vocab_size), 40, always=target.config.eos_token_ids).tolist())
+    assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "f"), "--data",
+                 str(conversations), "--size", "999999"]) == 2
+    assert "exceeds the target vocabulary" in capsys.readouterr().err
