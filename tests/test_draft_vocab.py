@@ -170,3 +170,54 @@ def test_trainer_and_cli_choose_the_most_frequent_assistant_tokens(capsys, tmp_p
     assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "f"), "--data",
                  str(conversations), "--size", "999999"]) == 2
     assert "exceeds the target vocabulary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_lm_with_a_draft_vocabulary_is_lossless_and_samples_inside_it(temperature):
+    from angelspec.spec.drafters import DraftLMDrafter
+    from angelspec.spec.sampling import SamplingParams
+
+    target = conftest.tiny_decoder(vocab=VOCAB, layers=2, seed=0)
+    draft = conftest.tiny_decoder(vocab=VOCAB, layers=1, seed=5)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:20]
+    drafter = DraftLMDrafter(draft, draft_vocab=vocab, stop_below=None)
+    seen = []
+    propose = drafter.propose
+
+    def spy(state):
+        p = propose(state)
+        seen.append(p)
+        return p
+
+    drafter.propose = spy
+    rng = random.Random(1)
+    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))], max_new_tokens=20, stop_ids=(),
+                    sampling=SamplingParams(temperature=temperature, seed=i)) for i in range(5)]
+    out = SpecEngine(target, drafter, EngineConfig(max_batch_size=2, num_draft_tokens=3)).generate(reqs)
+    if temperature == 0.0:
+        assert [r.token_ids for r in out] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert all(torch.isin(p.tokens, vocab).all() for p in seen)
+    if temperature > 0:
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[vocab] = False
+        assert all(p.probs[..., outside].abs().max() == 0 for p in seen if p.probs is not None)
+    with pytest.raises(ValueError, match="distinct token ids"):
+        DraftLMDrafter(draft, draft_vocab=[1, 1])
+
+
+def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_target_dir, conversations):
+    from angelspec.cli import main
+    from angelspec.models import Decoder, load_target, save_target
+    from angelspec.spec.drafters import DraftLMDrafter
+
+    cfg = load_target(tiny_target_dir).config
+    save_target(Decoder(replace(cfg, num_hidden_layers=1)), tmp_path / "dlm")
+    assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "dlm"), "--data",
+                 str(conversations), "--size", "30"]) == 0
+    capsys.readouterr()
+    drafter = DraftLMDrafter.from_pretrained(tmp_path / "dlm")
+    assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 30
+    assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path), "--data",
+                 str(conversations), "--size", "30"]) == 2
+    assert "neither a block drafter nor a draft LM" in capsys.readouterr().err

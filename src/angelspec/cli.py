@@ -503,10 +503,14 @@ def _drafter_folder(spec: str) -> Path | None:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    """`angelspec draft-vocab`: give a block drafter a draft vocabulary of the data's most frequent tokens."""
+    """`angelspec draft-vocab`: give a block drafter or a draft LM a draft vocabulary of the data's most frequent
+    tokens."""
+    import shutil
+
     from angelspec.data.vocab import coverage, frequent_tokens, token_counts
     from angelspec.models.block_drafter import BlockDrafter
-    from angelspec.models.block_io import load_block_drafter, read_block_config, save_block_drafter
+    from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
+    from angelspec.models.hf_io import write_json_atomic
     from angelspec.train.mtp import load_conversations
 
     _positive("--size", args.size)
@@ -514,26 +518,36 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out is not None else src
     if out != src and (out / "config.json").exists() and not args.force:
         raise UsageError(f"--out {out} already holds a model; pass --force to overwrite it")
-    cfg, meta = read_block_config(src)
-    if args.size > cfg.vocab_size:
-        raise UsageError(f"--size {args.size} exceeds the target vocabulary of {cfg.vocab_size} tokens")
+    raw = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    block = "block_drafter_config" in raw
+    cfg, meta = read_block_config(src) if block else (None, raw.get("angelspec") or {})
+    vocab_size = cfg.vocab_size if cfg is not None else raw.get("vocab_size")
+    if not block and (not raw or raw.get("model_type") is None):
+        raise UsageError(f"{src} is neither a block drafter nor a draft LM folder (no config.json with a "
+                         "model_type or block_drafter_config)")
+    if args.size > vocab_size:
+        raise UsageError(f"--size {args.size} exceeds the target vocabulary of {vocab_size} tokens")
     target_dir = resolve_target_dir(args.target)
     model, tokenizer = load_target_and_tokenizer(target_dir)
-    old = load_block_drafter(src, model)
     docs, stats = load_conversations(tokenizer, Path(args.data), model.config.max_position_embeddings)
-    counts = token_counts(docs, cfg.vocab_size)
+    counts = token_counts(docs, vocab_size)
     ids = frequent_tokens(counts, args.size, always=model.config.eos_token_ids)
-    new = BlockDrafter(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
-    state = {k: v for k, v in old.state_dict().items() if k != "draft_vocab"}
-    new.load_state_dict(state, strict=False)
-    new.set_draft_vocab(ids)
-    extra = {k: v for k, v in meta.items() if k not in ("drafter", "target_fingerprint", "target_layer_ids",
-                                                        "block_size", "head", "conditioning", "mask_token_id",
-                                                        "confidence_head")}
-    save_block_drafter(new, out, {**extra, "draft_vocab": {"size": args.size, "data": str(args.data),
-                                                           "coverage": coverage(counts, ids)}})
-    print(f"draft vocabulary: the {args.size} most frequent of {cfg.vocab_size} tokens in {args.data} "
-          f"({stats['assistant_tokens']} assistant tokens) cover {coverage(counts, ids):.1%} of them\nwrote {out}")
+    record = {"size": args.size, "data": str(args.data), "coverage": coverage(counts, ids)}
+    if block:
+        assert cfg is not None
+        old = load_block_drafter(src, model)
+        new = BlockDrafter(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
+        new.load_state_dict({k: v for k, v in old.state_dict().items() if k != "draft_vocab"}, strict=False)
+        new.set_draft_vocab(ids)
+        extra = {k: v for k, v in meta.items() if k not in BLOCK_META_KEYS}
+        save_block_drafter(new, out, {**extra, "draft_vocab": record})
+    else:  # a draft LM: the ids go into config.json's "angelspec" entry, read by DraftLMDrafter.from_pretrained
+        if out != src:
+            shutil.copytree(src, out, dirs_exist_ok=True)
+        write_json_atomic(out / "config.json", {**raw, "angelspec": {**meta, "draft_vocab": ids.tolist(),
+                                                                     "draft_vocab_info": record}})
+    print(f"draft vocabulary: the {args.size} most frequent of {vocab_size} tokens in {args.data} "
+          f"({stats['assistant_tokens']} assistant tokens) cover {record['coverage']:.1%} of them\nwrote {out}")
     return 0
 
 
@@ -856,14 +870,15 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def _add_draft_vocab(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "draft-vocab", help="restrict a block drafter's drafts to the data's most frequent tokens",
+        "draft-vocab", help="restrict a block drafter's or draft LM's drafts to the data's most frequent tokens",
         description="Count the assistant tokens of a conversations JSONL (the drafter's training data), keep the "
                     "--size most frequent target tokens (plus the end-of-turn tokens) as the drafter's draft "
                     "vocabulary and save the drafter with it: every draft step then multiplies only those rows "
                     "of the LM head (EAGLE-3's reduced draft vocabulary). Training is unaffected; drafts the "
                     "target would pick outside the set are never proposed, so check MAL with `angelspec eval`.",
     )
-    p.add_argument("--drafter", required=True, metavar="DIR", help="block drafter folder (dflash/dflare/dfly/dspark)")
+    p.add_argument("--drafter", required=True, metavar="DIR",
+                   help="block drafter (dflash/dflare/dfly/dspark) or draft LM folder")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
     p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
     p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")

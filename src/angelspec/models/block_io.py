@@ -28,6 +28,9 @@ from angelspec.models.hf_io import WEIGHTS_NAME, CheckpointError, save_safetenso
 
 ARCHITECTURE = "AngelSpecBlockDrafter"
 CONFIG_KEY = "block_drafter_config"
+# The "angelspec" entries `save_block_drafter` derives from the config itself (the rest is the caller's `extra`).
+BLOCK_META_KEYS = ("drafter", "target_fingerprint", "target_layer_ids", "block_size", "head", "conditioning",
+                   "mask_token_id", "confidence_head")
 
 
 def save_block_drafter(model: BlockDrafter, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
@@ -37,10 +40,9 @@ def save_block_drafter(model: BlockDrafter, path: str | Path, extra: dict[str, A
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     save_safetensors_atomic(dict(model.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
-    meta = {"drafter": cfg.drafter, "target_fingerprint": cfg.target_fingerprint,
-            "target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size, "head": cfg.head,
-            "conditioning": cfg.conditioning, "mask_token_id": cfg.mask_token_id,
-            "confidence_head": cfg.confidence_head, **(extra or {})}
+    derived = (cfg.drafter, cfg.target_fingerprint, list(cfg.target_layer_ids), cfg.block_size, cfg.head,
+               cfg.conditioning, cfg.mask_token_id, cfg.confidence_head)
+    meta = {**dict(zip(BLOCK_META_KEYS, derived, strict=True)), **(extra or {})}
     write_json_atomic(path / "config.json", {"architectures": [ARCHITECTURE], CONFIG_KEY: cfg.to_dict(),
                                              "angelspec": meta})
     return path

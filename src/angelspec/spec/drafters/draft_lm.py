@@ -12,6 +12,10 @@ are sampled from q = process_logits(draft logits, the request's temperature / to
 request's DRAFT noise, and q is returned for standard speculative sampling. Confidences are the draft
 model's own (temperature-1) probability of each draft token.
 
+Draft vocabulary (`draft_vocab`, written by `angelspec draft-vocab`): drafts only from those target ids, so
+each draft step multiplies only their LM-head rows (for a 1-layer draft LM the LM head is most of its cost);
+logits are then [B, V'] and sampled drafts see −inf outside the set.
+
 Early stop (`stop_below`, default 0.4, as HF's assisted generation): with argmax drafts, a row's proposal
 ends at its first draft whose confidence is below the threshold (that draft included), and drafting stops as
 soon as every active row has ended: unlikely drafts cost neither draft forwards nor verified positions. The
@@ -28,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from angelspec.models.decoder import Decoder
@@ -42,24 +47,49 @@ from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_lo
 @register_drafter("draft-lm")
 class DraftLMDrafter(Drafter):
     def __init__(self, model: Decoder, *, target_fingerprint: str | None = None,
-                 stop_below: float | None = 0.4) -> None:
+                 stop_below: float | None = 0.4, draft_vocab: Sequence[int] | Tensor | None = None) -> None:
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be a confidence in [0, 1] or None (never stop early), got {stop_below}")
         self.model = model.eval()
         self.stop_below = stop_below
+        w = model.lm_head.weight
+        self.draft_vocab: Tensor | None = None
+        if draft_vocab is not None:  # drafts only from these target ids: only their LM-head rows are multiplied
+            ids = torch.as_tensor(draft_vocab, dtype=torch.int64, device=w.device).flatten()
+            v = model.config.vocab_size
+            if not ids.numel() or ids.unique().numel() != ids.numel() or not bool(((ids >= 0) & (ids < v)).all()):
+                raise ValueError(f"draft_vocab must be distinct token ids in [0, {v}), got {ids.numel()} ids "
+                                 f"({ids.unique().numel()} distinct)")
+            self.draft_vocab = ids
+        self._head = self._head_rows()
         self._target_fingerprint = target_fingerprint
         self.cache: StaticKVCache | None = None
         self._k = 0
         self._first_fn, self._step_fn = self._first_logits, self._step_logits
 
+    def _head_rows(self) -> Tensor:
+        """The LM-head rows drafts are scored with: [V', D] (all V rows without a draft vocabulary)."""
+        w = self.model.lm_head.weight.detach()
+        return w if self.draft_vocab is None else w[self.draft_vocab.to(w.device)]
+
     def _first_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int,
                       index: Tensor) -> Tensor:
-        """tokens [B, 2] = [pending or last, last] -> the logits [B, V] at position index [B, 1]."""
-        return self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, logits_index=index).logits[:, 0]
+        """tokens [B, 2] = [pending or last, last] -> the logits [B, V'] (draft vocabulary) at position index
+        [B, 1]."""
+        h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
+        return F.linear(h.gather(1, index[..., None].expand(-1, -1, h.shape[-1]))[:, 0], self._head).float()
 
     def _step_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
-        """tokens [B, 1] -> next-token logits [B, V]."""
-        return self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len).logits[:, 0]
+        """tokens [B, 1] -> next-token logits [B, V'] (draft vocabulary)."""
+        h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
+        return F.linear(h[:, 0], self._head).float()
+
+    def _full(self, logits: Tensor) -> Tensor:
+        """[B, V'] -> [B, V], −inf outside the draft vocabulary."""
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.model.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_vocab, logits)
 
     def compile(self) -> None:
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")
@@ -68,12 +98,14 @@ class DraftLMDrafter(Drafter):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", stop_below: float | None = 0.4) -> DraftLMDrafter:
-        """Load a HF-layout causal-LM folder. An optional `"angelspec": {"target_fingerprint": ...}` entry in
+        """Load a HF-layout causal-LM folder. An optional `"angelspec": {"target_fingerprint": ..., "draft_vocab":
+        [ids]}` entry (the draft vocabulary from `angelspec draft-vocab`) in
         its config.json ties it to the target it was trained for."""
         model = load_target(path, dtype=dtype, device=device)
         raw = json.loads((Path(path) / "config.json").read_text())
-        fingerprint = (raw.get("angelspec") or {}).get("target_fingerprint")
-        return cls(model, target_fingerprint=fingerprint, stop_below=stop_below)
+        meta = raw.get("angelspec") or {}
+        return cls(model, target_fingerprint=meta.get("target_fingerprint"), stop_below=stop_below,
+                   draft_vocab=meta.get("draft_vocab"))
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +131,9 @@ class DraftLMDrafter(Drafter):
             self.cache = PerLayerKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
                                          device=w.device)
         self.cache.reset()
+        w = self.model.lm_head.weight
+        if (self._head.dtype, self._head.device) != (w.dtype, w.device):  # the model was moved or cast
+            self._head = self._head_rows()
         self._pending = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] K-th draft, not cached
         self._has_pending = torch.zeros(batch_size, dtype=torch.bool, device=device)  # [B]
         self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] lengths before propose
@@ -130,15 +165,19 @@ class DraftLMDrafter(Drafter):
         early = self.stop_below is not None and deterministic
         lengths = torch.full_like(act, k)  # [B] drafts worth verifying per row
         ended = ~state.active  # [B] rows whose proposal is complete (idle rows never draft)
+        vocab = self.draft_vocab
         for j in range(k):
             if deterministic:
-                d = logits.argmax(dim=-1)  # [B]
+                i = logits.argmax(dim=-1)  # [B] index along the draft vocabulary
+                d = i if vocab is None else vocab[i]
+                conf = torch.softmax(logits, dim=-1).gather(1, i[:, None])[:, 0]
             else:
-                q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+                q = process_logits(self._full(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
                 counters = draft_noise_counter(state.seq_lens + j, state.draft_round)  # draft j at seq_len + j
                 d = sample(q, s.seeds, counters, NoiseStream.DRAFT)
                 probs.append(q)
-            confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
+                conf = torch.softmax(self._full(logits), dim=-1).gather(1, d[:, None])[:, 0]
+            confs.append(conf)
             tokens.append(d)
             if early and j < k - 1:
                 low = ~ended & (confs[-1] < self.stop_below)
