@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_dir, draft_desc = Path(tmp) / "draft", "stand-in (target embeddings + layer 0, untrained)"
             save_target(stand_in_draft(target), draft_dir)
         draft = load_target(draft_dir, dtype=dtype)
+        draft_vocab = (json.loads((draft_dir / "config.json").read_text()).get("angelspec") or {}).get("draft_vocab")
         hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
         hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
 
@@ -107,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             return [r.token_ids for r in engine.generate(requests)], engine.metrics.mean_accepted_length
         return run
 
+    def new_draft_lm() -> DraftLMDrafter:
+        """Our drafter over the same draft model, with the folder's draft vocabulary (`angelspec draft-vocab`)
+        when it has one; HF's assisted generation always scores the whole vocabulary."""
+        return DraftLMDrafter(draft, draft_vocab=draft_vocab)
+
     def theirs(**kw):
         def run():
             outs = []
@@ -121,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {
         "ours AR": ours(None),
         "ours n-gram": ours(NGramDrafter(max_ngram=3)),
-        "ours draft-LM": ours(DraftLMDrafter(draft)),
+        "ours draft-LM": ours(new_draft_lm()),
         **({"ours AR compiled": ours(None, True), "ours n-gram compiled": ours(NGramDrafter(max_ngram=3), True),
-            "ours draft-LM compiled": ours(DraftLMDrafter(draft), True)} if args.compile else {}),
+            "ours draft-LM compiled": ours(new_draft_lm(), True)} if args.compile else {}),
         "HF AR": theirs(),
         "HF prompt lookup": theirs(prompt_lookup_num_tokens=k),
         "HF assisted": theirs(assistant_model=hf_draft),
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return res[name][0] / n_tok * 1e3
 
     ar_tokens = res["ours AR"][1][0]
+    if draft_vocab:
+        draft_desc += f" (ours drafts from its {len(draft_vocab)}-token draft vocabulary)"
     print(f"\nT=0, batch 1, {len(prompts)} prompts x {new} new tokens, K={k}, {args.dtype}, best of {args.repeats}, "
           f"{args.threads} thread(s), EOS disabled\ntarget: {desc}\ndraft LM: {draft_desc}\nprompts: {prompts_desc}")
     head = f"{'':24}{'ms/token':>10}{'vs own AR':>11}{'MAL':>7}  same tokens as own AR"
