@@ -82,7 +82,7 @@ def resolve_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
 
 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
-                  draft_vocab: int = 0) -> tuple[Drafter, int]:
+                  draft_vocab: int = 0, draft_layers: int = 2) -> tuple[Drafter, int]:
     """A drafter of `kind` for `target` and the K it drafts per step (block drafters drafting from the first
     `draft_vocab` ids when > 0: latency depends on the size, not on which ids)."""
     gen = torch.Generator().manual_seed(0)
@@ -90,7 +90,7 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
         overrides = {"dfly": {},
                      "dflash": {"conditioning": "dflash", "head": "none", "confidence_head": False},
                      "dspark": {"conditioning": "dflash", "head": "markov", "confidence_head": True}}[kind]
-        cfg = dfly_embedded(target.config, draft_vocab_size=draft_vocab, **overrides)
+        cfg = dfly_embedded(target.config, draft_vocab_size=draft_vocab, num_draft_layers=draft_layers, **overrides)
         model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
         model.init_weights(generator=gen)
         adapter = BlockDrafterAdapter(model.to(dtype))
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the numbers here")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="block drafters draft from N of the target's tokens (`angelspec draft-vocab`; default 0: all)")
+    p.add_argument("--draft-layers", type=int, default=2, metavar="L",
+                   help="block drafters' backbone depth (default 2, the dfly_embedded preset)")
     p.add_argument("--compile", action="store_true",
                    help="EngineConfig(compile=True): the verify forward and each drafter's hot calls compiled "
                         "(the untimed warm-up run pays the compilation)")
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(target_dir, dtype=dtype)
     cfg = target.config
     avoid = set(cfg.eos_token_ids)
-    drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab) for kind in args.drafters}
+    drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab, args.draft_layers)
+                for kind in args.drafters}
     timers = {kind: CommitTimer(d) for kind, (d, _) in drafters.items()}
     engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
                                                              compile=args.compile))
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nDrafter step vs target verify step: target = {desc}, {args.dtype}; context {args.context} tokens "
           f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
           f"{args.threads} thread(s), torch {torch.__version__}{', compiled' if args.compile else ', eager'}"
-          + (f", block drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else ""))
+          + (f", block drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else "")
+          + f", block drafters L{args.draft_layers}")
     head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
             f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
     print(head)
