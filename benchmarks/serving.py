@@ -1,6 +1,7 @@
 """The serving sweep of the issue "Runtime-adaptive verification and serving benchmarks": AR, MTP, DFlash, DFly,
-DFly + D-cut, DFly + Algorithm 1 and DFly + confidence threshold as closed-loop clients at concurrency
-1..64, greedy, fixed-length generations (AngelSpec report §4.4 Figure 4, §5 Eq. 25 / Table 8 in miniature).
+DFly + D-cut (the report's rho* = argmax U/C, and bounded to <= 3% expected acceptance loss), DFly + Algorithm 1
+and DFly + confidence threshold as closed-loop clients at concurrency 1..64, greedy, fixed-length generations
+(AngelSpec report §4.4 Figure 4, §5 Eq. 25 / Table 8 in miniature).
 
 Everything is measured by `angelspec.eval.serving` (the code behind `angelspec bench`); this script only
 picks the configurations and their K: MTP verifies K = --mtp-k drafts (the report's MTP-3), the block
@@ -60,6 +61,7 @@ def configs_for(args: argparse.Namespace) -> list[ServingConfig]:
         dfly = f"dfly:{present['dfly']}"
         configs += [ServingConfig("DFly", dfly, num_draft_tokens=block_k),
                     ServingConfig("DFly+D-cut", dfly, "dcut", num_draft_tokens=block_k),
+                    ServingConfig("DFly+D-cut<=3%", dfly, "dcut:max-loss=0.03", num_draft_tokens=block_k),
                     ServingConfig("DFly+Alg1", dfly, "alg1", num_draft_tokens=block_k),
                     ServingConfig("DFly+threshold", dfly, f"threshold:{args.threshold}", num_draft_tokens=block_k)]
     return configs

@@ -151,6 +151,27 @@ def test_dcut_matches_the_equations():
         assert got.depth.tolist() == _slow_dcut(conf.double(), active, cost, DCUT_RATIOS), (conf, active, cost)
 
 
+def test_dcut_max_loss_keeps_the_expected_acceptance_within_the_bound():
+    active = torch.ones(4, dtype=torch.bool)
+    conf = torch.tensor([[0.9, 0.8, 0.5], [0.7, 0.4, 0.2], [0.3, 0.1, 0.1], [0.95, 0.9, 0.9]])
+    per_token = LinearCost(0.0, 1.0)  # verification cost grows with every token: U / C favours the fewest
+    free = dcut_select(conf, active, 4, per_token)
+    assert int(free.ratio_index) == 0
+    full_u = float(prefix_survival(conf).sum())
+    for bound in (0.0, 0.03, 0.1, 0.3):
+        d = dcut_select(conf, active, 4, per_token, max_loss=bound)
+        assert float(d.utility[d.ratio_index]) >= (1 - bound) * full_u - 1e-6
+        # ... and it is the cheapest ratio within the bound (the best U / C among them, cost per token).
+        within = [i for i, u in enumerate(d.utility.tolist()) if u >= (1 - bound) * full_u - 1e-6]
+        assert int(d.ratio_index) == within[0]
+    assert int(dcut_select(conf, active, 4, per_token, max_loss=0.0).ratio_index) == 3  # nothing may be lost
+    assert int(dcut_select(conf, active, 4, per_token, max_loss=0.999).ratio_index) == 0
+    # Without ratio 1 no ratio may qualify: the largest budget is used.
+    assert int(dcut_select(conf, active, 4, per_token, ratios=(0.25, 0.5), max_loss=0.0).ratio_index) == 1
+    with pytest.raises(ValueError, match="max_loss must lie in"):
+        DCut(max_loss=1.0)
+
+
 def test_dcut_operating_points():
     conf = torch.full((4, 3), 0.9)
     active = torch.ones(4, dtype=torch.bool)

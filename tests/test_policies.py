@@ -42,10 +42,13 @@ def test_parse_valid_forms() -> None:
     assert parse_policy("alg1").arg is None and parse_policy("alg1:0.05").arg == pytest.approx(0.05)
     assert parse_policy("alg1").needs_cost_model and parse_policy("production").needs_cost_model
     assert parse_policy(" DCut ").kind == "dcut"  # case and surrounding spaces do not matter
+    bounded = parse_policy("dcut:max-loss=0.03")
+    assert bounded.max_loss == pytest.approx(0.03) and bounded.arg is None and bounded.needs_cost_model
 
 
 @pytest.mark.parametrize("spec", ["", "fulll", "fixed", "fixed:-1", "fixed:2.5", "threshold", "threshold:1.5",
-                                  "threshold:nan", "dcut:0.3", "dcut:x", "dcut:", "alg1:1", "alg1:-0.1",
+                                  "threshold:nan", "dcut:0.3", "dcut:x", "dcut:", "dcut:max-loss=1",
+                                  "dcut:max-loss=x", "alg1:1", "alg1:-0.1",
                                   "production:2", "full:1"])
 def test_parse_errors_list_the_valid_forms(spec: str) -> None:
     with pytest.raises(PolicyError) as info:

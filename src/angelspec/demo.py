@@ -194,6 +194,8 @@ def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
     if taps and max(taps) >= state.model.config.num_hidden_layers:
         # The demo presets tap the embedded target's layers; another (shallower) --target gets the default taps.
         config = replace(config, target_layer_ids=None)
+    if getattr(config, "draft_vocab_size", 0) >= state.model.config.vocab_size:  # a small --target: whole vocab
+        config = replace(config, draft_vocab_size=0)
     getattr(module, fn_name)(state.target_dir, data, out, config=config, force=True,
                              max_minutes=state.train_minutes, progress=True, log=print)
     return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name)}

@@ -153,12 +153,18 @@ class DCutDecision:
 
 
 def dcut_select(conf: Tensor, active: Tensor, num_active: int, cost: CostModel,
-                ratios: tuple[float, ...] = DCUT_RATIOS, lengths: Tensor | None = None) -> DCutDecision:
+                ratios: tuple[float, ...] = DCUT_RATIOS, lengths: Tensor | None = None,
+                max_loss: float | None = None) -> DCutDecision:
     """D-cut for one step. conf [B, K] clean confidences, active [B] bool, num_active = B of the report.
 
     U(B, rho) = sum_i A_i(n_i^rho) = sum of the K_rho(B) best scores (Eq. 21, 23: the kept positions are
     contiguous prefixes, so their scores sum to the per-row A_i), C(B, rho) = cost(B, K_rho(B)),
-    rho* = argmax U / C (Eq. 24, ties to the smaller ratio). One sort serves every ratio."""
+    rho* = argmax U / C (Eq. 24, ties to the smaller ratio). One sort serves every ratio.
+
+    max_loss (beyond the report): only ratios whose expected committed tokens U(B, rho) stay within
+    (1 - max_loss) of full verification's (every position kept) compete, so the step trades at most that
+    share of its expected acceptance for speed (with calibrated confidences, a bound on the MAL loss); when
+    no ratio qualifies, the largest budget is used."""
     if conf.dim() != 2 or active.shape != conf.shape[:1]:
         raise ValueError(f"dcut_select wants conf [B, K] and active [B], got {tuple(conf.shape)}, "
                          f"{tuple(active.shape)}")
@@ -170,7 +176,12 @@ def dcut_select(conf: Tensor, active: Tensor, num_active: int, cost: CostModel,
     idx = torch.tensor([n - 1 for n in budgets], device=conf.device).clamp(max=gain.numel() - 1)
     utility = gain[idx]  # [R]
     costs = torch.tensor(_host_costs(cost, num_active, budgets), dtype=utility.dtype, device=conf.device)
-    best = torch.argmax(utility / costs)  # first maximum = smaller ratio on ties
+    value = utility / costs
+    if max_loss is not None:  # gain[-1]: every position kept = full verification's expected tokens
+        allowed = utility >= (1.0 - max_loss) * gain[-1]
+        largest = torch.zeros_like(allowed).index_fill_(0, torch.argmax(idx), True)
+        value = torch.where(allowed | (~allowed.any() & largest), value, -math.inf)
+    best = torch.argmax(value)  # first maximum = smaller ratio on ties
     budget = torch.tensor(budgets, device=conf.device)[best]
     return DCutDecision(depth=kept_depth(scores, rank, budget), ratio_index=best, utility=utility, cost=costs,
                         budgets=budgets)
@@ -249,6 +260,7 @@ class DCut:
 
     cost: CostModel = field(default_factory=LinearCost)
     ratios: tuple[float, ...] = DCUT_RATIOS
+    max_loss: float | None = None  # see `dcut_select`
     guard: ConfidenceGuard = field(default_factory=ConfidenceGuard, compare=False)
     uses_proposal: bool = True
     static_depth: int | None = None
@@ -256,12 +268,16 @@ class DCut:
     def __post_init__(self) -> None:
         if not self.ratios or any(not 0 < r <= 1 for r in self.ratios):
             raise ValueError(f"DCut.ratios must be non-empty values in (0, 1], got {self.ratios!r}")
+        if self.max_loss is not None and not 0.0 <= self.max_loss < 1.0:
+            raise ValueError(f"DCut.max_loss must lie in [0, 1) (a share of the expected committed tokens), got "
+                             f"{self.max_loss!r}")
         if not self.uses_proposal:
             raise ValueError("DCut reads this round's confidences; it cannot declare uses_proposal=False (trap 1)")
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         conf = self.guard(proposal.confidences, "DCut")
-        return dcut_select(conf, state.active, _num_active(state), self.cost, self.ratios, proposal.lengths).depth
+        return dcut_select(conf, state.active, _num_active(state), self.cost, self.ratios, proposal.lengths,
+                           self.max_loss).depth
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ Forms (K = drafts proposed per step, B = concurrent requests):
                  rho* = argmax_rho U(B, rho) / C(B, rho) chosen every step from the measured cost table.
 * `dcut:RHO`     D-cut at one fixed ratio RHO in {0.25, 0.5, 0.75, 1} (no cost model needed: Eq. 24 has a
                  single candidate).
+* `dcut:max-loss=E`  D-cut whose ratio maximises U / C among the ratios that keep the expected committed tokens
+                 within (1 - E) of full verification's, E in [0, 1) (`budget.dcut_select`'s max_loss): speed
+                 bought with at most that share of acceptance.
 * `alg1`, `alg1:TAU`  DSpark's hardware-aware prefix scheduler (Algorithm 1, greedy admission with early stop on
                  Theta = tau * SPS(B)); TAU is the candidate threshold of Algorithm 1's line
                  "C <- {(r, j) | a_{r,j} > eps}", a prefix survival in [0, 1) (default 1e-6).
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from angelspec.spec.drafter import DepthPolicy, Drafter
 
 POLICY_FORMS = ("full | fixed:N (0 <= N <= K) | threshold:C (C in [0, 1]) | dcut | dcut:RHO (RHO in 0.25, 0.5, "
-                "0.75, 1) | alg1 | alg1:TAU (TAU in [0, 1)) | production")
+                "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production")
 POLICY_KINDS = ("full", "fixed", "threshold", "dcut", "alg1", "production")
 COST_POLICIES = ("dcut", "alg1", "production")  # kinds that may need a measured cost table
 DEFAULT_ALG1_EPS = 1e-6
@@ -55,6 +58,7 @@ class PolicySpec:
     text: str
     kind: str
     arg: float | None = None
+    max_loss: float | None = None  # dcut:max-loss=E
 
     @property
     def needs_cost_model(self) -> bool:
@@ -118,6 +122,11 @@ def parse_policy(spec: str) -> PolicySpec:
     if kind == "dcut":
         if not sep:
             return PolicySpec(text, kind)
+        if arg.lower().startswith("max-loss="):
+            e = _number(spec, arg.partition("=")[2], "the acceptance loss bound E")
+            if not 0.0 <= e < 1.0:
+                raise _bad(spec, f"dcut:max-loss=E needs E in [0, 1), got {e}")
+            return PolicySpec(text, kind, None, e)
         rho = _number(spec, arg, "the ratio RHO")
         if not any(math.isclose(rho, r) for r in DCUT_RATIOS):
             raise _bad(spec, f"dcut:RHO takes one of the report's ratios {', '.join(map(str, DCUT_RATIOS))}, "
@@ -184,7 +193,7 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     if log is not None:
         log(f"policy {parsed.text}: cost table {what}")
     if kind == "dcut":
-        return DCut(cost=table)
+        return DCut(cost=table, max_loss=parsed.max_loss)
     if kind == "alg1":
         return PrefixScheduler(cost=table, eps=DEFAULT_ALG1_EPS if arg is None else arg)
     return ProductionScheduler(table)
