@@ -98,8 +98,11 @@ def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Seq
                      max_new_tokens: int, num_draft_tokens: int, batch_size: int,
                      progress: bool = False) -> ConfidenceRecorder:
     """Decode the prompts greedily at full depth with the drafter's RAW confidences (a `CalibratedDrafter`
-    is unwrapped, so re-calibrating does not fit on top of an older calibration); returns the recorder."""
+    is unwrapped, so re-calibrating does not fit on top of an older calibration); returns the recorder.
+    A drafter that ends proposals early on low confidence (the draft LM's `stop_below`) drafts all K here:
+    a block it would have cut short and then seen fully accepted tells nothing about its later positions."""
     raw = drafter.inner if isinstance(drafter, CalibratedDrafter) else drafter
+    stop_below = getattr(raw, "stop_below", None)
     if not prompt_ids:
         raise CalibrationError("no prompts to calibrate on")
     context = target.config.max_position_embeddings
@@ -110,7 +113,13 @@ def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Seq
                         on_verify=recorder)
     requests = [Request(prompt_ids=list(ids), max_new_tokens=min(max_new_tokens, context - len(ids)),
                         sampling=SamplingParams(), request_id=i) for i, ids in enumerate(prompt_ids)]
-    engine.generate(requests, progress=progress)
+    try:
+        if stop_below is not None:
+            raw.stop_below = None  # type: ignore[attr-defined]
+        engine.generate(requests, progress=progress)
+    finally:
+        if stop_below is not None:
+            raw.stop_below = stop_below  # type: ignore[attr-defined]
     return recorder
 
 
