@@ -118,7 +118,10 @@ def test_keys_name_model_drafter_dtype_and_machine(target) -> None:
 # ----- profiling -------------------------------------------------------------------------------------
 def test_spread_depth_keeps_n_positions(target, one_thread) -> None:
     seen = []
-    engine = SpecEngine(target, DraftLMDrafter(target), EngineConfig(max_batch_size=3, num_draft_tokens=3),
+    # stop_below=None: the draft LM proposes all K drafts (its early stop would cap the depths, as the profiler
+    # knows: profile_costs switches it off with full_depth_drafting).
+    engine = SpecEngine(target, DraftLMDrafter(target, stop_below=None),
+                        EngineConfig(max_batch_size=3, num_draft_tokens=3),
                         depth_policy=SpreadDepth(8), on_verify=lambda e: seen.append(e.depth.tolist()))
     engine.generate([Request(prompt_ids=[5, 6, 7], max_new_tokens=6, stop_ids=())] * 3)
     assert seen[:2] == [[2, 2, 1]] * 2  # 3 anchors + 5 drafts, the first rows get one more

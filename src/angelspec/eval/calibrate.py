@@ -26,7 +26,7 @@ from torch import Tensor
 from angelspec.models.decoder import Decoder
 from angelspec.spec.calibrated import CalibratedDrafter, CalibrationError
 from angelspec.spec.calibration import CALIBRATION_FILE, StsCalibration, fit_sts, survival_labels
-from angelspec.spec.drafter import Drafter, registered_drafters
+from angelspec.spec.drafter import Drafter, full_depth_drafting, registered_drafters
 from angelspec.spec.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.spec.sampling import SamplingParams
 
@@ -102,7 +102,6 @@ def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Seq
     A drafter that ends proposals early on low confidence (the draft LM's `stop_below`) drafts all K here:
     a block it would have cut short and then seen fully accepted tells nothing about its later positions."""
     raw = drafter.inner if isinstance(drafter, CalibratedDrafter) else drafter
-    stop_below = getattr(raw, "stop_below", None)
     if not prompt_ids:
         raise CalibrationError("no prompts to calibrate on")
     context = target.config.max_position_embeddings
@@ -113,13 +112,8 @@ def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Seq
                         on_verify=recorder)
     requests = [Request(prompt_ids=list(ids), max_new_tokens=min(max_new_tokens, context - len(ids)),
                         sampling=SamplingParams(), request_id=i) for i, ids in enumerate(prompt_ids)]
-    try:
-        if stop_below is not None:
-            raw.stop_below = None  # type: ignore[attr-defined]
+    with full_depth_drafting(raw):
         engine.generate(requests, progress=progress)
-    finally:
-        if stop_below is not None:
-            raw.stop_below = stop_below  # type: ignore[attr-defined]
     return recorder
 
 

@@ -42,7 +42,14 @@ from torch import Tensor
 
 from angelspec.fileio import write_json_atomic
 from angelspec.models.decoder import Decoder
-from angelspec.spec.drafter import Drafter, DraftState, Proposal, get_drafter, registered_drafters
+from angelspec.spec.drafter import (
+    Drafter,
+    DraftState,
+    Proposal,
+    full_depth_drafting,
+    get_drafter,
+    registered_drafters,
+)
 from angelspec.spec.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 
 DEFAULT_COST_DIR = Path(".cache/angelspec-costs")
@@ -312,7 +319,8 @@ def profile_costs(target: Decoder, drafter: Drafter, *, batch_sizes: Sequence[in
                                                               max_seq_len=prompt_len + new_tokens),
                                 depth_policy=SpreadDepth(n), on_verify=tick)
             try:
-                engine.generate(requests)
+                with full_depth_drafting(drafter):  # an early-stopping drafter would verify fewer than N
+                    engine.generate(requests)
             except _Enough:
                 pass
             steps = [t1 - t0 for t0, t1 in zip(times, times[1:], strict=False)][warmup:]

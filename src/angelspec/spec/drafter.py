@@ -19,7 +19,8 @@ Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt len
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -276,6 +277,21 @@ class Drafter(ABC):
     def compile(self) -> None:  # noqa: B027
         """`EngineConfig(compile=True)`: compile the drafter's hot calls (`spec.compiled.try_compile`); its
         weights are frozen from then on. Default: nothing to compile."""
+
+
+@contextmanager
+def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:
+    """Switch off a drafter's early stop (`stop_below`, the draft LM's) for the block, so every proposal has
+    all K drafts: what calibration and cost profiling must observe. A `CalibratedDrafter` is looked through."""
+    inner = getattr(drafter, "inner", drafter)
+    saved = getattr(inner, "stop_below", None)
+    if saved is not None:
+        inner.stop_below = None
+    try:
+        yield drafter
+    finally:
+        if saved is not None:
+            inner.stop_below = saved
 
 
 _REGISTRY: dict[str, type[Drafter]] = {}
