@@ -19,8 +19,17 @@ ROLLOUT_HINT = ("angelspec rollout --prompts .cache/draft-data/rollout_prompts.j
 DOMAINS = ("math", "code", "chat")
 
 
-def verdict(ok: bool, claim: str, detail: str) -> str:
-    return f"{'agrees   ' if ok else 'DISAGREES'} | {claim} ({detail})"
+NOISE = 0.02  # MAL differences this small are within run-to-run noise at a dozen prompts per domain
+
+
+def verdict(ok: bool, claim: str, detail: str, tie: bool = False) -> str:
+    """One claim line: agrees / DISAGREES, or `tie` when the comparison it rests on is within NOISE."""
+    label = "tie      " if tie else "agrees   " if ok else "DISAGREES"
+    return f"{label} | {claim} ({detail})"
+
+
+def within_noise(a: float, b: float) -> bool:
+    return abs(a - b) <= NOISE
 
 
 def domain_mean(values: list[float], domain: str, benchmarks: tuple[str, ...],

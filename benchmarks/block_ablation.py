@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ablation  # noqa: E402  (a sibling module)
-from _ablation import DOMAINS, verdict  # noqa: E402  (a sibling module)
+from _ablation import DOMAINS, verdict, within_noise  # noqa: E402  (a sibling module)
 
 # The six benchmarks of Tables 3–5, in the paper's column order, and how they average into our domains.
 BENCHMARKS = ("Math500", "GSM8K", "HumanEval", "MBPP", "LiveCodeBench", "MT-Bench")
@@ -217,20 +217,23 @@ def main_tables(results: dict[float, dict[str, Any]], k: int) -> tuple[str, list
         if temp == 0:
             gain = {d: none[d] - flash[d] for d in domains}
             verdicts.append(verdict(none["all"] > flash["all"], f"{tag}: the DFly backbone beats DFlash (4.40 vs "
-                                     "3.77)", f"{none['all']:.2f} vs {flash['all']:.2f}"))
+                                     "3.77)", f"{none['all']:.2f} vs {flash['all']:.2f}",
+                                     tie=within_noise(none["all"], flash["all"])))
             if "code" in gain:
                 verdicts.append(verdict(max(gain, key=gain.get) == "code",
                                          f"{tag}: the backbone's gain is largest on code",
                                          " ".join(f"{d} {g:+.2f}" for d, g in gain.items())))
         verdicts.append(verdict(mal["dfly_markov"]["all"] > none["all"],
                                  f"{tag}: the Markov head adds MAL to the backbone (paper T=0: 4.40 -> 4.56)",
-                                 f"{none['all']:.2f} -> {mal['dfly_markov']['all']:.2f}"))
+                                 f"{none['all']:.2f} -> {mal['dfly_markov']['all']:.2f}",
+                                 tie=within_noise(mal["dfly_markov"]["all"], none["all"])))
         verdicts.append(verdict(fly["all"] > none["all"],
                                  f"{tag}: hidden correction adds MAL to the backbone (paper T=0: 4.40 -> 4.60)",
                                  f"{none['all']:.2f} -> {fly['all']:.2f}"))
         verdicts.append(verdict(fly["all"] >= mal["dfly_markov"]["all"],
                                  f"{tag}: hidden correction >= Markov head (paper T=0: 4.60 vs 4.56)",
-                                 f"{fly['all']:.2f} vs {mal['dfly_markov']['all']:.2f}"))
+                                 f"{fly['all']:.2f} vs {mal['dfly_markov']['all']:.2f}",
+                                 tie=within_noise(fly["all"], mal["dfly_markov"]["all"])))
     cols = [*DOMAINS, "all"]
     lines += ["Paper, Table 3 (T=1; its benchmarks averaged into our domains; 'all' = mean of six)",
               f"{'target / drafter':<24}" + "".join(f"{c:>8}" for c in cols)]
@@ -262,13 +265,15 @@ def sweep_table(reps: dict[str, Any], variants: list[Variant], temp: float) -> t
         if len(series) > 1:
             verdicts.append(verdict(series[1] > series[0], f"L{n}: a longer block raises MAL (paper B5 -> B8: "
                                      "3.39 -> 4.25)", " -> ".join(f"B{b} {m:.2f}" for b, m in zip(blocks, series,
-                                                                                                strict=True))))
+                                                                                                strict=True)),
+                                     tie=within_noise(series[1], series[0])))
     if len(layers) > 1 and len(blocks) > 1:
         depth_spread = max(abs(by_shape[(layers[-1], b)] - by_shape[(layers[0], b)]) for b in blocks)
         block_spread = max(max(by_shape[(n, b)] for b in blocks) - min(by_shape[(n, b)] for b in blocks)
                            for n in layers)
         verdicts.append(verdict(block_spread > depth_spread, "block size matters more than draft depth",
-                                 f"largest spread over blocks {block_spread:.2f}, over depths {depth_spread:.2f}"))
+                                 f"largest spread over blocks {block_spread:.2f}, over depths {depth_spread:.2f}",
+                                 tie=within_noise(block_spread, depth_spread)))
     return "\n".join(lines), verdicts
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import _ablation
-from _ablation import DOMAINS, verdict
+from _ablation import DOMAINS, verdict, within_noise
 
 _PAPER_DOMAINS = {"math": ("GSM8K", "Math500"), "code": ("HumanEval", "MBPP", "LiveCodeBench"),
                   "chat": ("AlpacaEval", "MT-Bench")}
@@ -188,7 +188,8 @@ def table1(results: dict[float, dict[str, Any]]) -> tuple[str, list[str]]:
         order = " < ".join(sorted(mal, key=mal.get))
         for better, worse in (("kl", "ce"), ("lk", "kl")):
             verdicts.append(verdict(mal[better] > mal[worse], f"T={temp}: {better.upper()} beats {worse.upper()}",
-                                     f"{mal[better]:.2f} vs {mal[worse]:.2f}"))
+                                     f"{mal[better]:.2f} vs {mal[worse]:.2f}",
+                                     tie=within_noise(mal[better], mal[worse])))
         best_rest = max(m for n, m in mal.items() if n != "e2e_tv+lk")
         worst_rest = min(m for n, m in mal.items() if n != "tv")
         verdicts.append(verdict(mal["e2e_tv+lk"] > best_rest, f"T={temp}: e2e TV with LK cold start is best",
