@@ -161,3 +161,17 @@ def same_weights(a: Path, b: Path) -> dict:
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     return wa
+
+
+def record_proposals(drafter: Any) -> list:
+    """Wrap `drafter.propose` (instance attribute) so every Proposal it returns is appended to the returned list."""
+    seen: list = []
+    propose = drafter.propose
+
+    def spy(state: Any) -> Any:
+        proposal = propose(state)
+        seen.append(proposal)
+        return proposal
+
+    drafter.propose = spy
+    return seen

@@ -95,15 +95,7 @@ def test_sampling_smoke_t1_returns_probs_and_confidences():
 
     target = tiny_target()
     drafter = DSparkDrafter(tiny_block_drafter(target, "dspark"))
-    seen = []
-    propose = drafter.propose
-
-    def spy(state):
-        prop = propose(state)
-        seen.append(prop)
-        return prop
-
-    drafter.propose = spy
+    seen = conftest.record_proposals(drafter)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=3))
     reqs = [Request([5, 6, 7][: i + 1], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=i),
                     stop_ids=()) for i in range(3)]

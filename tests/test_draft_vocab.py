@@ -182,15 +182,7 @@ def test_draft_lm_with_a_draft_vocabulary_is_lossless_and_samples_inside_it(temp
     draft.load_state_dict(target.state_dict(), strict=False)
     vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:20]
     drafter = DraftLMDrafter(draft, draft_vocab=vocab, stop_below=None)
-    seen = []
-    propose = drafter.propose
-
-    def spy(state):
-        p = propose(state)
-        seen.append(p)
-        return p
-
-    drafter.propose = spy
+    seen = conftest.record_proposals(drafter)
     rng = random.Random(1)
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))], max_new_tokens=20, stop_ids=(),
                     sampling=SamplingParams(temperature=temperature, seed=i)) for i in range(5)]

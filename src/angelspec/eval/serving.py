@@ -575,15 +575,8 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
               max_new_tokens: int, min_requests: int = DEFAULT_MIN_REQUESTS) -> tuple[ServingRow, list[list[int]]]:
     """N = max(2C, min_requests) requests through one engine with max_batch_size = C; -> (row without
     speed-up / lossless columns, the emitted tokens per request)."""
-    from angelspec.spec.engine import EngineConfig, SpecEngine
-
     n = max(2 * concurrency, min_requests)
-    requests = _requests(workload, n, max_new_tokens)
-    max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
-    engine = SpecEngine(target, contender.drafter,
-                        EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
-                                     num_draft_tokens=contender.num_draft_tokens),
-                        depth_policy=contender.policy)
+    engine, requests = _engine(target, contender, workload, concurrency, n, max_new_tokens)
     results = engine.generate(requests)
     m = engine.metrics
     steps = max(m.steps, 1)
@@ -603,17 +596,24 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
 def warm_up(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], *, batch: int,
             tokens: int) -> None:
     """One short untimed batch (allocator growth, kernel selection, the drafter's first forward)."""
-    from angelspec.spec.engine import EngineConfig, SpecEngine
-
     if tokens <= 0:
         return
-    requests = _requests(workload, batch, tokens)
-    max_len = max(len(r.prompt_ids) for r in requests) + tokens
+    engine, requests = _engine(target, contender, workload, batch, batch, tokens)
+    engine.generate(requests)
+
+
+def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], concurrency: int, n: int,
+            max_new_tokens: int) -> tuple[Any, list[Any]]:
+    """A `SpecEngine` with `concurrency` rows for the contender, and n requests of the workload."""
+    from angelspec.spec.engine import EngineConfig, SpecEngine
+
+    requests = _requests(workload, n, max_new_tokens)
+    max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
     engine = SpecEngine(target, contender.drafter,
-                        EngineConfig(max_batch_size=batch, max_seq_len=max_len,
+                        EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
                                      num_draft_tokens=contender.num_draft_tokens),
                         depth_policy=contender.policy)
-    engine.generate(requests)
+    return engine, requests
 
 
 def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequence[EvalPrompt], *,
