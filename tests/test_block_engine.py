@@ -282,13 +282,15 @@ def test_two_processes_train_the_single_process_model(tmp_path, tiny_target_dir,
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_compiled_block_drafter_stays_lossless_and_matches_eager():
+@pytest.mark.parametrize("kind", ["dspark", "dfly"])
+def test_compiled_block_drafter_stays_lossless_and_matches_eager(kind):
     """EngineConfig(compile=True) compiles the verify forward and the drafter's backbone / head calls (dspark:
-    the Jacobi sweeps of its Markov head); outputs equal AR and the drafts equal the eager drafter's."""
+    the Jacobi sweeps of its Markov head; dfly: the whole greedy hidden-correction chain); outputs equal AR and
+    the drafts equal the eager drafter's."""
     import warnings
 
     target = tiny_target()
-    model = tiny_block_drafter(target, "dspark")
+    model = tiny_block_drafter(target, kind)
     rng = random.Random(3)
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))], max_new_tokens=20, stop_ids=())
             for _ in range(4)]

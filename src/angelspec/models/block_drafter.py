@@ -877,6 +877,9 @@ class BlockDrafter(nn.Module):
 
     def _propose_left_to_right(self, z: Tensor, anchor_tokens: Tensor, select: Select | None) -> BlockProposal:
         """The head over backbone outputs z [B, K, C], one position at a time."""
+        if select is None:
+            tokens, logits, index, conf = self.greedy_head(z, anchor_tokens)
+            return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
         prev = anchor_tokens
         index, tokens, logits_out, probs, confs = [], [], [], [], []
@@ -894,6 +897,25 @@ class BlockDrafter(nn.Module):
             tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits_out, dim=1),
             probs=None if any(p is None for p in probs) else torch.stack(probs, dim=1),
             confidences=torch.stack(confs, dim=1) if confs else None, token_index=torch.stack(index, dim=1))
+
+    def greedy_head(self, z: Tensor, anchor_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The left-to-right head with argmax drafts, tensors only (so `compile` makes the whole chain one
+        graph): z [B, K, C], anchor_tokens [B] -> (tokens [B, K], logits [B, K, V'], index [B, K],
+        confidences [B, K] or None)."""
+        state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
+        prev = anchor_tokens
+        index, tokens, logits_out, confs = [], [], [], []
+        for k in range(self.config.num_drafts):
+            logits, conf, state = self.head_step(z[:, k], prev, state)
+            idx = logits.argmax(dim=-1)
+            prev = self.to_target_ids(idx)
+            index.append(idx)
+            tokens.append(prev)
+            logits_out.append(logits)
+            if conf is not None:
+                confs.append(torch.sigmoid(conf.float()))
+        return (torch.stack(tokens, dim=1), torch.stack(logits_out, dim=1), torch.stack(index, dim=1),
+                torch.stack(confs, dim=1) if confs else None)
 
     @torch.no_grad()
     def propose_from_taps(self, taps: Sequence[Tensor] | Tensor, lengths: Tensor, anchor_tokens: Tensor,

@@ -167,11 +167,12 @@ class BlockDrafterAdapter(Drafter):
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:
-        """The backbone pass and the head's per-position / per-sweep calls (instance attributes shadow the
-        methods, so `propose` picks them up)."""
+        """The backbone pass, the whole greedy left-to-right head as one graph, and the Markov heads' Jacobi
+        sweeps (instance attributes shadow the methods, so `propose` picks them up); sampled drafts run the
+        head eagerly."""
         m = self.model
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
-        m.head_step = try_compile(m.head_step, f"{self.kind} head step")  # type: ignore[method-assign]
+        m.greedy_head = try_compile(m.greedy_head, f"{self.kind} greedy head")  # type: ignore[method-assign]
         m._head_sweep = try_compile(m._head_sweep, f"{self.kind} head sweep")  # type: ignore[method-assign]
 
 
