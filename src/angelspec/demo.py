@@ -254,7 +254,7 @@ def stage_serving(state: DemoState) -> dict[str, str]:
             cells.append(f"{name} {r.tokens_per_s:.1f} tok/s" + ("" if r.speedup is None else f" ({r.speedup:.2f}x)"))
     ok = lossless(report)
     return {"serving": f"at concurrency {top}: " + ", ".join(cells),
-            "serving goal": report.goal_line().replace("goal: ", ""),
+            "serving goal": "; ".join(line.removeprefix("goal: ") for line in report.goal_line().splitlines()),
             "serving lossless": "every output identical to AR" if ok else "OUTPUTS DIFFER FROM AR",
             "serving results": str(out_dir)}
 
