@@ -61,8 +61,9 @@ class Timing:
         self.best_s = min(self.best_s, seconds)
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234 + batch)
+def make_prompts(batch: int, prompt_len: int, vocab: int, avoid: set[int], seed: int = 1234) -> list[list[int]]:
+    """`batch` random prompts of ids in [3, vocab), none of them in `avoid` (EOS), seeded by seed + batch."""
+    g = torch.Generator().manual_seed(seed + batch)
     ids = torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
     return [[t if t not in avoid else 3 for t in row] for row in ids]
 

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_TARGET
-from angelspec.models import Decoder, DecoderConfig, load_target, save_target
+from angelspec.assets import DEFAULT_DRAFT_LM
+from angelspec.models import Decoder, load_target
 from angelspec.models.block_drafter import BlockDrafter, dfly_embedded
 from angelspec.models.mtp import MTPBlock, MTPConfig
 from angelspec.spec.drafter import Drafter
@@ -57,28 +57,11 @@ from angelspec.spec.drafters.draft_lm import DraftLMDrafter
 from angelspec.spec.drafters.mtp import MTPDrafter
 from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+sys.path.insert(0, str(Path(__file__).parent))
+from ar_decode import DTYPES, make_prompts, resolve_target  # noqa: E402
+
 GOAL = 0.25  # drafter propose / verify at batch 1
 DRAFTERS = ("dfly", "dflash", "dspark", "mtp", "draft-lm")
-
-
-def embedded_preset() -> DecoderConfig:
-    """The shape of the embedded target, used when no trained target ships."""
-    return DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                         model_type="qwen3", tie_word_embeddings=True, eos_token_id=[1, 2], pad_token_id=0)
-
-
-def resolve_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
-    if arg is not None:
-        return Path(arg), arg
-    if (DEFAULT_TARGET / "config.json").is_file():
-        return DEFAULT_TARGET, f"embedded target ({DEFAULT_TARGET})"
-    torch.manual_seed(0)
-    model = Decoder(embedded_preset())
-    model.init_weights()
-    save_target(model, workdir)
-    return workdir, "random weights, embedded-target shape (no trained target in assets/target yet)"
 
 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
@@ -138,12 +121,6 @@ class CommitTimer:
         drafter.on_commit = timed  # type: ignore[method-assign]
 
 
-def make_prompts(batch: int, length: int, vocab: int, avoid: set[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(4321 + batch)
-    ids = torch.randint(3, vocab, (batch, length), generator=g).tolist()
-    return [[t if t not in avoid else 3 for t in row] for row in ids]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF-layout target folder (default: the embedded target)")
@@ -184,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
                                                              compile=args.compile))
                for kind, (d, k) in drafters.items() for b in args.batch_sizes}
-    prompts = {b: make_prompts(b, args.context, cfg.vocab_size, avoid) for b in args.batch_sizes}
+    prompts = {b: make_prompts(b, args.context, cfg.vocab_size, avoid, seed=4321) for b in args.batch_sizes}
     cells = {key: Cell(k=drafters[key[0]][1]) for key in engines}
 
     def run(key: tuple[str, int]) -> None:
