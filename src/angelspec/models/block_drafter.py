@@ -65,6 +65,7 @@ from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps, project_qkv
+from angelspec.models.vocab import expand_logits
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
 HEADS = ("none", "markov", "gated", "rnn", "hidden")
@@ -584,8 +585,7 @@ class BlockDrafter(nn.Module):
         vocabulary sees: it can only pick draft-vocabulary tokens)."""
         if not self.config.draft_vocab_size:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, logits)
+        return expand_logits(logits, self.draft_vocab, self.config.vocab_size)
 
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""

@@ -38,6 +38,7 @@ from torch import Tensor
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.vocab import expand_logits
 from angelspec.spec.batching import PerLayerKVCache, prefill_rows
 from angelspec.spec.compiled import try_compile
 from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, register_drafter
@@ -88,8 +89,7 @@ class DraftLMDrafter(Drafter):
         """[B, V'] -> [B, V], −inf outside the draft vocabulary."""
         if self.draft_vocab is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.model.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_vocab, logits)
+        return expand_logits(logits, self.draft_vocab, self.model.config.vocab_size)
 
     def compile(self) -> None:
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")
