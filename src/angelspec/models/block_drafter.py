@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps, project_qkv
@@ -185,11 +185,7 @@ class BlockDrafterConfig:
     # ----- checks -----
     def check_layer_ids(self, num_layers: int) -> None:
         """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ConfigError(f"block drafter target layer ids {list(self.target_layer_ids)} do not fit a target "
-                              f"with {num_layers} layers: ids are 0..{num_layers - 1} (id i = output of decoder "
-                              f"layer i); {bad} out of range")
+        check_tap_ids(self.target_layer_ids, num_layers, "block drafter")
 
     def check_mask_token(self, num_tokens: int) -> None:
         """Raise ConfigError unless `mask_token_id` is an id of a vocabulary (or tokenizer) of `num_tokens`."""
@@ -199,14 +195,7 @@ class BlockDrafterConfig:
 
     def check_target(self, target: DecoderConfig) -> None:
         """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
-        self.check_layer_ids(target.num_hidden_layers)
-        if target.fingerprint() != self.target_fingerprint:
-            raise ConfigError(f"{self.drafter} drafter was built for a target with fingerprint "
-                              f"{self.target_fingerprint}, but this target's is {target.fingerprint()}: train or "
-                              f"pick a {self.drafter} drafter for it")
-        if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
-            raise ConfigError(f"{self.drafter} drafter expects vocab {self.vocab_size} / hidden {self.hidden_size}, "
-                              f"the target has {target.vocab_size} / {target.hidden_size}")
+        check_built_for(self, target, "drafter")
 
     def layer_config(self) -> DecoderConfig:
         """The `DecoderConfig` the draft layers and the context KV cache are built from (plain RoPE)."""

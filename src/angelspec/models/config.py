@@ -7,6 +7,7 @@ window); the differences are flags (`qk_norm`, `qkv_bias`, `o_bias`, `mlp_bias`)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +26,27 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 class ConfigError(ValueError):
     """A checkpoint config that AngelSpec cannot run, with a message that names the fix."""
+
+
+def check_tap_ids(layer_ids: Sequence[int], num_layers: int, owner: str) -> None:
+    """Raise ConfigError unless every hidden-state tap id of `owner` names a layer of a `num_layers`-layer target."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"{owner} target layer ids {list(layer_ids)} do not fit a target with {num_layers} layers: "
+                          f"ids are 0..{num_layers - 1} (id i = output of decoder layer i); {bad} out of range")
+
+
+def check_built_for(cfg: Any, target: DecoderConfig, noun: str) -> None:
+    """Raise ConfigError when `target` is not the model the drafter config `cfg` (target_layer_ids,
+    target_fingerprint, vocab_size, hidden_size, drafter) was built for; `noun` names it ("block", "drafter").
+    The tap ids are checked first: a target too shallow for them gets that error, not a fingerprint one."""
+    cfg.check_layer_ids(target.num_hidden_layers)
+    if target.fingerprint() != cfg.target_fingerprint:
+        raise ConfigError(f"{cfg.drafter} {noun} was built for a target with fingerprint {cfg.target_fingerprint}, "
+                          f"but this target's is {target.fingerprint()}: train or pick a {cfg.drafter} drafter for it")
+    if (target.vocab_size, target.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise ConfigError(f"{cfg.drafter} {noun} expects vocab {cfg.vocab_size} / hidden {cfg.hidden_size}, the "
+                          f"target has {target.vocab_size} / {target.hidden_size}")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
 from angelspec.models.decoder import Attention, DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 
@@ -85,11 +85,7 @@ class DraftBlockConfig:
 
     def check_layer_ids(self, num_layers: int) -> None:
         """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        bad = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ConfigError(f"{self.drafter} target layer ids {list(self.target_layer_ids)} do not fit a target "
-                              f"with {num_layers} layers: ids are 0..{num_layers - 1} (id i = output of decoder "
-                              f"layer i); {bad} out of range")
+        check_tap_ids(self.target_layer_ids, num_layers, self.drafter)
 
     @staticmethod
     def target_shape(target: DecoderConfig, *, num_depths: int, num_attention_heads: int | None = None,
@@ -117,17 +113,8 @@ class DraftBlockConfig:
         )
 
     def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this block was built for.
-
-        The tap ids are checked first: a target too shallow for them gets that error, not a fingerprint one."""
-        self.check_layer_ids(target.num_hidden_layers)
-        if target.fingerprint() != self.target_fingerprint:
-            raise ConfigError(f"{self.drafter} block was built for a target with fingerprint "
-                              f"{self.target_fingerprint}, but this target's is {target.fingerprint()}: train or "
-                              f"pick a {self.drafter} drafter for it")
-        if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
-            raise ConfigError(f"{self.drafter} block expects vocab {self.vocab_size} / hidden {self.hidden_size}, "
-                              f"the target has {target.vocab_size} / {target.hidden_size}")
+        """Raise ConfigError when `target` is not the model this block was built for (tap ids first)."""
+        check_built_for(self, target, "block")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
