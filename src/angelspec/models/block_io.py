@@ -14,7 +14,6 @@ Mirrors `models.mtp_io` and reuses its atomic writers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,13 @@ from safetensors.torch import load_file
 from angelspec.models.block_drafter import DRAFTER_KINDS, HEADS, BlockDrafter, BlockDrafterConfig
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
-from angelspec.models.hf_io import WEIGHTS_NAME, CheckpointError, save_safetensors_atomic, write_json_atomic
+from angelspec.models.hf_io import (
+    WEIGHTS_NAME,
+    CheckpointError,
+    read_config_json,
+    save_safetensors_atomic,
+    write_json_atomic,
+)
 
 ARCHITECTURE = "AngelSpecBlockDrafter"
 CONFIG_KEY = "block_drafter_config"
@@ -54,13 +59,7 @@ def read_block_config(path: str | Path, *, drafter: str | None = None, head: str
     a clear error names both, instead of a silent mismatch or a missing-weights error."""
     path = Path(path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json: is it a block drafter folder (angelspec train "
-                              f"--drafter {drafter or 'dfly'})?")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); the folder may be half-written") from None
+    raw = read_config_json(path, f"is it a block drafter folder (angelspec train --drafter {drafter or 'dfly'})?")
     meta = raw.get("angelspec") or {}
     if meta.get("drafter") not in DRAFTER_KINDS or CONFIG_KEY not in raw:
         raise CheckpointError(f"{path} is not a block drafter (angelspec.drafter = {meta.get('drafter')!r}; expected "

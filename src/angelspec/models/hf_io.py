@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -31,17 +32,24 @@ def save_safetensors_atomic(
     replace_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+def read_config_json(path: Path, missing_hint: str, what: str = "folder") -> dict[str, Any]:
+    """`path`/config.json as a dict; CheckpointError when it is missing (`missing_hint` says what the folder
+    should have been) or not JSON (a half-written `what`)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json: {missing_hint}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); the {what} may be half-written") from None
+
+
 def read_config(path: str | Path) -> DecoderConfig:
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"target folder {path} does not exist; pass --target DIR with a HF checkpoint folder")
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json: is it a complete HF checkpoint folder?")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); the checkpoint may be half-written") from None
+    raw = read_config_json(path, "is it a complete HF checkpoint folder?", "checkpoint")
     try:
         return DecoderConfig.from_hf_dict(raw)
     except ConfigError as e:

@@ -10,7 +10,6 @@ already holds, after checking the folder was trained for that target (tap ids fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,13 @@ from torch import nn
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
 from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
-from angelspec.models.hf_io import WEIGHTS_NAME, CheckpointError, save_safetensors_atomic, write_json_atomic
+from angelspec.models.hf_io import (
+    WEIGHTS_NAME,
+    CheckpointError,
+    read_config_json,
+    save_safetensors_atomic,
+    write_json_atomic,
+)
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig
 
 ARCHITECTURE = "AngelSpecMTP"
@@ -55,13 +60,7 @@ def read_mtp_config(path: str | Path, kind: str = "mtp") -> tuple[DraftBlockConf
     """-> (the `kind` block config, the raw `angelspec` entry); clear errors for a folder of another kind."""
     path = Path(path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path} has no config.json: is it a {kind} drafter folder (angelspec train "
-                              f"--drafter {kind})?")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); the folder may be half-written") from None
+    raw = read_config_json(path, f"is it a {kind} drafter folder (angelspec train --drafter {kind})?")
     meta = raw.get("angelspec") or {}
     key = f"{kind}_config"
     if meta.get("drafter") != kind or key not in raw:
