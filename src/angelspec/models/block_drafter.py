@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.mtp import concat_taps, project_qkv
+from angelspec.models.mtp import concat_taps
 from angelspec.models.vocab import expand_logits
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
@@ -625,7 +625,7 @@ class BlockDrafter(nn.Module):
         [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C]."""
         layer = self.layers[i]
         attn = layer.attn
-        q, k, v = project_qkv(attn, layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
         k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
         v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)

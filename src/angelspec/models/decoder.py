@@ -54,6 +54,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_first: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projection, q/k norm and RoPE (also for custom attention patterns: block drafters, the TTT rollout).
+
+        x [B, T, C_in], cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]; with heads_first=False,
+        x [..., C_in], cos/sin [..., 1, Dh] -> q [..., H, Dh], k, v [..., Hkv, Dh] (the packed tokens of
+        `Decoder.forward(keep=...)`)."""
+        qkv = self.qkv_proj(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=-2)  # [..., H|Hkv, Dh]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if heads_first:
+            q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, D]
@@ -68,13 +83,7 @@ class Attention(nn.Module):
         if packed is not None:
             return self._forward_packed(x, cos, sin, mask, cache, write_idx, kv_len, packed)
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=2)  # [B, T, H|Hkv, Dh]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|Hkv, T, Dh]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)  # [B, H|Hkv, T, Dh]
         if cache is not None:
             assert write_idx is not None
             rows, slots = write_idx
@@ -97,13 +106,7 @@ class Attention(nn.Module):
         Projections run on the N kept tokens; attention scatters their queries into the padded [B, H, T, Dh]
         layout (dropped queries are zeros and their outputs are discarded) against the row's cache."""
         assert cache is not None and write_idx is not None
-        N = x.shape[0]
-        qkv = self.qkv_proj(x).view(N, self.n_heads + 2 * self.n_kv, self.head_dim)
-        q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=1)  # [N, H|Hkv, Dh]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin, heads_first=False)  # [N, H|Hkv, Dh]
         rows, slots = write_idx
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [B, Hkv, S, Dh]
         kc[rows, :, slots] = k.to(kc.dtype)  # only kept tokens are written: dropped ones cost no cache traffic

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
-from angelspec.models.decoder import Attention, DecoderLayer, RMSNorm, rotate_half
+from angelspec.models.decoder import DecoderLayer, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
 
 
@@ -156,20 +156,6 @@ class MTPConfig(DraftBlockConfig):
 def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
     """The target taps a block conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
     return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
-
-
-def project_qkv(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The q/k/v part of `Attention.forward` (projection, q/k norm, RoPE), for custom attention patterns.
-
-    x [B, T, C_in] (C_in = C, or 2C for EAGLE-3), cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]."""
-    B, T, _ = x.shape
-    qkv = attn.qkv_proj(x).view(B, T, attn.n_heads + 2 * attn.n_kv, attn.head_dim)
-    q, k, v = qkv.split((attn.n_heads, attn.n_kv, attn.n_kv), dim=2)  # [B, T, H|Hkv, Dh]
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
 class MTPBlock(nn.Module):

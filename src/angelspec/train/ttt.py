@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
-from angelspec.models.mtp import MTPBlock, project_qkv
+from angelspec.models.mtp import MTPBlock
 from angelspec.train.losses import LossBatch
 
 AttentionImpl = Literal["fast", "reference"]
@@ -222,7 +222,7 @@ def ttt_rollout(block: MTPBlock, hidden: Tensor, input_ids: Tensor, positions: T
         """Depth k: the block's fusion, attention over depth-0 prefix + diagonal keys, rest of Eq. 2 -> (h, k, v)."""
         x, attn_in = block.layer_inputs(h_prev, tok)  # residual [B, T, C], attention input [B, T, C_in]
         cos, sin = block.rope(positions + k, x.dtype)
-        q, kk, vv = project_qkv(attn, attn_in, cos, sin)
+        q, kk, vv = attn.project(attn_in, cos, sin)
         ks, vs = [*prev_k, kk], [*prev_v, vv]
         if full_mask is None:
             a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], gate, query_chunk)
