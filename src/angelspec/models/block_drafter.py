@@ -330,21 +330,34 @@ class RNNHead(MarkovHead):
 
 class HiddenCorrectionHead(nn.Module):
     """Eq. 15: ẑ = z + SwiGLU([RMSNorm(z); RMSNorm(e_prev)]) with e_prev the target embedding of the predecessor.
-    The down projection starts at zero, so the head starts as the identity."""
+    The down projection starts at zero, so the head starts as the identity.
+
+    The gate/up projection of the concatenation is W [RMSNorm z; RMSNorm e] = W_z RMSNorm z + W_e RMSNorm e, so the
+    predecessor-free half (`z_part`) runs for a whole block at once and a left-to-right step (`step`) multiplies
+    only W_e: half the weights per draft position."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
         super().__init__()
+        self.hidden = hidden_size
         self.inter = intermediate_size
         self.z_norm = RMSNorm(hidden_size, eps)
         self.e_norm = RMSNorm(hidden_size, eps)
         self.gate_up_proj = nn.Linear(2 * hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def z_part(self, z: Tensor) -> Tensor:
+        """W_z RMSNorm(z): z [..., C] backbone output (pre-norm) -> [..., 2I]."""
+        return F.linear(self.z_norm(z), self.gate_up_proj.weight[:, : self.hidden])
+
+    def step(self, z: Tensor, z_part: Tensor, e_prev: Tensor) -> Tensor:
+        """ẑ from z [..., C], its `z_part` [..., 2I] and e_prev [..., C] -> [..., C]."""
+        gate_up = z_part + F.linear(self.e_norm(e_prev.to(z.dtype)), self.gate_up_proj.weight[:, self.hidden:])
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return z + self.down_proj(F.silu(gate) * up)
+
     def forward(self, z: Tensor, e_prev: Tensor) -> Tensor:
         """z [..., C] backbone output (pre-norm), e_prev [..., C] -> ẑ [..., C]."""
-        gate, up = self.gate_up_proj(torch.cat([self.z_norm(z), self.e_norm(e_prev.to(z.dtype))], -1)).split(
-            self.inter, dim=-1)
-        return z + self.down_proj(F.silu(gate) * up)
+        return self.step(z, self.z_part(z), e_prev)
 
 
 class ConfidenceHead(nn.Module):
@@ -445,7 +458,8 @@ class BlockProposal:
     logits: Tensor  # [B, K, V'] fp32, the head's logits given the chosen predecessors, over the draft vocabulary
     #                 (V' = draft_vocab_size; V when the drafter drafts from the whole vocabulary)
     probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
-    confidences: Tensor | None  # [B, K] σ(confidence logits) in [0, 1], per position (not cumulative)
+    confidences: Tensor  # [B, K] in [0, 1], per position (not cumulative): σ(confidence logits) with a confidence
+    #                      head, else each draft's own probability under the head's temperature-1 logits
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
@@ -542,7 +556,10 @@ class BlockDrafter(nn.Module):
 
     def _vocab_weights(self) -> tuple[Tensor, Tensor | None]:
         """(W_lm rows [V', C], Markov W2 rows [V', r] or None) of the draft vocabulary, cached until a weight or
-        the vocabulary changes."""
+        the vocabulary changes. Inside a compiled graph the cache is taken as it is (the key's pointer reads would
+        break the graph): `propose` refreshes it eagerly before every compiled step."""
+        if self._vocab_cache is not None and torch.compiler.is_compiling():
+            return self._vocab_cache[1], self._vocab_cache[2]
         w = self._shared[1].weight
         w2 = self.head.out.weight if isinstance(self.head, MarkovHead) else None
         tensors = (w, self.draft_vocab) if w2 is None else (w, self.draft_vocab, w2)
@@ -781,52 +798,71 @@ class BlockDrafter(nn.Module):
         """One backbone pass, then the head (Eq. 13): -> K = B−1 drafts per row.
 
         `select(logits [B, V], k)` picks draft k from the head's logits and returns (tokens [B], probs [B, V] or
-        None); default: argmax (deterministic drafts). The chosen token is the predecessor of draft k+1.
-
-        The head is causal in its predecessors, so the drafts are the fixed point of "draft k = select(head(z_k,
-        draft k−1))". The backbone's logits W_lm RMSNorm(z) do not depend on predecessors, so they are computed for
-        all K positions in ONE LM-head call; a Markov-family head (Markov, gated, RNN) only adds a cheap rank-r bias
-        that does, which is solved by Jacobi sweeps: guess every predecessor (the backbone's argmax), compute the
-        bias for all unsettled positions at once, keep the leading positions whose guessed predecessor was right
-        (at least one more per sweep), re-guess the rest from this sweep's picks. The result equals the left-to-
-        right loop (`reference_propose`) exactly. The hidden-correction head feeds the predecessor through the
-        whole LM head (Eq. 15), so a sweep costs a full LM-head pass per unsettled position; trained heads change
-        most argmaxes (measured: 6–7 sweeps of 7 on the demo DFly), so it runs left to right (K calls, the fewest
-        FLOPs). Each Jacobi sweep ends in one host read of the agreement. `select` must be a function of its
-        arguments only (the engine's counter-based sampling is) for the sweeps to reproduce the loop exactly."""
-        cfg = self.config
+        None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
+        `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1."""
+        if select is None:
+            if self.config.draft_vocab_size:
+                self._vocab_weights()  # refresh the draft vocabulary's weights outside any compiled graph
+            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len)
+            return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
-        if isinstance(self.head, HiddenCorrectionHead):
-            return self._propose_left_to_right(z, anchor_tokens, select)
-        h = self.norm(z)
-        B, K = z.shape[:2]
-        base = self.draft_logits(h)  # [B, K, V'] the backbone's own logits: the head's base, or its first guess
-        if self.head is None:
-            logits = base  # the backbone alone: no dependence on predecessors, one sweep
+        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select)
+        return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
+
+    def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'], index [B, K],
+        confidences [B, K])."""
+        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
+        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None)
+        return tokens, logits, index, conf
+
+    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+        """The head over backbone outputs z [B, K, C], left to right in its predecessors -> (tokens [B, K],
+        logits [B, K, V'], index [B, K], probs [B, K, V] or None, confidences [B, K]).
+
+        Only what depends on the predecessor runs per position; everything else runs for the whole block at once:
+        the backbone's logits W_lm RMSNorm(z) (no head: they are the drafts' logits; a Markov-family head adds its
+        rank-r bias to them per position), and the hidden-correction head's W_z RMSNorm(z) half (its W_e half, the
+        final norm and the LM head over the draft vocabulary run per position: the predecessor goes through them,
+        Eq. 15). Confidences: the confidence head's σ(logit) when the drafter has one, else each draft's own
+        probability under the head's (temperature-1) logits."""
+        head = self.head
+        h = self.norm(z)  # [B, K, C]
+        if head is None:
+            logits = self.draft_logits(h)  # [B, K, V'] the drafts do not depend on each other
             index, tokens, probs = self._pick(logits, select, 0)
         else:
-            index = base.argmax(dim=-1)  # [B, K]
-            tokens = self.to_target_ids(index)  # first guesses
-            prev = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K] predecessor guesses
-            logits = torch.empty_like(base)
-            probs = None if select is None else logits.new_empty(B, K, cfg.vocab_size)
-            done = 0  # positions < done are final
-            while done < K:
-                lg = self._head_sweep(h, base, prev, done)  # [B, K - done, V']
-                idx, tok, p = self._pick(lg, select, done)
-                logits[:, done:], index[:, done:], tokens[:, done:] = lg, idx, tok
-                if probs is not None and p is not None:
-                    probs[:, done:] = p
-                # Position done is final; each next one is final while its guessed predecessor was right.
-                agree = (prev[:, done + 1:] == tok[:, :-1]).all(dim=0)  # [K - done - 1]
-                run = int(agree.long().cumprod(0).sum())  # host read, once per sweep
-                done += 1 + run
-                prev[:, done:] = tokens[:, done - 1:-1]
-        prev = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)
-        conf = None
-        if cfg.confidence_head:
-            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev)).float())  # [B, K]
-        return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
+            hidden = isinstance(head, HiddenCorrectionHead)
+            if hidden:
+                zg = head.z_part(z)  # [B, K, 2I]
+                state = None
+            else:
+                assert isinstance(head, MarkovHead)
+                base = self.draft_logits(h)  # [B, K, V']
+                state = head.init_state(anchor_tokens.shape, z)
+            prev = anchor_tokens
+            cols: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
+            for k in range(self.config.num_drafts):
+                if hidden:
+                    lg = self.draft_logits(self.norm(head.step(z[:, k], zg[:, k], self.embed(prev))))  # Eq. 15
+                else:
+                    u, state = head.features(h[:, k], prev, state)
+                    lg = base[:, k] + self.draft_bias(u).float()  # Eq. 14 / DSpark §3.1
+                idx, tok, p = self._pick(lg[:, None], select, k)
+                prev = tok[:, 0]
+                cols.append((lg, idx[:, 0], prev, None if p is None else p[:, 0]))
+            logits = torch.stack([c[0] for c in cols], dim=1)
+            index = torch.stack([c[1] for c in cols], dim=1)
+            tokens = torch.stack([c[2] for c in cols], dim=1)
+            probs = None if select is None else torch.stack([c[3] for c in cols], dim=1)
+        if self.config.confidence_head:
+            prev_all = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K]
+            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all)).float())
+        else:
+            conf = torch.softmax(logits, dim=-1).gather(-1, index[..., None])[..., 0]
+        return tokens, logits, index, probs, conf
 
     def _pick(self, logits: Tensor, select: Select | None, start: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Drafts at positions start.. from logits [B, n, V'] (draft vocabulary): argmax over all at once, or
@@ -845,30 +881,12 @@ class BlockDrafter(nn.Module):
             index = inverse[tokens]
         return index, tokens, probs
 
-    def _head_sweep(self, h: Tensor, base: Tensor, prev: Tensor, start: int) -> Tensor:
-        """A Markov-family head's logits at positions start..K−1 given predecessors prev [B, K] -> [B, K − start, V']
-        fp32; base = the backbone's logits [B, K, V'] over the draft vocabulary."""
-        head = self.head
-        assert isinstance(head, MarkovHead)
-        if head.stateful:  # the RNN's state runs over the whole block: recompute it from position 0
-            u = head.sequence_features(h, prev)[:, start:]
-        else:
-            u = head.sequence_features(h[:, start:], prev[:, start:])  # Eq. 14 / gated: position-wise
-        return base[:, start:] + self.draft_bias(u).float()
-
     @torch.no_grad()
     def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
                           select: Select | None = None) -> BlockProposal:
-        """Slow reference for `propose`: the head strictly left to right, one position (one LM-head call) at a
-        time, as Eq. 13 reads."""
+        """Slow reference for `propose`: the whole head strictly left to right, one position (one LM-head call,
+        `head_step`) at a time, as Eq. 13 reads."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
-        return self._propose_left_to_right(z, anchor_tokens, select)
-
-    def _propose_left_to_right(self, z: Tensor, anchor_tokens: Tensor, select: Select | None) -> BlockProposal:
-        """The head over backbone outputs z [B, K, C], one position at a time."""
-        if select is None:
-            tokens, logits, index, conf = self.greedy_head(z, anchor_tokens)
-            return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
         prev = anchor_tokens
         index, tokens, logits_out, probs, confs = [], [], [], [], []
@@ -879,32 +897,13 @@ class BlockDrafter(nn.Module):
             tokens.append(tok[:, 0])
             logits_out.append(logits)
             probs.append(None if p is None else p[:, 0])
-            if conf is not None:
-                confs.append(torch.sigmoid(conf.float()))
+            confs.append(torch.softmax(logits, dim=-1).gather(-1, idx)[:, 0] if conf is None
+                         else torch.sigmoid(conf.float()))
             prev = tok[:, 0]
         return BlockProposal(
             tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits_out, dim=1),
             probs=None if any(p is None for p in probs) else torch.stack(probs, dim=1),
-            confidences=torch.stack(confs, dim=1) if confs else None, token_index=torch.stack(index, dim=1))
-
-    def greedy_head(self, z: Tensor, anchor_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """The left-to-right head with argmax drafts, tensors only (so `compile` makes the whole chain one
-        graph): z [B, K, C], anchor_tokens [B] -> (tokens [B, K], logits [B, K, V'], index [B, K],
-        confidences [B, K] or None)."""
-        state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
-        prev = anchor_tokens
-        index, tokens, logits_out, confs = [], [], [], []
-        for k in range(self.config.num_drafts):
-            logits, conf, state = self.head_step(z[:, k], prev, state)
-            idx = logits.argmax(dim=-1)
-            prev = self.to_target_ids(idx)
-            index.append(idx)
-            tokens.append(prev)
-            logits_out.append(logits)
-            if conf is not None:
-                confs.append(torch.sigmoid(conf.float()))
-        return (torch.stack(tokens, dim=1), torch.stack(logits_out, dim=1), torch.stack(index, dim=1),
-                torch.stack(confs, dim=1) if confs else None)
+            confidences=torch.stack(confs, dim=1), token_index=torch.stack(index, dim=1))
 
     @torch.no_grad()
     def propose_from_taps(self, taps: Sequence[Tensor] | Tensor, lengths: Tensor, anchor_tokens: Tensor,

@@ -13,9 +13,9 @@ taps, whose hidden states the target has now computed.
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
-(keyed by the draft's position, as every drafter does) and q is returned. Confidences are the confidence head's
-σ(logit) per draft position (DSpark §3.2) when the drafter has one, else the head's own (temperature-1)
-probability of each draft.
+(keyed by the draft's position, as every drafter does) and q is returned. Confidences are the model's
+(`BlockProposal.confidences`): the confidence head's σ(logit) per draft position (DSpark §3.2) when the drafter
+has one, else the head's own (temperature-1) probability of each draft.
 
 Build it with `BlockDrafterAdapter.from_pretrained(dir, target=...)` (E and W_lm are the target's) or
 `BlockDrafterAdapter(model)`. It never loads the target.
@@ -147,13 +147,9 @@ class BlockDrafterAdapter(Drafter):
 
         p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
                                select=None if deterministic else select)
-        tokens = p.tokens[:, :k]  # [B, K]
-        if p.confidences is not None:
-            conf = p.confidences[:, :k]  # [B, K] σ(confidence logit)
-        else:
-            conf = torch.softmax(p.logits[:, :k].float(), dim=-1).gather(2, p.token_index[:, :k, None])[..., 0]
         probs = None if deterministic or p.probs is None else p.probs[:, :k]  # [B, K, V]
-        return Proposal(tokens=tokens, probs=probs, confidences=conf, deterministic=deterministic)
+        return Proposal(tokens=p.tokens[:, :k], probs=probs, confidences=p.confidences[:, :k],
+                        deterministic=deterministic)
 
     def on_commit(self, commit: Commit) -> None:
         cache = self.cache
@@ -167,13 +163,12 @@ class BlockDrafterAdapter(Drafter):
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:
-        """The backbone pass, the whole greedy left-to-right head as one graph, and the Markov heads' Jacobi
-        sweeps (instance attributes shadow the methods, so `propose` picks them up); sampled drafts run the
-        head eagerly."""
+        """The whole greedy step (backbone pass and head) as one graph, and the backbone pass alone for sampled
+        drafts, whose head runs eagerly around `select` (instance attributes shadow the methods, so `propose`
+        picks them up)."""
         m = self.model
+        m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
-        m.greedy_head = try_compile(m.greedy_head, f"{self.kind} greedy head")  # type: ignore[method-assign]
-        m._head_sweep = try_compile(m._head_sweep, f"{self.kind} head sweep")  # type: ignore[method-assign]
 
 
 @register_drafter("dflash")
