@@ -532,3 +532,32 @@ def test_propose_equals_the_one_position_at_a_time_head(conditioning: str, head:
         with torch.no_grad():
             backbone = model.draft_logits(model.norm(model.backbone_step(anchors, cache, T)[:, 1:])).argmax(-1)
         assert not torch.equal(backbone, fast.token_index)
+
+
+@pytest.mark.parametrize(("conditioning", "head"), [("dflash", "none"), ("dflash", "rnn"), ("dfly", "hidden")])
+def test_propose_fewer_drafts_runs_the_head_over_a_prefix_of_the_block(conditioning: str, head: str) -> None:
+    """num_drafts = n < B−1 gives exactly the first n drafts of the whole block (the backbone still sees all B
+    entries), greedy and sampled; n outside 1..B−1 is a clear error."""
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning, head=head, block_size=8)
+    B, T = 3, 10
+    ids = torch.randint(6, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache(B, T, slack=8, dtype=torch.float64, device="cpu")
+    model.append_context(taps_of(target, model, ids)[:, :T], cache)
+
+    def select(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits, dim=-1)
+        u = torch.rand(B, VOCAB, generator=torch.Generator().manual_seed(7 + k), dtype=torch.float64)
+        return (torch.log(u) / probs).argmax(-1), probs
+
+    with torch.no_grad():
+        for rule in (None, select):
+            full = model.propose(ids[:, T], cache, kv_len=T, select=rule)
+            part = model.propose(ids[:, T], cache, kv_len=T, select=rule, num_drafts=3)
+            assert part.tokens.shape == (B, 3) and part.confidences.shape == (B, 3)
+            assert torch.equal(part.tokens, full.tokens[:, :3])
+            torch.testing.assert_close(part.logits, full.logits[:, :3])
+            torch.testing.assert_close(part.confidences, full.confidences[:, :3])
+        for bad in (0, 8):
+            with pytest.raises(ValueError, match=r"proposes 1\.\.7 drafts"):
+                model.propose(ids[:, T], cache, kv_len=T, num_drafts=bad)

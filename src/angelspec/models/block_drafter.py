@@ -794,8 +794,9 @@ class BlockDrafter(nn.Module):
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                select: Select | None = None) -> BlockProposal:
-        """One backbone pass, then the head (Eq. 13): -> K = B−1 drafts per row.
+                select: Select | None = None, num_drafts: int | None = None) -> BlockProposal:
+        """One backbone pass over the whole block, then the head (Eq. 13) over its first `num_drafts` positions
+        (default and at most K = B−1): -> that many drafts per row.
 
         `select(logits [B, V], k)` picks draft k from the head's logits and returns (tokens [B], probs [B, V] or
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
@@ -803,17 +804,17 @@ class BlockDrafter(nn.Module):
         if select is None:
             if self.config.draft_vocab_size:
                 self._vocab_weights()  # refresh the draft vocabulary's weights outside any compiled graph
-            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len)
+            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
-        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
+        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
         tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select)
         return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
 
-    def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None,
+                       num_drafts: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'], index [B, K],
-        confidences [B, K])."""
-        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
+        confidences [B, K]) for K = `num_drafts` (default B−1)."""
+        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
         tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None)
         return tokens, logits, index, conf
 
@@ -844,7 +845,7 @@ class BlockDrafter(nn.Module):
                 state = head.init_state(anchor_tokens.shape, z)
             prev = anchor_tokens
             cols: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
-            for k in range(self.config.num_drafts):
+            for k in range(z.shape[1]):
                 if hidden:
                     lg = self.draft_logits(self.norm(head.step(z[:, k], zg[:, k], self.embed(prev))))  # Eq. 15
                 else:
@@ -863,6 +864,15 @@ class BlockDrafter(nn.Module):
         else:
             conf = torch.softmax(logits, dim=-1).gather(-1, index[..., None])[..., 0]
         return tokens, logits, index, probs, conf
+
+    def _num_drafts(self, n: int | None) -> int:
+        """K: `n` drafts (default B−1), checked against the block."""
+        k = self.config.num_drafts
+        if n is None:
+            return k
+        if not 1 <= n <= k:
+            raise ValueError(f"a block of {self.config.block_size} proposes 1..{k} drafts, {n} were asked for")
+        return n
 
     def _pick(self, logits: Tensor, select: Select | None, start: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Drafts at positions start.. from logits [B, n, V'] (draft vocabulary): argmax over all at once, or

@@ -2,8 +2,8 @@
 
 One class, `BlockDrafterAdapter`, drafts with any `models.block_drafter.BlockDrafter`; it is registered under
 the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step it runs ONE backbone pass over
-the block `[last, m, …, m]` and then the small sequential head left to right (`BlockDrafter.propose`), and
-returns the first K ≤ B−1 drafts.
+the block `[last, m, …, m]` and then the small sequential head left to right over the first K ≤ B−1 positions
+only (`BlockDrafter.propose`), and returns those K drafts.
 
 Draft context cache convention, per row, after every commit: the cache holds the injected K/V of every
 committed position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's
@@ -146,10 +146,9 @@ class BlockDrafterAdapter(Drafter):
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 
         p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
-                               select=None if deterministic else select)
-        probs = None if deterministic or p.probs is None else p.probs[:, :k]  # [B, K, V]
-        return Proposal(tokens=p.tokens[:, :k], probs=probs, confidences=p.confidences[:, :k],
-                        deterministic=deterministic)
+                               select=None if deterministic else select, num_drafts=k)
+        probs = None if deterministic else p.probs  # [B, K, V]
+        return Proposal(tokens=p.tokens, probs=probs, confidences=p.confidences, deterministic=deterministic)
 
     def on_commit(self, commit: Commit) -> None:
         cache = self.cache
