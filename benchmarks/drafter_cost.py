@@ -4,7 +4,9 @@ embedded target.
 What is measured, per drafter kind and batch size (1 and 16):
 
     draft   one `Drafter.propose` (K drafts per row): block drafters K = block_size - 1 = 7 (one backbone pass
-            over [last, m, ..., m], then the sequential head), MTP and the draft LM K = 4 (K recurrent steps)
+            over [last, m, ..., m], then the sequential head; `--block-k 4` drafts 4, as `make demo` does: the
+            backbone still runs over the whole block, the head over 4 positions), MTP and the draft LM K = 4 (K
+            recurrent steps)
     commit  one `Drafter.on_commit` (block drafters / MTP: append the newly committed positions' target taps to
             the draft context; draft LM: roll its cache back); reported separately, not part of the goal
     verify  one target verify forward over [last, d_1..d_K] (K + 1 tokens) against the KV cache, with the taps
@@ -65,9 +67,9 @@ DRAFTERS = ("dfly", "dflash", "dspark", "mtp", "draft-lm")
 
 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
-                  draft_vocab: int = 0, draft_layers: int = 2) -> tuple[Drafter, int]:
-    """A drafter of `kind` for `target` and the K it drafts per step (block drafters drafting from the first
-    `draft_vocab` ids when > 0: latency depends on the size, not on which ids)."""
+                  draft_vocab: int = 0, draft_layers: int = 2, block_k: int = 0) -> tuple[Drafter, int]:
+    """A drafter of `kind` for `target` and the K it drafts per step (block drafters: `block_k`, default B−1,
+    drafting from the first `draft_vocab` ids when > 0: latency depends on the size, not on which ids)."""
     gen = torch.Generator().manual_seed(0)
     if kind in ("dfly", "dflash", "dspark"):
         overrides = {"dfly": {},
@@ -78,7 +80,7 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
         model.init_weights(generator=gen)
         adapter = BlockDrafterAdapter(model.to(dtype))
         assert adapter.kind == kind, (adapter.kind, kind)
-        return adapter, cfg.num_drafts
+        return adapter, block_k or cfg.num_drafts
     if kind == "mtp":
         block = MTPBlock(MTPConfig.for_target(target.config, num_depths=3), target.embed_tokens, target.lm_head)
         block.init_weights(generator=gen)
@@ -140,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="block drafters draft from N of the target's tokens (`angelspec draft-vocab`; default 0: all)")
     p.add_argument("--draft-layers", type=int, default=2, metavar="L",
                    help="block drafters' backbone depth (default 2, the dfly_embedded preset)")
+    p.add_argument("--block-k", type=int, default=0, metavar="K",
+                   help="block drafters draft K <= B-1 per step (the head runs over those K positions only; default "
+                        "0: the whole block, K = B-1 = 7). MTP and the draft LM always draft 4, as in `make demo`")
     p.add_argument("--compile", action="store_true",
                    help="EngineConfig(compile=True): the verify forward and each drafter's hot calls compiled "
                         "(the untimed warm-up run pays the compilation)")
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(target_dir, dtype=dtype)
     cfg = target.config
     avoid = set(cfg.eos_token_ids)
-    drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab, args.draft_layers)
+    drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab, args.draft_layers,
+                                    args.block_k)
                 for kind in args.drafters}
     timers = {kind: CommitTimer(d) for kind, (d, _) in drafters.items()}
     engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
           f"{args.threads} thread(s), torch {torch.__version__}{', compiled' if args.compile else ', eager'}"
           + (f", block drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else "")
-          + f", block drafters L{args.draft_layers}")
+          + f", block drafters L{args.draft_layers}" + (f" K={args.block_k}" if args.block_k else ""))
     head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
             f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
     print(head)
