@@ -17,10 +17,10 @@ correction head, confidence head), `dflash` (same shape, shared-fc conditioning,
 `dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP block, `MTPConfig.for_target`
 with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer). The block and
 MTP drafters are randomly initialised: latency does not depend on their weights (acceptance does, and is ~0
-here, which only means every step commits one token) -- with one exception: dspark's Markov head is solved by
-Jacobi sweeps (`BlockDrafter.propose`) whose count depends on how often the head changes the backbone's argmax;
-its zero-initialised W2 never does, so dspark's number here is its one-sweep best case (the worst case adds up to
-K-1 rank-64 sweeps).
+here, which only means every step commits one token; every head runs a fixed number of operations, so trained
+weights cost the same).
+
+`--draft-vocab 1024 --draft-layers 1` is the shape of the `dfly_demo` preset `make demo` trains.
 
 How: each drafter runs inside a real `SpecEngine` on greedy requests (EOS disabled) whose prompts are
 `--context` random tokens, so the caches hold ~256 tokens when decoding starts (and ~256 + new tokens at the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,7 @@ def test_eval_report_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path
     report = json.loads(out.read_text())
     assert report["drafter"] == spec and report["target"] == str(tiny_target_dir)
     assert report["settings"] == {"max_new_tokens": 12, "batch_size": 2, "num_draft_tokens": 3, "temperature": 0.0,
-                                  "top_k": 0, "top_p": 1.0, "seed": 0, "warmup_tokens": 16}
+                                  "top_k": 0, "top_p": 1.0, "seed": 0, "warmup_tokens": 16, "compile": False}
     assert report["lossless"] == {"checked": True, "ok": True, "identical": 6, "total": 6, "mismatches": []}
     assert list(report["domains"]) == ["code", "math", "chat"]
     for block in [report["overall"], *report["domains"].values()]:
@@ -196,6 +197,28 @@ def test_eval_report_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path
         assert ar_m["mean_accepted_length"] == 1.0 and ar_m["num_draft_tokens"] == 0
         assert set(spec_m["seconds"]) == {"prefill", "draft", "select", "verify", "commit"}
     assert report["overall"]["prompts"] == sum(d["prompts"] for d in report["domains"].values()) == 6
+
+
+def test_eval_compile_flag_compiles_both_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             tiny_target_dir: Path, prompts_file: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`eval --compile` builds the AR and the speculative engine with compile=True and records it in the JSON
+    (the engines here run eager: compiled decoding's equality with AR is tested in the engine tests)."""
+    seen = []
+    engine_cls = speculative.SpecEngine
+
+    def spy(target, drafter=None, config=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append((drafter is None, config.compile))
+        return engine_cls(target, drafter, replace(config, compile=False), **kw)
+
+    monkeypatch.setattr(speculative, "SpecEngine", spy)
+    out = tmp_path / "eval.json"
+    code, stdout, err = run(capsys, "eval", "--target", tiny_target_dir, "--drafter", "ngram", "--prompts",
+                            prompts_file, "--max-new-tokens", 6, "--compile", "--json", out, "--quiet")
+    assert code == 0, err
+    assert "lossless: yes" in stdout
+    assert seen == [(True, True), (False, True)]  # AR, then speculative
+    assert json.loads(out.read_text())["settings"]["compile"] is True
 
 
 def test_eval_json_is_not_overwritten_without_force(capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -56,6 +56,8 @@ class EvalSettings:
 
     sampling.seed: request i uses seed + i (None: fresh randomness, only sensible at T=0).
     warmup_tokens: new tokens per request of the untimed warm-up batch (0 = no warm-up).
+    compile: `EngineConfig(compile=True)` for both runs (AR and speculative): the target's forwards and the
+    drafter's hot calls run compiled; the warm-up batch pays the compilation.
     """
 
     max_new_tokens: int = 128
@@ -63,6 +65,7 @@ class EvalSettings:
     num_draft_tokens: int = 4
     sampling: SamplingParams = field(default_factory=SamplingParams)
     warmup_tokens: int = 16
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("batch_size", 1), ("num_draft_tokens", 1), ("warmup_tokens", 0)):
@@ -78,7 +81,7 @@ class EvalSettings:
         s = self.sampling
         return {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size,
                 "num_draft_tokens": self.num_draft_tokens, "temperature": s.temperature, "top_k": s.top_k,
-                "top_p": s.top_p, "seed": s.seed, "warmup_tokens": self.warmup_tokens}
+                "top_p": s.top_p, "seed": s.seed, "warmup_tokens": self.warmup_tokens, "compile": self.compile}
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,8 @@ def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalS
     context = target.config.max_position_embeddings
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=settings.batch_size,
                                                       max_seq_len=_max_seq_len(target, prompts, settings),
-                                                      num_draft_tokens=settings.num_draft_tokens),
+                                                      num_draft_tokens=settings.num_draft_tokens,
+                                                      compile=settings.compile),
                         depth_policy=depth_policy)
     requests = [_request(p, i, settings, context) for i, p in enumerate(prompts)]
     if settings.warmup_tokens:
