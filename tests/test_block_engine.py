@@ -284,9 +284,9 @@ def test_two_processes_train_the_single_process_model(tmp_path, tiny_target_dir,
 
 @pytest.mark.parametrize("kind", ["dspark", "dfly"])
 def test_compiled_block_drafter_stays_lossless_and_matches_eager(kind):
-    """EngineConfig(compile=True) compiles the verify forward and the drafter's backbone / head calls (dspark:
-    the Jacobi sweeps of its Markov head; dfly: the whole greedy hidden-correction chain); outputs equal AR and
-    the drafts equal the eager drafter's."""
+    """EngineConfig(compile=True) compiles the verify forward, the drafter's whole greedy step (backbone and head)
+    and its context append (prefill and on_commit, in place on the cache); outputs equal AR and the drafts equal
+    the eager drafter's."""
     import warnings
 
     target = tiny_target()

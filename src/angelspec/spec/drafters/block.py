@@ -162,12 +162,13 @@ class BlockDrafterAdapter(Drafter):
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:
-        """The whole greedy step (backbone pass and head) as one graph, and the backbone pass alone for sampled
-        drafts, whose head runs eagerly around `select` (instance attributes shadow the methods, so `propose`
-        picks them up)."""
+        """The whole greedy step (backbone pass and head) as one graph, the backbone pass alone for sampled
+        drafts (whose head runs eagerly around `select`), and the context append of prefill and `on_commit`
+        (instance attributes shadow the methods, so the adapter picks them up)."""
         m = self.model
         m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
+        m.append_context = try_compile(m.append_context, f"{self.kind} context append")  # type: ignore[method-assign]
 
 
 @register_drafter("dflash")
