@@ -115,3 +115,23 @@ def test_calibrated_policy_passes_calibrated_confidences():
     assert torch.allclose(seen[0], torch.tensor([[0.5, 0.9, 0.2]]))  # the last temperature is reused
     assert wrapped.uses_proposal is True and CalibratedPolicy(FixedDepth(2), cal).static_depth == 2
     assert CalibratedPolicy(FixedDepth(2), cal).uses_proposal is False and CalibratedPolicy(DCut(), cal).uses_proposal
+
+
+def test_calibrated_drafter_compiles_its_inner_drafter_once():
+    """EngineConfig(compile=True) calls `ensure_compiled` on the engine's drafter: a calibrated wrapper must pass
+    it to the drafter it wraps (whose hot calls are the ones worth compiling), once however many engines share
+    it."""
+    from angelspec.spec.calibrated import CalibratedDrafter
+    from angelspec.spec.drafters.ngram import NGramDrafter
+
+    class Counting(NGramDrafter):
+        calls = 0
+
+        def compile(self) -> None:
+            type(self).calls += 1
+
+    inner = Counting()
+    wrapped = CalibratedDrafter(inner, StsCalibration(temperatures=(1.0,)))
+    for d in (wrapped, wrapped, inner):
+        d.ensure_compiled()
+    assert Counting.calls == 1

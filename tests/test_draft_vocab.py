@@ -213,3 +213,8 @@ def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_t
     assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path), "--data",
                  str(conversations), "--size", "30"]) == 2
     assert "neither a block drafter nor a draft LM" in capsys.readouterr().err
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text('{"model_type": "qw')  # a copy cut short
+    assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "half"), "--data",
+                 str(conversations), "--size", "30"]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err

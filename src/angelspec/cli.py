@@ -510,7 +510,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from angelspec.data.vocab import coverage, frequent_tokens, token_counts
     from angelspec.models.block_drafter import BlockDrafter
     from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
-    from angelspec.models.hf_io import write_json_atomic
+    from angelspec.models.hf_io import read_config_json, write_json_atomic
     from angelspec.train.mtp import load_conversations
 
     _positive("--size", args.size)
@@ -518,11 +518,12 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out is not None else src
     if out != src and (out / "config.json").exists() and not args.force:
         raise UsageError(f"--out {out} already holds a model; pass --force to overwrite it")
-    raw = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    raw = read_config_json(src, "it is neither a block drafter nor a draft LM folder (pass a folder written by "
+                                "`angelspec train`, or a HF causal-LM folder)", "drafter folder")
     block = "block_drafter_config" in raw
     cfg, meta = read_block_config(src) if block else (None, raw.get("angelspec") or {})
     vocab_size = cfg.vocab_size if cfg is not None else raw.get("vocab_size")
-    if not block and (not raw or raw.get("model_type") is None):
+    if not block and raw.get("model_type") is None:
         raise UsageError(f"{src} is neither a block drafter nor a draft LM folder (no config.json with a "
                          "model_type or block_drafter_config)")
     if args.size > vocab_size:

@@ -105,6 +105,9 @@ class CalibratedDrafter(Drafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         self.inner.reset_rows(rows)
 
+    def compile(self) -> None:
+        self.inner.ensure_compiled()  # the wrapped drafter's hot calls; the calibration itself is a few ops
+
     @property
     def bad_count(self) -> int:
         """Confidences replaced so far (NaN, inf, outside [0, 1]). Host sync: read it once per interval."""

@@ -278,6 +278,12 @@ class Drafter(ABC):
         """`EngineConfig(compile=True)`: compile the drafter's hot calls (`spec.compiled.try_compile`); its
         weights are frozen from then on. Default: nothing to compile."""
 
+    def ensure_compiled(self) -> None:
+        """`compile()` once per drafter: engines may share one."""
+        if not self.__dict__.get("_compiled", False):
+            self.compile()
+            self._compiled = True
+
 
 @contextmanager
 def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:

@@ -224,9 +224,7 @@ class SpecEngine:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
             else:
                 self._verify_fn = try_compile(self._verify_forward, "verify forward")
-                if not getattr(drafter, "_compiled_by_engine", False):  # engines may share a drafter: once
-                    drafter.compile()
-                    drafter._compiled_by_engine = True  # type: ignore[attr-defined]
+                drafter.ensure_compiled()
 
     # ------------------------------------------------------------------------------------------------
     # Public entry point
