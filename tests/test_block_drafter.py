@@ -561,3 +561,17 @@ def test_propose_fewer_drafts_runs_the_head_over_a_prefix_of_the_block(condition
         for bad in (0, 8):
             with pytest.raises(ValueError, match=r"proposes 1\.\.7 drafts"):
                 model.propose(ids[:, T], cache, kv_len=T, num_drafts=bad)
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "hidden"])
+def test_a_select_rule_without_probs_gives_a_proposal_without_probs(head: str) -> None:
+    """`select` may return (tokens, None): the proposal then carries no sampling distribution (and no crash)."""
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning="dfly" if head == "hidden" else "dflash", head=head, block_size=4)
+    ids = torch.randint(6, VOCAB, (2, 7), generator=torch.Generator().manual_seed(9))
+    cache = model.new_cache(2, 6, slack=4, dtype=torch.float64, device="cpu")
+    model.append_context(taps_of(target, model, ids)[:, :6], cache)
+    with torch.no_grad():
+        got = model.propose(ids[:, 6], cache, kv_len=6, select=lambda logits, k: (logits.argmax(-1), None))
+        greedy = model.propose(ids[:, 6], cache, kv_len=6)
+    assert got.probs is None and torch.equal(got.tokens, greedy.tokens)

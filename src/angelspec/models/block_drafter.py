@@ -857,7 +857,7 @@ class BlockDrafter(nn.Module):
             logits = torch.stack([c[0] for c in cols], dim=1)
             index = torch.stack([c[1] for c in cols], dim=1)
             tokens = torch.stack([c[2] for c in cols], dim=1)
-            probs = None if select is None else torch.stack([c[3] for c in cols], dim=1)
+            probs = None if any(c[3] is None for c in cols) else torch.stack([c[3] for c in cols], dim=1)
         if self.config.confidence_head:
             prev_all = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K]
             conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all)).float())
