@@ -65,7 +65,7 @@ from angelspec.models.config import ConfigError, DecoderConfig, check_built_for,
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
-from angelspec.models.vocab import expand_logits
+from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
 HEADS = ("none", "markov", "gated", "rnn", "hidden")
@@ -149,9 +149,7 @@ class BlockDrafterConfig:
             raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
         if self.markov_rank < 1:
             raise ConfigError(f"markov_rank must be >= 1, got {self.markov_rank}")
-        if isinstance(self.draft_vocab_size, bool) or not 0 <= self.draft_vocab_size <= self.vocab_size:
-            raise ConfigError(f"draft_vocab_size must be an int in [0, vocab_size = {self.vocab_size}] (0: draft from "
-                              f"the whole vocabulary), got {self.draft_vocab_size!r}")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         if self.fusion_prior_temperature <= 0:
             raise ConfigError(f"fusion_prior_temperature must be > 0, got {self.fusion_prior_temperature}")
         if not self.target_layer_ids:
@@ -463,7 +461,7 @@ class BlockProposal:
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
-class BlockDrafter(nn.Module):
+class BlockDrafter(DraftVocabulary, nn.Module):
     """A DFlash / DFlare / DFly / DSpark drafter around the target's frozen embedding and LM head."""
 
     def __init__(self, cfg: BlockDrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -499,9 +497,7 @@ class BlockDrafter(nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if cfg.draft_vocab_size:  # target ids inference drafts from (`set_draft_vocab`); saved with the weights
-            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.int64))
-        self._vocab_cache: tuple[tuple[int, ...], Tensor, Tensor | None] | None = None
+        self._init_draft_vocab()
         self._special_init()
 
     def _special_init(self) -> None:
@@ -537,43 +533,10 @@ class BlockDrafter(nn.Module):
         """W_lm h -> fp32 logits [..., V] (h already normalised; W_lm frozen)."""
         return F.linear(h, self._shared[1].weight.detach()).float()
 
-    # ----- the draft vocabulary (inference only; training always scores the whole vocabulary) -----
-    def set_draft_vocab(self, token_ids: Sequence[int] | Tensor) -> None:
-        """Draft only from `token_ids` (e.g. `frequent_tokens` of the training data): [draft_vocab_size] distinct
-        target ids. Their LM-head rows are the only ones an inference step multiplies, so the head's cost falls by
-        V / draft_vocab_size; a draft the target would pick outside the set is simply never proposed."""
-        n = self.config.draft_vocab_size
-        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
-        if not n:
-            raise ConfigError("this drafter drafts from the whole vocabulary (draft_vocab_size = 0); build it with "
-                              "draft_vocab_size=N to give it a draft vocabulary")
-        if ids.numel() != n or ids.unique().numel() != n or not bool(((ids >= 0) & (ids < self.config.vocab_size)
-                                                                     ).all()):
-            raise ConfigError(f"a draft vocabulary must be {n} distinct target ids in [0, {self.config.vocab_size}), "
-                              f"got {ids.numel()} ids ({ids.unique().numel()} distinct)")
-        with torch.no_grad():
-            self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
-
-    def _vocab_weights(self) -> tuple[Tensor, Tensor | None]:
-        """(W_lm rows [V', C], Markov W2 rows [V', r] or None) of the draft vocabulary, cached until a weight or
-        the vocabulary changes. Inside a compiled graph the cache is taken as it is (the key's pointer reads would
-        break the graph): `propose` refreshes it eagerly before every compiled step."""
-        if self._vocab_cache is not None and torch.compiler.is_compiling():
-            return self._vocab_cache[1], self._vocab_cache[2]
+    # ----- the draft vocabulary (`DraftVocabulary`): a Markov-family head's W2 rows are cut with the LM head's -----
+    def _vocab_sources(self) -> tuple[Tensor, ...]:
         w = self._shared[1].weight
-        w2 = self.head.out.weight if isinstance(self.head, MarkovHead) else None
-        tensors = (w, self.draft_vocab) if w2 is None else (w, self.draft_vocab, w2)
-        key = tuple(x for t in tensors for x in (t.data_ptr(), t._version, t.dtype.itemsize))
-        if self._vocab_cache is None or self._vocab_cache[0] != key:
-            v = self.draft_vocab
-            self._vocab_cache = (key, w.detach()[v], None if w2 is None else w2.detach()[v])
-        return self._vocab_cache[1], self._vocab_cache[2]
-
-    def draft_logits(self, h: Tensor) -> Tensor:
-        """Inference logits over the draft vocabulary: h [..., C] (normalised) -> [..., V'] fp32."""
-        if not self.config.draft_vocab_size:
-            return self.lm_logits(h)
-        return F.linear(h, self._vocab_weights()[0]).float()
+        return (w, self.head.out.weight) if isinstance(self.head, MarkovHead) else (w,)
 
     def draft_bias(self, u: Tensor) -> Tensor:
         """A Markov-family head's bias over the draft vocabulary: u [..., r] (`features`) -> [..., V']."""
@@ -581,17 +544,6 @@ class BlockDrafter(nn.Module):
         if not self.config.draft_vocab_size:
             return self.head.out(u)
         return F.linear(u, self._vocab_weights()[1])
-
-    def to_target_ids(self, index: Tensor) -> Tensor:
-        """Indices along the draft vocabulary -> target token ids (identity without one)."""
-        return self.draft_vocab[index] if self.config.draft_vocab_size else index
-
-    def full_logits(self, logits: Tensor) -> Tensor:
-        """[..., V'] -> [..., V] with −inf outside the draft vocabulary (what a sampling rule over the target's
-        vocabulary sees: it can only pick draft-vocabulary tokens)."""
-        if not self.config.draft_vocab_size:
-            return logits
-        return expand_logits(logits, self.draft_vocab, self.config.vocab_size)
 
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
@@ -802,8 +754,7 @@ class BlockDrafter(nn.Module):
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
         `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1."""
         if select is None:
-            if self.config.draft_vocab_size:
-                self._vocab_weights()  # refresh the draft vocabulary's weights outside any compiled graph
+            self.refresh_draft_vocab()  # outside any compiled graph
             tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
@@ -884,12 +835,7 @@ class BlockDrafter(nn.Module):
         picks = [select(self.full_logits(logits[:, j]), start + j) for j in range(logits.shape[1])]
         tokens = torch.stack([t for t, _ in picks], dim=1)
         probs = None if any(p is None for _, p in picks) else torch.stack([p for _, p in picks], dim=1)
-        index = tokens
-        if self.config.draft_vocab_size:  # sampled ids lie in the draft vocabulary (−inf elsewhere)
-            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=tokens.device)
-            inverse.index_copy_(0, self.draft_vocab, torch.arange(self.config.draft_vocab_size, device=tokens.device))
-            index = inverse[tokens]
-        return index, tokens, probs
+        return self.to_draft_index(tokens), tokens, probs  # sampled ids lie in the draft vocabulary
 
     @torch.no_grad()
     def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,

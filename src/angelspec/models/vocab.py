@@ -3,10 +3,104 @@ sampling rule over the target's whole vocabulary must see the rest as impossible
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from angelspec.models.config import ConfigError
 
 
 def expand_logits(logits: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
     """logits [..., V'] over `token_ids` [V'] -> [..., vocab_size] with −inf at every other id."""
     full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
     return full.index_copy_(-1, token_ids, logits)
+
+
+def check_draft_vocab_size(size: Any, vocab_size: int) -> None:
+    """Raise ConfigError unless `size` is an int in [0, vocab_size] (0: the whole vocabulary)."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= vocab_size:
+        raise ConfigError(f"draft_vocab_size must be an int in [0, vocab_size = {vocab_size}] (0: draft from the "
+                          f"whole vocabulary), got {size!r}")
+
+
+class DraftVocabulary:
+    """A draft vocabulary for an `nn.Module` drafter that shares the target's LM head (`self._shared[1]`) and
+    whose `config` has `vocab_size` and `draft_vocab_size` (0: the whole vocabulary).
+
+    With one, the module holds a `draft_vocab` buffer of target ids (saved with its weights), and inference
+    multiplies only those LM-head rows: the head's cost falls by V / V'. Training always scores the whole
+    vocabulary. Call `_init_draft_vocab()` in `__init__` after `config` is set."""
+
+    config: Any
+    _shared: tuple[Any, ...]
+    draft_vocab: Tensor
+
+    def _init_draft_vocab(self) -> None:
+        if self.config.draft_vocab_size:  # target ids inference drafts from (`set_draft_vocab`)
+            self.register_buffer("draft_vocab",  # type: ignore[attr-defined]
+                                 torch.arange(self.config.draft_vocab_size, dtype=torch.int64))
+        self._vocab_cache: tuple[tuple[int, ...], tuple[Tensor, ...]] | None = None
+
+    def set_draft_vocab(self, token_ids: Sequence[int] | Tensor) -> None:
+        """Draft only from `token_ids` (e.g. `frequent_tokens` of the training data): [draft_vocab_size] distinct
+        target ids. A draft the target would pick outside the set is simply never proposed."""
+        n, v = self.config.draft_vocab_size, self.config.vocab_size
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+        if not n:
+            raise ConfigError("this drafter drafts from the whole vocabulary (draft_vocab_size = 0); build it with "
+                              "draft_vocab_size=N to give it a draft vocabulary")
+        if ids.numel() != n or ids.unique().numel() != n or not bool(((ids >= 0) & (ids < v)).all()):
+            raise ConfigError(f"a draft vocabulary must be {n} distinct target ids in [0, {v}), got {ids.numel()} "
+                              f"ids ({ids.unique().numel()} distinct)")
+        with torch.no_grad():
+            self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+
+    def _vocab_sources(self) -> tuple[Tensor, ...]:
+        """The [V, ·] weights whose draft-vocabulary rows inference multiplies: the LM head (a subclass may add
+        more, e.g. a Markov head's W2)."""
+        return (self._shared[1].weight,)
+
+    def _vocab_weights(self) -> tuple[Tensor, ...]:
+        """The draft-vocabulary rows of `_vocab_sources()`, cached until a weight or the vocabulary changes.
+        Inside a compiled graph the cache is taken as it is (the key's pointer reads would break the graph):
+        `refresh_draft_vocab` runs eagerly before every compiled step."""
+        if self._vocab_cache is not None and torch.compiler.is_compiling():
+            return self._vocab_cache[1]
+        sources, v = self._vocab_sources(), self.draft_vocab
+        key = tuple(x for t in (*sources, v) for x in (t.data_ptr(), t._version, t.dtype.itemsize))
+        if self._vocab_cache is None or self._vocab_cache[0] != key:
+            self._vocab_cache = (key, tuple(w.detach()[v] for w in sources))
+        return self._vocab_cache[1]
+
+    def refresh_draft_vocab(self) -> None:
+        """Bring the draft vocabulary's weight rows up to date, outside any compiled graph."""
+        if self.config.draft_vocab_size:
+            self._vocab_weights()
+
+    def draft_logits(self, h: Tensor) -> Tensor:
+        """Inference logits over the draft vocabulary: h [..., C] (normalised) -> [..., V'] fp32."""
+        if not self.config.draft_vocab_size:
+            return F.linear(h, self._shared[1].weight.detach()).float()
+        return F.linear(h, self._vocab_weights()[0]).float()
+
+    def to_target_ids(self, index: Tensor) -> Tensor:
+        """Indices along the draft vocabulary -> target token ids (identity without one)."""
+        return self.draft_vocab[index] if self.config.draft_vocab_size else index
+
+    def to_draft_index(self, tokens: Tensor) -> Tensor:
+        """Target ids inside the draft vocabulary -> their indices along it (identity without one)."""
+        if not self.config.draft_vocab_size:
+            return tokens
+        inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=tokens.device)
+        inverse.index_copy_(0, self.draft_vocab, torch.arange(self.config.draft_vocab_size, device=tokens.device))
+        return inverse[tokens]
+
+    def full_logits(self, logits: Tensor) -> Tensor:
+        """[..., V'] -> [..., V] with −inf outside the draft vocabulary (what a sampling rule over the target's
+        vocabulary sees: it can only pick draft-vocabulary tokens)."""
+        if not self.config.draft_vocab_size:
+            return logits
+        return expand_logits(logits, self.draft_vocab, self.config.vocab_size)
