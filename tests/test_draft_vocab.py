@@ -218,3 +218,91 @@ def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_t
     assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "half"), "--data",
                  str(conversations), "--size", "30"]) == 2
     assert "is not valid JSON" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The MTP family (MTP, EAGLE-3): the same draft vocabulary on the block's LM head
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _mtp_with_vocab(kind: str, target, vocab: torch.Tensor | None):
+    from angelspec.models.eagle3 import Eagle3Config
+    from angelspec.models.mtp import MTPConfig
+    from angelspec.models.mtp_io import build_block
+
+    cls = {"mtp": MTPConfig, "eagle3": Eagle3Config}[kind]
+    cfg = replace(cls.for_target(target.config, num_depths=2), draft_vocab_size=0 if vocab is None else len(vocab))
+    block = build_block(cfg, target.embed_tokens, target.lm_head)
+    block.init_weights(std=0.3, generator=torch.Generator().manual_seed(4))
+    if vocab is not None:
+        block.set_draft_vocab(vocab)
+    return block.to(target.embed_tokens.weight.dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mtp_family_draft_vocab_is_lossless_restricted_and_round_trips(tmp_path, kind, temperature):
+    """An MTP / EAGLE-3 block with a draft vocabulary scores exactly the full head's logits restricted to those
+    ids, drafts and samples only inside them, stays lossless, and its folder keeps the ids."""
+    from angelspec.models.mtp_io import load_mtp, save_mtp
+    from angelspec.spec.drafters.mtp import MTPDrafter
+    from angelspec.spec.sampling import SamplingParams
+
+    target = conftest.tiny_decoder(vocab=VOCAB, layers=5, seed=0)
+    vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(6))[:24]
+    sub = _mtp_with_vocab(kind, target, vocab)
+    full = _mtp_with_vocab(kind, target, None)
+    full.load_state_dict({k: v for k, v in sub.state_dict().items() if k != "draft_vocab"})
+    save_mtp(sub, tmp_path / "d")
+    back = load_mtp(tmp_path / "d", target, kind=kind)
+    assert back.config.draft_vocab_size == 24 and torch.equal(back.draft_vocab, vocab)
+    h = torch.randn(3, target.config.hidden_size, dtype=target.embed_tokens.weight.dtype)
+    with torch.no_grad():
+        restricted = back.draft_head(h)  # [3, 24]
+        torch.testing.assert_close(restricted, full.logits(h)[:, vocab])
+    drafter = MTPDrafter(back)
+    seen = conftest.record_proposals(drafter)
+    rng = random.Random(2)
+    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))], max_new_tokens=16, stop_ids=(),
+                    sampling=SamplingParams(temperature=temperature, seed=i)) for i in range(4)]
+    out = SpecEngine(target, drafter, EngineConfig(max_batch_size=2, num_draft_tokens=3)).generate(reqs)
+    if temperature == 0.0:
+        assert [r.token_ids for r in out] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert all(torch.isin(p.tokens, vocab).all() for p in seen)
+    if temperature > 0:
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[vocab] = False
+        probs = [p.probs for p in seen if p.probs is not None]
+        assert probs and all(q[..., outside].abs().max() == 0 for q in probs)
+    assert all(((p.confidences > 0) & (p.confidences <= 1)).all() for p in seen)
+
+
+def test_mtp_trainer_and_cli_give_an_mtp_drafter_a_draft_vocabulary(capsys, tmp_path, tiny_target_dir,
+                                                                    conversations):
+    from angelspec.cli import main
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.models import load_target
+    from angelspec.models.mtp_io import load_mtp
+    from angelspec.train.mtp import load_conversations, tiny_debug, train_mtp
+
+    target = load_target(tiny_target_dir)
+    docs, _ = load_conversations(load_tokenizer(tiny_target_dir), conversations, 64)
+    want = frequent_tokens(token_counts(docs, target.config.vocab_size), 40, always=target.config.eos_token_ids)
+    quiet = {"progress": False, "log": lambda *_: None}
+    train_mtp(tiny_target_dir, conversations, tmp_path / "t",
+              config=replace(tiny_debug(), steps=1, draft_vocab_size=40), **quiet)
+    assert sorted(load_mtp(tmp_path / "t", target).draft_vocab.tolist()) == sorted(want.tolist())
+    train_mtp(tiny_target_dir, conversations, tmp_path / "f", config=replace(tiny_debug(), steps=1), **quiet)
+    code = main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "f"), "--data",
+                 str(conversations), "--size", "40", "--out", str(tmp_path / "v")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    meta = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert meta["mtp_config"]["draft_vocab_size"] == 40 and meta["angelspec"]["draft_vocab"]["size"] == 40
+    assert meta["angelspec"]["drafter"] == "mtp"
+    back = load_mtp(tmp_path / "v", target)
+    before = load_mtp(tmp_path / "f", target)
+    assert back.config.draft_vocab_size == 40
+    assert all(torch.equal(a, b) for (name, a), (_, b) in zip(
+        sorted((k, v) for k, v in back.state_dict().items() if k != "draft_vocab"),
+        sorted(before.state_dict().items()), strict=True))  # the weights are unchanged

@@ -511,6 +511,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from angelspec.models.block_drafter import BlockDrafter
     from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
+    from angelspec.models.mtp_io import BLOCK_KINDS, build_block, load_mtp, read_mtp_config, save_mtp
     from angelspec.train.mtp import load_conversations
 
     _positive("--size", args.size)
@@ -521,11 +522,17 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     raw = read_config_json(src, "it is neither a block drafter nor a draft LM folder (pass a folder written by "
                                 "`angelspec train`, or a HF causal-LM folder)", "drafter folder")
     block = "block_drafter_config" in raw
-    cfg, meta = read_block_config(src) if block else (None, raw.get("angelspec") or {})
+    family = next((kind for kind in BLOCK_KINDS if f"{kind}_config" in raw), None)  # MTP / EAGLE-3
+    cfg: Any = None
+    meta = raw.get("angelspec") or {}
+    if block:
+        cfg, meta = read_block_config(src)
+    elif family is not None:
+        cfg, meta = read_mtp_config(src, family)
     vocab_size = cfg.vocab_size if cfg is not None else raw.get("vocab_size")
-    if not block and raw.get("model_type") is None:
-        raise UsageError(f"{src} is neither a block drafter nor a draft LM folder (no config.json with a "
-                         "model_type or block_drafter_config)")
+    if cfg is None and raw.get("model_type") is None:
+        raise UsageError(f"{src} is neither a block drafter, an MTP / EAGLE-3 drafter nor a draft LM folder (no "
+                         "config.json with a model_type, block_drafter_config, mtp_config or eagle3_config)")
     if args.size > vocab_size:
         raise UsageError(f"--size {args.size} exceeds the target vocabulary of {vocab_size} tokens")
     target_dir = resolve_target_dir(args.target)
@@ -542,6 +549,13 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
         new.set_draft_vocab(ids)
         extra = {k: v for k, v in meta.items() if k not in BLOCK_META_KEYS}
         save_block_drafter(new, out, {**extra, "draft_vocab": record})
+    elif family is not None:
+        old = load_mtp(src, model, kind=family)
+        new = build_block(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
+        new.load_state_dict({k: v for k, v in old.state_dict().items() if k != "draft_vocab"}, strict=False)
+        new.set_draft_vocab(ids)
+        extra = {k: v for k, v in meta.items() if k not in ("drafter", "target_fingerprint", "target_layer_ids")}
+        save_mtp(new, out, {**extra, "draft_vocab": record})
     else:  # a draft LM: the ids go into config.json's "angelspec" entry, read by DraftLMDrafter.from_pretrained
         if out != src:
             shutil.copytree(src, out, dirs_exist_ok=True)
@@ -874,7 +888,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def _add_draft_vocab(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "draft-vocab", help="restrict a block drafter's or draft LM's drafts to the data's most frequent tokens",
+        "draft-vocab",
+        help="restrict a block, MTP / EAGLE-3 or draft-LM drafter's drafts to the data's most frequent tokens",
         description="Count the assistant tokens of a conversations JSONL (the drafter's training data), keep the "
                     "--size most frequent target tokens (plus the end-of-turn tokens) as the drafter's draft "
                     "vocabulary and save the drafter with it: every draft step then multiplies only those rows "
@@ -882,7 +897,7 @@ def _add_draft_vocab(sub: argparse._SubParsersAction) -> None:
                     "target would pick outside the set are never proposed, so check MAL with `angelspec eval`.",
     )
     p.add_argument("--drafter", required=True, metavar="DIR",
-                   help="block drafter (dflash/dflare/dfly/dspark) or draft LM folder")
+                   help="block drafter (dflash/dflare/dfly/dspark), MTP / EAGLE-3 or draft LM folder")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
     p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
     p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")

@@ -44,6 +44,7 @@ from torch import nn
 from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
 from angelspec.models.decoder import DecoderLayer, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,7 @@ class DraftBlockConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = True
     model_type: str = "qwen3"
+    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
 
     # Each subclass provides `target_layer_ids: tuple[int, ...]` (a property of MTP's one tap, a field of
     # EAGLE-3's three); it is not declared here so that a subclass may make it a dataclass field.
@@ -80,6 +82,7 @@ class DraftBlockConfig:
     def __post_init__(self) -> None:
         if self.num_depths < 1:
             raise ConfigError(f"num_depths must be >= 1, got {self.num_depths}")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         self.check_layer_ids(self.target_num_layers)
         self.layer_config()  # validates head shapes
 
@@ -158,7 +161,7 @@ def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
     return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
 
 
-class MTPBlock(nn.Module):
+class MTPBlock(DraftVocabulary, nn.Module):
     """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved).
 
     The base of the MTP family: a subclass (`models.eagle3.Eagle3Block`) changes only how the depth input
@@ -182,6 +185,7 @@ class MTPBlock(nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (inference only)
 
     def build_fusion(self) -> None:
         """The modules that join the depth input (h, x̃) before F_θ; MTP: Eq. 1's norms and W_proj."""
@@ -233,6 +237,11 @@ class MTPBlock(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 2's head: h^(k) [..., C] -> fp32 logits [..., V] (W_lm frozen)."""
         return F.linear(self.norm(hidden), self._shared[1].weight.detach()).float()
+
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Eq. 2's head at inference, over the draft vocabulary: h^(k) [..., C] -> fp32 logits [..., V'] (V' = V
+        without one; index along it with `to_target_ids`)."""
+        return self.draft_logits(self.norm(hidden))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, Dh] (fp32 angles, like `rope_inv_freq`)."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from angelspec.data.features import (
 )
 from angelspec.data.lm_data import read_jsonl
 from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
+from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
@@ -98,6 +99,7 @@ class BlockTrainConfig:
     ckpt_every: int = 50
     log_every: int = 10
     features: str | None = None  # an offline feature cache (`angelspec features`) instead of the target forward
+    draft_vocab_size: int = 0  # >0: inference drafts from the N most frequent trained-on tokens (data.vocab)
 
     def __post_init__(self) -> None:
         get_loss(self.loss)
@@ -364,12 +366,15 @@ def train_mtp(
     pad_id = pad_token_id(tcfg)
     rows, stats = packed_conversations(tok, Path(data), cfg, pad_id, run.log)
 
-    mcfg = cfg.block_config(tcfg)
+    mcfg = replace(cfg.block_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=Path(data), enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
     block = build_block(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
+    if mcfg.draft_vocab_size:  # inference only: training still scores the whole vocabulary
+        counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
+        block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
     def rollout(b: MTPBlock, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 document_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

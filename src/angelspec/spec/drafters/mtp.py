@@ -20,7 +20,9 @@ previous output, exactly as in the TTT rollout of training.
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
-and q is returned. Confidences are the block's own (temperature-1) probability of each draft.
+and q is returned. Confidences are the block's own (temperature-1) probability of each draft. A block with a
+draft vocabulary (`draft_vocab_size`, `angelspec draft-vocab`) multiplies only those LM-head rows and drafts
+only those ids (q is 0 elsewhere).
 
 Shape legend: B rows, K draft depth, C model dim, V vocab, n verify width.
 """
@@ -127,23 +129,27 @@ class MTPDrafter(Drafter):
         deterministic = state.deterministic or state.all_greedy
         act = state.active.long()
         s = state.sampling
+        block = self.block
+        block.refresh_draft_vocab()  # outside any compiled call
         h = self._h_last  # [B, C]
-        logits = self.block.logits(h)  # [B, V], depth 0
+        logits = block.draft_head(h)  # [B, V'], depth 0 (V' = V without a draft vocabulary)
         tokens, probs, confs = [], [], []
         for j in range(k):
             if deterministic:
-                d = logits.argmax(dim=-1)  # [B]
+                idx = logits.argmax(dim=-1)  # [B] along the draft vocabulary
+                d = block.to_target_ids(idx)
             else:
-                q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+                q = process_logits(block.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
                 d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
+                idx = block.to_draft_index(d)  # q is 0 outside the draft vocabulary
                 probs.append(q)
-            confs.append(torch.softmax(logits, dim=-1).gather(1, d[:, None])[:, 0])
+            confs.append(torch.softmax(logits, dim=-1).gather(1, idx[:, None])[:, 0])
             tokens.append(d)
             if j < k - 1:
                 # Depth j+1: entry at slot s-1+j (position s-2+(j+1)), fusing h^(j) with the draft d_j.
-                h = self.block.forward_cached(h[:, None], d[:, None], cache, num_new=act,
-                                              kv_len=state.seq_len_bound + j)[:, 0]
-                logits = self.block.logits(h)
+                h = block.forward_cached(h[:, None], d[:, None], cache, num_new=act,
+                                         kv_len=state.seq_len_bound + j)[:, 0]
+                logits = block.draft_head(h)
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=None if deterministic else torch.stack(probs, 1),
                         confidences=torch.stack(confs, dim=1), deterministic=deterministic)
 
@@ -168,7 +174,7 @@ class MTPDrafter(Drafter):
         methods)."""
         b = self.block
         b.forward_cached = try_compile(b.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
-        b.logits = try_compile(b.logits, f"{self.kind} logits")  # type: ignore[method-assign]
+        b.draft_head = try_compile(b.draft_head, f"{self.kind} head")  # type: ignore[method-assign]
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
