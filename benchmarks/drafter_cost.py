@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -69,7 +69,8 @@ DRAFTERS = ("dfly", "dflash", "dspark", "mtp", "draft-lm")
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
                   draft_vocab: int = 0, draft_layers: int = 2, block_k: int = 0) -> tuple[Drafter, int]:
     """A drafter of `kind` for `target` and the K it drafts per step (block drafters: `block_k`, default B−1,
-    drafting from the first `draft_vocab` ids when > 0: latency depends on the size, not on which ids)."""
+    drafting from the first `draft_vocab` ids when > 0, as MTP does: latency depends on the size, not on which
+    ids)."""
     gen = torch.Generator().manual_seed(0)
     if kind in ("dfly", "dflash", "dspark"):
         overrides = {"dfly": {},
@@ -82,7 +83,8 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
         assert adapter.kind == kind, (adapter.kind, kind)
         return adapter, block_k or cfg.num_drafts
     if kind == "mtp":
-        block = MTPBlock(MTPConfig.for_target(target.config, num_depths=3), target.embed_tokens, target.lm_head)
+        mcfg = replace(MTPConfig.for_target(target.config, num_depths=3), draft_vocab_size=draft_vocab)
+        block = MTPBlock(mcfg, target.embed_tokens, target.lm_head)
         block.init_weights(generator=gen)
         return MTPDrafter(block.to(dtype)), 4
     if kind == "draft-lm":
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                         "OpenMP barriers spin whenever the other core is busy)")
     p.add_argument("--json", type=Path, help="also write the numbers here")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="block drafters draft from N of the target's tokens (`angelspec draft-vocab`; default 0: all)")
+                   help="block and MTP drafters draft from N of the target's tokens (`angelspec draft-vocab`; "
+                        "default 0: all; the shipped draft LM always uses its own)")
     p.add_argument("--draft-layers", type=int, default=2, metavar="L",
                    help="block drafters' backbone depth (default 2, the dfly_embedded preset)")
     p.add_argument("--block-k", type=int, default=0, metavar="K",
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nDrafter step vs target verify step: target = {desc}, {args.dtype}; context {args.context} tokens "
           f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
           f"{args.threads} thread(s), torch {torch.__version__}{', compiled' if args.compile else ', eager'}"
-          + (f", block drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else "")
+          + (f", block and MTP drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else "")
           + f", block drafters L{args.draft_layers}" + (f" K={args.block_k}" if args.block_k else ""))
     head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
             f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
