@@ -20,7 +20,7 @@ from angelspec.models import Decoder
 from angelspec.models.mtp import MTPBlock, MTPConfig
 from angelspec.spec.drafter import DrafterMismatchError, get_drafter
 from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
 
@@ -205,6 +205,28 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
     # from-scratch training rollout on the committed prefix.
     check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=6, num_draft_tokens=k), 5,
                                 lambda seq: reference_drafts(drafter.block, target, seq, k))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_mtp_is_lossless_and_drafts_as_eager(batch):
+    """EngineConfig(compile=True): a one-row engine runs each greedy round as one graph (several cache writes and
+    reads in it), a larger one each depth as one graph; both equal AR and propose exactly the eager drafts."""
+    import warnings
+
+    target = tiny_target(heads=2, kv=1)
+    block = tiny_block(target, depths=2)
+    rng = random.Random(7)
+    reqs = [Request([rng.randrange(64) for _ in range(rng.randint(1, 12))], max_new_tokens=16, stop_ids=())
+            for _ in range(3)]
+    eager = RecordingMTP(block)
+    SpecEngine(target, eager, EngineConfig(max_batch_size=batch, num_draft_tokens=3)).generate(reqs)
+    compiled = RecordingMTP(block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        got = SpecEngine(target, compiled, EngineConfig(max_batch_size=batch, num_draft_tokens=3, compile=True)
+                         ).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert compiled.proposals == eager.proposals
 
 
 def test_sampling_smoke_t1():

@@ -57,6 +57,7 @@ class MTPDrafter(Drafter):
         self.block = block.eval()
         self.target_layer_ids = tuple(block.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
+        self._one_row_chain = self.greedy_chain  # a one-row greedy round (`compile`: one graph)
         self._k = 0
         self._bound = 1
 
@@ -131,27 +132,59 @@ class MTPDrafter(Drafter):
         s = state.sampling
         block = self.block
         block.refresh_draft_vocab()  # outside any compiled call
+        if deterministic:
+            chain = self._one_row_chain if cache.batch_size == 1 else self.greedy_chain
+            tokens_t, conf_t = chain(self._h_last, cache, act, state.seq_len_bound, k)
+            return Proposal(tokens=tokens_t, confidences=conf_t, deterministic=True)
         h = self._h_last  # [B, C]
         logits = block.draft_head(h)  # [B, V'], depth 0 (V' = V without a draft vocabulary)
         tokens, probs, confs = [], [], []
         for j in range(k):
-            if deterministic:
-                idx = logits.argmax(dim=-1)  # [B] along the draft vocabulary
-                d = block.to_target_ids(idx)
-            else:
-                q = process_logits(block.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
-                d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
-                idx = block.to_draft_index(d)  # q is 0 outside the draft vocabulary
-                probs.append(q)
+            q = process_logits(block.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
+            d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
+            idx = block.to_draft_index(d)  # q is 0 outside the draft vocabulary
+            probs.append(q)
             confs.append(torch.softmax(logits, dim=-1).gather(1, idx[:, None])[:, 0])
             tokens.append(d)
             if j < k - 1:
-                # Depth j+1: entry at slot s-1+j (position s-2+(j+1)), fusing h^(j) with the draft d_j.
-                h = block.forward_cached(h[:, None], d[:, None], cache, num_new=act,
-                                         kv_len=state.seq_len_bound + j)[:, 0]
+                h = self._depth_step(h, d, cache, act, state.seq_len_bound + j)
                 logits = block.draft_head(h)
-        return Proposal(tokens=torch.stack(tokens, dim=1), probs=None if deterministic else torch.stack(probs, 1),
-                        confidences=torch.stack(confs, dim=1), deterministic=deterministic)
+        return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, 1),
+                        confidences=torch.stack(confs, dim=1), deterministic=False)
+
+    def _depth_step(self, h: Tensor, d: Tensor, cache: StaticKVCache, act: Tensor, kv_len: int) -> Tensor:
+        """Depth j+1 of a drafting round: the entry at slot s-1+j (position s-2+(j+1)) fuses h^(j) [B, C] with
+        the draft d_j [B] -> h^(j+1) [B, C]."""
+        return self.block.forward_cached(h[:, None], d[:, None], cache, num_new=act, kv_len=kv_len)[:, 0]
+
+    def greedy_chain(self, h: Tensor, cache: StaticKVCache, act: Tensor, bound: int, k: int
+                     ) -> tuple[Tensor, Tensor]:
+        """The K argmax drafts of a round from h^(0) [B, C] -> (tokens [B, K], confidences [B, K]: each draft's
+        own probability), tensors only.
+
+        Under `compile` a one-row round runs as this one graph: at batch 1 the per-call cost dominates. With more
+        rows each depth is its own graph (`greedy_depth`, compiled too): a graph that writes the cache and then
+        reads it back copies the whole cache, which costs more than the calls it saves from a few rows up
+        (`benchmarks/drafter_cost.py --compile --drafters mtp`: one graph 28–31% of a verify step at batch 1 vs
+        38–44% per depth; 31–34% at batch 16 vs 27–29%)."""
+        tokens, confs = [], []
+        for j in range(k):
+            d, conf, h = self.greedy_depth(h, cache, act, bound + j, j < k - 1)
+            tokens.append(d)
+            confs.append(conf)
+        return torch.stack(tokens, dim=1), torch.stack(confs, dim=1)
+
+    def greedy_depth(self, h: Tensor, cache: StaticKVCache, act: Tensor, kv_len: int, advance: bool
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+        """One depth of a greedy round, tensors only: the argmax draft d [B] of h [B, C], its probability [B],
+        and (when `advance`) the next depth's h, whose cache entry it writes (else h unchanged). One cache write
+        per call keeps a compiled graph's update of the cache in place."""
+        block = self.block
+        logits = block.draft_head(h)  # [B, V'] (V' = V without a draft vocabulary)
+        idx = logits.argmax(dim=-1)  # [B] along the draft vocabulary
+        d = block.to_target_ids(idx)
+        conf = torch.softmax(logits, dim=-1).gather(1, idx[:, None])[:, 0]
+        return d, conf, (self._depth_step(h, d, cache, act, kv_len) if advance else h)
 
     def on_commit(self, commit: Commit) -> None:
         cache = self.cache
@@ -170,8 +203,11 @@ class MTPDrafter(Drafter):
         self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
 
     def compile(self) -> None:
-        """The block's cached forward (draft chain and commit) and its LM head (instance attributes shadow the
-        methods)."""
+        """A one-row greedy round as one graph, each depth of a larger greedy round as one graph (head, argmax
+        and the next depth's cached forward; `greedy_chain` says why), and the block's cached forward (commit,
+        sampled rounds) and its LM head (instance attributes shadow the methods)."""
+        self._one_row_chain = try_compile(self.greedy_chain, f"{self.kind} greedy round")
+        self.greedy_depth = try_compile(self.greedy_depth, f"{self.kind} greedy depth")  # type: ignore[method-assign]
         b = self.block
         b.forward_cached = try_compile(b.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
         b.draft_head = try_compile(b.draft_head, f"{self.kind} head")  # type: ignore[method-assign]
