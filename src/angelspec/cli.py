@@ -503,15 +503,15 @@ def _drafter_folder(spec: str) -> Path | None:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    """`angelspec draft-vocab`: give a block drafter or a draft LM a draft vocabulary of the data's most frequent
-    tokens."""
+    """`angelspec draft-vocab`: give a block drafter, an MTP / EAGLE-3 drafter or a draft LM a draft vocabulary of
+    the data's most frequent tokens."""
     import shutil
 
     from angelspec.data.vocab import coverage, frequent_tokens, token_counts
     from angelspec.models.block_drafter import BlockDrafter
     from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
-    from angelspec.models.mtp_io import BLOCK_KINDS, build_block, load_mtp, read_mtp_config, save_mtp
+    from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
     from angelspec.train.mtp import load_conversations
 
     _positive("--size", args.size)
@@ -541,21 +541,17 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     counts = token_counts(docs, vocab_size)
     ids = frequent_tokens(counts, args.size, always=model.config.eos_token_ids)
     record = {"size": args.size, "data": str(args.data), "coverage": coverage(counts, ids)}
-    if block:
-        assert cfg is not None
-        old = load_block_drafter(src, model)
-        new = BlockDrafter(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
+    if cfg is not None:  # a drafter module sharing the target's LM head: rebuild it with the vocabulary
+        if block:
+            old, build, save, derived = (load_block_drafter(src, model), BlockDrafter, save_block_drafter,
+                                         BLOCK_META_KEYS)
+        else:
+            old, build, save, derived = load_mtp(src, model, kind=family), build_block, save_mtp, MTP_META_KEYS
+        new = build(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
         new.load_state_dict({k: v for k, v in old.state_dict().items() if k != "draft_vocab"}, strict=False)
         new.set_draft_vocab(ids)
-        extra = {k: v for k, v in meta.items() if k not in BLOCK_META_KEYS}
-        save_block_drafter(new, out, {**extra, "draft_vocab": record})
-    elif family is not None:
-        old = load_mtp(src, model, kind=family)
-        new = build_block(replace(cfg, draft_vocab_size=args.size), model.embed_tokens, model.lm_head)
-        new.load_state_dict({k: v for k, v in old.state_dict().items() if k != "draft_vocab"}, strict=False)
-        new.set_draft_vocab(ids)
-        extra = {k: v for k, v in meta.items() if k not in ("drafter", "target_fingerprint", "target_layer_ids")}
-        save_mtp(new, out, {**extra, "draft_vocab": record})
+        extra = {k: v for k, v in meta.items() if k not in derived}  # the save writes those from the config
+        save(new, out, {**extra, "draft_vocab": record})
     else:  # a draft LM: the ids go into config.json's "angelspec" entry, read by DraftLMDrafter.from_pretrained
         if out != src:
             shutil.copytree(src, out, dirs_exist_ok=True)

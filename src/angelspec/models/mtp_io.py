@@ -30,6 +30,7 @@ from angelspec.models.hf_io import (
 from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig
 
 ARCHITECTURE = "AngelSpecMTP"
+MTP_META_KEYS = ("drafter", "target_fingerprint", "target_layer_ids")  # what `save_mtp` derives from the config
 # drafter kind -> (config class, block class, architecture name in config.json)
 BLOCK_KINDS: dict[str, tuple[type[DraftBlockConfig], type[MTPBlock], str]] = {
     "mtp": (MTPConfig, MTPBlock, ARCHITECTURE),
@@ -49,8 +50,8 @@ def save_mtp(block: MTPBlock, path: str | Path, extra: dict[str, Any] | None = N
     cfg = block.config
     kind = cfg.drafter
     save_safetensors_atomic(dict(block.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
-    meta = {"drafter": kind, "target_fingerprint": cfg.target_fingerprint,
-            "target_layer_ids": list(cfg.target_layer_ids), **(extra or {})}
+    derived = (kind, cfg.target_fingerprint, list(cfg.target_layer_ids))
+    meta = {**dict(zip(MTP_META_KEYS, derived, strict=True)), **(extra or {})}
     write_json_atomic(path / "config.json", {"architectures": [BLOCK_KINDS[kind][2]], f"{kind}_config": cfg.to_dict(),
                                              "angelspec": meta})
     return path
