@@ -12,7 +12,7 @@ same rows in the same order) on the target's own rollouts, then evaluating them 
 
 Both print our table, the paper's numbers (its benchmarks averaged into our three domains: math = GSM8K,
 Math500; code = HumanEval, MBPP, LiveCodeBench; chat = AlpacaEval, MT-Bench), and a line per qualitative
-claim saying whether our numbers agree. Differences to expect: a 10M-parameter dense target instead of Hy3 /
+claim saying whether our numbers agree. Differences to expect: a 7M-parameter dense target instead of Hy3 /
 a small MoE, minutes of CPU training instead of a full post-training run, D = 3 in Table 1 (the paper's is 4),
 full-vocabulary distillation (the paper: top-10000 of a much larger vocabulary), and a few dozen prompts of
 our own held-out data instead of the seven public benchmarks, so acceptance differences of a few points are
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max_new_tokens {args.max_new_tokens}  K {args.num_draft_tokens}")
     print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
           + f"; evaluation {t_eval:.0f}s")
-    _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 10M-parameter "
+    _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 7M-parameter "
                             f"target, minutes of CPU training and {args.limit} prompts per domain (a few points of "
                             "acceptance are noise), D=3 in both tables.")
     _ablation.write_results(args.out, "table1_losses.json" if args.losses else "table2_base_vs_ttt.json",
