@@ -15,7 +15,8 @@ What is measured, per drafter kind and batch size (1 and 16):
 The drafters: `dfly` (the `dfly_embedded` preset: 2 draft layers, taps (1, 3, 5), hybrid conditioning, hidden-
 correction head, confidence head), `dflash` (same shape, shared-fc conditioning, no head, no confidence head),
 `dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP block, `MTPConfig.for_target`
-with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer). The block and
+with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer); on request also
+`dfly-plain`, DFly with `factor_hidden_head = False` (the per-position head the factored one replaces). The block and
 MTP drafters are randomly initialised: latency does not depend on their weights (acceptance does, and is ~0
 here, which only means every step commits one token; every head runs a fixed number of operations, so trained
 weights cost the same).
@@ -64,6 +65,7 @@ from ar_decode import DTYPES, make_prompts, resolve_target  # noqa: E402
 
 GOAL = 0.25  # drafter propose / verify at batch 1
 DRAFTERS = ("dfly", "dflash", "dspark", "mtp", "draft-lm")
+EXTRA = ("dfly-plain",)  # only when asked for: DFly with its hidden-correction head unfactored (the A/B of it)
 
 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
@@ -72,15 +74,16 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
     drafting from the first `draft_vocab` ids when > 0, as MTP does: latency depends on the size, not on which
     ids)."""
     gen = torch.Generator().manual_seed(0)
-    if kind in ("dfly", "dflash", "dspark"):
-        overrides = {"dfly": {},
+    if kind in ("dfly", "dfly-plain", "dflash", "dspark"):
+        overrides = {"dfly": {}, "dfly-plain": {},
                      "dflash": {"conditioning": "dflash", "head": "none", "confidence_head": False},
                      "dspark": {"conditioning": "dflash", "head": "markov", "confidence_head": True}}[kind]
         cfg = dfly_embedded(target.config, draft_vocab_size=draft_vocab, num_draft_layers=draft_layers, **overrides)
         model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
         model.init_weights(generator=gen)
+        model.factor_hidden_head = kind != "dfly-plain"
         adapter = BlockDrafterAdapter(model.to(dtype))
-        assert adapter.kind == kind, (adapter.kind, kind)
+        assert adapter.kind == kind.removesuffix("-plain"), (adapter.kind, kind)
         return adapter, block_k or cfg.num_drafts
     if kind == "mtp":
         mcfg = replace(MTPConfig.for_target(target.config, num_depths=3), draft_vocab_size=draft_vocab)
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="HF-layout target folder (default: the embedded target)")
     p.add_argument("--draft-lm", type=Path, default=DEFAULT_DRAFT_LM, help="draft-LM folder (default: shipped)")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=list(DRAFTERS),
-                   help=f"comma-separated subset of {','.join(DRAFTERS)}")
+                   help=f"comma-separated subset of {','.join(DRAFTERS + EXTRA)} (default: all but "
+                        f"{','.join(EXTRA)})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--context", type=int, default=256, help="prompt tokens already in the caches")
@@ -153,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(the untimed warm-up run pays the compilation)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bad = sorted(set(args.drafters) - set(DRAFTERS))
+    bad = sorted(set(args.drafters) - set(DRAFTERS + EXTRA))
     if bad:
-        p.error(f"unknown drafters {bad}; choose from {', '.join(DRAFTERS)}")
+        p.error(f"unknown drafters {bad}; choose from {', '.join(DRAFTERS + EXTRA)}")
 
     dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:

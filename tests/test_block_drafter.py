@@ -575,3 +575,84 @@ def test_a_select_rule_without_probs_gives_a_proposal_without_probs(head: str) -
         got = model.propose(ids[:, 6], cache, kv_len=6, select=lambda logits, k: (logits.argmax(-1), None))
         greedy = model.propose(ids[:, 6], cache, kv_len=6)
     assert got.probs is None and torch.equal(got.tokens, greedy.tokens)
+
+
+@pytest.mark.parametrize("S", [0, 1, 9])
+def test_context_block_attention_equals_sdpa_over_the_concatenated_keys(S: int) -> None:
+    """Inference attention scores the context and the block's own keys apart (no copy of the context K/V); it must
+    equal scaled_dot_product_attention over [ctx; own] with the mask the training path builds, GQA included."""
+    from angelspec.models.block_drafter import context_block_attention
+
+    g = torch.Generator().manual_seed(S)
+    B, H, Hkv, Tq, Dh = 3, 4, 2, 5, 8
+    q = torch.randn(B, H, Tq, Dh, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, Tq, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    ck, cv = (torch.randn(B, Hkv, S, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    valid = torch.rand(B, S, generator=g) < 0.6
+    if S:
+        valid[0] = False  # a row that sees no context at all
+    mask = torch.cat([valid, torch.ones(B, Tq, dtype=torch.bool)], dim=1)[:, None, None, :].expand(-1, 1, Tq, -1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2),
+                                                            attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(context_block_attention(q, k, v, ck, cv, valid), want, rtol=1e-12, atol=1e-12)
+
+
+def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes() -> None:
+    """Greedy DFly drafting on CPU runs the hidden-correction head factored (W' z_k + (W' W_down) a_k, T_e rows):
+    same drafts and logits as the plain head, with and without a draft vocabulary, and its cached tables follow
+    in-place weight edits and a new draft vocabulary."""
+    target = tiny_target()
+    for draft_vocab in (0, 24):
+        cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=8, num_draft_layers=1,
+                                            target_layer_ids=(0, 2, 3), conditioning="dfly", head="hidden",
+                                            markov_rank=8, draft_vocab_size=draft_vocab)
+        model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+        model.init_weights(std=0.2, generator=torch.Generator().manual_seed(2))
+        model = model.double().eval()
+        with torch.no_grad():
+            for p in model.head.parameters():
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+        assert model.factored_head()
+        B, T = 4, 10
+        ids = torch.randint(6, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(4))
+        cache = model.new_cache(B, T, slack=8, dtype=torch.float64, device="cpu")
+        model.append_context(taps_of(target, model, ids)[:, :T], cache)
+
+        def both() -> tuple:
+            with torch.no_grad():
+                model.factor_hidden_head = True
+                fast = model.propose(ids[:, T], cache, kv_len=T)
+                model.factor_hidden_head = False
+                plain = model.propose(ids[:, T], cache, kv_len=T)
+                model.factor_hidden_head = True
+            return fast, plain
+
+        for edit in range(3):
+            fast, plain = both()
+            assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.token_index, plain.token_index)
+            torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-6, atol=1e-6)  # fp32 logits
+            torch.testing.assert_close(fast.confidences, plain.confidences)
+            with torch.no_grad():
+                if edit == 0:
+                    model.head.down_proj.weight.mul_(-2.0)  # in place: the tables must be rebuilt
+                elif draft_vocab:
+                    model.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:24])
+                else:
+                    model.norm.weight.add_(0.5)
+        assert model._factored_cache is not None
+
+
+def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(monkeypatch) -> None:
+    from angelspec.models import block_drafter
+
+    target = tiny_target()
+    assert not tiny_drafter(target, conditioning="dflash", head="markov").factored_head()
+    assert not tiny_drafter(target, conditioning="dfly", head="none").factored_head()
+    model = tiny_drafter(target)
+    assert model.factored_head()
+    monkeypatch.setattr(block_drafter, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·128·8 bytes
+    assert not model.factored_head()
+    ids = torch.randint(6, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        prop = model.propose_from_taps(taps_of(target, model, ids)[:, :6], torch.tensor([6]), ids[:, 6])
+    assert model._factored_cache is None and prop.tokens.shape == (1, 3)

@@ -65,9 +65,10 @@ from angelspec.models.config import ConfigError, DecoderConfig, check_built_for,
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
-from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
+from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size, weights_key
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
+FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
 HEADS = ("none", "markov", "gated", "rnn", "hidden")
 MARKOV_HEADS = ("markov", "gated", "rnn")  # the heads with a token embedding W1 and a bias W2 (DSpark §3.1)
 DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
@@ -242,6 +243,24 @@ class BlockDrafterConfig:
         if unknown:
             raise ConfigError(f"unknown block drafter config fields {unknown}; is this a block drafter folder?")
         return cls(**raw)
+
+
+def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_valid: Tensor
+                            ) -> Tensor:
+    """One block per row attends to its valid context slots and to all of its own entries (bidirectional):
+    q [B, H, Tq, Dh], own k/v [B, Hkv, Tq, Dh], ctx_k/ctx_v [B, Hkv, S, Dh], ctx_valid [B, S] -> [B, H, Tq, Dh].
+
+    The same softmax attention as `scaled_dot_product_attention` over the concatenated keys [ctx; own] under the
+    matching mask (query head h reads kv head h // (H / Hkv)), but the two key segments are scored separately
+    and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys copies the whole context
+    K/V every step, which at batch 1 on CPU cost as much as the attention itself."""
+    B, H, Tq, Dh = q.shape
+    Hkv, S = ctx_k.shape[1], ctx_k.shape[2]
+    qg = q.reshape(B, Hkv, (H // Hkv) * Tq, Dh) * Dh ** -0.5  # the query heads that share a kv head, stacked
+    scores = torch.cat([(qg @ ctx_k.transpose(-1, -2)).masked_fill(~ctx_valid[:, None, None, :], float("-inf")),
+                        qg @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, g·Tq, S + Tq]
+    p = torch.softmax(scores if scores.dtype.itemsize >= 4 else scores.float(), dim=-1).to(q.dtype)  # fp32+
+    return (p[..., :S] @ ctx_v + p[..., S:] @ v).view(B, H, Tq, Dh)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -499,6 +518,10 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._init_draft_vocab()
         self._special_init()
+        # Inference switch (not part of the checkpoint): greedy drafting runs the hidden-correction head in its
+        # factored form when `factored_head()` allows it. Off: the plain per-position head (A/B benchmarks).
+        self.factor_hidden_head = True
+        self._factored_cache: tuple[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] | None = None
 
     def _special_init(self) -> None:
         """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone."""
@@ -545,6 +568,87 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             return self.head.out(u)
         return F.linear(u, self._vocab_weights()[1])
 
+    # ----- the hidden-correction head, factored for greedy drafting -----
+    def factored_head(self) -> bool:
+        """Whether greedy drafting runs the hidden-correction head factored (`_factored_hidden`): a CPU drafter
+        whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES. On CPU a step costs the weight
+        bytes it reads, and the factored head reads one [I, V'] table per draft position instead of W_e, W_down
+        and the LM-head rows; on an accelerator the per-position products are cheap and the tables not worth
+        their memory."""
+        head = self.head
+        if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)):
+            return False
+        w = head.down_proj.weight
+        v = self.config.draft_vocab_size or self.config.vocab_size
+        return w.device.type == "cpu" and v * (head.hidden + 3 * head.inter) * w.element_size() <= \
+            FACTORED_HEAD_MAX_BYTES
+
+    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The hidden-correction head's inference tables over the draft vocabulary V' (the whole vocabulary
+        without one), cached until a weight or the vocabulary changes (taken as they are inside a compiled
+        graph, like the vocabulary rows: `refresh_inference_tables` runs eagerly first):
+
+            W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
+            Mᵀ = (W' W_down)ᵀ             [I, V']
+            T_e = W_e RMSNorm_e(E[V'])    [V', 2I]  the predecessor's half of the gate/up projection, per token"""
+        if self._factored_cache is not None and torch.compiler.is_compiling():
+            return self._factored_cache[1]
+        head = self.head
+        assert isinstance(head, HiddenCorrectionHead)
+        lm, emb = self._shared[1].weight, self._shared[0].weight
+        vocab = (self.draft_vocab,) if self.config.draft_vocab_size else ()
+        key = weights_key(lm, emb, *vocab, self.norm.weight, head.e_norm.weight, head.gate_up_proj.weight,
+                          head.down_proj.weight)
+        if self._factored_cache is None or self._factored_cache[0] != key:
+            with torch.no_grad():
+                rows = self._vocab_weights()[0] if vocab else lm.detach()
+                e = self.embed(self.draft_vocab) if vocab else emb.detach()
+                w_lm = (rows * self.norm.weight).contiguous()
+                m_t = (w_lm @ head.down_proj.weight).t().contiguous()
+                t_e = F.linear(head.e_norm(e), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
+            self._factored_cache = (key, (w_lm, m_t, t_e))
+        return self._factored_cache[1]
+
+    def refresh_inference_tables(self) -> None:
+        """Bring the draft vocabulary's rows and the factored head's tables up to date, outside any compiled
+        graph (`propose` calls it before every step)."""
+        self.refresh_draft_vocab()
+        if self.factored_head():
+            self._factored_tables()
+
+    def _factored_hidden(self, z: Tensor, anchor_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy drafts of the hidden-correction head (Eq. 15) over z [B, K, C], factored -> (logits [B, K, V']
+        fp32, index [B, K] along V'). With a_k = SiLU(g_k) ⊙ u_k, [g_k; u_k] = W_z RMSNorm(z_k) + W_e
+        RMSNorm(E(x_{k−1})), ẑ_k = z_k + W_down a_k and r_k = 1 / rms(ẑ_k):
+
+            logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
+
+        W' z_k runs for the whole block at once; per position only a row of T_e (the predecessor is a draft, so
+        in V'; the anchor's half is computed), the SwiGLU and one [I]x[I, V'] product remain, and since r_k > 0
+        the argmax needs no norm. r_k and the logits are formed after the loop. The same maths as `head_step`,
+        rounded differently."""
+        head = self.head
+        assert isinstance(head, HiddenCorrectionHead)
+        w_lm, m_t, t_e = self._factored_tables()
+        zg = head.z_part(z)  # [B, K, 2I]
+        base = F.linear(z, w_lm)  # [B, K, V'] W' z_k
+        e0 = head.e_norm(self.embed(anchor_tokens).to(z.dtype))
+        gu = zg[:, 0] + F.linear(e0, head.gate_up_proj.weight[:, head.hidden:])  # [B, 2I]
+        acts, scores, picks = [], [], []
+        for k in range(z.shape[1]):
+            if k:
+                gu = zg[:, k] + t_e[picks[-1]]
+            gate, up = gu.split(head.inter, dim=-1)
+            a = F.silu(gate) * up  # [B, I]
+            s = torch.addmm(base[:, k], a, m_t)  # [B, V'] = W' ẑ_k
+            acts.append(a)
+            scores.append(s)
+            picks.append(s.argmax(dim=-1))
+        z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
+        wide = torch.promote_types(z.dtype, torch.float32)  # RMSNorm's precision
+        r = torch.rsqrt(z_hat.to(wide).pow(2).mean(-1, keepdim=True) + self.norm.eps)
+        return (torch.stack(scores, dim=1).to(wide) * r).float(), torch.stack(picks, dim=1)
+
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
         return torch.softmax(self.fusion_logits, dim=-1)
@@ -589,15 +693,21 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return k * cos + rotate_half(k) * sin, v
 
     def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                      mask: Tensor | None) -> Tensor:
+                      mask: Tensor | None, *, ctx_valid: Tensor | None = None) -> Tensor:
         """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
-        [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C]."""
+        [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C].
+
+        Inference passes `ctx_valid` [B, S] instead of `mask` (one block per row: it sees the valid context
+        slots and all of its own entries): `context_block_attention`, which never copies the context K/V."""
         layer = self.layers[i]
         attn = layer.attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
-        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
-        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
+        if ctx_valid is not None:
+            out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid)
+        else:
+            k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+            v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
         B, H, Tq, Dh = out.shape
         x = x + attn.o_proj(out.transpose(1, 2).reshape(B, Tq, H * Dh))
         return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -738,11 +848,10 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
         cos, sin = self.rope(pos, cache.dtype)
         ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
-        own = torch.ones(ctx.shape[0], Bk, dtype=torch.bool, device=dev)
-        mask = torch.cat([ctx, own], dim=1)[:, None, None, :].expand(-1, 1, Bk, -1)  # [B, 1, B_blk, S + B_blk]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
         for i in range(cfg.num_draft_layers):
-            x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], mask)
+            x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], None,
+                                   ctx_valid=ctx)
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
@@ -754,7 +863,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
         `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1."""
         if select is None:
-            self.refresh_draft_vocab()  # outside any compiled graph
+            self.refresh_inference_tables()  # outside any compiled graph
             tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
@@ -785,6 +894,9 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if head is None:
             logits = self.draft_logits(h)  # [B, K, V'] the drafts do not depend on each other
             index, tokens, probs = self._pick(logits, select, 0)
+        elif select is None and self.factored_head():
+            logits, index = self._factored_hidden(z, anchor_tokens)
+            tokens, probs = self.to_target_ids(index), None
         else:
             hidden = isinstance(head, HiddenCorrectionHead)
             if hidden:

@@ -32,8 +32,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 then cast back before the weight, as the reference does for bf16.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # Normalise in fp32 (or wider) then cast back before the weight, as the reference does for bf16.
+        wide = torch.promote_types(x.dtype, torch.float32)
+        return self.weight * F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

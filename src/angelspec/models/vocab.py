@@ -26,6 +26,12 @@ def check_draft_vocab_size(size: Any, vocab_size: int) -> None:
                           f"whole vocabulary), got {size!r}")
 
 
+def weights_key(*tensors: Tensor) -> tuple[int, ...]:
+    """What a cache of tensors derived from `tensors` is valid for: their storage, in-place version and dtype
+    (a weight loaded, edited in place or cast gives another key)."""
+    return tuple(x for t in tensors for x in (t.data_ptr(), t._version, t.dtype.itemsize))
+
+
 class DraftVocabulary:
     """A draft vocabulary for an `nn.Module` drafter that shares the target's LM head (`self._shared[1]`) and
     whose `config` has `vocab_size` and `draft_vocab_size` (0: the whole vocabulary).
@@ -70,7 +76,7 @@ class DraftVocabulary:
         if self._vocab_cache is not None and torch.compiler.is_compiling():
             return self._vocab_cache[1]
         sources, v = self._vocab_sources(), self.draft_vocab
-        key = tuple(x for t in (*sources, v) for x in (t.data_ptr(), t._version, t.dtype.itemsize))
+        key = weights_key(*sources, v)
         if self._vocab_cache is None or self._vocab_cache[0] != key:
             self._vocab_cache = (key, tuple(w.detach()[v] for w in sources))
         return self._vocab_cache[1]
