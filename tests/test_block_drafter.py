@@ -597,6 +597,16 @@ def test_context_block_attention_equals_sdpa_over_the_concatenated_keys(S: int) 
     torch.testing.assert_close(context_block_attention(q, k, v, ck, cv, valid), want, rtol=1e-12, atol=1e-12)
 
 
+def factored_and_plain(model: BlockDrafter, anchors: torch.Tensor, cache, kv_len: int) -> tuple:
+    """Greedy proposals with the hidden-correction head factored and plain."""
+    with torch.no_grad():
+        fast = model.propose(anchors, cache, kv_len=kv_len)
+        model.factor_hidden_head = False
+        plain = model.propose(anchors, cache, kv_len=kv_len)
+        model.factor_hidden_head = True
+    return fast, plain
+
+
 def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes() -> None:
     """Greedy DFly drafting on CPU runs the hidden-correction head factored (W' z_k + (W' W_down) a_k, T_e rows):
     same drafts and logits as the plain head, with and without a draft vocabulary, and its cached tables follow
@@ -613,22 +623,12 @@ def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes()
             for p in model.head.parameters():
                 p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
         assert model.factored_head()
-        B, T = 4, 10
+        B, T = 2, 10  # the factored head runs for at most FACTORED_HEAD_MAX_ROWS rows
         ids = torch.randint(6, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(4))
         cache = model.new_cache(B, T, slack=8, dtype=torch.float64, device="cpu")
         model.append_context(taps_of(target, model, ids)[:, :T], cache)
-
-        def both() -> tuple:
-            with torch.no_grad():
-                model.factor_hidden_head = True
-                fast = model.propose(ids[:, T], cache, kv_len=T)
-                model.factor_hidden_head = False
-                plain = model.propose(ids[:, T], cache, kv_len=T)
-                model.factor_hidden_head = True
-            return fast, plain
-
         for edit in range(3):
-            fast, plain = both()
+            fast, plain = factored_and_plain(model, ids[:, T], cache, T)
             assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.token_index, plain.token_index)
             torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-6, atol=1e-6)  # fp32 logits
             torch.testing.assert_close(fast.confidences, plain.confidences)
@@ -649,7 +649,7 @@ def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(mon
     assert not tiny_drafter(target, conditioning="dflash", head="markov").factored_head()
     assert not tiny_drafter(target, conditioning="dfly", head="none").factored_head()
     model = tiny_drafter(target)
-    assert model.factored_head()
+    assert model.factored_head() and model.factored_head(rows=2) and not model.factored_head(rows=3)
     monkeypatch.setattr(block_drafter, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·128·8 bytes
     assert not model.factored_head()
     ids = torch.randint(6, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))

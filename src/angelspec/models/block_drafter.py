@@ -69,6 +69,7 @@ from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size, weig
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
 FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
+FACTORED_HEAD_MAX_ROWS = 2  # and the most rows a step may have to run it (beyond, FLOPs, not bytes, bound a step)
 HEADS = ("none", "markov", "gated", "rnn", "hidden")
 MARKOV_HEADS = ("markov", "gated", "rnn")  # the heads with a token embedding W1 and a bias W2 (DSpark §3.1)
 DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
@@ -569,14 +570,16 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return F.linear(u, self._vocab_weights()[1])
 
     # ----- the hidden-correction head, factored for greedy drafting -----
-    def factored_head(self) -> bool:
-        """Whether greedy drafting runs the hidden-correction head factored (`_factored_hidden`): a CPU drafter
-        whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES. On CPU a step costs the weight
-        bytes it reads, and the factored head reads one [I, V'] table per draft position instead of W_e, W_down
-        and the LM-head rows; on an accelerator the per-position products are cheap and the tables not worth
-        their memory."""
+    def factored_head(self, rows: int = 1) -> bool:
+        """Whether greedy drafting of `rows` rows runs the hidden-correction head factored (`_factored_hidden`):
+        a CPU drafter whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES, for at most
+        FACTORED_HEAD_MAX_ROWS rows. At batch 1 on CPU a step costs the weight bytes it reads, and the factored
+        head reads one [I, V'] table per draft position instead of W_e, W_down and the LM-head rows; but it
+        multiplies V'-wide twice per position (W' z_k and the table), so with more rows, where FLOPs bound the
+        step, the plain head is faster (`benchmarks/drafter_cost.py --drafters dfly,dfly-plain`). On an
+        accelerator the per-position products are cheap and the tables not worth their memory."""
         head = self.head
-        if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)):
+        if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)) or rows > FACTORED_HEAD_MAX_ROWS:
             return False
         w = head.down_proj.weight
         v = self.config.draft_vocab_size or self.config.vocab_size
@@ -630,6 +633,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
         w_lm, m_t, t_e = self._factored_tables()
+        z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
         zg = head.z_part(z)  # [B, K, 2I]
         base = F.linear(z, w_lm)  # [B, K, V'] W' z_k
         e0 = head.e_norm(self.embed(anchor_tokens).to(z.dtype))
@@ -894,7 +898,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if head is None:
             logits = self.draft_logits(h)  # [B, K, V'] the drafts do not depend on each other
             index, tokens, probs = self._pick(logits, select, 0)
-        elif select is None and self.factored_head():
+        elif select is None and self.factored_head(z.shape[0]):
             logits, index = self._factored_hidden(z, anchor_tokens)
             tokens, probs = self.to_target_ids(index), None
         else:
