@@ -21,7 +21,8 @@ MTP drafters are randomly initialised: latency does not depend on their weights 
 here, which only means every step commits one token; every head runs a fixed number of operations, so trained
 weights cost the same).
 
-`--draft-vocab 1024 --draft-layers 1` is the shape of the `dfly_demo` preset `make demo` trains.
+`--draft-vocab 1024 --draft-layers 1 --draft-intermediate 512 --head-intermediate 128` is the shape of the
+`dfly_demo` preset `make demo` trains.
 
 How: each drafter runs inside a real `SpecEngine` on greedy requests (EOS disabled) whose prompts are
 `--context` random tokens, so the caches hold ~256 tokens when decoding starts (and ~256 + new tokens at the
@@ -69,16 +70,20 @@ EXTRA = ("dfly-plain",)  # only when asked for: DFly with its hidden-correction 
 
 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
-                  draft_vocab: int = 0, draft_layers: int = 2, block_k: int = 0) -> tuple[Drafter, int]:
+                  draft_vocab: int = 0, draft_layers: int = 2, block_k: int = 0, draft_intermediate: int = 0,
+                  head_intermediate: int = 0) -> tuple[Drafter, int]:
     """A drafter of `kind` for `target` and the K it drafts per step (block drafters: `block_k`, default B−1,
     drafting from the first `draft_vocab` ids when > 0, as MTP does: latency depends on the size, not on which
-    ids)."""
+    ids; draft-layer and head MLP widths from `draft_intermediate` / `head_intermediate` when > 0)."""
     gen = torch.Generator().manual_seed(0)
     if kind in ("dfly", "dfly-plain", "dflash", "dspark"):
         overrides = {"dfly": {}, "dfly-plain": {},
                      "dflash": {"conditioning": "dflash", "head": "none", "confidence_head": False},
                      "dspark": {"conditioning": "dflash", "head": "markov", "confidence_head": True}}[kind]
-        cfg = dfly_embedded(target.config, draft_vocab_size=draft_vocab, num_draft_layers=draft_layers, **overrides)
+        widths = {"intermediate_size": draft_intermediate or target.config.intermediate_size,
+                  "head_intermediate_size": head_intermediate or None}
+        cfg = dfly_embedded(target.config, draft_vocab_size=draft_vocab, num_draft_layers=draft_layers, **widths,
+                            **overrides)
         model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
         model.init_weights(generator=gen)
         model.factor_hidden_head = kind != "dfly-plain"
@@ -149,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                         "default 0: all; the shipped draft LM always uses its own)")
     p.add_argument("--draft-layers", type=int, default=2, metavar="L",
                    help="block drafters' backbone depth (default 2, the dfly_embedded preset)")
+    p.add_argument("--draft-intermediate", type=int, default=0, metavar="N",
+                   help="block drafters' draft-layer MLP width (default 0: the target's, 768 on the embedded one)")
+    p.add_argument("--head-intermediate", type=int, default=0, metavar="N",
+                   help="DFly's hidden-correction SwiGLU width (default 0: the hidden size)")
     p.add_argument("--block-k", type=int, default=0, metavar="K",
                    help="block drafters draft K <= B-1 per step (the head runs over those K positions only; default "
                         "0: the whole block, K = B-1 = 7). MTP and the draft LM always draft 4, as in `make demo`")
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = target.config
     avoid = set(cfg.eos_token_ids)
     drafters = {kind: build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab, args.draft_layers,
-                                    args.block_k)
+                                    args.block_k, args.draft_intermediate, args.head_intermediate)
                 for kind in args.drafters}
     timers = {kind: CommitTimer(d) for kind, (d, _) in drafters.items()}
     engines = {(kind, b): SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
@@ -205,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(+ up to {args.new_tokens} generated), greedy, per-step means of a generation, best of {args.repeats}, "
           f"{args.threads} thread(s), torch {torch.__version__}{', compiled' if args.compile else ', eager'}"
           + (f", block and MTP drafters' draft vocabulary {args.draft_vocab}" if args.draft_vocab else "")
-          + f", block drafters L{args.draft_layers}" + (f" K={args.block_k}" if args.block_k else ""))
+          + f", block drafters L{args.draft_layers}" + (f" K={args.block_k}" if args.block_k else "")
+          + (f" MLP {args.draft_intermediate}" if args.draft_intermediate else "")
+          + (f", DFly head SwiGLU {args.head_intermediate}" if args.head_intermediate else ""))
     head = (f"{'drafter':9} {'batch':>5} {'K':>2} {'draft ms':>9} {'ms/draft':>9} {'commit ms':>10} "
             f"{'verify ms':>10} {'draft/verify':>13} {'(draft+commit)/verify':>22} {'MAL':>5}")
     print(head)

@@ -656,3 +656,20 @@ def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(mon
     with torch.no_grad():
         prop = model.propose_from_taps(taps_of(target, model, ids)[:, :6], torch.tensor([6]), ids[:, 6])
     assert model._factored_cache is None and prop.tokens.shape == (1, 3)
+
+
+@pytest.mark.parametrize("confidence", [True, False])
+def test_greedy_propose_without_logits_gives_the_same_drafts_and_confidences(confidence: bool) -> None:
+    """The engine asks for no logits: the factored head then skips forming them when a confidence head gives the
+    confidences (and must still form them when the confidences are the drafts' own probabilities)."""
+    target = tiny_target()
+    model = tiny_drafter(target, confidence=confidence, block_size=6)
+    ids = torch.randint(6, VOCAB, (1, 9), generator=torch.Generator().manual_seed(12))
+    cache = model.new_cache(1, 8, slack=6, dtype=torch.float64, device="cpu")
+    model.append_context(taps_of(target, model, ids)[:, :8], cache)
+    with torch.no_grad():
+        full = model.propose(ids[:, 8], cache, kv_len=8)
+        lean = model.propose(ids[:, 8], cache, kv_len=8, with_logits=False)
+    assert torch.equal(full.tokens, lean.tokens) and torch.equal(full.token_index, lean.token_index)
+    torch.testing.assert_close(full.confidences, lean.confidences)
+    assert (lean.logits is None) == confidence

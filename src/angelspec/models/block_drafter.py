@@ -473,8 +473,9 @@ class BlockProposal:
     """`propose`'s result: K = B−1 drafts per row, left to right through the head."""
 
     tokens: Tensor  # [B, K] int64 target token ids
-    logits: Tensor  # [B, K, V'] fp32, the head's logits given the chosen predecessors, over the draft vocabulary
-    #                 (V' = draft_vocab_size; V when the drafter drafts from the whole vocabulary)
+    logits: Tensor | None  # [B, K, V'] fp32, the head's logits given the chosen predecessors, over the draft
+    #                        vocabulary (V' = draft_vocab_size; V when the drafter drafts from the whole vocabulary);
+    #                        may be None when `propose(with_logits=False)` (the engine's greedy steps)
     probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
     confidences: Tensor  # [B, K] in [0, 1], per position (not cumulative): σ(confidence logits) with a confidence
     #                      head, else each draft's own probability under the head's temperature-1 logits
@@ -619,10 +620,11 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if self.factored_head():
             self._factored_tables()
 
-    def _factored_hidden(self, z: Tensor, anchor_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def _factored_hidden(self, z: Tensor, anchor_tokens: Tensor, with_logits: bool = True
+                         ) -> tuple[Tensor | None, Tensor]:
         """Greedy drafts of the hidden-correction head (Eq. 15) over z [B, K, C], factored -> (logits [B, K, V']
-        fp32, index [B, K] along V'). With a_k = SiLU(g_k) ⊙ u_k, [g_k; u_k] = W_z RMSNorm(z_k) + W_e
-        RMSNorm(E(x_{k−1})), ẑ_k = z_k + W_down a_k and r_k = 1 / rms(ẑ_k):
+        fp32 or, without `with_logits`, None; index [B, K] along V'). With a_k = SiLU(g_k) ⊙ u_k,
+        [g_k; u_k] = W_z RMSNorm(z_k) + W_e RMSNorm(E(x_{k−1})), ẑ_k = z_k + W_down a_k and r_k = 1 / rms(ẑ_k):
 
             logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
 
@@ -648,6 +650,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             acts.append(a)
             scores.append(s)
             picks.append(s.argmax(dim=-1))
+        if not with_logits:
+            return None, torch.stack(picks, dim=1)
         z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
         wide = torch.promote_types(z.dtype, torch.float32)  # RMSNorm's precision
         r = torch.rsqrt(z_hat.to(wide).pow(2).mean(-1, keepdim=True) + self.norm.eps)
@@ -859,33 +863,38 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                select: Select | None = None, num_drafts: int | None = None) -> BlockProposal:
+                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True
+                ) -> BlockProposal:
         """One backbone pass over the whole block, then the head (Eq. 13) over its first `num_drafts` positions
         (default and at most K = B−1): -> that many drafts per row.
 
         `select(logits [B, V], k)` picks draft k from the head's logits and returns (tokens [B], probs [B, V] or
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
-        `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1."""
+        `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1.
+        `with_logits=False` lets a greedy step skip forming logits it does not need (the factored head's, when a
+        confidence head gives the confidences): `logits` may then be None."""
         if select is None:
             self.refresh_inference_tables()  # outside any compiled graph
-            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts)
+            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
         tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select)
         return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
 
     def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None,
-                       num_drafts: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'], index [B, K],
-        confidences [B, K]) for K = `num_drafts` (default B−1)."""
+                       num_drafts: int | None = None, with_logits: bool = True
+                       ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'] (or None: see
+        `propose`), index [B, K], confidences [B, K]) for K = `num_drafts` (default B−1)."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None)
+        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits)
         return tokens, logits, index, conf
 
-    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True
+                  ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
         """The head over backbone outputs z [B, K, C], left to right in its predecessors -> (tokens [B, K],
-        logits [B, K, V'], index [B, K], probs [B, K, V] or None, confidences [B, K]).
+        logits [B, K, V'] (None only when not `with_logits` and not needed), index [B, K], probs [B, K, V] or None,
+        confidences [B, K]).
 
         Only what depends on the predecessor runs per position; everything else runs for the whole block at once:
         the backbone's logits W_lm RMSNorm(z) (no head: they are the drafts' logits; a Markov-family head adds its
@@ -899,7 +908,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits = self.draft_logits(h)  # [B, K, V'] the drafts do not depend on each other
             index, tokens, probs = self._pick(logits, select, 0)
         elif select is None and self.factored_head(z.shape[0]):
-            logits, index = self._factored_hidden(z, anchor_tokens)
+            logits, index = self._factored_hidden(z, anchor_tokens, with_logits or not self.config.confidence_head)
             tokens, probs = self.to_target_ids(index), None
         else:
             hidden = isinstance(head, HiddenCorrectionHead)

@@ -146,7 +146,7 @@ class BlockDrafterAdapter(Drafter):
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 
         p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
-                               select=None if deterministic else select, num_drafts=k)
+                               select=None if deterministic else select, num_drafts=k, with_logits=False)
         probs = None if deterministic else p.probs  # [B, K, V]
         return Proposal(tokens=p.tokens, probs=probs, confidences=p.confidences, deterministic=deterministic)
 
