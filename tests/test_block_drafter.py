@@ -650,7 +650,7 @@ def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(mon
     assert not tiny_drafter(target, conditioning="dfly", head="none").factored_head()
     model = tiny_drafter(target)
     assert model.factored_head() and model.factored_head(rows=2) and not model.factored_head(rows=3)
-    monkeypatch.setattr(block_drafter, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·128·8 bytes
+    monkeypatch.setattr(block_drafter, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·(32+32+64)·8 bytes
     assert not model.factored_head()
     ids = torch.randint(6, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():

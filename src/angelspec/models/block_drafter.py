@@ -575,7 +575,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         """Whether greedy drafting of `rows` rows runs the hidden-correction head factored (`_factored_hidden`):
         a CPU drafter whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES, for at most
         FACTORED_HEAD_MAX_ROWS rows. At batch 1 on CPU a step costs the weight bytes it reads, and the factored
-        head reads one [I, V'] table per draft position instead of W_e, W_down and the LM-head rows; but it
+        head reads one [I, V'] table and one T_e row per draft position instead of W_e, W_down and the LM-head
+        rows; but it
         multiplies V'-wide twice per position (W' z_k and the table), so with more rows, where FLOPs bound the
         step, the plain head is faster (`benchmarks/drafter_cost.py --drafters dfly,dfly-plain`). On an
         accelerator the per-position products are cheap and the tables not worth their memory."""
@@ -583,18 +584,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)) or rows > FACTORED_HEAD_MAX_ROWS:
             return False
         w = head.down_proj.weight
-        v = self.config.draft_vocab_size or self.config.vocab_size
-        return w.device.type == "cpu" and v * (head.hidden + 3 * head.inter) * w.element_size() <= \
-            FACTORED_HEAD_MAX_BYTES
+        cfg = self.config
+        v_draft = cfg.draft_vocab_size or cfg.vocab_size
+        elements = v_draft * (head.hidden + head.inter) + cfg.vocab_size * 2 * head.inter  # W', Mᵀ; T_e
+        return w.device.type == "cpu" and elements * w.element_size() <= FACTORED_HEAD_MAX_BYTES
 
     def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor]:
-        """The hidden-correction head's inference tables over the draft vocabulary V' (the whole vocabulary
-        without one), cached until a weight or the vocabulary changes (taken as they are inside a compiled
-        graph, like the vocabulary rows: `refresh_inference_tables` runs eagerly first):
+        """The hidden-correction head's inference tables, over the draft vocabulary V' (the whole vocabulary
+        without one) and, for T_e, over the whole vocabulary (the anchor, a predecessor too, may lie outside V'),
+        cached until a weight or the vocabulary changes (taken as they are inside a compiled graph, like the
+        vocabulary rows: `refresh_inference_tables` runs eagerly first):
 
             W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
             Mᵀ = (W' W_down)ᵀ             [I, V']
-            T_e = W_e RMSNorm_e(E[V'])    [V', 2I]  the predecessor's half of the gate/up projection, per token"""
+            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token"""
         if self._factored_cache is not None and torch.compiler.is_compiling():
             return self._factored_cache[1]
         head = self.head
@@ -606,10 +609,9 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if self._factored_cache is None or self._factored_cache[0] != key:
             with torch.no_grad():
                 rows = self._vocab_weights()[0] if vocab else lm.detach()
-                e = self.embed(self.draft_vocab) if vocab else emb.detach()
                 w_lm = (rows * self.norm.weight).contiguous()
                 m_t = (w_lm @ head.down_proj.weight).t().contiguous()
-                t_e = F.linear(head.e_norm(e), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
+                t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
             self._factored_cache = (key, (w_lm, m_t, t_e))
         return self._factored_cache[1]
 
@@ -628,28 +630,25 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
             logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
 
-        W' z_k runs for the whole block at once; per position only a row of T_e (the predecessor is a draft, so
-        in V'; the anchor's half is computed), the SwiGLU and one [I]x[I, V'] product remain, and since r_k > 0
-        the argmax needs no norm. r_k and the logits are formed after the loop. The same maths as `head_step`,
-        rounded differently."""
+        W' z_k runs for the whole block at once; per position only the predecessor's row of T_e, the SwiGLU and
+        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm. r_k and the logits are formed
+        after the loop. The same maths as `head_step`, rounded differently."""
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
         w_lm, m_t, t_e = self._factored_tables()
         z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
         zg = head.z_part(z)  # [B, K, 2I]
         base = F.linear(z, w_lm)  # [B, K, V'] W' z_k
-        e0 = head.e_norm(self.embed(anchor_tokens).to(z.dtype))
-        gu = zg[:, 0] + F.linear(e0, head.gate_up_proj.weight[:, head.hidden:])  # [B, 2I]
+        prev = anchor_tokens
         acts, scores, picks = [], [], []
         for k in range(z.shape[1]):
-            if k:
-                gu = zg[:, k] + t_e[picks[-1]]
-            gate, up = gu.split(head.inter, dim=-1)
+            gate, up = (zg[:, k] + t_e[prev]).split(head.inter, dim=-1)  # [B, I] each
             a = F.silu(gate) * up  # [B, I]
             s = torch.addmm(base[:, k], a, m_t)  # [B, V'] = W' ẑ_k
             acts.append(a)
             scores.append(s)
             picks.append(s.argmax(dim=-1))
+            prev = self.to_target_ids(picks[-1])
         if not with_logits:
             return None, torch.stack(picks, dim=1)
         z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
