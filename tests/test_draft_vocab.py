@@ -305,3 +305,16 @@ def test_mtp_trainer_and_cli_give_an_mtp_drafter_a_draft_vocabulary(capsys, tmp_
     assert all(torch.equal(a, b) for (name, a), (_, b) in zip(
         sorted((k, v) for k, v in back.state_dict().items() if k != "draft_vocab"),
         sorted(before.state_dict().items()), strict=True))  # the weights are unchanged
+
+
+def test_draft_index_table_is_cached_and_follows_a_new_vocabulary():
+    target = tiny_target()
+    model = BlockDrafter(replace(tiny_drafter(target).config, draft_vocab_size=8), target.embed_tokens,
+                         target.lm_head)
+    for ids in ([3, 9, 11, 20, 21, 40, 50, 63], [63, 2, 7, 30, 31, 32, 33, 6]):
+        model.set_draft_vocab(ids)
+        tokens = torch.tensor([[ids[5], ids[0]], [ids[7], ids[2]]])
+        assert model.to_draft_index(tokens).tolist() == [[5, 0], [7, 2]]
+        table = model._inverse_cache[1]
+        model.to_draft_index(tokens)
+        assert model._inverse_cache[1] is table  # not rebuilt for the same vocabulary

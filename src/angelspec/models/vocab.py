@@ -49,6 +49,7 @@ class DraftVocabulary:
             self.register_buffer("draft_vocab",  # type: ignore[attr-defined]
                                  torch.arange(self.config.draft_vocab_size, dtype=torch.int64))
         self._vocab_cache: tuple[tuple[int, ...], tuple[Tensor, ...]] | None = None
+        self._inverse_cache: tuple[tuple[int, ...], Tensor] | None = None  # `to_draft_index`'s [V] table
 
     def set_draft_vocab(self, token_ids: Sequence[int] | Tensor) -> None:
         """Draft only from `token_ids` (e.g. `frequent_tokens` of the training data): [draft_vocab_size] distinct
@@ -100,9 +101,15 @@ class DraftVocabulary:
         """Target ids inside the draft vocabulary -> their indices along it (identity without one)."""
         if not self.config.draft_vocab_size:
             return tokens
-        inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=tokens.device)
-        inverse.index_copy_(0, self.draft_vocab, torch.arange(self.config.draft_vocab_size, device=tokens.device))
-        return inverse[tokens]
+        v = self.draft_vocab
+        if self._inverse_cache is not None and torch.compiler.is_compiling():
+            return self._inverse_cache[1][tokens]  # as `_vocab_weights`: no pointer reads inside a graph
+        key = weights_key(v)
+        if self._inverse_cache is None or self._inverse_cache[0] != key:
+            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=v.device)
+            inverse.index_copy_(0, v, torch.arange(self.config.draft_vocab_size, device=v.device))
+            self._inverse_cache = (key, inverse)  # rebuilt only when the vocabulary changes
+        return self._inverse_cache[1][tokens]
 
     def full_logits(self, logits: Tensor) -> Tensor:
         """[..., V'] -> [..., V] with −inf outside the draft vocabulary (what a sampling rule over the target's
