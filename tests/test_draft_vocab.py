@@ -315,6 +315,6 @@ def test_draft_index_table_is_cached_and_follows_a_new_vocabulary():
         model.set_draft_vocab(ids)
         tokens = torch.tensor([[ids[5], ids[0]], [ids[7], ids[2]]])
         assert model.to_draft_index(tokens).tolist() == [[5, 0], [7, 2]]
-        table = model._inverse_cache[1]
+        table = model._derived["draft index"][1]
         model.to_draft_index(tokens)
-        assert model._inverse_cache[1] is table  # not rebuilt for the same vocabulary
+        assert model._derived["draft index"][1] is table  # not rebuilt for the same vocabulary

@@ -65,7 +65,7 @@ from angelspec.models.config import ConfigError, DecoderConfig, check_built_for,
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
-from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size, weights_key
+from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
 FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
@@ -523,7 +523,6 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         # Inference switch (not part of the checkpoint): greedy drafting runs the hidden-correction head in its
         # factored form when `factored_head()` allows it. Off: the plain per-position head (A/B benchmarks).
         self.factor_hidden_head = True
-        self._factored_cache: tuple[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] | None = None
 
     def _special_init(self) -> None:
         """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone."""
@@ -576,9 +575,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         a CPU drafter whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES, for at most
         FACTORED_HEAD_MAX_ROWS rows. At batch 1 on CPU a step costs the weight bytes it reads, and the factored
         head reads one [I, V'] table and one T_e row per draft position instead of W_e, W_down and the LM-head
-        rows; but it
-        multiplies V'-wide twice per position (W' z_k and the table), so with more rows, where FLOPs bound the
-        step, the plain head is faster (`benchmarks/drafter_cost.py --drafters dfly,dfly-plain`). On an
+        rows; but it multiplies V'-wide twice per position (W' z_k and the table), so with more rows, where FLOPs
+        bound the step, the plain head is faster (`benchmarks/drafter_cost.py --drafters dfly,dfly-plain`). On an
         accelerator the per-position products are cheap and the tables not worth their memory."""
         head = self.head
         if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)) or rows > FACTORED_HEAD_MAX_ROWS:
@@ -598,22 +596,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
             Mᵀ = (W' W_down)ᵀ             [I, V']
             T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token"""
-        if self._factored_cache is not None and torch.compiler.is_compiling():
-            return self._factored_cache[1]
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
         lm, emb = self._shared[1].weight, self._shared[0].weight
         vocab = (self.draft_vocab,) if self.config.draft_vocab_size else ()
-        key = weights_key(lm, emb, *vocab, self.norm.weight, head.e_norm.weight, head.gate_up_proj.weight,
-                          head.down_proj.weight)
-        if self._factored_cache is None or self._factored_cache[0] != key:
-            with torch.no_grad():
-                rows = self._vocab_weights()[0] if vocab else lm.detach()
-                w_lm = (rows * self.norm.weight).contiguous()
-                m_t = (w_lm @ head.down_proj.weight).t().contiguous()
-                t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
-            self._factored_cache = (key, (w_lm, m_t, t_e))
-        return self._factored_cache[1]
+
+        def build() -> tuple[Tensor, Tensor, Tensor]:
+            rows = self._vocab_weights()[0] if vocab else lm.detach()
+            w_lm = (rows * self.norm.weight).contiguous()
+            m_t = (w_lm @ head.down_proj.weight).t().contiguous()
+            t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
+            return w_lm, m_t, t_e
+
+        return self.derived("factored head", (lm, emb, *vocab, self.norm.weight, head.e_norm.weight,
+                                              head.gate_up_proj.weight, head.down_proj.weight), build)
 
     def refresh_inference_tables(self) -> None:
         """Bring the draft vocabulary's rows and the factored head's tables up to date, outside any compiled
@@ -899,8 +895,9 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         the backbone's logits W_lm RMSNorm(z) (no head: they are the drafts' logits; a Markov-family head adds its
         rank-r bias to them per position), and the hidden-correction head's W_z RMSNorm(z) half (its W_e half, the
         final norm and the LM head over the draft vocabulary run per position: the predecessor goes through them,
-        Eq. 15). Confidences: the confidence head's σ(logit) when the drafter has one, else each draft's own
-        probability under the head's (temperature-1) logits."""
+        Eq. 15; greedy steps of few rows on CPU run it factored instead, `_factored_hidden`). Confidences: the
+        confidence head's σ(logit) when the drafter has one, else each draft's own probability under the head's
+        (temperature-1) logits."""
         head = self.head
         h = self.norm(z)  # [B, K, C]
         if head is None:

@@ -3,14 +3,16 @@ sampling rule over the target's whole vocabulary must see the rest as impossible
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from angelspec.models.config import ConfigError
+
+T = TypeVar("T")
 
 
 def expand_logits(logits: Tensor, token_ids: Tensor, vocab_size: int) -> Tensor:
@@ -48,8 +50,20 @@ class DraftVocabulary:
         if self.config.draft_vocab_size:  # target ids inference drafts from (`set_draft_vocab`)
             self.register_buffer("draft_vocab",  # type: ignore[attr-defined]
                                  torch.arange(self.config.draft_vocab_size, dtype=torch.int64))
-        self._vocab_cache: tuple[tuple[int, ...], tuple[Tensor, ...]] | None = None
-        self._inverse_cache: tuple[tuple[int, ...], Tensor] | None = None  # `to_draft_index`'s [V] table
+        self._derived: dict[str, tuple[tuple[int, ...], Any]] = {}  # `derived`'s cache
+
+    def derived(self, name: str, sources: Sequence[Tensor], build: Callable[[], T]) -> T:
+        """`build()`, a value computed from `sources` (weights, the vocabulary), cached under `name` until one of
+        them changes (`weights_key`). Inside a compiled graph the cache is taken as it is (the key's pointer reads
+        would break the graph): refresh it eagerly before every compiled step (`refresh_draft_vocab`)."""
+        cached = self._derived.get(name)
+        if cached is not None and torch.compiler.is_compiling():
+            return cached[1]
+        key = weights_key(*sources)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self._derived[name] = (key, build())
+        return cached[1]
 
     def set_draft_vocab(self, token_ids: Sequence[int] | Tensor) -> None:
         """Draft only from `token_ids` (e.g. `frequent_tokens` of the training data): [draft_vocab_size] distinct
@@ -71,16 +85,9 @@ class DraftVocabulary:
         return (self._shared[1].weight,)
 
     def _vocab_weights(self) -> tuple[Tensor, ...]:
-        """The draft-vocabulary rows of `_vocab_sources()`, cached until a weight or the vocabulary changes.
-        Inside a compiled graph the cache is taken as it is (the key's pointer reads would break the graph):
-        `refresh_draft_vocab` runs eagerly before every compiled step."""
-        if self._vocab_cache is not None and torch.compiler.is_compiling():
-            return self._vocab_cache[1]
+        """The draft-vocabulary rows of `_vocab_sources()`, cached until a weight or the vocabulary changes."""
         sources, v = self._vocab_sources(), self.draft_vocab
-        key = weights_key(*sources, v)
-        if self._vocab_cache is None or self._vocab_cache[0] != key:
-            self._vocab_cache = (key, tuple(w.detach()[v] for w in sources))
-        return self._vocab_cache[1]
+        return self.derived("vocab rows", (*sources, v), lambda: tuple(w.detach()[v] for w in sources))
 
     def refresh_draft_vocab(self) -> None:
         """Bring the draft vocabulary's weight rows up to date, outside any compiled graph."""
@@ -102,14 +109,12 @@ class DraftVocabulary:
         if not self.config.draft_vocab_size:
             return tokens
         v = self.draft_vocab
-        if self._inverse_cache is not None and torch.compiler.is_compiling():
-            return self._inverse_cache[1][tokens]  # as `_vocab_weights`: no pointer reads inside a graph
-        key = weights_key(v)
-        if self._inverse_cache is None or self._inverse_cache[0] != key:
-            inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=v.device)
-            inverse.index_copy_(0, v, torch.arange(self.config.draft_vocab_size, device=v.device))
-            self._inverse_cache = (key, inverse)  # rebuilt only when the vocabulary changes
-        return self._inverse_cache[1][tokens]
+
+        def inverse() -> Tensor:  # [V]: the index along the vocabulary, −1 outside it
+            table = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=v.device)
+            return table.index_copy_(0, v, torch.arange(self.config.draft_vocab_size, device=v.device))
+
+        return self.derived("draft index", (v,), inverse)[tokens]
 
     def full_logits(self, logits: Tensor) -> Tensor:
         """[..., V'] -> [..., V] with −inf outside the draft vocabulary (what a sampling rule over the target's
