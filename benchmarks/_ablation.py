@@ -130,10 +130,11 @@ def evaluate_drafters(target_dir: Path, drafters: dict[str, Path], depths: dict[
     verified at K = depths[name]. One AR baseline per temperature (run with K = `baseline_k`), shared by every
     drafter: AR decoding does not depend on K."""
     from angelspec.assets import EVAL_PROMPTS
-    from angelspec.cli import eval_prompts, load_target_and_tokenizer, resolve_drafter
     from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
+    from angelspec.decoding.sampling import SamplingParams
+    from angelspec.eval.prompts import eval_prompts
     from angelspec.eval.speculative import EvalSettings, evaluate, run_decoding
-    from angelspec.spec.sampling import SamplingParams
 
     model, tokenizer = load_target_and_tokenizer(target_dir)
     prompts_file = Path(args.prompts) if args.prompts else EVAL_PROMPTS

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from angelspec.assets import DEFAULT_TARGET
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, DecoderConfig, load_target, save_target
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

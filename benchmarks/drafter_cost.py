@@ -52,14 +52,14 @@ from pathlib import Path
 import torch
 
 from angelspec.assets import DEFAULT_DRAFT_LM
+from angelspec.decoding.drafters.base import Drafter
+from angelspec.decoding.drafters.block import BlockDrafterAdapter
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
+from angelspec.decoding.drafters.mtp import MTPDrafter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, load_target
 from angelspec.models.block_drafter import BlockDrafter, dfly_embedded
 from angelspec.models.mtp import MTPBlock, MTPConfig
-from angelspec.spec.drafter import Drafter
-from angelspec.spec.drafters.block import BlockDrafterAdapter
-from angelspec.spec.drafters.draft_lm import DraftLMDrafter
-from angelspec.spec.drafters.mtp import MTPDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ar_decode import DTYPES, make_prompts, resolve_target  # noqa: E402

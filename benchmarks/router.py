@@ -1,7 +1,7 @@
 """Workload routing on the embedded target: MTP for chat, DFly for code/maths, against the best single drafter.
 
 The mixed held-out workload (the shipped `EVAL_PROMPTS`, code / math / chat, shuffled into one queue with
-`--seed`) is decoded five ways, every one through `angelspec.spec.router.route_and_generate` so the bookkeeping
+`--seed`) is decoded five ways, every one through `angelspec.decoding.router.route_and_generate` so the bookkeeping
 is identical (tokens/s = output tokens over the summed engine wall-clock of the drafter pools, MAL = tokens
 committed per verify step):
 
@@ -43,8 +43,8 @@ def load_workload(tokenizer: Any, prompts_file: Path, context: int, limit: int |
                   seed: int) -> tuple[list[list[int]], list[str], list[str]]:
     """(prompt ids, prompt texts, true domains) of the held-out prompts, at most `limit` per domain, shuffled
     into one mixed queue with `seed`."""
-    from angelspec.cli import eval_prompts
     from angelspec.data.prompts import load_prompts
+    from angelspec.eval.prompts import eval_prompts
 
     records = load_prompts(prompts_file)
     prompts = eval_prompts(tokenizer, records, context=context, source=str(prompts_file), limit=limit)
@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS
-    from angelspec.cli import load_target_and_tokenizer, resolve_drafter
-    from angelspec.spec.engine import EngineConfig, Request
-    from angelspec.spec.router import WorkloadRouter, classifier_accuracy, classify_prompt, route_and_generate
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.engine import EngineConfig, Request
+    from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
+    from angelspec.decoding.router import WorkloadRouter, classifier_accuracy, classify_prompt, route_and_generate
+    from angelspec.decoding.sampling import SamplingParams
 
     target_dir = Path(args.target) if args.target else DEFAULT_TARGET
     for flag, path in (("--mtp", args.mtp), ("--dfly", args.dfly)):

@@ -24,7 +24,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from angelspec.cli import EXIT_BAD_INPUT, is_user_error, load_target_and_tokenizer, resolve_target_dir
+from angelspec.assets import resolve_target_dir
+from angelspec.cli import EXIT_BAD_INPUT, is_user_error
+from angelspec.decoding.loading import load_target_and_tokenizer
 from angelspec.eval.serving import (
     DEFAULT_CONCURRENCY,
     DRAFTER_MAX_DEPTH,

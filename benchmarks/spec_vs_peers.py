@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, load_target, save_target
-from angelspec.spec.drafters import DraftLMDrafter, NGramDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ar_decode import DTYPES, make_prompts, resolve_target  # noqa: E402

@@ -121,7 +121,7 @@ def check_lossless_and_recorded(target: Any, drafter: RecordingMixin, requests: 
     """Greedy speculative decoding of `requests` with a recording drafter equals plain autoregressive decoding,
     some drafts were accepted (so partial accepts and the cache rollback ran), and every `every`-th proposal
     equals `recompute(committed sequence)`, the from-scratch drafts; returns the outputs."""
-    from angelspec.spec.engine import SpecEngine, reference_generate
+    from angelspec.decoding.engine import SpecEngine, reference_generate
 
     engine = SpecEngine(target, drafter, config)
     got = engine.generate(requests)

@@ -17,18 +17,19 @@ import torch
 from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
 from test_distributed import _torchrun, needs_gloo
 
-from angelspec.models import CheckpointError, ConfigError, Decoder, load_target
-from angelspec.models.block_drafter import BlockDrafter, BlockDrafterConfig
-from angelspec.models.block_io import save_block_drafter
-from angelspec.spec.drafter import DrafterMismatchError, get_drafter
-from angelspec.spec.drafters.block import (
+from angelspec.decoding.drafters import get_drafter
+from angelspec.decoding.drafters.base import DrafterMismatchError
+from angelspec.decoding.drafters.block import (
     BlockDrafterAdapter,
     DFlashDrafter,
     DFlyDrafter,
     DSparkDrafter,
     reference_drafts,
 )
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.models import CheckpointError, ConfigError, Decoder, load_target
+from angelspec.models.block_drafter import BlockDrafter, BlockDrafterConfig
+from angelspec.models.block_io import save_block_drafter
 from angelspec.train.block import (
     BlockDrafterTrainConfig,
     qwen3_8b_dfly,
@@ -91,7 +92,7 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_a_fresh_recompute(kin
 
 
 def test_sampling_smoke_t1_returns_probs_and_confidences():
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.sampling import SamplingParams
 
     target = tiny_target()
     drafter = DSparkDrafter(tiny_block_drafter(target, "dspark"))

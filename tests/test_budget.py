@@ -23,26 +23,21 @@ from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
     tiny_decoder,
 )
 
-from angelspec.spec.budget import (
-    DCUT_RATIOS,
-    DCut,
+from angelspec.decoding.drafters import DraftLMDrafter
+from angelspec.decoding.drafters.base import DraftState, Proposal
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.base import ConfidenceThreshold, sanitize_confidences
+from angelspec.decoding.policies.budget import (
     LinearCost,
-    PrefixScheduler,
-    ProductionScheduler,
     StaircaseCost,
-    dcut_budget,
-    dcut_select,
     kept_depth,
     masked_scores,
-    prefix_schedule,
     prefix_survival,
     rank_positions,
-    sanitize_confidences,
 )
-from angelspec.spec.drafter import ConfidenceThreshold, DraftState, Proposal
-from angelspec.spec.drafters import DraftLMDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-from angelspec.spec.sampling import BatchSampling, SamplingParams
+from angelspec.decoding.policies.dcut import DCUT_RATIOS, DCut, dcut_budget, dcut_select
+from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler, prefix_schedule
+from angelspec.decoding.sampling import BatchSampling, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -362,7 +357,7 @@ def test_edge_cases_k0_and_bad_costs():
 
 
 def test_confidence_threshold_never_sees_nan_or_out_of_range() -> None:
-    from angelspec.spec.drafter import ConfidenceThreshold
+    from angelspec.decoding.policies.base import ConfidenceThreshold
 
     policy = ConfidenceThreshold(threshold=0.5)
     conf = torch.tensor([[float("nan"), 1.0, 1.0], [1.7, 0.9, float("nan")], [-0.2, 1.0, 1.0]])

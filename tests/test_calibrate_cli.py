@@ -11,16 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from angelspec.cli import main, resolve_drafter
+from angelspec.cli import main
 from angelspec.data.tokenizer import load_tokenizer
-from angelspec.eval.calibrate import ConfidenceRecorder, confidence_logits, drafter_folder
+from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
+from angelspec.decoding.loading import resolve_drafter
+from angelspec.decoding.policies.dcut import DCut
+from angelspec.decoding.policies.sts import (
+    CALIBRATION_FILE,
+    CalibratedDrafter,
+    CalibrationError,
+    StsCalibration,
+    temperatures_for,
+)
+from angelspec.eval.sts_fit import ConfidenceRecorder, confidence_logits, drafter_folder
 from angelspec.models import load_target, save_target
-from angelspec.spec.budget import DCut
-from angelspec.spec.calibrated import CalibratedDrafter, CalibrationError, temperatures_for
-from angelspec.spec.calibration import CALIBRATION_FILE, StsCalibration
-from angelspec.spec.drafter import Drafter, DraftState, Proposal
-from angelspec.spec.drafters.draft_lm import DraftLMDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 
 PROMPTS = ["def add(x, y):", "Tom has 3 apples and buys 4 more.", "What is 7 + 8?", "The cache stores tokens.",
            "Write a function that merges two lists.", "What does a drafter do?"]

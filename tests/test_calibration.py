@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-from angelspec.spec.budget import DCut
-from angelspec.spec.calibration import (
+from angelspec.decoding.drafters.base import Proposal
+from angelspec.decoding.policies.base import FixedDepth
+from angelspec.decoding.policies.dcut import DCut
+from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
     CalibratedPolicy,
     StsCalibration,
@@ -22,7 +24,6 @@ from angelspec.spec.calibration import (
     fit_sts,
     temperature_grid,
 )
-from angelspec.spec.drafter import FixedDepth, Proposal
 
 
 def test_ece_by_hand():
@@ -121,8 +122,8 @@ def test_calibrated_drafter_compiles_its_inner_drafter_once():
     """EngineConfig(compile=True) calls `ensure_compiled` on the engine's drafter: a calibrated wrapper must pass
     it to the drafter it wraps (whose hot calls are the ones worth compiling), once however many engines share
     it."""
-    from angelspec.spec.calibrated import CalibratedDrafter
-    from angelspec.spec.drafters.ngram import NGramDrafter
+    from angelspec.decoding.drafters.ngram import NGramDrafter
+    from angelspec.decoding.policies.sts import CalibratedDrafter
 
     class Counting(NGramDrafter):
         calls = 0

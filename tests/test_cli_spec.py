@@ -12,11 +12,13 @@ import pytest
 import torch
 from conftest import synthetic_sentences
 
-from angelspec.cli import UsageError, main, resolve_drafter
+from angelspec.cli import main
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
+from angelspec.decoding.drafters.ngram import NGramDrafter
+from angelspec.decoding.loading import resolve_drafter
+from angelspec.errors import UsageError
 from angelspec.eval import speculative
 from angelspec.models import load_target
-from angelspec.spec.drafters.draft_lm import DraftLMDrafter
-from angelspec.spec.drafters.ngram import NGramDrafter
 from angelspec.train.draft_lm import DraftLMTrainConfig, draft_lm_tiny_debug, train_draft_lm
 from angelspec.train.overrides import parse_overrides, with_overrides
 
@@ -305,7 +307,7 @@ def test_eval_bad_domain(capsys: pytest.CaptureFixture[str], tmp_path: Path, tin
 
 def test_compare_and_merge_metrics() -> None:
     """The report's arithmetic on hand-made runs: per-domain identity counts, merged histograms, speed-up."""
-    from angelspec.spec.metrics import DecodeMetrics
+    from angelspec.decoding.metrics import DecodeMetrics
 
     settings = speculative.EvalSettings(max_new_tokens=4, num_draft_tokens=2)
     prompts = [speculative.EvalPrompt([1], "a", 1), speculative.EvalPrompt([2], "b", 2),

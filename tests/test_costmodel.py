@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from angelspec.cli import main
-from angelspec.models import load_target
-from angelspec.spec.budget import DCut, LinearCost, prefix_schedule
-from angelspec.spec.costmodel import (
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
+from angelspec.decoding.drafters.ngram import NGramDrafter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.budget import LinearCost
+from angelspec.decoding.policies.costmodel import (
     CostKey,
     CostTable,
     CostTableError,
@@ -27,9 +29,9 @@ from angelspec.spec.costmodel import (
     profile_costs,
     token_grid,
 )
-from angelspec.spec.drafters.draft_lm import DraftLMDrafter
-from angelspec.spec.drafters.ngram import NGramDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.dcut import DCut
+from angelspec.decoding.policies.scheduler import prefix_schedule
+from angelspec.models import load_target
 
 KEY = CostKey(model="m" * 16, drafter="draft-lm:abc", num_draft_tokens=3, dtype="float32", torch_version="2.x",
               machine="host|cpu|2 cores|1 threads")

@@ -23,8 +23,8 @@ def conversations(tmp_path_factory):
 
 
 def test_train_then_load_as_drafter(tmp_path, tiny_target_dir, conversations):
+    from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
     from angelspec.models import read_config
-    from angelspec.spec.drafters.draft_lm import DraftLMDrafter
 
     out = tmp_path / "draft"
     report = train_draft_lm(tiny_target_dir, conversations, out, config=draft_lm_tiny_debug(), progress=False,

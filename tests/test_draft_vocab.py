@@ -15,11 +15,11 @@ from test_block_drafter import MASK, VOCAB, taps_of, tiny_drafter, tiny_target
 
 from angelspec.data.packing import Doc
 from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_counts
+from angelspec.decoding.drafters.block import BlockDrafterAdapter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import ConfigError
 from angelspec.models.block_drafter import BlockDrafter
 from angelspec.models.block_io import load_block_drafter, save_block_drafter
-from angelspec.spec.drafters.block import BlockDrafterAdapter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def test_draft_vocab_drafter_is_lossless_in_the_engine_and_round_trips(tmp_path,
     back = load_block_drafter(tmp_path / "d", target)
     assert torch.equal(back.draft_vocab, sub.draft_vocab) and back.config.draft_vocab_size == 24
     rng = random.Random(0)
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.sampling import SamplingParams
 
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))], max_new_tokens=24, stop_ids=(),
                     sampling=SamplingParams(temperature=temperature, seed=i)) for i in range(6)]
@@ -176,7 +176,7 @@ def decode_inside_vocab(target, drafter, vocab: torch.Tensor, temperature: float
                         max_new_tokens: int) -> list:
     """Decode random requests through the engine with `drafter`; at T=0 the outputs must equal AR, every draft
     must lie in `vocab` and every sampling distribution must be 0 outside it. -> the proposals seen."""
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.sampling import SamplingParams
 
     seen = conftest.record_proposals(drafter)
     rng = random.Random(seed)
@@ -196,7 +196,7 @@ def decode_inside_vocab(target, drafter, vocab: torch.Tensor, temperature: float
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_lm_with_a_draft_vocabulary_is_lossless_and_samples_inside_it(temperature):
-    from angelspec.spec.drafters import DraftLMDrafter
+    from angelspec.decoding.drafters import DraftLMDrafter
 
     target = conftest.tiny_decoder(vocab=VOCAB, layers=2, seed=0)
     draft = conftest.tiny_decoder(vocab=VOCAB, layers=1, seed=5)
@@ -210,8 +210,8 @@ def test_draft_lm_with_a_draft_vocabulary_is_lossless_and_samples_inside_it(temp
 
 def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_target_dir, conversations):
     from angelspec.cli import main
+    from angelspec.decoding.drafters import DraftLMDrafter
     from angelspec.models import Decoder, load_target, save_target
-    from angelspec.spec.drafters import DraftLMDrafter
 
     cfg = load_target(tiny_target_dir).config
     save_target(Decoder(replace(cfg, num_hidden_layers=1)), tmp_path / "dlm")
@@ -254,8 +254,8 @@ def _mtp_with_vocab(kind: str, target, vocab: torch.Tensor | None):
 def test_mtp_family_draft_vocab_is_lossless_restricted_and_round_trips(tmp_path, kind, temperature):
     """An MTP / EAGLE-3 block with a draft vocabulary scores exactly the full head's logits restricted to those
     ids, drafts and samples only inside them, stays lossless, and its folder keeps the ids."""
+    from angelspec.decoding.drafters.mtp import MTPDrafter
     from angelspec.models.mtp_io import load_mtp, save_mtp
-    from angelspec.spec.drafters.mtp import MTPDrafter
 
     target = conftest.tiny_decoder(vocab=VOCAB, layers=5, seed=0)
     vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(6))[:24]

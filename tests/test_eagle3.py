@@ -18,16 +18,17 @@ import pytest
 import torch
 from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
 
+from angelspec.decoding.drafters import get_drafter
+from angelspec.decoding.drafters.base import DrafterMismatchError
+from angelspec.decoding.drafters.eagle3 import Eagle3Drafter
+from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.engine import EngineConfig, Request
 from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError
 from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
 from angelspec.models.hf_io import CheckpointError
 from angelspec.models.mtp import concat_taps
 from angelspec.models.mtp_io import load_mtp, save_mtp
-from angelspec.spec.drafter import DrafterMismatchError, get_drafter
-from angelspec.spec.drafters.eagle3 import Eagle3Drafter
-from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
-from angelspec.spec.engine import EngineConfig, Request
 from angelspec.train.ttt import ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")

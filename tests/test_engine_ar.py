@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import Decoder, DecoderConfig
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
-from angelspec.spec.sampling import SamplingParams
 
 V = 64
 EOS = 3

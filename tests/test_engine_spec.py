@@ -19,23 +19,20 @@ import pytest
 import torch
 from torch import Tensor
 
-from angelspec.models import Decoder, DecoderConfig, save_target
-from angelspec.spec.drafter import (
+from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter, get_drafter, registered_drafters
+from angelspec.decoding.drafters.base import (
     Commit,
-    ConfidenceThreshold,
     Drafter,
     DrafterMismatchError,
     DraftState,
-    FixedDepth,
     Proposal,
-    get_drafter,
     register_drafter,
-    registered_drafters,
 )
-from angelspec.spec.drafters import DraftLMDrafter, NGramDrafter
-from angelspec.spec.drafters.ngram import reference_lookup
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-from angelspec.spec.sampling import SamplingParams
+from angelspec.decoding.drafters.ngram import reference_lookup
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
+from angelspec.decoding.sampling import SamplingParams
+from angelspec.models import Decoder, DecoderConfig, save_target
 
 V = 64
 EOS = 3

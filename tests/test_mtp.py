@@ -16,11 +16,12 @@ from conftest import RecordingMixin, check_lossless_and_recorded, same_weights, 
 from conftest import tiny_decoder as tiny_target
 
 from angelspec.data.packing import Doc, pack_documents
+from angelspec.decoding.drafters import get_drafter
+from angelspec.decoding.drafters.base import DrafterMismatchError
+from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
 from angelspec.models.mtp import MTPBlock, MTPConfig
-from angelspec.spec.drafter import DrafterMismatchError, get_drafter
-from angelspec.spec.drafters.mtp import MTPDrafter, reference_drafts
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
 
@@ -230,7 +231,7 @@ def test_compiled_mtp_is_lossless_and_drafts_as_eager(batch):
 
 
 def test_sampling_smoke_t1():
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.sampling import SamplingParams
 
     target = tiny_target(heads=2, kv=1)
     engine = SpecEngine(target, MTPDrafter(tiny_block(target)), EngineConfig(max_batch_size=3, num_draft_tokens=3))
@@ -257,7 +258,7 @@ def test_registry_and_mismatch(tmp_path):
 
 def test_cli_loads_an_mtp_folder_sharing_the_targets_modules(tmp_path):
     """`--drafter mtp:DIR` and a bare DIR go through the registry's `from_pretrained(DIR, target=...)`."""
-    from angelspec.cli import resolve_drafter
+    from angelspec.decoding.loading import resolve_drafter
     from angelspec.models import load_target, save_target
     from angelspec.models.mtp_io import save_mtp
 

@@ -10,19 +10,15 @@ import pytest
 import torch
 
 from angelspec.cli import main
+from angelspec.decoding.drafters.ngram import NGramDrafter
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
+from angelspec.decoding.policies.budget import LinearCost
+from angelspec.decoding.policies.costmodel import CostTable
+from angelspec.decoding.policies.dcut import DCut
+from angelspec.decoding.policies.factory import POLICY_FORMS, PolicyError, cost_batch_sizes, make_policy, parse_policy
+from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
 from angelspec.models import load_target
-from angelspec.spec.budget import DCut, LinearCost, PrefixScheduler, ProductionScheduler
-from angelspec.spec.costmodel import CostTable
-from angelspec.spec.drafter import ConfidenceThreshold, FixedDepth
-from angelspec.spec.drafters.ngram import NGramDrafter
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-from angelspec.spec.policies import (
-    POLICY_FORMS,
-    PolicyError,
-    cost_batch_sizes,
-    make_policy,
-    parse_policy,
-)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,9 +11,9 @@ import torch
 from angelspec.data import rollout as rollout_mod
 from angelspec.data.rollout import RolloutError, rollout, split_response
 from angelspec.data.tokenizer import load_tokenizer
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import load_target
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-from angelspec.spec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

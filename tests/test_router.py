@@ -10,10 +10,10 @@ import pytest
 from test_block_engine import VOCAB, tiny_block_drafter, tiny_target
 
 from angelspec.assets import EVAL_PROMPTS
-from angelspec.spec.drafters.block import DFlyDrafter
-from angelspec.spec.drafters.ngram import NGramDrafter
-from angelspec.spec.engine import EngineConfig, Request, Result, reference_generate
-from angelspec.spec.router import (
+from angelspec.decoding.drafters.block import DFlyDrafter
+from angelspec.decoding.drafters.ngram import NGramDrafter
+from angelspec.decoding.engine import EngineConfig, Request, Result, reference_generate
+from angelspec.decoding.router import (
     RouterError,
     WorkloadRouter,
     classifier_accuracy,

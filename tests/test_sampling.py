@@ -1,4 +1,4 @@
-"""Tests for angelspec.spec.sampling: logit processing, counter-based noise, sampling and verification.
+"""Tests for angelspec.decoding.sampling: logit processing, counter-based noise, sampling and verification.
 
 Distribution tests draw ~100k samples in one vectorised batch with fixed seeds and compare against the
 exact target distribution with a chi-square test at alpha = 1e-4 (Wilson-Hilferty critical value; no
@@ -12,8 +12,8 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from angelspec.spec import sampling as S
-from angelspec.spec.sampling import (
+from angelspec.decoding import sampling as S
+from angelspec.decoding.sampling import (
     PLACEHOLDER_TOKEN_ID,
     BatchSampling,
     NoiseStream,

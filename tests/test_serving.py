@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from angelspec.cli import main
+from angelspec.decoding.policies.factory import PolicyError
 from angelspec.eval.serving import (
     ServingConfig,
     ServingError,
@@ -23,7 +24,6 @@ from angelspec.eval.serving import (
     parse_config,
 )
 from angelspec.eval.speculative import EvalPrompt
-from angelspec.spec.policies import PolicyError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

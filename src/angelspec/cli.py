@@ -11,22 +11,29 @@ that is a bug in the engine, not bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec import __version__
-from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS
+from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS, resolve_target_dir
+from angelspec.decoding.loading import (
+    drafter_forms,
+    encode_prompts,
+    load_target_and_tokenizer,
+    resolve_drafter,
+    run_engine,
+)
+from angelspec.errors import UsageError
+from angelspec.eval.prompts import eval_prompts
 from angelspec.fileio import write_jsonl_atomic
+from angelspec.train.registry import BLOCK_DRAFTERS, TRAINABLE_DRAFTERS, TRAINERS
 
 if TYPE_CHECKING:
-    import torch
 
-    from angelspec.eval.speculative import EvalPrompt
+    from angelspec.decoding.drafters.base import Drafter
     from angelspec.models import Decoder
-    from angelspec.spec.drafter import Drafter
 
 EXIT_NOT_LOSSLESS = 1
 EXIT_BAD_INPUT = 2
@@ -35,234 +42,12 @@ DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
 POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "
                "alg1:TAU | production (default: full; dcut, alg1 and production read a measured cost table, "
                "profiled on first use and cached)")
-# Drafters `angelspec train` can train; PLANNED_DRAFTERS names roadmap kinds in the refusal message until they exist.
-# Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
-# `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
-TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm_embedded"),
-            "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded"),
-            "eagle3": ("angelspec.train.eagle3", "train_eagle3", "eagle3_embedded"),
-            "dflash": ("angelspec.train.block", "train_dflash", "dflash_embedded"),
-            "dflare": ("angelspec.train.block", "train_dflare", "dflare_embedded"),
-            "dfly": ("angelspec.train.block", "train_dfly", "dfly_embedded"),
-            "dspark": ("angelspec.train.block", "train_dspark", "dspark_embedded")}
-TRAINABLE_DRAFTERS = tuple(TRAINERS)
-BLOCK_DRAFTERS = ("dflash", "dflare", "dfly", "dspark")  # the kinds that take --head
-PLANNED_DRAFTERS = ""  # every roadmap drafter is trainable now
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json / the output file
-
-
-class UsageError(ValueError):
-    """Bad command-line input that argparse cannot see: values, combinations, missing artefacts."""
 
 
 # --------------------------------------------------------------------------------------------------
 # Shared helpers (also used by `angelspec.demo`)
 # --------------------------------------------------------------------------------------------------
-def resolve_target_dir(target: str | Path | None) -> Path:
-    """The folder to load: `--target` if given, else the embedded target, which must be built first."""
-    if target is not None:
-        return Path(target)
-    if not (DEFAULT_TARGET / "config.json").is_file():
-        raise UsageError(
-            f"the embedded target is not built yet ({DEFAULT_TARGET} has no config.json). Build it with "
-            "`make data-sources && angelspec target build` (about 2 hours on 2 CPU cores; resumable with "
-            "--resume), or pass --target DIR with a HF checkpoint folder"
-        )
-    return DEFAULT_TARGET
-
-
-def load_target_and_tokenizer(target_dir: Path) -> tuple[Decoder, Any]:
-    """Load the target's weights and its tokenizer from one HF-layout folder.
-
-    The config and the tokenizer are read first so an unknown architecture or a missing file fails
-    before the weights are read; the tokenizer must sit beside the weights because prompts are rendered
-    with its chat template.
-    """
-    import torch
-
-    from angelspec.data.tokenizer import TokenizerError, load_tokenizer
-    from angelspec.models import load_target, read_config
-
-    config = read_config(target_dir)
-    try:
-        tokenizer = load_tokenizer(target_dir)
-    except TokenizerError as e:
-        raise UsageError(f"cannot load the target's tokenizer: {e} (the target folder needs a Hugging Face fast "
-                         "tokenizer beside the weights: tokenizer.json and tokenizer_config.json, with the chat "
-                         "template in tokenizer_config.json or chat_template.jinja)") from None
-    model = load_target(target_dir, dtype=torch.float32)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise UsageError(f"{target_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
-                         f"is {config.vocab_size}; the tokenizer files belong to another model")
-    return model, tokenizer
-
-
-def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: int, think: bool,
-                   source: str) -> list[list[int]]:
-    """Render each prompt's messages with the chat template; refuse prompts that leave no room to generate."""
-    encoded = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, enable_thinking=think)
-               for p in prompts]
-    too_long = [(p["line"], len(ids)) for p, ids in zip(prompts, encoded, strict=True) if len(ids) >= context]
-    if too_long:
-        line, n = too_long[0]
-        more = f" ({len(too_long) - 1} more lines are too long)" if len(too_long) > 1 else ""
-        raise UsageError(f"{source}:{line}: the prompt is {n} tokens after the chat template, but the target's "
-                         f"context is {context} tokens, so no token can be generated{more}")
-    return encoded
-
-
-def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
-               batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
-               progress: bool = True, depth_policy: Any = None) -> tuple[list[Any], Any]:
-    """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
-    `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used). depth_policy: drafts each row
-    verifies (`angelspec.spec.policies.make_policy`); None = all K.
-
-    Each request's budget is capped so prompt + completion fits the context; such rows end with
-    finish_reason "length" like any other that ran out of tokens.
-    """
-    from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-
-    context = model.config.max_position_embeddings
-    engine = SpecEngine(model, drafter=drafter,
-                        config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens),
-                        depth_policy=depth_policy)
-    requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
-                        request_id=i)
-                for i, (ids, s) in enumerate(zip(prompt_ids, sampling, strict=True))]
-    results = engine.generate(requests, progress=progress)
-    return results, engine.metrics
-
-
-def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
-                    dtype: torch.dtype | None = None) -> Drafter | None:
-    """Turn `--drafter SPEC` into a drafter for the engine (None = plain autoregressive decoding).
-
-    Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
-    drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
-    target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
-    `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
-    `from_pretrained(DIR, *, target=..., dtype=...)` (each keyword passed when the loader takes it: a
-    draft LM has its own weights in `dtype`, an MTP head shares the target's embedding), found via the
-    registry, so a new drafter kind needs no change here. The drafter is checked against the target
-    before it is returned: a drafter for another target fails here, before any decoding.
-    """
-    if spec is None or spec == "none":
-        return None
-    from angelspec.spec.drafter import DrafterMismatchError, registered_drafters
-    from angelspec.spec.drafters.ngram import NGramDrafter
-
-    kind, sep, arg = spec.partition(":")
-    dtype = dtype or target.embed_tokens.weight.dtype
-    drafter: Drafter
-    try:
-        if kind == "ngram":
-            drafter = NGramDrafter(max_ngram=_ngram_size(spec, arg) if sep else 3)
-        elif kind in registered_drafters():
-            if not sep or not arg:
-                raise UsageError(f"drafter {spec!r} needs the folder it was saved in: {kind}:DIR; "
-                                 f"valid forms: {drafter_forms()}")
-            drafter = _load_saved_drafter(spec, Path(arg), kind, target, dtype)
-        elif Path(spec).exists():
-            drafter = _load_saved_drafter(spec, Path(spec), None, target, dtype)
-        else:
-            what = f"{kind!r} is not a drafter kind" if sep else "not a drafter name, and no such directory"
-            raise UsageError(f"unknown drafter {spec!r} ({what}); valid forms: {drafter_forms()}")
-        drafter.check_compatible(target.config)
-    except DrafterMismatchError as e:
-        raise DrafterMismatchError(f"drafter {spec!r} does not fit the target {target_dir}: {e}") from None
-    return drafter
-
-
-def drafter_forms(include_none: bool = True) -> str:
-    """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
-    from angelspec.spec.drafter import get_drafter, registered_drafters
-
-    kinds = [k for k in registered_drafters() if callable(getattr(get_drafter(k), "from_pretrained", None))]
-    saved = ", ".join(f"{k}:DIR" for k in kinds)
-    none = "none, " if include_none else ""
-    return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
-           "`angelspec train`)"
-
-
-def _ngram_size(spec: str, arg: str) -> int:
-    try:
-        n = int(arg)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise UsageError(f"drafter {spec!r}: ngram:N needs a positive integer N (the longest n-gram to match), "
-                         f"got {arg!r}")
-    return n
-
-
-def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
-    """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`.
-    A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
-    import inspect
-
-    from angelspec.spec.drafter import get_drafter, registered_drafters
-
-    if not path.is_dir():
-        problem = "is a file, not a folder" if path.exists() else "does not exist"
-        raise UsageError(f"drafter {spec!r}: {path} {problem}; valid forms: {drafter_forms()}")
-    config = path / "config.json"
-    if not config.is_file():
-        raise UsageError(f"drafter {spec!r}: {path} is not a drafter folder (no config.json); "
-                         f"valid forms: {drafter_forms()}")
-    try:
-        raw = json.loads(config.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"drafter {spec!r}: {config} is not valid JSON ({e})") from None
-    meta = raw.get("angelspec") if isinstance(raw, dict) else None
-    recorded = meta.get("drafter") if isinstance(meta, dict) else None
-    if kind is None:
-        if not isinstance(recorded, str):
-            raise UsageError(f'drafter {spec!r}: {path} is not an AngelSpec drafter folder (its config.json has no '
-                             f'"angelspec": {{"drafter": ...}} entry); to use a plain HF causal LM that shares the '
-                             f"target's tokenizer as a draft model, pass draft-lm:{path}")
-        if recorded not in registered_drafters():
-            raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, which this version of AngelSpec "
-                             f"cannot load (known kinds: {', '.join(registered_drafters())})")
-        kind = recorded
-    elif recorded is not None and recorded != kind:
-        raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
-                         f"pass --drafter {path} (or {recorded}:{path})")
-    loader = getattr(get_drafter(kind), "from_pretrained", None)
-    if not callable(loader):
-        raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
-                         f"valid forms: {drafter_forms()}")
-    from angelspec.spec.calibrated import with_calibration
-
-    accepted = inspect.signature(loader).parameters
-    drafter = loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
-    return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences
-
-
-def eval_prompts(tokenizer: Any, records: list[dict[str, Any]], *, context: int, source: str,
-                 limit: int | None = None, think: bool = False) -> list[EvalPrompt]:
-    """Prompts for `evaluate`: grouped by each line's "domain" key, at most `limit` per domain.
-
-    Lines without a domain are grouped as "other" when some lines have one, and everything is one group
-    ("all") when none has; a domain that is not a string is refused with its line number.
-    """
-    from angelspec.eval.speculative import ALL, EvalPrompt
-
-    has_domains = any("domain" in p["record"] for p in records)
-    kept, counts = [], {}
-    for p in records:
-        domain = p["record"].get("domain", "other") if has_domains else ALL
-        if has_domains and (not isinstance(domain, str) or not domain.strip() or domain == ALL):
-            raise UsageError(f'{source}:{p["line"]}: "domain" must be a non-empty string other than {ALL!r}, '
-                             f"got {domain!r}")
-        if limit is not None and counts.get(domain, 0) >= limit:
-            continue
-        counts[domain] = counts.get(domain, 0) + 1
-        kept.append((p, domain))
-    ids = encode_prompts(tokenizer, [p for p, _ in kept], context=context, think=think, source=source)
-    return [EvalPrompt(ids=i, domain=d, line=p["line"]) for i, (p, d) in zip(ids, kept, strict=True)]
-
-
 def _check_output_path(path: Path, force: bool, flag: str = "--out", example: str = "out.jsonl") -> None:
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file name such as {path / example}")
@@ -273,7 +58,7 @@ def _check_output_path(path: Path, force: bool, flag: str = "--out", example: st
 def _sampling_params(args: argparse.Namespace, n: int) -> list[Any]:
     """One `SamplingParams` per request; with --seed S, request i gets seed S + i so identical prompts
     still draw independent samples while the whole run stays reproducible."""
-    from angelspec.spec.sampling import SamplingParams
+    from angelspec.decoding.sampling import SamplingParams
 
     try:
         base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -286,7 +71,7 @@ def _sampling_params(args: argparse.Namespace, n: int) -> list[Any]:
 
 def _policy_spec(args: argparse.Namespace) -> Any:
     """Check `--policy` before any weights are loaded (a typo costs nothing)."""
-    from angelspec.spec.policies import PolicyError, parse_policy
+    from angelspec.decoding.policies.factory import PolicyError, parse_policy
 
     try:
         spec = parse_policy(args.policy)
@@ -300,7 +85,7 @@ def _policy_spec(args: argparse.Namespace) -> Any:
 
 def _build_policy(args: argparse.Namespace, spec: Any, model: Decoder, drafter: Drafter | None) -> Any:
     """The `--policy` object for the engine; a cost table covers batch sizes up to --batch-size."""
-    from angelspec.spec.policies import PolicyError, cost_batch_sizes, make_policy
+    from angelspec.decoding.policies.factory import PolicyError, cost_batch_sizes, make_policy
 
     try:
         return make_policy(spec, target=model, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
@@ -380,9 +165,9 @@ def cmd_target_build(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """`angelspec eval`: AR and a drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
     from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.policies.sts import CalibratedDrafter
     from angelspec.eval.speculative import EvalSettings, evaluate
     from angelspec.models.hf_io import write_json_atomic
-    from angelspec.spec.calibrated import CalibratedDrafter
 
     if args.drafter == "none":
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
@@ -430,7 +215,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """`angelspec profile`: measure (or reuse) the cost table C(B, N) for a target and a drafter."""
-    from angelspec.spec.costmodel import load_or_profile
+    from angelspec.decoding.policies.costmodel import load_or_profile
 
     try:
         batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -460,8 +245,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """`angelspec bench`: closed-loop serving sweep of AR and drafters under depth policies."""
+    from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, lossless, parse_concurrency, parse_config
-    from angelspec.spec.policies import PolicyError
 
     try:
         configs = [parse_config(c) for c in args.config]
@@ -494,7 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _drafter_folder(spec: str) -> Path | None:
     """The folder a `--drafter` spec loads from (None for none / ngram forms)."""
-    from angelspec.spec.drafter import registered_drafters
+    from angelspec.decoding.drafters import registered_drafters
 
     kind, sep, arg = spec.partition(":")
     if spec == "none" or kind == "ngram":
@@ -565,7 +350,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """`angelspec calibrate`: fit STS temperatures for a drafter's confidences and save calibration.json."""
     from angelspec.data.prompts import load_prompts
-    from angelspec.eval.calibrate import calibrate_drafter, check_writable, drafter_folder
+    from angelspec.eval.sts_fit import calibrate_drafter, check_writable, drafter_folder
 
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
                         ("--num-draft-tokens", args.num_draft_tokens), ("--limit", args.limit)):
@@ -616,8 +401,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
     if args.drafter not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
-                if args.drafter.partition(":")[0] == "ngram"
-                else f" ({PLANNED_DRAFTERS} are planned)" if PLANNED_DRAFTERS else "")
+                if args.drafter.partition(":")[0] == "ngram" else "")
         raise UsageError(f"cannot train drafter {args.drafter!r}: the drafters that can be trained today are "
                          f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
     import importlib

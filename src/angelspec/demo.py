@@ -24,16 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS, TRAIN_PROMPTS
-from angelspec.cli import (
-    EXIT_BAD_INPUT,
-    UsageError,
-    is_user_error,
-    load_target_and_tokenizer,
-    preview_lines,
-    resolve_drafter,
-    resolve_target_dir,
-)
+from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS, TRAIN_PROMPTS, resolve_target_dir
+from angelspec.cli import EXIT_BAD_INPUT, is_user_error, preview_lines
+from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
+from angelspec.errors import UsageError
 
 PREVIEW_LINES = 6  # of the one sample completion shown per domain
 
@@ -146,7 +140,7 @@ def stage_ngram(state: DemoState) -> dict[str, str]:
 def stage_draft_lm(state: DemoState) -> dict[str, str]:
     """The shipped one-layer draft LM; skipped with a note when it has not been trained yet, or when it was
     trained for another target than the one the demo runs."""
-    from angelspec.spec.drafter import DrafterMismatchError
+    from angelspec.decoding.drafters.base import DrafterMismatchError
 
     folder = state.draft_lm
     if not (folder / "config.json").is_file():
@@ -181,7 +175,7 @@ def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
     import importlib
     from dataclasses import replace
 
-    from angelspec.cli import TRAINERS
+    from angelspec.train.registry import TRAINERS
 
     if state.train_minutes <= 0:
         return {name: "skipped (--train-minutes 0)"}
@@ -223,8 +217,8 @@ def stage_serving(state: DemoState) -> dict[str, str]:
     to <= 3% expected acceptance loss) as closed-loop
     clients at concurrency 1, 4 and 16, short greedy generations (under a minute on 2 CPU cores; the full
     sweep is `benchmarks/serving.py`). Needs the drafters the two training stages just wrote."""
+    from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.eval.serving import ServingConfig, bench, lossless
-    from angelspec.spec.drafter import DrafterMismatchError
 
     mtp, dfly = state.work_dir / "mtp", state.work_dir / "dfly"
     missing = [str(d) for d in (mtp, dfly) if not (d / "config.json").is_file()]

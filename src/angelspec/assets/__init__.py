@@ -3,6 +3,8 @@ trained for it (`assets/draft_lm/`), and held-out evaluation prompts."""
 
 from pathlib import Path
 
+from angelspec.errors import UsageError
+
 DEFAULT_TARGET = Path(__file__).parent / "target"
 # The draft-LM baseline trained for DEFAULT_TARGET (`angelspec train --drafter draft-lm`); the demo skips
 # its stage while this folder has no config.json.
@@ -13,3 +15,16 @@ EVAL_PROMPTS = Path(__file__).parent / "prompts" / "eval.jsonl"
 # Training prompts per domain (code, math, chat) from the corpus' TRAIN splits: the demo rolls them out with
 # the target and trains a drafter on the responses. Disjoint from EVAL_PROMPTS by construction.
 TRAIN_PROMPTS = Path(__file__).parent / "prompts" / "train.jsonl"
+
+
+def resolve_target_dir(target: str | Path | None) -> Path:
+    """The folder to load: `--target` if given, else the embedded target, which must be built first."""
+    if target is not None:
+        return Path(target)
+    if not (DEFAULT_TARGET / "config.json").is_file():
+        raise UsageError(
+            f"the embedded target is not built yet ({DEFAULT_TARGET} has no config.json). Build it with "
+            "`make data-sources && angelspec target build` (about 2 hours on 2 CPU cores; resumable with "
+            "--resume), or pass --target DIR with a HF checkpoint folder"
+        )
+    return DEFAULT_TARGET

@@ -185,7 +185,7 @@ def report_path(out: Path) -> Path:
 
 def cmd_decontam(args: argparse.Namespace) -> int:
     """`angelspec decontam`: filter --train against every --eval file; print per-domain counts."""
-    from angelspec.cli import resolve_target_dir
+    from angelspec.assets import resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.fileio import write_json_atomic, write_jsonl_atomic

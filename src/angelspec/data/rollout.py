@@ -3,7 +3,7 @@
 Why: a drafter is scored on how well it predicts the *deployed target*, so training on the target's own
 responses (its token choices and uncertainty) beats training on human or other-model references. The
 prompts are rendered with the target's chat template in the serving mode (think / no-think) and decoded
-in batches through :class:`~angelspec.spec.engine.SpecEngine`.
+in batches through :class:`~angelspec.decoding.engine.SpecEngine`.
 
 Input lines (the prompts format of :mod:`angelspec.data.prompts`): ``{"prompt": str}`` or
 ``{"messages": [...]}``. Every assistant turn is replaced by the target's response, turn by turn: the
@@ -231,9 +231,9 @@ def rollout(
     import torch
 
     from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+    from angelspec.decoding.sampling import SamplingParams
     from angelspec.models import load_target
-    from angelspec.spec.engine import EngineConfig, Request, SpecEngine
-    from angelspec.spec.sampling import SamplingParams
 
     t0 = time.perf_counter()
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
@@ -367,7 +367,7 @@ def add_rollout_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     """`angelspec rollout`: run :func:`rollout` and print its summary."""
-    from angelspec.cli import resolve_target_dir
+    from angelspec.assets import resolve_target_dir
 
     if args.resume and args.force:
         raise RolloutError("--resume and --force contradict each other: pick one")

@@ -42,9 +42,10 @@ from angelspec.assets import EVAL_PROMPTS
 from angelspec.fileio import replace_atomic, write_json_atomic
 
 if TYPE_CHECKING:
+    from angelspec.decoding.drafters.base import Drafter
+    from angelspec.decoding.policies.base import DepthPolicy
     from angelspec.eval.speculative import EvalPrompt
     from angelspec.models.decoder import Decoder
-    from angelspec.spec.drafter import DepthPolicy, Drafter
 
 DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MIN_REQUESTS = 8
@@ -81,7 +82,7 @@ class ServingConfig:
 
 def parse_config(text: str) -> ServingConfig:
     """`NAME=SPEC[@POLICY]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY default full)."""
-    from angelspec.spec.policies import parse_policy
+    from angelspec.decoding.policies.factory import parse_policy
 
     name, sep, rest = text.partition("=")
     name, rest = name.strip(), rest.strip()
@@ -147,9 +148,9 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
     """Load every drafter (checked against the target) and build every policy before anything is timed.
     Budget policies get a cost table covering every concurrency of the sweep (profiled once per drafter
     and cached; see `spec.policies.make_policy`)."""
-    from angelspec.cli import resolve_drafter
-    from angelspec.spec.costmodel import drafter_id
-    from angelspec.spec.policies import make_policy, parse_policy
+    from angelspec.decoding.loading import resolve_drafter
+    from angelspec.decoding.policies.costmodel import drafter_id
+    from angelspec.decoding.policies.factory import make_policy, parse_policy
 
     check_configs(configs)
     drafters: dict[str, Drafter | None] = {}
@@ -182,7 +183,7 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
 
 def _warm_drafter(target: Decoder, drafter: Drafter, k: int, tokens: int = 8) -> None:
     """A few untimed speculative steps on one synthetic prompt (first forwards, allocator growth)."""
-    from angelspec.spec.engine import EngineConfig, Request, SpecEngine
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 
     prompt = [i % target.config.vocab_size for i in range(1, 17)]
     SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=k, max_seq_len=len(prompt) + tokens)
@@ -317,7 +318,7 @@ class ServingReport:
 
     def goal_pairs(self) -> list[tuple[str, str]]:
         """Every (D-cut config, full config of the same drafter and K), DFly and the report's D-cut first."""
-        from angelspec.spec.policies import parse_policy
+        from angelspec.decoding.policies.factory import parse_policy
 
         first = {r.config: r for r in self.rows}
         pairs = []
@@ -565,7 +566,7 @@ def _be_cell(value: float | None, mal: float | None) -> str:
 # Running
 # --------------------------------------------------------------------------------------------------
 def _requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None) -> list[Any]:
-    from angelspec.spec.engine import Request
+    from angelspec.decoding.engine import Request
 
     return [Request(prompt_ids=workload[i % len(workload)].ids, max_new_tokens=budget or max_new_tokens, stop_ids=(),
                     request_id=i) for i in range(n)]
@@ -605,7 +606,7 @@ def warm_up(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
 def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], concurrency: int, n: int,
             max_new_tokens: int) -> tuple[Any, list[Any]]:
     """A `SpecEngine` with `concurrency` rows for the contender, and n requests of the workload."""
-    from angelspec.spec.engine import EngineConfig, SpecEngine
+    from angelspec.decoding.engine import EngineConfig, SpecEngine
 
     requests = _requests(workload, n, max_new_tokens)
     max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens

@@ -27,11 +27,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from angelspec.decoding.drafters.base import Drafter
+from angelspec.decoding.engine import DepthPolicyFn, EngineConfig, Request, SpecEngine
+from angelspec.decoding.metrics import PHASES, DecodeMetrics
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.models.decoder import Decoder
-from angelspec.spec.drafter import Drafter
-from angelspec.spec.engine import DepthPolicyFn, EngineConfig, Request, SpecEngine
-from angelspec.spec.metrics import PHASES, DecodeMetrics
-from angelspec.spec.sampling import SamplingParams
 
 ALL = "all"  # the aggregate row's name in reports
 MAX_MISMATCHES_SHOWN = 5
@@ -140,7 +140,7 @@ class EvalReport:
     domains: dict[str, DomainResult]
     overall: DomainResult
     mismatches: list[Mismatch]
-    policy: str = "full"  # the depth-policy spec of the speculative run (`angelspec.spec.policies`)
+    policy: str = "full"  # the depth-policy spec of the speculative run (`angelspec.decoding.policies.factory`)
 
     @property
     def lossless_checked(self) -> bool:

@@ -1,17 +1,20 @@
-"""The drafter interface, the depth-policy hook, and the drafter registry.
+"""The drafter interface and the registry entry point.
 
 A drafter proposes K tokens per row for a batch of rows and is told what the target committed; it never
 owns the target. What flows between the engine and a drafter, once per speculative step:
 
     engine                                   drafter
     DraftState (last token, lengths, ...) -> propose()  -> Proposal(tokens [B, K], probs, confidences, ...)
-    depth policy (Proposal, DraftState)   -> depth [B]  (how many drafts each row verifies)
+    depth policy (Proposal, DraftState)   -> depth [B]  (how many drafts each row verifies; decoding/policies/)
     target verify forward, verification
-    Commit (tokens, num_accepted, ...)    -> on_commit()   (roll the drafter's own cache back: DESIGN.md trap 4)
+    Commit (tokens, num_accepted, ...)    -> on_commit()   (roll the drafter's own cache back: docs/design.md trap 4)
 
 Rows are KV-cache slots. A request joins a free row (`prefill`) and leaves it (`reset_rows`) between steps.
 A drafter that wants target hidden states lists tap ids in `target_layer_ids` (id i = output of target
-decoder layer i, DESIGN.md trap 2); the engine hands the taps of the prefill and verify forwards over.
+decoder layer i, docs/design.md trap 2); the engine hands the taps of the prefill and verify forwards over.
+
+A drafter family registers itself once with `@register_drafter(name)`; `angelspec.decoding.drafters` imports
+every built-in family and looks them up by name (`get_drafter`).
 
 Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt length, V vocab, D model dim.
 """
@@ -22,13 +25,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from angelspec.decoding.sampling import BatchSampling
 from angelspec.models.config import DecoderConfig
-from angelspec.spec.sampling import BatchSampling
 
 
 class DrafterMismatchError(ValueError):
@@ -99,102 +101,6 @@ class Commit:
     active: Tensor  # [B] bool, rows that took part
     host_tokens: tuple[tuple[int, ...], ...]  # per row, the committed tokens on the host (() if inactive)
     target_hidden: tuple[Tensor, ...]  # one [B, T, D] per id in target_layer_ids, from the verify forward
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Depth policies: how many drafts each row verifies
-# ---------------------------------------------------------------------------------------------------------
-
-
-@runtime_checkable
-class DepthPolicy(Protocol):
-    """`policy(proposal, state) -> depth [B] int64 in [0, K]`.
-
-    `uses_proposal` says whether the depth reads this round's drafts (tokens, confidences, probs). If it
-    does and the drafts were sampled, standard speculative sampling would be biased (DESIGN.md trap 1), so
-    the engine then verifies with the deterministic-draft protocol and asks the drafter for argmax drafts.
-    A plain callable without the attribute is treated as `uses_proposal = True` (the safe choice).
-
-    `static_depth`: a host int when every row always gets the same depth (lets the engine skip a host sync
-    for the verify width), else None. Adaptive policies (D-cut, DSpark's scheduler) plug in here.
-    """
-
-    uses_proposal: bool
-    static_depth: int | None
-
-    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor: ...
-
-
-@dataclass(frozen=True)
-class FixedDepth:
-    """Every row verifies `depth` drafts (None = all K)."""
-
-    depth: int | None = None
-    uses_proposal: bool = False
-
-    def __post_init__(self) -> None:
-        if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int)
-                                       or self.depth < 0):
-            raise ValueError(f"FixedDepth.depth must be an int >= 0 or None (= K), got {self.depth!r}")
-
-    @property
-    def static_depth(self) -> int | None:
-        return self.depth
-
-    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
-        k = state.num_draft_tokens if self.depth is None else min(self.depth, state.num_draft_tokens)
-        return torch.full_like(state.seq_lens, k)
-
-
-def sanitize_confidences(conf: Tensor) -> tuple[Tensor, Tensor]:
-    """conf [B, K] -> (clean [B, K] float32 in [0, 1], number of bad entries as a 0-dim int64 tensor).
-
-    NaN and -inf become 0 (do not spend verification on a draft nobody vouches for), +inf and values above 1
-    become 1, negatives 0. The count stays on the device (reading it is a host sync)."""
-    c = conf.float()
-    bad = ~((c >= 0) & (c <= 1))  # NaN fails both comparisons
-    clean = torch.nan_to_num(c, nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
-    return clean, bad.sum()
-
-
-@dataclass(frozen=True)
-class ConfidenceThreshold:
-    """Verify the longest prefix whose cumulative confidence prod_{t<=k} c_t stays >= `threshold`
-    (D-cut's per-request score s_{i,k}, without the batch-level budget), at least `min_depth` drafts.
-
-    Reads this round's confidences, so the engine verifies with the deterministic-draft protocol."""
-
-    threshold: float
-    min_depth: int = 0
-    uses_proposal: bool = True
-    static_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"ConfidenceThreshold.threshold must be in [0, 1], got {self.threshold!r}")
-        if self.min_depth < 0:
-            raise ValueError(f"ConfidenceThreshold.min_depth must be >= 0, got {self.min_depth!r}")
-
-    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
-        if proposal.confidences is None:
-            raise ValueError("ConfidenceThreshold needs a drafter that reports confidences")
-        conf, _ = sanitize_confidences(proposal.confidences)  # NaN / out of range never reach the decision
-        score = torch.cumprod(conf, dim=-1)  # [B, K] s_{i,k}
-        depth = (score >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)  # leading run
-        return depth.clamp(min=min(self.min_depth, state.num_draft_tokens))
-
-
-def policy_uses_proposal(policy: Callable[..., Tensor]) -> bool:
-    return bool(getattr(policy, "uses_proposal", True))
-
-
-def policy_static_depth(policy: Callable[..., Tensor]) -> int | None:
-    return getattr(policy, "static_depth", None)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Drafter base class and registry
-# ---------------------------------------------------------------------------------------------------------
 
 
 class Drafter(ABC):
@@ -315,21 +221,3 @@ def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
         return cls
 
     return wrap
-
-
-def get_drafter(name: str) -> type[Drafter]:
-    """The drafter class registered as `name`."""
-    _import_builtin_drafters()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(sorted(_REGISTRY)) or 'none'}")
-    return _REGISTRY[name]
-
-
-def registered_drafters() -> tuple[str, ...]:
-    _import_builtin_drafters()
-    return tuple(sorted(_REGISTRY))
-
-
-def _import_builtin_drafters() -> None:
-    # Importing the package runs the @register_drafter decorators of the baseline drafters.
-    import angelspec.spec.drafters  # noqa: F401

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, register_drafter
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
 
 
 @register_drafter("ngram")

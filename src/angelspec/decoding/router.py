@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from angelspec.decoding.drafters.base import Drafter
+from angelspec.decoding.engine import EngineConfig, Request, Result, SpecEngine
 from angelspec.models.decoder import Decoder
-from angelspec.spec.drafter import Drafter
-from angelspec.spec.engine import EngineConfig, Request, Result, SpecEngine
 
 DOMAINS = ("code", "math", "chat")
 # The report's deployment split (§3.4–3.5): DFly as the code/maths drafter, MTP for open-ended chat.

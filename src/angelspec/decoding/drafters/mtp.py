@@ -35,15 +35,22 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from angelspec.decoding.batching import pad_prompts
+from angelspec.decoding.compiled import try_compile
+from angelspec.decoding.drafters.base import (
+    Commit,
+    Drafter,
+    DrafterMismatchError,
+    DraftState,
+    Proposal,
+    register_drafter,
+)
+from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import MTPBlock, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
-from angelspec.spec.batching import pad_prompts
-from angelspec.spec.compiled import try_compile
-from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
-from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
 
 @register_drafter("mtp")

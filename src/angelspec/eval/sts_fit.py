@@ -23,12 +23,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from angelspec.decoding.drafters import registered_drafters
+from angelspec.decoding.drafters.base import Drafter, full_depth_drafting
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
+from angelspec.decoding.policies.sts import (
+    CALIBRATION_FILE,
+    CalibratedDrafter,
+    CalibrationError,
+    StsCalibration,
+    fit_sts,
+    survival_labels,
+)
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.models.decoder import Decoder
-from angelspec.spec.calibrated import CalibratedDrafter, CalibrationError
-from angelspec.spec.calibration import CALIBRATION_FILE, StsCalibration, fit_sts, survival_labels
-from angelspec.spec.drafter import Drafter, full_depth_drafting, registered_drafters
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, VerifyEvent
-from angelspec.spec.sampling import SamplingParams
 
 LOGIT_EPS = 1e-6  # confidences are clipped to [eps, 1 - eps] before the logit: |z| <= 13.8
 

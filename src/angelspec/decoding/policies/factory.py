@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from angelspec.spec.budget import DCUT_RATIOS
+from angelspec.decoding.policies.dcut import DCUT_RATIOS
 
 if TYPE_CHECKING:
+    from angelspec.decoding.drafters.base import Drafter
+    from angelspec.decoding.policies.base import DepthPolicy
     from angelspec.models.decoder import Decoder
-    from angelspec.spec.drafter import DepthPolicy, Drafter
 
 POLICY_FORMS = ("full | fixed:N (0 <= N <= K) | threshold:C (C in [0, 1]) | dcut | dcut:RHO (RHO in 0.25, 0.5, "
                 "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production")
@@ -161,8 +162,10 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     cost model (None = the per-setup file under `.cache/angelspec-costs/`); batch_sizes: the concurrent
     request counts the table must cover (see `cost_batch_sizes`); log: progress of a (re-)profile.
     """
-    from angelspec.spec.budget import DCut, LinearCost, PrefixScheduler, ProductionScheduler
-    from angelspec.spec.drafter import ConfidenceThreshold, FixedDepth
+    from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
+    from angelspec.decoding.policies.budget import LinearCost
+    from angelspec.decoding.policies.dcut import DCut
+    from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
 
     parsed = spec if isinstance(spec, PolicySpec) else parse_policy(spec)
     if drafter is None:
@@ -186,7 +189,7 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
         return ConfidenceThreshold(arg)
     if kind == "dcut" and arg is not None:
         return DCut(cost=LinearCost(), ratios=(arg,))  # one ratio: the cost never decides
-    from angelspec.spec.costmodel import load_or_profile
+    from angelspec.decoding.policies.costmodel import load_or_profile
 
     table, what = load_or_profile(target, drafter, cost_table_path, batch_sizes=tuple(batch_sizes),
                                   num_draft_tokens=num_draft_tokens, log=log)

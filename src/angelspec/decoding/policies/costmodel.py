@@ -40,17 +40,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from angelspec.decoding.drafters import get_drafter, registered_drafters
+from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal, full_depth_drafting
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.fileio import write_json_atomic
 from angelspec.models.decoder import Decoder
-from angelspec.spec.drafter import (
-    Drafter,
-    DraftState,
-    Proposal,
-    full_depth_drafting,
-    get_drafter,
-    registered_drafters,
-)
-from angelspec.spec.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 
 DEFAULT_COST_DIR = Path(".cache/angelspec-costs")
 FORMAT = "angelspec-cost-table"

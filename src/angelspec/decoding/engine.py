@@ -53,21 +53,12 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from angelspec.models.decoder import Decoder
-from angelspec.models.kv_cache import StaticKVCache
-from angelspec.spec.batching import PerLayerKVCache, prefill_rows
-from angelspec.spec.compiled import try_compile
-from angelspec.spec.drafter import (
-    Commit,
-    Drafter,
-    DraftState,
-    FixedDepth,
-    Proposal,
-    policy_static_depth,
-    policy_uses_proposal,
-)
-from angelspec.spec.metrics import DecodeMetrics
-from angelspec.spec.sampling import (
+from angelspec.decoding.batching import PerLayerKVCache, prefill_rows
+from angelspec.decoding.compiled import try_compile
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
+from angelspec.decoding.metrics import DecodeMetrics
+from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
+from angelspec.decoding.sampling import (
     BatchSampling,
     NoiseStream,
     SamplingParams,
@@ -78,6 +69,8 @@ from angelspec.spec.sampling import (
     verify_greedy,
     verify_speculative,
 )
+from angelspec.models.decoder import Decoder
+from angelspec.models.kv_cache import StaticKVCache
 
 FinishReason = Literal["stop", "length"]
 DepthPolicyFn = Callable[[Proposal, DraftState], Tensor]

@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from angelspec.decoding.batching import PerLayerKVCache, prefill_rows
+from angelspec.decoding.compiled import try_compile
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
+from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.vocab import expand_logits
-from angelspec.spec.batching import PerLayerKVCache, prefill_rows
-from angelspec.spec.compiled import try_compile
-from angelspec.spec.drafter import Commit, Drafter, DraftState, Proposal, register_drafter
-from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
 
 @register_drafter("draft-lm")

@@ -7,8 +7,8 @@ a target without the folder's tap layers is refused with DrafterMismatchError) o
 
 from __future__ import annotations
 
-from angelspec.spec.drafter import register_drafter
-from angelspec.spec.drafters.mtp import MTPDrafter
+from angelspec.decoding.drafters.base import register_drafter
+from angelspec.decoding.drafters.mtp import MTPDrafter
 
 
 @register_drafter("eagle3")

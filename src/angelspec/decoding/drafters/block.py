@@ -31,15 +31,22 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from angelspec.decoding.compiled import try_compile
+from angelspec.decoding.drafters.base import (
+    Commit,
+    Drafter,
+    DrafterMismatchError,
+    DraftState,
+    Proposal,
+    register_drafter,
+)
+from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.block_drafter import BlockDrafter
 from angelspec.models.block_io import load_block_drafter, read_block_config
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
-from angelspec.spec.compiled import try_compile
-from angelspec.spec.drafter import Commit, Drafter, DrafterMismatchError, DraftState, Proposal, register_drafter
-from angelspec.spec.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 
 
 class BlockDrafterAdapter(Drafter):

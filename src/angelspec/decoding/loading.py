@@ -1,0 +1,189 @@
+"""Loaders every layer above `decoding/` shares: a target with its tokenizer, prompts rendered with its chat
+template, a `--drafter` spec turned into a drafter (through the registry), and one batched engine run.
+
+The command line, the demo, the benchmarks and the evaluation code all call these; nothing here parses
+arguments or prints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from angelspec.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from angelspec.decoding.drafters.base import Drafter
+    from angelspec.models import Decoder
+
+
+def load_target_and_tokenizer(target_dir: Path) -> tuple[Decoder, Any]:
+    """Load the target's weights and its tokenizer from one HF-layout folder.
+
+    The config and the tokenizer are read first so an unknown architecture or a missing file fails
+    before the weights are read; the tokenizer must sit beside the weights because prompts are rendered
+    with its chat template.
+    """
+    import torch
+
+    from angelspec.data.tokenizer import TokenizerError, load_tokenizer
+    from angelspec.models import load_target, read_config
+
+    config = read_config(target_dir)
+    try:
+        tokenizer = load_tokenizer(target_dir)
+    except TokenizerError as e:
+        raise UsageError(f"cannot load the target's tokenizer: {e} (the target folder needs a Hugging Face fast "
+                         "tokenizer beside the weights: tokenizer.json and tokenizer_config.json, with the chat "
+                         "template in tokenizer_config.json or chat_template.jinja)") from None
+    model = load_target(target_dir, dtype=torch.float32)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UsageError(f"{target_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                         f"is {config.vocab_size}; the tokenizer files belong to another model")
+    return model, tokenizer
+
+
+def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: int, think: bool,
+                   source: str) -> list[list[int]]:
+    """Render each prompt's messages with the chat template; refuse prompts that leave no room to generate."""
+    encoded = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, enable_thinking=think)
+               for p in prompts]
+    too_long = [(p["line"], len(ids)) for p, ids in zip(prompts, encoded, strict=True) if len(ids) >= context]
+    if too_long:
+        line, n = too_long[0]
+        more = f" ({len(too_long) - 1} more lines are too long)" if len(too_long) > 1 else ""
+        raise UsageError(f"{source}:{line}: the prompt is {n} tokens after the chat template, but the target's "
+                         f"context is {context} tokens, so no token can be generated{more}")
+    return encoded
+
+
+def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
+               batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
+               progress: bool = True, depth_policy: Any = None) -> tuple[list[Any], Any]:
+    """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
+    `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used). depth_policy: drafts each row
+    verifies (`angelspec.decoding.policies.factory.make_policy`); None = all K.
+
+    Each request's budget is capped so prompt + completion fits the context; such rows end with
+    finish_reason "length" like any other that ran out of tokens.
+    """
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+
+    context = model.config.max_position_embeddings
+    engine = SpecEngine(model, drafter=drafter,
+                        config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens),
+                        depth_policy=depth_policy)
+    requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
+                        request_id=i)
+                for i, (ids, s) in enumerate(zip(prompt_ids, sampling, strict=True))]
+    results = engine.generate(requests, progress=progress)
+    return results, engine.metrics
+
+
+def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
+                    dtype: torch.dtype | None = None) -> Drafter | None:
+    """Turn `--drafter SPEC` into a drafter for the engine (None = plain autoregressive decoding).
+
+    Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
+    drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
+    target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
+    `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
+    `from_pretrained(DIR, *, target=..., dtype=...)` (each keyword passed when the loader takes it: a
+    draft LM has its own weights in `dtype`, an MTP head shares the target's embedding), found via the
+    registry, so a new drafter kind needs no change here. The drafter is checked against the target
+    before it is returned: a drafter for another target fails here, before any decoding.
+    """
+    if spec is None or spec == "none":
+        return None
+    from angelspec.decoding.drafters import registered_drafters
+    from angelspec.decoding.drafters.base import DrafterMismatchError
+    from angelspec.decoding.drafters.ngram import NGramDrafter
+
+    kind, sep, arg = spec.partition(":")
+    dtype = dtype or target.embed_tokens.weight.dtype
+    drafter: Drafter
+    try:
+        if kind == "ngram":
+            drafter = NGramDrafter(max_ngram=_ngram_size(spec, arg) if sep else 3)
+        elif kind in registered_drafters():
+            if not sep or not arg:
+                raise UsageError(f"drafter {spec!r} needs the folder it was saved in: {kind}:DIR; "
+                                 f"valid forms: {drafter_forms()}")
+            drafter = _load_saved_drafter(spec, Path(arg), kind, target, dtype)
+        elif Path(spec).exists():
+            drafter = _load_saved_drafter(spec, Path(spec), None, target, dtype)
+        else:
+            what = f"{kind!r} is not a drafter kind" if sep else "not a drafter name, and no such directory"
+            raise UsageError(f"unknown drafter {spec!r} ({what}); valid forms: {drafter_forms()}")
+        drafter.check_compatible(target.config)
+    except DrafterMismatchError as e:
+        raise DrafterMismatchError(f"drafter {spec!r} does not fit the target {target_dir}: {e}") from None
+    return drafter
+
+
+def drafter_forms(include_none: bool = True) -> str:
+    """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
+    from angelspec.decoding.drafters import get_drafter, registered_drafters
+
+    kinds = [k for k in registered_drafters() if callable(getattr(get_drafter(k), "from_pretrained", None))]
+    saved = ", ".join(f"{k}:DIR" for k in kinds)
+    none = "none, " if include_none else ""
+    return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
+           "`angelspec train`)"
+
+
+def _ngram_size(spec: str, arg: str) -> int:
+    try:
+        n = int(arg)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UsageError(f"drafter {spec!r}: ngram:N needs a positive integer N (the longest n-gram to match), "
+                         f"got {arg!r}")
+    return n
+
+
+def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
+    """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`.
+    A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
+    import inspect
+
+    from angelspec.decoding.drafters import get_drafter, registered_drafters
+
+    if not path.is_dir():
+        problem = "is a file, not a folder" if path.exists() else "does not exist"
+        raise UsageError(f"drafter {spec!r}: {path} {problem}; valid forms: {drafter_forms()}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise UsageError(f"drafter {spec!r}: {path} is not a drafter folder (no config.json); "
+                         f"valid forms: {drafter_forms()}")
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"drafter {spec!r}: {config} is not valid JSON ({e})") from None
+    meta = raw.get("angelspec") if isinstance(raw, dict) else None
+    recorded = meta.get("drafter") if isinstance(meta, dict) else None
+    if kind is None:
+        if not isinstance(recorded, str):
+            raise UsageError(f'drafter {spec!r}: {path} is not an AngelSpec drafter folder (its config.json has no '
+                             f'"angelspec": {{"drafter": ...}} entry); to use a plain HF causal LM that shares the '
+                             f"target's tokenizer as a draft model, pass draft-lm:{path}")
+        if recorded not in registered_drafters():
+            raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, which this version of AngelSpec "
+                             f"cannot load (known kinds: {', '.join(registered_drafters())})")
+        kind = recorded
+    elif recorded is not None and recorded != kind:
+        raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
+                         f"pass --drafter {path} (or {recorded}:{path})")
+    loader = getattr(get_drafter(kind), "from_pretrained", None)
+    if not callable(loader):
+        raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
+                         f"valid forms: {drafter_forms()}")
+    from angelspec.decoding.policies.sts import with_calibration
+
+    accepted = inspect.signature(loader).parameters
+    drafter = loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
+    return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences
