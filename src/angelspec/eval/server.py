@@ -1,0 +1,299 @@
+"""Evaluation during training (AngelSpec report §6, the evaluation server).
+
+A process beside the trainer watches a run folder. Each time the trainer writes a new checkpoint, the server
+copies it aside (the trainer replaces its checkpoint folder atomically, so a copy is either the old or the new
+one, and is checked against the step it announced), loads it as a drafter and decodes held-out prompts with the
+real engine, AR and speculative side by side in one process. It appends one JSON line per (checkpoint,
+temperature) to `<run>/training/eval_log.jsonl`:
+
+    {"step", "tokens", "temperature", "mal", "acceptance" (p_1..p_K), "speedup", "lossless", "domains": {...},
+     "num_draft_tokens", "prompts", "max_new_tokens", "seconds", "time"}
+
+and, when `torch.utils.tensorboard` imports (the optional `tensorboard` package), the same scalars to
+`<run>/training/tensorboard/`. The log is keyed by step: a server restarted after a kill, or a trainer that
+was killed and resumed, never evaluates a step twice, so the log stays one consistent curve.
+
+The server never blocks the trainer: it only reads the trainer's files, and runs in its own process
+(`angelspec eval-server --watch RUN_DIR`, or started by `angelspec train --eval-every N`), niced where the
+platform allows. It stops once the run has finished (`train_report.json` written) and the final checkpoint is
+evaluated, or after `idle_timeout_s` without a new checkpoint.
+
+The checkpoint folder layout read here is the trainer's (train/checkpoint.py): `<run>/training/checkpoint/`
+(or `checkpoint.old/` after a kill between its two renames) holds `config.json`, `model.safetensors` and
+`trainer_state.json` with the step and the run's training config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from angelspec.decoding.loading import resolve_drafter
+from angelspec.decoding.sampling import SamplingParams
+from angelspec.errors import UsageError
+from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
+
+EVAL_LOG = "eval_log.jsonl"
+TRAINER_STATE = "trainer_state.json"
+TRAIN_REPORT = "train_report.json"
+
+
+@dataclass(frozen=True)
+class EvalServerSettings:
+    """What each checkpoint is evaluated on. `num_draft_tokens` None: the drafter's natural depth (a block
+    drafter's block size - 1), else 4."""
+
+    limit: int = 4  # held-out prompts per domain
+    max_new_tokens: int = 64
+    batch_size: int = 1
+    num_draft_tokens: int | None = None
+    temperatures: tuple[float, ...] = (0.0,)
+    seed: int = 0
+    poll_s: float = 10.0
+    idle_timeout_s: float | None = None  # stop after this long without a new checkpoint (None: wait for the run)
+
+    def __post_init__(self) -> None:
+        if self.limit < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise UsageError("eval-server: limit, max_new_tokens and batch_size must be at least 1")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise UsageError(f"eval-server: temperatures must be >= 0, got {self.temperatures}")
+
+
+def work_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "training"
+
+
+def eval_log_path(run_dir: str | Path) -> Path:
+    return work_dir(run_dir) / EVAL_LOG
+
+
+def read_eval_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's evaluation records, oldest first (a torn last line from a kill is skipped)."""
+    path = eval_log_path(run_dir)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, trainer state) of the run's newest complete checkpoint, or None."""
+    base = work_dir(run_dir) / "checkpoint"
+    for cand in (base, base.with_name(f"{base.name}.old")):
+        try:
+            state = json.loads((cand / TRAINER_STATE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(state, dict) and isinstance(state.get("step"), int):
+            return cand, state
+    return None
+
+
+def tokens_seen(state: dict[str, Any]) -> int | None:
+    """Training tokens up to the checkpoint's step: step x global batch x row length, from its config."""
+    cfg = state.get("train_config") or {}
+    batch, seq_len = cfg.get("batch_size"), cfg.get("seq_len")
+    if isinstance(batch, int) and isinstance(seq_len, int):
+        return state["step"] * batch * seq_len
+    return None
+
+
+def snapshot_checkpoint(src: Path, step: int, dest_root: Path) -> Path | None:
+    """Copy checkpoint `src` (announced at `step`) to `dest_root/step-<step>`; None when the trainer replaced it
+    while copying (the copied trainer state says another step, or files vanished): try again next poll."""
+    dest = dest_root / f"step-{step}"
+    if (dest / TRAINER_STATE).is_file():
+        return dest
+    tmp = dest_root / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer.pt"))
+        copied = json.loads((tmp / TRAINER_STATE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, shutil.Error):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    if copied.get("step") != step or not (tmp / "config.json").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
+
+
+def natural_depth(drafter: Any) -> int:
+    """A block drafter's block size - 1 (`max_draft_tokens`); 4 for drafters without a natural depth."""
+    for obj in (drafter, getattr(drafter, "inner", None)):
+        v = getattr(obj, "max_draft_tokens", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 4
+
+
+def record_from_report(report: EvalReport, *, step: int, tokens: int | None, temperature: float,
+                       seconds: float) -> dict[str, Any]:
+    """One eval-log line from an `EvalReport`."""
+    overall = report.overall
+    return {
+        "step": step, "tokens": tokens, "temperature": temperature,
+        "mal": round(overall.spec.mean_accepted_length, 4),
+        "acceptance": [round(p, 4) for p in overall.spec.acceptance],
+        "speedup": round(overall.speedup, 4),
+        "lossless": report.lossless,
+        "domains": {d: {"mal": round(r.spec.mean_accepted_length, 4), "speedup": round(r.speedup, 4)}
+                    for d, r in report.domains.items() if d != ALL},
+        "num_draft_tokens": report.settings.num_draft_tokens, "prompts": overall.prompts,
+        "max_new_tokens": report.settings.max_new_tokens, "seconds": round(seconds, 2), "time": time.time(),
+    }
+
+
+def evaluate_checkpoint(target: Any, target_dir: Path, ckpt: Path, prompts: Sequence[EvalPrompt],
+                        settings: EvalServerSettings, *, step: int, tokens: int | None,
+                        progress: bool = False) -> list[dict[str, Any]]:
+    """Decode `prompts` with the checkpoint's drafter at every temperature of `settings`; one record each."""
+    drafter = resolve_drafter(str(ckpt), target, target_dir)
+    k = settings.num_draft_tokens or natural_depth(drafter)
+    records = []
+    for temperature in settings.temperatures:
+        t0 = time.time()
+        es = EvalSettings(max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
+                          num_draft_tokens=k, sampling=SamplingParams(temperature=temperature, seed=settings.seed),
+                          warmup_tokens=8)
+        report = evaluate(target, drafter, prompts, es, name=f"step {step}", progress=progress)
+        records.append(record_from_report(report, step=step, tokens=tokens, temperature=temperature,
+                                          seconds=time.time() - t0))
+    return records
+
+
+class _TensorBoard:
+    """The same scalars to TensorBoard when it is installed; a no-op otherwise."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # tensorboard not installed: the JSONL log is the record
+            self.writer = None
+            return
+        self.writer = SummaryWriter(str(folder))
+
+    def add(self, rec: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        x = rec["tokens"] if rec.get("tokens") is not None else rec["step"]
+        tag = f"T={rec['temperature']:g}"
+        self.writer.add_scalar(f"{tag}/mal", rec["mal"], x)
+        self.writer.add_scalar(f"{tag}/speedup", rec["speedup"], x)
+        for j, p in enumerate(rec["acceptance"], start=1):
+            self.writer.add_scalar(f"{tag}/p_{j}", p, x)
+        self.writer.flush()
+
+
+def _nice() -> None:
+    try:
+        os.nice(10)  # the trainer comes first on a shared machine
+    except (AttributeError, OSError):
+        pass
+
+
+def watch(run_dir: str | Path, target: Any, target_dir: Path, prompts: Sequence[EvalPrompt],
+          settings: EvalServerSettings = EvalServerSettings(), *, once: bool = False,
+          log: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Evaluate every new checkpoint of `run_dir` until the run finishes (or once, with `once`); returns the
+    number of checkpoints evaluated. Records go to `<run>/training/eval_log.jsonl` (see the module docstring)."""
+    run_dir = Path(run_dir)
+    work_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    snapshots = work_dir(run_dir) / "eval_snapshots"
+    snapshots.mkdir(exist_ok=True)
+    done_steps = {r["step"] for r in read_eval_log(run_dir) if isinstance(r.get("step"), int)}
+    board = _TensorBoard(work_dir(run_dir) / "tensorboard")
+    evaluated, last_new = 0, time.time()
+    while True:
+        finished = (run_dir / TRAIN_REPORT).is_file()  # read before the checkpoint: the final one is then visible
+        found = latest_checkpoint(run_dir)
+        if found is not None and found[1]["step"] not in done_steps:
+            src, state = found
+            step = state["step"]
+            snap = snapshot_checkpoint(src, step, snapshots)
+            if snap is not None:
+                records = evaluate_checkpoint(target, target_dir, snap, prompts, settings, step=step,
+                                              tokens=tokens_seen(state))
+                with open(eval_log_path(run_dir), "a", encoding="utf-8") as f:
+                    for rec in records:
+                        f.write(json.dumps(rec) + "\n")
+                for rec in records:
+                    board.add(rec)
+                    log(f"eval-server: step {step} ({rec['tokens'] or '?'} tokens) T={rec['temperature']:g}: "
+                        f"MAL {rec['mal']:.2f}, p {' '.join(f'{p:.2f}' for p in rec['acceptance'])}, "
+                        f"speed-up {rec['speedup']:.2f}x, lossless {rec['lossless']}")
+                shutil.rmtree(snap, ignore_errors=True)
+                done_steps.add(step)
+                evaluated += 1
+                last_new = time.time()
+                continue  # look again at once: the trainer may have moved on while we decoded
+        if once or (finished and (found is None or found[1]["step"] in done_steps)):
+            return evaluated
+        if settings.idle_timeout_s is not None and time.time() - last_new > settings.idle_timeout_s:
+            log(f"eval-server: no new checkpoint for {settings.idle_timeout_s:.0f} s; stopping")
+            return evaluated
+        sleep(settings.poll_s)
+
+
+def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *,
+                    prompts_path: str | Path | None = None, settings: EvalServerSettings = EvalServerSettings(),
+                    once: bool = False, nice: bool = True,
+                    log: Callable[[str], None] = print) -> int:
+    """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`."""
+    from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
+    from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.loading import load_target_and_tokenizer
+    from angelspec.eval.prompts import eval_prompts
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"eval-server: run folder {run_dir} does not exist; pass the --out folder of "
+                         "`angelspec train`")
+    if nice:
+        _nice()
+    tdir = resolve_target_dir(target_dir)
+    model, tokenizer = load_target_and_tokenizer(tdir)
+    source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
+    prompts = eval_prompts(tokenizer, load_prompts(source), context=model.config.max_position_embeddings,
+                           source=str(source), limit=settings.limit)
+    return watch(run_dir, model, tdir, prompts, settings, once=once, log=log)
+
+
+def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temperature: float = 0.0) -> Path:
+    """MAL against training tokens, one line per run (drafter), from the runs' eval logs; a PNG at `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, run in runs.items():
+        recs = [r for r in read_eval_log(run) if r.get("temperature") == temperature]
+        recs.sort(key=lambda r: r["step"])
+        if not recs:
+            continue
+        xs = [(r["tokens"] if r.get("tokens") is not None else r["step"]) / 1e6 for r in recs]
+        ax.plot(xs, [r["mal"] for r in recs], marker="o", markersize=3, label=name)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel(f"mean accepted length (T={temperature:g})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,116 @@
+"""The evaluation server (`angelspec.eval.server`): evaluates each new checkpoint of a run once, with the real
+engine, into one consistent log, also across a killed-and-resumed trainer; never reads a half-replaced
+checkpoint; draws the learning curve from the log.
+
+The tiny 2-layer target and `tiny_debug` DFly runs of a few steps (seconds)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import write_conversations, write_domain_prompts
+
+from angelspec.data.prompts import load_prompts
+from angelspec.decoding.loading import load_target_and_tokenizer
+from angelspec.eval.prompts import eval_prompts
+from angelspec.eval.server import (
+    EvalServerSettings,
+    latest_checkpoint,
+    plot_learning_curves,
+    read_eval_log,
+    snapshot_checkpoint,
+    watch,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUIET = dict(progress=False, log=lambda *_: None)
+SETTINGS = EvalServerSettings(limit=1, max_new_tokens=12, poll_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("server_data") / "conv.jsonl", 40, seed=5)
+
+
+@pytest.fixture(scope="module")
+def target_and_prompts(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path):
+    model, tok = load_target_and_tokenizer(tiny_target_dir)
+    path = write_domain_prompts(tmp_path_factory.mktemp("server_prompts") / "p.jsonl")
+    prompts = eval_prompts(tok, load_prompts(path), context=model.config.max_position_embeddings, source=str(path))
+    return model, prompts
+
+
+def _train(tiny_target_dir: Path, data: Path, out: Path, steps: int, resume: bool = False) -> None:
+    from angelspec.train.block import tiny_debug, train_dfly
+
+    cfg = replace(tiny_debug(), steps=steps, ckpt_every=2)
+    train_dfly(tiny_target_dir, data, out, config=cfg, resume=resume, **QUIET)
+
+
+def test_each_checkpoint_is_evaluated_once_across_a_resumed_run(tmp_path, tiny_target_dir, data,
+                                                                target_and_prompts) -> None:
+    model, prompts = target_and_prompts
+    run = tmp_path / "dfly"
+    _train(tiny_target_dir, data, run, steps=2)
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, once=True, log=lambda *_: None) == 1
+    # Nothing new: a second look (or a restarted server) evaluates nothing.
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, once=True, log=lambda *_: None) == 0
+    _train(tiny_target_dir, data, run, steps=4, resume=True)  # the trainer resumed and went on
+    # The run has finished (train_report.json), so the server stops by itself after the final checkpoint.
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, log=lambda *_: None) == 1
+    log = read_eval_log(run)
+    assert [r["step"] for r in log] == [2, 4]
+    for rec in log:
+        assert rec["temperature"] == 0.0
+        assert rec["lossless"] is True  # the real engine at T=0: speculative output == AR output
+        assert rec["mal"] >= 1.0 and len(rec["acceptance"]) == rec["num_draft_tokens"] == 4
+        assert rec["tokens"] == rec["step"] * 2 * 64  # step x batch x seq_len of tiny_debug
+        assert set(rec["domains"]) == {"code", "math", "chat"} and rec["speedup"] > 0
+    # Snapshots are removed after evaluation; the trainer's own checkpoint is untouched.
+    assert not any((run / "training" / "eval_snapshots").iterdir())
+    assert latest_checkpoint(run)[1]["step"] == 4
+
+
+def test_t1_on_request(tmp_path, tiny_target_dir, data, target_and_prompts) -> None:
+    model, prompts = target_and_prompts
+    run = tmp_path / "dfly"
+    _train(tiny_target_dir, data, run, steps=2)
+    watch(run, model, tiny_target_dir, prompts, replace(SETTINGS, temperatures=(0.0, 1.0)), once=True,
+          log=lambda *_: None)
+    log = read_eval_log(run)
+    assert [(r["step"], r["temperature"]) for r in log] == [(2, 0.0), (2, 1.0)]
+    assert log[1]["lossless"] is None  # not checked token for token at T > 0
+
+
+def test_a_checkpoint_replaced_while_copying_is_not_used(tmp_path) -> None:
+    src = tmp_path / "checkpoint"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "trainer_state.json").write_text(json.dumps({"step": 6}))  # the trainer moved on from step 4
+    assert snapshot_checkpoint(src, 4, tmp_path / "snaps") is None
+    assert not list((tmp_path / "snaps").iterdir())  # no half copy left behind
+    snap = snapshot_checkpoint(src, 6, tmp_path / "snaps")
+    assert snap is not None and json.loads((snap / "trainer_state.json").read_text())["step"] == 6
+
+
+def test_a_torn_log_line_is_skipped_and_the_curve_is_drawn(tmp_path) -> None:
+    for name, mals in (("a", [1.2, 1.5]), ("b", [1.1, 1.3])):
+        work = tmp_path / name / "training"
+        work.mkdir(parents=True)
+        lines = [json.dumps({"step": s, "tokens": s * 1000, "temperature": 0.0, "mal": m})
+                 for s, m in zip((10, 20), mals, strict=True)]
+        (work / "eval_log.jsonl").write_text("\n".join(lines) + '\n{"step": 30, "tok')
+        assert [r["step"] for r in read_eval_log(tmp_path / name)] == [10, 20]
+    out = plot_learning_curves({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "curve.png")
+    assert out.is_file() and out.stat().st_size > 1000
+
+
+def test_a_missing_run_folder_is_a_clear_error(tmp_path) -> None:
+    from angelspec.errors import UsageError
+    from angelspec.eval.server import run_eval_server
+
+    with pytest.raises(UsageError, match="does not exist"):
+        run_eval_server(tmp_path / "nope")
