@@ -412,6 +412,58 @@ def test_t1_spec_is_seeded_and_batch_independent(dist_case):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The library's oracle drafters (benchmarks/step_cost.py): every draft accepted, or every draft rejected
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_size, k", [(1, 4), (5, 7), (16, 2)])
+def test_library_oracle_accepts_everything_and_its_reject_twin_nothing(target, greedy_case, batch_size, k):
+    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
+    from angelspec.decoding.drafters.oracle import greedy_continuations
+
+    requests, ar_tokens, _ = greedy_case
+    table = greedy_continuations([r.prompt_ids for r in requests], ar_tokens)
+    n_new = 1 + 6 * (k + 1)  # prefill emits one token, then six full blocks
+    reqs = [Request(r.prompt_ids, n_new, stop_ids=()) for r in requests[:8]]
+    engine = SpecEngine(target, LibOracle(table), EngineConfig(max_batch_size=batch_size, num_draft_tokens=k))
+    out = engine.generate(reqs)
+    assert [r.token_ids for r in out] == [t[:n_new] for t in ar_tokens[:8]]
+    m = engine.metrics
+    assert m.mean_accepted_length == k + 1 and m.acceptance == [1.0] * k and set(m.protocols) == {"greedy"}
+    engine = SpecEngine(target, LibOracle(table, reject=True, vocab_size=V),
+                        EngineConfig(max_batch_size=batch_size, num_draft_tokens=k))
+    out = engine.generate(reqs)
+    assert [r.token_ids for r in out] == [t[:n_new] for t in ar_tokens[:8]]
+    assert engine.metrics.mean_accepted_length == 1.0 and engine.metrics.acceptance == [0.0] * k
+
+
+def test_library_oracle_refuses_an_unknown_prompt(target):
+    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
+
+    engine = SpecEngine(target, LibOracle({(1, 2): [5]}), EngineConfig(max_batch_size=1))
+    with pytest.raises(KeyError, match="no continuation"):
+        engine.generate([Request([7, 8, 9], 4, stop_ids=())])
+    with pytest.raises(ValueError, match="vocabulary size"):
+        LibOracle({}, reject=True)
+
+
+@pytest.mark.parametrize("reject", [False, True], ids=["oracle", "oracle-reject"])
+def test_t1_library_oracle_matches_ar(dist_case, reject):
+    """At T=1 the oracle's greedy drafts go through the deterministic-draft protocol: exact in distribution."""
+    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
+
+    tgt, _, joint = dist_case
+    greedy = SpecEngine(tgt, config=EngineConfig(max_batch_size=1)).generate([Request(PROMPT, 8, stop_ids=())])
+    drafter = LibOracle({tuple(PROMPT): greedy[0].token_ids}, reject=reject, vocab_size=DV)
+    y, metrics = _sample_spec(tgt, drafter, None)
+    assert set(metrics.protocols) == {"deterministic"}
+    if not reject:
+        assert metrics.mean_accepted_length > 1.1  # some greedy drafts are accepted at T=1: verification is exercised
+    for name, (stat, df) in _distribution_stats(y, joint).items():
+        assert stat < chi2_crit(df), f"oracle (reject={reject}): {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Drafter compatibility, registry, n-gram matching, bad input
 # ---------------------------------------------------------------------------------------------------------
 
