@@ -1,4 +1,4 @@
-"""The closed-loop serving sweep (eval/serving.py), `angelspec bench`, benchmarks/serving.py and the demo's
+"""The closed-loop serving sweep (eval/serving/), `angelspec bench`, benchmarks/serving.py and the demo's
 serving stage, on the tiny target with the n-gram drafter (no training needed)."""
 
 from __future__ import annotations

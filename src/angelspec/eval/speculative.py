@@ -211,7 +211,7 @@ def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalS
                  *, progress: bool = True, desc: str | None = None,
                  depth_policy: DepthPolicyFn | None = None) -> DecodeRun:
     """Decode every prompt with `drafter` (None = AR), one engine run per domain, after an untimed warm-up.
-    depth_policy: how many drafts each row verifies (`spec.policies.make_policy`); None = all K.
+    depth_policy: how many drafts each row verifies (`decoding.policies.factory.make_policy`); None = all K.
 
     The engine is built before anything is decoded, so a drafter that does not fit the target
     (`DrafterMismatchError`) fails here with nothing spent.

@@ -1,4 +1,7 @@
-"""`angelspec calibrate`: held-out verification outcomes -> Sequential Temperature Scaling -> calibration.json.
+"""Fitting a drafter's STS temperatures on held-out runs (the code behind `angelspec calibrate`): decode held-out
+prompts, record each draft position's confidence and whether it was accepted, fit Sequential Temperature Scaling
+(`fit_sts`, decoding/policies/sts.py, Uraion DSpark report §3.2), print the ECE per position before and after,
+and write calibration.json next to the drafter, where `CalibratedDrafter` applies it on load.
 
 The drafter decodes held-out prompts at full depth (every row verifies all K drafts, greedy, so the
 outcome of every position is observed). The engine's `on_verify` hook hands each step's proposal and

@@ -1,0 +1,66 @@
+"""What every part of the serving sweep shares: `ServingError`, `ServingRow` (one measured (configuration,
+concurrency) point, AngelSpec report §4.4 / Eq. 25's T_exec and T_sample per step) and the lookups over a
+list of rows that the report, the break-even analysis and the plots all use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class ServingError(ValueError):
+    """Serving-benchmark input that cannot be used: configurations, concurrency values, workload."""
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    """One (configuration, concurrency) point. Seconds per step are per batched engine step."""
+
+    config: str
+    drafter: str  # the --drafter spec
+    kind: str  # "ar" or the drafter kind
+    policy: str
+    num_draft_tokens: int
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float  # aggregate: output tokens / wall
+    per_user_tokens_per_s: float  # mean over requests of len(token_ids) / latency_s
+    mal: float  # mean committed tokens per request-step (1.0 for AR)
+    mean_depth: float  # verified drafts per request-step
+    steps: int
+    exec_s_per_step: float  # target verify forward + verification (the report's execute_model)
+    sample_s_per_step: float  # drafting + depth selection (the report's sample_tokens)
+    seconds: dict[str, float] = field(default_factory=dict)  # whole run, per phase
+    speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
+    identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
+
+    @property
+    def step_s(self) -> float:
+        """Eq. 25's decode-step latency proxy: T_exec + T_sample."""
+        return self.exec_s_per_step + self.sample_s_per_step
+
+
+def config_names(rows: Sequence[ServingRow]) -> list[str]:
+    """The configurations in the order the sweep ran them (first appearance)."""
+    return list(dict.fromkeys(r.config for r in rows))
+
+
+def concurrency_levels(rows: Sequence[ServingRow]) -> list[int]:
+    """Every concurrency measured, ascending."""
+    return sorted({r.concurrency for r in rows})
+
+
+def find_row(rows: Sequence[ServingRow], config: str, concurrency: int) -> ServingRow | None:
+    """The row of `config` at `concurrency`, None when that point was not measured."""
+    return next((r for r in rows if r.config == config and r.concurrency == concurrency), None)
+
+
+def first_rows(rows: Sequence[ServingRow]) -> dict[str, ServingRow]:
+    """config -> its first row (kind, drafter, policy and K are the same in every row of a configuration)."""
+    first: dict[str, ServingRow] = {}
+    for r in rows:
+        first.setdefault(r.config, r)
+    return first

@@ -1,0 +1,204 @@
+"""The result of a serving sweep and its tables: `ServingReport` (rows, lookups, the D-cut goal, the markdown
+table, results.json / results.md, and through breakeven.py and plots.py the Eq. 25 table and the PNGs).
+
+Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s =
+the mean over requests of emitted tokens / (admission to last token); MAL; speed-up over the AR configuration
+at the same C; mean verified drafts per request-step; per-step seconds of target verification (`verify`, the
+report's execute_model) and of drafting + depth selection (`draft` + `select`, its sample_tokens); and at
+T=0 whether every output equals the AR configuration's (it must: lossless).
+
+Goal (AngelSpec report §4.4): at the highest concurrency, D-cut gives at least +10% throughput over full
+verification of the same drafter and K while losing at most 3% MAL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from angelspec.eval.serving.base import ServingRow, concurrency_levels, config_names, find_row
+from angelspec.eval.serving.breakeven import BreakEven, breakeven_json, compute_breakeven, format_breakeven
+from angelspec.eval.serving.plots import plot_sweep
+from angelspec.fileio import replace_atomic, write_json_atomic
+
+GOAL_GAIN, GOAL_MAL_LOSS = 0.10, 0.03
+
+
+@dataclass(frozen=True)
+class Goal:
+    """D-cut against full verification of the same drafter at the highest concurrency."""
+
+    dcut: str
+    full: str
+    concurrency: int
+    gain: float  # tokens/s ratio - 1
+    mal_loss: float  # 1 - MAL ratio
+    dcut_tps: float
+    full_tps: float
+    dcut_mal: float
+    full_mal: float
+
+    @property
+    def met(self) -> bool:
+        return self.gain >= GOAL_GAIN and self.mal_loss <= GOAL_MAL_LOSS
+
+
+
+@dataclass
+class ServingReport:
+    """A sweep's settings (printed into results.md and results.json) and its rows, configuration-major."""
+
+    settings: dict[str, Any]
+    rows: list[ServingRow]
+
+    # ----- lookups ---------------------------------------------------------------------------
+    @property
+    def configs(self) -> list[str]:
+        return config_names(self.rows)
+
+    @property
+    def concurrency(self) -> list[int]:
+        return concurrency_levels(self.rows)
+
+    def row(self, config: str, concurrency: int) -> ServingRow | None:
+        return find_row(self.rows, config, concurrency)
+
+    # ----- goal ------------------------------------------------------------------------------
+    def goal_pair(self) -> tuple[str, str] | None:
+        """(D-cut config, full config of the same drafter and K), preferring DFly; None if there is none."""
+        pairs = self.goal_pairs()
+        return pairs[0] if pairs else None
+
+    def goal_pairs(self) -> list[tuple[str, str]]:
+        """Every (D-cut config, full config of the same drafter and K), DFly and the report's D-cut first."""
+        from angelspec.decoding.policies.factory import parse_policy
+
+        first = {r.config: r for r in self.rows}
+        pairs = []
+        for d in first.values():
+            if parse_policy(d.policy).kind != "dcut":
+                continue
+            for f in first.values():
+                if (f.policy == "full" and f.drafter == d.drafter and f.num_draft_tokens == d.num_draft_tokens
+                        and f.kind != "ar"):
+                    spec = parse_policy(d.policy)
+                    pairs.append((d.kind != "dfly", spec.arg is not None, spec.max_loss is not None, d.config,
+                                  f.config))
+                    break
+        return [(dcut, full) for *_, dcut, full in sorted(pairs)]
+
+    def goal(self, pair: tuple[str, str] | None = None) -> Goal | None:
+        """The goal's numbers for `pair` (default: `goal_pair`)."""
+        pair = pair or self.goal_pair()
+        if pair is None:
+            return None
+        dcut, full = pair
+        common = [c for c in self.concurrency if self.row(dcut, c) and self.row(full, c)]
+        if not common:
+            return None
+        c = common[-1]
+        d, f = self.row(dcut, c), self.row(full, c)
+        assert d is not None and f is not None
+        return Goal(dcut=dcut, full=full, concurrency=c,
+                    gain=d.tokens_per_s / f.tokens_per_s - 1 if f.tokens_per_s else 0.0,
+                    mal_loss=1 - d.mal / f.mal if f.mal else 0.0, dcut_tps=d.tokens_per_s, full_tps=f.tokens_per_s,
+                    dcut_mal=d.mal, full_mal=f.mal)
+
+    def goal_line(self) -> str:
+        text = (f"goal: at the highest concurrency: D-cut >= +{GOAL_GAIN:.0%} throughput over full verification "
+                f"with <= {GOAL_MAL_LOSS:.0%} MAL loss")
+        goals = [g for g in map(self.goal, self.goal_pairs()) if g is not None]
+        if not goals:
+            return f"{text}: not evaluated (needs a dcut configuration and a full one with the same drafter)"
+        return "\n".join(
+            f"{text}: {'MET' if g.met else 'NOT met'} (C={g.concurrency}: {g.dcut} {g.dcut_tps:.1f} tok/s vs "
+            f"{g.full} {g.full_tps:.1f} tok/s = {g.gain:+.1%}; MAL {g.dcut_mal:.2f} vs {g.full_mal:.2f} = "
+            f"{g.mal_loss:.1%} loss)" for g in goals)
+
+    # ----- Eq. 25 (breakeven.py) ---------------------------------------------------------------
+    def breakeven(self, reference: str | None = None) -> BreakEven | None:
+        """Eq. 25 for every speculative configuration against `reference` (None = the first MTP
+        configuration at full depth, else the first MTP one, else the first speculative one)."""
+        return compute_breakeven(self.rows, reference)
+
+    def format_breakeven(self, reference: str | None = None) -> str:
+        return format_breakeven(self.rows, reference)
+
+    # ----- output ----------------------------------------------------------------------------
+    def to_json(self, reference: str | None = None) -> dict[str, Any]:
+        g = self.goal()
+        return {
+            "format": "angelspec-serving-sweep", "version": 1, "settings": self.settings,
+            "rows": [asdict(r) for r in self.rows],
+            "breakeven": breakeven_json(self.rows, reference),
+            "goal": None if g is None else {**asdict(g), "met": g.met, "line": self.goal_line()},
+        }
+
+    def format_table(self) -> str:
+        """A markdown table, readable as plain text too."""
+        head = ["config", "policy", "K", "C", "requests", "tok/s", "per-user tok/s", "speed-up", "MAL",
+                "depth", "verify ms/step", "draft+select ms/step", "lossless"]
+        body = []
+        for name in self.configs:
+            for c in self.concurrency:
+                r = self.row(name, c)
+                if r is None:
+                    continue
+                lossless = "ref" if r.kind == "ar" and r.identical is not None else (
+                    "-" if r.identical is None else "yes" if r.identical == r.requests
+                    else f"NO ({r.requests - r.identical}/{r.requests} differ)")
+                body.append([r.config, r.policy, str(r.num_draft_tokens), str(c), str(r.requests),
+                             f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
+                             "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
+                             f"{r.exec_s_per_step * 1e3:.2f}", f"{r.sample_s_per_step * 1e3:.2f}", lossless])
+        widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+        fmt = lambda cells: "| " + " | ".join(f"{x:<{w}}" for x, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+        return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, body)])
+
+    def format(self, breakeven: bool = False) -> str:
+        s = self.settings
+        lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
+                 f"N = max(2C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
+                 f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", self.goal_line()]
+        if breakeven:
+            lines += ["", self.format_breakeven()]
+        return "\n".join(lines)
+
+    # ----- files (plots.py) ------------------------------------------------------------------
+    def plot(self, out_dir: str | Path) -> tuple[list[Path], str | None]:
+        """serving.png (Figure 4's two panels) and phases.png (per-step verify vs draft+select) in `out_dir`.
+        Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
+        return plot_sweep(self.rows, out_dir, self.goal_pair())
+
+    def write(self, out_dir: str | Path, *, breakeven: bool = False) -> tuple[list[Path], str | None]:
+        """results.json, results.md (table, goal, break-even) and the plots into `out_dir`, each atomically.
+        Returns (written paths, the plot note or None)."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out_dir / "results.json", self.to_json())
+        md = ["# Serving sweep", "", "```", *self._settings_lines(), "```", "", self.format_table(), "",
+              self.goal_line(), ""]
+        if breakeven:
+            md += ["```", self.format_breakeven(), "```", ""]
+        replace_atomic(out_dir / "results.md", lambda tmp: tmp.write_text("\n".join(md), encoding="utf-8"))
+        plots, note = self.plot(out_dir)
+        return [out_dir / "results.json", out_dir / "results.md", *plots], note
+
+    def _settings_lines(self) -> list[str]:
+        lines = []
+        for k, v in self.settings.items():
+            if k == "configs" and isinstance(v, list):
+                lines.append("configs:")
+                lines += [f"  {c.get('name')}: drafter {c.get('drafter')}, policy {c.get('policy')}, "
+                          f"K={c.get('num_draft_tokens')} ({c.get('kind')})" for c in v if isinstance(c, dict)]
+            else:
+                lines.append(f"{k}: {v}")
+        return lines
+
+
+def lossless(report: ServingReport) -> bool | None:
+    """True when every checked output equals AR's, None when nothing was checked (no AR configuration)."""
+    checked = [r for r in report.rows if r.identical is not None]
+    return None if not checked else all(r.identical == r.requests for r in checked)
+

@@ -1,0 +1,359 @@
+"""The closed-loop serving sweep: every configuration (AR or a drafter under a depth policy) run at every
+concurrency level, the code behind `angelspec bench` (AngelSpec report §4.4, Figure 4).
+
+Protocol, per configuration (name, drafter or None, policy spec) and concurrency C:
+
+* N = max(2C, min_requests) requests drawn round-robin from a mixed chat / code / math workload (the shipped
+  held-out prompts by default, interleaved by domain), greedy (T=0), every request exactly `max_new_tokens`
+  new tokens (stop tokens ignored, like a benchmark client with ignore_eos), so every configuration does the
+  same work.
+* One `SpecEngine` with max_batch_size=C runs all N: continuous batching, so a finished request's row takes
+  the next queued one at once, which is C closed-loop clients that each send their next request as soon as
+  the last one returns.
+* Each configuration decodes one short untimed batch first (warm-up); cost tables for the budget policies
+  are loaded or profiled before anything is timed.
+
+Each point becomes a `ServingRow` (base.py); the rows, with speed-up and the lossless check against the AR
+configuration at the same C, make the `ServingReport` (report.py).
+
+Shape legend: C concurrent requests (engine rows), N requests per point, K drafts proposed per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from angelspec.assets import EVAL_PROMPTS
+from angelspec.eval.serving.base import ServingError, ServingRow
+from angelspec.eval.serving.report import ServingReport
+
+if TYPE_CHECKING:
+    from angelspec.decoding.drafters.base import Drafter
+    from angelspec.decoding.policies.base import DepthPolicy
+    from angelspec.eval.speculative import EvalPrompt
+    from angelspec.models.decoder import Decoder
+
+DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_MIN_REQUESTS = 8
+MAX_CONCURRENCY = 4096
+DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
+EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
+
+
+# --------------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServingConfig:
+    """One curve of the sweep: `drafter` as `--drafter` takes it ("none" = AR), `policy` a depth-policy spec,
+    `num_draft_tokens` K (None = the sweep's default, DRAFTER_MAX_DEPTH = the drafter's `max_draft_tokens`;
+    ignored for AR)."""
+
+    name: str
+    drafter: str = "none"
+    policy: str = "full"
+    num_draft_tokens: int | None = None
+
+    @property
+    def is_ar(self) -> bool:
+        return self.drafter == "none"
+
+
+def parse_config(text: str) -> ServingConfig:
+    """`NAME=SPEC[@POLICY]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY default full)."""
+    from angelspec.decoding.policies.factory import parse_policy
+
+    name, sep, rest = text.partition("=")
+    name, rest = name.strip(), rest.strip()
+    if not sep or not name or not rest:
+        raise ServingError(f"--config {text!r}: expected NAME=SPEC[@POLICY], e.g. AR=none, DFly=dfly:DIR or "
+                           "DFly+D-cut=dfly:DIR@dcut")
+    spec, at, policy = rest.rpartition("@")
+    if not at:
+        spec, policy = rest, "full"
+    if not spec.strip():
+        raise ServingError(f"--config {text!r}: the drafter SPEC before '@' is empty; expected NAME=SPEC[@POLICY]")
+    parse_policy(policy)  # PolicyError names the valid forms
+    return ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip())
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): distinct positive integers, sorted."""
+    values = []
+    for part in text.split(","):
+        try:
+            c = int(part.strip())
+        except ValueError:
+            raise ServingError(f"--concurrency {text!r}: {part.strip()!r} is not an integer; give comma-separated "
+                               f"request counts such as {','.join(map(str, DEFAULT_CONCURRENCY))}") from None
+        if not 1 <= c <= MAX_CONCURRENCY:
+            raise ServingError(f"--concurrency {text!r}: {c} is not a usable number of concurrent requests "
+                               f"(1..{MAX_CONCURRENCY})")
+        values.append(c)
+    if len(set(values)) != len(values):
+        raise ServingError(f"--concurrency {text!r} lists a value twice")
+    return tuple(sorted(values))
+
+
+def check_configs(configs: Sequence[ServingConfig]) -> None:
+    """Refuse an empty list and duplicate names (each name is one curve and one key of results.json)."""
+    if not configs:
+        raise ServingError("no configuration to benchmark; pass --config NAME=SPEC[@POLICY] at least once")
+    seen: set[str] = set()
+    for c in configs:
+        if c.name in seen:
+            raise ServingError(f"configuration name {c.name!r} is used twice; give every --config its own NAME")
+        seen.add(c.name)
+        if c.is_ar and c.policy != "full":
+            raise ServingError(f"configuration {c.name!r}: AR (drafter none) has no drafts to verify, so its "
+                               f"policy must be full, not {c.policy!r}")
+
+
+@dataclass
+class Contender:
+    """A configuration with its drafter loaded and its depth policy built (cost table ready)."""
+
+    config: ServingConfig
+    drafter: Drafter | None
+    policy: DepthPolicy | None
+    num_draft_tokens: int  # K (0 for AR)
+    kind: str  # "ar" or the drafter's registry kind (mtp, dfly, ...)
+
+
+def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[ServingConfig], *,
+                     concurrency: Sequence[int], num_draft_tokens: int = 4,
+                     cost_table_path: str | Path | None = None,
+                     log: Callable[[str], None] | None = print) -> list[Contender]:
+    """Load every drafter (checked against the target) and build every policy before anything is timed.
+    Budget policies get a cost table covering every concurrency of the sweep (profiled once per drafter
+    and cached; see `decoding.policies.factory.make_policy`)."""
+    from angelspec.decoding.loading import resolve_drafter
+    from angelspec.decoding.policies.costmodel import drafter_id
+    from angelspec.decoding.policies.factory import make_policy, parse_policy
+
+    check_configs(configs)
+    drafters: dict[str, Drafter | None] = {}
+    warmed: set[str] = set()
+    out = []
+    for c in configs:
+        if c.drafter not in drafters:
+            drafters[c.drafter] = resolve_drafter(c.drafter, target, target_dir)
+        drafter = drafters[c.drafter]
+        inner = getattr(drafter, "inner", drafter)
+        k = 0 if drafter is None else (c.num_draft_tokens or num_draft_tokens)
+        if k == DRAFTER_MAX_DEPTH:
+            k = int(getattr(inner, "max_draft_tokens", num_draft_tokens))
+        if drafter is not None:
+            check = getattr(inner, "check_depth", None)
+            if callable(check):
+                try:
+                    check(k)
+                except ValueError as e:
+                    raise ServingError(f"configuration {c.name!r}: {e}") from None
+        if drafter is not None and parse_policy(c.policy).needs_cost_model and c.drafter not in warmed:
+            _warm_drafter(target, drafter, max(k, 1))  # a cold first profile cell would skew the cost table
+            warmed.add(c.drafter)
+        policy = make_policy(c.policy, target=target, drafter=drafter, num_draft_tokens=max(k, 1),
+                             cost_table_path=cost_table_path, batch_sizes=sorted(set(concurrency)), log=log)
+        kind = "ar" if drafter is None else drafter_id(drafter).split(":")[0]
+        out.append(Contender(config=c, drafter=drafter, policy=policy, num_draft_tokens=k, kind=kind))
+    return out
+
+
+def _warm_drafter(target: Decoder, drafter: Drafter, k: int, tokens: int = 8) -> None:
+    """A few untimed speculative steps on one synthetic prompt (first forwards, allocator growth)."""
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+
+    prompt = [i % target.config.vocab_size for i in range(1, 17)]
+    SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=k, max_seq_len=len(prompt) + tokens)
+               ).generate([Request(prompt_ids=prompt, max_new_tokens=tokens, stop_ids=())])
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------------
+def serving_workload(tokenizer: Any, context: int, max_new_tokens: int, prompts_path: str | Path = EVAL_PROMPTS,
+                     think: bool = False) -> list[EvalPrompt]:
+    """Every prompt of `prompts_path` that leaves room for `max_new_tokens`, rendered with the chat template
+    and interleaved round-robin across domains (code, math, chat, code, ...), so any prefix of the list and
+    any window of it mixes the domains."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.eval.speculative import ALL, EvalPrompt
+
+    kept: list[EvalPrompt] = []
+    too_long = 0
+    for p in load_prompts(prompts_path):
+        ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, enable_thinking=think)
+        if len(ids) + max_new_tokens > context:
+            too_long += 1
+            continue
+        domain = p["record"].get("domain", ALL)
+        domain = domain if isinstance(domain, str) and domain else ALL
+        kept.append(EvalPrompt(ids=list(ids), domain=domain, line=p["line"]))
+    if not kept:
+        raise ServingError(f"no prompt of {prompts_path} fits the target's context of {context} tokens with "
+                           f"{max_new_tokens} new tokens ({too_long} too long); lower --max-new-tokens")
+    return interleave_domains(kept)
+
+
+def interleave_domains(prompts: Sequence[EvalPrompt]) -> list[EvalPrompt]:
+    """Round-robin over domains in order of first appearance: [c0, c1, m0, h0] -> [c0, m0, h0, c1]."""
+    by_domain: dict[str, list[EvalPrompt]] = {}
+    for p in prompts:
+        by_domain.setdefault(p.domain, []).append(p)
+    queues = list(by_domain.values())
+    mixed: list[EvalPrompt] = []
+    for i in range(max(len(q) for q in queues)):
+        mixed += [q[i] for q in queues if i < len(q)]
+    return mixed
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+def _requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None) -> list[Any]:
+    from angelspec.decoding.engine import Request
+
+    return [Request(prompt_ids=workload[i % len(workload)].ids, max_new_tokens=budget or max_new_tokens, stop_ids=(),
+                    request_id=i) for i in range(n)]
+
+
+def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], concurrency: int, *,
+              max_new_tokens: int, min_requests: int = DEFAULT_MIN_REQUESTS) -> tuple[ServingRow, list[list[int]]]:
+    """N = max(2C, min_requests) requests through one engine with max_batch_size = C; -> (row without
+    speed-up / lossless columns, the emitted tokens per request)."""
+    n = max(2 * concurrency, min_requests)
+    engine, requests = _engine(target, contender, workload, concurrency, n, max_new_tokens)
+    results = engine.generate(requests)
+    m = engine.metrics
+    steps = max(m.steps, 1)
+    per_user = statistics.fmean(len(r.token_ids) / r.latency_s if r.latency_s > 0 else 0.0 for r in results)
+    depth = sum(d * c for d, c in enumerate(m.depth_hist)) / m.row_steps if m.row_steps else 0.0
+    c = contender.config
+    row = ServingRow(config=c.name, drafter=c.drafter, kind=contender.kind, policy=c.policy,
+                     num_draft_tokens=contender.num_draft_tokens, concurrency=concurrency, requests=n,
+                     output_tokens=m.output_tokens, wall_s=m.wall_s, tokens_per_s=m.tokens_per_s,
+                     per_user_tokens_per_s=per_user, mal=m.mean_accepted_length, mean_depth=depth, steps=m.steps,
+                     exec_s_per_step=sum(m.seconds.get(p, 0.0) for p in EXEC_PHASES) / steps,
+                     sample_s_per_step=sum(m.seconds.get(p, 0.0) for p in SAMPLE_PHASES) / steps,
+                     seconds=dict(m.seconds))
+    return row, [list(map(int, r.token_ids)) for r in results]
+
+
+def warm_up(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], *, batch: int,
+            tokens: int) -> None:
+    """One short untimed batch (allocator growth, kernel selection, the drafter's first forward)."""
+    if tokens <= 0:
+        return
+    engine, requests = _engine(target, contender, workload, batch, batch, tokens)
+    engine.generate(requests)
+
+
+def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], concurrency: int, n: int,
+            max_new_tokens: int) -> tuple[Any, list[Any]]:
+    """A `SpecEngine` with `concurrency` rows for the contender, and n requests of the workload."""
+    from angelspec.decoding.engine import EngineConfig, SpecEngine
+
+    requests = _requests(workload, n, max_new_tokens)
+    max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
+    engine = SpecEngine(target, contender.drafter,
+                        EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
+                                     num_draft_tokens=contender.num_draft_tokens),
+                        depth_policy=contender.policy)
+    return engine, requests
+
+
+def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequence[EvalPrompt], *,
+              concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64,
+              min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
+              log: Callable[[str], None] | None = print, settings: dict[str, Any] | None = None) -> ServingReport:
+    """Every contender at every concurrency (contender-major, each warmed up once); speed-up and the
+    lossless check against the first AR contender at the same concurrency."""
+    if max_new_tokens < 1 or min_requests < 1 or warmup_tokens < 0:
+        raise ServingError(f"need max_new_tokens >= 1, min_requests >= 1, warmup_tokens >= 0; got {max_new_tokens}, "
+                           f"{min_requests}, {warmup_tokens}")
+    if not workload:
+        raise ServingError("empty workload")
+    concurrency = sorted(set(concurrency))
+    raw: list[tuple[ServingRow, list[list[int]]]] = []
+    for ct in contenders:
+        warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
+        for c in concurrency:
+            t0 = time.perf_counter()
+            row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens, min_requests=min_requests)
+            raw.append((row, outputs))
+            if log is not None:
+                log(f"{ct.config.name} C={c}: {row.tokens_per_s:.1f} tok/s, per-user {row.per_user_tokens_per_s:.1f} "
+                    f"tok/s, MAL {row.mal:.2f} ({time.perf_counter() - t0:.1f} s)")
+    ar_name = next((ct.config.name for ct in contenders if ct.drafter is None), None)
+    ar = {row.concurrency: (row, out) for row, out in raw if row.config == ar_name}
+    rows = []
+    for row, out in raw:
+        ref = ar.get(row.concurrency)
+        if ref is None:
+            rows.append(row)
+            continue
+        speedup = row.tokens_per_s / ref[0].tokens_per_s if ref[0].tokens_per_s > 0 else None
+        identical = sum(a == b for a, b in zip(ref[1], out, strict=True))
+        rows.append(replace(row, speedup=speedup, identical=identical))
+    domains: dict[str, int] = {}
+    for p in workload:
+        domains[p.domain] = domains.get(p.domain, 0) + 1
+    base = {"max_new_tokens": max_new_tokens, "min_requests": min_requests, "warmup_tokens": warmup_tokens,
+            "concurrency": list(concurrency), "temperature": 0.0, "workload_prompts": len(workload),
+            "workload_domains": ", ".join(f"{d} {n}" for d, n in domains.items()),
+            "configs": [{"name": ct.config.name, "drafter": ct.config.drafter, "policy": ct.config.policy,
+                         "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind} for ct in contenders],
+            "torch_threads": _torch_threads()}
+    return ServingReport(settings={**base, **(settings or {})}, rows=rows)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig], *,
+          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64, num_draft_tokens: int = 4,
+          min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8, out_dir: str | Path | None = None,
+          breakeven: bool = False, prompts_path: str | Path = EVAL_PROMPTS,
+          workload: Sequence[EvalPrompt] | None = None, cost_table_path: str | Path | None = None,
+          log: Callable[[str], None] | None = print, out: Callable[[str], None] = print) -> ServingReport:
+    """The whole benchmark on a loaded target: check the configs, build the workload (`workload` when given,
+    else every prompt of `prompts_path` that fits), load drafters and policies, sweep, print the table (and
+    Eq. 25 with `breakeven`), write results into `out_dir`."""
+    check_configs(configs)
+    if any(c < 1 for c in concurrency) or not concurrency:
+        raise ServingError(f"concurrency values must be positive integers, got {list(concurrency)}")
+    if max_new_tokens < 1:
+        raise ServingError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if workload is None:
+        workload = serving_workload(tokenizer, model.config.max_position_embeddings, max_new_tokens, prompts_path)
+    else:
+        workload = interleave_domains(workload)
+        prompts_path = "(given workload)"
+    contenders = build_contenders(model, target_dir, configs, concurrency=concurrency,
+                                  num_draft_tokens=num_draft_tokens, cost_table_path=cost_table_path, log=log)
+    t0 = time.perf_counter()
+    report = run_sweep(model, contenders, workload, concurrency=concurrency, max_new_tokens=max_new_tokens,
+                       min_requests=min_requests, warmup_tokens=warmup_tokens, log=log,
+                       settings={"target": str(target_dir), "prompts": str(prompts_path)})
+    report.settings["sweep_s"] = round(time.perf_counter() - t0, 2)
+    out(report.format(breakeven=breakeven))
+    if out_dir is not None:
+        paths, note = report.write(out_dir, breakeven=breakeven)
+        if note:
+            out(note)
+        out("wrote " + ", ".join(str(p) for p in paths))
+    bad = [r for r in report.rows if r.identical is not None and r.identical != r.requests]
+    if bad:
+        print(f"angelspec: LOSSLESS CHECK FAILED at T=0: {', '.join(f'{r.config} C={r.concurrency}' for r in bad)} "
+              "differ from AR", file=sys.stderr)
+    return report
