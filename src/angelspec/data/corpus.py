@@ -50,6 +50,7 @@ from angelspec.data.sources import (
     locate_sharegpt,
     stdlib_dir,
 )
+from angelspec.fileio import read_json_object, write_json_atomic, write_jsonl_atomic
 
 log = logging.getLogger(__name__)
 
@@ -185,18 +186,47 @@ def split_examples(
     return train, heldout
 
 
-def _cap_and_order(examples: list[Example], cap: int | None, seed: int, domain: str) -> list[Example]:
+def cap_and_order(examples: list[Example], cap: int | None, seed: int, domain: str) -> list[Example]:
     """Seeded shuffle (from a sorted, order-independent start) then cap."""
     ordered = sorted(examples, key=lambda ex: (ex.group, json.dumps(ex.messages, ensure_ascii=False)))
     random.Random(f"{seed}:{domain}:order").shuffle(ordered)
     return ordered[:cap] if cap is not None else ordered
 
 
-def _has_special(text: str) -> bool:
+def has_special_token(text: str) -> bool:
+    """Whether ``text`` holds a literal special-token string (such text would forge turn boundaries)."""
     return any(s in text for s in _SPECIAL_STRINGS)
 
 
-def _rng(seed: int, key: str) -> random.Random:
+MANY_NEWLINES = re.compile(r"\n{3,}")  # a cleaner's output keeps at most one blank line in a row
+
+
+def mine_files(
+    files: Iterable[Path],
+    examples_of: Callable[[Path, str], list[Example]],
+    *,
+    desc: str,
+    progress: bool = True,
+) -> list[Example]:
+    """``examples_of(path, text)`` for every readable UTF-8 file, in order; an example whose answer repeats an
+    earlier one (up to whitespace) is kept once."""
+    seen: set[str] = set()
+    out: list[Example] = []
+    for path in tqdm(list(files), desc=desc, unit="file", disable=not progress):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for ex in examples_of(path, text):
+            key = " ".join(ex.messages[1]["content"].split())
+            if key not in seen:
+                seen.add(key)
+                out.append(ex)
+    return out
+
+
+def example_rng(seed: int, key: str) -> random.Random:
+    """The RNG an example draws its phrasing from, keyed by (seed, example key)."""
     # str seeds are hashed with SHA-512 by `random`, so this is stable across processes and platforms.
     return random.Random(f"{seed}\x00{key}")
 
@@ -340,11 +370,11 @@ def code_pairs_from_source(
         if n_lines > limits.max_lines or _code_lines(node) < limits.min_code_lines:
             continue
         code = _node_source(lines, node)
-        if len(code) > limits.max_chars or _has_special(code) or "\ufffd" in code:
+        if len(code) > limits.max_chars or has_special_token(code) or "\ufffd" in code:
             continue
         desc = _describe(ast.get_docstring(node), limits.max_description_chars)
         group = f"{module}:{cls or node.name}"
-        rng = _rng(seed, f"code:{group}:{kind}:{node.name}")
+        rng = example_rng(seed, f"code:{group}:{kind}:{node.name}")
         fields = {"module": module, "name": node.name, "cls": cls or ""}
         if kind == "class":
             if desc is None:
@@ -370,20 +400,12 @@ def build_code_examples(
     root: Path, *, seed: int, limits: CodeFilter = CodeFilter(), progress: bool = True
 ) -> list[Example]:
     """Mine the stdlib folder ``root``; duplicates (same code up to whitespace) are kept once."""
-    files = list(iter_stdlib_files(root))
-    seen: set[str] = set()
-    out: list[Example] = []
-    for path in tqdm(files, desc="code: parse stdlib", unit="file", disable=not progress):
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        for ex in code_pairs_from_source(source, _module_name(root, path), seed=seed, limits=limits):
-            key = " ".join(ex.messages[1]["content"].split())
-            if key not in seen:
-                seen.add(key)
-                out.append(ex)
-    return out
+    return mine_files(
+        iter_stdlib_files(root),
+        lambda path, source: code_pairs_from_source(source, _module_name(root, path), seed=seed, limits=limits),
+        desc="code: parse stdlib",
+        progress=progress,
+    )
 
 
 # ---------------------------------------------------------------------------------- chat
@@ -398,7 +420,6 @@ _UI_NOISE = re.compile(r"^(?:Copy code|Copy to clipboard|Regenerate response|\d+
 # Buttons of the browser extensions people used to share chats, glued to the end of a message.
 _UI_SUFFIX = re.compile(r"(?:\s*(?:Share Prompt|Save & SubmitCancel|Translate now|지금 번역하기|Copy code))+\s*$")
 _TRAILING_WS = re.compile(r"[ \t]+$", re.M)
-_MANY_NEWLINES = re.compile(r"\n{3,}")
 # The ~100 most frequent English words: a conversation in another language shares almost none.
 _COMMON_WORDS = frozenset(
     "the be to of and a in that have i it for not on with he as you do at this but his by from they we say "
@@ -426,7 +447,7 @@ def clean_chat_text(text: str) -> str:
     out = "".join(parts)
     out = _UI_SUFFIX.sub("", out)
     out = _TRAILING_WS.sub("", out)
-    out = _MANY_NEWLINES.sub("\n\n", out)
+    out = MANY_NEWLINES.sub("\n\n", out)
     return out.strip()
 
 
@@ -497,7 +518,7 @@ def conversation_from_sharegpt(record: Mapping[str, Any], limits: ChatFilter = C
         return None
     out = [m for pair in exchanges for m in pair]
     text = "\n".join(m["content"] for m in out)
-    if _has_special(text):
+    if has_special_token(text):
         return None
     if not is_english(
         text, min_ascii_ratio=limits.min_ascii_ratio, min_common_word_ratio=limits.min_common_word_ratio
@@ -911,7 +932,7 @@ def clean_rst(text: str) -> str:
             line = line.rstrip()[:-1]
         out.append(_inline(line.rstrip()))
     cleaned = "\n".join(out)
-    return _MANY_NEWLINES.sub("\n\n", cleaned).strip()
+    return MANY_NEWLINES.sub("\n\n", cleaned).strip()
 
 
 def rst_sections(text: str) -> list[tuple[str, str]]:
@@ -974,12 +995,12 @@ def docs_examples_from_rst(
     for idx, (raw_title, body) in enumerate(sections):
         title = _clean_title(raw_title)
         cleaned = clean_rst(body)
-        if len(cleaned) < limits.min_chars or _has_special(cleaned):
+        if len(cleaned) < limits.min_chars or has_special_token(cleaned):
             continue
         parts = [p for p in _chunks(cleaned, limits.max_chars) if len(p) >= limits.min_chars]
         group = f"{rel_path}#{idx}"
         for n, part in enumerate(parts):
-            rng = _rng(seed, f"docs:{group}:{n}")
+            rng = example_rng(seed, f"docs:{group}:{n}")
             prompt = rng.choice(_DOCS_PROMPTS).format(title=title, page=page)
             if len(parts) > 1:
                 prompt += f" (Part {n + 1} of {len(parts)}.)"
@@ -991,47 +1012,21 @@ def build_docs_examples(
     root: Path, *, seed: int, limits: DocsFilter = DocsFilter(), progress: bool = True
 ) -> list[Example]:
     """All sections of the manual; a section text seen before (pages repeat some) is kept once."""
-    files = list(iter_docs_files(root))
-    seen: set[str] = set()
-    out: list[Example] = []
-    for path in tqdm(files, desc="docs: parse rst", unit="file", disable=not progress):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        for ex in docs_examples_from_rst(text, path.relative_to(root).as_posix(), seed=seed, limits=limits):
-            key = " ".join(ex.messages[1]["content"].split())
-            if key not in seen:
-                seen.add(key)
-                out.append(ex)
-    return out
+    return mine_files(
+        iter_docs_files(root),
+        lambda path, text: docs_examples_from_rst(text, path.relative_to(root).as_posix(), seed=seed, limits=limits),
+        desc="docs: parse rst",
+        progress=progress,
+    )
 
 
 # ---------------------------------------------------------------------------------- build
 
 
-def _write_jsonl(path: Path, examples: list[Example], domain: str) -> dict[str, int]:
-    tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for ex in examples:
-            f.write(json.dumps({"messages": list(ex.messages), "domain": domain}, ensure_ascii=False))
-            f.write("\n")
-    os.replace(tmp, path)
+def _write_split(path: Path, examples: list[Example], domain: str) -> dict[str, int]:
+    """Write one split file (one example per line) and return its counts for the manifest."""
+    write_jsonl_atomic(path, ({"messages": list(ex.messages), "domain": domain} for ex in examples))
     return {"examples": len(examples), "chars": sum(ex.chars() for ex in examples), "bytes": path.stat().st_size}
-
-
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _source_fingerprint(domains: Iterable[str]) -> dict[str, Any]:
@@ -1096,7 +1091,7 @@ def build_corpus(
     settings = {"format_version": FORMAT_VERSION, **config.to_dict(), "sources": _source_fingerprint(wanted)}
     manifest_path = out / "manifest.json"
     if not force:
-        old = _read_json(manifest_path)
+        old = read_json_object(manifest_path)
         if old is not None and old.get("settings") == settings:
             log.info("corpus in %s is up to date; reusing it", out)
             return old
@@ -1112,7 +1107,7 @@ def build_corpus(
     for domain in wanted:
         t0 = time.perf_counter()
         stats_path = out / domain / "stats.json"
-        prior = None if force else _read_json(stats_path)
+        prior = None if force else read_json_object(stats_path)
         if prior is not None and prior.get("settings_hash") == settings_hash and all(
             (out / domain / f"{s}.jsonl").is_file() for s in SPLITS
         ):
@@ -1124,16 +1119,18 @@ def build_corpus(
             manifest["skipped"][domain] = "source unavailable (see warnings)"
             continue
         candidates = len(examples)
-        examples = _cap_and_order(examples, config.max_examples.get(domain), config.seed, domain)
+        examples = cap_and_order(examples, config.max_examples.get(domain), config.seed, domain)
         train, heldout = split_examples(
             examples, domain, fraction=config.heldout_fraction, min_heldout=config.min_heldout
         )
         (out / domain).mkdir(parents=True, exist_ok=True)
         stats: dict[str, Any] = {"candidates": candidates}
         for split, exs in (("train", train), ("heldout", heldout)):
-            stats[split] = _write_jsonl(out / domain / f"{split}.jsonl", exs, domain)
+            stats[split] = _write_split(out / domain / f"{split}.jsonl", exs, domain)
         elapsed = round(time.perf_counter() - t0, 2)
-        _write_json(stats_path, {"settings_hash": settings_hash, "stats": stats, "elapsed_s": elapsed})
+        write_json_atomic(
+            stats_path, {"settings_hash": settings_hash, "stats": stats, "elapsed_s": elapsed}, ensure_ascii=False
+        )
         manifest["domains"][domain] = stats
         manifest["timings_s"][domain] = elapsed
     manifest["totals"] = {
@@ -1142,7 +1139,7 @@ def build_corpus(
         }
         for split in SPLITS
     }
-    _write_json(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest, ensure_ascii=False)
     return manifest
 
 
@@ -1180,7 +1177,7 @@ def iter_examples(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(corpus_dir)
-    manifest = _read_json(root / "manifest.json")
+    manifest = read_json_object(root / "manifest.json")
     if manifest is None:
         raise FileNotFoundError(f"{root} holds no corpus manifest.json; build it with build_corpus({str(root)!r})")
     for domain in domains if domains is not None else manifest["domains"]:
@@ -1201,7 +1198,7 @@ def iter_texts(
 ) -> Iterator[str]:
     """Message contents of a split, e.g. to train the tokenizer on a per-domain-capped sample."""
     root = Path(corpus_dir)
-    manifest = _read_json(root / "manifest.json") or {"domains": {}}
+    manifest = read_json_object(root / "manifest.json") or {"domains": {}}
     for domain in domains if domains is not None else manifest["domains"]:
         budget = max_chars_per_domain if max_chars_per_domain is not None else math.inf
         for ex in iter_examples(root, split, [domain]):
