@@ -10,8 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from angelspec.data import corpus as C
 from angelspec.data import sources as S
+from angelspec.data.corpus.build import build_corpus, iter_examples, iter_texts
+from angelspec.data.corpus.chat import (
+    build_chat_examples,
+    clean_chat_text,
+    conversation_from_sharegpt,
+    estimate_tokens,
+    is_english,
+)
+from angelspec.data.corpus.code import build_code_examples, code_pairs_from_source
+from angelspec.data.corpus.common import SPLITS, ChatFilter, DocsFilter, Example, split_examples
+from angelspec.data.corpus.docs import clean_rst, docs_examples_from_rst, rst_sections
+from angelspec.data.corpus.maths import MATH_TEMPLATES, generate_math_problems
 
 # ------------------------------------------------------------------------------------ fixtures
 
@@ -164,7 +175,7 @@ SMALL = {"code": 1000, "chat": 1000, "math": 200, "docs": 1000}
 def _build(out: Path, sources: S.Sources, **kw):
     kw.setdefault("max_examples", SMALL)
     kw.setdefault("progress", False)
-    return C.build_corpus(out, sources=sources, min_heldout=3, **kw)
+    return build_corpus(out, sources=sources, min_heldout=3, **kw)
 
 
 def _lines(path: Path) -> list[dict]:
@@ -196,15 +207,15 @@ def _evaluate(expr: str) -> Fraction:
 
 
 def test_math_generator_is_deterministic():
-    a = C.generate_math_problems(300, seed=1)
-    assert a == C.generate_math_problems(300, seed=1)
-    assert a != C.generate_math_problems(300, seed=2)
+    a = generate_math_problems(300, seed=1)
+    assert a == generate_math_problems(300, seed=1)
+    assert a != generate_math_problems(300, seed=2)
     assert len({p.question for p in a}) == 300
-    assert {p.kind for p in a} == set(C.MATH_TEMPLATES)
+    assert {p.kind for p in a} == set(MATH_TEMPLATES)
 
 
 def test_math_solutions_are_arithmetically_correct():
-    for p in C.generate_math_problems(600, seed=3):
+    for p in generate_math_problems(600, seed=3):
         lines = p.solution.splitlines()
         final = re.fullmatch(r"The answer is (\d+)\.", lines[-1])
         assert final, p.solution
@@ -221,7 +232,7 @@ def test_math_solutions_are_arithmetically_correct():
 
 
 def test_code_pairs_from_fake_module():
-    exs = C.code_pairs_from_source(FAKE_MODULE, "fake_mod", seed=0)
+    exs = code_pairs_from_source(FAKE_MODULE, "fake_mod", seed=0)
     by_answer = {ex.messages[1]["content"].split("\n")[0]: ex for ex in exs}
     names = " ".join(by_answer)
     assert "def add_numbers" in names and "def undocumented_helper" in names
@@ -238,15 +249,15 @@ def test_code_pairs_from_fake_module():
     assert '    text = """Hello,\ndear """ + name\n' in greet.messages[1]["content"]
     assert greet.group == "fake_mod:Greeter" and "Greeter" in greet.messages[0]["content"]
     assert any(ex.messages[1]["content"].startswith("class Greeter") for ex in exs)
-    assert C.code_pairs_from_source(FAKE_MODULE, "fake_mod", seed=0) == exs
-    assert C.code_pairs_from_source("def broken(:\n", "x") == []
+    assert code_pairs_from_source(FAKE_MODULE, "fake_mod", seed=0) == exs
+    assert code_pairs_from_source("def broken(:\n", "x") == []
 
 
 def test_build_code_examples_skips_tests_and_dedupes(tmp_path: Path):
     root = _write_stdlib(tmp_path / "stdlib")
     files = [p.relative_to(root).as_posix() for p in S.iter_stdlib_files(root)]
     assert files == ["broken.py", "dupe.py", "fake_mod.py", "pkg/__init__.py"]
-    exs = C.build_code_examples(root, seed=0, progress=False)
+    exs = build_code_examples(root, seed=0, progress=False)
     answers = [ex.messages[1]["content"] for ex in exs]
     assert len(answers) == len(set(answers))
     assert any("def add_other" in a for a in answers)
@@ -257,49 +268,49 @@ def test_build_code_examples_skips_tests_and_dedupes(tmp_path: Path):
 
 
 def test_english_filter():
-    assert C.is_english("Can you tell me how to sort a list in Python? I want the biggest number first.")
-    assert C.is_english("What\u2019s the best way to learn it \u2014 and why is that so?")
-    assert not C.is_english("这是一个中文问题，请用中文详细回答这个问题。")
-    assert not C.is_english("Bonjour, je voudrais savoir comment trier une liste avec Python, merci beaucoup.")
-    assert not C.is_english("Wie kann ich eine Liste in Python sortieren? Ich brauche die größte Zahl zuerst bitte.")
-    assert not C.is_english("```python\nx = sorted(y)\n```")
+    assert is_english("Can you tell me how to sort a list in Python? I want the biggest number first.")
+    assert is_english("What\u2019s the best way to learn it \u2014 and why is that so?")
+    assert not is_english("这是一个中文问题，请用中文详细回答这个问题。")
+    assert not is_english("Bonjour, je voudrais savoir comment trier une liste avec Python, merci beaucoup.")
+    assert not is_english("Wie kann ich eine Liste in Python sortieren? Ich brauche die größte Zahl zuerst bitte.")
+    assert not is_english("```python\nx = sorted(y)\n```")
 
 
 def test_clean_chat_text():
     raw = "Use my\\_var and \\*stars\\*.\n\n\n\n![img](http://x/y.png)| a<br>b |\n```py\nx\\_y = 1\n```\n"
-    assert C.clean_chat_text(raw) == "Use my_var and *stars*.\n\n| a b |\n```py\nx_y = 1\n```"
-    assert C.clean_chat_text("VB NET webservice client handleShare Prompt") == "VB NET webservice client handle"
-    assert C.clean_chat_text("Fix this.\n\nCopy code\nx = 1 지금 번역하기") == "Fix this.\n\nx = 1"
+    assert clean_chat_text(raw) == "Use my_var and *stars*.\n\n| a b |\n```py\nx_y = 1\n```"
+    assert clean_chat_text("VB NET webservice client handleShare Prompt") == "VB NET webservice client handle"
+    assert clean_chat_text("Fix this.\n\nCopy code\nx = 1 지금 번역하기") == "Fix this.\n\nx = 1"
 
 
 def test_conversation_from_sharegpt_rules():
     rec = _sharegpt_record(1)
-    conv = C.conversation_from_sharegpt(rec)
+    conv = conversation_from_sharegpt(rec)
     assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
     assert "label_name" in conv[1]["content"]  # markdown escape undone
-    one = C.conversation_from_sharegpt(rec, C.ChatFilter(max_exchanges=1))
+    one = conversation_from_sharegpt(rec, ChatFilter(max_exchanges=1))
     assert len(one) == 2
     first_len = len(conv[0]["content"]) + len(conv[1]["content"])
-    assert len(C.conversation_from_sharegpt(rec, C.ChatFilter(max_chars=first_len + 5))) == 2
-    assert C.conversation_from_sharegpt(rec, C.ChatFilter(max_chars=first_len - 1)) is None
-    assert C.conversation_from_sharegpt(_sharegpt_record(2, first="gpt")) is None
+    assert len(conversation_from_sharegpt(rec, ChatFilter(max_chars=first_len + 5))) == 2
+    assert conversation_from_sharegpt(rec, ChatFilter(max_chars=first_len - 1)) is None
+    assert conversation_from_sharegpt(_sharegpt_record(2, first="gpt")) is None
     sys_rec = {"conversations": [{"from": "system", "value": "x"}, *rec["conversations"]]}
-    assert C.conversation_from_sharegpt(sys_rec) is None
+    assert conversation_from_sharegpt(sys_rec) is None
     broken = {"conversations": [*rec["conversations"][:2], {"from": "gpt", "value": "again?"}]}
-    assert len(C.conversation_from_sharegpt(broken)) == 2  # stops at the first out-of-order turn
+    assert len(conversation_from_sharegpt(broken)) == 2  # stops at the first out-of-order turn
     empty = {"conversations": [rec["conversations"][0], {"from": "gpt", "value": "  "}]}
-    assert C.conversation_from_sharegpt(empty) is None
+    assert conversation_from_sharegpt(empty) is None
 
 
 def test_token_estimate_caps_number_dumps():
     prose = "This is a plain English sentence about nothing much. " * 20
     numbers = "-0.463 22.455 -31.270\n" * 80
     assert len(numbers) < 2 * len(prose)
-    assert C.estimate_tokens(numbers) > 3 * C.estimate_tokens(prose)
+    assert estimate_tokens(numbers) > 3 * estimate_tokens(prose)
     rec = {"conversations": [{"from": "human", "value": "Please plot this table for me:\n" + numbers},
                              {"from": "gpt", "value": "Here is how you can plot the table with matplotlib."}]}
-    assert C.conversation_from_sharegpt(rec, C.ChatFilter(max_chars=5000)) is None
-    assert C.conversation_from_sharegpt(rec, C.ChatFilter(max_chars=5000, max_est_tokens=2000)) is not None
+    assert conversation_from_sharegpt(rec, ChatFilter(max_chars=5000)) is None
+    assert conversation_from_sharegpt(rec, ChatFilter(max_chars=5000, max_est_tokens=2000)) is not None
 
 
 def test_truncated_sharegpt_is_salvaged(tmp_path: Path):
@@ -308,7 +319,7 @@ def test_truncated_sharegpt_is_salvaged(tmp_path: Path):
         json.loads(path.read_text())
     records = list(S.iter_sharegpt_records(path))
     assert len(records) == 12  # all but the record cut in half
-    exs = C.build_chat_examples(records, progress=False)
+    exs = build_chat_examples(records, progress=False)
     assert len(exs) == 10  # Chinese and gpt-first conversations dropped
 
 
@@ -316,17 +327,17 @@ def test_truncated_sharegpt_is_salvaged(tmp_path: Path):
 
 
 def test_rst_cleaning():
-    sections = C.rst_sections(FAKE_RST)
+    sections = rst_sections(FAKE_RST)
     assert [t for t, _ in sections] == [":mod:`fakemod` --- A fake module", "Frobnicating things"]
-    intro = C.clean_rst(sections[0][1])
+    intro = clean_rst(sections[0][1])
     assert ".. module" not in intro and "synopsis" not in intro and ".. index" not in intro
     assert "The `fakemod` module provides `frobnicate` and `literal` values, see\nthe site and PEP 8" in intro
-    body = C.clean_rst(sections[1][1])
+    body = clean_rst(sections[1][1])
     assert body.startswith("`frobnicate(x, y=None)`\n\nFrobnicate *x* with *y*.")
     assert "Example:\n\n   >>> frobnicate(1)\n   2" in body
     assert "It is equivalent to\n\n   >>>" in body
     assert body.endswith("New in version 3.11.")
-    exs = C.docs_examples_from_rst(FAKE_RST, "library/fake.rst.txt", limits=C.DocsFilter(min_chars=50))
+    exs = docs_examples_from_rst(FAKE_RST, "library/fake.rst.txt", limits=DocsFilter(min_chars=50))
     assert len(exs) == 2 and "Frobnicating things" in exs[1].messages[0]["content"]
 
 
@@ -334,11 +345,11 @@ def test_rst_cleaning():
 
 
 def test_split_is_disjoint_by_group_with_min_heldout():
-    exs = [C.Example(f"g{i // 3}", ({"role": "user", "content": str(i)},)) for i in range(300)]
-    train, held = C.split_examples(exs, "d", fraction=0.02, min_heldout=20)
+    exs = [Example(f"g{i // 3}", ({"role": "user", "content": str(i)},)) for i in range(300)]
+    train, held = split_examples(exs, "d", fraction=0.02, min_heldout=20)
     assert len(train) + len(held) == 300 and len(held) >= 20
     assert not {e.group for e in train} & {e.group for e in held}
-    train2, held2 = C.split_examples(list(reversed(exs)), "d", fraction=0.02, min_heldout=20)
+    train2, held2 = split_examples(list(reversed(exs)), "d", fraction=0.02, min_heldout=20)
     assert sorted(e.messages[0]["content"] for e in held2) == sorted(e.messages[0]["content"] for e in held)
 
 
@@ -351,7 +362,7 @@ def test_build_corpus_layout_split_and_idempotency(tmp_path: Path, fake_sources:
     assert set(manifest["domains"]) == {"code", "chat", "math", "docs"} and not manifest["skipped"]
     for domain, stats in manifest["domains"].items():
         groups = {}
-        for split in C.SPLITS:
+        for split in SPLITS:
             rows = _lines(out / domain / f"{split}.jsonl")
             assert len(rows) == stats[split]["examples"]
             assert sum(len(m["content"]) for r in rows for m in r["messages"]) == stats[split]["chars"]
@@ -376,7 +387,7 @@ def test_build_corpus_layout_split_and_idempotency(tmp_path: Path, fake_sources:
     # deterministic: a fresh build elsewhere gives identical files
     _build(tmp_path / "again", fake_sources)
     for domain in manifest["domains"]:
-        for split in C.SPLITS:
+        for split in SPLITS:
             assert (out / domain / f"{split}.jsonl").read_bytes() == (
                 tmp_path / "again" / domain / f"{split}.jsonl"
             ).read_bytes()
@@ -399,7 +410,7 @@ def test_build_corpus_caps_and_resume(tmp_path: Path, fake_sources: S.Sources):
     assert (out / "chat" / "train.jsonl").stat().st_mtime_ns == mtime
     assert _build(out, fake_sources, max_examples={**SMALL, "chat": 20}, domains=["chat", "math"],
                   force=True)["domains"] == manifest["domains"]
-    texts = list(C.iter_texts(out, "train", max_chars_per_domain=500))
+    texts = list(iter_texts(out, "train", max_chars_per_domain=500))
     assert 0 < len(texts) < 100
 
 
@@ -446,4 +457,4 @@ def test_bad_settings_are_rejected(tmp_path: Path, fake_sources: S.Sources):
     with pytest.raises(ValueError, match="max_examples"):
         _build(tmp_path, fake_sources, max_examples={"math": 0})
     with pytest.raises(FileNotFoundError, match="manifest"):
-        next(C.iter_examples(tmp_path / "nothing"))
+        next(iter_examples(tmp_path / "nothing"))

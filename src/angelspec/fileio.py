@@ -42,10 +42,10 @@ def _write_text(write: Callable[[IO[str]], None]) -> Callable[[Path], None]:
     return go
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: object) -> None:
-    """Write `obj` as indented JSON, atomically."""
+def write_json_atomic(path: str | os.PathLike[str], obj: object, *, ensure_ascii: bool = True) -> None:
+    """Write `obj` as indented JSON, atomically (`ensure_ascii=False` writes non-ASCII text as UTF-8)."""
     def dump(f: IO[str]) -> None:
-        json.dump(obj, f, indent=2, sort_keys=False)
+        json.dump(obj, f, indent=2, sort_keys=False, ensure_ascii=ensure_ascii)
         f.write("\n")
     replace_atomic(path, _write_text(dump))
 
@@ -58,3 +58,13 @@ def write_jsonl_atomic(path: str | os.PathLike[str], records: Iterable[dict[str,
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     replace_atomic(path, _write_text(dump))
+
+
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object stored in `path`, or None when the file is missing, unreadable, not JSON or not an object
+    (for state files a half-finished run may have left behind, where None means "start over")."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

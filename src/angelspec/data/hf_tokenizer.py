@@ -40,12 +40,13 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from angelspec.data.chat import check_message_list
-from angelspec.data.tokenizer import (
+from angelspec.data.tokenizer_base import (
     CONFIG_FILE,
     SPECIAL_MAP_FILE,
     TOKENIZER_FILE,
     BackendTokenizer,
     TokenizerError,
+    read_json_config,
     read_tokenizer_folder,
 )
 
@@ -157,7 +158,11 @@ class HFChatTokenizer(BackendTokenizer):
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
     ) -> str:
-        """The conversation as text, equal to transformers' ``apply_chat_template(..., tokenize=False)``.
+        """The conversation as text, equal to transformers' ``apply_chat_template(..., tokenize=False)``
+        (:meth:`apply_chat_template` encodes it).
+
+        ``enable_thinking`` is always passed to the template (as AngelSpec's own template expects), so a
+        Qwen3 template, which thinks when the flag is absent, gets no-think unless asked.
 
         Raises:
             TokenizerError: the folder has no chat template.
@@ -185,19 +190,6 @@ class HFChatTokenizer(BackendTokenizer):
         except (jinja2.TemplateError, TypeError) as exc:
             raise ChatTemplateError(f"{self.path}: the chat template cannot render this conversation: {exc}") from None
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        enable_thinking: bool = False,
-    ) -> list[int]:
-        """Ids of the rendered conversation; equal to transformers' ``apply_chat_template(..., tokenize=True)``.
-
-        ``enable_thinking`` is always passed to the template (as AngelSpec's own template expects), so a
-        Qwen3 template, which thinks when the flag is absent, gets no-think unless asked.
-        """
-        return self.encode(self.render_chat_template(messages, add_generation_prompt, enable_thinking))
-
     def __repr__(self) -> str:
         return f"HFChatTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
@@ -220,15 +212,7 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _read_optional_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path} must hold a JSON object")
-    return data
+    return read_json_config(path) if path.is_file() else None
 
 
 def _token_content(value: Any, where: str) -> str | None:

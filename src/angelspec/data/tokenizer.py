@@ -5,7 +5,8 @@ The folder :func:`train_tokenizer` writes is a plain Hugging Face tokenizer fold
 ``transformers.AutoTokenizer.from_pretrained(folder)`` and peer engines load it unchanged, while
 :func:`load_tokenizer` gives a light wrapper over ``tokenizers.Tokenizer`` that needs no transformers.
 Given any other model's Hugging Face folder (Qwen3, Llama, ...) it returns an
-:class:`~angelspec.data.hf_tokenizer.HFChatTokenizer` instead, which has the same interface.
+:class:`~angelspec.data.hf_tokenizer.HFChatTokenizer` instead, which has the same interface. Both build on
+:mod:`angelspec.data.tokenizer_base` (the folder's files, :class:`TokenizerError`, the text <-> ids base class).
 
 Special tokens have fixed ids 0..5 (see :data:`~angelspec.data.chat.SPECIAL_TOKENS`): ``<|endoftext|>``
 (also padding), ``<|im_start|>``, ``<|im_end|>`` (end of turn = eos for chat), ``<think>``,
@@ -28,7 +29,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -45,13 +46,16 @@ from angelspec.data.chat import (
     encode_conversation,
     render_chat,
 )
+from angelspec.data.hf_tokenizer import HFChatTokenizer
+from angelspec.data.tokenizer_base import (
+    CONFIG_FILE,
+    SPECIAL_MAP_FILE,
+    TOKENIZER_FILE,
+    BackendTokenizer,
+    TokenizerError,
+    read_tokenizer_folder,
+)
 
-if TYPE_CHECKING:
-    from angelspec.data.hf_tokenizer import HFChatTokenizer
-
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_MAP_FILE = "special_tokens_map.json"
 # Qwen2's pre-tokenizer pattern: contractions, letter runs (with one leading non-letter), single digits,
 # punctuation runs (with trailing newlines), newline runs, other whitespace.
 SPLIT_PATTERN = (
@@ -59,10 +63,6 @@ SPLIT_PATTERN = (
 )
 # Added tokens that stay visible when decoding with skip_special_tokens=True.
 NON_SPECIAL_ADDED = frozenset({THINK_START, THINK_END})
-
-
-class TokenizerError(ValueError):
-    """A tokenizer folder is missing, incomplete or inconsistent; the message names folder and file."""
 
 
 def train_tokenizer(
@@ -153,39 +153,6 @@ def _write_hf_config(out: Path, tok: Tokenizer, model_max_length: int) -> None:
     (out / SPECIAL_MAP_FILE).write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
 
 
-class BackendTokenizer:
-    """What every tokenizer we load shares: a ``tokenizers.Tokenizer`` backend and plain text <-> ids.
-    Subclasses add the special ids and the chat template of their layout."""
-
-    backend: Tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, added tokens included (the embedding table size a model needs at least)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without BOS/EOS; special-token strings in it become their single ids (as in
-        transformers)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Like :meth:`encode` for many texts, parallelised inside the Rust library."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
 class ChatTokenizer(BackendTokenizer):
     """Thin wrapper over ``tokenizers.Tokenizer`` with the chat format and special ids built in."""
 
@@ -215,14 +182,12 @@ class ChatTokenizer(BackendTokenizer):
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(len(SPECIAL_TOKENS)))
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        enable_thinking: bool = False,
-    ) -> list[int]:
-        """Ids of the rendered conversation; equal to transformers' ``apply_chat_template`` on this folder."""
-        return self.encode(render_chat(messages, add_generation_prompt, enable_thinking))
+    def render_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, enable_thinking: bool = False
+    ) -> str:
+        """The conversation as text in the fixed chat format (:data:`~angelspec.data.chat.CHAT_TEMPLATE`), equal
+        to transformers' ``apply_chat_template(..., tokenize=False)`` on this folder."""
+        return render_chat(messages, add_generation_prompt, enable_thinking)
 
     def encode_conversation(
         self, messages: Sequence[Mapping[str, Any]], enable_thinking: bool = False, max_length: int | None = None
@@ -232,36 +197,6 @@ class ChatTokenizer(BackendTokenizer):
 
     def __repr__(self) -> str:
         return f"ChatTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
-def read_tokenizer_folder(path: str | os.PathLike[str]) -> tuple[Tokenizer, dict[str, Any]]:
-    """Check a tokenizer folder and parse its ``tokenizer.json`` and ``tokenizer_config.json``.
-
-    Shared by both tokenizer classes so a missing or corrupt file gets the same message whichever
-    layout the folder turns out to have.
-
-    Raises:
-        TokenizerError: the folder or one of the two files is missing or unreadable.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise TokenizerError(
-            f"tokenizer folder {folder} does not exist; train one with train_tokenizer(texts, {str(folder)!r})"
-        )
-    for name in (TOKENIZER_FILE, CONFIG_FILE):
-        if not (folder / name).is_file():
-            raise TokenizerError(f"tokenizer folder {folder} is incomplete: {name} is missing")
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {folder / CONFIG_FILE}: {exc}") from None
-    if not isinstance(config, dict):
-        raise TokenizerError(f"{folder / CONFIG_FILE} must hold a JSON object")
-    try:
-        backend = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
-    except Exception as exc:  # the Rust binding raises a bare `Exception` for every parse error
-        raise TokenizerError(f"cannot parse {folder / TOKENIZER_FILE}: {exc}") from None
-    return backend, config
 
 
 def is_angelspec_layout(backend: Tokenizer) -> bool:
@@ -287,9 +222,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> ChatTokenizer | HFChatTokeni
             tokens do not have the ids this project relies on; (other folders) the files disagree with each
             other or the chat template does not parse.
     """
-    # Imported here: hf_tokenizer builds on this module (TokenizerError, read_tokenizer_folder).
-    from angelspec.data.hf_tokenizer import HFChatTokenizer
-
     folder = Path(path)
     backend, config = read_tokenizer_folder(folder)
     if not is_angelspec_layout(backend):
