@@ -163,12 +163,13 @@ def _fake_sources(root: Path) -> Sources:
 
 
 def test_build_prompt_pool_files(tmp_path: Path) -> None:
-    from angelspec.data import corpus as C
+    from angelspec.data.corpus import DEFAULT_MAX_EXAMPLES
+    from angelspec.data.corpus.chat import build_chat_examples
     from angelspec.data.sources import iter_sharegpt_records
 
     sources = _fake_sources(tmp_path)
-    chat_exs = C.build_chat_examples(iter_sharegpt_records(sources.sharegpt), progress=False)
-    chat_held = P.corpus_heldout_groups(chat_exs, "chat", seed=0, cap=C.DEFAULT_MAX_EXAMPLES["chat"])
+    chat_exs = build_chat_examples(iter_sharegpt_records(sources.sharegpt), progress=False)
+    chat_held = P.corpus_heldout_groups(chat_exs, "chat", seed=0, cap=DEFAULT_MAX_EXAMPLES["chat"])
     chat_prompt = next(p for p in map(_chat_prompt, range(30)) if P.norm_key(p) not in chat_held)
     heldout = tmp_path / "eval.jsonl"
     heldout.write_text(json.dumps({"prompt": f"Please answer: {chat_prompt} Thanks!", "domain": "chat"}) + "\n")
@@ -195,5 +196,5 @@ def test_build_prompt_pool_files(tmp_path: Path) -> None:
     assert doms["math"]["selected"] == 40 - sum(c["selected"] for d, c in doms.items() if d != "math")
     # the corpus' held-out groups never reach the pool: rebuild the maths split and check
     exs = C.build_math_examples(summary["settings"]["math_problems"], seed=0, progress=False)
-    held = P.corpus_heldout_groups(exs, "math", seed=0, cap=C.DEFAULT_MAX_EXAMPLES["math"])
+    held = P.corpus_heldout_groups(exs, "math", seed=0, cap=DEFAULT_MAX_EXAMPLES["math"])
     assert held and not held & {r["prompt"] for r in lines if r["domain"] == "math"}

@@ -47,7 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from angelspec.data import corpus as C
+from angelspec.data.corpus.chat import build_chat_examples
+from angelspec.data.corpus.code import build_code_examples
+from angelspec.data.corpus.common import CorpusConfig, Example, cap_and_order, split_examples
+from angelspec.data.corpus.docs import build_docs_examples
+from angelspec.data.corpus.maths import build_math_examples
 from angelspec.data.decontam import DEFAULT_NGRAM, decontaminate, prompt_texts, report_path
 from angelspec.data.prompts import load_prompts
 from angelspec.data.sources import Sources, fetch_docs, iter_sharegpt_records, locate_sharegpt, stdlib_dir
@@ -100,22 +104,22 @@ def prompt_id(domain: str, prompt: str) -> str:
 # ---------------------------------------------------------------------------------- mining
 
 
-def corpus_heldout_groups(examples: list[C.Example], domain: str, *, seed: int, cap: int | None,
+def corpus_heldout_groups(examples: list[Example], domain: str, *, seed: int, cap: int | None,
                           fraction: float = 0.02, min_heldout: int = 50) -> set[str]:
     """Groups the corpus build holds out for ``domain``, plus those it would hold out over all ``examples``.
 
     The corpus splits its *capped* list (:func:`angelspec.data.corpus.build_corpus`); the second split
     covers the candidates beyond the cap with the same hash rule, so the result never depends on the cap.
     """
-    capped = C._cap_and_order(examples, cap, seed, domain)
+    capped = cap_and_order(examples, cap, seed, domain)
     held: set[str] = set()
     for subset in (capped, examples):
-        _, heldout = C.split_examples(subset, domain, fraction=fraction, min_heldout=min_heldout)
+        _, heldout = split_examples(subset, domain, fraction=fraction, min_heldout=min_heldout)
         held.update(ex.group for ex in heldout)
     return held
 
 
-def candidates_from_examples(examples: Iterable[C.Example], domain: str, exclude_groups: set[str]) -> list[Candidate]:
+def candidates_from_examples(examples: Iterable[Example], domain: str, exclude_groups: set[str]) -> list[Candidate]:
     """The first user turn of every example outside ``exclude_groups``."""
     out = []
     for ex in examples:
@@ -134,16 +138,16 @@ def mine_domain(domain: str, sources: Sources, *, seed: int = 0, math_problems: 
     Returns (candidates, {"mined": examples, "corpus_heldout": excluded}). ``math_problems`` defaults to
     the corpus' own count; a larger number keeps those problems first (the generator is sequential).
     """
-    config = C.CorpusConfig(seed=seed)
+    config = CorpusConfig(seed=seed)
     cap = config.max_examples.get(domain)
     if domain == "code":
-        examples = C.build_code_examples(sources.stdlib, seed=seed, limits=config.code, progress=progress)
+        examples = build_code_examples(sources.stdlib, seed=seed, limits=config.code, progress=progress)
     elif domain == "chat":
-        examples = C.build_chat_examples(iter_sharegpt_records(sources.sharegpt), limits=config.chat, progress=progress)
+        examples = build_chat_examples(iter_sharegpt_records(sources.sharegpt), limits=config.chat, progress=progress)
     elif domain == "math":
         corpus_n = config.max_examples["math"]
         n = max(math_problems or corpus_n, corpus_n)
-        examples = C.build_math_examples(n, seed=seed, progress=progress)
+        examples = build_math_examples(n, seed=seed, progress=progress)
         # The corpus split only its first corpus_n problems; the extra ones are split on their own.
         held = corpus_heldout_groups(examples[:corpus_n], domain, seed=seed, cap=cap,
                                      fraction=config.heldout_fraction, min_heldout=config.min_heldout)
@@ -154,7 +158,7 @@ def mine_domain(domain: str, sources: Sources, *, seed: int = 0, math_problems: 
     elif domain == "docs":
         if sources.docs is None or not sources.docs.is_dir():
             raise PromptPoolError("docs domain requested but the Python documentation sources are not available")
-        examples = C.build_docs_examples(sources.docs, seed=seed, limits=config.docs, progress=progress)
+        examples = build_docs_examples(sources.docs, seed=seed, limits=config.docs, progress=progress)
     else:
         raise PromptPoolError(f"unknown domain {domain!r}; choose from {DOMAINS}")
     held = corpus_heldout_groups(examples, domain, seed=seed, cap=cap, fraction=config.heldout_fraction,
