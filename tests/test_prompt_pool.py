@@ -165,6 +165,7 @@ def _fake_sources(root: Path) -> Sources:
 def test_build_prompt_pool_files(tmp_path: Path) -> None:
     from angelspec.data.corpus import DEFAULT_MAX_EXAMPLES
     from angelspec.data.corpus.chat import build_chat_examples
+    from angelspec.data.corpus.maths import build_math_examples
     from angelspec.data.sources import iter_sharegpt_records
 
     sources = _fake_sources(tmp_path)
@@ -195,6 +196,6 @@ def test_build_prompt_pool_files(tmp_path: Path) -> None:
     assert doms["code"]["selected"] == doms["code"]["available"] <= 12
     assert doms["math"]["selected"] == 40 - sum(c["selected"] for d, c in doms.items() if d != "math")
     # the corpus' held-out groups never reach the pool: rebuild the maths split and check
-    exs = C.build_math_examples(summary["settings"]["math_problems"], seed=0, progress=False)
+    exs = build_math_examples(summary["settings"]["math_problems"], seed=0, progress=False)
     held = P.corpus_heldout_groups(exs, "math", seed=0, cap=DEFAULT_MAX_EXAMPLES["math"])
     assert held and not held & {r["prompt"] for r in lines if r["domain"] == "math"}
