@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from angelspec.assets import resolve_target_dir
-from angelspec.cli import EXIT_BAD_INPUT, is_user_error
 from angelspec.decoding.loading import load_target_and_tokenizer
+from angelspec.errors import EXIT_BAD_INPUT, is_user_error
 from angelspec.eval.serving import (
     DEFAULT_CONCURRENCY,
     DRAFTER_MAX_DEPTH,

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from angelspec import cli
+from angelspec import assets
 from angelspec.cli import main
 from angelspec.data.prompts import PromptFileError, load_prompts
+from angelspec.decoding import generate
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
@@ -119,7 +120,7 @@ def test_bugs_keep_their_traceback(tmp_path: Path, prompts_file: Path, monkeypat
     def broken(_: Path) -> None:
         raise RuntimeError("a genuine bug")
 
-    monkeypatch.setattr(cli, "load_target_and_tokenizer", broken)
+    monkeypatch.setattr(generate, "load_target_and_tokenizer", broken)
     with pytest.raises(RuntimeError, match="genuine bug"):
         main(["generate", "--prompts", str(prompts_file), "--out", str(tmp_path / "o.jsonl"), "--target", "x"])
 
@@ -133,7 +134,7 @@ def test_missing_target_folder(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 def test_embedded_target_not_built(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts_file: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "DEFAULT_TARGET", tmp_path / "assets" / "target")
+    monkeypatch.setattr(assets, "DEFAULT_TARGET", tmp_path / "assets" / "target")
     code, _, err = run(capsys, "generate", "--prompts", prompts_file, "--out", tmp_path / "o.jsonl")
     assert_bad_input(code, err, "embedded target is not built yet", "angelspec target build")
 
@@ -267,6 +268,6 @@ def test_demo_without_embedded_target(capsys: pytest.CaptureFixture[str], tmp_pa
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from angelspec import demo
 
-    monkeypatch.setattr(cli, "DEFAULT_TARGET", tmp_path / "missing")
+    monkeypatch.setattr(assets, "DEFAULT_TARGET", tmp_path / "missing")
     assert demo.main([]) == 2
     assert "angelspec target build" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Target rollout (data/rollout.py) and decontamination (data/decontam.py) on the tiny target."""
+"""Target rollout (train/rollout.py) and decontamination (data/decontam.py), and their commands (cli/data.py), on
+the tiny target."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from angelspec.data import rollout as rollout_mod
-from angelspec.data.rollout import RolloutError, rollout, split_response
 from angelspec.data.tokenizer import load_tokenizer
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import load_target
+from angelspec.train import rollout as rollout_mod
+from angelspec.train.rollout import RolloutError, rollout, split_response
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,7 +211,8 @@ def test_ngram_hashes_match_a_slow_reference() -> None:
 def test_decontam_cli_function(tiny_target_dir: Path, tmp_path: Path) -> None:
     import argparse
 
-    from angelspec.data.decontam import add_decontam_parser, cmd_decontam, report_path
+    from angelspec.cli.data import add_decontam, cmd_decontam
+    from angelspec.data.decontam import report_path
 
     eval_text = ("Tom has 12 apples and buys 30 more. 12 + 30 = 42. The answer is 42. "
                  "Tom has 7 apples and buys 8 more.")
@@ -220,7 +222,7 @@ def test_decontam_cli_function(tiny_target_dir: Path, tmp_path: Path) -> None:
         {"prompt": "def add(x, y):\n    return x + y * 3", "domain": "code"},
     ])
     parser = argparse.ArgumentParser()
-    add_decontam_parser(parser.add_subparsers(dest="command"))
+    add_decontam(parser.add_subparsers(dest="command"))
     out = tmp_path / "clean.jsonl"
     args = parser.parse_args(["decontam", "--train", str(train), "--eval", str(ev), "--out", str(out),
                               "--target", str(tiny_target_dir)])
@@ -234,11 +236,11 @@ def test_decontam_cli_function(tiny_target_dir: Path, tmp_path: Path) -> None:
 def test_rollout_cli_function(tiny_target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from angelspec.data.rollout import add_rollout_parser, cmd_rollout
+    from angelspec.cli.data import add_rollout, cmd_rollout
 
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:2])
     parser = argparse.ArgumentParser()
-    add_rollout_parser(parser.add_subparsers(dest="command"))
+    add_rollout(parser.add_subparsers(dest="command"))
     out = tmp_path / "o.jsonl"
     argv = ["rollout", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(out),
             "--no-think", "--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--max-new-tokens", "3",

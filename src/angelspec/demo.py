@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS, TRAIN_PROMPTS, resolve_target_dir
-from angelspec.cli import EXIT_BAD_INPUT, is_user_error, preview_lines
+from angelspec.decoding.generate import preview_lines
 from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
-from angelspec.errors import UsageError
+from angelspec.errors import EXIT_BAD_INPUT, UsageError, is_user_error
 
 PREVIEW_LINES = 6  # of the one sample completion shown per domain
 
@@ -158,7 +158,7 @@ def stage_draft_lm(state: DemoState) -> dict[str, str]:
 
 def demo_rollout(state: DemoState) -> Path:
     """Roll out the shipped training prompts with the target once (the drafters train on its own answers)."""
-    from angelspec.data.rollout import rollout
+    from angelspec.train.rollout import rollout
 
     if state.rollout_data is None:
         state.work_dir.mkdir(parents=True, exist_ok=True)

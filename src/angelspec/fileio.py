@@ -3,6 +3,7 @@
 Every write goes to a temp file in the destination folder and is renamed over the target, so a crash never
 leaves a half-written file. The temp file gets ordinary permissions (0666 minus the umask, like `open`
 would give) because `mkstemp`'s private 0600 would otherwise survive the rename into checkpoints users share.
+`check_output_path` refuses, before any work, an output that is a folder or that exists without --force.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
+
+from angelspec.errors import UsageError
 
 
 def _umask() -> int:
@@ -68,3 +71,11 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def check_output_path(path: Path, force: bool, flag: str = "--out", example: str = "out.jsonl") -> None:
+    """Refuse an output file that is a folder, or that exists without `force` (`flag` names the option)."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name such as {path / example}")
+    if path.exists() and not force:
+        raise FileExistsError(f"{flag} {path} already exists; pass --force to overwrite it")

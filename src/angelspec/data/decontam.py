@@ -3,7 +3,8 @@
 Report §3.5: "Before response generation, we remove any prompt that shares a contiguous sequence of at
 least 16 tokens with an evaluation example." Acceptance measured on prompts the drafter was trained on
 overstates it, and rollout makes the leak worse (the drafter then sees the target's exact answer), so
-this runs before :mod:`angelspec.data.rollout`.
+this runs before :mod:`angelspec.train.rollout`. `angelspec decontam` (angelspec.cli.data) is the command
+line of :func:`decontaminate_file`.
 
 What is compared: the *prompt* side only, i.e. the content of each user turn, tokenized as plain text
 with the target's tokenizer (no chat template: its fixed header tokens would be shared by every pair).
@@ -17,7 +18,6 @@ comparing the actual tokens, so a hash collision can never drop a clean prompt.
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from angelspec.data.prompts import load_prompts
+from angelspec.fileio import write_json_atomic, write_jsonl_atomic
 
 DEFAULT_NGRAM = 16
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so it is invertible mod 2^64
@@ -158,52 +161,31 @@ def _first_overlap(record: Mapping[str, Any], tokenizer: Any, n: int, table: Map
     return None
 
 
-# --------------------------------------------------------------------------------------------------
-# CLI: `angelspec decontam` (wired into angelspec.cli by add_decontam_parser)
-# --------------------------------------------------------------------------------------------------
-def add_decontam_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "decontam", help="drop training prompts that overlap evaluation prompts (report §3.5)",
-        description="Drop every training conversation whose user turns share >= N contiguous target tokens with "
-                    "any evaluation prompt. Writes the kept lines unchanged, and a JSON report beside --out.",
-    )
-    p.add_argument("--train", required=True, metavar="FILE.jsonl", help="training prompts or conversations")
-    p.add_argument("--eval", required=True, action="append", metavar="FILE.jsonl",
-                   help="evaluation prompts (repeat for several sets)")
-    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="kept training lines")
-    p.add_argument("--target", metavar="DIR", help="folder with the target's tokenizer (default: the embedded target)")
-    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, metavar="N",
-                   help=f"shared-window length that counts as contamination (default: {DEFAULT_NGRAM})")
-    p.add_argument("--force", action="store_true", help="overwrite --out and its report")
-    p.set_defaults(func=cmd_decontam)
-    return p
-
-
 def report_path(out: Path) -> Path:
+    """Where `decontaminate_file` writes its JSON report: beside the output, OUT.decontam.json."""
     return out.with_name(out.name + ".decontam.json")
 
 
-def cmd_decontam(args: argparse.Namespace) -> int:
-    """`angelspec decontam`: filter --train against every --eval file; print per-domain counts."""
-    from angelspec.assets import resolve_target_dir
-    from angelspec.data.prompts import load_prompts
-    from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.fileio import write_json_atomic, write_jsonl_atomic
+def decontaminate_file(train_path: str | Path, eval_paths: Sequence[str | Path], out_path: str | Path,
+                       tokenizer: Any, *, n: int = DEFAULT_NGRAM,
+                       force: bool = False) -> tuple[int, DecontamReport]:
+    """Filter the prompts file `train_path` against every file of `eval_paths` (:func:`decontaminate`), write
+    the kept lines unchanged to `out_path` and the report to :func:`report_path`; returns (lines kept, report).
 
-    out = Path(args.out)
+    tokenizer: the target's tokenizer (``encode`` / ``decode``). Refuses to overwrite the output or its report
+    without `force`, and an output that is the input.
+    """
+    out = Path(out_path)
     if out.is_dir():
         raise DecontamError(f"--out {out} is a directory; give a file name")
     for path in (out, report_path(out)):
-        if path.exists() and not args.force:
+        if path.exists() and not force:
             raise FileExistsError(f"{path} already exists; pass --force to overwrite it")
-    if Path(args.train).resolve() == out.resolve():
+    if Path(train_path).resolve() == out.resolve():
         raise DecontamError("--out must differ from --train (the input would be overwritten)")
-    tokenizer = load_tokenizer(resolve_target_dir(args.target))
-    train = load_prompts(args.train)
-    evals = [p["record"] for path in args.eval for p in load_prompts(path)]
-    kept, report = decontaminate([p["record"] for p in train], evals, tokenizer, n=args.ngram)
+    train = load_prompts(train_path)
+    evals = [p["record"] for path in eval_paths for p in load_prompts(path)]
+    kept, report = decontaminate([p["record"] for p in train], evals, tokenizer, n=n)
     write_jsonl_atomic(out, list(kept))
     write_json_atomic(report_path(out), report.to_json())
-    print(report.format())
-    print(f"wrote {len(kept)} lines to {out} and the report to {report_path(out)}")
-    return 0
+    return len(kept), report

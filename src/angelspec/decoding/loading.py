@@ -124,6 +124,14 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     return drafter
 
 
+def drafter_path(spec: str) -> Path:
+    """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR, else the spec itself); not checked."""
+    from angelspec.decoding.drafters import registered_drafters
+
+    kind, sep, arg = spec.partition(":")
+    return Path(arg) if sep and kind in registered_drafters() else Path(spec)
+
+
 def drafter_forms(include_none: bool = True) -> str:
     """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
     from angelspec.decoding.drafters import get_drafter, registered_drafters

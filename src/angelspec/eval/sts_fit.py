@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters import registered_drafters
 from angelspec.decoding.drafters.base import Drafter, full_depth_drafting
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
+from angelspec.decoding.loading import drafter_path
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
     CalibratedDrafter,
@@ -87,8 +87,7 @@ class ConfidenceRecorder:
 
 def drafter_folder(spec: str) -> Path:
     """The checkpoint folder of a `--drafter DIR` or `KIND:DIR` spec; calibration needs a saved drafter."""
-    kind, sep, arg = spec.partition(":")
-    folder = Path(arg) if sep and kind in registered_drafters() else Path(spec)
+    folder = drafter_path(spec)
     if not folder.is_dir():
         raise CalibrationError(f"--drafter {spec!r}: calibration writes {CALIBRATION_FILE} next to the drafter "
                                "checkpoint, so it needs a drafter folder (DIR or KIND:DIR), and "

@@ -3,7 +3,8 @@
 Why: a drafter is scored on how well it predicts the *deployed target*, so training on the target's own
 responses (its token choices and uncertainty) beats training on human or other-model references. The
 prompts are rendered with the target's chat template in the serving mode (think / no-think) and decoded
-in batches through :class:`~angelspec.decoding.engine.SpecEngine`.
+in batches through :class:`~angelspec.decoding.engine.SpecEngine`. `angelspec rollout` (angelspec.cli.data)
+is the command line of :func:`rollout`.
 
 Input lines (the prompts format of :mod:`angelspec.data.prompts`): ``{"prompt": str}`` or
 ``{"messages": [...]}``. Every assistant turn is replaced by the target's response, turn by turn: the
@@ -30,16 +31,15 @@ in any batch, so a resumed file is byte-identical to an uninterrupted one. The s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from angelspec.assets import resolve_target_dir
 from angelspec.data.fingerprint import file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
 from angelspec.fileio import write_json_atomic
@@ -206,7 +206,7 @@ def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: b
 
 
 def rollout(
-    target_dir: str | Path,
+    target_dir: str | Path | None,
     prompts_path: str | Path,
     out_path: str | Path,
     *,
@@ -222,7 +222,8 @@ def rollout(
     progress: bool = False,
     chunk_lines: int | None = None,
 ) -> RolloutSummary:
-    """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir``.
+    """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
+    embedded target).
 
     ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
     chunks lose less work to a kill, larger ones keep more requests in flight between turns.
@@ -236,6 +237,7 @@ def rollout(
     from angelspec.models import load_target
 
     t0 = time.perf_counter()
+    target_dir = resolve_target_dir(target_dir)
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RolloutError(f"{name} must be an int >= 1, got {value!r}")
@@ -335,49 +337,3 @@ def _record_line(c: _Conversation, counters: dict[str, int]) -> str | None:
             "turns": c.turns, "dropped_turns": c.dropped_turns}
     record = {"messages": c.out, **c.extras, "rollout": info}
     return json.dumps(record, ensure_ascii=False) + "\n"
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI: `angelspec rollout` (wired into angelspec.cli by add_rollout_parser)
-# --------------------------------------------------------------------------------------------------
-def add_rollout_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "rollout", help="regenerate a dataset's assistant turns with the target (report §2.4)",
-        description="Replace every assistant turn of a JSONL conversation dataset with the target's own response, "
-                    "rendered with its chat template and decoded in batches. Resumable with --resume.",
-    )
-    p.add_argument("--target", metavar="DIR", help="HF checkpoint folder (default: the embedded target)")
-    p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
-                   help='input: one {"prompt": str} or {"messages": [...]} per line')
-    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output conversations")
-    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
-                   help="render prompts in thinking mode (default: --no-think)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = disabled (default: 0)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seeds derive from (S, line, turn) (default: 0)")
-    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="per response (default: 512)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
-    p.add_argument("--force", action="store_true", help="overwrite --out (and its progress file)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_rollout)
-    return p
-
-
-def cmd_rollout(args: argparse.Namespace) -> int:
-    """`angelspec rollout`: run :func:`rollout` and print its summary."""
-    from angelspec.assets import resolve_target_dir
-
-    if args.resume and args.force:
-        raise RolloutError("--resume and --force contradict each other: pick one")
-    summary = rollout(resolve_target_dir(args.target), args.prompts, args.out, enable_thinking=args.think,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, resume=args.resume,
-                      force=args.force, progress=not args.quiet)
-    print(summary.format())
-    print(f"wrote {args.out}")
-    if summary.truncated_turns:
-        print(f"note: {summary.truncated_turns} responses hit --max-new-tokens {args.max_new_tokens}; they are kept "
-              "with rollout.finish_reason 'length' (filter them out or raise the limit)", file=sys.stderr)
-    return 0

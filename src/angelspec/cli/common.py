@@ -1,0 +1,70 @@
+"""Flag blocks several commands share, each defined once (`add_*_flags`), and the exit codes.
+
+The checks behind the flags live in the library functions the handlers call (`angelspec.decoding.generate`
+for sampling and `--policy`, `angelspec.fileio.check_output_path`, `angelspec.errors.require_positive`), so
+Python callers get the same messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from angelspec.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_LOSSLESS
+
+TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
+DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
+POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "
+               "alg1:TAU | production (default: full; dcut, alg1 and production read a measured cost table, "
+               "profiled on first use and cached)")
+THINK_HELP = "render the chat template in thinking mode (default: --no-think)"
+
+Subparsers = argparse._SubParsersAction
+
+__all__ = ["DRAFTER_SPECS", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_NOT_LOSSLESS", "POLICY_HELP", "Subparsers",
+           "TARGET_HELP", "THINK_HELP", "add_batch_size_flag", "add_num_draft_tokens_flag", "add_overrides",
+           "add_policy_flags", "add_sampling_flags", "add_target_flag", "add_think_flag", "warn"]
+
+
+def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None:
+    p.add_argument("--target", metavar="DIR", help=help)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, seed: int | None,
+                       temperature_help: str = "0 = greedy (default: 0)",
+                       seed_help: str = "request i uses seed S+i (default: 0)") -> None:
+    """--temperature, --top-p, --top-k and --seed (default `seed`)."""
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help=temperature_help)
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = disabled (default: 0)")
+    p.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
+
+
+def add_num_draft_tokens_flag(p: argparse.ArgumentParser, help: str = "(default: 4)") -> None:
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help=help)
+
+
+def add_batch_size_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="concurrent requests (default: 8)")
+
+
+def add_think_flag(p: argparse.ArgumentParser, help: str = THINK_HELP) -> None:
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False, help=help)
+
+
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """--policy and --cost-table (the depth policy of `angelspec.decoding.policies.factory`)."""
+    p.add_argument("--policy", default="full", metavar="SPEC", help=POLICY_HELP)
+    p.add_argument("--cost-table", default=None, metavar="FILE.json",
+                   help="cost table of --policy dcut / alg1 / production (default: "
+                        ".cache/angelspec-costs/<model>-<key digest>.json; re-profiled when stale)")
+
+
+def add_overrides(p: argparse.ArgumentParser) -> None:
+    """The trailing `key=value` preset overrides of `train` and `target build`."""
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override preset fields, e.g. steps=100")
+
+
+def warn(message: str) -> None:
+    """A note on stderr (stdout keeps the results)."""
+    print(message, file=sys.stderr)

@@ -1,0 +1,173 @@
+"""The measuring commands `eval`, `profile`, `calibrate` and `bench`: their parsers, and handlers that each call
+one function of `angelspec.eval.runs` and print what it returns."""
+
+from __future__ import annotations
+
+import argparse
+
+from angelspec.cli.common import (
+    DRAFTER_SPECS,
+    EXIT_NOT_LOSSLESS,
+    Subparsers,
+    add_batch_size_flag,
+    add_num_draft_tokens_flag,
+    add_policy_flags,
+    add_sampling_flags,
+    add_target_flag,
+    add_think_flag,
+    warn,
+)
+from angelspec.errors import UsageError
+
+
+def add_eval(sub: Subparsers) -> None:
+    """Decode the same prompts autoregressively and with the drafter, in one process and with the same settings (after
+    an untimed warm-up), and print MAL, acceptance p_1..p_K, the acceptance-length histogram, the time split,
+    tokens/s and the speed-up over AR, per domain when prompt lines carry a "domain" key. At T=0 the outputs must be
+    identical to AR's; if they are not, the command says so loudly and exits 1."""
+    p = sub.add_parser("eval", help="measure a drafter against autoregressive decoding on the same prompts",
+                       description=add_eval.__doc__)
+    p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS)
+    add_target_flag(p)
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help='prompts, one {"prompt"} or {"messages"} object per line, optional "domain" '
+                        "(default: the shipped held-out prompts for code, math and chat)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per domain")
+    add_sampling_flags(p, seed=0, temperature_help="0 = greedy, with the token-for-token check against AR (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per prompt (default: 128)")
+    add_num_draft_tokens_flag(p, "drafts proposed and verified per step (default: 4)")
+    add_batch_size_flag(p)
+    add_think_flag(p)
+    add_policy_flags(p)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's forwards and the drafter's hot calls for both runs (the "
+                        "untimed warm-up pays the compilation: about a minute on a 2-core CPU)")
+    p.add_argument("--json", metavar="OUT", help="also write the numbers as JSON (refused if it exists)")
+    p.add_argument("--force", action="store_true", help="overwrite --json if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`angelspec eval`: AR and a drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
+    from angelspec.eval.runs import evaluate_drafter
+
+    run = evaluate_drafter(
+        args.drafter, target=args.target, prompts=args.prompts, limit=args.limit, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
+        cost_table=args.cost_table, compile=args.compile, json_out=args.json, force=args.force,
+        progress=not args.quiet, log=None if args.quiet else print)
+    print(run.format())
+    if run.report.lossless is False:
+        warn(run.lossless_banner())
+        return EXIT_NOT_LOSSLESS
+    return 0
+
+
+def add_profile(sub: Subparsers) -> None:
+    """Time whole speculative steps (draft + select + pack + verify) of the target and a drafter for each batch
+    size B and verified-token count N on synthetic prompts, and cache the table as JSON keyed by model, drafter,
+    dtype, torch version and machine. A cached table for this setup is reused; a stale or foreign one is
+    re-profiled."""
+    p = sub.add_parser("profile", help="measure the step-latency table C(B, N) the verification budgets use",
+                       description=add_profile.__doc__)
+    add_target_flag(p)
+    p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS.removeprefix("none | "))
+    p.add_argument("--batch-sizes", default="1,2,4,8", metavar="B,B,...", help="(default: 1,2,4,8)")
+    add_num_draft_tokens_flag(p)
+    p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed steps per cell, median kept (default: 5)")
+    p.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed steps per cell (default: 2)")
+    p.add_argument("--out", metavar="FILE.json",
+                   help="table file (default: .cache/angelspec-costs/<model>-<key digest>.json)")
+    p.add_argument("--force", action="store_true", help="re-profile even when the cached table is up to date")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """`angelspec profile`: measure (or reuse) the cost table C(B, N) for a target and a drafter."""
+    from angelspec.eval.runs import profile_cost_table
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    table, what = profile_cost_table(args.drafter, target=args.target, batch_sizes=batch_sizes,
+                                     num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
+                                     warmup=args.warmup, out=args.out, force=args.force, log=print)
+    print(table.format())
+    print(what)
+    return 0
+
+
+def add_calibrate(sub: Subparsers) -> None:
+    """Decode held-out prompts with the drafter at full depth, record each draft position's confidence and
+    whether the prefix up to it was accepted, fit Sequential Temperature Scaling, print the ECE per position
+    before and after, and write calibration.json next to the drafter checkpoint; generate / eval / the budget
+    policies then see calibrated confidences."""
+    p = sub.add_parser("calibrate", help="fit per-position temperatures (STS) for a drafter's confidences",
+                       description=add_calibrate.__doc__)
+    add_target_flag(p)
+    p.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DIR or KIND:DIR)")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="held-out prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="use at most N prompts")
+    add_num_draft_tokens_flag(p)
+    add_batch_size_flag(p)
+    p.add_argument("--force", action="store_true", help="overwrite an existing calibration.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """`angelspec calibrate`: fit STS temperatures for a drafter's confidences and save calibration.json."""
+    from angelspec.eval.runs import calibrate
+
+    print(calibrate(args.drafter, args.prompts, target=args.target, max_new_tokens=args.max_new_tokens,
+                    limit=args.limit, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
+                    force=args.force, progress=not args.quiet))
+    return 0
+
+
+def add_bench(sub: Subparsers) -> None:
+    """For each --config and each concurrency C, run max(2C, --min-requests) greedy requests of --max-new-tokens tokens
+    (a chat/code/math mix of the held-out prompts) through one engine with C rows (continuous batching = C
+    closed-loop clients), after an untimed warm-up. Print aggregate and per-user tokens/s, MAL, speed-up over the AR
+    config, per-step verify and draft+select time, and whether D-cut beats full verification at the highest C (dcut,
+    alg1 and production profile a cost table per drafter on first use, cached under .cache/angelspec-costs); write
+    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. Exits 1 if a
+    speculative output differs from AR's (a bug)."""
+    p = sub.add_parser(
+        "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
+        description=add_bench.__doc__)
+    add_target_flag(p)
+    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY]",
+                   help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
+                        "(default full), e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
+                   help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
+    add_num_draft_tokens_flag(p, "drafts per step (default: 4)")
+    p.add_argument("--min-requests", type=int, default=8, metavar="N",
+                   help="requests per point are max(2C, N) (default: 8)")
+    p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",
+                   help="new tokens of the untimed warm-up batch per config (default: 8)")
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
+    p.add_argument("--breakeven", action="store_true",
+                   help="also print the break-even committed length per drafter and concurrency (report Eq. 25)")
+    p.add_argument("--quiet", action="store_true", help="print only the tables")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`angelspec bench`: closed-loop serving sweep of AR and drafters under depth policies."""
+    from angelspec.eval.runs import run_bench
+    from angelspec.eval.serving import lossless
+
+    report = run_bench(args.config, args.out, target=args.target, concurrency=args.concurrency,
+                       max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                       min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
+                       breakeven=args.breakeven, log=None if args.quiet else print)
+    return EXIT_NOT_LOSSLESS if lossless(report) is False else 0

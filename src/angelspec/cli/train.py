@@ -1,0 +1,131 @@
+"""The drafter-training commands `train`, `features` and `draft-vocab`: their parsers, and handlers that each call
+one library function (`angelspec.train.runs`, `angelspec.train.draft_vocab`) and print its summary."""
+
+from __future__ import annotations
+
+import argparse
+
+from angelspec.cli.common import Subparsers, add_overrides, add_target_flag
+from angelspec.train.registry import TRAINABLE_DRAFTERS
+
+
+def add_run_flags(p: argparse.ArgumentParser, *, resume_help: str, force_help: str, max_minutes_help: str,
+                  preset_help: str | None = None) -> None:
+    """--resume, --force, (--preset,) --max-minutes and --quiet of a resumable training run (`train`,
+    `target build`)."""
+    p.add_argument("--resume", action="store_true", help=resume_help)
+    p.add_argument("--force", action="store_true", help=force_help)
+    if preset_help is not None:
+        p.add_argument("--preset", default=None, metavar="NAME", help=preset_help)
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M", help=max_minutes_help)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_train(sub: Subparsers) -> None:
+    """Train a drafter for a frozen target and write a self-describing folder (config.json with the drafter kind
+    and the target's fingerprint, safetensors, the target's tokenizer) that generate and eval load with
+    --drafter DIR."""
+    p = sub.add_parser("train", help="train a drafter for a target",
+                       description=f"{add_train.__doc__} Trainable today: {', '.join(TRAINABLE_DRAFTERS)}.")
+    p.add_argument("--drafter", required=True, metavar="KIND",
+                   help=f"drafter kind to train: {', '.join(TRAINABLE_DRAFTERS)}")
+    add_target_flag(p)
+    p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
+                   help="a JSONL file of conversations, or a corpus folder with <domain>/train.jsonl "
+                        "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp, "
+                        "eagle3_embedded for eagle3, KIND_embedded for dflash / dflare / dfly / dspark; tiny_debug for "
+                        "all; mtp_base = teacher-forced one-depth MTP; qwen3_8b_dfly, qwen3_8b_dspark)")
+    p.add_argument("--head", choices=("none", "markov", "gated", "rnn", "hidden"), default=None,
+                   help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
+                        "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")
+    add_run_flags(p, resume_help="continue from the last checkpoint in --out/training",
+                  force_help="start over, overwriting --out",
+                  max_minutes_help="stop after M minutes at a checkpoint and export (continue later with --resume)")
+    p.add_argument("--distributed", choices=("auto", "none", "ddp", "fsdp2"), default="auto",
+                   help="data parallelism under `torchrun --nproc_per_node N -m angelspec.cli train ...` "
+                        "(every trainable kind): auto = DDP when torchrun starts several processes, else one process; "
+                        "batch_size is the global batch")
+    add_overrides(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
+    from angelspec.train.runs import train_drafter
+
+    result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
+                           overrides=args.overrides, resume=args.resume, force=args.force, progress=not args.quiet,
+                           max_minutes=args.max_minutes, distributed=args.distributed, log=print)
+    print(result.format())
+    return 0
+
+
+def add_features(sub: Subparsers) -> None:
+    """Tokenise and pack --data exactly as `angelspec train` does and store the frozen target's hidden states of every
+    packed row (the --layers taps plus the last layer, whose tap gives the teacher logits) as sharded safetensors.
+    `angelspec train ... features=DIR` then reads them instead of running the target each step, with the same
+    losses. Resumable after a kill."""
+    p = sub.add_parser("features", help="cache the target's hidden states on a training dataset (offline features)",
+                       description=add_features.__doc__)
+    p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
+                   help="the JSONL file of conversations or corpus folder the drafter will train on")
+    p.add_argument("--out", required=True, metavar="DIR", help="cache folder")
+    p.add_argument("--layers", default="", metavar="I,J,...",
+                   help="target layers the drafter reads (id i = output of decoder layer i), e.g. the EAGLE-3 or "
+                        "DFlash taps; the last layer is always stored (default: the last layer only, MTP's tap)")
+    p.add_argument("--seq-len", type=int, default=512, metavar="T", help="packed row length, the training "
+                   "run's seq_len (default: 512)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
+                   help="render conversations in thinking mode, as training with enable_thinking=true "
+                        "(default: --no-think)")
+    p.add_argument("--rows-per-shard", type=int, default=32, metavar="N", help="packed rows per file (default: 32)")
+    add_target_flag(p)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted cache")
+    p.add_argument("--force", action="store_true", help="rebuild the cache from scratch")
+    p.set_defaults(func=cmd_features)
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    """`angelspec features`: cache the target's hidden states on a training dataset, for `train ... features=DIR`."""
+    from angelspec.train.runs import cache_features
+
+    cache = cache_features(args.data, args.out, target=args.target, layers=args.layers, seq_len=args.seq_len,
+                           think=args.think, rows_per_shard=args.rows_per_shard, resume=args.resume,
+                           force=args.force, log=print)
+    print(f"wrote the features of {cache.num_rows} packed rows (layers {list(cache.spec.layer_ids)}) to {args.out}; "
+          f"train from them with: angelspec train ... seq_len={args.seq_len}"
+          f"{' enable_thinking=true' if args.think else ''} features={args.out}")
+    return 0
+
+
+def add_draft_vocab(sub: Subparsers) -> None:
+    """Count the assistant tokens of a conversations JSONL (the drafter's training data), keep the --size most
+    frequent target tokens (plus the end-of-turn tokens) as the drafter's draft vocabulary and save the drafter
+    with it: every draft step then multiplies only those rows of the LM head (EAGLE-3's reduced draft
+    vocabulary). Training is unaffected; drafts the target would pick outside the set are never proposed, so
+    check MAL with `angelspec eval`."""
+    p = sub.add_parser("draft-vocab",
+                       help="restrict a block, MTP / EAGLE-3 or draft-LM drafter's drafts to the data's most frequent "
+                            "tokens",
+                       description=add_draft_vocab.__doc__)
+    p.add_argument("--drafter", required=True, metavar="DIR",
+                   help="block drafter (dflash/dflare/dfly/dspark), MTP / EAGLE-3 or draft LM folder")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
+    p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
+    add_target_flag(p)
+    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place)")
+    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
+    p.set_defaults(func=cmd_draft_vocab)
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    """`angelspec draft-vocab`: give a block drafter, an MTP / EAGLE-3 drafter or a draft LM a draft vocabulary of
+    the data's most frequent tokens."""
+    from angelspec.train.draft_vocab import apply_draft_vocab
+
+    print(apply_draft_vocab(args.drafter, args.data, args.size, target=args.target, out=args.out,
+                            force=args.force).format())
+    return 0

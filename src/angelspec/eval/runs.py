@@ -1,0 +1,205 @@
+"""The measuring commands as library calls with plain keyword arguments: `evaluate_drafter` (`angelspec eval`:
+AR vs a drafter on the same prompts, with the T=0 lossless check), `profile_cost_table` (`angelspec profile`: the
+step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`: STS temperatures, report §4.1)
+and `run_bench` (`angelspec bench`: the closed-loop serving sweep).
+
+Each checks every setting it can before the target's weights are loaded, then loads the target and the drafter,
+measures and writes; the messages name the command-line flags, since that is where the values usually come from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
+from angelspec.data.prompts import load_prompts
+from angelspec.decoding.generate import build_depth_policy, parse_depth_policy, sampling_params
+from angelspec.decoding.loading import (
+    drafter_forms,
+    drafter_path,
+    encode_prompts,
+    load_target_and_tokenizer,
+    resolve_drafter,
+)
+from angelspec.errors import UsageError, require_positive
+from angelspec.eval.prompts import eval_prompts
+from angelspec.fileio import check_output_path, write_json_atomic
+
+if TYPE_CHECKING:
+    from angelspec.decoding.policies.costmodel import CostTable
+    from angelspec.eval.serving import ServingConfig, ServingReport
+    from angelspec.eval.speculative import EvalReport
+
+MAX_MISMATCHES_BANNER = 5  # mismatches the failed-lossless banner lists
+
+
+@dataclass
+class EvalRun:
+    """`evaluate_drafter`'s result: the report and what it was measured on."""
+
+    report: EvalReport
+    target_dir: Path
+    prompts_path: Path
+    calibration: str | None  # the drafter's STS calibration, described; None when it has none
+    json_out: Path | None  # where the numbers were written as JSON
+
+    def format(self) -> str:
+        lines = [f"target {self.target_dir}", f"prompts {self.prompts_path}"]
+        if self.calibration is not None:
+            lines.append(self.calibration)
+        lines.append(self.report.format())
+        if self.json_out is not None:
+            lines.append(f"wrote {self.json_out}")
+        return "\n".join(lines)
+
+    def lossless_banner(self) -> str:
+        """The loud stderr message of a failed T=0 lossless check."""
+        bar = "!" * 100
+        reason = self.report.lossless_line().removeprefix("lossless: NO: ")
+        return (f"{bar}\nangelspec: LOSSLESS CHECK FAILED: {reason}\n"
+                + "\n".join(m.describe() for m in self.report.mismatches[:MAX_MISMATCHES_BANNER]) + f"\n{bar}")
+
+
+def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts: str | Path | None = None,
+                     limit: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     seed: int | None = 0, max_new_tokens: int = 128, num_draft_tokens: int = 4, batch_size: int = 8,
+                     think: bool = False, policy: str = "full", cost_table: str | Path | None = None,
+                     compile: bool = False, json_out: str | Path | None = None, force: bool = False,
+                     progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
+    """Decode the same prompts autoregressively and with `drafter` (a `--drafter` spec other than none) under
+    the same settings (`angelspec.eval.speculative.evaluate`); write the numbers to `json_out` when given.
+
+    prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
+    limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec;
+    log: the cost-table profiler's progress.
+    """
+    from angelspec.decoding.policies.sts import CalibratedDrafter
+    from angelspec.eval.speculative import EvalSettings, evaluate
+
+    if drafter == "none":
+        raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
+                         f"choose a drafter: {drafter_forms(include_none=False)}")
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
+                        ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
+        if value is not None:
+            require_positive(flag, value)
+    policy_spec = parse_depth_policy(policy, drafter)
+    json_path = Path(json_out) if json_out is not None else None
+    if json_path is not None:
+        check_output_path(json_path, force, "--json", "eval.json")
+    prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
+    records = load_prompts(prompts_path)
+    sampling = sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
+    target_dir = resolve_target_dir(target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
+                          source=str(prompts_path), limit=limit, think=think)
+    draft = resolve_drafter(drafter, model, target_dir)
+    assert draft is not None
+    depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
+                                      batch_size=batch_size, cost_table=cost_table, log=log)
+    settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
+                            sampling=sampling, compile=compile)  # evaluate gives request i the seed S + i
+    report = evaluate(model, draft, chosen, settings, name=drafter, progress=progress, depth_policy=depth_policy,
+                      policy=policy)
+    calibrated = isinstance(draft, CalibratedDrafter)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(json_path, {"target": str(target_dir), "prompts_file": str(prompts_path),
+                                      "calibration": draft.calibration.to_json() if calibrated else None,
+                                      **report.to_dict()})
+    return EvalRun(report=report, target_dir=target_dir, prompts_path=prompts_path,
+                   calibration=draft.describe() if calibrated else None, json_out=json_path)
+
+
+def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                       num_draft_tokens: int = 4, repeats: int = 5, warmup: int = 2, out: str | Path | None = None,
+                       force: bool = False, log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
+    """Measure (or reuse, when a cached table for this setup is up to date) the cost table C(B, N) of the target
+    and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file)."""
+    from angelspec.decoding.policies.costmodel import load_or_profile
+
+    sizes = sorted(set(batch_sizes))
+    for flag, value in [("--num-draft-tokens", num_draft_tokens), ("--repeats", repeats),
+                        *(("--batch-sizes", b) for b in sizes)]:
+        require_positive(flag, value)
+    if warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+    if drafter == "none":
+        raise UsageError("--drafter none has no speculative step to profile; choose a drafter: "
+                         f"{drafter_forms(include_none=False)}")
+    path = Path(out) if out is not None else None
+    if path is not None and path.is_dir():
+        raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'costs.json'}")
+    target_dir = resolve_target_dir(target)
+    model, _ = load_target_and_tokenizer(target_dir)
+    draft = resolve_drafter(drafter, model, target_dir)
+    assert draft is not None
+    return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=num_draft_tokens, force=force,
+                           repeats=repeats, warmup=warmup, log=log)
+
+
+def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,
+              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, force: bool = False,
+              progress: bool = True) -> str:
+    """Fit STS temperatures for the confidences of the saved drafter `drafter` (DIR or KIND:DIR) on the held-out
+    `prompts` (at most `limit`) and write calibration.json next to its checkpoint; returns the report."""
+    from angelspec.eval.sts_fit import calibrate_drafter, check_writable
+    from angelspec.eval.sts_fit import drafter_folder as calibration_folder
+
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
+                        ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
+        if value is not None:
+            require_positive(flag, value)
+    folder = calibration_folder(drafter)
+    check_writable(folder, force)  # before anything is loaded or decoded
+    records = load_prompts(prompts)[:limit]
+    target_dir = resolve_target_dir(target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    prompt_ids = encode_prompts(tokenizer, records, context=model.config.max_position_embeddings, think=False,
+                                source=str(prompts))
+    draft = resolve_drafter(drafter, model, target_dir)
+    assert draft is not None
+    return calibrate_drafter(model, draft, prompt_ids, folder, name=drafter, max_new_tokens=max_new_tokens,
+                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, force=force, progress=progress)
+
+
+def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
+              concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
+              num_draft_tokens: int = 4, min_requests: int = 8, warmup_tokens: int = 8,
+              prompts: str | Path | None = None, breakeven: bool = False,
+              log: Callable[[str], None] | None = None) -> ServingReport:
+    """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
+    NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
+    folder `out`. Drafter folders are checked before the target is loaded."""
+    from angelspec.decoding.policies.factory import PolicyError
+    from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
+
+    try:
+        parsed = [parse_config(c) if isinstance(c, str) else c for c in configs]
+        check_configs(parsed)
+        levels = parse_concurrency(concurrency) if isinstance(concurrency, str) else tuple(concurrency)
+    except (ServingError, PolicyError) as e:
+        raise UsageError(str(e)) from None
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-draft-tokens", num_draft_tokens),
+                        ("--min-requests", min_requests)):
+        require_positive(flag, value)
+    if warmup_tokens < 0:
+        raise UsageError(f"--warmup-tokens must be >= 0, got {warmup_tokens}")
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")
+    for c in parsed:  # a missing drafter folder fails before the target is loaded
+        folder = None if c.drafter == "none" or c.drafter.partition(":")[0] == "ngram" else drafter_path(c.drafter)
+        if folder is not None and not folder.exists():
+            raise UsageError(f"--config {c.name}={c.drafter}: drafter folder {folder} does not exist; train it with "
+                             f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
+    prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
+    target_dir = resolve_target_dir(target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
+                 num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
+                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, log=log)

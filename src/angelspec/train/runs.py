@@ -1,0 +1,164 @@
+"""The training commands as library calls with plain keyword arguments: `train_drafter` (`angelspec train`),
+`build_target_model` (`angelspec target build`) and `cache_features` (`angelspec features`), plus the preset
+handling they share (`preset_config`: a named preset with `key=value` overrides) and the summaries they print.
+
+Each checks its settings before any data or weights are read; the messages name the command-line flags,
+since that is where the values usually come from.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
+from angelspec.decoding.generate import preview_lines
+from angelspec.errors import UsageError, require_positive
+from angelspec.train.registry import BLOCK_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
+
+MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json
+
+
+def preset_config(presets: dict[str, Callable[[], Any]], preset: str | None, default: str,
+                  overrides: Sequence[str] = (), max_minutes: float | None = None) -> Any:
+    """The named preset (or `default`) with `key=value` overrides applied; also checks `max_minutes`."""
+    from angelspec.train.overrides import parse_overrides, with_overrides
+
+    name = preset or default
+    if name not in presets:
+        raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(sorted(presets))}")
+    if max_minutes is not None and max_minutes <= 0:
+        raise UsageError(f"--max-minutes must be positive, got {max_minutes}")
+    try:
+        return with_overrides(presets[name](), parse_overrides(overrides))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+@dataclass
+class TrainResult:
+    """What `train_drafter` wrote: the trainer's report, the folder and the steps the run planned."""
+
+    report: dict[str, Any]
+    out: Path
+    planned_steps: int
+
+    def format(self) -> str:
+        """Human-readable summary, with how to use or continue the drafter."""
+        report, out = self.report, self.out
+        steps = report.get("steps", 0)
+        lines = [f"{report.get('drafter', 'drafter')} written to {out}: {report.get('parameters', 0) / 1e6:.2f}M "
+                 f"parameters, {steps} steps, {report.get('train_seconds', 0) / 60:.1f} min"]
+        if steps < self.planned_steps:
+            lines.append(f"stopped at step {steps} of {self.planned_steps}; continue with the same command and "
+                         "--resume")
+        losses = report.get("heldout_loss", {})
+        if losses:
+            lines.append("held-out loss per domain (nats/token): "
+                         + ", ".join(f"{d} {loss:.3f}" for d, loss in losses.items()))
+        lines.append(f"use it: angelspec eval --drafter {out}   (or angelspec generate --drafter {out} ...)")
+        return "\n".join(lines)
+
+
+def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None = None,
+                  preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
+                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
+                  distributed: str = "auto", log: Callable[[str], None] = print) -> TrainResult:
+    """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
+    file or a corpus folder) and write a self-describing drafter folder to `out`.
+
+    preset: the trainer's preset (None: the kind's default); head: a block drafter's sequential head (the same
+    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2.
+    """
+    if kind not in TRAINABLE_DRAFTERS:
+        hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
+                if kind.partition(":")[0] == "ngram" else "")
+        raise UsageError(f"cannot train drafter {kind!r}: the drafters that can be trained today are "
+                         f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
+    if head is not None:
+        if kind not in BLOCK_DRAFTERS:
+            raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
+        overrides = [*overrides, f"head={head}"]
+    train_fn, presets, default_preset = get_trainer(kind)
+    config = preset_config(presets, preset, default_preset, overrides, max_minutes)
+    data = Path(data)
+    if not data.exists():
+        raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
+                                "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
+    target_dir = resolve_target_dir(target)
+    out = Path(out)
+    extra = {}
+    if distributed != "auto":
+        if "distributed" not in inspect.signature(train_fn).parameters:
+            raise UsageError(f"--distributed is not supported by the {kind} trainer yet")
+        extra["distributed"] = distributed
+    report = train_fn(target_dir, data, out, config=config, resume=resume, force=force, progress=progress,
+                      max_minutes=max_minutes, log=log, **extra)
+    return TrainResult(report=report, out=out, planned_steps=config.steps)
+
+
+@dataclass
+class BuildResult:
+    """What `build_target_model` wrote: `build_target`'s report and the exported folder."""
+
+    report: dict[str, Any]
+    out: Path
+
+    def format(self) -> str:
+        """Human-readable summary: size, held-out loss per domain, greedy samples."""
+        report = self.report
+        lines = [f"target written to {self.out}: {report.get('parameters', 0) / 1e6:.2f}M parameters, "
+                 f"{report.get('steps', '?')} steps, {report.get('build_seconds', 0) / 60:.1f} min"]
+        losses, ppl = report.get("heldout_loss", {}), report.get("heldout_ppl", {})
+        if losses:
+            lines.append("held-out loss per domain (nats/token, perplexity):")
+            lines += [f"  {d:<6} {loss:.3f}  ({ppl.get(d, float('nan')):.1f})" for d, loss in losses.items()]
+        for domain, sample in report.get("samples", {}).items():
+            lines.append(f"[{domain}] {sample['prompt']}")
+            lines += preview_lines(sample["greedy"], MAX_SAMPLE_LINES)
+        return "\n".join(lines)
+
+
+def build_target_model(*, out: str | Path | None = None, work_dir: str | Path = ".cache/target-build",
+                       preset: str | None = None, overrides: Sequence[str] = (), resume: bool = False,
+                       force: bool = False, progress: bool = True, max_minutes: float | None = None,
+                       log: Callable[[str], None] = print) -> BuildResult:
+    """Build the corpus and tokenizer, train the target of `preset` (default embedded_target) with `overrides`
+    and export a HF folder to `out` (None: the embedded target's folder), working in `work_dir`."""
+    from angelspec.train.target import PRESETS, build_target
+
+    config = preset_config(PRESETS, preset, "embedded_target", overrides, max_minutes)
+    out = Path(out) if out is not None else DEFAULT_TARGET
+    report = build_target(out, work_dir=Path(work_dir), config=config, resume=resume, force=force, progress=progress,
+                          max_minutes=max_minutes, log=log)
+    return BuildResult(report=report, out=out)
+
+
+def cache_features(data: str | Path, out: str | Path, *, target: str | Path | None = None,
+                   layers: Sequence[int] | str = (), seq_len: int = 512, think: bool = False,
+                   rows_per_shard: int = 32, resume: bool = False, force: bool = False,
+                   log: Callable[[str], None] = print) -> Any:
+    """Store the target's hidden states of `layers` (ids, or their comma-separated text) plus the last layer on
+    every packed row of `data`, for `angelspec train ... features=DIR`; returns the `OfflineFeatureCache`."""
+    from angelspec.train.mtp import build_feature_cache
+
+    require_positive("--seq-len", seq_len)
+    require_positive("--rows-per-shard", rows_per_shard)
+    ids = list(layers) if not isinstance(layers, str) else None
+    if ids is None:
+        try:
+            ids = [int(x) for x in layers.split(",")] if layers else []
+        except ValueError:
+            ids = [-1]
+    if any(i < 0 for i in ids):
+        raise UsageError(f"--layers must be comma-separated layer ids >= 0 (id i = output of decoder layer i), "
+                         f"e.g. 1,3,5; got {layers!r}")
+    data = Path(data)
+    if not data.exists():
+        raise FileNotFoundError(f"--data {data} does not exist; expected the JSONL file or corpus folder you train on")
+    return build_feature_cache(resolve_target_dir(target), data, Path(out), layers=ids, seq_len=seq_len,
+                               enable_thinking=think, rows_per_shard=rows_per_shard, resume=resume, force=force,
+                               log=log)
