@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_bench(sub)
     data.add_rollout(sub)
     data.add_decontam(sub)
+    data.add_prompt_pool(sub)
+    evaluate.add_eval_server(sub)
     return parser
 
 

@@ -119,3 +119,45 @@ def cmd_target_build(args: argparse.Namespace) -> int:
                                 max_minutes=args.max_minutes, log=print)
     print(result.format())
     return 0
+
+
+def add_prompt_pool(sub: Subparsers) -> None:
+    """Draw a prompt pool for target rollouts from the offline corpus the target was built from (code
+    instructions, ShareGPT first user turns, maths problems, documentation questions), deduplicated and
+    decontaminated (16-gram, target tokens) against the held-out prompts, balanced across domains. Writes
+    FILE.jsonl plus FILE.jsonl.summary.json (counts per domain) and FILE.jsonl.decontam.json (what was dropped).
+    Roll it out with `angelspec rollout --prompts FILE.jsonl`."""
+    import json
+
+    from angelspec.data.prompt_pool import DEFAULT_MIN_TOTAL, DEFAULT_PER_DOMAIN
+
+    p = sub.add_parser("prompt-pool", help="draw a decontaminated prompt pool from the offline corpus",
+                       description=add_prompt_pool.__doc__)
+    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--per-domain", type=json.loads, default=None, metavar="JSON",
+                   help=f"quotas, e.g. '{json.dumps(DEFAULT_PER_DOMAIN)}' (the default)")
+    p.add_argument("--min-total", type=int, default=DEFAULT_MIN_TOTAL, metavar="N",
+                   help=f"fill code and maths up to N prompts in all (default: {DEFAULT_MIN_TOTAL})")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--heldout", action="append", metavar="FILE.jsonl",
+                   help="held-out prompts to decontaminate against (repeatable; default: the shipped eval.jsonl)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="raw-source cache (default: $ANGELSPEC_CACHE or .cache/)")
+    add_target_flag(p, "whose tokenizer counts prompt tokens and n-grams (default: the embedded target)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_prompt_pool)
+
+
+def cmd_prompt_pool(args: argparse.Namespace) -> int:
+    """`angelspec prompt-pool`: call `build_prompt_pool` and print its counts."""
+    import json
+
+    from angelspec.assets import resolve_target_dir
+    from angelspec.data.prompt_pool import DEFAULT_HELDOUT_PATHS, build_prompt_pool
+
+    summary = build_prompt_pool(args.out, per_domain=args.per_domain, min_total=args.min_total, seed=args.seed,
+                                heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS, cache_dir=args.cache_dir,
+                                target_dir=resolve_target_dir(args.target), progress=not args.quiet)
+    print(json.dumps({k: summary[k] for k in ("total", "selected", "decontam_dropped")}, indent=2))
+    print(f"wrote {args.out}; roll it out with: angelspec rollout --prompts {args.out} --out ROLLOUTS.jsonl")
+    return 0

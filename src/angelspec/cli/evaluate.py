@@ -171,3 +171,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
                        breakeven=args.breakeven, log=None if args.quiet else print)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
+
+
+def add_eval_server(sub: Subparsers) -> None:
+    """Evaluate a training run while it trains (report §6): watch RUN_DIR (the --out folder of `angelspec train`)
+    and, for each new checkpoint, decode held-out prompts with the real engine, AR and speculative side by side,
+    and append MAL, p_1..p_K, the speed-up and the lossless check to RUN_DIR/training/eval_log.jsonl (and to
+    TensorBoard when installed). Each checkpoint is evaluated once, also across restarts of the server or the
+    trainer; the server only reads the trainer's files and stops when the run has finished."""
+    p = sub.add_parser("eval-server", help="evaluate each new checkpoint of a training run",
+                       description=add_eval_server.__doc__)
+    p.add_argument("--watch", required=True, metavar="RUN_DIR", help="the --out folder of `angelspec train`")
+    add_target_flag(p)
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="held-out prompts (default: the shipped ones)")
+    p.add_argument("--limit", type=int, default=4, metavar="N", help="prompts per domain (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="drafts per step (default: a block drafter's block size - 1, else 4)")
+    p.add_argument("--temperatures", default="0", metavar="T,T,...",
+                   help="decode at each of these temperatures, e.g. 0,1 (default: 0)")
+    p.add_argument("--poll", type=float, default=10.0, metavar="S", help="seconds between looks (default: 10)")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                   help="stop after S seconds without a new checkpoint (default: wait for the run to finish)")
+    p.add_argument("--once", action="store_true", help="evaluate what is there now and stop")
+    p.set_defaults(func=cmd_eval_server)
+
+
+def cmd_eval_server(args: argparse.Namespace) -> int:
+    """`angelspec eval-server --watch RUN_DIR`: call `run_eval_server`."""
+    from angelspec.eval.server import EvalServerSettings, run_eval_server
+
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise UsageError(f"--temperatures: expected numbers separated by commas, got {args.temperatures!r}") from None
+    settings = EvalServerSettings(limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                  num_draft_tokens=args.num_draft_tokens, temperatures=temps, poll_s=args.poll,
+                                  idle_timeout_s=args.idle_timeout)
+    n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once)
+    print(f"evaluated {n} checkpoint(s); log: {args.watch}/training/eval_log.jsonl")
+    return 0

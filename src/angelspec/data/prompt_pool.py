@@ -34,9 +34,7 @@ Run: ``python -m angelspec.data.prompt_pool --out .cache/pool/prompts.jsonl``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
 import os
 import random
@@ -383,30 +381,3 @@ def build_prompt_pool(
         say(f"warning: only {len(records)} prompts, {summary['short_of_min_total']} short of {min_total}")
     say(f"wrote {len(records)} prompts to {out} ({summary['selected']}) in {summary['elapsed_s']} s")
     return summary
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m angelspec.data.prompt_pool", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    p.add_argument("--per-domain", type=json.loads, default=None, metavar="JSON",
-                   help=f"quotas, e.g. '{json.dumps(DEFAULT_PER_DOMAIN)}' (the default)")
-    p.add_argument("--min-total", type=int, default=DEFAULT_MIN_TOTAL)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heldout", action="append", metavar="FILE.jsonl",
-                   help="held-out prompts to decontaminate against (repeatable; default: the shipped eval.jsonl)")
-    p.add_argument("--cache-dir", default=None, help="raw-source cache (default: $ANGELSPEC_CACHE or .cache/)")
-    p.add_argument("--target", default=str(DEFAULT_TARGET_DIR), metavar="DIR", help="whose tokenizer to count with")
-    p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS)
-    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    summary = build_prompt_pool(
-        args.out, per_domain=args.per_domain, min_total=args.min_total, seed=args.seed,
-        heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS, cache_dir=args.cache_dir, target_dir=args.target,
-        max_chars=args.max_chars, max_prompt_tokens=args.max_prompt_tokens, progress=not args.quiet)
-    print(json.dumps({k: summary[k] for k in ("total", "selected", "decontam_dropped")}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
