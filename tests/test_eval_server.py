@@ -114,3 +114,44 @@ def test_a_missing_run_folder_is_a_clear_error(tmp_path) -> None:
 
     with pytest.raises(UsageError, match="does not exist"):
         run_eval_server(tmp_path / "nope")
+
+
+def test_one_server_per_run(tmp_path, tiny_target_dir, data, target_and_prompts) -> None:
+    """A second server on the same run does nothing while the first holds the lock; a stale lock is taken over."""
+    import os
+
+    from angelspec.eval.server import LOCK
+
+    model, prompts = target_and_prompts
+    run = tmp_path / "dfly"
+    _train(tiny_target_dir, data, run, steps=2)
+    lock = run / "training" / LOCK
+    lock.write_text(str(os.getppid()))  # a live process that is not us
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, once=True, log=lambda *_: None) == 0
+    lock.write_text("999999999")  # no such process: the lock is stale
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, once=True, log=lambda *_: None) == 1
+    assert not lock.exists()  # released on exit
+
+
+def test_train_eval_every_starts_a_server_that_logs_every_checkpoint(tmp_path, tiny_target_dir, data) -> None:
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    prompts = write_domain_prompts(tmp_path / "p.jsonl")
+    cmd = [sys.executable, "-m", "angelspec.cli", "train", "--drafter", "dfly", "--preset", "tiny_debug", "--target",
+           str(tiny_target_dir), "--data", str(data), "--out", str(out), "--eval-every", "1",
+           "--eval-prompts", str(prompts), "--quiet", "steps=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "eval-server: pid" in proc.stdout
+    deadline = time.time() + 240
+    while time.time() < deadline and 2 not in [r["step"] for r in read_eval_log(out)]:
+        time.sleep(1)
+    # The final checkpoint is always evaluated; an earlier one the trainer replaced before the server (still
+    # loading here) got to it is skipped: the server never holds the trainer back.
+    steps = [r["step"] for r in read_eval_log(out)]
+    assert steps[-1] == 2 and steps == sorted(set(steps)) and set(steps) <= {1, 2}
+    log = out.with_name("run.eval-server.log").read_text()
+    assert "evaluated 2 checkpoint(s)" in log or "step 2" in log

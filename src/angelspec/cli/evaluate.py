@@ -194,6 +194,8 @@ def add_eval_server(sub: Subparsers) -> None:
     p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
                    help="stop after S seconds without a new checkpoint (default: wait for the run to finish)")
     p.add_argument("--once", action="store_true", help="evaluate what is there now and stop")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for RUN_DIR to appear (default: 0)")
     p.set_defaults(func=cmd_eval_server)
 
 
@@ -208,6 +210,7 @@ def cmd_eval_server(args: argparse.Namespace) -> int:
     settings = EvalServerSettings(limit=args.limit, max_new_tokens=args.max_new_tokens,
                                   num_draft_tokens=args.num_draft_tokens, temperatures=temps, poll_s=args.poll,
                                   idle_timeout_s=args.idle_timeout)
-    n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once)
+    n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once,
+                        wait_s=args.wait)
     print(f"evaluated {n} checkpoint(s); log: {args.watch}/training/eval_log.jsonl")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from angelspec.cli.common import Subparsers, add_overrides, add_target_flag
+from angelspec.errors import require_positive
 from angelspec.train.registry import TRAINABLE_DRAFTERS
 
 
@@ -48,16 +49,33 @@ def add_train(sub: Subparsers) -> None:
                    help="data parallelism under `torchrun --nproc_per_node N -m angelspec.cli train ...` "
                         "(every trainable kind): auto = DDP when torchrun starts several processes, else one process; "
                         "batch_size is the global batch")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="checkpoint every N steps and start `angelspec eval-server` beside the run, which evaluates "
+                        "each checkpoint into --out/training/eval_log.jsonl (its output: OUT.eval-server.log)")
+    p.add_argument("--eval-prompts", metavar="FILE.jsonl",
+                   help="held-out prompts for --eval-every (default: the shipped ones)")
     add_overrides(p)
     p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
+    import os
+
     from angelspec.train.runs import train_drafter
 
+    overrides = list(args.overrides)
+    if args.eval_every is not None:
+        require_positive("--eval-every", args.eval_every)
+        overrides.append(f"ckpt_every={args.eval_every}")
+        if os.environ.get("RANK", "0") == "0":  # one server per run, from the main process under torchrun
+            from angelspec.eval.server import spawn_eval_server
+
+            server = spawn_eval_server(args.out, args.target, prompts_path=args.eval_prompts)
+            print(f"eval-server: pid {server.pid}, evaluating every {args.eval_every} steps into "
+                  f"{args.out}/training/eval_log.jsonl")
     result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
-                           overrides=args.overrides, resume=args.resume, force=args.force, progress=not args.quiet,
+                           overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
                            max_minutes=args.max_minutes, distributed=args.distributed, log=print)
     print(result.format())
     return 0

@@ -11,7 +11,10 @@ temperature) to `<run>/training/eval_log.jsonl`:
 
 and, when `torch.utils.tensorboard` imports (the optional `tensorboard` package), the same scalars to
 `<run>/training/tensorboard/`. The log is keyed by step: a server restarted after a kill, or a trainer that
-was killed and resumed, never evaluates a step twice, so the log stays one consistent curve.
+was killed and resumed, never evaluates a step twice, so the log stays one consistent curve. The server
+evaluates the newest checkpoint it finds; one that the trainer replaces while the server is still busy with
+the previous one is skipped (checkpoint as often as the evaluation takes, or more rarely), and the final
+checkpoint of a run is always evaluated. One server per run (a lock file in the run's `training/` folder).
 
 The server never blocks the trainer: it only reads the trainer's files, and runs in its own process
 (`angelspec eval-server --watch RUN_DIR`, or started by `angelspec train --eval-every N`), niced where the
@@ -28,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ from angelspec.errors import UsageError
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
 
 EVAL_LOG = "eval_log.jsonl"
+LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
 TRAINER_STATE = "trainer_state.json"
 TRAIN_REPORT = "train_report.json"
 
@@ -198,6 +204,38 @@ class _TensorBoard:
         self.writer.flush()
 
 
+def _claim(run_dir: Path) -> bool:
+    """Take the run's server lock (one server per run, so the log never gets a step twice); False when a live
+    server holds it. A lock left by a killed server is taken over."""
+    lock = work_dir(run_dir) / LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+                os.kill(pid, 0)  # raises when no such process
+                if pid != os.getpid():
+                    return False
+                return True
+            except (ValueError, ProcessLookupError, PermissionError, OSError):
+                lock.unlink(missing_ok=True)  # stale: its server is gone
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _release(run_dir: Path) -> None:
+    lock = work_dir(run_dir) / LOCK
+    try:
+        if int(lock.read_text().strip() or 0) == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+
+
 def _nice() -> None:
     try:
         os.nice(10)  # the trainer comes first on a shared machine
@@ -212,12 +250,25 @@ def watch(run_dir: str | Path, target: Any, target_dir: Path, prompts: Sequence[
     number of checkpoints evaluated. Records go to `<run>/training/eval_log.jsonl` (see the module docstring)."""
     run_dir = Path(run_dir)
     work_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    if not _claim(run_dir):
+        log(f"eval-server: another server already watches {run_dir} ({work_dir(run_dir) / LOCK}); not starting")
+        return 0
+    try:
+        return _watch(run_dir, target, target_dir, prompts, settings, once=once, log=log, sleep=sleep)
+    finally:
+        _release(run_dir)
+
+
+def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalPrompt],
+           settings: EvalServerSettings, *, once: bool, log: Callable[[str], None],
+           sleep: Callable[[float], None]) -> int:
     snapshots = work_dir(run_dir) / "eval_snapshots"
     snapshots.mkdir(exist_ok=True)
-    done_steps = {r["step"] for r in read_eval_log(run_dir) if isinstance(r.get("step"), int)}
     board = _TensorBoard(work_dir(run_dir) / "tensorboard")
     evaluated, last_new = 0, time.time()
     while True:
+        # The log is the record of what was evaluated (re-read each time: `train --force` may have cleared it).
+        done_steps = {r["step"] for r in read_eval_log(run_dir) if isinstance(r.get("step"), int)}
         finished = (run_dir / TRAIN_REPORT).is_file()  # read before the checkpoint: the final one is then visible
         found = latest_checkpoint(run_dir)
         if found is not None and found[1]["step"] not in done_steps:
@@ -236,7 +287,6 @@ def watch(run_dir: str | Path, target: Any, target_dir: Path, prompts: Sequence[
                         f"MAL {rec['mal']:.2f}, p {' '.join(f'{p:.2f}' for p in rec['acceptance'])}, "
                         f"speed-up {rec['speedup']:.2f}x, lossless {rec['lossless']}")
                 shutil.rmtree(snap, ignore_errors=True)
-                done_steps.add(step)
                 evaluated += 1
                 last_new = time.time()
                 continue  # look again at once: the trainer may have moved on while we decoded
@@ -250,15 +300,19 @@ def watch(run_dir: str | Path, target: Any, target_dir: Path, prompts: Sequence[
 
 def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *,
                     prompts_path: str | Path | None = None, settings: EvalServerSettings = EvalServerSettings(),
-                    once: bool = False, nice: bool = True,
+                    once: bool = False, nice: bool = True, wait_s: float = 0.0,
                     log: Callable[[str], None] = print) -> int:
-    """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`."""
+    """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`.
+    wait_s: how long to wait for RUN_DIR to appear (a server started beside a trainer that creates it)."""
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.decoding.loading import load_target_and_tokenizer
     from angelspec.eval.prompts import eval_prompts
 
     run_dir = Path(run_dir)
+    deadline = time.time() + wait_s
+    while not run_dir.is_dir() and time.time() < deadline:
+        time.sleep(min(settings.poll_s, 5.0) or 1.0)
     if not run_dir.is_dir():
         raise UsageError(f"eval-server: run folder {run_dir} does not exist; pass the --out folder of "
                          "`angelspec train`")
@@ -297,3 +351,24 @@ def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temper
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *, limit: int = 4,
+                      max_new_tokens: int = 64, temperatures: Sequence[float] = (0.0,),
+                      prompts_path: str | Path | None = None, log_path: str | Path | None = None
+                      ) -> subprocess.Popen:
+    """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
+    it waits for the run folder, evaluates each checkpoint and exits after the final one. Its output goes to
+    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear)."""
+    run_dir = Path(run_dir)
+    log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
+    cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
+           "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
+           "--temperatures", ",".join(f"{t:g}" for t in temperatures)]
+    if target_dir is not None:
+        cmd += ["--target", str(target_dir)]
+    if prompts_path is not None:
+        cmd += ["--prompts", str(prompts_path)]
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
