@@ -18,7 +18,7 @@ import torch
 from conftest import synthetic_sentences
 from safetensors.torch import load_file
 
-from angelspec.data.features import FeatureCacheError, OfflineFeatureCache
+from angelspec.train.features import FeatureCacheError, OfflineFeatureCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(progress=False, log=lambda *_: None)

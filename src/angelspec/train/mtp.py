@@ -44,13 +44,6 @@ import numpy as np
 import torch
 
 from angelspec.data.chat import encode_conversation
-from angelspec.data.features import (
-    FeatureCacheError,
-    FeatureSpec,
-    OfflineFeatureCache,
-    dataset_identity,
-    dtype_name,
-)
 from angelspec.data.lm_data import read_jsonl
 from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_report
 from angelspec.data.vocab import count_tokens, frequent_tokens
@@ -61,6 +54,7 @@ from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_t
 from angelspec.models.mtp_io import build_block, save_mtp
 from angelspec.train.distributed import DistInfo, FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.draft_lm import _data_domains
+from angelspec.train.features import FeatureCacheError, FeatureSpec, OfflineFeatureCache, dataset_identity, dtype_name
 from angelspec.train.loop import TrainRun, drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
 from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, get_loss
 from angelspec.train.optim import build_adamw

@@ -81,8 +81,8 @@ class FeatureCacheError(ValueError):
 class FeatureSpec:
     """Which target outputs a drafter needs.
 
-    layer_ids: hidden-state taps, id i = OUTPUT of decoder layer i (HF ``hidden_states[i + 1]``; DESIGN.md
-        trap 2), in the order the drafter concatenates them.
+    layer_ids: hidden-state taps, id i = OUTPUT of decoder layer i (HF ``hidden_states[i + 1]``;
+        docs/design.md trap 2), in the order the drafter concatenates them.
     with_logits: False = no teacher; True = full logits [B, T, V] fp32; an int K = the teacher's top-K
         log-probabilities and ids [B, T, K] (what forward KL on the top-K support, Eq. 3, needs, at K/V of
         the storage).
