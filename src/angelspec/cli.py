@@ -297,7 +297,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
     from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
-    from angelspec.train.mtp import load_conversations
+    from angelspec.train.data import load_conversations
 
     _positive("--size", args.size)
     src = Path(args.drafter)
@@ -374,7 +374,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_features(args: argparse.Namespace) -> int:
     """`angelspec features`: cache the target's hidden states on a training dataset, for `train ... features=DIR`."""
-    from angelspec.train.mtp import build_feature_cache
+    from angelspec.train.features import build_feature_cache
 
     _positive("--seq-len", args.seq_len)
     _positive("--rows-per-shard", args.rows_per_shard)
