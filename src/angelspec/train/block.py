@@ -62,14 +62,7 @@ from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, global_sum, shard_rows, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import (
-    drafter_checkpoints,
-    drafter_report,
-    frozen_target,
-    scheduled_loss,
-    start_run,
-    train_drafter_steps,
-)
+from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
 from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, token_alpha
 from angelspec.train.optim import build_adamw
 
@@ -305,7 +298,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     """Train the block-parallel drafter of `cfg` (kind `cfg.drafter`) for `job` (the `Trainer` arguments)."""
     run = start_run(job, batch_size=cfg.batch_size, error=ConfigError)
     info = run.info
-    target, tok = frozen_target(run.target_dir)
+    target, tok = run.frozen_target()
     tcfg = target.config
     # Everything about the design is checked before anything is written.
     mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
@@ -364,10 +357,10 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
                                step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1")
     final = model_to_save()
-    report = drafter_report(run, {"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
-                                  "draft_layers": mcfg.num_draft_layers,
-                                  "target_layer_ids": list(mcfg.target_layer_ids), "objective": objective},
-                            model, stats, rows, tcfg, features)
+    report = run.drafter_report({"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
+                                 "draft_layers": mcfg.num_draft_layers,
+                                 "target_layer_ids": list(mcfg.target_layer_ids), "objective": objective},
+                                model, stats, rows, tcfg, features)
     run.finish(report, lambda: save_block_drafter(final, run.out_dir, meta))
     del wrapped  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
     shutdown(info)

@@ -1,7 +1,7 @@
 """What every trainer shares: the run set-up (process group, strategy, output folder, rank-0 logging, the frozen
 target), the end-of-step bookkeeping (gradient clipping under any parallelism, the JSONL log line, the per-depth
 acceptance reduction across ranks, the checkpoint / time-budget decision), the drafter trainers' resumable step
-loop with its checkpoints, and the closing report."""
+loop with its checkpoints, and the closing report (`TrainRun.finish`, `TrainRun.drafter_report`)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,24 @@ class TrainRun:
             shutil.rmtree(self.out_dir)
         barrier()
 
+    def frozen_target(self) -> tuple[Decoder, Any]:
+        """The run's target with every parameter frozen, and its tokenizer."""
+        from angelspec.data.tokenizer import load_tokenizer
+
+        target = load_target(self.target_dir)
+        for p in target.parameters():
+            p.requires_grad_(False)
+        return target, load_tokenizer(self.target_dir)
+
+    def drafter_report(self, head: dict[str, Any], model: nn.Module, stats: dict[str, int], rows: PackedRows,
+                       tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
+        """A drafter trainer's report: `head` (kind, steps, design), then the parameter count, the data counts
+        and packing, the training time, the target and where the features came from."""
+        return {**head, "parameters": sum(p.numel() for p in model.parameters()), **stats,
+                "packing_efficiency": round(rows.packed.efficiency, 4),
+                "train_seconds": round(time.time() - self.t0, 1), "target": str(self.target_dir),
+                "target_fingerprint": tcfg.fingerprint(), "features": features.source}
+
     def finish(self, report: dict[str, Any], write_model: Callable[[], None] | None = None) -> dict[str, Any]:
         """Add the parallelism to `report`; rank 0 writes the model (`write_model()`) and `train_report.json`;
         all ranks meet. The caller drops its DDP / FSDP2 wrapper and calls `shutdown` after this."""
@@ -117,25 +135,6 @@ def start_run(job: TrainJob, *, batch_size: int, error: type[Exception] = ValueE
     if (run.out_dir / "config.json").exists() and not (job.force or job.resume):
         raise FileExistsError(f"{run.out_dir} already holds a model; pass --force to overwrite it or --resume")
     return run
-
-
-def frozen_target(target_dir: Path) -> tuple[Decoder, Any]:
-    """The target at `target_dir` with every parameter frozen, and its tokenizer."""
-    from angelspec.data.tokenizer import load_tokenizer
-
-    target = load_target(target_dir)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    return target, load_tokenizer(target_dir)
-
-
-def drafter_report(run: TrainRun, head: dict[str, Any], model: nn.Module, stats: dict[str, int],
-                   rows: PackedRows, tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
-    """A drafter trainer's report: `head` (kind, steps, design), then the parameter count, the data counts and
-    packing, the training time, the target and where the features came from."""
-    return {**head, "parameters": sum(p.numel() for p in model.parameters()), **stats,
-            "packing_efficiency": round(rows.packed.efficiency, 4), "train_seconds": round(time.time() - run.t0, 1),
-            "target": str(run.target_dir), "target_fingerprint": tcfg.fingerprint(), "features": features.source}
 
 
 # ----- end-of-step bookkeeping -----

@@ -50,14 +50,7 @@ from angelspec.train.config import DrafterRunConfig, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import (
-    drafter_checkpoints,
-    drafter_report,
-    frozen_target,
-    scheduled_loss,
-    start_run,
-    train_drafter_steps,
-)
+from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
 from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, get_loss
 from angelspec.train.optim import build_adamw
 from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
@@ -147,7 +140,7 @@ def train_mtp_job(job: TrainJob, cfg: BlockTrainConfig) -> dict[str, Any]:
     `MTPTrainConfig` trains MTP, `Eagle3TrainConfig` EAGLE-3. Data parallelism: module docstring."""
     run = start_run(job, batch_size=cfg.batch_size)
     run.clear_out_dir()
-    target, tok = frozen_target(run.target_dir)
+    target, tok = run.frozen_target()
     tcfg = target.config
     pad_id = pad_token_id(tcfg)
     rows, stats = packed_conversations(tok, job.data, cfg, pad_id, run.log)
@@ -188,8 +181,8 @@ def train_mtp_job(job: TrainJob, cfg: BlockTrainConfig) -> dict[str, Any]:
     step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,
                                step_loss=step_loss, save=save_ckpt, desc=kind)
     final = block_to_save()
-    report = drafter_report(run, {"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths},
-                            block, stats, rows, tcfg, features)
+    report = run.drafter_report({"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths},
+                                block, stats, rows, tcfg, features)
     run.finish(report, lambda: save_mtp(final, run.out_dir, meta))
     del model  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
     shutdown(run.info)
