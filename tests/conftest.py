@@ -133,6 +133,24 @@ def check_lossless_and_recorded(target: Any, drafter: RecordingMixin, requests: 
     return got
 
 
+def mtp_reference_drafts(block: Any, target: Any, sequence: list[int], k: int) -> list[int]:
+    """Slow oracle for an MTP-family drafter's greedy `propose`: recompute from scratch, through the TRAINING
+    rollout, the K argmax drafts after the committed `sequence` (target forward over it, then `ttt_rollout`
+    read at position s-2)."""
+    import torch
+
+    from angelspec.models.mtp import concat_taps
+    from angelspec.train.ttt import ttt_rollout
+
+    with torch.no_grad():
+        ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
+        s = ids.shape[1]
+        hidden = target(ids, hidden_layers=list(block.config.target_layer_ids), compute_logits=False).hidden
+        pos = torch.arange(s, device=ids.device)[None]
+        out = ttt_rollout(block, concat_taps(hidden), ids, pos, None, k)  # taps [1, s, n·C]
+    return out.logits[0, s - 2].argmax(dim=-1).tolist()
+
+
 def write_conversations(path: Path, n: int, seed: int) -> Path:
     """`n` synthetic lines as n // 2 user / assistant conversations, one JSON line each."""
     lines = list(synthetic_sentences(n, seed=seed))

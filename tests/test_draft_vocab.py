@@ -143,7 +143,7 @@ def test_trainer_and_cli_choose_the_most_frequent_assistant_tokens(capsys, tmp_p
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.models import load_target
     from angelspec.train.block import tiny_debug, train_block_drafter
-    from angelspec.train.mtp import load_conversations
+    from angelspec.train.data import load_conversations
 
     target = load_target(tiny_target_dir)
     docs, _ = load_conversations(load_tokenizer(tiny_target_dir), conversations, 64)
@@ -282,7 +282,8 @@ def test_mtp_trainer_and_cli_give_an_mtp_drafter_a_draft_vocabulary(capsys, tmp_
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.models import load_target
     from angelspec.models.mtp_io import load_mtp
-    from angelspec.train.mtp import load_conversations, tiny_debug, train_mtp
+    from angelspec.train.data import load_conversations
+    from angelspec.train.mtp import tiny_debug, train_mtp
 
     target = load_target(tiny_target_dir)
     docs, _ = load_conversations(load_tokenizer(tiny_target_dir), conversations, 64)

@@ -16,12 +16,12 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
+from conftest import RecordingMixin, check_lossless_and_recorded, mtp_reference_drafts, tiny_decoder
 
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
 from angelspec.decoding.drafters.eagle3 import Eagle3Drafter
-from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request
 from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError
@@ -114,7 +114,7 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training():
             for _ in range(12)]
     # partial accepts happen, so rollback is exercised
     got = check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=5, num_draft_tokens=4), 7,
-                                      lambda seq: reference_drafts(drafter.block, target, seq, 4))
+                                      lambda seq: mtp_reference_drafts(drafter.block, target, seq, 4))
     assert all(len(r.token_ids) == 48 for r in got)
 
 

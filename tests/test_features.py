@@ -1,4 +1,4 @@
-"""Hidden-state features (data/features.py): online == offline, resume, corrupt shards, wrong target."""
+"""Hidden-state features (train/features.py): online == offline, resume, corrupt shards, wrong target."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from angelspec.data import features as features_mod
 from angelspec.data.chat import encode_conversation
-from angelspec.data.features import FeatureBatch, FeatureCacheError, FeatureSpec, OfflineFeatureCache, OnlineFeatures
 from angelspec.data.packing import Doc, PackedBatch, pack_documents
 from angelspec.data.tokenizer import load_tokenizer
 from angelspec.models import Decoder, load_target
+from angelspec.train import features as features_mod
+from angelspec.train.features import FeatureBatch, FeatureCacheError, FeatureSpec, OfflineFeatureCache, OnlineFeatures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,7 +173,7 @@ def test_spec_validation(target: Decoder) -> None:
 
 def test_resume_compares_the_recorded_dataset_not_its_notes(target: Decoder, batches: list[PackedBatch],
                                                             tmp_path: Path) -> None:
-    from angelspec.data.features import dataset_identity
+    from angelspec.train.features import dataset_identity
 
     root, spec = tmp_path / "cache", FeatureSpec(layer_ids=(1,))
     dataset = dataset_identity(batches[0], source="a.jsonl")

@@ -12,13 +12,20 @@ import random
 
 import pytest
 import torch
-from conftest import RecordingMixin, check_lossless_and_recorded, same_weights, train_log, write_conversations
+from conftest import (
+    RecordingMixin,
+    check_lossless_and_recorded,
+    mtp_reference_drafts,
+    same_weights,
+    train_log,
+    write_conversations,
+)
 from conftest import tiny_decoder as tiny_target
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
-from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
 from angelspec.models.mtp import MTPBlock, MTPConfig
@@ -205,7 +212,7 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
     # Some drafts are accepted, so rollback after partial accepts runs; it is exact iff every proposal equals the
     # from-scratch training rollout on the committed prefix.
     check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=6, num_draft_tokens=k), 5,
-                                lambda seq: reference_drafts(drafter.block, target, seq, k))
+                                lambda seq: mtp_reference_drafts(drafter.block, target, seq, k))
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -18,7 +18,7 @@ import torch
 from conftest import synthetic_sentences
 from safetensors.torch import load_file
 
-from angelspec.data.features import FeatureCacheError, OfflineFeatureCache
+from angelspec.train.features import FeatureCacheError, OfflineFeatureCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(progress=False, log=lambda *_: None)
@@ -95,7 +95,8 @@ def test_block_drafter_trains_the_same_from_the_cache(tmp_path: Path, tiny_targe
 def test_a_cache_that_does_not_fit_the_run_is_refused(tmp_path: Path, tiny_target_dir: Path, data: Path,
                                                       cache: Path) -> None:
     from angelspec.models import load_target, save_target
-    from angelspec.train.mtp import build_feature_cache, tiny_debug, train_mtp
+    from angelspec.train.features import build_feature_cache
+    from angelspec.train.mtp import tiny_debug, train_mtp
 
     def refused(match: str, target: Path = tiny_target_dir, conv: Path = data, **changes: object) -> str:
         cfg = replace(tiny_debug(), features=str(changes.pop("features", cache)), **changes)

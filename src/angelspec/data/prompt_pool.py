@@ -1,6 +1,6 @@
 """A large, decontaminated prompt pool for target rollouts (issue 13: training data at scale).
 
-The drafter is trained on the target's own responses (:mod:`angelspec.data.rollout`), so what limits the
+The drafter is trained on the target's own responses (:mod:`angelspec.train.rollout`), so what limits the
 training data is the number of *prompts*. This module takes the prompt side of the offline corpus the
 embedded target was built from (:mod:`angelspec.data.corpus`):
 

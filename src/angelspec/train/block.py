@@ -1,8 +1,8 @@
 """`angelspec train --drafter {dflash,dflare,dfly,dspark}`: the block-parallel drafters (report §3; DSpark report §3).
 
-Per step: a batch of packed rows (document-aware packing, the MTP trainer's `PackedRows`) -> frozen target
+Per step: a batch of packed rows (document-aware packing, `train.data.PackedRows`) -> frozen target
 forward under no_grad (online features: the taps `target_layer_ids` and the teacher logits; or the same tensors
-from an offline cache with `features=DIR`, `train.mtp.TargetFeatures`) -> N random anchors
+from an offline cache with `features=DIR`, `train.features.TargetFeatures`) -> N random anchors
 per row inside assistant spans (`sample_anchors`: the first draft after the anchor must be a trained token of the
 anchor's document) -> ONE index-masked backbone pass over all N blocks of a row plus the teacher-forced head
 (`BlockDrafter.forward_train`) -> the objective -> AdamW, warm-up + cosine, gradient clipping.
@@ -37,8 +37,8 @@ Shape legend: R packed rows, T time, N anchors per row, K = B−1 draft position
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,16 +58,12 @@ from angelspec.models.block_drafter import (
 from angelspec.models.block_io import save_block_drafter
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.mtp import concat_taps
+from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
+from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, global_sum, shard_rows, shutdown, wrap_model
+from angelspec.train.features import target_features
 from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
 from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, token_alpha
-from angelspec.train.mtp import (
-    drafter_report,
-    frozen_target,
-    packed_conversations,
-    pad_token_id,
-    target_features,
-)
 from angelspec.train.optim import build_adamw
 
 # kind -> (default head, backbone conditioning, default objective)
@@ -81,11 +77,11 @@ OBJECTIVES = ("dfly", "dspark")
 
 
 @dataclass(frozen=True)
-class BlockDrafterTrainConfig:
-    """Design, objective and optimisation of one block-drafter run. `drafter` / `head` / `objective` None take
-    the kind's defaults (`KINDS`; the kind is the CLI's `--drafter`, else "dfly"); the draft layers' attention
-    and MLP shapes default to the target's; taps default to DFlash's choice (`default_block_layer_ids`, one per
-    draft layer); `mask_token_id` None = the tokenizer's mask token."""
+class BlockDrafterTrainConfig(DrafterRunConfig):
+    """Design and objective of one block-drafter run (the optimisation, the layer shapes, None = the target's,
+    and the data settings come from `DrafterRunConfig`). `drafter` / `head` / `objective` None take the kind's
+    defaults (`KINDS`; the kind is the CLI's `--drafter`, else "dfly"); taps default to DFlash's choice
+    (`default_block_layer_ids`, one per draft layer); `mask_token_id` None = the tokenizer's mask token."""
 
     drafter: str | None = None
     head: str | None = None
@@ -97,42 +93,23 @@ class BlockDrafterTrainConfig:
     markov_rank: int = 64
     confidence_head: bool = True
     head_intermediate_size: int | None = None
-    draft_vocab_size: int = 0  # >0: inference drafts from the N most frequent trained-on tokens (data.vocab)
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
     num_anchors: int = 16  # N blocks per packed row
     objective: str | None = None  # "dfly" | "dspark"
     switch_step: int = 60  # "dfly": D-PACE LK cold start before, e2e TV from here
-    top_k: int | None = None  # teacher support for TV / α / LK (None = full vocabulary)
     gamma: float | None = None  # DSpark position decay (None = K)
     ce_coef: float = 0.1
     tv_coef: float = 0.9
     conf_coef: float = 1.0
-    enable_thinking: bool = False
-    seq_len: int = 512
     batch_size: int = 2
     steps: int = 200
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.05
     warmup: int = 10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    init_std: float = 0.02
-    seed: int = 0
-    ckpt_every: int = 50
-    log_every: int = 10
-    features: str | None = None  # an offline feature cache (`angelspec features`) instead of the target forward
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
                               f"{self.block_size!r}")
-        for name in ("draft_layers", "num_anchors", "markov_rank", "seq_len", "batch_size", "steps", "ckpt_every",
-                     "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.require_positive(("draft_layers", "num_anchors", "markov_rank", "seq_len", "batch_size", "steps",
+                               "ckpt_every", "log_every"), ConfigError)
         if self.drafter is not None and self.drafter not in KINDS:
             raise ConfigError(f"unknown block drafter {self.drafter!r}; choose one of {', '.join(KINDS)}")
         if self.head is not None and self.head not in HEADS:
@@ -195,9 +172,8 @@ class BlockDrafterTrainConfig:
             target, mask_token_id=mask_token_id, block_size=self.block_size, num_draft_layers=self.draft_layers,
             target_layer_ids=self.target_layer_ids, num_taps=self.num_taps, conditioning=conditioning,
             head=self.resolved_head, markov_rank=self.markov_rank, confidence_head=self.confidence_head,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-            head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size)
+            head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
+            **self.layer_shape())
 
 
 # ----- presets -----
@@ -318,35 +294,19 @@ def confidence_loss(confidence_logits: Tensor, student_logits: Tensor, teacher_l
 # ----- training -----
 
 
-def train_block_drafter(
-    target_dir: str | Path,
-    data: str | Path,
-    out_dir: str | Path,
-    *,
-    config: BlockDrafterTrainConfig | None = None,
-    resume: bool = False,
-    force: bool = False,
-    progress: bool = True,
-    max_minutes: float | None = None,
-    log: Any = print,
-    distributed: str | None = None,
-) -> dict[str, Any]:
-    """Train a block-parallel drafter for the target at `target_dir` on `data` (JSONL conversations or a corpus
-    folder), write it to `out_dir`; returns a report. The kind is `config.drafter` (default preset
-    `dfly_embedded()`). Arguments as `train.mtp.train_mtp`'s."""
-    cfg = config or dfly_embedded()
-    run = start_run(target_dir, out_dir, batch_size=cfg.batch_size, distributed=distributed, log=log, force=force,
-                    resume=resume, error=ConfigError)
+def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, Any]:
+    """Train the block-parallel drafter of `cfg` (kind `cfg.drafter`) for `job` (the `Trainer` arguments)."""
+    run = start_run(job, batch_size=cfg.batch_size, error=ConfigError)
     info = run.info
-    target, tok = frozen_target(run.target_dir)
+    target, tok = run.frozen_target()
     tcfg = target.config
     # Everything about the design is checked before anything is written.
     mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
-    run.clear_out_dir(force, resume)
-    rows, stats = packed_conversations(tok, Path(data), cfg, pad_token_id(tcfg), run.log)
+    run.clear_out_dir()
+    rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
-                               data=Path(data), enable_thinking=cfg.enable_thinking)
+                               data=job.data, enable_thinking=cfg.enable_thinking)
 
     model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -372,7 +332,7 @@ def train_block_drafter(
         global_rows = shard_rows(global_rows, info)
     step, model_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head),
-        lambda m, p: save_block_drafter(m, p, meta), opt, resume)
+        lambda m, p: save_block_drafter(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, LossBatch, dict[str, Any]]:
@@ -395,35 +355,28 @@ def train_block_drafter(
         return loss, lb, {"valid_anchors": anchor_valid.sum()}
 
     step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind, progress=progress,
-                               max_minutes=max_minutes, alpha_label="a1")
+                               step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1")
     final = model_to_save()
-    report = drafter_report(run, {"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
-                                  "draft_layers": mcfg.num_draft_layers,
-                                  "target_layer_ids": list(mcfg.target_layer_ids), "objective": objective},
-                            model, stats, rows, tcfg, features)
+    report = run.drafter_report({"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
+                                 "draft_layers": mcfg.num_draft_layers,
+                                 "target_layer_ids": list(mcfg.target_layer_ids), "objective": objective},
+                                model, stats, rows, tcfg, features)
     run.finish(report, lambda: save_block_drafter(final, run.out_dir, meta))
     del wrapped  # the DDP / FSDP2 wrapper must go before its process group (shutdown collects it)
     shutdown(info)
     return report
 
 
-def _kind_trainer(kind: str, default: Any) -> Any:
-    """`train_block_drafter` with the kind pinned to `kind` (a preset of another kind is refused) and `default`
-    as the default preset: the entry point `angelspec train --drafter KIND` calls."""
+train_block_drafter = trainer(train_block_job, dfly_embedded, "train_block_drafter",
+                              "A block-parallel drafter of the config's kind (`train.config.Trainer`; default preset "
+                              "`dfly_embedded`).")
 
-    def train(target_dir: str | Path, data: str | Path, out_dir: str | Path, *,
-              config: BlockDrafterTrainConfig | None = None, resume: bool = False, force: bool = False,
-              progress: bool = True, max_minutes: float | None = None, log: Any = print,
-              distributed: str | None = None) -> dict[str, Any]:
-        return train_block_drafter(target_dir, data, out_dir, config=(config or default()).for_kind(kind),
-                                   resume=resume, force=force, progress=progress, max_minutes=max_minutes, log=log,
-                                   distributed=distributed)
 
-    train.__name__ = train.__qualname__ = f"train_{kind}"
-    train.__doc__ = f"`angelspec train --drafter {kind}`: `train_block_drafter` for {kind} (default preset " \
-                    f"`{default.__name__}`)."
-    return train
+def _kind_trainer(kind: str, default: Callable[[], BlockDrafterTrainConfig]) -> Trainer:
+    """The entry point `angelspec train --drafter KIND` calls: `train_block_job` with the kind pinned to `kind` (a
+    preset of another kind is refused) and `default` as the default preset."""
+    return trainer(lambda job, cfg: train_block_job(job, cfg.for_kind(kind)), default, f"train_{kind}",
+                   f"`angelspec train --drafter {kind}` (`train.config.Trainer`; default preset `{default.__name__}`).")
 
 
 train_dflash = _kind_trainer("dflash", dflash_embedded)

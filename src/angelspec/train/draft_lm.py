@@ -22,16 +22,19 @@ from angelspec.data.lm_data import PackedStream, TokenizedDomain, tokenize_split
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, read_config, save_target, write_json_atomic
-from angelspec.train.lm import train_causal_lm
+from angelspec.train.config import LMRunConfig, TrainJob, trainer
+from angelspec.train.data import data_domains
+from angelspec.train.lm import heldout_loss, train_causal_lm
 from angelspec.train.loop import start_run
-from angelspec.train.target import heldout_loss
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
 
 @dataclass(frozen=True)
-class DraftLMTrainConfig:
+class DraftLMTrainConfig(LMRunConfig):
+    """The draft LM's shape (the optimisation and the data mix come from `LMRunConfig`)."""
+
     num_hidden_layers: int = 1
     hidden_size: int | None = None  # None: the target's width (so its embedding can be reused)
     num_attention_heads: int = 4
@@ -39,20 +42,7 @@ class DraftLMTrainConfig:
     head_dim: int = 64
     intermediate_size: int = 768
     init_embeddings_from_target: bool = True
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 300
     lr: float = 2e-3
-    min_lr_ratio: float = 0.05
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    bf16: bool = False
-    ckpt_every: int = 50
-    log_every: int = 10
-    domain_weights: tuple[tuple[str, float], ...] = (("code", 2.0), ("math", 1.5), ("chat", 1.0), ("docs", 0.5))
-    heldout_docs_per_domain: int = 50
 
     def model_config(self, target: DecoderConfig) -> DecoderConfig:
         return replace(
@@ -81,49 +71,20 @@ def draft_lm_tiny_debug() -> DraftLMTrainConfig:
 PRESETS = {"draft_lm_embedded": draft_lm_embedded, "tiny_debug": draft_lm_tiny_debug}
 
 
-def _data_domains(data: Path) -> dict[str, tuple[Path, Path | None]]:
-    """A corpus folder (<domain>/train.jsonl [+ heldout.jsonl]) or a single JSONL file of conversations."""
-    if data.is_file():
-        return {"data": (data, None)}
-    if data.is_dir():
-        found = {d.name: (d / "train.jsonl", d / "heldout.jsonl" if (d / "heldout.jsonl").is_file() else None)
-                 for d in sorted(data.iterdir()) if (d / "train.jsonl").is_file()}
-        if found:
-            return found
-    raise FileNotFoundError(f"--data {data}: expected a JSONL file of conversations or a corpus folder with "
-                            "<domain>/train.jsonl files")
-
-
-def train_draft_lm(
-    target_dir: str | Path,
-    data: str | Path,
-    out_dir: str | Path,
-    *,
-    config: DraftLMTrainConfig | None = None,
-    resume: bool = False,
-    force: bool = False,
-    progress: bool = True,
-    max_minutes: float | None = None,
-    log: Any = print,
-    distributed: str | None = None,
-) -> dict[str, Any]:
-    """Train the draft LM for the target at `target_dir` and write it to `out_dir`; returns a report.
-
-    `distributed`: "auto"/None (DDP under a multi-process torchrun, else one process), "none", "ddp" or
-    "fsdp2" (`train.distributed`); `batch_size` is the global batch. Rank 0 alone writes."""
+def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]:
+    """Train the draft LM of `cfg` for `job` (the `Trainer` arguments); `batch_size` is the global batch and
+    rank 0 alone writes under data parallelism."""
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.train.distributed import shutdown, whole_copy
 
-    cfg = config or draft_lm_embedded()
-    run = start_run(target_dir, out_dir, batch_size=cfg.batch_size, distributed=distributed, log=log, force=force,
-                    resume=resume)
+    run = start_run(job, batch_size=cfg.batch_size)
     info, main, target_dir, out_dir = run.info, run.main, run.target_dir, run.out_dir
-    run.clear_out_dir(force, resume)
+    run.clear_out_dir()
     target_cfg = read_config(target_dir)
     tok = load_tokenizer(target_dir)
     sep = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train, held, truncated = {}, {}, 0
-    for name, (train_path, held_path) in _data_domains(Path(data)).items():
+    for name, (train_path, held_path) in data_domains(job.data).items():
         train[name], t = tokenize_split(tok, train_path, sep, target_cfg.max_position_embeddings)
         truncated += t
         if held_path is not None:
@@ -155,7 +116,7 @@ def train_draft_lm(
 
     run.work.mkdir(parents=True, exist_ok=True)
     step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
-                           resume=resume, progress=progress, max_minutes=max_minutes, desc="draft-lm",
+                           resume=job.resume, progress=job.progress, max_minutes=job.max_minutes, desc="draft-lm",
                            save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
@@ -174,3 +135,8 @@ def train_draft_lm(
     run.finish(report)
     shutdown(info)
     return report
+
+
+train_draft_lm = trainer(train_draft_lm_job, draft_lm_embedded, "train_draft_lm",
+                         "`angelspec train --drafter draft-lm` (`train.config.Trainer`; default preset "
+                         "`draft_lm_embedded`).")

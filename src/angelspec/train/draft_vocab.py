@@ -46,7 +46,7 @@ def apply_draft_vocab(drafter: str | Path, data: str | Path, size: int, *, targe
     from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
     from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
-    from angelspec.train.mtp import load_conversations
+    from angelspec.train.data import load_conversations
 
     require_positive("--size", size)
     src = Path(drafter)

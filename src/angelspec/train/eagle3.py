@@ -1,20 +1,19 @@
-"""`angelspec train --drafter eagle3`: the EAGLE-3 drafter, trained by the MTP trainer (`train.mtp.train_mtp`).
+"""`angelspec train --drafter eagle3`: the EAGLE-3 drafter, trained by the MTP trainer (`train.mtp.train_mtp_job`).
 
 EAGLE-3 is a member of the MTP family (`models.eagle3`): the same data, packing, target features (online or
 from an offline cache, `features=DIR`), TTT rollout, loss schedule, checkpoints and exact resume; only the block
 and the target taps differ. This module holds the run config and the presets; `train_eagle3` is `train_mtp` with
-an EAGLE-3 default.
+an EAGLE-3 default preset.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from angelspec.models.config import DecoderConfig
 from angelspec.models.eagle3 import Eagle3Config
-from angelspec.train.mtp import BlockTrainConfig, train_mtp
+from angelspec.train.config import trainer
+from angelspec.train.mtp import BlockTrainConfig, train_mtp_job
 
 
 @dataclass(frozen=True)
@@ -25,9 +24,7 @@ class Eagle3TrainConfig(BlockTrainConfig):
 
     def block_config(self, target: DecoderConfig) -> Eagle3Config:
         return Eagle3Config.for_target(target, num_depths=self.num_depths, target_layer_ids=self.target_layer_ids,
-                                       num_attention_heads=self.num_attention_heads,
-                                       num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                                       intermediate_size=self.intermediate_size)
+                                       **self.layer_shape())
 
 
 def eagle3_embedded() -> Eagle3TrainConfig:
@@ -47,10 +44,5 @@ def tiny_debug() -> Eagle3TrainConfig:
 PRESETS = {"eagle3_embedded": eagle3_embedded, "tiny_debug": tiny_debug}
 
 
-def train_eagle3(target_dir: str | Path, data: str | Path, out_dir: str | Path, *,
-                 config: Eagle3TrainConfig | None = None, resume: bool = False, force: bool = False,
-                 progress: bool = True, max_minutes: float | None = None, log: Any = print,
-                 distributed: str | None = None) -> dict[str, Any]:
-    """Train an EAGLE-3 drafter (default preset `eagle3_embedded`); the other arguments as `train_mtp`'s."""
-    return train_mtp(target_dir, data, out_dir, config=config or eagle3_embedded(), resume=resume, force=force,
-                     progress=progress, max_minutes=max_minutes, log=log, distributed=distributed)
+train_eagle3 = trainer(train_mtp_job, eagle3_embedded, "train_eagle3",
+                       "`angelspec train --drafter eagle3` (`train.config.Trainer`; default preset `eagle3_embedded`).")

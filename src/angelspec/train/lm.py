@@ -1,4 +1,5 @@
-"""The resumable causal-LM training loop shared by the embedded target build and the draft-LM baseline.
+"""The resumable causal-LM training loop shared by the embedded target build and the draft-LM baseline, and
+their held-out loss.
 
 Plain next-token cross-entropy on packed rows, AdamW, warm-up + cosine schedule, gradient clipping,
 JSONL logs once per `log_every` steps, atomic checkpoints every `ckpt_every` steps. Resuming restores
@@ -16,16 +17,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from angelspec.data.lm_data import PackedStream
+from angelspec.data.lm_data import PackedStream, TokenizedDomain
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target
 from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
+from angelspec.train.config import LMRunConfig
 from angelspec.train.distributed import (
     DistInfo,
     Strategy,
@@ -40,26 +43,10 @@ from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 
 
-class LMTrainSettings(Protocol):
-    """The fields the loop reads; the target and draft-LM configs both provide them."""
-
-    steps: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    weight_decay: float
-    grad_clip: float
-    bf16: bool
-    ckpt_every: int
-    log_every: int
-
-
 def train_causal_lm(
     model: Decoder,
     stream: PackedStream,
-    cfg: LMTrainSettings,
+    cfg: LMRunConfig,
     *,
     ckpt_dir: Path,
     log_path: Path,
@@ -129,3 +116,20 @@ def train_causal_lm(
     bar.close()
     model.eval()
     return step
+
+
+@torch.no_grad()
+def heldout_loss(model: Decoder, dom: TokenizedDomain, max_docs: int, context: int, bf16: bool) -> float:
+    """Mean next-token loss over whole held-out documents (each from position 0, no packing)."""
+    total, count = 0.0, 0
+    n = min(max_docs, len(dom.offsets) - 1)
+    for i in range(n):
+        ids = torch.from_numpy(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]][:context].astype(np.int64))[None]
+        if ids.shape[1] < 2:
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(ids[:, :-1]).logits
+        loss = F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum")
+        total += float(loss)
+        count += ids.shape[1] - 1
+    return total / max(count, 1)

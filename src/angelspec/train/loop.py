@@ -1,7 +1,7 @@
-"""What every trainer shares: the run set-up (process group, strategy, output folder, rank-0 logging), the
-end-of-step bookkeeping (gradient clipping under any parallelism, the JSONL log line, the per-depth acceptance
-reduction across ranks, the checkpoint / time-budget decision), the drafter trainers' resumable step loop with
-its checkpoints, and the closing report."""
+"""What every trainer shares: the run set-up (process group, strategy, output folder, rank-0 logging, the frozen
+target), the end-of-step bookkeeping (gradient clipping under any parallelism, the JSONL log line, the per-depth
+acceptance reduction across ranks, the checkpoint / time-budget decision), the drafter trainers' resumable step
+loop with its checkpoints, and the closing report (`TrainRun.finish`, `TrainRun.drafter_report`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from angelspec.models.hf_io import write_json_atomic
+from angelspec.data.packing import PackedBatch
+from angelspec.models.config import DecoderConfig
+from angelspec.models.decoder import Decoder
+from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
+from angelspec.train.config import DrafterRunConfig, TrainJob
+from angelspec.train.data import PackedRows
 from angelspec.train.distributed import (
     DistInfo,
     Strategy,
@@ -38,8 +43,7 @@ from angelspec.train.losses import LossBatch, LossSchedule, acceptance_per_depth
 from angelspec.train.optim import cosine_lr, set_lr
 
 if TYPE_CHECKING:
-    from angelspec.data.packing import PackedBatch
-    from angelspec.train.mtp import PackedRows
+    from angelspec.train.features import TargetFeatures
 
 
 def silent(*_: Any) -> None:
@@ -51,18 +55,26 @@ def silent(*_: Any) -> None:
 
 @dataclass(frozen=True)
 class TrainRun:
-    """A trainer's process-group view and folders: `out_dir` gets the model, `work` the log and checkpoints."""
+    """A trainer's call (`job`), process-group view and folders: `out_dir` gets the model, `work` the log and
+    checkpoints."""
 
+    job: TrainJob
     info: DistInfo
     strategy: Strategy
     log: Callable[[str], None]  # `silent` on ranks other than 0
-    target_dir: Path
-    out_dir: Path
     t0: float
 
     @property
     def main(self) -> bool:
         return self.info.is_main
+
+    @property
+    def target_dir(self) -> Path:
+        return self.job.target_dir
+
+    @property
+    def out_dir(self) -> Path:
+        return self.job.out_dir
 
     @property
     def work(self) -> Path:
@@ -72,12 +84,30 @@ class TrainRun:
     def ckpt_dir(self) -> Path:
         return self.work / "checkpoint"
 
-    def clear_out_dir(self, force: bool, resume: bool) -> None:
+    def clear_out_dir(self) -> None:
         """`force` without `resume`: rank 0 removes the old output folder, once every rank has looked at it."""
         barrier()
-        if self.main and force and not resume and self.out_dir.exists():
+        if self.main and self.job.force and not self.job.resume and self.out_dir.exists():
             shutil.rmtree(self.out_dir)
         barrier()
+
+    def frozen_target(self) -> tuple[Decoder, Any]:
+        """The run's target with every parameter frozen, and its tokenizer."""
+        from angelspec.data.tokenizer import load_tokenizer
+
+        target = load_target(self.target_dir)
+        for p in target.parameters():
+            p.requires_grad_(False)
+        return target, load_tokenizer(self.target_dir)
+
+    def drafter_report(self, head: dict[str, Any], model: nn.Module, stats: dict[str, int], rows: PackedRows,
+                       tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
+        """A drafter trainer's report: `head` (kind, steps, design), then the parameter count, the data counts
+        and packing, the training time, the target and where the features came from."""
+        return {**head, "parameters": sum(p.numel() for p in model.parameters()), **stats,
+                "packing_efficiency": round(rows.packed.efficiency, 4),
+                "train_seconds": round(time.time() - self.t0, 1), "target": str(self.target_dir),
+                "target_fingerprint": tcfg.fingerprint(), "features": features.source}
 
     def finish(self, report: dict[str, Any], write_model: Callable[[], None] | None = None) -> dict[str, Any]:
         """Add the parallelism to `report`; rank 0 writes the model (`write_model()`) and `train_report.json`;
@@ -92,19 +122,17 @@ class TrainRun:
         return report
 
 
-def start_run(target_dir: str | Path, out_dir: str | Path, *, batch_size: int, distributed: str | None,
-              log: Callable[[str], None], force: bool, resume: bool,
-              error: type[Exception] = ValueError) -> TrainRun:
-    """Join the process group, resolve the strategy and check, before anything is loaded or written, that the
-    global `batch_size` divides over the processes (else `error`) and that `out_dir` holds no model unless
-    `force` or `resume` (FileExistsError)."""
+def start_run(job: TrainJob, *, batch_size: int, error: type[Exception] = ValueError) -> TrainRun:
+    """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
+    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` holds no model
+    unless `force` or `resume` (FileExistsError)."""
     info = init_distributed()
-    strategy = resolve_strategy(distributed, info)
+    strategy = resolve_strategy(job.distributed, info)
     if batch_size % info.world_size:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {info.world_size} "
                     "processes")
-    run = TrainRun(info, strategy, log if info.is_main else silent, Path(target_dir), Path(out_dir), time.time())
-    if (run.out_dir / "config.json").exists() and not (force or resume):
+    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time())
+    if (run.out_dir / "config.json").exists() and not (job.force or job.resume):
         raise FileExistsError(f"{run.out_dir} already holds a model; pass --force to overwrite it or --resume")
     return run
 
@@ -156,20 +184,6 @@ def checkpoint_or_stop(step: int, steps: int, ckpt_every: int, save: Callable[[i
 # ----- the drafter trainers' loop (MTP family and block drafters) -----
 
 
-class DrafterLoopSettings(Protocol):
-    """The config fields `train_drafter_steps` reads."""
-
-    steps: int
-    batch_size: int
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    grad_clip: float
-    top_k: int | None
-    ckpt_every: int
-    log_every: int
-
-
 # (the wrapped model, step, this rank's rows, their row indices) -> (this rank's share of the loss, the loss
 # batch its α is logged from, extra log fields: tensors are read at log time only)
 StepLoss = Callable[[nn.Module, int, "PackedBatch", list[int]], tuple[Tensor, LossBatch, dict[str, Any]]]
@@ -181,15 +195,14 @@ def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch, info: DistI
         return schedule.loss(step, lb).loss
 
 
-def drafter_checkpoints(run: TrainRun, cfg: Any, target_fingerprint: str, model: nn.Module,
+def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint: str, model: nn.Module,
                         rebuild: Callable[[], nn.Module], write_model: Callable[[Any, Path], None],
-                        opt: torch.optim.Optimizer, resume: bool
-                        ) -> tuple[int, Callable[[], Any], Callable[[int], None]]:
-    """The start step (when resuming: the newest checkpoint's, after checking it was made with this config and
+                        opt: torch.optim.Optimizer) -> tuple[int, Callable[[], Any], Callable[[int], None]]:
+    """The start step (when `run.job.resume`: the newest checkpoint's, after checking it was made with this config and
     target, restoring `model.safetensors` and the optimizer state), the whole-weights snapshot (a collective
     under FSDP2: every rank calls it, rank 0 writes; `rebuild()` makes an empty model) and the checkpoint saver."""
     identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
-    step = resume_training(run.ckpt_dir, resume, identity,
+    step = resume_training(run.ckpt_dir, run.job.resume, identity,
                            lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
                            run.log, model=model)
 
@@ -201,21 +214,21 @@ def drafter_checkpoints(run: TrainRun, cfg: Any, target_fingerprint: str, model:
     return step, snapshot, save
 
 
-def train_drafter_steps(run: TrainRun, cfg: DrafterLoopSettings, step: int, *, model: nn.Module,
+def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, model: nn.Module,
                         wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
-                        step_loss: StepLoss, save: Callable[[int], None], desc: str, progress: bool,
-                        max_minutes: float | None, alpha_label: str = "a0") -> int:
+                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0") -> int:
     """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
     batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
-    DDP / FSDP2), the backward (× world size: DDP / FSDP2
-    average gradients), clipping and AdamW; every `log_every` steps a JSONL line with the loss, lr, gradient norm
-    and per-depth α over all ranks; checkpoints and the `max_minutes` budget as `checkpoint_or_stop`."""
+    DDP / FSDP2), the backward (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
+    `log_every` steps a JSONL line with the loss, lr, gradient norm and per-depth α over all ranks; checkpoints
+    and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`."""
     info = run.info
     run.work.mkdir(parents=True, exist_ok=True)
     log_path = run.work / "train_log.jsonl"
+    max_minutes = run.job.max_minutes
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (progress and run.main), unit="step")
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (run.job.progress and run.main), unit="step")
     losses: list[float] = []
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:

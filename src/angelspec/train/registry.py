@@ -1,6 +1,6 @@
 """The drafter kinds `angelspec train` can train, and where their trainers live.
 
-Every trainer module has `PRESETS` (name -> config) and an entry point with one signature,
+Every trainer module has `PRESETS` (name -> config) and an entry point with one signature, `train.config.Trainer`:
 `train_X(target_dir, data, out_dir, *, config, resume, force, ...)`; `get_trainer(kind)` imports the module on
 first use (a trainer pulls in torch and the data pipeline, which `angelspec --help` does not need).
 """
@@ -8,11 +8,11 @@ first use (a trainer pulls in torch and the data pipeline, which `angelspec --he
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
-# Drafter kind -> (trainer module, default preset). Each module has PRESETS and `train(...)`-style entry point
-# `TRAIN_FUNCTIONS[kind]` with the same signature (target_dir, data, out_dir, *, config, resume, force, ...).
+from angelspec.train.config import Trainer
+
+# Drafter kind -> (trainer module, its `Trainer` entry point, default preset); each module has PRESETS.
 TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm_embedded"),
             "mtp": ("angelspec.train.mtp", "train_mtp", "mtp_embedded"),
             "eagle3": ("angelspec.train.eagle3", "train_eagle3", "eagle3_embedded"),
@@ -24,7 +24,7 @@ TRAINABLE_DRAFTERS = tuple(TRAINERS)
 BLOCK_DRAFTERS = ("dflash", "dflare", "dfly", "dspark")  # the kinds that take --head
 
 
-def get_trainer(kind: str) -> tuple[Callable[..., Any], dict[str, Any], str]:
+def get_trainer(kind: str) -> tuple[Trainer, dict[str, Any], str]:
     """(entry point, PRESETS, default preset name) of the trainer for drafter `kind`."""
     if kind not in TRAINERS:
         raise KeyError(f"no trainer for drafter {kind!r}; trainable: {', '.join(TRAINABLE_DRAFTERS)}")

@@ -143,7 +143,7 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
                    log: Callable[[str], None] = print) -> Any:
     """Store the target's hidden states of `layers` (ids, or their comma-separated text) plus the last layer on
     every packed row of `data`, for `angelspec train ... features=DIR`; returns the `OfflineFeatureCache`."""
-    from angelspec.train.mtp import build_feature_cache
+    from angelspec.train.features import build_feature_cache
 
     require_positive("--seq-len", seq_len)
     require_positive("--rows-per-shard", rows_per_shard)

@@ -15,23 +15,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from angelspec.data.lm_data import PackedStream, TokenizedDomain, read_jsonl, tokenize_split
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
 from angelspec.train.checkpoint import find_checkpoint
-from angelspec.train.lm import train_causal_lm
+from angelspec.train.config import LMRunConfig
+from angelspec.train.lm import heldout_loss, train_causal_lm
 
 DOMAINS = ("code", "chat", "math", "docs")
 
 
 @dataclass(frozen=True)
-class TargetTrainConfig:
-    """How the embedded target is trained. Presets below; override fields with `replace`."""
+class TargetTrainConfig(LMRunConfig):
+    """How the embedded target is trained: its shape and corpus (the optimisation and the data mix come from
+    `LMRunConfig`). Presets below; override fields with `replace`."""
 
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -41,23 +41,13 @@ class TargetTrainConfig:
     num_key_value_heads: int = 2
     head_dim: int = 64
     context: int = 1024
+    corpus_limits: tuple[tuple[str, int], ...] = field(default=())
     seq_len: int = 1024
-    batch_size: int = 8
     steps: int = 1400
     lr: float = 3e-3
-    min_lr_ratio: float = 0.05
     warmup: int = 60
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
     bf16: bool = True
-    ckpt_every: int = 50
-    log_every: int = 10
-    # Repeat factor per domain per epoch: code and maths are what a small model learns fastest
-    # and where drafters shine, so they are weighted up.
-    domain_weights: tuple[tuple[str, float], ...] = (("code", 2.0), ("math", 1.5), ("chat", 1.0), ("docs", 0.5))
     heldout_docs_per_domain: int = 200
-    corpus_limits: tuple[tuple[str, int], ...] = field(default=())
 
     def model_config(self, special: dict[str, int]) -> DecoderConfig:
         return DecoderConfig(
@@ -95,23 +85,6 @@ PRESETS = {"embedded_target": embedded_target, "tiny_debug": tiny_debug}
 # --------------------------------------------------------------------------------------------------
 # Evaluation helpers
 # --------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def heldout_loss(model: Decoder, dom: TokenizedDomain, max_docs: int, context: int, bf16: bool) -> float:
-    """Mean next-token loss over whole held-out documents (each from position 0, no packing)."""
-    total, count = 0.0, 0
-    n = min(max_docs, len(dom.offsets) - 1)
-    for i in range(n):
-        ids = torch.from_numpy(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]][:context].astype(np.int64))[None]
-        if ids.shape[1] < 2:
-            continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(ids[:, :-1]).logits
-        loss = F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum")
-        total += float(loss)
-        count += ids.shape[1] - 1
-    return total / max(count, 1)
-
-
 @torch.no_grad()
 def greedy_complete(model: Decoder, prompt_ids: list[int], max_new: int, stop_ids: tuple[int, ...]) -> list[int]:
     """Plain single-row greedy decoding with the static cache (reference quality, not speed)."""

@@ -14,7 +14,7 @@ At sequence position i and zero-based depth k the block predicts token x_{i+k+2}
   prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1});
 * the teacher of depth k at i is the frozen target's distribution at position i+k+1 (which predicts
   x_{i+k+2}), and the label/validity come from `mtp_labels(packed, k)`: valid only if x_{i+k+2} is in the
-  same document as i and trained on (the depth-shift document gate, DESIGN.md trap 3).
+  same document as i and trained on (the depth-shift document gate, docs/design.md trap 3).
 
 The depth-0 input x_{i+1} at a document's last token would belong to the next document; it is replaced by
 `pad_id` (that position has no valid label at any depth, but its key would still carry the other

@@ -4,7 +4,7 @@ The block needs the target's tap hidden state at committed positions (it declare
 and shares the target's embedding and LM head: build it with `MTPDrafter.from_pretrained(dir, target=...)`
 (or `MTPDrafter(block)` around a block built on the target's modules). It never loads the target.
 
-Draft KV cache convention, per row, after every commit (DESIGN.md trap 4): the cache holds exactly the
+Draft KV cache convention, per row, after every commit (docs/design.md trap 4): the cache holds exactly the
 depth-0 entries of the committed positions 0..s-2 (s = committed length), entry j being Eq. 1–2 applied to
 (target tap h_j, E(x_{j+1})) at RoPE position j, and `_h_last` holds the block's output h^(0) at entry s-2,
 whose head predicts x_s (the first draft). A drafting round then appends draft-chain entries for depths
@@ -222,18 +222,3 @@ class MTPDrafter(Drafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
         self.cache.reset_rows(list(rows))
-
-
-@torch.no_grad()
-def reference_drafts(block: MTPBlock, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
-    """Slow reference for greedy `propose`: recompute from scratch, through the TRAINING rollout, the K argmax
-    drafts after the committed `sequence` (target forward over it, then `ttt_rollout` read at position s-2)."""
-    from angelspec.train.ttt import ttt_rollout  # serving code does not import the trainer
-
-    ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
-    s = ids.shape[1]
-    hidden = target(ids, hidden_layers=list(block.config.target_layer_ids), compute_logits=False).hidden
-    taps = concat_taps(hidden)  # [1, s, n·C]
-    pos = torch.arange(s, device=ids.device)[None]
-    out = ttt_rollout(block, taps, ids, pos, None, k)
-    return out.logits[0, s - 2].argmax(dim=-1).tolist()

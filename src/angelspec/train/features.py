@@ -28,13 +28,17 @@ reader checks sizes on open (and SHA-256 with ``verify=True``) and refuses a cac
 target (fingerprint) or with another spec.
 
 Training from a cache (``train.mtp`` / ``train.block``, config ``features=DIR``; made by ``angelspec
-features``): the cache holds the trainer's packed rows, one row per stored batch, in packing order, and
-records the packed dataset (``dataset_identity``: rows, seq_len, digest of the tokens). A trainer reads the
-rows of a step with :meth:`OfflineFeatureCache.rows` (any order, so one cache serves every seed, batch size
-and data-parallel split) after :meth:`OfflineFeatureCache.require` has checked the dataset and the layers.
-No teacher logits are stored: the trainer recomputes them from the last layer's tap with the target's own
-final norm and LM head, ``lm_head(norm(h_{L-1}))``, the exact ops of the target's forward, so the batches
-equal the online ones while the cache stays at D (not V) values per token and layer.
+features``, :func:`build_feature_cache`): a trainer gets its features from :func:`target_features`, a
+:class:`TargetFeatures` that either runs the target or reads the cache. The cache holds the trainer's packed
+rows, one row per stored batch, in packing order, and records the packed dataset (``dataset_identity``: rows,
+seq_len, digest of the tokens). A trainer reads the rows of a step with :meth:`OfflineFeatureCache.rows` (any
+order, so one cache serves every seed, batch size and data-parallel split) after
+:meth:`OfflineFeatureCache.require` has checked the dataset and the layers. No teacher logits are stored: the
+trainer recomputes them from the last layer's tap with the target's own final norm and LM head,
+``lm_head(norm(h_{L-1}))``, the exact ops of the target's forward, so the batches equal the online ones while
+the cache stays at D (not V) values per token and layer.
+
+It lives in ``train/``, not ``data/``, because it runs the target (``models``).
 
 Shape legend: B rows, T row length, D model dim, K teacher top-k, V vocab.
 """
@@ -54,9 +58,10 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from angelspec.data.fingerprint import file_sha256, model_fingerprint
-from angelspec.data.packing import PackedBatch
+from angelspec.data.packing import PackedBatch, packing_report
 from angelspec.models.decoder import Decoder
-from angelspec.models.hf_io import save_safetensors_atomic, write_json_atomic
+from angelspec.models.hf_io import load_target, save_safetensors_atomic, write_json_atomic
+from angelspec.train.data import PackedRows, load_conversations, pad_token_id
 
 CACHE_FORMAT = "angelspec-features/1"
 MANIFEST = "manifest.json"
@@ -81,8 +86,8 @@ class FeatureCacheError(ValueError):
 class FeatureSpec:
     """Which target outputs a drafter needs.
 
-    layer_ids: hidden-state taps, id i = OUTPUT of decoder layer i (HF ``hidden_states[i + 1]``; DESIGN.md
-        trap 2), in the order the drafter concatenates them.
+    layer_ids: hidden-state taps, id i = OUTPUT of decoder layer i (HF ``hidden_states[i + 1]``;
+        docs/design.md trap 2), in the order the drafter concatenates them.
     with_logits: False = no teacher; True = full logits [B, T, V] fp32; an int K = the teacher's top-K
         log-probabilities and ids [B, T, K] (what forward KL on the top-K support, Eq. 3, needs, at K/V of
         the storage).
@@ -503,3 +508,95 @@ def _shard_problem(root: Path, shard: dict[str, Any], *, verify: bool) -> str | 
     if verify and file_sha256(path) != shard["sha256"]:
         return f"shard {shard['file']} is corrupt (SHA-256 differs from the manifest)"
     return None
+
+
+# ----- a trainer's features: online or from an offline cache -----
+
+
+class TargetFeatures:
+    """The frozen target's taps and teacher logits for a step's rows: `taps, logits = features(batch, rows)`.
+
+    Online (`cache` None): the target's forward under no_grad. Offline: the rows' hidden states read from an
+    `OfflineFeatureCache` made by `build_feature_cache` (`angelspec features`), and the teacher logits
+    recomputed from the last layer's tap as `lm_head(norm(h_{L-1})).float()`, the very ops of the target's
+    forward, while the cache stores D values per token and layer instead of V logits. The cache computes one
+    row per forward and the online path a whole batch: the same values wherever the kernels treat rows
+    independently (CPU: tested bit for bit, same losses and weights); elsewhere (e.g. GPU GEMMs picking tiles
+    by batch size) they agree up to float rounding. The offline path still needs the target's embedding, final
+    norm and LM head (the drafter shares them), not its layers' compute."""
+
+    def __init__(self, target: Decoder, layer_ids: list[int] | tuple[int, ...],
+                 cache: OfflineFeatureCache | None = None) -> None:
+        self.target, self.layer_ids, self.cache = target, tuple(layer_ids), cache
+        self.last = target.config.num_hidden_layers - 1
+
+    @property
+    def source(self) -> str:
+        return "online" if self.cache is None else str(self.cache.root)
+
+    @torch.no_grad()
+    def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32."""
+        t = self.target
+        if self.cache is None:
+            out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
+                    hidden_layers=self.layer_ids)
+            return list(out.hidden), out.logits
+        fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(batch.input_ids.device)
+        if not torch.equal(fb.input_ids, batch.input_ids):
+            raise FeatureCacheError(f"feature cache {self.cache.root}: rows {rows} hold other tokens than this run's "
+                                    "packed rows; remake the cache with `angelspec features`")
+        return [fb.hidden[i] for i in self.layer_ids], t.lm_head(t.norm(fb.hidden[self.last])).float()
+
+
+def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: list[int], seq_len: int,
+                     enable_thinking: bool) -> str:
+    """The `angelspec features` command line that makes a cache for these settings."""
+    layers = ",".join(str(i) for i in layer_ids)
+    flags = (" --think" if enable_thinking else "") + (" --force" if Path(out).exists() else "")
+    return (f"angelspec features --target {target_dir} --data {data} --out {out} --layers {layers} "
+            f"--seq-len {seq_len}{flags}")
+
+
+def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None, rows: PackedRows, *,
+                    target_dir: Path, data: Path, enable_thinking: bool) -> TargetFeatures:
+    """The features of a training run: online when `cache_dir` is None, else the cache at `cache_dir` after
+    checking that it was made from this target (fingerprint), this packed dataset (rows, seq_len, tokens) and
+    holds `layer_ids` plus the last layer; FeatureCacheError (with the command that makes a matching cache)
+    otherwise."""
+    if cache_dir is None:
+        return TargetFeatures(target, layer_ids)
+    need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
+    try:
+        cache = OfflineFeatureCache.open(cache_dir, target=target)
+        cache.require(need, dataset_identity(rows.packed))
+    except FeatureCacheError as e:
+        fix = features_command(target_dir, data, cache_dir, need, rows.packed.seq_len, enable_thinking)
+        raise FeatureCacheError(f"features={cache_dir}: {e}. Make a matching cache with: {fix}") from None
+    return TargetFeatures(target, layer_ids, cache)
+
+
+def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,
+                        layers: list[int] | tuple[int, ...] = (), seq_len: int = 512, enable_thinking: bool = False,
+                        rows_per_shard: int = 32, resume: bool = False, force: bool = False,
+                        log: Any = print) -> OfflineFeatureCache:
+    """`angelspec features`: the offline feature cache that `features=DIR` trains from.
+
+    Tokenises and packs `data` exactly as the trainers do (`load_conversations`, `PackedRows` with
+    `seq_len` / `enable_thinking`), runs the target over every packed row (one row per forward, the row
+    being the unit a trainer reads) and stores the hidden states of `layers` plus the last layer (its tap
+    gives the teacher logits) in the target's dtype. Resumable (`resume=True`) after a kill."""
+    from angelspec.data.tokenizer import load_tokenizer
+
+    target_dir, data = Path(target_dir), Path(data)
+    target = load_target(target_dir)
+    docs, _ = load_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking)
+    rows = PackedRows(docs, seq_len, pad_token_id(target.config), seed=0)
+    ids = tuple(sorted({*layers, target.config.num_hidden_layers - 1}))
+    spec = FeatureSpec(ids, with_logits=False, dtype=dtype_name(target.embed_tokens.weight.dtype))
+    log(packing_report(rows.packed).format())
+    log(f"caching layers {list(ids)} of {rows.packed.num_rows} rows to {out}")
+    batches = (rows.take([r]) for r in range(rows.packed.num_rows))
+    return OfflineFeatureCache.build(target, spec, batches, out, rows_per_shard=rows_per_shard, resume=resume,
+                                     force=force, log=log,
+                                     dataset=dataset_identity(rows.packed, source=str(data)))
