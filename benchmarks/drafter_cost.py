@@ -58,7 +58,8 @@ from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, load_target
-from angelspec.models.block_drafter import BlockDrafter, dfly_embedded
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.presets import dfly_embedded
 from angelspec.models.mtp import MTPBlock, MTPConfig
 
 sys.path.insert(0, str(Path(__file__).parent))

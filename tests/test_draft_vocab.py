@@ -18,8 +18,8 @@ from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_
 from angelspec.decoding.drafters.block import BlockDrafterAdapter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import ConfigError
-from angelspec.models.block_drafter import BlockDrafter
-from angelspec.models.block_io import load_block_drafter, save_block_drafter
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import load_block_drafter, save_block_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -293,8 +293,8 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     import shutil
 
     from angelspec.data.vocab import coverage, frequent_tokens, token_counts
-    from angelspec.models.block_drafter import BlockDrafter
-    from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
     from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
     from angelspec.train.mtp import load_conversations
