@@ -296,7 +296,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     from angelspec.models.block.drafter import BlockDrafter
     from angelspec.models.block.io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
-    from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
+    from angelspec.models.mtp_io import MTP_FAMILY as BLOCK_KINDS
+    from angelspec.models.mtp_io import MTP_META_KEYS, load_mtp, read_mtp_config, save_mtp
+    from angelspec.models.mtp_io import build_mtp_model as build_block
     from angelspec.train.mtp import load_conversations
 
     _positive("--size", args.size)

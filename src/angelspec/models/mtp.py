@@ -1,30 +1,30 @@
-"""The shared-parameter multi-depth MTP block (report §2.1, Eq. 1–2).
+"""The shared-parameter multi-depth MTP draft model (report §2.1, Eq. 1–2).
 
-One physical block, invoked recurrently for D logical depths k = 0..D-1:
+One physical module, invoked recurrently for D logical depths k = 0..D-1:
 
     Eq. 1   u^(k) = W_proj [RMSNorm(h^(k-1)) ; RMSNorm(E(x̃_k))]
     Eq. 2   h^(k) = F_θ(u^(k), K^(<k)),        q_k = softmax(W_lm · RMSNorm_out(h^(k)))
 
 h^(-1) is the target's tap hidden state (by default the output of the target's last decoder layer, tap
-id L-1; DESIGN.md trap 2), E and W_lm are the target's embedding and LM head, and F_θ is one decoder
+id L-1; docs/design.md trap 2), E and W_lm are the target's embedding and LM head, and F_θ is one decoder
 layer (`DecoderLayer`: RMSNorm, GQA attention with RoPE and the target family's q/k norm, SwiGLU MLP)
 attending over the draft KV K^(<k). Like DeepSeek-V3's MTP module (and unlike the bare Eq. 2) the
-layer output passes through the block's own final RMSNorm before W_lm, because the target's head was
+layer output passes through the model's own final RMSNorm before W_lm, because the target's head was
 trained on normalised states; h^(k) itself (pre-norm) is what the next depth consumes.
 
 Alignment (report §2.3): at sequence position i, depth 0 fuses the target state h_i with E(x_{i+1})
-and predicts x_{i+2}; depth k predicts x_{i+k+2}. The block's RoPE position for depth k at i is
+and predicts x_{i+2}; depth k predicts x_{i+k+2}. The model's RoPE position for depth k at i is
 p_i + k, so a draft chain at inference (positions t, t+1, ...) sees the same relative offsets as
 training.
 
-E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the block keeps plain references (not submodules),
+E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the model keeps plain references (not submodules),
 reads their weights detached, and its `state_dict()` holds only its own weights. Model code only: no
 file I/O, no target loading.
 
-The MTP family: `MTPBlock` is also the base of EAGLE-3's block (`models.eagle3`). A member differs only in
-how the target taps become h^(-1) (`condition`: MTP takes its one tap as is, EAGLE-3 applies fc to three)
-and how the depth input (h, x̃) enters the decoder layer (`build_fusion`, `layer_inputs`: MTP's W_proj of
-Eq. 1 vs EAGLE-3's 2C-wide attention input); configs share `DraftBlockConfig`. The TTT rollout, the cached
+The MTP family: `MTPDraftModel` is also the base of EAGLE-3's `Eagle3DraftModel` (`models.eagle3`). A member
+differs only in how the target taps become h^(-1) (`condition`: MTP takes its one tap as is, EAGLE-3 applies fc
+to three) and how the depth input (h, x̃) enters the decoder layer (`build_fusion`, `layer_inputs`: MTP's W_proj
+of Eq. 1 vs EAGLE-3's 2C-wide attention input); configs share `MTPFamilyConfig`. The TTT rollout, the cached
 inference step, the trainer, the engine drafter and the folder IO are written once against this interface.
 
 Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv heads, Dh head dim, V vocab
@@ -48,13 +48,13 @@ from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
 @dataclass(frozen=True, kw_only=True)
-class DraftBlockConfig:
-    """Shape of one MTP-family block (MTP, EAGLE-3) and the target it belongs to.
+class MTPFamilyConfig:
+    """Shape of one MTP-family draft model (MTP, EAGLE-3) and the target it belongs to.
 
     `hidden_size` and `vocab_size` must equal the target's (E and W_lm are shared); the attention
-    shape and MLP width are the block's own. `num_depths` is D, the TTT unroll length used in training; at
-    inference the block may be invoked for more depths recurrently. Subclasses say which target taps feed the
-    block (`target_layer_ids`, id i = output of target decoder layer i) and which drafter kind they are.
+    shape and MLP width are the model's own. `num_depths` is D, the TTT unroll length used in training; at
+    inference the model may be invoked for more depths recurrently. Subclasses say which target taps feed the
+    model (`target_layer_ids`, id i = output of target decoder layer i) and which drafter kind they are.
     """
 
     drafter: ClassVar[str]  # the registry name written to config.json's "angelspec" entry
@@ -94,7 +94,7 @@ class DraftBlockConfig:
     def target_shape(target: DecoderConfig, *, num_depths: int, num_attention_heads: int | None = None,
                      num_key_value_heads: int | None = None, head_dim: int | None = None,
                      intermediate_size: int | None = None) -> dict[str, Any]:
-        """The fields shared by every block for `target`: attention/MLP shape default to the target's."""
+        """The fields shared by every MTP-family model for `target`: attention/MLP shape default to the target's."""
         return dict(
             target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             num_attention_heads=num_attention_heads or target.num_attention_heads,
@@ -116,8 +116,8 @@ class DraftBlockConfig:
         )
 
     def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this block was built for (tap ids first)."""
-        check_built_for(self, target, "block")
+        """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
+        check_built_for(self, target, "drafter")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,8 +133,8 @@ class DraftBlockConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MTPConfig(DraftBlockConfig):
-    """An MTP block: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
+class MTPConfig(MTPFamilyConfig):
+    """An MTP draft model: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
 
     drafter: ClassVar[str] = "mtp"
 
@@ -148,7 +148,7 @@ class MTPConfig(DraftBlockConfig):
     def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
-        """A block for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
+        """A model for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
         shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
@@ -157,18 +157,18 @@ class MTPConfig(DraftBlockConfig):
 
 
 def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The target taps a block conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
+    """The target taps a drafter conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
     return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
 
 
-class MTPBlock(DraftVocabulary, nn.Module):
+class MTPDraftModel(DraftVocabulary, nn.Module):
     """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved).
 
-    The base of the MTP family: a subclass (`models.eagle3.Eagle3Block`) changes only how the depth input
+    The base of the MTP family: a subclass (`models.eagle3.Eagle3DraftModel`) changes only how the depth input
     (h, x̃) enters the decoder layer (`build_fusion`, `condition`, `layer_inputs`); the TTT rollout, the
     cached inference step, the trainer, the drafter and the folder IO serve every member unchanged."""
 
-    def __init__(self, cfg: DraftBlockConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    def __init__(self, cfg: MTPFamilyConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()
         if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ConfigError(f"embedding {tuple(embed_tokens.weight.shape)} does not match the {cfg.drafter} "
@@ -287,7 +287,7 @@ class MTPBlock(DraftVocabulary, nn.Module):
         over each row's cached entries: -> h [B, T, C]; `cache.lengths += num_new` (default T).
 
         hidden [B, T, C] is the depth input h, already conditioned: `condition(taps)` for committed entries,
-        the block's own previous output for draft-chain entries."""
+        the model's own previous output for draft-chain entries."""
         B, T = token_ids.shape
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]

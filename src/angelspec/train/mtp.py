@@ -57,8 +57,11 @@ from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
-from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
-from angelspec.models.mtp_io import build_block, save_mtp
+from angelspec.models.mtp import MTPConfig, concat_taps
+from angelspec.models.mtp import MTPDraftModel as MTPBlock
+from angelspec.models.mtp import MTPFamilyConfig as DraftBlockConfig
+from angelspec.models.mtp_io import build_mtp_model as build_block
+from angelspec.models.mtp_io import save_mtp
 from angelspec.train.distributed import DistInfo, FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.draft_lm import _data_domains
 from angelspec.train.loop import TrainRun, drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps

@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
-from angelspec.models.mtp import MTPBlock
+from angelspec.models.mtp import MTPDraftModel as MTPBlock
 from angelspec.train.losses import LossBatch
 
 AttentionImpl = Literal["fast", "reference"]
