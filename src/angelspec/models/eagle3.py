@@ -61,6 +61,7 @@ class Eagle3Config(MTPFamilyConfig):
     """An EAGLE-3 draft model: `target_layer_ids` = (low, mid, high) taps, strictly increasing."""
 
     drafter: ClassVar[str] = "eagle3"
+    noun: ClassVar[str] = "eagle3 drafter"
 
     target_layer_ids: tuple[int, int, int]  # type: ignore[misc]  # a field here, a ClassVar on the base
 
@@ -78,11 +79,11 @@ class Eagle3Config(MTPFamilyConfig):
                    num_key_value_heads: int | None = None, head_dim: int | None = None,
                    intermediate_size: int | None = None) -> Eagle3Config:
         """A model for `target`: attention/MLP shape default to the target's, taps to (1, L//2, L-2)."""
-        shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
         ids = default_eagle3_layer_ids(target.num_hidden_layers) if target_layer_ids is None else target_layer_ids
-        return cls(target_layer_ids=tuple(ids), **shape)
+        return cls(num_depths=num_depths, target_layer_ids=tuple(ids), **shape)
 
 
 class Eagle3DraftModel(MTPDraftModel):

@@ -34,50 +34,33 @@ Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv hea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
 @dataclass(frozen=True, kw_only=True)
-class MTPFamilyConfig:
-    """Shape of one MTP-family draft model (MTP, EAGLE-3) and the target it belongs to.
+class MTPFamilyConfig(DraftModelConfig):
+    """Shape of one MTP-family draft model (MTP, EAGLE-3) and the target it belongs to (`DraftModelConfig`).
 
     `hidden_size` and `vocab_size` must equal the target's (E and W_lm are shared); the attention
     shape and MLP width are the model's own. `num_depths` is D, the TTT unroll length used in training; at
     inference the model may be invoked for more depths recurrently. Subclasses say which target taps feed the
-    model (`target_layer_ids`, id i = output of target decoder layer i) and which drafter kind they are.
+    model (`target_layer_ids`: a property of MTP's one tap, a field of EAGLE-3's three) and which drafter kind
+    they are.
     """
 
-    drafter: ClassVar[str]  # the registry name written to config.json's "angelspec" entry
+    num_draft_layers: ClassVar[int] = 1  # one physical decoder layer F_θ, invoked once per depth
 
-    target_fingerprint: str
-    vocab_size: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
     num_depths: int
-    target_num_layers: int
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    qk_norm: bool = True
-    model_type: str = "qwen3"
-    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
-
-    # Each subclass provides `target_layer_ids: tuple[int, ...]` (a property of MTP's one tap, a field of
-    # EAGLE-3's three); it is not declared here so that a subclass may make it a dataclass field.
-    target_layer_ids: ClassVar[tuple[int, ...]]
 
     def __post_init__(self) -> None:
         if self.num_depths < 1:
@@ -86,57 +69,13 @@ class MTPFamilyConfig:
         self.check_layer_ids(self.target_num_layers)
         self.layer_config()  # validates head shapes
 
-    def check_layer_ids(self, num_layers: int) -> None:
-        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        check_tap_ids(self.target_layer_ids, num_layers, self.drafter)
-
-    @staticmethod
-    def target_shape(target: DecoderConfig, *, num_depths: int, num_attention_heads: int | None = None,
-                     num_key_value_heads: int | None = None, head_dim: int | None = None,
-                     intermediate_size: int | None = None) -> dict[str, Any]:
-        """The fields shared by every MTP-family model for `target`: attention/MLP shape default to the target's."""
-        return dict(
-            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            num_attention_heads=num_attention_heads or target.num_attention_heads,
-            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
-            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
-            num_depths=num_depths, target_num_layers=target.num_hidden_layers,
-            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type,
-        )
-
-    def layer_config(self) -> DecoderConfig:
-        """The one-layer `DecoderConfig` that `DecoderLayer` / `StaticKVCache` are built from (plain RoPE)."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
-        )
-
-    def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
-        check_built_for(self, target, "drafter")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"unknown {cls.drafter} config fields {unknown}; is this a {cls.drafter} drafter "
-                              "folder?")
-        return cls(**raw)
-
 
 @dataclass(frozen=True, kw_only=True)
 class MTPConfig(MTPFamilyConfig):
     """An MTP draft model: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
 
     drafter: ClassVar[str] = "mtp"
+    noun: ClassVar[str] = "mtp drafter"
 
     target_layer_id: int
 
@@ -149,11 +88,11 @@ class MTPConfig(MTPFamilyConfig):
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
         """A model for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
-        shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
         tap = target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id
-        return cls(target_layer_id=tap, **shape)
+        return cls(num_depths=num_depths, target_layer_id=tap, **shape)
 
 
 def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -7,13 +7,13 @@ distance prior W_fuse starts from (`distance_prior`, §6.2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.vocab import check_draft_vocab_size
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
@@ -49,38 +49,26 @@ def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], tempe
 
 
 @dataclass(frozen=True, kw_only=True)
-class BlockDrafterConfig:
-    """Shape and design of a block-parallel drafter and the target it belongs to.
+class BlockDrafterConfig(DraftModelConfig):
+    """Shape and design of a block-parallel drafter and the target it belongs to (`DraftModelConfig`).
 
     `hidden_size` / `vocab_size` equal the target's (E and W_lm are shared); attention and MLP shapes are the
     draft layers' own (default: the target's). `block_size` B counts the anchor, so a step proposes B−1 drafts
     (vLLM's `num_speculative_tokens = block_size − 1`). `mask_token_id` must be a real id of the target's
     vocabulary (DFlash reserves an unused special token; Qwen3: 151669)."""
 
-    target_fingerprint: str
-    vocab_size: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    target_num_layers: int
-    target_layer_ids: tuple[int, ...]
+    noun: ClassVar[str] = "block drafter"
+
+    target_layer_ids: tuple[int, ...]  # type: ignore[misc]  # a field here, a ClassVar on the base
     mask_token_id: int | None
     block_size: int = 8
-    num_draft_layers: int = 5
+    num_draft_layers: int = 5  # type: ignore[misc]  # a field here, a ClassVar on the base
     conditioning: str = "dfly"
     head: str = "hidden"
     markov_rank: int = 256
     confidence_head: bool = True
     head_intermediate_size: int | None = None  # hidden-correction SwiGLU width (None: hidden_size)
     fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
-    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    qk_norm: bool = True
-    model_type: str = "qwen3"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
@@ -127,29 +115,11 @@ class BlockDrafterConfig:
         return "dspark" if self.conditioning == "dflash" and self.head in MARKOV_HEADS else self.conditioning
 
     # ----- checks -----
-    def check_layer_ids(self, num_layers: int) -> None:
-        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        check_tap_ids(self.target_layer_ids, num_layers, "block drafter")
-
     def check_mask_token(self, num_tokens: int) -> None:
         """Raise ConfigError unless `mask_token_id` is an id of a vocabulary (or tokenizer) of `num_tokens`."""
         if self.mask_token_id is None or not 0 <= self.mask_token_id < num_tokens:
             raise ConfigError(f"mask token id {self.mask_token_id} is not in the vocabulary (ids 0..{num_tokens - 1})"
                               ": pick a reserved special token of the target's tokenizer")
-
-    def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
-        check_built_for(self, target, "drafter")
-
-    def layer_config(self) -> DecoderConfig:
-        """The `DecoderConfig` the draft layers and the context KV cache are built from (plain RoPE)."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_draft_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
-        )
 
     # ----- construction / serialisation -----
     @classmethod
@@ -165,26 +135,11 @@ class BlockDrafterConfig:
         if target_layer_ids is None:
             taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
             target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
+                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                                 intermediate_size=intermediate_size)
         return cls(
-            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            num_attention_heads=num_attention_heads or target.num_attention_heads,
-            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
-            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
-            target_num_layers=target.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),
-            mask_token_id=mask_token_id, block_size=block_size, num_draft_layers=num_draft_layers,
-            conditioning=conditioning, head=head, markov_rank=markov_rank, confidence_head=confidence_head,
-            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type, **design,
+            target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id, block_size=block_size,
+            num_draft_layers=num_draft_layers, conditioning=conditioning, head=head, markov_rank=markov_rank,
+            confidence_head=confidence_head, **shape, **design,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["target_layer_ids"] = list(self.target_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"unknown block drafter config fields {unknown}; is this a block drafter folder?")
-        return cls(**raw)
