@@ -219,7 +219,7 @@ def test_propose_cache_appends_in_pieces_and_rolls_back() -> None:
     big = model.new_cache(3, 12, slack=4, dtype=torch.float64, device="cpu")
     big.lengths[:] = torch.tensor([4, 0, 6])
     model.append_context(taps[:, :8], big, num_new=torch.tensor([8]), rows=torch.tensor([1]))
-    assert big.lengths.tolist() == [4, 8, 6] and big.k[:, 0].abs().sum() == 0
+    assert big.lengths.tolist() == [4, 8, 6] and torch.stack(big.k)[:, 0].abs().sum() == 0
     row = model.propose(ids[:, 8].expand(3), big, kv_len=8)
     torch.testing.assert_close(row.logits[1], whole.logits[0], rtol=1e-10, atol=1e-10)
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from angelspec.decoding.batching import PerLayerKVCache, prefill_rows
+from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
@@ -128,8 +128,8 @@ class DraftLMDrafter(Drafter):
         if c is None or c.batch_size != batch_size or c.capacity < max_len + slack + 1:
             self.cache = None
             w = self.model.embed_tokens.weight
-            self.cache = PerLayerKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
-                                         device=w.device)
+            self.cache = StaticKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
+                                       device=w.device)
         self.cache.reset()
         w = self.model.lm_head.weight
         if (self._head.dtype, self._head.device) != (w.dtype, w.device):  # the model was moved or cast
