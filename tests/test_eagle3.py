@@ -17,11 +17,12 @@ import conftest
 import pytest
 import torch
 from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
+from test_mtp import reference_drafts
 
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
 from angelspec.decoding.drafters.eagle3 import Eagle3Drafter
-from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request
 from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -18,10 +19,10 @@ from conftest import tiny_decoder as tiny_target
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
-from angelspec.decoding.drafters.mtp import MTPDrafter, reference_drafts
+from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
-from angelspec.models.mtp import MTPConfig, MTPDraftModel
+from angelspec.models.mtp import MTPConfig, MTPDraftModel, concat_taps
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
 
@@ -32,6 +33,20 @@ def tiny_model(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3
     model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=depths), target.embed_tokens, target.lm_head)
     model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
     return model.to(target.embed_tokens.weight.dtype)
+
+
+@torch.no_grad()
+def reference_drafts(model: MTPDraftModel, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
+    """Slow reference for `MTPDrafter`'s greedy `propose` (EAGLE-3's too): recompute from scratch, through the
+    TRAINING rollout, the K argmax drafts after the committed `sequence` (target forward over it, then `ttt_rollout`
+    read at position s-2)."""
+    ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
+    s = ids.shape[1]
+    hidden = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden
+    taps = concat_taps(hidden)  # [1, s, n·C]
+    pos = torch.arange(s, device=ids.device)[None]
+    out = ttt_rollout(model, taps, ids, pos, None, k)
+    return out.logits[0, s - 2].argmax(dim=-1).tolist()
 
 
 def packed_docs(lengths: list[int], seq_len: int, vocab: int, seed: int = 0) -> tuple[list[Doc], object]:

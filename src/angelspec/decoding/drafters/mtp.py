@@ -223,17 +223,3 @@ class MTPDrafter(Drafter):
         assert self.cache is not None
         self.cache.reset_rows(list(rows))
 
-
-@torch.no_grad()
-def reference_drafts(model: MTPDraftModel, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
-    """Slow reference for greedy `propose`: recompute from scratch, through the TRAINING rollout, the K argmax
-    drafts after the committed `sequence` (target forward over it, then `ttt_rollout` read at position s-2)."""
-    from angelspec.train.ttt import ttt_rollout  # serving code does not import the trainer
-
-    ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
-    s = ids.shape[1]
-    hidden = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden
-    taps = concat_taps(hidden)  # [1, s, n·C]
-    pos = torch.arange(s, device=ids.device)[None]
-    out = ttt_rollout(model, taps, ids, pos, None, k)
-    return out.logits[0, s - 2].argmax(dim=-1).tolist()
