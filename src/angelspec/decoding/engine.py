@@ -22,7 +22,7 @@ Every random number comes from `sampling.uniform_noise`, keyed by (request seed,
 produced token, stream): a request draws the same tokens alone or in any batch at any row. An AR step and
 a depth-0 speculative step draw the same token for the same request (see `sampling`'s docstring).
 
-Verification protocol (DESIGN.md trap 1), chosen per step on the host:
+Verification protocol (docs/design.md trap 1), chosen per step on the host:
 * every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
 * drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
   (exact for any depth choice);
