@@ -7,14 +7,14 @@ What is measured, per drafter kind and batch size (1 and 16):
             over [last, m, ..., m], then the sequential head; `--block-k 4` drafts 4, as `make demo` does: the
             backbone still runs over the whole block, the head over 4 positions), MTP and the draft LM K = 4 (K
             recurrent steps)
-    commit  one `Drafter.on_commit` (block drafters / MTP: append the newly committed positions' target taps to
+    commit  one `Drafter.on_commit` (model drafters / MTP: append the newly committed positions' target taps to
             the draft context; draft LM: roll its cache back); reported separately, not part of the goal
     verify  one target verify forward over [last, d_1..d_K] (K + 1 tokens) against the KV cache, with the taps
             the drafter asks for, plus the greedy verification
 
 The drafters: `dfly` (the `dfly_embedded` preset: 2 draft layers, taps (1, 3, 5), hybrid conditioning, hidden-
 correction head, confidence head), `dflash` (same shape, shared-fc conditioning, no head, no confidence head),
-`dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP block, `MTPConfig.for_target`
+`dspark` (DFlash backbone + rank-64 Markov head + confidence head), `mtp` (one MTP draft model, `MTPConfig.for_target`
 with D = 3, drafting K = 4 recurrently) and the shipped draft LM (`assets/draft_lm`, 1 layer); on request also
 `dfly-plain`, DFly with `factor_hidden_head = False` (the per-position head the factored one replaces). The block and
 MTP drafters are randomly initialised: latency does not depend on their weights (acceptance does, and is ~0
@@ -50,6 +50,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from angelspec.models.model.drafter import BlockDrafter
+from angelspec.models.model.presets import dfly_embedded
 
 from angelspec.assets import DEFAULT_DRAFT_LM
 from angelspec.decoding.drafters.base import Drafter
@@ -58,8 +60,7 @@ from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, load_target
-from angelspec.models.block_drafter import BlockDrafter, dfly_embedded
-from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.models.mtp import MTPConfig, MTPDraftModel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ar_decode import DTYPES, make_prompts, resolve_target  # noqa: E402
@@ -72,7 +73,7 @@ EXTRA = ("dfly-plain",)  # only when asked for: DFly with its hidden-correction 
 def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path,
                   draft_vocab: int = 0, draft_layers: int = 2, block_k: int = 0, draft_intermediate: int = 0,
                   head_intermediate: int = 0) -> tuple[Drafter, int]:
-    """A drafter of `kind` for `target` and the K it drafts per step (block drafters: `block_k`, default B−1,
+    """A drafter of `kind` for `target` and the K it drafts per step (model drafters: `block_k`, default B−1,
     drafting from the first `draft_vocab` ids when > 0, as MTP does: latency depends on the size, not on which
     ids; draft-layer and head MLP widths from `draft_intermediate` / `head_intermediate` when > 0)."""
     gen = torch.Generator().manual_seed(0)
@@ -92,9 +93,9 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
         return adapter, block_k or cfg.num_drafts
     if kind == "mtp":
         mcfg = replace(MTPConfig.for_target(target.config, num_depths=3), draft_vocab_size=draft_vocab)
-        block = MTPBlock(mcfg, target.embed_tokens, target.lm_head)
-        block.init_weights(generator=gen)
-        return MTPDrafter(block.to(dtype)), 4
+        model = MTPDraftModel(mcfg, target.embed_tokens, target.lm_head)
+        model.init_weights(generator=gen)
+        return MTPDrafter(model.to(dtype)), 4
     if kind == "draft-lm":
         if not (draft_lm / "config.json").is_file():
             raise SystemExit(f"drafter_cost: no draft LM at {draft_lm} (pass --draft-lm DIR or drop draft-lm)")

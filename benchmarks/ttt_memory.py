@@ -1,4 +1,4 @@
-"""Peak memory of the D=3 TTT rollout vs one causal pass of the MTP block (report §2.2 / §6.1 claim:
+"""Peak memory of the D=3 TTT rollout vs one causal pass of the MTP draft model (report §2.2 / §6.1 claim:
 "close to a single causal pass"; our goal ≤ 1.3×).
 
 Setup: the embedded target's shape (hidden 256, 4 heads / 2 kv heads × 64, MLP 768, vocab 8192), random
@@ -6,7 +6,7 @@ weights, one packed row of T=1024 tokens holding 4 documents, fp32 on CPU. Each 
 step's autograd work — forward, LM head, CE over the valid depth-shifted labels, backward — and, separately,
 the forward alone under no_grad:
 
-  causal-sdpa   `MTPBlock.forward`: one causal pass, SDPA with the [B, 1, T, T] document gate (what the
+  causal-sdpa   `MTPDraftModel.forward`: one causal pass, SDPA with the [B, 1, T, T] document gate (what the
                 base MTP trains with), head + CE on depth 0
   ttt D=1       `ttt_rollout(num_depths=1)`: the fast path's attention code at depth 0 only
   ttt D=3 fast  `ttt_rollout(num_depths=3)`: prefix matmul + masked LSE + diagonal keys, merged by LSE
@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from angelspec.data.packing import Doc, mtp_labels, pack_documents
 from angelspec.models import DecoderConfig
-from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.ttt import depth0_inputs, ttt_rollout
 
 MiB = 2**20
@@ -76,12 +76,12 @@ def main() -> None:
 
     tcfg = DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=T)
-    # Only the target's (tied) embedding and head enter the block; taps are random, so no target is built.
+    # Only the target's (tied) embedding and head enter the model; taps are random, so no target is built.
     embed = torch.nn.Embedding(tcfg.vocab_size, tcfg.hidden_size)
     head = torch.nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
     head.weight = embed.weight
-    block = MTPBlock(MTPConfig.for_target(tcfg, num_depths=D), embed, head)
-    block.init_weights(generator=torch.Generator().manual_seed(0))
+    model = MTPDraftModel(MTPConfig.for_target(tcfg, num_depths=D), embed, head)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     docs = [Doc(torch.randint(0, tcfg.vocab_size, (n,), generator=g)) for n in (400, 300, 200, 124)]
     packed = pack_documents(docs, T, pad_id=0)
@@ -95,9 +95,9 @@ def main() -> None:
     def causal_step(train: bool, head: bool) -> Callable[[], None]:
         def run() -> None:
             with torch.set_grad_enabled(train):
-                h = block(hidden, depth0_inputs(ids, doc, 0), pos, doc)
+                h = model(hidden, depth0_inputs(ids, doc, 0), pos, doc)
                 m = valid_all[..., 0]
-                loss = F.cross_entropy(block.logits(h)[m], labels_all[..., 0][m]) if head else h.square().mean()
+                loss = F.cross_entropy(model.logits(h)[m], labels_all[..., 0][m]) if head else h.square().mean()
                 if train:
                     loss.backward()
         return run
@@ -105,7 +105,7 @@ def main() -> None:
     def ttt_step(depths: int, attention: str, train: bool, head: bool, ckpt: bool = False) -> Callable[[], None]:
         def run() -> None:
             with torch.set_grad_enabled(train):
-                out = ttt_rollout(block, hidden, ids, pos, doc, depths, attention=attention,  # type: ignore[arg-type]
+                out = ttt_rollout(model, hidden, ids, pos, doc, depths, attention=attention,  # type: ignore[arg-type]
                                   keep_logits=head, checkpoint_depths=ckpt)
                 if head:
                     assert out.logits is not None
@@ -117,7 +117,7 @@ def main() -> None:
                     loss.backward()
         return run
 
-    print(f"MTP block at the embedded shape, T={T}, D={D}, fp32, {args.threads} threads")
+    print(f"MTP draft model at the embedded shape, T={T}, D={D}, fp32, {args.threads} threads")
     for head in (False, True):
         print("\n" + ("with LM head + CE over the valid (position, depth) rows of every depth" if head else
                       "rollout only: loss = mean(h^(k)^2) over depths (logits only for the argmax, no grad)"))
@@ -130,9 +130,9 @@ def main() -> None:
         results = {}
         for name, make in variants:
             make(True)()  # warm-up (oneDNN primitives, RoPE tables) outside the measured region
-            block.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             tr, tr_s = peak_bytes(make(True))
-            block.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             ng, ng_s = peak_bytes(make(False))
             results[name] = (tr, ng)
             print(f"{name:<22} {tr / MiB:>15.1f} {tr_s:>6.2f} {ng / MiB:>17.1f} {ng_s:>6.2f}")

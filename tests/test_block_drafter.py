@@ -13,27 +13,24 @@ import pytest
 import torch
 
 from angelspec.models import CheckpointError, ConfigError, Decoder, DecoderConfig
-from angelspec.models.block_drafter import (
+from angelspec.models.block.config import (
     CONDITIONINGS,
     HEADS,
-    BlockDrafter,
     BlockDrafterConfig,
-    GatedMarkovHead,
-    HiddenCorrectionHead,
-    MarkovHead,
-    RNNHead,
-    block_targets,
     default_block_layer_ids,
-    dfly_embedded,
     distance_prior,
+)
+from angelspec.models.block.drafter import BlockDrafter, reference_forward_backbone
+from angelspec.models.block.heads import GatedMarkovHead, HiddenCorrectionHead, MarkovHead, RNNHead
+from angelspec.models.block.io import load_block_drafter, read_block_config, save_block_drafter
+from angelspec.models.block.presets import (
+    dfly_embedded,
     embedded_target_shape,
     qwen3_8b_dfly,
     qwen3_8b_dspark,
     qwen3_8b_shape,
-    reference_forward_backbone,
-    sample_anchors,
 )
-from angelspec.models.block_io import load_block_drafter, read_block_config, save_block_drafter
+from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.mtp import concat_taps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -222,7 +219,7 @@ def test_propose_cache_appends_in_pieces_and_rolls_back() -> None:
     big = model.new_cache(3, 12, slack=4, dtype=torch.float64, device="cpu")
     big.lengths[:] = torch.tensor([4, 0, 6])
     model.append_context(taps[:, :8], big, num_new=torch.tensor([8]), rows=torch.tensor([1]))
-    assert big.lengths.tolist() == [4, 8, 6] and big.k[:, 0].abs().sum() == 0
+    assert big.lengths.tolist() == [4, 8, 6] and torch.stack(big.k)[:, 0].abs().sum() == 0
     row = model.propose(ids[:, 8].expand(3), big, kv_len=8)
     torch.testing.assert_close(row.logits[1], whole.logits[0], rtol=1e-10, atol=1e-10)
 
@@ -581,7 +578,7 @@ def test_a_select_rule_without_probs_gives_a_proposal_without_probs(head: str) -
 def test_context_block_attention_equals_sdpa_over_the_concatenated_keys(S: int) -> None:
     """Inference attention scores the context and the block's own keys apart (no copy of the context K/V); it must
     equal scaled_dot_product_attention over [ctx; own] with the mask the training path builds, GQA included."""
-    from angelspec.models.block_drafter import context_block_attention
+    from angelspec.models.block.drafter import context_block_attention
 
     g = torch.Generator().manual_seed(S)
     B, H, Hkv, Tq, Dh = 3, 4, 2, 5, 8
@@ -643,7 +640,7 @@ def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes()
 
 
 def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(monkeypatch) -> None:
-    from angelspec.models import block_drafter
+    from angelspec.models.block import drafter as block_drafter
 
     target = tiny_target()
     assert not tiny_drafter(target, conditioning="dflash", head="markov").factored_head()

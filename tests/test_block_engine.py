@@ -28,8 +28,9 @@ from angelspec.decoding.drafters.block import (
 )
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import CheckpointError, ConfigError, Decoder, load_target
-from angelspec.models.block_drafter import BlockDrafter, BlockDrafterConfig
-from angelspec.models.block_io import save_block_drafter
+from angelspec.models.block.config import BlockDrafterConfig
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import save_block_drafter
 from angelspec.train.block import (
     BlockDrafterTrainConfig,
     qwen3_8b_dfly,

@@ -18,8 +18,8 @@ from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_
 from angelspec.decoding.drafters.block import BlockDrafterAdapter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import ConfigError
-from angelspec.models.block_drafter import BlockDrafter
-from angelspec.models.block_io import load_block_drafter, save_block_drafter
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import load_block_drafter, save_block_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -231,28 +231,28 @@ def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_t
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The MTP family (MTP, EAGLE-3): the same draft vocabulary on the block's LM head
+# The MTP family (MTP, EAGLE-3): the same draft vocabulary on the model's LM head
 # ---------------------------------------------------------------------------------------------------------
 
 
 def _mtp_with_vocab(kind: str, target, vocab: torch.Tensor | None):
     from angelspec.models.eagle3 import Eagle3Config
     from angelspec.models.mtp import MTPConfig
-    from angelspec.models.mtp_io import build_block
+    from angelspec.models.mtp_io import build_mtp_model
 
     cls = {"mtp": MTPConfig, "eagle3": Eagle3Config}[kind]
     cfg = replace(cls.for_target(target.config, num_depths=2), draft_vocab_size=0 if vocab is None else len(vocab))
-    block = build_block(cfg, target.embed_tokens, target.lm_head)
-    block.init_weights(std=0.3, generator=torch.Generator().manual_seed(4))
+    model = build_mtp_model(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.3, generator=torch.Generator().manual_seed(4))
     if vocab is not None:
-        block.set_draft_vocab(vocab)
-    return block.to(target.embed_tokens.weight.dtype).eval()
+        model.set_draft_vocab(vocab)
+    return model.to(target.embed_tokens.weight.dtype).eval()
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mtp_family_draft_vocab_is_lossless_restricted_and_round_trips(tmp_path, kind, temperature):
-    """An MTP / EAGLE-3 block with a draft vocabulary scores exactly the full head's logits restricted to those
+    """An MTP / EAGLE-3 model with a draft vocabulary scores exactly the full head's logits restricted to those
     ids, drafts and samples only inside them, stays lossless, and its folder keeps the ids."""
     from angelspec.decoding.drafters.mtp import MTPDrafter
     from angelspec.models.mtp_io import load_mtp, save_mtp

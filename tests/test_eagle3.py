@@ -25,7 +25,7 @@ from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request
 from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError
-from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
+from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.hf_io import CheckpointError
 from angelspec.models.mtp import concat_taps
 from angelspec.models.mtp_io import load_mtp, save_mtp
@@ -40,18 +40,18 @@ TAPS = (1, 3, 4)
 tiny_target = partial(tiny_decoder, layers=LAYERS)
 
 
-def tiny_block(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> Eagle3Block:
-    block = Eagle3Block(Eagle3Config.for_target(target.config, num_depths=depths), target.embed_tokens,
+def tiny_model(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> Eagle3DraftModel:
+    model = Eagle3DraftModel(Eagle3Config.for_target(target.config, num_depths=depths), target.embed_tokens,
                         target.lm_head)
-    block.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
-    return block.to(target.embed_tokens.weight.dtype)
+    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    return model.to(target.embed_tokens.weight.dtype)
 
 
 def test_config_taps_shapes_and_weight_names():
     target = tiny_target()
-    block = tiny_block(target)
-    assert block.config.target_layer_ids == TAPS and block.config.drafter == "eagle3"
-    sd = block.state_dict()
+    model = tiny_model(target)
+    assert model.config.target_layer_ids == TAPS and model.config.drafter == "eagle3"
+    sd = model.state_dict()
     assert sd["fc.weight"].shape == (32, 3 * 32)
     assert sd["layer.attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 2 * 32)  # q/k/v read [E(x); h]: 2C wide
     assert "proj.weight" not in sd and "embed_norm.weight" not in sd  # no MTP fusion
@@ -69,7 +69,7 @@ def test_fast_ttt_matches_explicit_mask_reference():
     from angelspec.data.packing import Doc, pack_documents
 
     target = tiny_target()
-    block = tiny_block(target, depths=4)
+    model = tiny_model(target, depths=4)
     g = torch.Generator().manual_seed(0)
     docs = [Doc(torch.randint(0, 64, (n,), generator=g), torch.ones(n, dtype=torch.long)) for n in (9, 7, 5, 12, 3)]
     packed = pack_documents(docs, 20, pad_id=0)
@@ -78,19 +78,19 @@ def test_fast_ttt_matches_explicit_mask_reference():
         tout = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
                       hidden_layers=list(TAPS), compute_logits=False)
     taps = concat_taps(tout.hidden)  # [B, T, 3C]
-    args = (block, taps, packed.input_ids, packed.positions, packed.document_ids, 4)
+    args = (model, taps, packed.input_ids, packed.positions, packed.document_ids, 4)
     fast, ref = ttt_rollout(*args, query_chunk=6), ttt_rollout(*args, attention="reference")
     assert torch.equal(fast.inputs, ref.inputs)
     torch.testing.assert_close(fast.hidden, ref.hidden, atol=1e-10, rtol=0)
     torch.testing.assert_close(fast.logits, ref.logits, atol=1e-10, rtol=0)
-    params = (block.fc.weight, block.layer.attn.qkv_proj.weight, block.hidden_norm.weight)
+    params = (model.fc.weight, model.layer.attn.qkv_proj.weight, model.hidden_norm.weight)
     gf = torch.autograd.grad(fast.logits.square().mean(), params)
     gr = torch.autograd.grad(ref.logits.square().mean(), params)
     for a, b in zip(gf, gr, strict=True):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-6)
     # depth 0 of the rollout is the teacher-forced causal pass (`forward`) over the same rows
-    d0 = block(taps, packed.input_ids.roll(-1, 1), packed.positions, packed.document_ids)
+    d0 = model(taps, packed.input_ids.roll(-1, 1), packed.positions, packed.document_ids)
     row_inner = (packed.document_ids[:, :-1] == packed.document_ids[:, 1:]) & (packed.document_ids[:, :-1] >= 0)
     torch.testing.assert_close(fast.hidden[:, :-1, 0][row_inner], d0[:, :-1][row_inner], atol=1e-10, rtol=0)
 
@@ -108,32 +108,32 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training():
     from-scratch training rollout on its committed prefix (the draft cache rolls back exactly)."""
     vocab = 12  # a small vocabulary, so that random weights still get drafts accepted
     target = tiny_target(vocab=vocab)
-    drafter = RecordingEagle3(tiny_block(target, depths=3))
+    drafter = RecordingEagle3(tiny_model(target, depths=3))
     rng = random.Random(7)
     reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 20))], max_new_tokens=48, stop_ids=())
             for _ in range(12)]
     # partial accepts happen, so rollback is exercised
     got = check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=5, num_draft_tokens=4), 7,
-                                      lambda seq: mtp_reference_drafts(drafter.block, target, seq, 4))
+                                      lambda seq: mtp_reference_drafts(drafter.model, target, seq, 4))
     assert all(len(r.token_ids) == 48 for r in got)
 
 
 def test_save_load_round_trip_and_tap_refusal(tmp_path):
     target = tiny_target(vocab=32)
-    block = tiny_block(target)
-    save_mtp(block, tmp_path / "d", {"note": "x"})
+    model = tiny_model(target)
+    save_mtp(model, tmp_path / "d", {"note": "x"})
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     assert raw["architectures"] == ["AngelSpecEagle3"] and "eagle3_config" in raw
     assert raw["angelspec"]["drafter"] == "eagle3" and raw["angelspec"]["target_layer_ids"] == list(TAPS)
     assert get_drafter("eagle3") is Eagle3Drafter
     drafter = Eagle3Drafter.from_pretrained(tmp_path / "d", target=target)
-    assert isinstance(drafter.block, Eagle3Block) and drafter.target_layer_ids == TAPS
-    assert drafter.block.config == block.config and drafter.block._shared[0] is target.embed_tokens
-    a, b = block.state_dict(), drafter.block.state_dict()
+    assert isinstance(drafter.model, Eagle3DraftModel) and drafter.target_layer_ids == TAPS
+    assert drafter.model.config == model.config and drafter.model._shared[0] is target.embed_tokens
+    a, b = model.state_dict(), drafter.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     taps, ids = torch.randn(2, 5, 96, dtype=torch.float64), torch.randint(0, 32, (2, 5))
     pos = torch.arange(5).expand(2, 5)
-    assert torch.equal(block(taps, ids, pos), drafter.block(taps, ids, pos))
+    assert torch.equal(model(taps, ids, pos), drafter.model(taps, ids, pos))
     drafter.check_compatible(target.config)
     # the kind is part of the folder: the MTP loader refuses it
     with pytest.raises(CheckpointError, match="not a mtp drafter"):

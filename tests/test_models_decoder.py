@@ -188,7 +188,7 @@ def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_know
     keep = torch.arange(T)[None] <= depth[:, None]
     keep[3] = False  # an idle row keeps nothing
     padded_cache, packed_cache = fresh_cache(), fresh_cache()
-    before = packed_cache.k.clone()
+    before = torch.stack(packed_cache.k)  # [L, B, Hkv, S, Dh]
     ref = model(ids, cache=padded_cache, kv_len=24, hidden_layers=[0, 2])
     out = model(ids, cache=packed_cache, kv_len=24, hidden_layers=[0, 2], keep=keep,
                 num_keep=int(keep.sum()) if num_keep_known else None)
@@ -200,9 +200,10 @@ def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_know
     for r in range(B):
         start, n = int(prompt_lens[r]), int(keep[r].sum())
         written = slice(start, start + n)
-        torch.testing.assert_close(packed_cache.k[:, r, :, written], padded_cache.k[:, r, :, written])
+        torch.testing.assert_close(torch.stack(packed_cache.k)[:, r, :, written],
+                                   torch.stack(padded_cache.k)[:, r, :, written])
         dropped = slice(start + n, start + T)
-        assert torch.equal(packed_cache.k[:, r, :, dropped], before[:, r, :, dropped])  # never written
+        assert torch.equal(torch.stack(packed_cache.k)[:, r, :, dropped], before[:, r, :, dropped])  # never written
 
 
 def test_dense_packing_bad_input_is_a_clear_error():

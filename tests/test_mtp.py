@@ -28,17 +28,17 @@ from angelspec.decoding.drafters.base import DrafterMismatchError
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
-from angelspec.models.mtp import MTPBlock, MTPConfig
+from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_block(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> MTPBlock:
-    block = MTPBlock(MTPConfig.for_target(target.config, num_depths=depths), target.embed_tokens, target.lm_head)
-    block.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
-    return block.to(target.embed_tokens.weight.dtype)
+def tiny_model(target: Decoder, depths: int = 3, seed: int = 1, std: float = 0.3) -> MTPDraftModel:
+    model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=depths), target.embed_tokens, target.lm_head)
+    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    return model.to(target.embed_tokens.weight.dtype)
 
 
 def packed_docs(lengths: list[int], seq_len: int, vocab: int, seed: int = 0) -> tuple[list[Doc], object]:
@@ -59,24 +59,24 @@ def packed_docs(lengths: list[int], seq_len: int, vocab: int, seed: int = 0) -> 
 def test_fast_ttt_matches_explicit_mask_reference(dtype, std):
     """fp64 with large weights (sharp attention, 1e-10) and fp32 at a realistic init scale (1e-5)."""
     target = tiny_target(dtype=dtype)
-    block = tiny_block(target, depths=4, std=std)
+    model = tiny_model(target, depths=4, std=std)
     _, packed = packed_docs([9, 7, 5, 12, 3], seq_len=20, vocab=64)
     assert packed.num_rows >= 2 and (packed.document_ids == -1).any()  # several docs per row and padding
     h = torch.randn(*packed.input_ids.shape, 32, dtype=dtype, generator=torch.Generator().manual_seed(2))
-    args = (block, h, packed.input_ids, packed.positions, packed.document_ids, 4)
+    args = (model, h, packed.input_ids, packed.positions, packed.document_ids, 4)
     fast, ref = ttt_rollout(*args, query_chunk=6), ttt_rollout(*args, attention="reference")
     assert torch.equal(fast.inputs, ref.inputs)  # same argmax chain
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast.hidden, ref.hidden, atol=tol, rtol=0)
     torch.testing.assert_close(fast.logits, ref.logits, atol=tol, rtol=0)
     # gradients agree too
-    gf = torch.autograd.grad(fast.logits.square().mean(), block.proj.weight)[0]
-    gr = torch.autograd.grad(ref.logits.square().mean(), block.proj.weight)[0]
+    gf = torch.autograd.grad(fast.logits.square().mean(), model.proj.weight)[0]
+    gr = torch.autograd.grad(ref.logits.square().mean(), model.proj.weight)[0]
     torch.testing.assert_close(gf, gr, atol=tol, rtol=1e-4)
     # per-depth activation checkpointing recomputes the same graph: bit-identical values and gradients
     ck = ttt_rollout(*args, checkpoint_depths=True, query_chunk=6)
     assert torch.equal(ck.logits, fast.logits)
-    assert torch.equal(torch.autograd.grad(ck.logits.square().mean(), block.proj.weight)[0], gf)
+    assert torch.equal(torch.autograd.grad(ck.logits.square().mean(), model.proj.weight)[0], gf)
 
 
 def test_prefix_attention_backward_matches_autograd():
@@ -131,12 +131,12 @@ def test_depth_alignment_and_teacher_shift():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _per_doc_losses(block, target, docs, seq_len):
+def _per_doc_losses(model, target, docs, seq_len):
     packed = pack_documents(docs, seq_len, pad_id=0)
     with torch.no_grad():
         tout = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
-                      hidden_layers=[block.config.target_layer_id])
-        out = ttt_rollout(block, tout.hidden[0], packed.input_ids, packed.positions, packed.document_ids, 3)
+                      hidden_layers=[model.config.target_layer_id])
+        out = ttt_rollout(model, tout.hidden[0], packed.input_ids, packed.positions, packed.document_ids, 3)
     lb = mtp_loss_batch(out, packed, tout.logits)
     per_doc = {}
     for d in range(len(docs)):
@@ -150,16 +150,16 @@ def _per_doc_losses(block, target, docs, seq_len):
 
 def test_packed_documents_do_not_leak():
     target = tiny_target()
-    block = tiny_block(target)
+    model = tiny_model(target)
     docs, _ = packed_docs([9, 7, 5, 12, 3, 6], seq_len=24, vocab=64, seed=3)
-    base, packed = _per_doc_losses(block, target, docs, 24)
+    base, packed = _per_doc_losses(model, target, docs, 24)
     victim = packed.row_docs[0][0]
     assert len(packed.row_docs[0]) >= 2  # the victim shares its row
     changed = list(docs)
     ids = torch.as_tensor(docs[victim].input_ids).clone()
     ids[-1] = (ids[-1] + 1) % 64  # the last token: it is the depth-0 input of the previous position
     changed[victim] = Doc(ids, docs[victim].loss_mask)
-    after, packed2 = _per_doc_losses(block, target, changed, 24)
+    after, packed2 = _per_doc_losses(model, target, changed, 24)
     assert torch.equal(packed.document_ids, packed2.document_ids)
     for d in range(len(docs)):
         if d != victim:
@@ -170,10 +170,10 @@ def test_packed_documents_do_not_leak():
 
 def test_depth_shift_gate_never_crosses_a_document_end():
     target = tiny_target()
-    block = tiny_block(target)
+    model = tiny_model(target)
     docs, packed = packed_docs([6, 5, 4], seq_len=16, vocab=64, seed=4)
     h = torch.zeros(*packed.input_ids.shape, 32, dtype=torch.float64)
-    out = ttt_rollout(block, h, packed.input_ids, packed.positions, packed.document_ids, 3)
+    out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, 3)
     lb = mtp_loss_batch(out, packed, None)
     mask = lb.mask.reshape(*packed.input_ids.shape, 3)
     doc = packed.document_ids
@@ -205,14 +205,14 @@ class RecordingMTP(RecordingMixin, MTPDrafter):
 @pytest.mark.parametrize(("vocab", "k"), [(64, 3), (8, 5)])
 def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
     target = tiny_target(vocab=vocab, heads=2, kv=1)
-    drafter = RecordingMTP(tiny_block(target, depths=3))  # k=5 > D=3: the block is reused recurrently
+    drafter = RecordingMTP(tiny_model(target, depths=3))  # k=5 > D=3: the model is reused recurrently
     rng = random.Random(vocab)
     reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 24))], max_new_tokens=64, stop_ids=())
             for _ in range(20)]
     # Some drafts are accepted, so rollback after partial accepts runs; it is exact iff every proposal equals the
     # from-scratch training rollout on the committed prefix.
     check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=6, num_draft_tokens=k), 5,
-                                lambda seq: mtp_reference_drafts(drafter.block, target, seq, k))
+                                lambda seq: mtp_reference_drafts(drafter.model, target, seq, k))
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -222,13 +222,13 @@ def test_compiled_mtp_is_lossless_and_drafts_as_eager(batch):
     import warnings
 
     target = tiny_target(heads=2, kv=1)
-    block = tiny_block(target, depths=2)
+    model = tiny_model(target, depths=2)
     rng = random.Random(7)
     reqs = [Request([rng.randrange(64) for _ in range(rng.randint(1, 12))], max_new_tokens=16, stop_ids=())
             for _ in range(3)]
-    eager = RecordingMTP(block)
+    eager = RecordingMTP(model)
     SpecEngine(target, eager, EngineConfig(max_batch_size=batch, num_draft_tokens=3)).generate(reqs)
-    compiled = RecordingMTP(block)
+    compiled = RecordingMTP(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
         got = SpecEngine(target, compiled, EngineConfig(max_batch_size=batch, num_draft_tokens=3, compile=True)
@@ -241,7 +241,7 @@ def test_sampling_smoke_t1():
     from angelspec.decoding.sampling import SamplingParams
 
     target = tiny_target(heads=2, kv=1)
-    engine = SpecEngine(target, MTPDrafter(tiny_block(target)), EngineConfig(max_batch_size=3, num_draft_tokens=3))
+    engine = SpecEngine(target, MTPDrafter(tiny_model(target)), EngineConfig(max_batch_size=3, num_draft_tokens=3))
     reqs = [Request([5, 6, 7][: i + 1], max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=i),
                     stop_ids=()) for i in range(3)]
     out = engine.generate(reqs)
@@ -253,7 +253,7 @@ def test_registry_and_mismatch(tmp_path):
 
     assert get_drafter("mtp") is MTPDrafter
     target = tiny_target(heads=2, kv=1)
-    save_mtp(tiny_block(target), tmp_path / "d")
+    save_mtp(tiny_model(target), tmp_path / "d")
     drafter = MTPDrafter.from_pretrained(tmp_path / "d", target=target)
     assert drafter.target_layer_ids == (1,)
     other = tiny_target(vocab=96, heads=2, kv=1)
@@ -271,19 +271,19 @@ def test_cli_loads_an_mtp_folder_sharing_the_targets_modules(tmp_path):
 
     save_target(tiny_target(heads=2, kv=1, dtype=torch.float32), tmp_path / "t")
     target = load_target(tmp_path / "t")
-    save_mtp(tiny_block(target), tmp_path / "m")
+    save_mtp(tiny_model(target), tmp_path / "m")
     for spec in (f"mtp:{tmp_path / 'm'}", str(tmp_path / "m")):
         drafter = resolve_drafter(spec, target, tmp_path / "t")
-        assert isinstance(drafter, MTPDrafter) and drafter.block._shared[0] is target.embed_tokens
+        assert isinstance(drafter, MTPDrafter) and drafter.model._shared[0] is target.embed_tokens
 
 
-def test_block_state_dict_holds_only_its_own_weights():
+def test_mtp_model_state_dict_holds_only_its_own_weights():
     target = tiny_target()
-    block = tiny_block(target)
-    assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in block.state_dict())
+    model = tiny_model(target)
+    assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in model.state_dict())
     h = torch.randn(1, 5, 32, dtype=torch.float64)
-    block(h, torch.arange(5)[None], torch.arange(5)[None]).sum().backward()
-    assert target.embed_tokens.weight.grad is None and block.proj.weight.grad is not None
+    model(h, torch.arange(5)[None], torch.arange(5)[None]).sum().backward()
+    assert target.embed_tokens.weight.grad is None and model.proj.weight.grad is not None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Every random number comes from `sampling.uniform_noise`, keyed by (request seed,
 produced token, stream): a request draws the same tokens alone or in any batch at any row. An AR step and
 a depth-0 speculative step draw the same token for the same request (see `sampling`'s docstring).
 
-Verification protocol (DESIGN.md trap 1), chosen per step on the host:
+Verification protocol (docs/design.md trap 1), chosen per step on the host:
 * every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
 * drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
   (exact for any depth choice);
@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from angelspec.decoding.batching import PerLayerKVCache, prefill_rows
+from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
 from angelspec.decoding.metrics import DecodeMetrics
@@ -316,8 +316,8 @@ class SpecEngine:
         c = self._cache
         if c is None or c.batch_size != n_rows or c.capacity < max_len + slack:
             self._cache = None  # free the old buffers before allocating new ones
-            self._cache = PerLayerKVCache(self.target.config, n_rows, max_len, slack=slack, dtype=self.dtype,
-                                          device=self.device)
+            self._cache = StaticKVCache(self.target.config, n_rows, max_len, slack=slack, dtype=self.dtype,
+                                        device=self.device)
         self._cache.reset()
         dev, b = self.device, n_rows
         self._last = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] newest committed token

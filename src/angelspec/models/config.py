@@ -1,15 +1,20 @@
-"""Target decoder configuration and its mapping to/from a Hugging Face `config.json`.
+"""Target decoder configuration and its mapping to/from a Hugging Face `config.json`, and the base of every
+drafter's config.
 
 One frozen dataclass describes every supported family (Qwen3, Qwen2, Llama, Mistral without sliding
 window); the differences are flags (`qk_norm`, `qkv_bias`, `o_bias`, `mlp_bias`), not subclasses.
+
+`LayerShape` holds the decoder-layer shape fields once: `DecoderConfig` (the target) and `DraftModelConfig` (the
+base of the MTP-family and block-drafter configs, whose draft layers take the target's shape by default) both
+extend it, and a drafter's `layer_config()` is the `DecoderConfig` of its draft layers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -36,39 +41,36 @@ def check_tap_ids(layer_ids: Sequence[int], num_layers: int, owner: str) -> None
                           f"ids are 0..{num_layers - 1} (id i = output of decoder layer i); {bad} out of range")
 
 
-def check_built_for(cfg: Any, target: DecoderConfig, noun: str) -> None:
-    """Raise ConfigError when `target` is not the model the drafter config `cfg` (target_layer_ids,
-    target_fingerprint, vocab_size, hidden_size, drafter) was built for; `noun` names it ("block", "drafter").
-    The tap ids are checked first: a target too shallow for them gets that error, not a fingerprint one."""
-    cfg.check_layer_ids(target.num_hidden_layers)
-    if target.fingerprint() != cfg.target_fingerprint:
-        raise ConfigError(f"{cfg.drafter} {noun} was built for a target with fingerprint {cfg.target_fingerprint}, "
-                          f"but this target's is {target.fingerprint()}: train or pick a {cfg.drafter} drafter for it")
-    if (target.vocab_size, target.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
-        raise ConfigError(f"{cfg.drafter} {noun} expects vocab {cfg.vocab_size} / hidden {cfg.hidden_size}, the "
-                          f"target has {target.vocab_size} / {target.hidden_size}")
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Shape and family flags of a decoder-only target.
-
-    `rope_scaling` is the HF rope dict minus `rope_theta` (None for plain RoPE).
-    """
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """The shape of a stack of decoder layers (plain RoPE): what `DecoderConfig` and every drafter config share."""
 
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     model_type: str = "qwen3"
     qk_norm: bool = True
+
+    def layer_shape(self) -> dict[str, Any]:
+        """The `LayerShape` fields of this config, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(LayerShape)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig(LayerShape):
+    """Shape and family flags of a decoder-only target.
+
+    `rope_scaling` is the HF rope dict minus `rope_theta` (None for plain RoPE).
+    """
+
+    num_hidden_layers: int
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -238,6 +240,69 @@ class DecoderConfig:
                 "num_key_value_heads", "head_dim", "model_type")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftModelConfig(LayerShape):
+    """The base of every drafter's config (MTP family, block drafters): the draft layers' shape (`LayerShape`;
+    `hidden_size` and `vocab_size` equal the target's, the attention and MLP shape default to it) and the target
+    it was built for. A subclass says which target taps feed it (`target_layer_ids`, id i = output of target
+    decoder layer i), which drafter kind it is (`drafter`) and how many draft layers it has (`num_draft_layers`)."""
+
+    noun: ClassVar[str]  # what messages call this kind of config ("mtp drafter", "block drafter", ...)
+    drafter: ClassVar[str]  # the registry name written to config.json's "angelspec" entry (a subclass may compute it)
+    # Each subclass provides `target_layer_ids: tuple[int, ...]` (a field or a property) and `num_draft_layers`
+    # (a field or a class constant); they are not declared here so that a subclass may make them dataclass fields.
+    target_layer_ids: ClassVar[tuple[int, ...]]
+    num_draft_layers: ClassVar[int]
+
+    target_fingerprint: str
+    target_num_layers: int
+    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
+
+    @staticmethod
+    def target_shape(target: DecoderConfig, *, num_attention_heads: int | None = None,
+                     num_key_value_heads: int | None = None, head_dim: int | None = None,
+                     intermediate_size: int | None = None) -> dict[str, Any]:
+        """The shape and target fields of a drafter for `target`: attention / MLP shape default to the target's."""
+        return {**target.layer_shape(), "target_fingerprint": target.fingerprint(),
+                "target_num_layers": target.num_hidden_layers,
+                "num_attention_heads": num_attention_heads or target.num_attention_heads,
+                "num_key_value_heads": num_key_value_heads or target.num_key_value_heads,
+                "head_dim": head_dim or target.head_dim,
+                "intermediate_size": intermediate_size or target.intermediate_size}
+
+    def layer_config(self) -> DecoderConfig:
+        """The `DecoderConfig` the draft layers and their KV cache are built from: this shape with
+        `num_draft_layers` layers (plain RoPE)."""
+        return DecoderConfig(**self.layer_shape(), num_hidden_layers=self.num_draft_layers)
+
+    def check_layer_ids(self, num_layers: int) -> None:
+        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
+        check_tap_ids(self.target_layer_ids, num_layers, self.noun)
+
+    def check_target(self, target: DecoderConfig) -> None:
+        """Raise ConfigError when `target` is not the model this drafter was built for. The tap ids are checked
+        first: a target too shallow for them gets that error, not a fingerprint one."""
+        self.check_layer_ids(target.num_hidden_layers)
+        if target.fingerprint() != self.target_fingerprint:
+            raise ConfigError(f"{self.drafter} drafter was built for a target with fingerprint "
+                              f"{self.target_fingerprint}, but this target's is {target.fingerprint()}: train or pick "
+                              f"a {self.drafter} drafter for it")
+        if (target.vocab_size, target.hidden_size) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"{self.drafter} drafter expects vocab {self.vocab_size} / hidden {self.hidden_size}, "
+                              f"the target has {target.vocab_size} / {target.hidden_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json entry (tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown {cls.noun} config fields {unknown}; is this a {cls.noun} folder?")
+        return cls(**raw)
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:

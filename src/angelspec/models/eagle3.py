@@ -1,18 +1,18 @@
-"""The EAGLE-3 drafter block: a member of the MTP family (`models.mtp`) with another input fusion.
+"""The EAGLE-3 draft model: a member of the MTP family (`models.mtp`) with another input fusion.
 
-EAGLE-3 (Li et al., 2025) differs from the MTP block of Eq. 1–2 in two places only:
+EAGLE-3 (Li et al., 2025) differs from the MTP model of Eq. 1–2 in two places only:
 
 * conditioning: depth 0's hidden input is `g = fc([h_low; h_mid; h_high])`, a bias-free linear map of three
   target taps joined on the feature axis ([B, T, 3·Ct] -> [B, T, C]) instead of one tap as it is;
 * the decoder layer: its attention reads `[RMSNorm_in(E(x̃)); RMSNorm_h(h)]` (q/k/v take 2·C) while the
   residual stream is h itself; there is no W_proj. Then `h' = h + Attn(...)`, `h' += MLP(RMSNorm(h'))`.
 
-Everything else is shared with MTP: at depth k >= 1 the hidden input is the block's own previous-depth output
+Everything else is shared with MTP: at depth k >= 1 the hidden input is the model's own previous-depth output
 (pre-norm), the head is `W_lm · RMSNorm_out(h)` with the target's frozen LM head (the draft vocabulary is the
 target's: no d2t/t2d reduction yet), the alignment (position i fuses E(x_{i+1}) and predicts x_{i+2}), the
 TTT rollout (`train.ttt`), the draft KV cache and the engine drafter.
 
-Tap ids follow the project convention (id i = output of target decoder layer i, DESIGN.md trap 2). The
+Tap ids follow the project convention (id i = output of target decoder layer i, docs/design.md trap 2). The
 default (1, L//2, L-2) is, in vLLM/SGLang's "input of layer i" counting, (2, L//2+1, L-1); EAGLE-3's own
 default there is (2, L//2, L-3), i.e. ours (1, L//2-1, L-4): the same low tap, a mid tap one layer later and a
 high tap two layers later (the input of the last layer rather than of the third-to-last). Pass
@@ -42,7 +42,7 @@ from torch import nn
 
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import RMSNorm
-from angelspec.models.mtp import DraftBlockConfig, MTPBlock
+from angelspec.models.mtp import MTPDraftModel, MTPFamilyConfig
 
 NUM_TAPS = 3
 
@@ -57,10 +57,11 @@ def default_eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Eagle3Config(DraftBlockConfig):
-    """An EAGLE-3 block: `target_layer_ids` = (low, mid, high) taps, strictly increasing."""
+class Eagle3Config(MTPFamilyConfig):
+    """An EAGLE-3 draft model: `target_layer_ids` = (low, mid, high) taps, strictly increasing."""
 
     drafter: ClassVar[str] = "eagle3"
+    noun: ClassVar[str] = "eagle3 drafter"
 
     target_layer_ids: tuple[int, int, int]  # type: ignore[misc]  # a field here, a ClassVar on the base
 
@@ -77,16 +78,16 @@ class Eagle3Config(DraftBlockConfig):
                    target_layer_ids: tuple[int, int, int] | None = None, num_attention_heads: int | None = None,
                    num_key_value_heads: int | None = None, head_dim: int | None = None,
                    intermediate_size: int | None = None) -> Eagle3Config:
-        """A block for `target`: attention/MLP shape default to the target's, taps to (1, L//2, L-2)."""
-        shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
+        """A model for `target`: attention/MLP shape default to the target's, taps to (1, L//2, L-2)."""
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
         ids = default_eagle3_layer_ids(target.num_hidden_layers) if target_layer_ids is None else target_layer_ids
-        return cls(target_layer_ids=tuple(ids), **shape)
+        return cls(num_depths=num_depths, target_layer_ids=tuple(ids), **shape)
 
 
-class Eagle3Block(MTPBlock):
-    """`MTPBlock` with EAGLE-3's fusion (module docstring); E and W_lm are the target's, by reference."""
+class Eagle3DraftModel(MTPDraftModel):
+    """`MTPDraftModel` with EAGLE-3's fusion (module docstring); E and W_lm are the target's, by reference."""
 
     config: Eagle3Config
 

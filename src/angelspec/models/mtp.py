@@ -1,30 +1,30 @@
-"""The shared-parameter multi-depth MTP block (report §2.1, Eq. 1–2).
+"""The shared-parameter multi-depth MTP draft model (report §2.1, Eq. 1–2).
 
-One physical block, invoked recurrently for D logical depths k = 0..D-1:
+One physical module, invoked recurrently for D logical depths k = 0..D-1:
 
     Eq. 1   u^(k) = W_proj [RMSNorm(h^(k-1)) ; RMSNorm(E(x̃_k))]
     Eq. 2   h^(k) = F_θ(u^(k), K^(<k)),        q_k = softmax(W_lm · RMSNorm_out(h^(k)))
 
 h^(-1) is the target's tap hidden state (by default the output of the target's last decoder layer, tap
-id L-1; DESIGN.md trap 2), E and W_lm are the target's embedding and LM head, and F_θ is one decoder
+id L-1; docs/design.md trap 2), E and W_lm are the target's embedding and LM head, and F_θ is one decoder
 layer (`DecoderLayer`: RMSNorm, GQA attention with RoPE and the target family's q/k norm, SwiGLU MLP)
 attending over the draft KV K^(<k). Like DeepSeek-V3's MTP module (and unlike the bare Eq. 2) the
-layer output passes through the block's own final RMSNorm before W_lm, because the target's head was
+layer output passes through the model's own final RMSNorm before W_lm, because the target's head was
 trained on normalised states; h^(k) itself (pre-norm) is what the next depth consumes.
 
 Alignment (report §2.3): at sequence position i, depth 0 fuses the target state h_i with E(x_{i+1})
-and predicts x_{i+2}; depth k predicts x_{i+k+2}. The block's RoPE position for depth k at i is
+and predicts x_{i+2}; depth k predicts x_{i+k+2}. The model's RoPE position for depth k at i is
 p_i + k, so a draft chain at inference (positions t, t+1, ...) sees the same relative offsets as
 training.
 
-E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the block keeps plain references (not submodules),
+E and W_lm are TAKEN FROM THE TARGET AND FROZEN: the model keeps plain references (not submodules),
 reads their weights detached, and its `state_dict()` holds only its own weights. Model code only: no
 file I/O, no target loading.
 
-The MTP family: `MTPBlock` is also the base of EAGLE-3's block (`models.eagle3`). A member differs only in
-how the target taps become h^(-1) (`condition`: MTP takes its one tap as is, EAGLE-3 applies fc to three)
-and how the depth input (h, x̃) enters the decoder layer (`build_fusion`, `layer_inputs`: MTP's W_proj of
-Eq. 1 vs EAGLE-3's 2C-wide attention input); configs share `DraftBlockConfig`. The TTT rollout, the cached
+The MTP family: `MTPDraftModel` is also the base of EAGLE-3's `Eagle3DraftModel` (`models.eagle3`). A member
+differs only in how the target taps become h^(-1) (`condition`: MTP takes its one tap as is, EAGLE-3 applies fc
+to three) and how the depth input (h, x̃) enters the decoder layer (`build_fusion`, `layer_inputs`: MTP's W_proj
+of Eq. 1 vs EAGLE-3's 2C-wide attention input); configs share `MTPFamilyConfig`. The TTT rollout, the cached
 inference step, the trainer, the engine drafter and the folder IO are written once against this interface.
 
 Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv heads, Dh head dim, V vocab
@@ -34,50 +34,33 @@ Shape legend: B batch, T time, C model dim (= the target's), H heads, Hkv kv hea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
 @dataclass(frozen=True, kw_only=True)
-class DraftBlockConfig:
-    """Shape of one MTP-family block (MTP, EAGLE-3) and the target it belongs to.
+class MTPFamilyConfig(DraftModelConfig):
+    """Shape of one MTP-family draft model (MTP, EAGLE-3) and the target it belongs to (`DraftModelConfig`).
 
     `hidden_size` and `vocab_size` must equal the target's (E and W_lm are shared); the attention
-    shape and MLP width are the block's own. `num_depths` is D, the TTT unroll length used in training; at
-    inference the block may be invoked for more depths recurrently. Subclasses say which target taps feed the
-    block (`target_layer_ids`, id i = output of target decoder layer i) and which drafter kind they are.
+    shape and MLP width are the model's own. `num_depths` is D, the TTT unroll length used in training; at
+    inference the model may be invoked for more depths recurrently. Subclasses say which target taps feed the
+    model (`target_layer_ids`: a property of MTP's one tap, a field of EAGLE-3's three) and which drafter kind
+    they are.
     """
 
-    drafter: ClassVar[str]  # the registry name written to config.json's "angelspec" entry
+    num_draft_layers: ClassVar[int] = 1  # one physical decoder layer F_θ, invoked once per depth
 
-    target_fingerprint: str
-    vocab_size: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
     num_depths: int
-    target_num_layers: int
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    qk_norm: bool = True
-    model_type: str = "qwen3"
-    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
-
-    # Each subclass provides `target_layer_ids: tuple[int, ...]` (a property of MTP's one tap, a field of
-    # EAGLE-3's three); it is not declared here so that a subclass may make it a dataclass field.
-    target_layer_ids: ClassVar[tuple[int, ...]]
 
     def __post_init__(self) -> None:
         if self.num_depths < 1:
@@ -86,57 +69,13 @@ class DraftBlockConfig:
         self.check_layer_ids(self.target_num_layers)
         self.layer_config()  # validates head shapes
 
-    def check_layer_ids(self, num_layers: int) -> None:
-        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        check_tap_ids(self.target_layer_ids, num_layers, self.drafter)
-
-    @staticmethod
-    def target_shape(target: DecoderConfig, *, num_depths: int, num_attention_heads: int | None = None,
-                     num_key_value_heads: int | None = None, head_dim: int | None = None,
-                     intermediate_size: int | None = None) -> dict[str, Any]:
-        """The fields shared by every block for `target`: attention/MLP shape default to the target's."""
-        return dict(
-            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            num_attention_heads=num_attention_heads or target.num_attention_heads,
-            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
-            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
-            num_depths=num_depths, target_num_layers=target.num_hidden_layers,
-            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type,
-        )
-
-    def layer_config(self) -> DecoderConfig:
-        """The one-layer `DecoderConfig` that `DecoderLayer` / `StaticKVCache` are built from (plain RoPE)."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
-        )
-
-    def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this block was built for (tap ids first)."""
-        check_built_for(self, target, "block")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"unknown {cls.drafter} config fields {unknown}; is this a {cls.drafter} drafter "
-                              "folder?")
-        return cls(**raw)
-
 
 @dataclass(frozen=True, kw_only=True)
-class MTPConfig(DraftBlockConfig):
-    """An MTP block: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
+class MTPConfig(MTPFamilyConfig):
+    """An MTP draft model: `target_layer_id` is the one tap fed as h^(-1) (default: the target's last layer)."""
 
     drafter: ClassVar[str] = "mtp"
+    noun: ClassVar[str] = "mtp drafter"
 
     target_layer_id: int
 
@@ -148,27 +87,27 @@ class MTPConfig(DraftBlockConfig):
     def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
-        """A block for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
-        shape = cls.target_shape(target, num_depths=num_depths, num_attention_heads=num_attention_heads,
+        """A model for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
         tap = target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id
-        return cls(target_layer_id=tap, **shape)
+        return cls(num_depths=num_depths, target_layer_id=tap, **shape)
 
 
 def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The target taps a block conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
+    """The target taps a drafter conditions on, joined on the feature axis: n × [B, T, Ct] -> [B, T, n·Ct]."""
     return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
 
 
-class MTPBlock(DraftVocabulary, nn.Module):
+class MTPDraftModel(DraftVocabulary, nn.Module):
     """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved).
 
-    The base of the MTP family: a subclass (`models.eagle3.Eagle3Block`) changes only how the depth input
+    The base of the MTP family: a subclass (`models.eagle3.Eagle3DraftModel`) changes only how the depth input
     (h, x̃) enters the decoder layer (`build_fusion`, `condition`, `layer_inputs`); the TTT rollout, the
     cached inference step, the trainer, the drafter and the folder IO serve every member unchanged."""
 
-    def __init__(self, cfg: DraftBlockConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    def __init__(self, cfg: MTPFamilyConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()
         if embed_tokens.weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ConfigError(f"embedding {tuple(embed_tokens.weight.shape)} does not match the {cfg.drafter} "
@@ -287,7 +226,7 @@ class MTPBlock(DraftVocabulary, nn.Module):
         over each row's cached entries: -> h [B, T, C]; `cache.lengths += num_new` (default T).
 
         hidden [B, T, C] is the depth input h, already conditioned: `condition(taps)` for committed entries,
-        the block's own previous output for draft-chain entries."""
+        the model's own previous output for draft-chain entries."""
         B, T = token_ids.shape
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]

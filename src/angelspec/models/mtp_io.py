@@ -1,7 +1,7 @@
-"""Saving and loading an MTP-family block folder: `config.json` + `model.safetensors` (the block's own weights).
+"""Saving and loading an MTP-family drafter folder: `config.json` + `model.safetensors` (the model's own weights).
 
-config.json, with KIND the block's drafter kind ("mtp" or "eagle3"):
-    {"architectures": ["AngelSpecMTP" | "AngelSpecEagle3"], "<KIND>_config": {...block config...},
+config.json, with KIND the model's drafter kind ("mtp" or "eagle3"):
+    {"architectures": ["AngelSpecMTP" | "AngelSpecEagle3"], "<KIND>_config": {...MTPFamilyConfig fields...},
      "angelspec": {"drafter": KIND, "target_fingerprint": ..., "target_layer_ids": [taps], ...extra}}
 
 The target's embedding and LM head are never written: `load_mtp` takes them from the target the caller
@@ -19,7 +19,7 @@ from torch import nn
 
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
-from angelspec.models.eagle3 import Eagle3Block, Eagle3Config
+from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.hf_io import (
     WEIGHTS_NAME,
     CheckpointError,
@@ -27,38 +27,38 @@ from angelspec.models.hf_io import (
     save_safetensors_atomic,
     write_json_atomic,
 )
-from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig
+from angelspec.models.mtp import MTPConfig, MTPDraftModel, MTPFamilyConfig
 
 ARCHITECTURE = "AngelSpecMTP"
 MTP_META_KEYS = ("drafter", "target_fingerprint", "target_layer_ids")  # what `save_mtp` derives from the config
-# drafter kind -> (config class, block class, architecture name in config.json)
-BLOCK_KINDS: dict[str, tuple[type[DraftBlockConfig], type[MTPBlock], str]] = {
-    "mtp": (MTPConfig, MTPBlock, ARCHITECTURE),
-    "eagle3": (Eagle3Config, Eagle3Block, "AngelSpecEagle3"),
+# drafter kind -> (config class, model class, architecture name in config.json)
+MTP_FAMILY: dict[str, tuple[type[MTPFamilyConfig], type[MTPDraftModel], str]] = {
+    "mtp": (MTPConfig, MTPDraftModel, ARCHITECTURE),
+    "eagle3": (Eagle3Config, Eagle3DraftModel, "AngelSpecEagle3"),
 }
 
 
-def build_block(cfg: DraftBlockConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> MTPBlock:
-    """The block class of `cfg`'s kind around the target's (frozen) embedding and LM head."""
-    return BLOCK_KINDS[cfg.drafter][1](cfg, embed_tokens, lm_head)
+def build_mtp_model(cfg: MTPFamilyConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> MTPDraftModel:
+    """The model class of `cfg`'s kind around the target's (frozen) embedding and LM head."""
+    return MTP_FAMILY[cfg.drafter][1](cfg, embed_tokens, lm_head)
 
 
-def save_mtp(block: MTPBlock, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save_mtp(model: MTPDraftModel, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Write `config.json` and `model.safetensors` (each atomically) into `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = block.config
+    cfg = model.config
     kind = cfg.drafter
-    save_safetensors_atomic(dict(block.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
+    save_safetensors_atomic(dict(model.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
     derived = (kind, cfg.target_fingerprint, list(cfg.target_layer_ids))
     meta = {**dict(zip(MTP_META_KEYS, derived, strict=True)), **(extra or {})}
-    write_json_atomic(path / "config.json", {"architectures": [BLOCK_KINDS[kind][2]], f"{kind}_config": cfg.to_dict(),
+    write_json_atomic(path / "config.json", {"architectures": [MTP_FAMILY[kind][2]], f"{kind}_config": cfg.to_dict(),
                                              "angelspec": meta})
     return path
 
 
-def read_mtp_config(path: str | Path, kind: str = "mtp") -> tuple[DraftBlockConfig, dict[str, Any]]:
-    """-> (the `kind` block config, the raw `angelspec` entry); clear errors for a folder of another kind."""
+def read_mtp_config(path: str | Path, kind: str = "mtp") -> tuple[MTPFamilyConfig, dict[str, Any]]:
+    """-> (the `kind` model config, the raw `angelspec` entry); clear errors for a folder of another kind."""
     path = Path(path)
     cfg_file = path / "config.json"
     raw = read_config_json(path, f"is it a {kind} drafter folder (angelspec train --drafter {kind})?")
@@ -67,22 +67,23 @@ def read_mtp_config(path: str | Path, kind: str = "mtp") -> tuple[DraftBlockConf
     if meta.get("drafter") != kind or key not in raw:
         raise CheckpointError(f"{path} is not a {kind} drafter (angelspec.drafter = {meta.get('drafter')!r})")
     try:
-        return BLOCK_KINDS[kind][0].from_dict(raw[key]), meta
+        return MTP_FAMILY[kind][0].from_dict(raw[key]), meta
     except (TypeError, ConfigError) as e:
         raise CheckpointError(f"{cfg_file}: bad {key} ({e})") from None
 
 
-def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = None, kind: str = "mtp") -> MTPBlock:
-    """Build the `kind` block on the target's device/dtype with the target's (frozen) embedding and LM head.
+def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = None, kind: str = "mtp"
+             ) -> MTPDraftModel:
+    """Build the `kind` model on the target's device/dtype with the target's (frozen) embedding and LM head.
 
     Raises ConfigError when the folder was trained for another target."""
     cfg, _ = read_mtp_config(path, kind)
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
-    block = build_block(cfg, target.embed_tokens, target.lm_head)
+    model = build_mtp_model(cfg, target.embed_tokens, target.lm_head)
     state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(w.device))
-    missing, unexpected = block.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match {kind}_config (missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]})")
-    return block.to(device=w.device, dtype=dtype or w.dtype).eval()
+    return model.to(device=w.device, dtype=dtype or w.dtype).eval()

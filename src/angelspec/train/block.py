@@ -47,15 +47,11 @@ from torch import Tensor
 
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
-from angelspec.models.block_drafter import (
-    HEADS,
-    MARKOV_HEADS,
-    QWEN3_MASK_TOKEN_ID,
-    BlockDrafter,
-    BlockDrafterConfig,
-    sample_anchors,
-)
-from angelspec.models.block_io import save_block_drafter
+from angelspec.models.block.config import HEADS, MARKOV_HEADS, BlockDrafterConfig
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import save_block_drafter
+from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
+from angelspec.models.block.targets import sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.mtp import concat_taps
 from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer

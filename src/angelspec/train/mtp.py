@@ -26,7 +26,7 @@ reduction order; tested). The frozen target is not wrapped: every rank runs its 
 writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer state whole and keyed by
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
-EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3Block`, three target taps joined
+EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.
 
 Output folder: `config.json` (`"angelspec": {"drafter": "mtp" | "eagle3", "target_fingerprint": ..., ...}`) and
@@ -44,8 +44,8 @@ import torch
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.config import DecoderConfig
-from angelspec.models.mtp import DraftBlockConfig, MTPBlock, MTPConfig, concat_taps
-from angelspec.models.mtp_io import build_block, save_mtp
+from angelspec.models.mtp import MTPConfig, MTPDraftModel, MTPFamilyConfig, concat_taps
+from angelspec.models.mtp_io import build_mtp_model, save_mtp
 from angelspec.train.config import DrafterRunConfig, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shutdown, wrap_model
@@ -77,7 +77,7 @@ class BlockTrainConfig(DrafterRunConfig):
             get_loss(self.cold_start_loss)
         self.require_positive(("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"))
 
-    def block_config(self, target: DecoderConfig) -> DraftBlockConfig:
+    def block_config(self, target: DecoderConfig) -> MTPFamilyConfig:
         """The block's config for `target`."""
         raise NotImplementedError
 
@@ -149,13 +149,13 @@ def train_mtp_job(job: TrainJob, cfg: BlockTrainConfig) -> dict[str, Any]:
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=job.data, enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
-    block = build_block(mcfg, target.embed_tokens, target.lm_head)
+    block = build_mtp_model(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
     if mcfg.draft_vocab_size:  # inference only: training still scores the whole vocabulary
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
-    def rollout(b: MTPBlock, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+    def rollout(b: MTPDraftModel, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 document_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         out = ttt_rollout(b, hidden, input_ids, positions, document_ids, cfg.train_depths, pad_id=pad_id,
                           checkpoint_depths=cfg.activation_checkpointing)
@@ -168,7 +168,7 @@ def train_mtp_job(job: TrainJob, cfg: BlockTrainConfig) -> dict[str, Any]:
     schedule = cfg.schedule()
     meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
     step, block_to_save, save_ckpt = drafter_checkpoints(
-        run, cfg, tcfg.fingerprint(), block, lambda: build_block(mcfg, target.embed_tokens, target.lm_head),
+        run, cfg, tcfg.fingerprint(), block, lambda: build_mtp_model(mcfg, target.embed_tokens, target.lm_head),
         lambda m, p: save_mtp(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]

@@ -1,7 +1,7 @@
 """Training-Time Test rollout of the shared MTP block over a whole packed sequence (report §2.2, §6.1).
 
-It serves every member of the MTP family (`models.mtp.MTPBlock` and subclasses such as EAGLE-3's
-`Eagle3Block`): the block maps the target taps to h^(-1) (`block.condition`) and the depth input (h, x̃) to its
+It serves every member of the MTP family (`models.mtp.MTPDraftModel` and subclasses such as EAGLE-3's
+`Eagle3DraftModel`): the block maps the target taps to h^(-1) (`block.condition`) and the depth input (h, x̃) to its
 decoder layer's residual stream and attention input (`block.layer_inputs`); the rollout owns the rest.
 
 What each depth sees and predicts (report §2.3; `data.packing.label_offset(k, "mtp") = k + 2`)
@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
-from angelspec.models.mtp import MTPBlock
+from angelspec.models.mtp import MTPDraftModel
 from angelspec.train.losses import LossBatch
 
 AttentionImpl = Literal["fast", "reference"]
@@ -190,7 +190,7 @@ def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor],
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k_all.shape[1])
 
 
-def ttt_rollout(block: MTPBlock, hidden: Tensor, input_ids: Tensor, positions: Tensor,
+def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positions: Tensor,
                 document_ids: Tensor | None, num_depths: int, *, pad_id: int = 0,
                 attention: AttentionImpl = "fast", keep_logits: bool = True,
                 checkpoint_depths: bool = False, query_chunk: int = 256) -> TTTOutput:

@@ -1,6 +1,6 @@
 """The block-parallel drafters in the engine (report §3; DSpark report §3): DFlash, DFlare, DFly and DSpark.
 
-One class, `BlockDrafterAdapter`, drafts with any `models.block_drafter.BlockDrafter`; it is registered under
+One class, `BlockDrafterAdapter`, drafts with any `models.block.BlockDrafter`; it is registered under
 the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step it runs ONE backbone pass over
 the block `[last, m, …, m]` and then the small sequential head left to right over the first K ≤ B−1 positions
 only (`BlockDrafter.propose`), and returns those K drafts.
@@ -41,8 +41,8 @@ from angelspec.decoding.drafters.base import (
     register_drafter,
 )
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
-from angelspec.models.block_drafter import BlockDrafter
-from angelspec.models.block_io import load_block_drafter, read_block_config
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import load_block_drafter, read_block_config
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache

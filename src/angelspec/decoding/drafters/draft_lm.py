@@ -5,7 +5,7 @@ Cache convention, per row, after every commit: the draft cache holds the committ
 newest token (like the target's), or except its newest two when the target accepted all K drafts (the
 K-th draft was proposed but never fed back). `propose` therefore starts with one forward of two tokens,
 [pending, last] or [last, pad] (ragged via num_new), then K-1 forwards of one token: K forwards per step.
-`on_commit` rolls the cache back to the committed tokens (DESIGN.md trap 4).
+`on_commit` rolls the cache back to the committed tokens (docs/design.md trap 4).
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they
 are sampled from q = process_logits(draft logits, the request's temperature / top-k / top-p) with the
@@ -20,7 +20,7 @@ Early stop (`stop_below`, default 0.4, as HF's assisted generation): with argmax
 ends at its first draft whose confidence is below the threshold (that draft included), and drafting stops as
 soon as every active row has ended: unlikely drafts cost neither draft forwards nor verified positions. The
 row lengths go out as `Proposal.lengths`; they depend on the drafts' values, which only the deterministic
-protocol (and greedy verification) allows (DESIGN.md trap 1), so sampled drafts always run all K steps.
+protocol (and greedy verification) allows (docs/design.md trap 1), so sampled drafts always run all K steps.
 
 Shape legend: B rows, K draft depth, V vocab.
 """
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from angelspec.decoding.batching import PerLayerKVCache, prefill_rows
+from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
@@ -128,8 +128,8 @@ class DraftLMDrafter(Drafter):
         if c is None or c.batch_size != batch_size or c.capacity < max_len + slack + 1:
             self.cache = None
             w = self.model.embed_tokens.weight
-            self.cache = PerLayerKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
-                                         device=w.device)
+            self.cache = StaticKVCache(self.model.config, batch_size, max_len, slack=slack + 1, dtype=w.dtype,
+                                       device=w.device)
         self.cache.reset()
         w = self.model.lm_head.weight
         if (self._head.dtype, self._head.device) != (w.dtype, w.device):  # the model was moved or cast

@@ -1,26 +1,26 @@
-"""The shared-parameter MTP drafter (report §2.1): K recurrent invocations of one MTP block per step.
+"""The shared-parameter MTP drafter (report §2.1): K recurrent invocations of one MTP draft model per step.
 
-The block needs the target's tap hidden state at committed positions (it declares `target_layer_ids`),
+The model needs the target's tap hidden state at committed positions (it declares `target_layer_ids`),
 and shares the target's embedding and LM head: build it with `MTPDrafter.from_pretrained(dir, target=...)`
-(or `MTPDrafter(block)` around a block built on the target's modules). It never loads the target.
+(or `MTPDrafter(model)` around a model built on the target's modules). It never loads the target.
 
 Draft KV cache convention, per row, after every commit (docs/design.md trap 4): the cache holds exactly the
 depth-0 entries of the committed positions 0..s-2 (s = committed length), entry j being Eq. 1–2 applied to
-(target tap h_j, E(x_{j+1})) at RoPE position j, and `_h_last` holds the block's output h^(0) at entry s-2,
+(target tap h_j, E(x_{j+1})) at RoPE position j, and `_h_last` holds the model's output h^(0) at entry s-2,
 whose head predicts x_s (the first draft). A drafting round then appends draft-chain entries for depths
 1..K-1 at slots s-1.. (positions s-2+k), which is exactly the TTT pattern of training (causal prefix of
 depth-0 keys + the round's diagonal keys). `on_commit` truncates the chain away and appends the new
 depth-0 entries of the a+1 newly committed positions from the verify forward's taps: one ragged forward.
 
-K may exceed the trained depth D: the block is simply invoked again (recurrently).
+K may exceed the trained depth D: the model is simply invoked again (recurrently).
 
-The same code drafts with every MTP-family block: committed entries are built from `block.condition(taps)`
-(MTP: the one tap; EAGLE-3: fc over three, `spec.drafters.eagle3`), draft-chain entries from the block's own
+The same code drafts with every MTP-family model: committed entries are built from `model.condition(taps)`
+(MTP: the one tap; EAGLE-3: fc over three, `decoding.drafters.eagle3`), draft-chain entries from the model's own
 previous output, exactly as in the TTT rollout of training.
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
-and q is returned. Confidences are the block's own (temperature-1) probability of each draft. A block with a
+and q is returned. Confidences are the model's own (temperature-1) probability of each draft. A model with a
 draft vocabulary (`draft_vocab_size`, `angelspec draft-vocab`) multiplies only those LM-head rows and drafts
 only those ids (q is 0 elsewhere).
 
@@ -49,20 +49,20 @@ from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, proces
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.mtp import MTPBlock, concat_taps
+from angelspec.models.mtp import MTPDraftModel, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
 
 
 @register_drafter("mtp")
 class MTPDrafter(Drafter):
-    """Drafts with any MTP-family block (`MTPBlock` or a subclass); `kind` is the folder kind `from_pretrained`
+    """Drafts with any MTP-family model (`MTPDraftModel` or a subclass); `kind` is the folder kind `from_pretrained`
     loads (`Eagle3Drafter` only changes it)."""
 
     kind = "mtp"
 
-    def __init__(self, block: MTPBlock) -> None:
-        self.block = block.eval()
-        self.target_layer_ids = tuple(block.config.target_layer_ids)
+    def __init__(self, model: MTPDraftModel) -> None:
+        self.model = model.eval()
+        self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._one_row_chain = self.greedy_chain  # a one-row greedy round (`compile`: one graph)
         self._k = 0
@@ -82,44 +82,44 @@ class MTPDrafter(Drafter):
 
     @property
     def vocab_size(self) -> int:
-        return self.block.config.vocab_size
+        return self.model.config.vocab_size
 
     @property
     def target_fingerprint(self) -> str:
-        return self.block.config.target_fingerprint
+        return self.model.config.target_fingerprint
 
     @property
     def max_positions(self) -> int:
-        return self.block.config.max_position_embeddings
+        return self.model.config.max_position_embeddings
 
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         super().check_compatible(target, max_seq_len)
-        if target.hidden_size != self.block.config.hidden_size:
-            raise DrafterMismatchError(f"MTPDrafter has hidden size {self.block.config.hidden_size}, the target "
+        if target.hidden_size != self.model.config.hidden_size:
+            raise DrafterMismatchError(f"MTPDrafter has hidden size {self.model.config.hidden_size}, the target "
                                        f"{target.hidden_size}")
 
     # ----- engine life cycle -----
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
-        w = next(self.block.parameters())
+        w = next(self.model.parameters())
         c = self.cache
         if c is None or c.batch_size != batch_size or c.capacity < max_len + slack:
             self.cache = None
-            self.cache = self.block.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
+            self.cache = self.model.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
         self.cache.reset()
-        self._h_last = torch.zeros(batch_size, self.block.config.hidden_size, dtype=w.dtype, device=device)  # [B, C]
+        self._h_last = torch.zeros(batch_size, self.model.config.hidden_size, dtype=w.dtype, device=device)  # [B, C]
         self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] committed entries
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None
-        taps = self.block.condition(concat_taps(target_hidden).to(cache.dtype))  # [n, P_max, C]
+        taps = self.model.condition(concat_taps(target_hidden).to(cache.dtype))  # [n, P_max, C]
         # Entry j fuses h_j with x_{j+1}: the prompt shifted by one, then the first emitted token.
         ids, lengths = pad_prompts([list(p[1:]) + [f] for p, f in zip(prompts, first_tokens, strict=True)],
                                    cache.device)  # [n, P_max], [n]
         n, p_max = ids.shape
-        tmp = self.block.new_cache(n, p_max, slack=0, dtype=cache.dtype, device=cache.device)
-        out = self.block.forward_cached(taps, ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
+        tmp = self.model.new_cache(n, p_max, slack=0, dtype=cache.dtype, device=cache.device)
+        out = self.model.forward_cached(taps, ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
         cache.k[0][idx, :, :p_max] = tmp.k[0]
         cache.v[0][idx, :, :p_max] = tmp.v[0]
@@ -137,32 +137,32 @@ class MTPDrafter(Drafter):
         deterministic = state.deterministic or state.all_greedy
         act = state.active.long()
         s = state.sampling
-        block = self.block
-        block.refresh_draft_vocab()  # outside any compiled call
+        model = self.model
+        model.refresh_draft_vocab()  # outside any compiled call
         if deterministic:
             chain = self._one_row_chain if cache.batch_size == 1 else self.greedy_chain
             tokens_t, conf_t = chain(self._h_last, cache, act, state.seq_len_bound, k)
             return Proposal(tokens=tokens_t, confidences=conf_t, deterministic=True)
         h = self._h_last  # [B, C]
-        logits = block.draft_head(h)  # [B, V'], depth 0 (V' = V without a draft vocabulary)
+        logits = model.draft_head(h)  # [B, V'], depth 0 (V' = V without a draft vocabulary)
         tokens, probs, confs = [], [], []
         for j in range(k):
-            q = process_logits(block.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
+            q = process_logits(model.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
             d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
-            idx = block.to_draft_index(d)  # q is 0 outside the draft vocabulary
+            idx = model.to_draft_index(d)  # q is 0 outside the draft vocabulary
             probs.append(q)
             confs.append(torch.softmax(logits, dim=-1).gather(1, idx[:, None])[:, 0])
             tokens.append(d)
             if j < k - 1:
                 h = self._depth_step(h, d, cache, act, state.seq_len_bound + j)
-                logits = block.draft_head(h)
+                logits = model.draft_head(h)
         return Proposal(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, 1),
                         confidences=torch.stack(confs, dim=1), deterministic=False)
 
     def _depth_step(self, h: Tensor, d: Tensor, cache: StaticKVCache, act: Tensor, kv_len: int) -> Tensor:
         """Depth j+1 of a drafting round: the entry at slot s-1+j (position s-2+(j+1)) fuses h^(j) [B, C] with
         the draft d_j [B] -> h^(j+1) [B, C]."""
-        return self.block.forward_cached(h[:, None], d[:, None], cache, num_new=act, kv_len=kv_len)[:, 0]
+        return self.model.forward_cached(h[:, None], d[:, None], cache, num_new=act, kv_len=kv_len)[:, 0]
 
     def greedy_chain(self, h: Tensor, cache: StaticKVCache, act: Tensor, bound: int, k: int
                      ) -> tuple[Tensor, Tensor]:
@@ -186,10 +186,10 @@ class MTPDrafter(Drafter):
         """One depth of a greedy round, tensors only: the argmax draft d [B] of h [B, C], its probability [B],
         and (when `advance`) the next depth's h, whose cache entry it writes (else h unchanged). One cache write
         per call keeps a compiled graph's update of the cache in place."""
-        block = self.block
-        logits = block.draft_head(h)  # [B, V'] (V' = V without a draft vocabulary)
+        model = self.model
+        logits = model.draft_head(h)  # [B, V'] (V' = V without a draft vocabulary)
         idx = logits.argmax(dim=-1)  # [B] along the draft vocabulary
-        d = block.to_target_ids(idx)
+        d = model.to_target_ids(idx)
         conf = torch.softmax(logits, dim=-1).gather(1, idx[:, None])[:, 0]
         return d, conf, (self._depth_step(h, d, cache, act, kv_len) if advance else h)
 
@@ -198,26 +198,26 @@ class MTPDrafter(Drafter):
         assert cache is not None
         cache.truncate(self._base)  # drop this round's draft chain: trap 4
         # [B, n+1, C]: last, d_1..d_n as the target saw them, conditioned (EAGLE-3: fc over the three taps)
-        taps = self.block.condition(concat_taps(commit.target_hidden).to(cache.dtype))
+        taps = self.model.condition(concat_taps(commit.target_hidden).to(cache.dtype))
         width = taps.shape[1]
         acc = commit.num_accepted  # [B]
         count = torch.where(commit.active, acc + 1, 0)  # [B] new committed positions per row
         keep = torch.arange(width, device=acc.device)[None, :] < count[:, None]  # [B, n+1]
         tok = torch.where(keep, commit.tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
-        out = self.block.forward_cached(taps, tok, cache, num_new=count,
+        out = self.model.forward_cached(taps, tok, cache, num_new=count,
                                         kv_len=self._bound + width)  # [B, n+1, C]
         newest = out.gather(1, acc.clamp(max=width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
         self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
 
     def compile(self) -> None:
         """A one-row greedy round as one graph, each depth of a larger greedy round as one graph (head, argmax
-        and the next depth's cached forward; `greedy_chain` says why), and the block's cached forward (commit,
+        and the next depth's cached forward; `greedy_chain` says why), and the model's cached forward (commit,
         sampled rounds) and its LM head (instance attributes shadow the methods)."""
         self._one_row_chain = try_compile(self.greedy_chain, f"{self.kind} greedy round")
         self.greedy_depth = try_compile(self.greedy_depth, f"{self.kind} greedy depth")  # type: ignore[method-assign]
-        b = self.block
-        b.forward_cached = try_compile(b.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
-        b.draft_head = try_compile(b.draft_head, f"{self.kind} head")  # type: ignore[method-assign]
+        m = self.model
+        m.forward_cached = try_compile(m.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
+        m.draft_head = try_compile(m.draft_head, f"{self.kind} head")  # type: ignore[method-assign]
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None

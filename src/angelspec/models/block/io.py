@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from angelspec.models.block_drafter import DRAFTER_KINDS, HEADS, BlockDrafter, BlockDrafterConfig
+from angelspec.models.block.config import DRAFTER_KINDS, HEADS, BlockDrafterConfig
+from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import (

@@ -1,4 +1,4 @@
-"""Block-parallel drafters: the DFlash / DFlare / DFly backbones and the DSpark / DFly sequential heads.
+"""The block-parallel drafter: the DFlash / DFlare / DFly backbones with the sequential heads of `heads`.
 
 Report §3.1–3.2 (Eq. 10–15, §6.2) and the DSpark implementation report §3 (UraionSpec: Markov, gated Markov and
 RNN heads, confidence head, DFlash backbone with KV injection).
@@ -11,7 +11,7 @@ continuing the context. Every draft layer i attends, bidirectionally inside the 
     keys/values = [ W_K g^(i)_{<t} ; W_K u_block ]        (KV injection: the target context as extra keys)
 
 where g^(i)_s is draft layer i's view of the target taps at committed position s < t (one per tap id in
-`target_layer_ids`; id j = output of target decoder layer j, DESIGN.md trap 2):
+`target_layer_ids`; id j = output of target decoder layer j, docs/design.md trap 2):
 
     dflash  Eq. 10   g^(i)_s = RMSNorm(c_s),  c_s = W_fc [h_s^(1); …; h_s^(n)] + b_fc     (shared by all layers)
     dflare  Eq. 11   g^(i)_s = RMSNorm_i(f^(i)_s),  f^(i)_s = Σ_j softmax(W_fuse[i])_j h_s^(j)
@@ -19,23 +19,9 @@ where g^(i)_s is draft layer i's view of the target taps at committed position s
 
 (DFlash's `hidden_norm` after fc is kept; DFlare gets a per-layer RMSNorm too, because the raw taps of
 different target layers differ in scale by orders of magnitude and W_K was sized for normalised input.)
-W_fuse starts from a distance prior (§6.2, `distance_prior`): draft layer i first looks at the taps of matching
-relative depth and learns to deviate.
-
-After the parallel backbone, only a small head runs left to right over the B−1 draft positions (Eq. 13). With
-z_k the backbone output at block entry k (pre-norm), h_k = RMSNorm(z_k), U_k = W_lm h_k and x_{k−1} the
-predecessor (the anchor for k = 1, then the previous draft; the clean token in teacher-forced training):
-
-    none     q_k = softmax(U_k)                                            (DFlash)
-    markov   Eq. 14   q_k = softmax(U_k + W2 W1[x_{k−1}])                 (W1 [V, r], W2 [r, V]: rank r)
-    gated    DSpark   q_k = softmax(U_k + W2 (σ(W_g [h_k; W1[x_{k−1}]]) ⊙ W1[x_{k−1}]))
-    rnn      DSpark   ζ_k = [s_{k−1}; W1[x_{k−1}]; h_k],  s_k = σ(W_g ζ_k) ⊙ s_{k−1} + (1−σ(W_g ζ_k)) ⊙ tanh(W_c ζ_k),
-                      q_k = softmax(U_k + W2 tanh(W_o ζ_k)),  s_0 = 0
-    hidden   Eq. 15   ẑ_k = z_k + SwiGLU([RMSNorm(z_k); RMSNorm(E(x_{k−1}))]),  q_k = softmax(W_lm RMSNorm(ẑ_k))
-
-and the optional confidence head (DSpark §3.2) `c_k = σ(w·[h_k; W1[x_{k−1}]] + b)` predicts the acceptance
-1 − TV(p_k, q_k); it shares W1 with a Markov-family head and owns a rank-r W1 otherwise. W2 and the SwiGLU's
-down projection start at zero, so every head starts as the plain backbone.
+W_fuse starts from a distance prior (§6.2, `config.distance_prior`): draft layer i first looks at the taps of
+matching relative depth and learns to deviate. After the backbone, a head (`heads`, Eq. 13–15) runs left to right
+over the B−1 draft positions.
 
 E and W_lm are the TARGET's, held by reference (not submodules), read detached, never saved. Model code only:
 no file I/O, no target inside, no sampling policy (the caller passes `select`).
@@ -46,6 +32,10 @@ and shared by every anchor) followed by all N·B block entries. The boolean mask
 from indices: context key s is visible to anchor a iff s < a and doc(s) = doc(a); block keys iff same anchor.
 Cost per layer: O(N·B·(T + N·B)·D) flops and N·B·(T + N·B) mask bytes, versus O(N·(T+B)²) for a dense
 per-anchor mask; a block-sparse kernel (FlexAttention) could further skip the fully masked tiles.
+`reference_forward_backbone` is the slow per-anchor reference the tests hold it to.
+
+Inference (`propose`): the committed context's injected K/V in a `StaticKVCache`, one backbone pass per step,
+then the head (`reference_propose`: the slow strictly-sequential reference).
 
 Shape legend: R packed rows (batch), T time, N anchors per row, B block size, K = B−1 draft positions,
 C model dim (= the target's), n taps, L draft layers, H heads, Hkv kv heads, Dh head dim, V vocab, r rank.
@@ -54,196 +44,27 @@ C model dim (= the target's), n taps, L draft layers, H heads, Hkv kv heads, Dh 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Self
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from angelspec.models.config import ConfigError, DecoderConfig, check_built_for, check_tap_ids
+from angelspec.models.block.config import MARKOV_HEADS, BlockDrafterConfig, distance_prior
+from angelspec.models.block.heads import HEAD_CLASSES, ConfidenceHead, HiddenCorrectionHead, MarkovHead
+from angelspec.models.block.targets import BlockTargets, block_targets
+from angelspec.models.config import ConfigError
 from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
-from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
+from angelspec.models.vocab import DraftVocabulary
 
-CONDITIONINGS = ("dflash", "dflare", "dfly")
 FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
 FACTORED_HEAD_MAX_ROWS = 2  # and the most rows a step may have to run it (beyond, FLOPs, not bytes, bound a step)
-HEADS = ("none", "markov", "gated", "rnn", "hidden")
-MARKOV_HEADS = ("markov", "gated", "rnn")  # the heads with a token embedding W1 and a bias W2 (DSpark §3.1)
-DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
+
 
 # Selection rule for `propose`: (logits [B, V] fp32, draft index k) -> (tokens [B] int64, probs [B, V] or None).
 Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
-
-
-def default_block_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-    """DFlash's tap choice: `num_taps` ids evenly spaced from 1 to L−3 (Qwen3-8B, L = 36, 5 taps: 1, 9, 17, 25,
-    33); small targets fall back to 1..L−1, then to the last layer."""
-    if num_taps < 1:
-        raise ConfigError(f"need at least one target tap, got {num_taps}")
-    start, end = 1, num_target_layers - 3
-    if end - start + 1 < num_taps:
-        start, end = max(0, num_target_layers - num_taps), num_target_layers - 1
-    if num_taps == 1:
-        return (end,)
-    return tuple(int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps))
-
-
-def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], temperature: float) -> Tensor:
-    """W_fuse's initial logits [L, n] (§6.2): −|d_i − t_j| / temperature, where d_i = i / (L−1) is draft layer i's
-    relative depth and t_j = (id_j − id_first) / (id_last − id_first) is tap j's relative depth within the tapped
-    span (0.5 for a single layer or tap). softmax over j therefore peaks at the tap of matching depth."""
-    ids = torch.tensor(list(target_layer_ids), dtype=torch.float64)
-    d = torch.arange(num_draft_layers, dtype=torch.float64) / max(num_draft_layers - 1, 1)
-    if num_draft_layers == 1:
-        d = d + 0.5
-    span = float(ids[-1] - ids[0]) if len(ids) > 1 else 0.0
-    t = (ids - ids[0]) / span if span > 0 else torch.full_like(ids, 0.5)
-    return (-(d[:, None] - t[None, :]).abs() / temperature).float()
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockDrafterConfig:
-    """Shape and design of a block-parallel drafter and the target it belongs to.
-
-    `hidden_size` / `vocab_size` equal the target's (E and W_lm are shared); attention and MLP shapes are the
-    draft layers' own (default: the target's). `block_size` B counts the anchor, so a step proposes B−1 drafts
-    (vLLM's `num_speculative_tokens = block_size − 1`). `mask_token_id` must be a real id of the target's
-    vocabulary (DFlash reserves an unused special token; Qwen3: 151669)."""
-
-    target_fingerprint: str
-    vocab_size: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    target_num_layers: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int | None
-    block_size: int = 8
-    num_draft_layers: int = 5
-    conditioning: str = "dfly"
-    head: str = "hidden"
-    markov_rank: int = 256
-    confidence_head: bool = True
-    head_intermediate_size: int | None = None  # hidden-correction SwiGLU width (None: hidden_size)
-    fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
-    draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
-    max_position_embeddings: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    qk_norm: bool = True
-    model_type: str = "qwen3"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
-                              f"{self.block_size!r}")
-        if self.num_draft_layers < 1:
-            raise ConfigError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
-        if self.conditioning not in CONDITIONINGS:
-            raise ConfigError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
-        if self.head not in HEADS:
-            raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
-        if self.markov_rank < 1:
-            raise ConfigError(f"markov_rank must be >= 1, got {self.markov_rank}")
-        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
-        if self.fusion_prior_temperature <= 0:
-            raise ConfigError(f"fusion_prior_temperature must be > 0, got {self.fusion_prior_temperature}")
-        if not self.target_layer_ids:
-            raise ConfigError("target_layer_ids is empty: a block drafter conditions on at least one target tap")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or list(self.target_layer_ids) != sorted(
-                self.target_layer_ids):
-            raise ConfigError(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
-        self.check_layer_ids(self.target_num_layers)
-        if self.mask_token_id is None:
-            raise ConfigError("mask_token_id is required: block drafters fill the draft positions with the "
-                              "embedding of a reserved token (pass mask_token_id=<an unused special token id>)")
-        self.check_mask_token(self.vocab_size)
-        self.layer_config()  # validates head shapes
-
-    # ----- derived values -----
-    @property
-    def num_drafts(self) -> int:
-        """K = B − 1 drafts per step."""
-        return self.block_size - 1
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @property
-    def drafter(self) -> str:
-        """The drafter kind written to config.json: "dspark" for the DFlash backbone with a Markov-family head
-        (DSpark report), otherwise the conditioning ("dflash", "dflare", "dfly"; DFly's heads are markov|hidden)."""
-        return "dspark" if self.conditioning == "dflash" and self.head in MARKOV_HEADS else self.conditioning
-
-    # ----- checks -----
-    def check_layer_ids(self, num_layers: int) -> None:
-        """Raise ConfigError unless every tap id names a layer of a target with `num_layers` layers."""
-        check_tap_ids(self.target_layer_ids, num_layers, "block drafter")
-
-    def check_mask_token(self, num_tokens: int) -> None:
-        """Raise ConfigError unless `mask_token_id` is an id of a vocabulary (or tokenizer) of `num_tokens`."""
-        if self.mask_token_id is None or not 0 <= self.mask_token_id < num_tokens:
-            raise ConfigError(f"mask token id {self.mask_token_id} is not in the vocabulary (ids 0..{num_tokens - 1})"
-                              ": pick a reserved special token of the target's tokenizer")
-
-    def check_target(self, target: DecoderConfig) -> None:
-        """Raise ConfigError when `target` is not the model this drafter was built for (tap ids first)."""
-        check_built_for(self, target, "drafter")
-
-    def layer_config(self) -> DecoderConfig:
-        """The `DecoderConfig` the draft layers and the context KV cache are built from (plain RoPE)."""
-        return DecoderConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_draft_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, model_type=self.model_type, qk_norm=self.qk_norm,
-        )
-
-    # ----- construction / serialisation -----
-    @classmethod
-    def for_target(cls, target: DecoderConfig, *, mask_token_id: int | None, block_size: int = 8,
-                   num_draft_layers: int = 5, target_layer_ids: Sequence[int] | None = None,
-                   num_taps: int | None = None, conditioning: str = "dfly", head: str = "hidden",
-                   markov_rank: int = 256, confidence_head: bool = True, num_attention_heads: int | None = None,
-                   num_key_value_heads: int | None = None, head_dim: int | None = None,
-                   intermediate_size: int | None = None, **design: Any) -> BlockDrafterConfig:
-        """A drafter for `target`: draft-layer shapes default to the target's, taps to `default_block_layer_ids`
-        with `num_taps` (default: one per draft layer, at most the target's layer count). `design` takes the
-        remaining fields (head_intermediate_size, fusion_prior_temperature)."""
-        if target_layer_ids is None:
-            taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
-            target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
-        return cls(
-            target_fingerprint=target.fingerprint(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            num_attention_heads=num_attention_heads or target.num_attention_heads,
-            num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
-            head_dim=head_dim or target.head_dim, intermediate_size=intermediate_size or target.intermediate_size,
-            target_num_layers=target.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),
-            mask_token_id=mask_token_id, block_size=block_size, num_draft_layers=num_draft_layers,
-            conditioning=conditioning, head=head, markov_rank=markov_rank, confidence_head=confidence_head,
-            max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta, qk_norm=target.qk_norm, model_type=target.model_type, **design,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["target_layer_ids"] = list(self.target_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Self:
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"unknown block drafter config fields {unknown}; is this a block drafter folder?")
-        return cls(**raw)
 
 
 def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_valid: Tensor
@@ -262,200 +83,6 @@ def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_
                         qg @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, g·Tq, S + Tq]
     p = torch.softmax(scores if scores.dtype.itemsize >= 4 else scores.float(), dim=-1).to(q.dtype)  # fp32+
     return (p[..., :S] @ ctx_v + p[..., S:] @ v).view(B, H, Tq, Dh)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sequential heads (Eq. 13–15, DSpark §3.1) and the confidence head (DSpark §3.2)
-# ---------------------------------------------------------------------------------------------------------
-
-
-class MarkovHead(nn.Module):
-    """Eq. 14: bias b = W2 W1[x_prev], a rank-r first-order transition added to the backbone logits."""
-
-    stateful = False
-
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, rank)  # W1 [V, r]
-        self.out = nn.Linear(rank, vocab_size, bias=False)  # W2 [r, V] (stored transposed, as nn.Linear does)
-
-    def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
-        return None
-
-    def step(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """h [..., C] (normalised backbone state), prev [...] -> (bias [..., V], next state)."""
-        u, state = self.features(h, prev, state)
-        return self.out(u), state
-
-    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The rank-r vector W2 maps to the bias: h [..., C], prev [...] -> (u [..., r], next state)."""
-        return self.embed(prev), None
-
-    def sequence(self, h: Tensor, prev: Tensor) -> Tensor:
-        """Teacher-forced biases for a whole block: h [..., K, C], prev [..., K] -> [..., K, V]. Stateless heads
-        are position-wise, so every position runs at once; the RNN loops over K (small)."""
-        return self.out(self.sequence_features(h, prev))
-
-    def sequence_features(self, h: Tensor, prev: Tensor) -> Tensor:
-        """`features` over a whole block: h [..., K, C], prev [..., K] -> u [..., K, r]."""
-        if not self.stateful:
-            return self.features(h, prev, None)[0]
-        state = self.init_state(prev.shape[:-1], h)
-        out = []
-        for k in range(prev.shape[-1]):
-            u, state = self.features(h[..., k, :], prev[..., k], state)
-            out.append(u)
-        return torch.stack(out, dim=-2)
-
-
-class GatedMarkovHead(MarkovHead):
-    """DSpark §3.1: g = σ(W_g [h; W1[x_prev]]), b = W2 (g ⊙ W1[x_prev])."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
-        super().__init__(vocab_size, hidden_size, rank)
-        self.gate = nn.Linear(hidden_size + rank, rank)  # W_g
-
-    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        e = self.embed(prev).to(h.dtype)  # [..., r]
-        g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
-        return g * e, None
-
-
-class RNNHead(MarkovHead):
-    """DSpark §3.1, a GRU-like head over the realised prefix: ζ_k = [s_{k−1}; W1[x_{k−1}]; h_k],
-    s_k = σ(W_g ζ_k) ⊙ s_{k−1} + (1 − σ(W_g ζ_k)) ⊙ tanh(W_c ζ_k), b_k = W2 tanh(W_o ζ_k); s_0 = 0, state dim r."""
-
-    stateful = True
-
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
-        super().__init__(vocab_size, hidden_size, rank)
-        self.rank = rank
-        width = 2 * rank + hidden_size
-        self.gate = nn.Linear(width, rank)  # W_g
-        self.cand = nn.Linear(width, rank)  # W_c
-        self.proj = nn.Linear(width, rank)  # W_o
-
-    def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        return like.new_zeros(*shape, self.rank)
-
-    def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
-        assert state is not None
-        zeta = torch.cat([state, self.embed(prev).to(h.dtype), h], dim=-1)  # [..., 2r + C]
-        u = torch.sigmoid(self.gate(zeta))
-        new_state = u * state + (1 - u) * torch.tanh(self.cand(zeta))
-        return torch.tanh(self.proj(zeta)), new_state
-
-
-class HiddenCorrectionHead(nn.Module):
-    """Eq. 15: ẑ = z + SwiGLU([RMSNorm(z); RMSNorm(e_prev)]) with e_prev the target embedding of the predecessor.
-    The down projection starts at zero, so the head starts as the identity.
-
-    The gate/up projection of the concatenation is W [RMSNorm z; RMSNorm e] = W_z RMSNorm z + W_e RMSNorm e, so the
-    predecessor-free half (`z_part`) runs for a whole block at once and a left-to-right step (`step`) multiplies
-    only W_e: half the weights per draft position."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, eps: float) -> None:
-        super().__init__()
-        self.hidden = hidden_size
-        self.inter = intermediate_size
-        self.z_norm = RMSNorm(hidden_size, eps)
-        self.e_norm = RMSNorm(hidden_size, eps)
-        self.gate_up_proj = nn.Linear(2 * hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def z_part(self, z: Tensor) -> Tensor:
-        """W_z RMSNorm(z): z [..., C] backbone output (pre-norm) -> [..., 2I]."""
-        return F.linear(self.z_norm(z), self.gate_up_proj.weight[:, : self.hidden])
-
-    def step(self, z: Tensor, z_part: Tensor, e_prev: Tensor) -> Tensor:
-        """ẑ from z [..., C], its `z_part` [..., 2I] and e_prev [..., C] -> [..., C]."""
-        gate_up = z_part + F.linear(self.e_norm(e_prev.to(z.dtype)), self.gate_up_proj.weight[:, self.hidden:])
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return z + self.down_proj(F.silu(gate) * up)
-
-    def forward(self, z: Tensor, e_prev: Tensor) -> Tensor:
-        """z [..., C] backbone output (pre-norm), e_prev [..., C] -> ẑ [..., C]."""
-        return self.step(z, self.z_part(z), e_prev)
-
-
-class ConfidenceHead(nn.Module):
-    """DSpark §3.2: confidence logit w·[h_k; W1[x_{k−1}]] + b (sigmoid -> c_k), trained on 1 − TV."""
-
-    def __init__(self, hidden_size: int, rank: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(hidden_size + rank, 1)
-
-    def forward(self, h: Tensor, e: Tensor) -> Tensor:
-        """h [..., C], e = W1[x_prev] [..., r] -> logits [...] (pre-sigmoid)."""
-        return self.proj(torch.cat([h, e.to(h.dtype)], dim=-1))[..., 0]
-
-
-HEAD_CLASSES: dict[str, type[MarkovHead]] = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training-time helpers: anchors and block targets
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockTargets:
-    """Teacher-forcing inputs and supervision of the K = B−1 draft positions of every anchor.
-
-    Draft k (1..K) of anchor a predicts x_{a+k}; its predecessor is x_{a+k−1}; the target's teacher distribution
-    for it is the target's logits at position a+k−1 (`source_index`)."""
-
-    labels: Tensor  # [R, N, K] int64, x_{a+k} (clamped index where invalid)
-    prev_tokens: Tensor  # [R, N, K] int64, x_{a+k−1}: the teacher-forced predecessor
-    source_index: Tensor  # [R, N, K] int64, a+k−1: where to gather the target's (teacher) logits
-    valid: Tensor  # [R, N, K] bool, inside the row, in the anchor's document, trained on, anchor valid
-
-
-def block_targets(input_ids: Tensor, anchors: Tensor, block_size: int, *, document_ids: Tensor | None = None,
-                  loss_mask: Tensor | None = None, anchor_valid: Tensor | None = None) -> BlockTargets:
-    """input_ids [R, T], anchors [R, N] -> `BlockTargets`. A label is valid when a+k < T, it lies in the anchor's
-    document (never across a packed document end) and `loss_mask` [R, T] (if given) trains on it."""
-    R, T = input_ids.shape
-    k = torch.arange(1, block_size, device=anchors.device)
-    idx = anchors[..., None] + k  # [R, N, K]
-    valid = idx < T
-    idx_c = idx.clamp(max=T - 1)
-    flat = idx_c.flatten(1)  # [R, N·K]
-    labels = input_ids.gather(1, flat).view_as(idx)
-    src = (idx - 1).clamp(max=T - 1)
-    prev = input_ids.gather(1, src.flatten(1)).view_as(idx)
-    if document_ids is not None:
-        a_doc = document_ids.gather(1, anchors)[..., None]  # [R, N, 1]
-        valid = valid & (document_ids.gather(1, flat).view_as(idx) == a_doc)
-    if loss_mask is not None:
-        valid = valid & loss_mask.bool().gather(1, flat).view_as(idx)
-    if anchor_valid is not None:
-        valid = valid & anchor_valid[..., None]
-    return BlockTargets(labels=labels, prev_tokens=prev, source_index=src, valid=valid)
-
-
-def sample_anchors(loss_mask: Tensor, num_anchors: int, *, document_ids: Tensor | None = None,
-                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Pick up to `num_anchors` distinct anchors per row, uniformly among positions a whose first draft x_{a+1}
-    is trained on and in a's document. loss_mask [R, T] -> (anchors [R, N] sorted, anchor_valid [R, N]); rows
-    with fewer candidates repeat a candidate (or 0) marked invalid."""
-    R, T = loss_mask.shape
-    cand = torch.zeros(R, T, dtype=torch.bool, device=loss_mask.device)
-    cand[:, :-1] = loss_mask[:, 1:].bool()
-    if document_ids is not None:
-        cand[:, :-1] &= document_ids[:, 1:] == document_ids[:, :-1]
-    score = torch.rand(R, T, generator=generator, device=loss_mask.device)
-    score = torch.where(cand, score, -1.0)
-    n = min(num_anchors, T)
-    top, idx = score.topk(n, dim=1)  # [R, N]
-    valid = top >= 0
-    order = torch.where(valid, idx, T + idx).argsort(dim=1)  # valid anchors first, ascending
-    return idx.gather(1, order), valid.gather(1, order)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The drafter
-# ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -1019,60 +646,3 @@ def reference_forward_backbone(model: BlockDrafter, taps: Tensor, input_ids: Ten
                 x = model.layer_forward(i, x, cos, sin, k, v, mask)
             out[r, n] = x[0]
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Presets
-# ---------------------------------------------------------------------------------------------------------
-
-EMBEDDED_MASK_TOKEN_ID = 5  # the embedded target's reserved mask token
-QWEN3_MASK_TOKEN_ID = 151669  # the unused special token DFlash / DSpark checkpoints for Qwen3 use
-
-
-def embedded_target_shape() -> DecoderConfig:
-    """The shape of the embedded target (Qwen3, 6 × 256, vocab 8192; `angelspec target build`): the fields the
-    fingerprint reads. Pass the real target's config instead wherever one is at hand."""
-    return DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                         model_type="qwen3", qk_norm=True)
-
-
-def qwen3_8b_shape() -> DecoderConfig:
-    """Qwen3-8B's published shape (36 × 4096, 32 / 8 heads of 128, MLP 12288, vocab 151936, rope θ 1e6)."""
-    return DecoderConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                         rope_theta=1_000_000.0, model_type="qwen3", qk_norm=True, tie_word_embeddings=False)
-
-
-def dfly_embedded(target: DecoderConfig | None = None, *, mask_token_id: int = EMBEDDED_MASK_TOKEN_ID,
-                  **overrides: Any) -> BlockDrafterConfig:
-    """DFly for the embedded target: 2 draft layers of the target's width, block 8, taps (1, 3, 5) (low, mid and
-    the last layer: on a 6-layer target the last layer carries most of the next-token signal), hidden-correction
-    head, confidence head with a rank-64 W1. `overrides` replace any field (e.g. head="markov")."""
-    cfg = BlockDrafterConfig.for_target(target or embedded_target_shape(), mask_token_id=mask_token_id,
-                                        block_size=8, num_draft_layers=2, target_layer_ids=(1, 3, 5),
-                                        conditioning="dfly", head="hidden", markov_rank=64, confidence_head=True)
-    return replace(cfg, **overrides) if overrides else cfg
-
-
-def qwen3_8b_dfly(target: DecoderConfig | None = None, *, mask_token_id: int = QWEN3_MASK_TOKEN_ID
-                  ) -> BlockDrafterConfig:
-    """The report's default DFly (§3.5, Table 5: L5-B8): 5 draft layers of the target's shape, block size 8, the
-    DFlash taps (1, 9, 17, 25, 33 on Qwen3-8B), hybrid conditioning, hidden-correction head, confidence head.
-    Pass a scaled-down `target` (and its mask token) to build the same design on a tiny model."""
-    return BlockDrafterConfig.for_target(target or qwen3_8b_shape(), mask_token_id=mask_token_id, block_size=8,
-                                         num_draft_layers=5, conditioning="dfly", head="hidden", markov_rank=256,
-                                         confidence_head=True)
-
-
-def qwen3_8b_dspark(target: DecoderConfig | None = None, *, mask_token_id: int = QWEN3_MASK_TOKEN_ID
-                    ) -> BlockDrafterConfig:
-    """DSpark (DSpark report §3): the DFlash backbone (shared fc context), L5-B8, a rank-256 Markov head and the
-    confidence head sharing its W1."""
-    return BlockDrafterConfig.for_target(target or qwen3_8b_shape(), mask_token_id=mask_token_id, block_size=8,
-                                         num_draft_layers=5, conditioning="dflash", head="markov", markov_rank=256,
-                                         confidence_head=True)
-
-
-PRESETS: dict[str, Callable[..., BlockDrafterConfig]] = {
-    "dfly_embedded": dfly_embedded, "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}

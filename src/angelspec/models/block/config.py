@@ -1,0 +1,145 @@
+"""Block-drafter configuration (report §3.1–3.2, §6.2; DSpark report §3): `BlockDrafterConfig`, the design
+choices of a DFlash / DFlare / DFly / DSpark drafter and the target it belongs to, the names of those choices
+(CONDITIONINGS, HEADS, MARKOV_HEADS, DRAFTER_KINDS), DFlash's tap choice (`default_block_layer_ids`) and the
+distance prior W_fuse starts from (`distance_prior`, §6.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
+from angelspec.models.vocab import check_draft_vocab_size
+
+CONDITIONINGS = ("dflash", "dflare", "dfly")
+HEADS = ("none", "markov", "gated", "rnn", "hidden")
+MARKOV_HEADS = ("markov", "gated", "rnn")  # the heads with a token embedding W1 and a bias W2 (DSpark §3.1)
+DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
+
+
+def default_block_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's tap choice: `num_taps` ids evenly spaced from 1 to L−3 (Qwen3-8B, L = 36, 5 taps: 1, 9, 17, 25,
+    33); small targets fall back to 1..L−1, then to the last layer."""
+    if num_taps < 1:
+        raise ConfigError(f"need at least one target tap, got {num_taps}")
+    start, end = 1, num_target_layers - 3
+    if end - start + 1 < num_taps:
+        start, end = max(0, num_target_layers - num_taps), num_target_layers - 1
+    if num_taps == 1:
+        return (end,)
+    return tuple(int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps))
+
+
+def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], temperature: float) -> Tensor:
+    """W_fuse's initial logits [L, n] (§6.2): −|d_i − t_j| / temperature, where d_i = i / (L−1) is draft layer i's
+    relative depth and t_j = (id_j − id_first) / (id_last − id_first) is tap j's relative depth within the tapped
+    span (0.5 for a single layer or tap). softmax over j therefore peaks at the tap of matching depth."""
+    ids = torch.tensor(list(target_layer_ids), dtype=torch.float64)
+    d = torch.arange(num_draft_layers, dtype=torch.float64) / max(num_draft_layers - 1, 1)
+    if num_draft_layers == 1:
+        d = d + 0.5
+    span = float(ids[-1] - ids[0]) if len(ids) > 1 else 0.0
+    t = (ids - ids[0]) / span if span > 0 else torch.full_like(ids, 0.5)
+    return (-(d[:, None] - t[None, :]).abs() / temperature).float()
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockDrafterConfig(DraftModelConfig):
+    """Shape and design of a block-parallel drafter and the target it belongs to (`DraftModelConfig`).
+
+    `hidden_size` / `vocab_size` equal the target's (E and W_lm are shared); attention and MLP shapes are the
+    draft layers' own (default: the target's). `block_size` B counts the anchor, so a step proposes B−1 drafts
+    (vLLM's `num_speculative_tokens = block_size − 1`). `mask_token_id` must be a real id of the target's
+    vocabulary (DFlash reserves an unused special token; Qwen3: 151669)."""
+
+    noun: ClassVar[str] = "block drafter"
+
+    target_layer_ids: tuple[int, ...]  # type: ignore[misc]  # a field here, a ClassVar on the base
+    mask_token_id: int | None
+    block_size: int = 8
+    num_draft_layers: int = 5  # type: ignore[misc]  # a field here, a ClassVar on the base
+    conditioning: str = "dfly"
+    head: str = "hidden"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    head_intermediate_size: int | None = None  # hidden-correction SwiGLU width (None: hidden_size)
+    fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
+                              f"{self.block_size!r}")
+        if self.num_draft_layers < 1:
+            raise ConfigError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.conditioning not in CONDITIONINGS:
+            raise ConfigError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+        if self.head not in HEADS:
+            raise ConfigError(f"unknown head {self.head!r}; choose one of {', '.join(HEADS)}")
+        if self.markov_rank < 1:
+            raise ConfigError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
+        if self.fusion_prior_temperature <= 0:
+            raise ConfigError(f"fusion_prior_temperature must be > 0, got {self.fusion_prior_temperature}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: a block drafter conditions on at least one target tap")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or list(self.target_layer_ids) != sorted(
+                self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
+        self.check_layer_ids(self.target_num_layers)
+        if self.mask_token_id is None:
+            raise ConfigError("mask_token_id is required: block drafters fill the draft positions with the "
+                              "embedding of a reserved token (pass mask_token_id=<an unused special token id>)")
+        self.check_mask_token(self.vocab_size)
+        self.layer_config()  # validates head shapes
+
+    # ----- derived values -----
+    @property
+    def num_drafts(self) -> int:
+        """K = B − 1 drafts per step."""
+        return self.block_size - 1
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def drafter(self) -> str:
+        """The drafter kind written to config.json: "dspark" for the DFlash backbone with a Markov-family head
+        (DSpark report), otherwise the conditioning ("dflash", "dflare", "dfly"; DFly's heads are markov|hidden)."""
+        return "dspark" if self.conditioning == "dflash" and self.head in MARKOV_HEADS else self.conditioning
+
+    # ----- checks -----
+    def check_mask_token(self, num_tokens: int) -> None:
+        """Raise ConfigError unless `mask_token_id` is an id of a vocabulary (or tokenizer) of `num_tokens`."""
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < num_tokens:
+            raise ConfigError(f"mask token id {self.mask_token_id} is not in the vocabulary (ids 0..{num_tokens - 1})"
+                              ": pick a reserved special token of the target's tokenizer")
+
+    # ----- construction / serialisation -----
+    @classmethod
+    def for_target(cls, target: DecoderConfig, *, mask_token_id: int | None, block_size: int = 8,
+                   num_draft_layers: int = 5, target_layer_ids: Sequence[int] | None = None,
+                   num_taps: int | None = None, conditioning: str = "dfly", head: str = "hidden",
+                   markov_rank: int = 256, confidence_head: bool = True, num_attention_heads: int | None = None,
+                   num_key_value_heads: int | None = None, head_dim: int | None = None,
+                   intermediate_size: int | None = None, **design: Any) -> BlockDrafterConfig:
+        """A drafter for `target`: draft-layer shapes default to the target's, taps to `default_block_layer_ids`
+        with `num_taps` (default: one per draft layer, at most the target's layer count). `design` takes the
+        remaining fields (head_intermediate_size, fusion_prior_temperature)."""
+        if target_layer_ids is None:
+            taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
+            target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
+        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
+                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                                 intermediate_size=intermediate_size)
+        return cls(
+            target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id, block_size=block_size,
+            num_draft_layers=num_draft_layers, conditioning=conditioning, head=head, markov_rank=markov_rank,
+            confidence_head=confidence_head, **shape, **design,
+        )
