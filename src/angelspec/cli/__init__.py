@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_decontam(sub)
     data.add_prompt_pool(sub)
     evaluate.add_eval_server(sub)
+    train.add_build_drafters(sub)
     return parser
 
 

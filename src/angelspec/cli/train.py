@@ -147,3 +147,38 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     print(apply_draft_vocab(args.drafter, args.data, args.size, target=args.target, out=args.out,
                             force=args.force).format())
     return 0
+
+
+def add_build_drafters(sub: Subparsers) -> None:
+    """Rebuild the drafters that ship with the embedded target (`make drafters`): the prompt pool, the target's
+    greedy rollouts of it, each drafter trained with its *_shipped preset beside an evaluation server, and the
+    export (config.json, bf16 safetensors, train report, evaluation log) into the package's assets/drafters/.
+    Every stage resumes where it stopped; --max-minutes bounds each drafter's training in one call."""
+    from angelspec.pipelines.shipped import DEFAULT_WORK, SHIPPED
+
+    p = sub.add_parser("build-drafters", help="rebuild the drafters shipped with the embedded target",
+                       description=add_build_drafters.__doc__)
+    p.add_argument("--drafters", default=",".join(SHIPPED), metavar="NAME,...",
+                   help=f"which ones (default: {','.join(SHIPPED)})")
+    p.add_argument("--work-dir", default=str(DEFAULT_WORK), metavar="DIR",
+                   help=f"pool, rollouts and training runs (default: {DEFAULT_WORK})")
+    p.add_argument("--out", default=None, metavar="DIR", help="export folder (default: the package's assets/drafters)")
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                   help="stop each drafter's training after M minutes at a checkpoint (run again to continue)")
+    p.add_argument("--no-export", action="store_true", help="train only; leave the package's assets alone")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_build_drafters)
+
+
+def cmd_build_drafters(args: argparse.Namespace) -> int:
+    """`angelspec build-drafters`: call `build_shipped_drafters` and list what it wrote."""
+    from angelspec.assets import DEFAULT_DRAFTERS
+    from angelspec.pipelines.shipped import build_shipped_drafters
+
+    names = [n for n in args.drafters.split(",") if n]
+    done = build_shipped_drafters(names, work_dir=args.work_dir, out_root=args.out or DEFAULT_DRAFTERS,
+                                  max_minutes=args.max_minutes, export=not args.no_export,
+                                  progress=not args.quiet)
+    for name, folder in done.items():
+        print(f"{name}: {folder}")
+    return 0

@@ -355,16 +355,17 @@ def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temper
 
 def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *, limit: int = 4,
                       max_new_tokens: int = 64, temperatures: Sequence[float] = (0.0,),
-                      prompts_path: str | Path | None = None, log_path: str | Path | None = None
-                      ) -> subprocess.Popen:
+                      prompts_path: str | Path | None = None, log_path: str | Path | None = None,
+                      idle_timeout_s: float = 3600.0) -> subprocess.Popen:
     """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
-    it waits for the run folder, evaluates each checkpoint and exits after the final one. Its output goes to
+    it waits for the run folder, evaluates each checkpoint and exits after the final one (or after
+    `idle_timeout_s` without a new checkpoint: a trainer that died). Its output goes to
     `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
     cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
            "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
-           "--temperatures", ",".join(f"{t:g}" for t in temperatures)]
+           "--temperatures", ",".join(f"{t:g}" for t in temperatures), "--idle-timeout", f"{idle_timeout_s:g}"]
     if target_dir is not None:
         cmd += ["--target", str(target_dir)]
     if prompts_path is not None:

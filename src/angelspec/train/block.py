@@ -203,6 +203,16 @@ def dfly_demo() -> BlockDrafterTrainConfig:
                    intermediate_size=512, head_intermediate_size=128)
 
 
+def dfly_shipped() -> BlockDrafterTrainConfig:
+    """The DFly that ships with the embedded target (`assets/drafters/dfly`, `make drafters`): `dfly_demo`'s
+    CPU-cheap shape (one draft layer, 512-wide MLP, 128-wide hidden-correction head, 1024-token draft vocabulary,
+    block 8 = K 7) trained on the 20k-prompt pool's rollouts for 4,800 steps of 4 × 512 tokens (9.8M tokens),
+    with 32 anchors per row (the target forward dominates a step, so more blocks per row buy supervision
+    cheaply), the LK cold start for the first 800 steps, then e2e TV."""
+    return replace(dfly_demo(), batch_size=4, num_anchors=32, steps=4800, switch_step=800, warmup=50,
+                   ckpt_every=200, log_every=20)
+
+
 def dflash_embedded() -> BlockDrafterTrainConfig:
     """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
     return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
@@ -218,6 +228,13 @@ def dspark_embedded() -> BlockDrafterTrainConfig:
     DSpark loss with w_k = exp(−(k−1)/γ), γ = K."""
     return BlockDrafterTrainConfig(drafter="dspark", head="markov", target_layer_ids=EMBEDDED_TAPS,
                                    objective="dspark")
+
+
+def dspark_shipped() -> BlockDrafterTrainConfig:
+    """The DSpark that ships with the embedded target: `dspark_embedded`'s recipe (Markov head, confidence head,
+    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (1,600 steps, 3.3M tokens)."""
+    return replace(dspark_embedded(), draft_layers=1, intermediate_size=512, draft_vocab_size=1024, batch_size=4,
+                   num_anchors=32, steps=1600, warmup=50, ckpt_every=200, log_every=20)
 
 
 def tiny_debug() -> BlockDrafterTrainConfig:
@@ -244,7 +261,8 @@ def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
     return replace(qwen3_8b_dfly(), drafter="dspark", head="markov", objective="dspark")
 
 
-PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dflash_embedded": dflash_embedded,
+PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dfly_shipped": dfly_shipped,
+           "dspark_shipped": dspark_shipped, "dflash_embedded": dflash_embedded,
            "dflare_embedded": dflare_embedded, "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug,
            "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}
 

@@ -8,16 +8,16 @@ an EAGLE-3 default preset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from angelspec.models.config import DecoderConfig
 from angelspec.models.eagle3 import Eagle3Config
 from angelspec.train.config import trainer
-from angelspec.train.mtp import BlockTrainConfig, train_mtp_job
+from angelspec.train.mtp import MTPFamilyTrainConfig, train_mtp_job
 
 
 @dataclass(frozen=True)
-class Eagle3TrainConfig(BlockTrainConfig):
+class Eagle3TrainConfig(MTPFamilyTrainConfig):
     """An EAGLE-3 run: the block conditions on fc over three target taps."""
 
     target_layer_ids: tuple[int, int, int] | None = None  # None: (1, L//2, L-2), id i = output of layer i
@@ -34,6 +34,14 @@ def eagle3_embedded() -> Eagle3TrainConfig:
     return Eagle3TrainConfig(batch_size=2, steps=200, switch_step=60, warmup=10)
 
 
+def eagle3_shipped() -> Eagle3TrainConfig:
+    """The EAGLE-3 that ships with the embedded target: `eagle3_embedded`'s recipe with a 1024-token draft
+    vocabulary on the 20k-prompt pool's rollouts, a third of the flagships' budget (1,600 steps of 4 × 512
+    tokens, 3.3M tokens), LK^alpha cold start for the first 300 steps, then e2e TV."""
+    return replace(eagle3_embedded(), batch_size=4, steps=1600, switch_step=300, warmup=50, ckpt_every=200,
+                   log_every=20, draft_vocab_size=1024)
+
+
 def tiny_debug() -> Eagle3TrainConfig:
     """Seconds: 3 steps on 2 short rows, switching objective after step 1 (needs a target of >= 5 layers for
     the default taps)."""
@@ -41,7 +49,7 @@ def tiny_debug() -> Eagle3TrainConfig:
                              ckpt_every=2, log_every=1)
 
 
-PRESETS = {"eagle3_embedded": eagle3_embedded, "tiny_debug": tiny_debug}
+PRESETS = {"eagle3_embedded": eagle3_embedded, "eagle3_shipped": eagle3_shipped, "tiny_debug": tiny_debug}
 
 
 train_eagle3 = trainer(train_mtp_job, eagle3_embedded, "train_eagle3",

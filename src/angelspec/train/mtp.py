@@ -57,7 +57,7 @@ from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
 
 
 @dataclass(frozen=True)
-class BlockTrainConfig(DrafterRunConfig):
+class MTPFamilyTrainConfig(DrafterRunConfig):
     """Block design and objective of one MTP-family training run (the optimisation, the layer shapes, None =
     the target's, and the data settings come from `DrafterRunConfig`).
 
@@ -92,7 +92,7 @@ class BlockTrainConfig(DrafterRunConfig):
 
 
 @dataclass(frozen=True)
-class MTPTrainConfig(BlockTrainConfig):
+class MTPTrainConfig(MTPFamilyTrainConfig):
     """An MTP run: the block conditions on one target tap."""
 
     target_layer_id: int | None = None  # None: the target's last layer
@@ -118,6 +118,13 @@ def mtp_demo() -> MTPTrainConfig:
                           draft_vocab_size=1024)
 
 
+def mtp_shipped() -> MTPTrainConfig:
+    """The MTP-3 (TTT) that ships with the embedded target (`assets/drafters/mtp`, `make drafters`): `mtp_demo`'s
+    shape (1024-token draft vocabulary) on the 20k-prompt pool's rollouts, 4,800 steps of 4 × 512 tokens (9.8M
+    tokens), LK^alpha cold start for the first 800 steps, then e2e TV."""
+    return replace(mtp_demo(), batch_size=4, steps=4800, switch_step=800, warmup=50, ckpt_every=200, log_every=20)
+
+
 def mtp_base() -> MTPTrainConfig:
     """The base-MTP comparison point of Table 2: teacher-forced, one depth, hard-label CE."""
     return MTPTrainConfig(ttt=False, num_depths=1, loss="ce", cold_start_loss=None)
@@ -129,13 +136,14 @@ def tiny_debug() -> MTPTrainConfig:
                           ckpt_every=2, log_every=1)
 
 
-PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
+PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mtp_shipped, "mtp_base": mtp_base,
+           "tiny_debug": tiny_debug}
 
 
 # ----- training -----
 
 
-def train_mtp_job(job: TrainJob, cfg: BlockTrainConfig) -> dict[str, Any]:
+def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     """Train the MTP-family drafter of `cfg` for `job` (the `Trainer` arguments): the kind follows the config,
     `MTPTrainConfig` trains MTP, `Eagle3TrainConfig` EAGLE-3. Data parallelism: module docstring."""
     run = start_run(job, batch_size=cfg.batch_size)
