@@ -1,8 +1,10 @@
 """`make demo`: the AngelSpec story on the embedded target, as a list of stages.
 
 The story: load the target; decode a few held-out prompts per domain (code, maths, chat) greedily with
-plain autoregressive (AR) decoding, the baseline; decode the same prompts with n-gram prompt lookup and
-with the shipped draft LM; close with one table per domain of tokens/s, mean accepted length (MAL),
+plain autoregressive (AR) decoding, the baseline; decode the same prompts with n-gram prompt lookup, the
+shipped draft LM and the drafters shipped with the embedded target (MTP-3 and EAGLE-3 with TTT, DFly, DSpark,
+DFly with D-cut; `make drafters` rebuilds them); train a DFly drafter for a few minutes to show the training
+pipeline; run a small serving sweep; close with one table per domain of tokens/s, mean accepted length (MAL),
 speed-up over AR, and whether the speculative outputs are identical to AR's (they must be, at T=0).
 The measuring is `angelspec.eval.speculative`, the same code as `angelspec eval`, so the demo's numbers
 mean what `eval`'s numbers mean.
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from angelspec.assets import DEFAULT_DRAFT_LM, EVAL_PROMPTS, TRAIN_PROMPTS, resolve_target_dir
+from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_DRAFTERS, EVAL_PROMPTS, TRAIN_PROMPTS, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
 from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
 from angelspec.errors import EXIT_BAD_INPUT, UsageError, is_user_error
@@ -42,7 +44,8 @@ class DemoState:
     batch_size: int = 1
     num_draft_tokens: int = 4
     draft_lm: Path = DEFAULT_DRAFT_LM
-    train_minutes: float = 2.5  # per trained drafter (MTP, DFly); 0 skips those stages
+    drafters: Path = DEFAULT_DRAFTERS  # the shipped drafters, one folder each (dfly, mtp, eagle3, dspark)
+    train_minutes: float = 2.0  # the short DFly training stage; 0 skips it
     rollout_data: Path | None = None
     train_prompts: Path = TRAIN_PROMPTS
     work_dir: Path = Path(".cache/demo")
@@ -120,16 +123,75 @@ def stage_ar_baseline(state: DemoState) -> dict[str, str]:
             "AR": f"{m.output_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tokens/s"}
 
 
-def _speculative_stage(state: DemoState, spec: str, name: str) -> dict[str, str]:
+def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str | None = None,
+                       policy: str = "full") -> dict[str, str]:
+    """Decode the demo prompts with drafter `spec` (`--drafter` syntax) at depth `k` (default: the demo's K;
+    "natural": what the drafter was trained for, `natural_depth`) and depth policy `policy`, against the AR
+    baseline."""
+    from dataclasses import replace
+
+    from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
     from angelspec.eval.speculative import evaluate
 
     drafter = resolve_drafter(spec, state.model, state.target_dir)
-    report = evaluate(state.model, drafter, state.prompts, state.settings, name=name, baseline=state.baseline)
+    if k == "natural":
+        k = natural_depth(drafter)
+    settings = replace(state.settings, num_draft_tokens=k or state.num_draft_tokens)
+    depth_policy = None
+    if policy != "full":
+        depth_policy = make_policy(policy, target=state.model, drafter=drafter,
+                                   num_draft_tokens=settings.num_draft_tokens,
+                                   cost_table_path=state.work_dir / f"{name}-cost-table.json",
+                                   batch_sizes=cost_batch_sizes(state.batch_size), log=print)
+    report = evaluate(state.model, drafter, state.prompts, settings, name=name, baseline=state.baseline,
+                      depth_policy=depth_policy, policy=policy)
     state.reports.append(report)
     print(report.format())
     r = report.overall
     return {name: f"{r.spec.tokens_per_s:.1f} tokens/s, MAL {r.spec.mean_accepted_length:.2f} "
-                  f"(K={state.num_draft_tokens}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
+                  f"(K={settings.num_draft_tokens}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
+
+
+def natural_depth(drafter: Any) -> int:
+    """The depth a drafter was trained for: a block drafter's block size - 1 (the shipped ones: 7), else the
+    three depths MTP-3 / EAGLE-3 unroll in training."""
+    inner = getattr(drafter, "inner", drafter)
+    return getattr(inner, "max_draft_tokens", None) or MTP_DEPTHS
+
+
+MTP_DEPTHS = 3
+# The shipped drafters the headline table measures: (folder name, table name, depth policy), each at the depth
+# it was trained for.
+SHIPPED_ROWS = (("mtp", "MTP-3 (shipped)", "full"), ("eagle3", "EAGLE-3 (shipped)", "full"),
+                ("dfly", "DFly (shipped)", "full"), ("dspark", "DSpark (shipped)", "full"),
+                ("dfly", "DFly+D-cut (shipped)", "dcut"))
+
+
+def shipped_folder(state: DemoState, name: str) -> Path | None:
+    folder = state.drafters / name
+    return folder if (folder / "config.json").is_file() else None
+
+
+def stage_shipped(state: DemoState) -> dict[str, str]:
+    """The drafters shipped with the embedded target, trained on its own rollouts of a 20k-prompt pool (their
+    train reports and learning curves sit beside the weights). Each is skipped with a note when its folder is
+    missing (`make drafters` builds them) or was trained for another target."""
+    from angelspec.decoding.drafters.base import DrafterMismatchError
+
+    facts: dict[str, str] = {}
+    for folder_name, name, policy in SHIPPED_ROWS:
+        folder = shipped_folder(state, folder_name)
+        if folder is None:
+            facts[name] = f"skipped: no drafter in {state.drafters / folder_name} (`make drafters` builds it)"
+            print(facts[name])
+            continue
+        print(f"\n--- {name} ---")
+        try:
+            facts.update(_speculative_stage(state, str(folder), name, k="natural", policy=policy))
+        except DrafterMismatchError as e:
+            facts[name] = f"skipped: {e}"
+            print(facts[name])
+    return facts
 
 
 def stage_ngram(state: DemoState) -> dict[str, str]:
@@ -192,39 +254,34 @@ def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
         config = replace(config, draft_vocab_size=0)
     getattr(module, fn_name)(state.target_dir, data, out, config=config, force=True,
                              max_minutes=state.train_minutes, progress=True, log=print)
-    return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name)}
-
-
-def stage_train_mtp(state: DemoState) -> dict[str, str]:
-    """The training story in miniature: an MTP drafter with Training-Time Test, trained for a few minutes on
-    the target's own answers to the shipped training prompts, then measured like the others."""
-    return _train_and_decode(state, "mtp", "MTP (TTT)")
+    return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name, k="natural")}
 
 
 def stage_train_dfly(state: DemoState) -> dict[str, str]:
-    """The block-parallel drafter: DFly (hybrid conditioning + hidden-correction head) on the same rollouts,
-    one backbone pass per step for the whole block."""
-    return _train_and_decode(state, "dfly", "DFly")
+    """The training pipeline in miniature: roll out the shipped training prompts with the target, train a DFly
+    block drafter on its answers for a few minutes, measure it like the others. A taste, not the shipped one:
+    `make drafters` trains those for an hour each on 20k prompts."""
+    return _train_and_decode(state, "dfly", "DFly (2-min demo training)")
 
 
 SERVING_CONCURRENCY = (1, 4, 16)
 SERVING_NEW_TOKENS = 32
 SERVING_MIN_REQUESTS = 4
+SERVING_K = 4  # one depth for every configuration of the sweep (MTP-3 drafts its 4th recurrently)
 
 
 def stage_serving(state: DemoState) -> dict[str, str]:
-    """Serving in miniature (AngelSpec report Figure 4): AR, MTP, DFly and DFly + D-cut (the report's, and bounded
-    to <= 3% expected acceptance loss) as closed-loop
-    clients at concurrency 1, 4 and 16, short greedy generations (under a minute on 2 CPU cores; the full
-    sweep is `benchmarks/serving.py`). Needs the drafters the two training stages just wrote."""
+    """Serving in miniature (AngelSpec report Figure 4): AR and the shipped MTP, DFly and DFly + D-cut (the
+    report's, and bounded to <= 3% expected acceptance loss) as closed-loop clients at concurrency 1, 4 and 16,
+    short greedy generations (a minute or two on 2 CPU cores; the full sweep is `benchmarks/serving.py`)."""
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.eval.serving import ServingConfig, bench, lossless
 
-    mtp, dfly = state.work_dir / "mtp", state.work_dir / "dfly"
+    mtp, dfly = state.drafters / "mtp", state.drafters / "dfly"
     missing = [str(d) for d in (mtp, dfly) if not (d / "config.json").is_file()]
-    if state.train_minutes <= 0 or missing:
-        why = "--train-minutes 0" if state.train_minutes <= 0 else f"no drafter in {', '.join(missing)}"
-        note = f"skipped ({why}): the serving sweep needs the MTP and DFly drafters of the training stages"
+    if missing:
+        note = f"skipped (no drafter in {', '.join(missing)}; `make drafters` builds them): the serving sweep " \
+               "needs the shipped MTP and DFly"
         print(note)
         return {"serving": note}
     configs = [ServingConfig("AR", "none"), ServingConfig("MTP", f"mtp:{mtp}"), ServingConfig("DFly", f"dfly:{dfly}"),
@@ -234,7 +291,7 @@ def stage_serving(state: DemoState) -> dict[str, str]:
     try:
         report = bench(state.model, state.tokenizer, state.target_dir, configs, concurrency=SERVING_CONCURRENCY,
                        max_new_tokens=min(SERVING_NEW_TOKENS, state.max_new_tokens),
-                       num_draft_tokens=state.num_draft_tokens, min_requests=SERVING_MIN_REQUESTS, warmup_tokens=4,
+                       num_draft_tokens=SERVING_K, min_requests=SERVING_MIN_REQUESTS, warmup_tokens=4,
                        out_dir=out_dir, workload=state.prompts, cost_table_path=out_dir / "dfly-cost-table.json")
     except DrafterMismatchError as e:
         note = f"skipped: {e}"
@@ -267,9 +324,9 @@ STAGES: list[Stage] = [
     Stage("AR baseline (greedy)", stage_ar_baseline),
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
-    Stage("train an MTP drafter (TTT) for a few minutes, then decode with it", stage_train_mtp),
+    Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut)", stage_shipped),
     Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
-    Stage("serving sweep: throughput vs concurrency (AR, MTP, DFly, DFly + D-cut)", stage_serving),
+    Stage("serving sweep: throughput vs concurrency (AR, shipped MTP, DFly, DFly + D-cut)", stage_serving),
     Stage("AR vs drafters, per domain", stage_report),
 ]
 
@@ -303,11 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, metavar="B",
                         help="concurrent requests (default: 1, the latency setting speculative decoding is for; "
                              "on CPU, batched AR is already cheap per token)")
-    parser.add_argument("--train-minutes", type=float, default=2.5, metavar="M",
-                        help="training budget of each trained drafter (MTP, DFly) in minutes; 0 skips them "
-                             "(default: 2.5)")
+    parser.add_argument("--drafters", default=str(DEFAULT_DRAFTERS), metavar="DIR",
+                        help="the shipped drafters, one folder each (default: the package's assets/drafters)")
+    parser.add_argument("--train-minutes", type=float, default=2.0, metavar="M",
+                        help="training budget of the demo's DFly training stage in minutes; 0 skips it "
+                             "(default: 2)")
     parser.add_argument("--train-prompts", default=str(TRAIN_PROMPTS), metavar="FILE",
-                        help="prompts the MTP stage rolls out and trains on (default: the shipped training prompts)")
+                        help="prompts the DFly training stage rolls out and trains on (default: the shipped training "
+                             "prompts)")
     parser.add_argument("--work-dir", default=".cache/demo", metavar="DIR",
                         help="where the training stages write rollouts and drafters (default: .cache/demo)")
     args = parser.parse_args(argv)
@@ -317,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be at least 1, got {value}")
     state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
                       batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
+                      drafters=Path(args.drafters),
                       work_dir=Path(args.work_dir), train_prompts=Path(args.train_prompts))
     try:
         report = run_demo(state)

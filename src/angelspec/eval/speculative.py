@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -256,7 +256,9 @@ def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], s
     runs, so a mismatched drafter costs nothing.
     """
     prompts = list(prompts)
-    if baseline is not None and (baseline.settings != settings or baseline.num_prompts != len(prompts)):
+    # AR decoding does not depend on the draft depth, so one baseline serves drafters of any K.
+    if baseline is not None and (replace(baseline.settings, num_draft_tokens=settings.num_draft_tokens) != settings
+                                 or baseline.num_prompts != len(prompts)):
         raise EvalError("the AR baseline was decoded with other settings or prompts than this evaluation")
     drafter.check_compatible(target.config, _max_seq_len(target, prompts, settings))
     if baseline is None:

@@ -29,7 +29,7 @@ drawn per global row, so N processes see the single-process batch; losses normal
 (checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
-`model.safetensors` with the drafter's own weights (`models.block_io`).
+`model.safetensors` with the drafter's own weights (`models.block.io`).
 
 Shape legend: R packed rows, T time, N anchors per row, K = B−1 draft positions, V vocab.
 """
@@ -174,7 +174,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
 
 # ----- presets -----
 
-EMBEDDED_TAPS = (1, 3, 5)  # low, mid and last layer of the 6-layer embedded target (models.block_drafter)
+EMBEDDED_TAPS = (1, 3, 5)  # low, mid and last layer of the 6-layer embedded target (models.block)
 
 
 def dfly_embedded() -> BlockDrafterTrainConfig:

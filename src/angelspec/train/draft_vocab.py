@@ -42,10 +42,10 @@ def apply_draft_vocab(drafter: str | Path, data: str | Path, size: int, *, targe
     """Count the assistant tokens of the conversations JSONL `data`, keep the `size` most frequent target tokens
     (plus the end-of-turn tokens) and save the drafter folder `drafter` with them to `out` (default: in place;
     a model already in another `out` is overwritten only with `force`)."""
-    from angelspec.models.block_drafter import BlockDrafter
-    from angelspec.models.block_io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import BLOCK_META_KEYS, load_block_drafter, read_block_config, save_block_drafter
     from angelspec.models.hf_io import read_config_json, write_json_atomic
-    from angelspec.models.mtp_io import BLOCK_KINDS, MTP_META_KEYS, build_block, load_mtp, read_mtp_config, save_mtp
+    from angelspec.models.mtp_io import MTP_FAMILY, MTP_META_KEYS, build_mtp_model, load_mtp, read_mtp_config, save_mtp
     from angelspec.train.data import load_conversations
 
     require_positive("--size", size)
@@ -56,7 +56,7 @@ def apply_draft_vocab(drafter: str | Path, data: str | Path, size: int, *, targe
     raw = read_config_json(src, "it is neither a block drafter nor a draft LM folder (pass a folder written by "
                                 "`angelspec train`, or a HF causal-LM folder)", "drafter folder")
     block = "block_drafter_config" in raw
-    family = next((kind for kind in BLOCK_KINDS if f"{kind}_config" in raw), None)  # MTP / EAGLE-3
+    family = next((kind for kind in MTP_FAMILY if f"{kind}_config" in raw), None)  # MTP / EAGLE-3
     cfg: Any = None
     meta = raw.get("angelspec") or {}
     if block:
@@ -80,7 +80,7 @@ def apply_draft_vocab(drafter: str | Path, data: str | Path, size: int, *, targe
             old, build, save, derived = (load_block_drafter(src, model), BlockDrafter, save_block_drafter,
                                          BLOCK_META_KEYS)
         else:
-            old, build, save, derived = load_mtp(src, model, kind=family), build_block, save_mtp, MTP_META_KEYS
+            old, build, save, derived = load_mtp(src, model, kind=family), build_mtp_model, save_mtp, MTP_META_KEYS
         new = build(replace(cfg, draft_vocab_size=size), model.embed_tokens, model.lm_head)
         new.load_state_dict({k: v for k, v in old.state_dict().items() if k != "draft_vocab"}, strict=False)
         new.set_draft_vocab(ids)
