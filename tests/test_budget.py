@@ -2,7 +2,7 @@
 
 Unit tests check the pure functions against literal, slow re-implementations of the paper's definitions
 (contiguous prefixes from the tie rule, Eq. 22 budgets, Algorithm 1's pseudo-code step by step); engine
-tests check losslessness with each policy active (DESIGN.md trap 1): token for token at T=0, and the
+tests check losslessness with each policy active (docs/design.md trap 1): token for token at T=0, and the
 distribution of the first emitted tokens at T=1 by a chi-square test, reusing test_engine_spec's helpers."""
 
 from __future__ import annotations

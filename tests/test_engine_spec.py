@@ -1,6 +1,6 @@
 """Speculative decoding through `SpecEngine`: losslessness at T=0 (token for token against AR), at T=1
 (empirical distribution against the exact AR distribution, for every verification protocol, and a
-demonstration that the biased combination of DESIGN.md trap 1 is caught), KV rollback (trap 4), edge cases,
+demonstration that the biased combination of docs/design.md trap 1 is caught), KV rollback (trap 4), edge cases,
 drafter compatibility, the registry and bad input.
 
 Models are tiny and float64 so that the verify forward (K+1 tokens at once) and AR decoding (one token at
@@ -125,7 +125,7 @@ class PositionHashDepth:
 
 @dataclass(frozen=True)
 class DishonestConfidenceDepth:
-    """Reads this round's confidences but claims it does not: the biased combination of DESIGN.md trap 1
+    """Reads this round's confidences but claims it does not: the biased combination of docs/design.md trap 1
     (sampled drafts + standard speculative sampling + a depth that depends on the sampled drafts)."""
 
     threshold: float
@@ -247,7 +247,7 @@ def test_draft_lm_early_stop_stays_exact_and_saves_draft_steps(target, greedy_ca
 
 
 def test_draft_lm_rollback_keeps_an_exact_drafter_exact(target, greedy_case):
-    """DESIGN.md trap 4: a draft LM identical to the target must have every verified draft accepted, also
+    """docs/design.md trap 4: a draft LM identical to the target must have every verified draft accepted, also
     after partial verifies (depth < K) force its cache to roll back. A stale draft-cache entry would
     change its proposals and lower acceptance without breaking T=0 equality."""
     requests, ar_tokens, _ = greedy_case

@@ -1,4 +1,4 @@
-"""Document-aware packing (DESIGN.md trap 3): zero leakage between packed documents through attention,
+"""Document-aware packing (docs/design.md trap 3): zero leakage between packed documents through attention,
 labels (every depth, both label conventions) and positions; first-fit packing and its efficiency.
 
 Shape legend: R rows, T row length, V vocab."""

@@ -492,7 +492,7 @@ def _biased_first_token(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def test_trap1_confidence_truncation() -> None:
-    """DESIGN.md trap 1: a verification depth chosen from the confidence of a *sampled* draft biases
+    """docs/design.md trap 1: a verification depth chosen from the confidence of a *sampled* draft biases
     standard rejection sampling; the same policy on the argmax draft (deterministic protocol) does not."""
     b, v = N_MC, 6
     p = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])

@@ -1,4 +1,4 @@
-"""Document-aware sequence packing (report §6.3; DESIGN.md trap 3).
+"""Document-aware sequence packing (report §6.3; docs/design.md trap 3).
 
 Drafter training samples are short, so one conversation per row wastes most of a fixed-length batch
 on padding. :func:`pack_documents` puts several documents into each row with greedy first-fit

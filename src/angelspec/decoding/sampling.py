@@ -33,7 +33,7 @@ generators and no syncs. Keys used in this module and expected from callers:
 position alone because a position is verified at most once: the step that first verifies it commits it.
 A position can be *drafted* in several rounds (drafted past a rejection, then drafted again), so draft
 noise also carries the round. Reusing it would let a verification budget built from last round's sampled
-drafts predict this round's draft, which is correctness trap 1 again (DESIGN.md). Plain decoding with
+drafts predict this round's draft, which is correctness trap 1 again (docs/design.md). Plain decoding with
 `sample(probs, seeds, positions, NoiseStream.TARGET)` draws the same token as a depth-0 verify step.
 """
 
@@ -436,7 +436,7 @@ def verify_speculative(
     has no mass under either, which sampling from q_j never produces; kept safe anyway). If all depth_b
     drafts are accepted the row emits a *bonus* token from p_{depth_b}. Each emitted token is then
     distributed exactly as the target would sample it, as long as depth does not depend on the sampled
-    drafts (DESIGN.md trap 1; see `verify_deterministic`).
+    drafts (docs/design.md trap 1; see `verify_deterministic`).
 
     Noise: accept coin of x_j keyed (ACCEPT, counter + j); the recovered/bonus sample (TARGET, counter +
     num_accepted), drawn only at that one position.
@@ -478,7 +478,7 @@ def verify_deterministic(
     *recovered* token comes from p_j with x_j removed and renormalised (max(0, p - δ)); the *bonus* token
     from p_{depth_b}. Since the drafts carry no randomness, any depth computed from the drafter's state
     (e.g. confidence-based truncation, D-cut) is a function of the prefix only, and every emitted token is
-    exactly target-distributed: this is what makes truncation lossless (DESIGN.md trap 1). Exactly equal
+    exactly target-distributed: this is what makes truncation lossless (docs/design.md trap 1). Exactly equal
     to `verify_speculative` with one-hot draft_probs, at a fraction of the memory. Same noise keying.
     """
     b, k = _check_drafts(draft_tokens)

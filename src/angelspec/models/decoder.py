@@ -4,7 +4,7 @@ KV cache.
 Shape legend: B batch, T new tokens in this call, S cache slots, D model dim, H query heads,
 Hkv key/value heads, Dh head dim, V vocab.
 
-Hidden-state tap ids (DESIGN.md trap 2): id `i` (0-based) is the OUTPUT of decoder layer `i`, i.e.
+Hidden-state tap ids (docs/design.md trap 2): id `i` (0-based) is the OUTPUT of decoder layer `i`, i.e.
 HF `hidden_states[i + 1]`; the last id `L-1` is the final layer's output before the final norm.
 vLLM/SGLang count "before layer i" and are converted in the exporters, never here.
 

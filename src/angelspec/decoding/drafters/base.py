@@ -65,7 +65,7 @@ class Proposal:
     confidences: [B, K] float in [0, 1] or None, the drafter's belief that each draft is right (for depth
         policies such as D-cut); per position, not cumulative.
     lengths: [B] int64 or None, drafts per row worth verifying (the rest is padding). It must not depend
-        on the values of *sampled* drafts (DESIGN.md trap 1); None = K.
+        on the values of *sampled* drafts (docs/design.md trap 1); None = K.
     deterministic: True when the drafts are a deterministic function of the committed prefix (an argmax or
         a lookup), which makes the deterministic-draft protocol exact under any depth policy.
     """

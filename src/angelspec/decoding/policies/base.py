@@ -26,7 +26,7 @@ class DepthPolicy(Protocol):
     """`policy(proposal, state) -> depth [B] int64 in [0, K]`.
 
     `uses_proposal` says whether the depth reads this round's drafts (tokens, confidences, probs). If it
-    does and the drafts were sampled, standard speculative sampling would be biased (DESIGN.md trap 1), so
+    does and the drafts were sampled, standard speculative sampling would be biased (docs/design.md trap 1), so
     the engine then verifies with the deterministic-draft protocol and asks the drafter for argmax drafts.
     A plain callable without the attribute is treated as `uses_proposal = True` (the safe choice).
 
