@@ -163,6 +163,16 @@ def evaluate_drafters(target_dir: Path, drafters: dict[str, Path], depths: dict[
 # ----- summary -----
 
 
+def print_run_header(target_dir: Any, data: Any, args: Any, depths: str, trained: dict[str, tuple[Path, dict]],
+                     t_train: float, t_eval: float) -> None:
+    """The run's settings and how long training and evaluation took, above the tables."""
+    print()
+    print(f"target {target_dir}  data {data}  steps {args.steps}  prompts/domain {args.limit}  "
+          f"max_new_tokens {args.max_new_tokens}  K {depths}")
+    print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
+          + f" (total {t_train:.0f}s); evaluation {t_eval:.0f}s")
+
+
 def print_summary(text: str, verdicts: list[str], caveat: str) -> None:
     """Our tables next to the paper's, a verdict line per claim and where to look when they disagree."""
     print(text)

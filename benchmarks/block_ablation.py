@@ -323,11 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         verdicts = [v for _, vs in parts for v in vs]
     else:
         text, verdicts = main_tables(results, table_k)
-    print()
-    print(f"target {target_dir}  data {data}  steps {args.steps}  prompts/domain {args.limit}  "
-          f"max_new_tokens {args.max_new_tokens}  K " + ", ".join(f"{n} {k}" for n, k in depths.items()))
-    print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
-          + f" (total {t_train:.0f}s); evaluation {t_eval:.0f}s")
+    _ablation.print_run_header(target_dir, data, args, ", ".join(f"{n} {k}" for n, k in depths.items()), trained,
+                               t_train, t_eval)
     _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 7M-parameter "
                             f"target, minutes of CPU training, 1-2 draft layers and {args.limit} prompts per domain "
                             "(a few hundredths of MAL are noise).")

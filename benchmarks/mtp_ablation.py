@@ -233,11 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     t_eval = time.time() - t0 - t_train
 
     text, verdicts = table1(results) if args.losses else table2(results, args.num_draft_tokens)
-    print()
-    print(f"target {target_dir}  data {data}  steps {args.steps}  prompts/domain {args.limit}  "
-          f"max_new_tokens {args.max_new_tokens}  K {args.num_draft_tokens}")
-    print("training: " + ", ".join(f"{n} {r.get('train_seconds', 0):.0f}s" for n, (_, r) in trained.items())
-          + f"; evaluation {t_eval:.0f}s")
+    _ablation.print_run_header(target_dir, data, args, str(args.num_draft_tokens), trained, t_train, t_eval)
     _ablation.print_summary(text, verdicts, "Where we disagree, suspect scale before method: a 7M-parameter "
                             f"target, minutes of CPU training and {args.limit} prompts per domain (a few points of "
                             "acceptance are noise), D=3 in both tables.")

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -189,6 +190,25 @@ class Drafter(ABC):
         if not self.__dict__.get("_compiled", False):
             self.compile()
             self._compiled = True
+
+
+class ModelConfigDrafter(Drafter):
+    """A drafter around a trained draft model (`self.model`) whose config records the vocabulary, the target it
+    was trained for and its position limit; those properties are read from it."""
+
+    model: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        return self.model.config.target_fingerprint
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
 
 
 @contextmanager

@@ -34,9 +34,9 @@ from torch import Tensor
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import (
     Commit,
-    Drafter,
     DrafterMismatchError,
     DraftState,
+    ModelConfigDrafter,
     Proposal,
     register_drafter,
 )
@@ -49,7 +49,7 @@ from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
 
 
-class BlockDrafterAdapter(Drafter):
+class BlockDrafterAdapter(ModelConfigDrafter):
     """Engine drafter around a `BlockDrafter`. An instance's `kind` is its model's ("dflash", "dflare", "dfly",
     "dspark"); the class attribute is the folder kind `from_pretrained` loads (None here: any block drafter; the
     registered subclasses below each pin theirs, as `Eagle3Drafter` does for the MTP family)."""
@@ -84,18 +84,6 @@ class BlockDrafterAdapter(Drafter):
     def max_draft_tokens(self) -> int:
         """K ≤ B − 1: one backbone pass predicts the block after its anchor."""
         return self.model.config.num_drafts
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
-    @property
-    def target_fingerprint(self) -> str:
-        return self.model.config.target_fingerprint
-
-    @property
-    def max_positions(self) -> int:
-        return self.model.config.max_position_embeddings
 
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None,
                          num_draft_tokens: int | None = None) -> None:

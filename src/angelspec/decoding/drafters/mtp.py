@@ -39,9 +39,9 @@ from angelspec.decoding.batching import pad_prompts
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import (
     Commit,
-    Drafter,
     DrafterMismatchError,
     DraftState,
+    ModelConfigDrafter,
     Proposal,
     register_drafter,
 )
@@ -54,7 +54,7 @@ from angelspec.models.mtp_io import load_mtp, read_mtp_config
 
 
 @register_drafter("mtp")
-class MTPDrafter(Drafter):
+class MTPDrafter(ModelConfigDrafter):
     """Drafts with any MTP-family model (`MTPDraftModel` or a subclass); `kind` is the folder kind `from_pretrained`
     loads (`Eagle3Drafter` only changes it)."""
 
@@ -79,18 +79,6 @@ class MTPDrafter(Drafter):
         except ConfigError as e:
             raise DrafterMismatchError(f"{path}: {e}") from None
         return cls(load_mtp(path, target, kind=cls.kind))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
-    @property
-    def target_fingerprint(self) -> str:
-        return self.model.config.target_fingerprint
-
-    @property
-    def max_positions(self) -> int:
-        return self.model.config.max_position_embeddings
 
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         super().check_compatible(target, max_seq_len)

@@ -19,16 +19,8 @@ import torch
 from torch import Tensor
 
 from angelspec.decoding.drafters.base import DraftState, Proposal
-from angelspec.decoding.policies.budget import (
-    ConfidenceGuard,
-    CostModel,
-    LinearCost,
-    host_costs,
-    kept_depth,
-    masked_scores,
-    num_active_rows,
-    rank_positions,
-)
+from angelspec.decoding.policies import budget as budget_maths
+from angelspec.decoding.policies.budget import ConfidenceGuard, CostModel, LinearCost
 
 
 def prefix_schedule(conf: Tensor, active: Tensor, num_active: int, cost: CostModel, *, tau_scale: float = 1.0,
@@ -49,15 +41,15 @@ def prefix_schedule(conf: Tensor, active: Tensor, num_active: int, cost: CostMod
     Computed for all m at once: a cumulative sum over the sorted candidates; the SPS values depend only on
     host integers, so nothing syncs with the host."""
     k = conf.shape[1]
-    scores = masked_scores(conf, active, lengths)  # [B, K+1]
+    scores = budget_maths.masked_scores(conf, active, lengths)  # [B, K+1]
     drafts = scores[:, 1:].masked_fill(scores[:, 1:] <= eps, -1.0)
     scores = torch.cat([scores[:, :1], drafts], dim=1)  # anchors keep 1 (active) / -1 (idle)
-    rank = rank_positions(scores)
+    rank = budget_maths.rank_positions(scores)
     n_cand = num_active * k
     cand = torch.sort(drafts.flatten(), descending=True).values[:n_cand]  # [R*K] candidates, best first
     valid = torch.cat([torch.ones(1, dtype=torch.bool, device=conf.device), cand > 0])  # [R*K+1], m = 0..R*K
     tau = num_active + torch.cat([cand.new_zeros(1), cand.clamp(min=0).cumsum(0)])  # [R*K+1]
-    host = host_costs(cost, num_active, range(num_active, num_active + n_cand + 1))
+    host = budget_maths.host_costs(cost, num_active, range(num_active, num_active + n_cand + 1))
     sps = torch.tensor([tau_scale / c for c in host], dtype=tau.dtype, device=conf.device)  # SPS(R + m)
     theta = torch.where(valid, tau * sps, -math.inf)  # [R*K+1]
     if search == "greedy":
@@ -67,7 +59,7 @@ def prefix_schedule(conf: Tensor, active: Tensor, num_active: int, cost: CostMod
         m = torch.argmax(theta)
     else:
         raise ValueError(f"search must be 'greedy' or 'global', got {search!r}")
-    return kept_depth(scores, rank, num_active + m)
+    return budget_maths.kept_depth(scores, rank, num_active + m)
 
 
 @dataclass(frozen=True)
@@ -92,8 +84,8 @@ class PrefixScheduler:
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         conf = self.guard(proposal.confidences, "PrefixScheduler")
-        return prefix_schedule(conf, state.active, num_active_rows(state), self.cost, eps=self.eps, search=self.search,
-                               lengths=proposal.lengths)
+        return prefix_schedule(conf, state.active, budget_maths.num_active_rows(state), self.cost, eps=self.eps,
+                               search=self.search, lengths=proposal.lengths)
 
 
 class ProductionScheduler:
@@ -141,7 +133,7 @@ class ProductionScheduler:
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         conf = self.guard(proposal.confidences, "ProductionScheduler")  # [B, K]
-        k, r = conf.shape[1], num_active_rows(state)
+        k, r = conf.shape[1], budget_maths.num_active_rows(state)
         stale = self.stale_confidences(state, k)
         self._history.append((conf.clone(), state.draft_round.clone()))
         # Budget size N* = R + m* from the stale scores, global search (Algorithm 1's objective).
@@ -149,5 +141,5 @@ class ProductionScheduler:
                                lengths=proposal.lengths)
         budget = r + size.sum()  # device scalar, no host sync
         alloc = conf if self.allocation == "current" else stale
-        scores = masked_scores(alloc, state.active, proposal.lengths)
-        return kept_depth(scores, rank_positions(scores), budget)
+        scores = budget_maths.masked_scores(alloc, state.active, proposal.lengths)
+        return budget_maths.kept_depth(scores, budget_maths.rank_positions(scores), budget)
