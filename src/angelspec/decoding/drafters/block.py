@@ -166,32 +166,21 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         m.append_context = try_compile(m.append_context, f"{self.kind} context append")  # type: ignore[method-assign]
 
 
-@register_drafter("dflash")
-class DFlashDrafter(BlockDrafterAdapter):
-    """DFlash (report Eq. 10): shared fc context, no sequential head."""
-
-    kind = "dflash"
-
-
-@register_drafter("dflare")
-class DFlareDrafter(BlockDrafterAdapter):
-    """DFlare (report Eq. 11): per-draft-layer softmax fusion over the target taps."""
-
-    kind = "dflare"
+def _block_kind(kind: str, class_name: str, doc: str) -> type[BlockDrafterAdapter]:
+    """The registered adapter of one block-drafter kind: the kinds differ only in what the saved folder holds
+    (conditioning and head come from its config), so each is `BlockDrafterAdapter` with its name."""
+    cls = type(class_name, (BlockDrafterAdapter,), {"kind": kind, "__doc__": doc, "__module__": __name__})
+    return register_drafter(kind)(cls)
 
 
-@register_drafter("dfly")
-class DFlyDrafter(BlockDrafterAdapter):
-    """DFly (report Eq. 12, 14–15): hybrid conditioning with a Markov or hidden-correction head."""
-
-    kind = "dfly"
-
-
-@register_drafter("dspark")
-class DSparkDrafter(BlockDrafterAdapter):
-    """DSpark (DSpark report §3): the DFlash backbone, a Markov-family head and the confidence head."""
-
-    kind = "dspark"
+DFlashDrafter = _block_kind("dflash", "DFlashDrafter", "DFlash (report Eq. 10): shared fc context, no sequential head.")
+DFlareDrafter = _block_kind("dflare", "DFlareDrafter",
+                            "DFlare (report Eq. 11): per-draft-layer softmax fusion over the target taps.")
+DFlyDrafter = _block_kind("dfly", "DFlyDrafter",
+                          "DFly (report Eq. 12, 14–15): hybrid conditioning with a Markov or hidden-correction head.")
+DSparkDrafter = _block_kind("dspark", "DSparkDrafter",
+                            "DSpark (DSpark report §3): the DFlash backbone, a Markov-family head and the confidence "
+                            "head.")
 
 
 @torch.no_grad()
