@@ -22,7 +22,7 @@ class Eagle3TrainConfig(MTPFamilyTrainConfig):
 
     target_layer_ids: tuple[int, int, int] | None = None  # None: (1, L//2, L-2), id i = output of layer i
 
-    def block_config(self, target: DecoderConfig) -> Eagle3Config:
+    def model_config(self, target: DecoderConfig) -> Eagle3Config:
         return Eagle3Config.for_target(target, num_depths=self.num_depths, target_layer_ids=self.target_layer_ids,
                                        **self.layer_shape())
 

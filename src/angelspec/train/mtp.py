@@ -61,7 +61,7 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     """Block design and objective of one MTP-family training run (the optimisation, the layer shapes, None =
     the target's, and the data settings come from `DrafterRunConfig`).
 
-    Subclasses add the target taps and build the block config (`block_config`): `MTPTrainConfig` (one tap),
+    Subclasses add the target taps and build the draft model config (`model_config`): `MTPTrainConfig` (one tap),
     `train.eagle3.Eagle3TrainConfig` (three); `train_mtp` trains either."""
 
     num_depths: int = 3  # D, the TTT unroll (the report's MTP-3)
@@ -77,7 +77,7 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
             get_loss(self.cold_start_loss)
         self.require_positive(("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"))
 
-    def block_config(self, target: DecoderConfig) -> MTPFamilyConfig:
+    def model_config(self, target: DecoderConfig) -> MTPFamilyConfig:
         """The block's config for `target`."""
         raise NotImplementedError
 
@@ -97,7 +97,7 @@ class MTPTrainConfig(MTPFamilyTrainConfig):
 
     target_layer_id: int | None = None  # None: the target's last layer
 
-    def block_config(self, target: DecoderConfig) -> MTPConfig:
+    def model_config(self, target: DecoderConfig) -> MTPConfig:
         return MTPConfig.for_target(target, num_depths=self.num_depths, target_layer_id=self.target_layer_id,
                                     **self.layer_shape())
 
@@ -153,7 +153,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     pad_id = pad_token_id(tcfg)
     rows, stats = packed_conversations(tok, job.data, cfg, pad_id, run.log)
 
-    mcfg = replace(cfg.block_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
+    mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=job.data, enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
