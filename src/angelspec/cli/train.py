@@ -166,6 +166,8 @@ def add_build_drafters(sub: Subparsers) -> None:
     p.add_argument("--max-minutes", type=float, default=None, metavar="M",
                    help="stop each drafter's training after M minutes at a checkpoint (run again to continue)")
     p.add_argument("--no-export", action="store_true", help="train only; leave the package's assets alone")
+    p.add_argument("--export-only", action="store_true",
+                   help="export the runs in --work-dir as they are (partly trained ones too); train nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_drafters)
 
@@ -178,7 +180,7 @@ def cmd_build_drafters(args: argparse.Namespace) -> int:
     names = [n for n in args.drafters.split(",") if n]
     done = build_shipped_drafters(names, work_dir=args.work_dir, out_root=args.out or DEFAULT_DRAFTERS,
                                   max_minutes=args.max_minutes, export=not args.no_export,
-                                  progress=not args.quiet)
+                                  train=not args.export_only, progress=not args.quiet)
     for name, folder in done.items():
         print(f"{name}: {folder}")
     return 0

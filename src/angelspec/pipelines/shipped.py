@@ -178,20 +178,26 @@ def export_shipped(run: Path, dest: Path, *, data: Path | None = None) -> Path:
 
 def build_shipped_drafters(names: Sequence[str] = tuple(SHIPPED), *, work_dir: str | Path = DEFAULT_WORK,
                            out_root: str | Path = DEFAULT_DRAFTERS, max_minutes: float | None = None,
-                           eval_every: int | None = None, export: bool = True, progress: bool = True,
-                           log: Callable[[str], None] = print) -> dict[str, Path]:
+                           eval_every: int | None = None, export: bool = True, train: bool = True,
+                           progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Path]:
     """Run the stages of the module docstring for `names`; returns the exported folders (or the run folders when
-    `export` is False). `max_minutes` bounds each drafter's training in this call (None: to the end)."""
+    `export` is False). `max_minutes` bounds each drafter's training in this call (None: to the end); `train`
+    False exports the runs as they are (a partly trained drafter, with its train report saying how far it got)."""
     unknown = [n for n in names if n not in SHIPPED]
     if unknown:
         raise UsageError(f"unknown shipped drafter(s) {unknown}; choose from {', '.join(SHIPPED)}")
     work_dir, out_root = Path(work_dir), Path(out_root)
-    pool = ensure_pool(work_dir, log=log, progress=progress)
-    data = ensure_rollouts(work_dir, pool, log=log, progress=progress)
+    if train:
+        pool = ensure_pool(work_dir, log=log, progress=progress)
+        data = ensure_rollouts(work_dir, pool, log=log, progress=progress)
+    else:
+        data = work_dir / ROLLOUT_FILE
     done: dict[str, Path] = {}
     for name in names:
-        run = train_shipped(SHIPPED[name], data, work_dir, max_minutes=max_minutes, eval_every=eval_every,
-                            progress=progress, log=log)
+        run = work_dir / name
+        if train:
+            run = train_shipped(SHIPPED[name], data, work_dir, max_minutes=max_minutes, eval_every=eval_every,
+                                progress=progress, log=log)
         done[name] = export_shipped(run, out_root / name, data=data) if export else run
     if export:
         from angelspec.eval.server import plot_learning_curves
