@@ -1,8 +1,9 @@
 """Small file helpers with no heavy imports (the CLI's parser imports them, so `--help` stays instant).
 
 Every write goes to a temp file in the destination folder and is renamed over the target, so a crash never
-leaves a half-written file. The temp file gets ordinary permissions (0666 minus the umask, like `open`
-would give) because `mkstemp`'s private 0600 would otherwise survive the rename into checkpoints users share.
+leaves a half-written file. The written file gets ordinary permissions (0666 minus the umask, like `open`
+would give) because a private 0600 (`mkstemp`'s, or that of a writer such as safetensors that swaps its own temp
+file in) would otherwise survive the rename into checkpoints users share.
 `check_output_path` refuses, before any work, an output that is a folder or that exists without --force.
 """
 
@@ -25,13 +26,14 @@ def _umask() -> int:
 
 
 def replace_atomic(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
-    """Call `write(tmp_path)` for a temp file beside `path`, then rename it over `path`."""
+    """Call `write(tmp_path)` for a temp file beside `path`, then rename it over `path` with the mode `open` would
+    give. The mode is set after `write`, which may have replaced the temp file with one of its own."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
