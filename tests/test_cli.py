@@ -248,6 +248,49 @@ def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], t
     assert (out / "config.json").read_text() == "{}"
 
 
+# ----- train -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mtp", "draft-lm"])
+def test_train_resume_without_a_checkpoint_keeps_the_finished_model(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path, tiny_target_dir: Path,
+                                                                      kind: str) -> None:
+    """--resume on a folder that holds a model but no checkpoint has nothing to resume: refused before anything is
+    written, instead of training from scratch over the model."""
+    from conftest import write_conversations
+
+    data = write_conversations(tmp_path / "conv.jsonl", 20, seed=1)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text('{"finished": true}')
+    (out / "model.safetensors").write_text("trained weights")
+    code, _, err = run(capsys, "train", "--drafter", kind, "--target", tiny_target_dir, "--data", data, "--out", out,
+                       "--preset", "tiny_debug", "--resume", "--quiet")
+    assert_bad_input(code, err, str(out), "no checkpoint", "nothing to resume", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"finished": true}'
+    assert (out / "model.safetensors").read_text() == "trained weights"
+
+
+def test_train_refusals_come_before_the_eval_server_starts(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           tiny_target_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import write_conversations
+
+    from angelspec.eval import server
+
+    started: list[object] = []
+    monkeypatch.setattr(server, "spawn_eval_server", lambda *a, **kw: started.append(a) or server.subprocess.Popen(
+        ["true"]))
+    data = write_conversations(tmp_path / "conv.jsonl", 20, seed=1)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for extra in (["--resume"], []):  # nothing to resume; a model without --force
+        code, _, err = run(capsys, "train", "--drafter", "mtp", "--target", tiny_target_dir, "--data", data, "--out",
+                           out, "--preset", "tiny_debug", "--eval-every", "1", "--quiet", *extra)
+        assert_bad_input(code, err, "--force")
+    assert started == [] and sorted(p.name for p in tmp_path.iterdir()) == ["conv.jsonl", "drafter"]
+
+
 # ----- demo --------------------------------------------------------------------------------------
 def test_demo_on_tiny_target_without_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path,
                                               tmp_path: Path) -> None:

@@ -23,7 +23,14 @@ from angelspec.data.packing import PackedBatch
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
-from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
+from angelspec.train.checkpoint import (
+    TRAINER_STATE,
+    ResumeError,
+    find_checkpoint,
+    make_checkpoint_saver,
+    resume_training,
+    run_identity,
+)
 from angelspec.train.config import DrafterRunConfig, TrainJob
 from angelspec.train.data import PackedRows
 from angelspec.train.distributed import (
@@ -78,7 +85,7 @@ class TrainRun:
 
     @property
     def work(self) -> Path:
-        return self.out_dir / "training"
+        return self.out_dir / "training"  # as `check_out_dir`
 
     @property
     def ckpt_dir(self) -> Path:
@@ -124,17 +131,32 @@ class TrainRun:
 
 def start_run(job: TrainJob, *, batch_size: int, error: type[Exception] = ValueError) -> TrainRun:
     """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
-    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` holds no model
-    unless `force` or `resume` (FileExistsError)."""
+    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` may be written
+    (`check_out_dir`)."""
     info = init_distributed()
     strategy = resolve_strategy(job.distributed, info)
     if batch_size % info.world_size:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {info.world_size} "
                     "processes")
     run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time())
-    if (run.out_dir / "config.json").exists() and not (job.force or job.resume):
-        raise FileExistsError(f"{run.out_dir} already holds a model; pass --force to overwrite it or --resume")
+    check_out_dir(run.out_dir, resume=job.resume, force=job.force)
     return run
+
+
+def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
+    """Refuse a training run's output folder, before anything is loaded or written, when it holds a model and
+    neither `force` nor `resume` is given (FileExistsError), or when `resume` (without `force`) finds a model but
+    no checkpoint to continue from (ResumeError): training from scratch would overwrite the finished model."""
+    out_dir = Path(out_dir)
+    if force or not (out_dir / "config.json").exists():
+        return
+    if not resume:
+        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
+    ckpt = out_dir / "training" / "checkpoint"
+    if find_checkpoint(ckpt) is None:
+        raise ResumeError(f"cannot resume: {out_dir} holds a model but no checkpoint ({ckpt}/{TRAINER_STATE}), "
+                          "so there is nothing to resume; pass --force instead of --resume to start over (it "
+                          "overwrites the model)")
 
 
 # ----- end-of-step bookkeeping -----
