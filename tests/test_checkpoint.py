@@ -178,3 +178,52 @@ def test_find_checkpoint_ignores_incomplete_folders(tmp_path: Path) -> None:
 def test_module_uses_the_patched_functions() -> None:
     """The kill simulation patches `os` and `shutil` themselves, which the module calls through."""
     assert ckpt_mod.os is os and ckpt_mod.shutil is shutil
+
+
+# ----- the training log after a resume ----------------------------------------------------------------------------
+def _train(kind: str, tiny_target_dir: Path, data: Path, out: Path, **kw: object) -> None:
+    quiet = dict(progress=False, log=lambda *_: None)
+    if kind == "mtp":
+        from dataclasses import replace
+
+        from angelspec.train.mtp import tiny_debug, train_mtp
+
+        train_mtp(tiny_target_dir, data, out, config=replace(tiny_debug(), steps=4), **quiet, **kw)
+    else:
+        from dataclasses import replace
+
+        from angelspec.train.draft_lm import draft_lm_tiny_debug, train_draft_lm
+
+        train_draft_lm(tiny_target_dir, data, out, config=replace(draft_lm_tiny_debug(), steps=4), **quiet, **kw)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("kind", "module"), [("mtp", "angelspec.train.loop"), ("draft-lm", "angelspec.train.lm")])
+def test_a_resumed_run_logs_each_step_once(tmp_path: Path, tiny_target_dir: Path, kind: str, module: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 steps, a checkpoint every 2, a log line every step; killed right after logging step 3 (checkpoint at 2):
+    the resumed run logs steps 3 and 4 again, so the log keeps steps 1, 2 and then the resumed 3, 4."""
+    import importlib
+
+    from conftest import train_log, write_conversations
+
+    data = write_conversations(tmp_path / "conv.jsonl", 40, seed=3)
+    out = tmp_path / "run"
+    loop = importlib.import_module(module)
+    append_log = loop.append_log
+
+    def killed_after_step_3(path: Path, record: dict, is_main: bool) -> None:
+        append_log(path, record, is_main)
+        if record["step"] == 3:
+            raise Killed
+
+    monkeypatch.setattr(loop, "append_log", killed_after_step_3)
+    with pytest.raises(Killed):
+        _train(kind, tiny_target_dir, data, out)
+    monkeypatch.setattr(loop, "append_log", append_log)
+    assert read_trainer_state(find_checkpoint(out / "training" / "checkpoint"))["step"] == 2
+    assert [r["step"] for r in train_log(out)] == [1, 2, 3]
+    with (out / "training" / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 1.')  # and a line the kill cut short
+    _train(kind, tiny_target_dir, data, out, resume=True)
+    assert [r["step"] for r in train_log(out)] == [1, 2, 3, 4]

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
+from angelspec.fileio import replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
@@ -190,6 +191,26 @@ def append_log(path: Path, record: dict[str, Any], is_main: bool) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def trim_log(path: Path, step: int, is_main: bool) -> None:
+    """Before a run starts (or resumes) at `step`, the main rank drops the log lines of later steps (a killed run
+    logged past its last checkpoint, and the resumed run logs those steps again) and any line a kill cut short;
+    the file is replaced atomically, and only when something is dropped."""
+    if not is_main or not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        keep.append(line if line.endswith("\n") else line + "\n")
+    if keep != lines:
+        replace_atomic(path, lambda tmp: tmp.write_text("".join(keep), encoding="utf-8"))
+
+
 def checkpoint_or_stop(step: int, steps: int, ckpt_every: int, save: Callable[[int], None],
                        deadline: float | None, log: Callable[[str], None]) -> bool:
     """Save on the checkpoint interval and at the end; return True (after saving) when the time budget ran
@@ -247,6 +268,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     info = run.info
     run.work.mkdir(parents=True, exist_ok=True)
     log_path = run.work / "train_log.jsonl"
+    trim_log(log_path, step, run.main)
     max_minutes = run.job.max_minutes
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()
