@@ -248,6 +248,45 @@ def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], t
     assert (out / "config.json").read_text() == "{}"
 
 
+# ----- outputs that would destroy an input ----------------------------------------------------------
+def _command(name: str, target: Path, prompts: Path, out: Path, other: Path) -> list[object]:
+    """`name` reading `prompts` and writing `out` (`other`: a second input, decontam's evaluation prompts)."""
+    small = ["--target", target, "--max-new-tokens", 2]
+    return {"generate": ["generate", "--prompts", prompts, "--out", out, *small, "--quiet"],
+            "eval": ["eval", "--drafter", "ngram", "--prompts", prompts, "--json", out, *small, "--quiet"],
+            "rollout": ["rollout", "--prompts", prompts, "--out", out, *small, "--quiet"],
+            "decontam": ["decontam", "--train", prompts, "--eval", other, "--out", out, "--target", target]}[name]
+
+
+COMMANDS = ["generate", "eval", "rollout", "decontam"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("link", ["same", "symlink", "hardlink", "relative"])
+def test_an_output_that_is_an_input_is_refused_even_with_force(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                               tiny_target_dir: Path, prompts_file: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, name: str,
+                                                               link: str) -> None:
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    before = prompts_file.read_text()
+    out = {"same": prompts_file, "symlink": tmp_path / "link.jsonl", "hardlink": tmp_path / "hard.jsonl",
+           "relative": Path("sub") / ".." / prompts_file.name}[link]
+    if link == "symlink":
+        out.symlink_to(prompts_file)
+    elif link == "hardlink":
+        out.hardlink_to(prompts_file)
+    elif link == "relative":
+        (tmp_path / "sub").mkdir()
+        monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other), "--force")
+    assert_bad_input(code, err, "same file", "input")
+    assert prompts_file.read_text() == before
+    if name == "decontam":  # every input counts, not only the first
+        code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, other, other), "--force")
+        assert_bad_input(code, err, "same file", "--eval")
+
+
+
 # ----- train -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["mtp", "draft-lm"])
 def test_train_resume_without_a_checkpoint_keeps_the_finished_model(capsys: pytest.CaptureFixture[str],

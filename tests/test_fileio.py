@@ -49,3 +49,22 @@ def test_the_shipped_bf16_export_honours_the_umask(tmp_path: Path, umask: int) -
     _bf16_weights(tmp_path / "src.safetensors", tmp_path / "model.safetensors")
     assert load_file(str(tmp_path / "model.safetensors"))["w"].dtype == torch.bfloat16
     assert _mode(tmp_path / "model.safetensors") == 0o666 & ~umask
+
+
+# ----- outputs: not an input --------------------------------------------------------------------------------------
+def test_refuse_same_file_sees_through_other_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.errors import UsageError
+    from angelspec.fileio import refuse_same_file
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("x\n")
+    (tmp_path / "soft.jsonl").symlink_to(src)
+    (tmp_path / "hard.jsonl").hardlink_to(src)
+    (tmp_path / "d").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for same in (src, tmp_path / "soft.jsonl", tmp_path / "hard.jsonl", Path("d/../in.jsonl"), Path("in.jsonl")):
+        with pytest.raises(UsageError, match=r"--json .* is the same file as the input --prompts .*--json another"):
+            refuse_same_file(same, ("--cost-table", None), ("--prompts", src), flag="--json")
+    refuse_same_file(tmp_path / "out.jsonl", ("--prompts", src))  # a new file
+    refuse_same_file(tmp_path / "d" / "in.jsonl", ("--prompts", src), ("--eval", None))  # another file, same name
+    assert src.read_text() == "x\n"

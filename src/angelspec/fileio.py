@@ -4,7 +4,8 @@ Every write goes to a temp file in the destination folder and is renamed over th
 leaves a half-written file. The written file gets ordinary permissions (0666 minus the umask, like `open`
 would give) because a private 0600 (`mkstemp`'s, or that of a writer such as safetensors that swaps its own temp
 file in) would otherwise survive the rename into checkpoints users share.
-`check_output_path` refuses, before any work, an output that is a folder or that exists without --force.
+`check_output_path` refuses, before any work, an output that is a folder or that exists without --force;
+`refuse_same_file` refuses an output that is an input.
 """
 
 from __future__ import annotations
@@ -81,3 +82,23 @@ def check_output_path(path: Path, force: bool, flag: str = "--out", example: str
         raise UsageError(f"{flag} {path} is a directory; give a file name such as {path / example}")
     if path.exists() and not force:
         raise FileExistsError(f"{flag} {path} already exists; pass --force to overwrite it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if os.path.samefile(a, b):  # hard links and symbolic links included
+            return True
+    except OSError:  # one of them does not exist (yet)
+        pass
+    return a.resolve() == b.resolve()
+
+
+def refuse_same_file(out: str | os.PathLike[str], *inputs: tuple[str, str | os.PathLike[str] | None],
+                     flag: str = "--out") -> None:
+    """Refuse, whatever --force says, an output that is one of the `inputs` ((flag, path) pairs; a None path is
+    skipped) under any name: a relative path, a symbolic or a hard link. Writing it would destroy the input."""
+    out = Path(out)
+    for input_flag, path in inputs:
+        if path is not None and _same_file(out, Path(path)):
+            raise UsageError(f"{flag} {out} is the same file as the input {input_flag} {path}; writing it would "
+                             f"destroy the input, so give {flag} another path")
