@@ -4,6 +4,7 @@ and a happy-path `generate` (plus the demo) on the tiny target from conftest."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -248,7 +249,7 @@ def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], t
     assert (out / "config.json").read_text() == "{}"
 
 
-# ----- outputs that would destroy an input ----------------------------------------------------------
+# ----- outputs that would destroy an input, or that cannot be written ------------------------------
 def _command(name: str, target: Path, prompts: Path, out: Path, other: Path) -> list[object]:
     """`name` reading `prompts` and writing `out` (`other`: a second input, decontam's evaluation prompts)."""
     small = ["--target", target, "--max-new-tokens", 2]
@@ -285,6 +286,47 @@ def test_an_output_that_is_an_input_is_refused_even_with_force(capsys: pytest.Ca
         code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, other, other), "--force")
         assert_bad_input(code, err, "same file", "--eval")
 
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_an_output_under_a_file_is_refused_before_the_work(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           tiny_target_dir: Path, prompts_file: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    from angelspec.decoding import loading
+
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    import angelspec.models
+
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", no_model)
+    monkeypatch.setattr(generate, "load_target_and_tokenizer", no_model)
+    monkeypatch.setattr(angelspec.models, "load_target", no_model)
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    blocker = write_lines(tmp_path / "results", "a file, not a folder")
+    out = blocker / "sub" / "o.jsonl"
+    code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other))
+    assert_bad_input(code, err, str(blocker), "not a folder")
+    assert blocker.read_text() == "a file, not a folder\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores folder permissions")
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("missing", [False, True])
+def test_an_output_in_a_read_only_folder_is_refused_before_the_work(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path, tiny_target_dir: Path,
+                                                                    prompts_file: Path, name: str,
+                                                                    missing: bool) -> None:
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked / "new" / "o.jsonl" if missing else locked / "o.jsonl"  # a folder to create, or to write in
+    locked.chmod(0o555)
+    try:
+        code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other))
+    finally:
+        locked.chmod(0o755)
+    assert_bad_input(code, err, str(locked), "not writable")
+    assert list(locked.iterdir()) == []
 
 
 # ----- train -------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_the_shipped_bf16_export_honours_the_umask(tmp_path: Path, umask: int) -
     assert _mode(tmp_path / "model.safetensors") == 0o666 & ~umask
 
 
-# ----- outputs: not an input --------------------------------------------------------------------------------------
+# ----- outputs: not an input, and writable -------------------------------------------------------------------------
 def test_refuse_same_file_sees_through_other_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from angelspec.errors import UsageError
     from angelspec.fileio import refuse_same_file
@@ -68,3 +68,28 @@ def test_refuse_same_file_sees_through_other_names(tmp_path: Path, monkeypatch: 
     refuse_same_file(tmp_path / "out.jsonl", ("--prompts", src))  # a new file
     refuse_same_file(tmp_path / "d" / "in.jsonl", ("--prompts", src), ("--eval", None))  # another file, same name
     assert src.read_text() == "x\n"
+
+
+def test_check_writable_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.errors import UsageError
+    from angelspec.fileio import check_writable_path
+
+    check_writable_path(tmp_path / "o.jsonl")
+    check_writable_path(tmp_path / "new" / "deeper" / "o.jsonl")  # folders that will be created
+    monkeypatch.chdir(tmp_path)
+    check_writable_path("o.jsonl")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for bad in (blocker / "o.jsonl", blocker / "a" / "b" / "o.jsonl"):
+        with pytest.raises(UsageError, match=f"--out {bad} is a path under {blocker}, which is a file, not a folder"):
+            check_writable_path(bad)
+    assert not (tmp_path / "new").exists()  # nothing was created
+    # A folder without write permission (faked: root's os.access says yes to everything).
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    with pytest.raises(UsageError, match=f"the folder, {locked}, is not writable"):
+        check_writable_path(locked / "o.jsonl", "--json")
+    with pytest.raises(UsageError, match=f"the folder in which {locked / 'sub'} would be created, {locked}, is not"):
+        check_writable_path(locked / "sub" / "o.jsonl")
