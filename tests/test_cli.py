@@ -4,6 +4,7 @@ and a happy-path `generate` (plus the demo) on the tiny target from conftest."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -246,6 +247,129 @@ def test_target_build_refuses_to_overwrite(capsys: pytest.CaptureFixture[str], t
                        "tiny_debug")
     assert_bad_input(code, err, "--force")
     assert (out / "config.json").read_text() == "{}"
+
+
+# ----- outputs that would destroy an input, or that cannot be written ------------------------------
+def _command(name: str, target: Path, prompts: Path, out: Path, other: Path) -> list[object]:
+    """`name` reading `prompts` and writing `out` (`other`: a second input, decontam's evaluation prompts)."""
+    small = ["--target", target, "--max-new-tokens", 2]
+    return {"generate": ["generate", "--prompts", prompts, "--out", out, *small, "--quiet"],
+            "eval": ["eval", "--drafter", "ngram", "--prompts", prompts, "--json", out, *small, "--quiet"],
+            "rollout": ["rollout", "--prompts", prompts, "--out", out, *small, "--quiet"],
+            "decontam": ["decontam", "--train", prompts, "--eval", other, "--out", out, "--target", target]}[name]
+
+
+COMMANDS = ["generate", "eval", "rollout", "decontam"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("link", ["same", "symlink", "hardlink", "relative"])
+def test_an_output_that_is_an_input_is_refused_even_with_force(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                               tiny_target_dir: Path, prompts_file: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, name: str,
+                                                               link: str) -> None:
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    before = prompts_file.read_text()
+    out = {"same": prompts_file, "symlink": tmp_path / "link.jsonl", "hardlink": tmp_path / "hard.jsonl",
+           "relative": Path("sub") / ".." / prompts_file.name}[link]
+    if link == "symlink":
+        out.symlink_to(prompts_file)
+    elif link == "hardlink":
+        out.hardlink_to(prompts_file)
+    elif link == "relative":
+        (tmp_path / "sub").mkdir()
+        monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other), "--force")
+    assert_bad_input(code, err, "same file", "input")
+    assert prompts_file.read_text() == before
+    if name == "decontam":  # every input counts, not only the first
+        code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, other, other), "--force")
+        assert_bad_input(code, err, "same file", "--eval")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_an_output_under_a_file_is_refused_before_the_work(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           tiny_target_dir: Path, prompts_file: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    from angelspec.decoding import loading
+
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    import angelspec.models
+
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", no_model)
+    monkeypatch.setattr(generate, "load_target_and_tokenizer", no_model)
+    monkeypatch.setattr(angelspec.models, "load_target", no_model)
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    blocker = write_lines(tmp_path / "results", "a file, not a folder")
+    out = blocker / "sub" / "o.jsonl"
+    code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other))
+    assert_bad_input(code, err, str(blocker), "not a folder")
+    assert blocker.read_text() == "a file, not a folder\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores folder permissions")
+@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("missing", [False, True])
+def test_an_output_in_a_read_only_folder_is_refused_before_the_work(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path, tiny_target_dir: Path,
+                                                                    prompts_file: Path, name: str,
+                                                                    missing: bool) -> None:
+    other = write_lines(tmp_path / "eval.jsonl", json.dumps({"prompt": "What is 7 + 8?"}))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked / "new" / "o.jsonl" if missing else locked / "o.jsonl"  # a folder to create, or to write in
+    locked.chmod(0o555)
+    try:
+        code, _, err = run(capsys, *_command(name, tiny_target_dir, prompts_file, out, other))
+    finally:
+        locked.chmod(0o755)
+    assert_bad_input(code, err, str(locked), "not writable")
+    assert list(locked.iterdir()) == []
+
+
+# ----- train -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mtp", "draft-lm"])
+def test_train_resume_without_a_checkpoint_keeps_the_finished_model(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path, tiny_target_dir: Path,
+                                                                      kind: str) -> None:
+    """--resume on a folder that holds a model but no checkpoint has nothing to resume: refused before anything is
+    written, instead of training from scratch over the model."""
+    from conftest import write_conversations
+
+    data = write_conversations(tmp_path / "conv.jsonl", 20, seed=1)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text('{"finished": true}')
+    (out / "model.safetensors").write_text("trained weights")
+    code, _, err = run(capsys, "train", "--drafter", kind, "--target", tiny_target_dir, "--data", data, "--out", out,
+                       "--preset", "tiny_debug", "--resume", "--quiet")
+    assert_bad_input(code, err, str(out), "no checkpoint", "nothing to resume", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"finished": true}'
+    assert (out / "model.safetensors").read_text() == "trained weights"
+
+
+def test_train_refusals_come_before_the_eval_server_starts(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           tiny_target_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import write_conversations
+
+    from angelspec.eval import server
+
+    started: list[object] = []
+    monkeypatch.setattr(server, "spawn_eval_server", lambda *a, **kw: started.append(a) or server.subprocess.Popen(
+        ["true"]))
+    data = write_conversations(tmp_path / "conv.jsonl", 20, seed=1)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for extra in (["--resume"], []):  # nothing to resume; a model without --force
+        code, _, err = run(capsys, "train", "--drafter", "mtp", "--target", tiny_target_dir, "--data", data, "--out",
+                           out, "--preset", "tiny_debug", "--eval-every", "1", "--quiet", *extra)
+        assert_bad_input(code, err, "--force")
+    assert started == [] and sorted(p.name for p in tmp_path.iterdir()) == ["conv.jsonl", "drafter"]
 
 
 # ----- demo --------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Small file helpers with no heavy imports (the CLI's parser imports them, so `--help` stays instant).
 
 Every write goes to a temp file in the destination folder and is renamed over the target, so a crash never
-leaves a half-written file. The temp file gets ordinary permissions (0666 minus the umask, like `open`
-would give) because `mkstemp`'s private 0600 would otherwise survive the rename into checkpoints users share.
-`check_output_path` refuses, before any work, an output that is a folder or that exists without --force.
+leaves a half-written file. The written file gets ordinary permissions (0666 minus the umask, like `open`
+would give) because a private 0600 (`mkstemp`'s, or that of a writer such as safetensors that swaps its own temp
+file in) would otherwise survive the rename into checkpoints users share.
+`check_output_path` refuses, before any work, an output that is a folder, that exists without --force, or whose
+folder cannot be made or written (`check_writable_path`); `refuse_same_file` refuses an output that is an input.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ def _umask() -> int:
 
 
 def replace_atomic(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
-    """Call `write(tmp_path)` for a temp file beside `path`, then rename it over `path`."""
+    """Call `write(tmp_path)` for a temp file beside `path`, then rename it over `path` with the mode `open` would
+    give. The mode is set after `write`, which may have replaced the temp file with one of its own."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -74,8 +77,47 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def check_output_path(path: Path, force: bool, flag: str = "--out", example: str = "out.jsonl") -> None:
-    """Refuse an output file that is a folder, or that exists without `force` (`flag` names the option)."""
+    """Refuse an output file that is a folder, that exists without `force` (`flag` names the option) or that cannot
+    be written (`check_writable_path`)."""
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory; give a file name such as {path / example}")
     if path.exists() and not force:
         raise FileExistsError(f"{flag} {path} already exists; pass --force to overwrite it")
+    check_writable_path(path, flag)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if os.path.samefile(a, b):  # hard links and symbolic links included
+            return True
+    except OSError:  # one of them does not exist (yet)
+        pass
+    return a.resolve() == b.resolve()
+
+
+def refuse_same_file(out: str | os.PathLike[str], *inputs: tuple[str, str | os.PathLike[str] | None],
+                     flag: str = "--out") -> None:
+    """Refuse, whatever --force says, an output that is one of the `inputs` ((flag, path) pairs; a None path is
+    skipped) under any name: a relative path, a symbolic or a hard link. Writing it would destroy the input."""
+    out = Path(out)
+    for input_flag, path in inputs:
+        if path is not None and _same_file(out, Path(path)):
+            raise UsageError(f"{flag} {out} is the same file as the input {input_flag} {path}; writing it would "
+                             f"destroy the input, so give {flag} another path")
+
+
+def check_writable_path(path: str | os.PathLike[str], flag: str = "--out") -> None:
+    """Refuse, before any work, an output file whose folder cannot be made or written: a path under a file, or a
+    folder (the nearest one that exists, when the output's own has yet to be created) without write permission."""
+    path = Path(path)
+    folder = path.parent
+    for above in (folder, *folder.parents):
+        if above.exists() or above.is_symlink():
+            break
+    if not above.is_dir():
+        raise UsageError(f"{flag} {path} is a path under {above}, which is a file, not a folder; give {flag} a path "
+                         "in a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        what = "folder" if above == folder else f"folder in which {folder} would be created"
+        raise UsageError(f"{flag} {path}: the {what}, {above}, is not writable; give {flag} a path in a folder you "
+                         "can write to")

@@ -62,11 +62,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
     import os
 
+    from angelspec.train.loop import check_out_dir
     from angelspec.train.runs import train_drafter
 
     overrides = list(args.overrides)
     if args.eval_every is not None:
         require_positive("--eval-every", args.eval_every)
+        check_out_dir(args.out, resume=args.resume, force=args.force)  # before the server starts beside it
         overrides.append(f"ckpt_every={args.eval_every}")
         if os.environ.get("RANK", "0") == "0":  # one server per run, from the main process under torchrun
             from angelspec.eval.server import spawn_eval_server

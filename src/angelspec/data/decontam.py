@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from angelspec.data.prompts import load_prompts
-from angelspec.fileio import write_json_atomic, write_jsonl_atomic
+from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic, write_jsonl_atomic
 
 DEFAULT_NGRAM = 16
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so it is invertible mod 2^64
@@ -173,16 +173,18 @@ def decontaminate_file(train_path: str | Path, eval_paths: Sequence[str | Path],
     the kept lines unchanged to `out_path` and the report to :func:`report_path`; returns (lines kept, report).
 
     tokenizer: the target's tokenizer (``encode`` / ``decode``). Refuses to overwrite the output or its report
-    without `force`, and an output that is the input.
+    without `force`, an output that is an input (`refuse_same_file`) and one that cannot be written.
     """
     out = Path(out_path)
+    inputs = [("--train", train_path), *(("--eval", path) for path in eval_paths)]
+    refuse_same_file(out, *inputs)
+    refuse_same_file(report_path(out), *inputs, flag="the report of --out,")
     if out.is_dir():
         raise DecontamError(f"--out {out} is a directory; give a file name")
     for path in (out, report_path(out)):
         if path.exists() and not force:
             raise FileExistsError(f"{path} already exists; pass --force to overwrite it")
-    if Path(train_path).resolve() == out.resolve():
-        raise DecontamError("--out must differ from --train (the input would be overwritten)")
+    check_writable_path(out)
     train = load_prompts(train_path)
     evals = [p["record"] for path in eval_paths for p in load_prompts(path)]
     kept, report = decontaminate([p["record"] for p in train], evals, tokenizer, n=n)

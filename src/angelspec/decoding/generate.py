@@ -17,7 +17,7 @@ from angelspec.assets import resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer, resolve_drafter, run_engine
 from angelspec.errors import UsageError, require_positive
-from angelspec.fileio import check_output_path, write_jsonl_atomic
+from angelspec.fileio import check_output_path, refuse_same_file, write_jsonl_atomic
 
 if TYPE_CHECKING:
     from angelspec.decoding.drafters.base import Drafter
@@ -109,6 +109,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     require_positive("--batch-size", batch_size)
     require_positive("--num-draft-tokens", num_draft_tokens)
     out = Path(out)
+    refuse_same_file(out, ("--prompts", prompts), ("--cost-table", cost_table))
     check_output_path(out, force)
     policy_spec = parse_depth_policy(policy, drafter)
     records = load_prompts(prompts)

@@ -26,7 +26,7 @@ from angelspec.decoding.loading import (
 )
 from angelspec.errors import UsageError, require_positive
 from angelspec.eval.prompts import eval_prompts
-from angelspec.fileio import check_output_path, write_json_atomic
+from angelspec.fileio import check_output_path, refuse_same_file, write_json_atomic
 
 if TYPE_CHECKING:
     from angelspec.decoding.policies.costmodel import CostTable
@@ -88,9 +88,10 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
             require_positive(flag, value)
     policy_spec = parse_depth_policy(policy, drafter)
     json_path = Path(json_out) if json_out is not None else None
-    if json_path is not None:
-        check_output_path(json_path, force, "--json", "eval.json")
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
+    if json_path is not None:
+        refuse_same_file(json_path, ("--prompts", prompts_path), ("--cost-table", cost_table), flag="--json")
+        check_output_path(json_path, force, "--json", "eval.json")
     records = load_prompts(prompts_path)
     sampling = sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
     target_dir = resolve_target_dir(target)

@@ -142,11 +142,13 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
 
 def _bf16_weights(src: Path, dest: Path) -> None:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from angelspec.models.hf_io import save_safetensors_atomic
 
     state = load_file(str(src))
-    save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()},
-              str(dest), metadata={"format": "pt"})
+    save_safetensors_atomic({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+                            dest, {"format": "pt"})
 
 
 def export_shipped(run: Path, dest: Path, *, data: Path | None = None) -> Path:

@@ -15,15 +15,20 @@ bit-identical to an uninterrupted one, and its checkpoint also resumes in a sing
 
 Writes go to `<dir>.tmp-<pid>` and are swapped in with renames, so a kill at any moment leaves
 either the previous checkpoint or the new one, never a mix: `latest/` is replaced by renaming
-`latest` → `latest.old`, `tmp` → `latest`, then deleting `latest.old`. A reader that finds only
-`latest.old` (a kill between the two renames) uses it.
+`latest` → `latest.old`, `tmp` → `latest`, then `latest.old` → `latest.trash-<pid>-<random>`, which is only
+then removed; no folder is ever removed under a name a reader looks at. A reader that finds only `latest.old`
+(a kill between the first two renames) uses it. Each write first repairs what a killed one left: `latest.old`
+is renamed back when `latest` is missing (or dropped when `latest` is complete), and trash folders and the
+temp folders of writers that no longer run are removed.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -59,31 +64,79 @@ def write_checkpoint(
     is an optimizer (its `state_dict()` is saved), an already gathered state dict, or None (not resumable)."""
     final = Path(ckpt_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
+    old = _old(final)
+    _repair(final)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    old = final.with_name(f"{final.name}.old")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     write_model(tmp)
     if optimizer is not None:
         state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         torch.save(state, tmp / OPTIMIZER_STATE)
     write_json_atomic(tmp / TRAINER_STATE, trainer_state)
-    if old.exists():
-        shutil.rmtree(old)
     if final.exists():
-        os.replace(final, old)
+        os.replace(final, old)  # `_repair` left no `old`: this never replaces a checkpoint
     os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
+    _discard(old, final)
     return final
+
+
+def _old(final: Path) -> Path:
+    return final.with_name(f"{final.name}.old")
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / TRAINER_STATE).is_file()  # written last, atomically
+
+
+def _discard(folder: Path, final: Path) -> None:
+    """Remove `folder` (`final` or its `.old` twin) without ever leaving it half-removed under a name a reader looks
+    at: rename it to a unique `final.trash-*` name first (a kill during the removal leaves trash that the next
+    write clears)."""
+    if not folder.exists():
+        return
+    trash = final.with_name(f"{final.name}.trash-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.replace(folder, trash)
+    shutil.rmtree(trash)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _repair(final: Path) -> None:
+    """Undo what a killed `write_checkpoint` left beside `final`: put a complete `final.old` back when `final` is not
+    complete (a kill between the first two renames), drop it when `final` is (a kill after the swap), and remove
+    trash and temp folders that this process, or one that no longer runs, left behind."""
+    old = _old(final)
+    if _complete(old):
+        if not _complete(final):
+            _discard(final, final)  # only ever an incomplete leftover: a complete one has trainer_state.json
+            os.replace(old, final)
+        else:
+            _discard(old, final)
+    elif old.exists():
+        _discard(old, final)  # incomplete: never a checkpoint anyone can use
+    for sibling in final.parent.glob(f"{glob.escape(final.name)}.*"):
+        kind, _, rest = sibling.name[len(final.name) + 1:].partition("-")  # tmp-<pid>, trash-<pid>-<random>
+        pid = rest.partition("-")[0]
+        if kind in ("tmp", "trash") and pid.isdigit() and sibling.is_dir() and (
+                int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            shutil.rmtree(sibling)
 
 
 def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest complete checkpoint at `ckpt_dir` (or its `.old` twin after an unlucky kill)."""
     final = Path(ckpt_dir)
-    for cand in (final, final.with_name(f"{final.name}.old")):
-        if (cand / TRAINER_STATE).is_file():
+    for cand in (final, _old(final)):
+        if _complete(cand):
             return cand
     return None
 

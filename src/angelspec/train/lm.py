@@ -39,7 +39,7 @@ from angelspec.train.distributed import (
     whole_copy,
     wrap_model,
 )
-from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients
+from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, trim_log
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 
 
@@ -74,6 +74,7 @@ def train_causal_lm(
     step = resume_training(ckpt_dir, resume, settings,
                            lambda c: load_full_state_dict(model, load_target(c).state_dict()),
                            opt, log, model=model)
+    trim_log(log_path, step, main)
 
     save = make_checkpoint_saver(ckpt_dir, lambda: whole_copy(model, lambda: Decoder(model.config)), save_model,
                                  settings, opt, is_main=main, barrier=barrier, model=model)

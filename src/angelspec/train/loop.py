@@ -20,10 +20,18 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
+from angelspec.fileio import replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
-from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
+from angelspec.train.checkpoint import (
+    TRAINER_STATE,
+    ResumeError,
+    find_checkpoint,
+    make_checkpoint_saver,
+    resume_training,
+    run_identity,
+)
 from angelspec.train.config import DrafterRunConfig, TrainJob
 from angelspec.train.data import PackedRows
 from angelspec.train.distributed import (
@@ -78,7 +86,7 @@ class TrainRun:
 
     @property
     def work(self) -> Path:
-        return self.out_dir / "training"
+        return self.out_dir / "training"  # as `check_out_dir`
 
     @property
     def ckpt_dir(self) -> Path:
@@ -124,17 +132,32 @@ class TrainRun:
 
 def start_run(job: TrainJob, *, batch_size: int, error: type[Exception] = ValueError) -> TrainRun:
     """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
-    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` holds no model
-    unless `force` or `resume` (FileExistsError)."""
+    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` may be written
+    (`check_out_dir`)."""
     info = init_distributed()
     strategy = resolve_strategy(job.distributed, info)
     if batch_size % info.world_size:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {info.world_size} "
                     "processes")
     run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time())
-    if (run.out_dir / "config.json").exists() and not (job.force or job.resume):
-        raise FileExistsError(f"{run.out_dir} already holds a model; pass --force to overwrite it or --resume")
+    check_out_dir(run.out_dir, resume=job.resume, force=job.force)
     return run
+
+
+def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
+    """Refuse a training run's output folder, before anything is loaded or written, when it holds a model and
+    neither `force` nor `resume` is given (FileExistsError), or when `resume` (without `force`) finds a model but
+    no checkpoint to continue from (ResumeError): training from scratch would overwrite the finished model."""
+    out_dir = Path(out_dir)
+    if force or not (out_dir / "config.json").exists():
+        return
+    if not resume:
+        raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
+    ckpt = out_dir / "training" / "checkpoint"
+    if find_checkpoint(ckpt) is None:
+        raise ResumeError(f"cannot resume: {out_dir} holds a model but no checkpoint ({ckpt}/{TRAINER_STATE}), "
+                          "so there is nothing to resume; pass --force instead of --resume to start over (it "
+                          "overwrites the model)")
 
 
 # ----- end-of-step bookkeeping -----
@@ -166,6 +189,26 @@ def append_log(path: Path, record: dict[str, Any], is_main: bool) -> None:
     if is_main:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def trim_log(path: Path, step: int, is_main: bool) -> None:
+    """Before a run starts (or resumes) at `step`, the main rank drops the log lines of later steps (a killed run
+    logged past its last checkpoint, and the resumed run logs those steps again) and any line a kill cut short;
+    the file is replaced atomically, and only when something is dropped."""
+    if not is_main or not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        keep.append(line if line.endswith("\n") else line + "\n")
+    if keep != lines:
+        replace_atomic(path, lambda tmp: tmp.write_text("".join(keep), encoding="utf-8"))
 
 
 def checkpoint_or_stop(step: int, steps: int, ckpt_every: int, save: Callable[[int], None],
@@ -225,6 +268,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     info = run.info
     run.work.mkdir(parents=True, exist_ok=True)
     log_path = run.work / "train_log.jsonl"
+    trim_log(log_path, step, run.main)
     max_minutes = run.job.max_minutes
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     model.train()

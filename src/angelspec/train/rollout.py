@@ -42,7 +42,7 @@ from typing import Any
 from angelspec.assets import resolve_target_dir
 from angelspec.data.fingerprint import file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
-from angelspec.fileio import write_json_atomic
+from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic
 
 PROGRESS_SUFFIX = ".progress.json"
 SIDECAR_VERSION = 1
@@ -249,8 +249,11 @@ def rollout(
     except ValueError as e:
         raise RolloutError(f"invalid sampling settings: {e}") from None
     out = Path(out_path)
+    refuse_same_file(out, ("--prompts", prompts_path))
+    refuse_same_file(_progress_path(out), ("--prompts", prompts_path), flag="the progress file of --out,")
     if out.exists() and not (resume or force):  # fail before loading a large target; full checks below
         raise FileExistsError(f"--out {out} already exists; pass --resume to continue it or --force to overwrite it")
+    check_writable_path(out)
     prompts = load_prompts(prompts_path)  # validates every line before the model is loaded
     conversations = []
     for i, p in enumerate(prompts):
