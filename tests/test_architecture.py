@@ -1,10 +1,10 @@
 """The package's layers point one way (docs/design.md, "Layers").
 
-    fileio, errors, assets  ->  models | data  ->  decoding  ->  train | eval  ->  pipelines  ->  cli  ->  demo
+    fileio, errors, assets  ->  models | data  ->  decoding  ->  train | eval | export  ->  pipelines  ->  cli  ->  demo
 
 A module may import its own layer and the layers below it, never a layer above or a sibling on the same
-level (`models` and `data` do not import each other, nor do `train` and `eval`). Every import counts: at module
-level, inside functions, and under `TYPE_CHECKING`. The module graph has no cycles.
+level (`models` and `data` do not import each other, nor do `train`, `eval` and `export`). Every import counts:
+at module level, inside functions, and under `TYPE_CHECKING`. The module graph has no cycles.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "angelspec"
 
 LEVEL = {"__init__": 0, "fileio": 0, "errors": 0, "assets": 0, "models": 1, "data": 1, "decoding": 2, "train": 3,
-         "eval": 3, "pipelines": 4, "cli": 5, "demo": 6}
+         "eval": 3, "export": 3, "pipelines": 4, "cli": 5, "demo": 6}
 # Same-level layers that must not import each other.
-SIBLINGS = {frozenset({"models", "data"}), frozenset({"train", "eval"})}
+SIBLINGS = {frozenset({"models", "data"}), frozenset({"train", "eval"}), frozenset({"train", "export"}),
+            frozenset({"eval", "export"})}
 
 
 def _module_name(path: Path) -> str:

@@ -1,7 +1,7 @@
 """The `angelspec` command line: `build_parser` and `main`; one module per command group.
 
 - `generate.py`: generate. `evaluate.py`: eval, profile, calibrate, bench. `train.py`: train, features,
-  draft-vocab. `data.py`: rollout, decontam, target build. `common.py`: the flag blocks they share.
+  draft-vocab. `data.py`: rollout, decontam, target build. `export.py`: export. `common.py`: the flag blocks they share.
 
 Every handler parses its flags, calls one library function (so each command's work is callable from Python
 without argparse) and prints what it returns; heavy modules (torch, the engine, the trainers) are imported
@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from angelspec import __version__
-from angelspec.cli import data, evaluate, generate, train
+from angelspec.cli import data, evaluate, export, generate, train
 from angelspec.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from angelspec.errors import is_user_error
 
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_prompt_pool(sub)
     evaluate.add_eval_server(sub)
     train.add_build_drafters(sub)
+    export.add_export(sub)
     return parser
 
 

@@ -1,0 +1,205 @@
+"""Export to vLLM 0.32 (Qwen3 targets): EAGLE-3 (`Eagle3Qwen3ForCausalLM`), DFlash (`DFlashDraftModel`), DSpark
+(`Qwen3DSparkModel`, plain Markov head) and a draft LM (`method: "draft_model"`, copied as it is).
+
+Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up projection is split by rows):
+
+  EAGLE-3   fc.weight -> fc.weight; hidden_norm -> midlayer.hidden_norm; layer.* -> midlayer.* (attn -> self_attn);
+            norm -> norm
+  DFlash    fc.weight -> fc.weight (fc.bias must be zero: vLLM's fc has none); hidden_norm -> hidden_norm;
+            layers.N.* -> layers.N.* (attn -> self_attn); norm -> norm
+  DSpark    DFlash + head.embed -> markov_head.markov_w1 [V, r]; head.out -> markov_head.markov_w2 [V', r];
+            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov)
+
+A draft vocabulary (`draft_vocab` buffer: draft index -> target id) becomes `lm_head.weight` = the target's LM-head
+rows [V', C] and `d2t` (int64, target id = draft id + d2t[draft id]); without one the head is the target's (vLLM
+shares it). Tap ids: EAGLE-3's `eagle_aux_hidden_state_layer_ids` count "the residual stream before layer i", so
+our tap i is written i + 1; DFlash's `dflash_config.target_layer_ids` are 0-based like ours (vLLM adds one).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from angelspec.assets import resolve_target_dir
+from angelspec.export.checks import (
+    SPEC_CONFIG,
+    WEIGHTS,
+    ExportRefused,
+    ExportResult,
+    check_vllm_folder,
+    prepare_out_dir,
+    read_tensors,
+)
+from angelspec.fileio import write_json_atomic
+from angelspec.models.block.config import DRAFTER_KINDS, BlockDrafterConfig
+from angelspec.models.config import DecoderConfig
+from angelspec.models.hf_io import read_config, read_config_json, save_safetensors_atomic
+from angelspec.models.mtp_io import MTP_FAMILY
+
+DRAFT_LM_TOKENS = 4  # num_speculative_tokens written for a draft LM (the engine's default)
+
+
+def _split_layer(state: dict[str, torch.Tensor], src: str, dst: str, cfg: Any) -> dict[str, torch.Tensor]:
+    """One of our `DecoderLayer`s under `src` -> vLLM's Qwen3 layer names under `dst` (q/k/v and gate/up split)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    qkv = state.pop(f"{src}attn.qkv_proj.weight")
+    gate, up = state.pop(f"{src}mlp.gate_up_proj.weight").split(cfg.intermediate_size, dim=0)
+    out = {f"{dst}self_attn.q_proj.weight": qkv[:q], f"{dst}self_attn.k_proj.weight": qkv[q:q + kv],
+           f"{dst}self_attn.v_proj.weight": qkv[q + kv:], f"{dst}mlp.gate_proj.weight": gate,
+           f"{dst}mlp.up_proj.weight": up}
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight"):
+        out[f"{dst}{name}"] = state.pop(f"{src}{name}")
+    for ours, theirs in (("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight",
+                         "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight")):
+        out[f"{dst}{theirs}"] = state.pop(f"{src}{ours}")
+    return out
+
+
+def _shape_config(cfg: Any, target: DecoderConfig, num_layers: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The Qwen3 shape entries of a drafter config.json (plain RoPE with our rope_theta, written explicitly)."""
+    torch_dtype = str(dtype).removeprefix("torch.")
+    layer = DecoderConfig(**cfg.layer_shape(), num_hidden_layers=num_layers)
+    out = layer.to_hf_dict(torch_dtype)
+    out.update(vocab_size=target.vocab_size, draft_vocab_size=cfg.draft_vocab_size or target.vocab_size,
+               tie_word_embeddings=False, rope_theta=cfg.rope_theta,
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rope_scaling=None)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        out[key] = getattr(target, key)
+    return out
+
+
+def _vocab_tensors(state: dict[str, torch.Tensor], cfg: Any, target_dir: Path, dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """`lm_head.weight` (the target's rows of the draft vocabulary) and `d2t`, or nothing without a draft vocab."""
+    vocab = state.pop("draft_vocab", None)
+    if not cfg.draft_vocab_size:
+        return {}
+    from angelspec.models.hf_io import load_target
+
+    head = load_target(target_dir).lm_head.weight.detach()
+    vocab = vocab.to(torch.int64)
+    return {"lm_head.weight": head[vocab].to(dtype).contiguous(),
+            "d2t": vocab - torch.arange(vocab.numel(), dtype=torch.int64)}
+
+
+def _left(state: dict[str, torch.Tensor], kind: str) -> None:
+    if state:
+        raise ExportRefused(f"the {kind} drafter holds tensors the vLLM format has no place for: {sorted(state)}")
+
+
+def _mtp_family(raw: dict[str, Any], kind: str, state: dict[str, torch.Tensor], target: DecoderConfig,
+                target_dir: Path, out: Path) -> tuple[dict, dict, dict, list[str]]:
+    if kind == "mtp":
+        raise ExportRefused("MTP drafters cannot be exported to vLLM 0.32: it has no MTP draft class for a Qwen3 "
+                            "target (its MTP methods load a model's own built-in MTP layers, e.g. DeepSeek / "
+                            "Qwen3-Next); serve an EAGLE-3, DFlash or DSpark drafter instead")
+    cfg = MTP_FAMILY[kind][0].from_dict(raw[f"{kind}_config"])
+    cfg.check_target(target)
+    dtype = state["norm.weight"].dtype
+    tensors = {"fc.weight": state.pop("fc.weight"), "midlayer.hidden_norm.weight": state.pop("hidden_norm.weight"),
+               **_split_layer(state, "layer.", "midlayer.", cfg), "norm.weight": state.pop("norm.weight")}
+    tensors.update(_vocab_tensors(state, cfg, target_dir, dtype))
+    _left(state, kind)
+    ids = [i + 1 for i in cfg.target_layer_ids]  # vLLM counts the residual stream before layer i (trap 2)
+    config = _shape_config(cfg, target, 1, dtype)
+    config.update(architectures=["Eagle3Qwen3ForCausalLM"], target_hidden_size=target.hidden_size,
+                  eagle_aux_hidden_state_layer_ids=ids,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    spec = {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": cfg.num_depths}
+    return config, tensors, spec, []
+
+
+def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderConfig, target_dir: Path,
+           out: Path) -> tuple[dict, dict, dict, list[str]]:
+    cfg = BlockDrafterConfig.from_dict(raw["block_drafter_config"])
+    cfg.check_target(target)
+    if cfg.conditioning != "dflash":
+        raise ExportRefused(f"a {cfg.conditioning} drafter cannot be exported to vLLM: its per-layer tap fusion "
+                            "(fusion_logits, context_norms) has no place in DFlash's single shared fc; only the "
+                            "dflash conditioning (DFlash, DSpark) can")
+    if cfg.head == "hidden":
+        raise ExportRefused("the DFly hidden-correction head (head.*, Eq. 15) has no vLLM equivalent; export a drafter "
+                            "with head none (DFlash) or markov (DSpark)")
+    if cfg.head in ("gated", "rnn"):
+        raise ExportRefused(f"the {cfg.head} Markov head cannot be exported: vLLM 0.32's Qwen3DSparkModel serves the "
+                            "plain Markov head only (head markov)")
+    bias = state.pop("fc.bias", None)
+    if bias is not None and bool(bias.ne(0).any()):
+        raise ExportRefused(f"the context projection has a non-zero bias fc.bias (max |b| = "
+                            f"{bias.abs().max().item():.3g}); vLLM's DFlash fc has no bias, so the drafter would "
+                            "change. Train it with the bias held at zero")
+    dtype = state["norm.weight"].dtype
+    tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("hidden_norm.weight")}
+    for n in range(cfg.num_draft_layers):
+        tensors.update(_split_layer(state, f"layers.{n}.", f"layers.{n}.", cfg))
+    tensors["norm.weight"] = state.pop("norm.weight")
+    vocab = state.get("draft_vocab")
+    notes = []
+    config = _shape_config(cfg, target, cfg.num_draft_layers, dtype)
+    config.update(block_size=cfg.block_size,
+                  dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
+    if cfg.head == "markov":
+        w2 = state.pop("head.out.weight")
+        tensors["markov_head.markov_w1.weight"] = state.pop("head.embed.weight")
+        tensors["markov_head.markov_w2.weight"] = w2[vocab] if vocab is not None else w2
+        config.update(architectures=["Qwen3DSparkModel"], markov_rank=cfg.markov_rank, markov_head_type="vanilla",
+                      enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_head,
+                      sample_from_anchor=False)
+        if cfg.confidence_head:
+            tensors["confidence_head.proj.weight"] = state.pop("confidence.proj.weight")
+            tensors["confidence_head.proj.bias"] = state.pop("confidence.proj.bias")
+        method = "dspark"
+    else:
+        config["architectures"] = ["DFlashDraftModel"]
+        if cfg.confidence_head:
+            for name in ("confidence.proj.weight", "confidence.proj.bias", "confidence_embed.weight"):
+                state.pop(name)
+            notes.append("the confidence head was left out: vLLM's DFlash drafts without one")
+        method = "dflash"
+    tensors.update(_vocab_tensors(state, cfg, target_dir, dtype))
+    _left(state, cfg.drafter)
+    spec = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": cfg.block_size - 1}
+    return config, tensors, spec, notes
+
+
+def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
+                force: bool = False) -> ExportResult:
+    """Write `out_dir` (config.json, model.safetensors, speculative_config.json) for vLLM 0.32 from the drafter
+    folder `drafter_dir`, trained for `target` (default: the embedded target); refuse what vLLM cannot represent;
+    check the result against the target's config (`checks.check_vllm_folder`)."""
+    src, out = Path(drafter_dir), Path(out_dir)
+    raw = read_config_json(src, "is it an AngelSpec drafter folder?", "drafter folder")
+    target_dir = resolve_target_dir(target)
+    target_cfg = read_config(target_dir)
+    meta = raw.get("angelspec") or {}
+    kind = meta.get("drafter")
+    if target_cfg.model_type != "qwen3":
+        raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes; the target is {target_cfg.model_type!r}")
+    if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
+        state = read_tensors(src / WEIGHTS)
+        if kind in MTP_FAMILY:
+            config, tensors, spec, notes = _mtp_family(raw, kind, state, target_cfg, target_dir, out)
+        else:
+            config, tensors, spec, notes = _block(raw, state, target_cfg, target_dir, out)
+        config["angelspec"] = {**meta, "exported_from": str(src.resolve())}
+        prepare_out_dir(src, out, force)
+        save_safetensors_atomic(tensors, out / WEIGHTS, {"format": "pt"})
+        write_json_atomic(out / "config.json", config)
+    elif "model_type" in raw and "architectures" in raw:  # a draft LM: vLLM serves the HF folder as it is
+        kind = "draft-lm"
+        if raw.get("vocab_size") != target_cfg.vocab_size:
+            raise ExportRefused(f"the draft LM's vocab_size {raw.get('vocab_size')} differs from the target's "
+                                f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
+        prepare_out_dir(src, out, force)
+        shutil.copytree(src, out, dirs_exist_ok=True)
+        spec, notes = {"method": "draft_model", "model": str(out.resolve()),
+                       "num_speculative_tokens": DRAFT_LM_TOKENS}, []
+    else:
+        raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
+    write_json_atomic(out / SPEC_CONFIG, spec)
+    check_vllm_folder(out, target_cfg)
+    return ExportResult(out, kind, spec, notes)

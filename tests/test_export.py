@@ -1,0 +1,236 @@
+"""`angelspec export --format vllm`: every tensor lands under vLLM's name with our values, tap ids are shifted where
+vLLM counts differently, `d2t` maps draft ids to target ids, and drafters vLLM cannot represent are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_decoder
+
+from angelspec.cli import main
+from angelspec.export import ExportCheckError, ExportRefused, export_drafter
+from angelspec.export.checks import check_vllm_folder, read_tensors
+from angelspec.models import save_target
+from angelspec.models.block.config import BlockDrafterConfig
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.io import save_block_drafter
+from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from angelspec.models.mtp import MTPConfig, MTPDraftModel
+from angelspec.models.mtp_io import save_mtp
+
+LAYERS, VOCAB, MASK = 6, 64, 5
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    target = tiny_decoder(vocab=VOCAB, layers=LAYERS, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("target")
+    save_target(target, path)
+    return path, target
+
+
+def _init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + 0.01)  # every tensor distinct and non-zero
+    return model
+
+
+def _eagle3(target, draft_vocab: list[int] | None = None) -> Eagle3DraftModel:
+    cfg = Eagle3Config.for_target(target.config, num_depths=3)
+    if draft_vocab:
+        cfg = Eagle3Config.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
+    model = _init(Eagle3DraftModel(cfg, target.embed_tokens, target.lm_head))
+    if draft_vocab:
+        model.set_draft_vocab(draft_vocab)
+    return model
+
+
+def _block(target, head: str = "none", conditioning: str = "dflash", confidence: bool = False,
+           draft_vocab: list[int] | None = None, zero_bias: bool = True) -> BlockDrafter:
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
+                                        conditioning=conditioning, head=head, markov_rank=8,
+                                        confidence_head=confidence)
+    if draft_vocab:
+        cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
+    model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
+    if draft_vocab:
+        model.set_draft_vocab(draft_vocab)
+    if zero_bias and hasattr(model, "fc"):
+        with torch.no_grad():
+            model.fc.bias.zero_()
+    return model
+
+
+def _split_layer(ours: dict, src: str, dst: str, q: int, kv: int, inter: int) -> dict:
+    qkv, gu = ours[f"{src}attn.qkv_proj.weight"], ours[f"{src}mlp.gate_up_proj.weight"]
+    return {f"{dst}self_attn.q_proj.weight": qkv[:q], f"{dst}self_attn.k_proj.weight": qkv[q:q + kv],
+            f"{dst}self_attn.v_proj.weight": qkv[q + kv:],
+            f"{dst}self_attn.o_proj.weight": ours[f"{src}attn.o_proj.weight"],
+            f"{dst}self_attn.q_norm.weight": ours[f"{src}attn.q_norm.weight"],
+            f"{dst}self_attn.k_norm.weight": ours[f"{src}attn.k_norm.weight"],
+            f"{dst}input_layernorm.weight": ours[f"{src}input_layernorm.weight"],
+            f"{dst}post_attention_layernorm.weight": ours[f"{src}post_attention_layernorm.weight"],
+            f"{dst}mlp.gate_proj.weight": gu[:inter], f"{dst}mlp.up_proj.weight": gu[inter:],
+            f"{dst}mlp.down_proj.weight": ours[f"{src}mlp.down_proj.weight"]}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("draft_vocab", [None, [40, 3, 7, 11, 0, 63, 20, 21]])
+def test_eagle3_export_maps_every_tensor_shifts_taps_and_writes_d2t(target_dir, tmp_path, draft_vocab):
+    path, target = target_dir
+    model = _eagle3(target, draft_vocab)
+    src = save_mtp(model, tmp_path / "eagle3")
+    result = export_drafter(src, tmp_path / "out", target=path)
+    out = tmp_path / "out"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["num_hidden_layers"] == 1
+    taps = [i + 1 for i in model.config.target_layer_ids]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == taps == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert taps == [2, 4, 5]  # ours (1, 3, 4) for a 6-layer target
+    c = model.config
+    ours = {k: v for k, v in model.state_dict().items() if k != "draft_vocab"}
+    want = {"fc.weight": ours["fc.weight"], "midlayer.hidden_norm.weight": ours["hidden_norm.weight"],
+            "norm.weight": ours["norm.weight"],
+            **_split_layer(ours, "layer.", "midlayer.", c.num_attention_heads * c.head_dim,
+                           c.num_key_value_heads * c.head_dim, c.intermediate_size)}
+    assert want["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * c.hidden_size
+    if draft_vocab:
+        ids = torch.tensor(draft_vocab)
+        want["lm_head.weight"] = target.lm_head.weight.detach()[ids]
+        want["d2t"] = ids - torch.arange(len(ids))
+        assert cfg["draft_vocab_size"] == len(draft_vocab)
+    else:
+        assert cfg["draft_vocab_size"] == VOCAB
+    got = read_tensors(out / "model.safetensors")
+    _assert_same(got, want)
+    if draft_vocab:  # target id = draft id + d2t[draft id]
+        assert (torch.arange(len(draft_vocab)) + got["d2t"]).tolist() == draft_vocab
+        assert got["d2t"].dtype == torch.int64
+    spec = json.loads((out / "speculative_config.json").read_text())
+    assert spec == result.speculative_config == {"method": "eagle3", "model": str(out.resolve()),
+                                                 "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(("head", "confidence", "draft_vocab"),
+                         [("none", False, None), ("none", True, [9, 8, 7, 6]), ("markov", True, None),
+                          ("markov", False, [1, 2, 30, 40, 50])])
+def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_vocab):
+    path, target = target_dir
+    model = _block(target, head=head, confidence=confidence, draft_vocab=draft_vocab)
+    src = save_block_drafter(model, tmp_path / "block")
+    result = export_drafter(src, tmp_path / "out", target=path)
+    out = tmp_path / "out"
+    cfg = json.loads((out / "config.json").read_text())
+    c = model.config
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": list(c.target_layer_ids)}
+    assert cfg["num_hidden_layers"] == 2 and cfg["rope_theta"] == c.rope_theta
+    assert cfg["rope_parameters"]["rope_theta"] == c.rope_theta
+    ours = dict(model.state_dict())
+    want = {"fc.weight": ours["fc.weight"], "hidden_norm.weight": ours["hidden_norm.weight"],
+            "norm.weight": ours["norm.weight"]}
+    for n in range(2):
+        want.update(_split_layer(ours, f"layers.{n}.", f"layers.{n}.", c.num_attention_heads * c.head_dim,
+                                 c.num_key_value_heads * c.head_dim, c.intermediate_size))
+    assert want["fc.weight"].shape == (c.hidden_size, c.num_taps * c.hidden_size)
+    ids = torch.tensor(draft_vocab) if draft_vocab else None
+    if head == "markov":
+        assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is False
+        assert cfg["markov_rank"] == 8 and cfg["markov_head_type"] == "vanilla"
+        w2 = ours["head.out.weight"]
+        want["markov_head.markov_w1.weight"] = ours["head.embed.weight"]
+        want["markov_head.markov_w2.weight"] = w2 if ids is None else w2[ids]
+        if confidence:
+            want["confidence_head.proj.weight"] = ours["confidence.proj.weight"]
+            want["confidence_head.proj.bias"] = ours["confidence.proj.bias"]
+        assert result.speculative_config["method"] == "dspark"
+    else:
+        assert cfg["architectures"] == ["DFlashDraftModel"]
+        assert result.speculative_config["method"] == "dflash"
+        assert bool(result.notes) == confidence
+    if ids is not None:
+        want["lm_head.weight"] = target.lm_head.weight.detach()[ids]
+        want["d2t"] = ids - torch.arange(len(ids))
+    _assert_same(read_tensors(out / "model.safetensors"), want)
+    assert result.speculative_config["num_speculative_tokens"] == c.block_size - 1 == 3
+
+
+def test_draft_lm_is_copied(target_dir, tmp_path):
+    path, target = target_dir
+    lm = tiny_decoder(vocab=VOCAB, layers=1, dtype=torch.float32)
+    save_target(lm, tmp_path / "lm")
+    result = export_drafter(tmp_path / "lm", tmp_path / "out", target=path)
+    assert result.speculative_config["method"] == "draft_model"
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "lm" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(("build", "words"), [
+    (lambda t: _block(t, head="hidden", confidence=False), "hidden-correction"),
+    (lambda t: _block(t, head="gated", confidence=False), "gated"),
+    (lambda t: _block(t, head="rnn", confidence=False), "rnn"),
+    (lambda t: _block(t, conditioning="dfly", head="markov", confidence=False), "dfly"),
+    (lambda t: _block(t, conditioning="dflare", head="none", confidence=False), "dflare"),
+    (lambda t: _block(t, zero_bias=False), "fc.bias"),
+])
+def test_refusals_name_what_does_not_fit(target_dir, tmp_path, build, words):
+    path, target = target_dir
+    src = save_block_drafter(build(target), tmp_path / "src")
+    with pytest.raises(ExportRefused, match=words):
+        export_drafter(src, tmp_path / "out", target=path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtp_is_refused_naming_the_vllm_limitation(target_dir, tmp_path):
+    path, target = target_dir
+    model = _init(MTPDraftModel(MTPConfig.for_target(target.config), target.embed_tokens, target.lm_head))
+    src = save_mtp(model, tmp_path / "mtp")
+    with pytest.raises(ExportRefused, match="no MTP draft class for a Qwen3"):
+        export_drafter(src, tmp_path / "out", target=path)
+
+
+def test_check_catches_a_broken_export(target_dir, tmp_path):
+    path, target = target_dir
+    src = save_mtp(_eagle3(target), tmp_path / "eagle3")
+    export_drafter(src, tmp_path / "out", target=path)
+    out = tmp_path / "out"
+    tensors = read_tensors(out / "model.safetensors")
+    from safetensors.torch import save_file
+    del tensors["midlayer.self_attn.k_norm.weight"]
+    tensors["fc.weight"] = tensors["fc.weight"][:, :-1].contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ExportCheckError, match="k_norm") as e:
+        check_vllm_folder(out, target.config)
+    assert "fc.weight" in str(e.value)
+    export_drafter(src, out, target=path, force=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 4, 5]
+    (out / "config.json").write_text(json.dumps(cfg))  # our unshifted low tap: "before layer 0" does not exist
+    with pytest.raises(ExportCheckError, match="tap ids"):
+        check_vllm_folder(out, target.config)
+
+
+def test_cli_export_prints_the_speculative_config_and_refuses(target_dir, tmp_path, capsys):
+    path, target = target_dir
+    src = save_mtp(_eagle3(target), tmp_path / "eagle3")
+    out = tmp_path / "out"
+    assert main(["export", "--format", "vllm", str(src), str(out), "--target", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed.strip().splitlines()[-1])["method"] == "eagle3"
+    assert main(["export", str(src), str(out), "--target", str(path)]) == 2  # not empty without --force
+    assert "--force" in capsys.readouterr().err
+    assert main(["export", str(src), str(out), "--target", str(path), "--force"]) == 0
+    mtp = save_mtp(_init(MTPDraftModel(MTPConfig.for_target(target.config), target.embed_tokens, target.lm_head)),
+                   tmp_path / "mtp")
+    assert main(["export", str(mtp), str(tmp_path / "o2"), "--target", str(path)]) == 2
+    assert "MTP" in capsys.readouterr().err
