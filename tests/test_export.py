@@ -234,3 +234,97 @@ def test_cli_export_prints_the_speculative_config_and_refuses(target_dir, tmp_pa
                    tmp_path / "mtp")
     assert main(["export", str(mtp), str(tmp_path / "o2"), "--target", str(path)]) == 2
     assert "MTP" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trained drafters (`tiny_debug`, one step) on a 6-layer target folder with the tiny tokenizer
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deep_target_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    import shutil
+    from dataclasses import replace
+
+    from angelspec.models import Decoder, load_target
+
+    out = tmp_path_factory.mktemp("export_target") / "t"
+    shutil.copytree(tiny_target_dir, out)
+    model = Decoder(replace(load_target(tiny_target_dir).config, num_hidden_layers=LAYERS))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_target(model, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    import conftest
+
+    return conftest.write_conversations(tmp_path_factory.mktemp("export_data") / "conv.jsonl", 40, seed=3)
+
+
+def _ours(path: Path) -> dict:
+    return read_tensors(path / "model.safetensors")
+
+
+def test_trained_eagle3_with_a_draft_vocab_exports_exactly(tmp_path, deep_target_dir, conversations):
+    from dataclasses import replace
+
+    from angelspec.models import load_target
+    from angelspec.train.draft_vocab import apply_draft_vocab
+    from angelspec.train.eagle3 import tiny_debug, train_eagle3
+
+    src = tmp_path / "eagle3"
+    train_eagle3(deep_target_dir, conversations, src, config=replace(tiny_debug(), steps=1), progress=False,
+                 log=lambda *_: None)
+    apply_draft_vocab(src, conversations, 24, target=deep_target_dir)
+    export_drafter(src, tmp_path / "out", target=deep_target_dir)
+    ours, got = _ours(src), _ours(tmp_path / "out")
+    raw = json.loads((src / "config.json").read_text())
+    c = Eagle3Config.from_dict(raw["eagle3_config"])
+    vocab = ours.pop("draft_vocab")
+    assert c.draft_vocab_size == vocab.numel() > 0
+    want = {"fc.weight": ours["fc.weight"], "midlayer.hidden_norm.weight": ours["hidden_norm.weight"],
+            "norm.weight": ours["norm.weight"],
+            **_split_layer(ours, "layer.", "midlayer.", c.num_attention_heads * c.head_dim,
+                           c.num_key_value_heads * c.head_dim, c.intermediate_size),
+            "lm_head.weight": load_target(deep_target_dir).lm_head.weight.detach()[vocab],
+            "d2t": vocab - torch.arange(vocab.numel())}
+    _assert_same(got, want)
+    assert (torch.arange(vocab.numel()) + got["d2t"]).tolist() == vocab.tolist()
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in c.target_layer_ids]
+
+
+def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_path, deep_target_dir,
+                                                                            conversations):
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_block_drafter
+
+    src = tmp_path / "dspark"
+    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1)
+    assert isinstance(cfg, BlockDrafterTrainConfig)
+    train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
+    with pytest.raises(ExportRefused, match=r"fc\.bias"):  # training moved the bias vLLM's fc does not have
+        export_drafter(src, tmp_path / "out", target=deep_target_dir)
+    ours = _ours(src)
+    ours["fc.bias"] = torch.zeros_like(ours["fc.bias"])
+    save_file(ours, str(src / "model.safetensors"), {"format": "pt"})
+    result = export_drafter(src, tmp_path / "out", target=deep_target_dir)
+    block = BlockDrafterConfig.from_dict(json.loads((src / "config.json").read_text())["block_drafter_config"])
+    want = {"fc.weight": ours["fc.weight"], "hidden_norm.weight": ours["hidden_norm.weight"],
+            "norm.weight": ours["norm.weight"], "markov_head.markov_w1.weight": ours["head.embed.weight"],
+            "markov_head.markov_w2.weight": ours["head.out.weight"]}
+    if block.confidence_head:
+        want["confidence_head.proj.weight"] = ours["confidence.proj.weight"]
+        want["confidence_head.proj.bias"] = ours["confidence.proj.bias"]
+    for n in range(block.num_draft_layers):
+        want.update(_split_layer(ours, f"layers.{n}.", f"layers.{n}.", block.num_attention_heads * block.head_dim,
+                                 block.num_key_value_heads * block.head_dim, block.intermediate_size))
+    _assert_same(_ours(tmp_path / "out"), want)
+    assert result.speculative_config["num_speculative_tokens"] == block.block_size - 1
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["dflash_config"]["target_layer_ids"] == list(block.target_layer_ids)
