@@ -18,11 +18,13 @@ our tap i is written i + 1; DFlash's `dflash_config.target_layer_ids` are 0-base
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from angelspec.assets import resolve_target_dir
 from angelspec.export.checks import (
@@ -78,12 +80,29 @@ def _vocab_tensors(state: dict[str, torch.Tensor], cfg: Any, target_dir: Path, d
     vocab = state.pop("draft_vocab", None)
     if not cfg.draft_vocab_size:
         return {}
-    from angelspec.models.hf_io import load_target
-
-    head = load_target(target_dir).lm_head.weight.detach()
     vocab = vocab.to(torch.int64)
+    head = _target_lm_head(target_dir)
+    if tuple(head.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ExportRefused(f"the target's LM head is {tuple(head.shape)}, the drafter expects "
+                            f"[{cfg.vocab_size}, {cfg.hidden_size}]")
     return {"lm_head.weight": head[vocab].to(dtype).contiguous(),
             "d2t": vocab - torch.arange(vocab.numel(), dtype=torch.int64)}
+
+
+def _target_lm_head(target_dir: Path) -> torch.Tensor:
+    """The target's LM head [V, C] read lazily from its safetensors (one tensor, not the model): `lm_head.weight`,
+    or the embedding when the head is tied."""
+    index = target_dir / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        file = target_dir / (weight_map.get(name, "") if weight_map is not None else WEIGHTS)
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                return f.get_tensor(name)
+    raise ExportRefused(f"{target_dir} holds neither lm_head.weight nor model.embed_tokens.weight: the draft "
+                        "vocabulary's LM head cannot be written")
 
 
 def _left(state: dict[str, torch.Tensor], kind: str) -> None:
