@@ -196,9 +196,10 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
     target_cfg = read_config(target_dir)
     meta = raw.get("angelspec") or {}
     kind = meta.get("drafter")
-    if target_cfg.model_type != "qwen3":
-        raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes; the target is {target_cfg.model_type!r}")
     if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
+        if target_cfg.model_type != "qwen3":
+            raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
+                                f"DFlashDraftModel, Qwen3DSparkModel); the target is {target_cfg.model_type!r}")
         state = read_tensors(src / WEIGHTS)
         if kind in MTP_FAMILY:
             config, tensors, spec, notes = _mtp_family(raw, kind, state, target_cfg, target_dir, out)
