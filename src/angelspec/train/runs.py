@@ -176,7 +176,6 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected the JSONL file or corpus folder you train on")
     target_dir = resolve_target_dir(target)
-    check_seq_len(seq_len, target_dir, "--seq-len ")
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
