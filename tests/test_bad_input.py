@@ -131,11 +131,16 @@ def test_drafter_weights_must_match_their_config(capsys: pytest.CaptureFixture[s
                                                  prompts_file: Path, tiny_target_dir: Path, make, key: str) -> None:
     folder = make(tiny_target_dir, tmp_path / "drafter")
     raw = json.loads((folder / "config.json").read_text())
-    raw[key]["intermediate_size"] = raw[key]["intermediate_size"] * 2
+    intermediate = raw[key]["intermediate_size"]
+    raw[key]["intermediate_size"] = intermediate * 2
     (folder / "config.json").write_text(json.dumps(raw))
     code, _, err = generate(capsys, tmp_path, prompts_file, tiny_target_dir, "--drafter", folder)
     assert_bad_input(code, err, str(folder), "has shape", f"but {key} implies", "different models")
-    raw[key]["intermediate_size"] //= 2
+    raw[key]["intermediate_size"] = 10**9  # terabytes: refused before the drafter is built
+    (folder / "config.json").write_text(json.dumps(raw))
+    code, _, err = generate(capsys, tmp_path, prompts_file, tiny_target_dir, "--drafter", folder)
+    assert_bad_input(code, err, str(folder), f"{key} implies", "GB", "weights hold only", "does not describe")
+    raw[key]["intermediate_size"] = intermediate
     (folder / "config.json").write_text(json.dumps(raw))
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])

@@ -167,7 +167,7 @@ def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dty
     need = n_params * dtype_bytes
     if held_bytes and n_params > 8 * held_bytes:  # more than 8x the parameters even 1-byte weights could hold
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}) but the weights "
-                              f"hold only {_human(held_bytes)}; config.json does not describe these weights")
+                              f"hold only {_human(held_bytes)}; {what} does not describe these weights")
     mem = available_memory_bytes()
     if mem is not None and need > mem:
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}), more than this "
