@@ -25,6 +25,7 @@ from angelspec.models.hf_io import (
     CheckpointError,
     read_config_json,
     save_safetensors_atomic,
+    validate_module_file,
     write_json_atomic,
 )
 from angelspec.models.mtp import MTPConfig, MTPDraftModel, MTPFamilyConfig
@@ -80,8 +81,11 @@ def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = N
     cfg, _ = read_mtp_config(path, kind)
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
-    model = build_mtp_model(cfg, target.embed_tokens, target.lm_head)
-    state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(w.device))
+    file = Path(path) / WEIGHTS_NAME
+    model = validate_module_file(Path(path), file, cfg.layer_config(),
+                                 lambda: build_mtp_model(cfg, target.embed_tokens, target.lm_head), f"{kind}_config"
+                                 ) or build_mtp_model(cfg, target.embed_tokens, target.lm_head)
+    state = load_file(str(file), device=str(w.device))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match {kind}_config (missing {missing[:4]}, "

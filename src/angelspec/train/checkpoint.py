@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from angelspec.models.hf_io import write_json_atomic
@@ -141,8 +143,34 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return None
 
 
+def _unreadable(file: Path, why: object) -> ResumeError:
+    return ResumeError(f"cannot resume: {file} is unreadable ({why}); the checkpoint may be half-written or "
+                       "edited: pass --force instead of --resume to start over (it overwrites the model)")
+
+
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt) / TRAINER_STATE).read_text())
+    """`ckpt`/trainer_state.json; ResumeError (naming the file and --force) when it is not a JSON object with an
+    integer `step`."""
+    file = Path(ckpt) / TRAINER_STATE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _unreadable(file, e) from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0 or not isinstance(
+            state.get("train_config", {}), dict):
+        raise _unreadable(file, "expected a JSON object with a step count and the train_config")
+    return state
+
+
+def check_checkpoint_weights(ckpt: Path) -> None:
+    """ResumeError naming the file when a `*.safetensors` of `ckpt` is not a complete safetensors file."""
+    from angelspec.models.hf_io import CheckpointError, read_safetensors_header
+
+    for file in sorted(Path(ckpt).glob("*.safetensors")):
+        try:
+            read_safetensors_header(file)
+        except CheckpointError as e:
+            raise _unreadable(file, str(e).removeprefix(f"{file}").strip(" :;")) from None
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> dict[str, Any]:
@@ -164,7 +192,12 @@ def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn
     path = Path(ckpt) / OPTIMIZER_STATE
     if not path.is_file():
         raise ResumeError(f"{ckpt} has no {OPTIMIZER_STATE}; cannot resume exactly (start fresh with --force)")
-    state = torch.load(path, weights_only=True)
+    try:
+        state = torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        raise _unreadable(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if not isinstance(state, dict):
+        raise _unreadable(path, f"expected an optimizer state dict, got {type(state).__name__}")
     named = any(isinstance(k, str) for k in state.get("state", {})) or any(
         isinstance(p, str) for g in state.get("param_groups", ()) for p in g.get("params", ()))
     if not named:
@@ -220,7 +253,11 @@ def resume_training(
     saved = {**state, "train_config": {k: v for k, v in state.get("train_config", {}).items()
                                        if k not in RESUME_FREE_KEYS}}
     check_resume_compatible(saved, identity, tuple(identity))
-    load_weights(ckpt)
+    check_checkpoint_weights(ckpt)
+    try:
+        load_weights(ckpt)
+    except SafetensorError as e:
+        raise _unreadable(Path(ckpt), e) from None
     load_optimizer_state(ckpt, optimizer, model)
     step = int(state["step"])
     log(f"resuming from step {step}")

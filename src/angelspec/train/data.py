@@ -10,6 +10,7 @@ replays the same batches and a feature cache made once serves every run on the s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,49 @@ from angelspec.data.packing import Doc, PackedBatch, pack_documents, packing_rep
 from angelspec.models.config import DecoderConfig
 from angelspec.train.config import DrafterRunConfig
 from angelspec.train.distributed import DistInfo, shard_rows
+
+CONVERSATION_FORMAT = ('one JSON object a line, {"messages": [{"role": "user", "content": ...}, {"role": "assistant", '
+                       '"content": ...}, ...]} with assistant turns')
+MAKE_CONVERSATIONS = "make one from prompts with: angelspec rollout --prompts FILE --out FILE"
+
+
+class DataError(ValueError):
+    """A --data file or folder that no trainer can read; the message names the file, the format and the command
+    that makes one."""
+
+
+def check_conversations(data: Path) -> int:
+    """Check, before any target is loaded, that every `--data` file holds conversations (`CONVERSATION_FORMAT`) and
+    that at least one has a non-empty assistant turn to train on; -> the number of conversations. DataError names
+    the first bad line."""
+    total = with_assistant = 0
+    for train_path, _ in data_domains(Path(data)).values():
+        try:
+            lines = train_path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise DataError(f"{train_path} is not a UTF-8 text file; --data needs {CONVERSATION_FORMAT}; "
+                            f"{MAKE_CONVERSATIONS}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{train_path}:{n}: not valid JSON ({e}); --data needs {CONVERSATION_FORMAT}; "
+                                f"{MAKE_CONVERSATIONS}") from None
+            messages = rec.get("messages") if isinstance(rec, dict) else None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                keys = f" (it has {', '.join(map(repr, rec))})" if isinstance(rec, dict) else ""
+                raise DataError(f"{train_path}:{n}: not a conversation{keys}; --data needs {CONVERSATION_FORMAT}; "
+                                f"{MAKE_CONVERSATIONS}")
+            total += 1
+            with_assistant += any(m.get("role") == "assistant" and m.get("content") for m in messages)
+    if not total:
+        raise DataError(f"--data {data} holds no conversations; it needs {CONVERSATION_FORMAT}; {MAKE_CONVERSATIONS}")
+    if not with_assistant:
+        raise DataError(f"--data {data}: none of its {total} conversations has an assistant turn to train on (a "
+                        f"prompt file?); it needs {CONVERSATION_FORMAT}; {MAKE_CONVERSATIONS}")
+    return total
 
 
 def data_domains(data: Path) -> dict[str, tuple[Path, Path | None]]:
@@ -49,7 +93,7 @@ def load_conversations(tokenizer: Any, data: Path, seq_len: int, enable_thinking
             stats["conversations"] += 1
             messages = rec.get("messages") if isinstance(rec, dict) else None
             if not isinstance(messages, list):
-                raise ValueError(f"{train_path} record {i}: expected {{\"messages\": [...]}}")
+                raise DataError(f"{train_path} record {i}: expected {{\"messages\": [...]}}; {MAKE_CONVERSATIONS}")
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
                 stats["skipped_no_assistant"] += 1
                 continue
@@ -61,9 +105,9 @@ def load_conversations(tokenizer: Any, data: Path, seq_len: int, enable_thinking
             if trained:
                 docs.append(Doc.from_encoded(enc, doc_id=f"{name}:{i}"))
     if not docs:
-        raise ValueError(f"{data}: no assistant tokens to train on ({stats['conversations']} conversations, "
-                         f"{stats['skipped_no_assistant']} without an assistant message); MTP training needs "
-                         "conversations with non-empty assistant turns")
+        raise DataError(f"{data}: no assistant tokens to train on ({stats['conversations']} conversations, "
+                        f"{stats['skipped_no_assistant']} without an assistant message); MTP training needs "
+                        f"conversations with non-empty assistant turns; {MAKE_CONVERSATIONS}")
     return docs, stats
 
 

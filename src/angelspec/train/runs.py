@@ -38,6 +38,18 @@ def preset_config(presets: dict[str, Callable[[], Any]], preset: str | None, def
         raise UsageError(str(e)) from None
 
 
+def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=") -> None:
+    """Refuse, before any data or weights are read, a training row longer than the target's context."""
+    if seq_len is None:
+        return
+    from angelspec.models.hf_io import read_config
+
+    context = read_config(target_dir).max_position_embeddings
+    if seq_len > context:
+        raise UsageError(f"{flag}{seq_len} is longer than the target's context ({context} tokens, "
+                         f"max_position_embeddings in {target_dir}/config.json); pass {flag}{context} or less")
+
+
 @dataclass
 class TrainResult:
     """What `train_drafter` wrote: the trainer's report, the folder and the steps the run planned."""
@@ -89,6 +101,10 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
         raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(target)
+    check_seq_len(getattr(config, "seq_len", None), target_dir)
+    from angelspec.train.data import check_conversations
+
+    check_conversations(data)
     out = Path(out)
     extra = {}
     if distributed != "auto":
@@ -159,6 +175,10 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     data = Path(data)
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected the JSONL file or corpus folder you train on")
-    return build_feature_cache(resolve_target_dir(target), data, Path(out), layers=ids, seq_len=seq_len,
+    target_dir = resolve_target_dir(target)
+    from angelspec.train.data import check_conversations
+
+    check_conversations(data)
+    return build_feature_cache(target_dir, data, Path(out), layers=ids, seq_len=seq_len,
                                enable_thinking=think, rows_per_shard=rows_per_shard, resume=resume, force=force,
                                log=log)

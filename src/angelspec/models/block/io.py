@@ -29,6 +29,7 @@ from angelspec.models.hf_io import (
     CheckpointError,
     read_config_json,
     save_safetensors_atomic,
+    validate_module_file,
     write_json_atomic,
 )
 
@@ -89,8 +90,11 @@ def load_block_drafter(path: str | Path, target: Decoder, *, drafter: str | None
     cfg, _ = read_block_config(path, drafter=drafter, head=head)
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
-    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
-    state = load_file(str(Path(path) / WEIGHTS_NAME), device=str(w.device))
+    file = Path(path) / WEIGHTS_NAME
+    model = validate_module_file(Path(path), file, cfg.layer_config(),
+                                 lambda: BlockDrafter(cfg, target.embed_tokens, target.lm_head), CONFIG_KEY
+                                 ) or BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    state = load_file(str(file), device=str(w.device))
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the right name but another shape (e.g. an edited head)
