@@ -193,3 +193,21 @@ def record_proposals(drafter: Any) -> list:
 
     drafter.propose = spy
     return seen
+
+
+def run_cli(capsys: Any, *args: object) -> tuple[int, str, str]:
+    """`angelspec.cli.main(args)`: (exit code, stdout, stderr)."""
+    from angelspec.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad_input(code: int, err: str, *needles: str) -> None:
+    """Exit 2 with exactly one `angelspec: error:` line that contains every needle (and no traceback)."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("angelspec: error: "), err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"

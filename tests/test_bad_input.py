@@ -10,23 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_bad_input, run_cli
 
 from angelspec.cli import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_bad_input(code: int, err: str, *needles: str) -> None:
-    """Exit 2 with exactly one `angelspec: error:` line that contains every needle (and no traceback)."""
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("angelspec: error: "), err
-    for needle in needles:
-        assert needle in err, f"{needle!r} not in {err!r}"
+    return run_cli(capsys, *args)
 
 
 @pytest.fixture

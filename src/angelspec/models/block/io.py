@@ -20,18 +20,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from angelspec.models import hf_io
 from angelspec.models.block.config import DRAFTER_KINDS, HEADS, BlockDrafterConfig
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
-from angelspec.models.hf_io import (
-    WEIGHTS_NAME,
-    CheckpointError,
-    read_config_json,
-    save_safetensors_atomic,
-    validate_module_file,
-    write_json_atomic,
-)
+from angelspec.models.hf_io import WEIGHTS_NAME, CheckpointError
 
 ARCHITECTURE = "AngelSpecBlockDrafter"
 CONFIG_KEY = "block_drafter_config"
@@ -46,11 +40,11 @@ def save_block_drafter(model: BlockDrafter, path: str | Path, extra: dict[str, A
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    save_safetensors_atomic(dict(model.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
+    hf_io.save_safetensors_atomic(dict(model.state_dict()), path / WEIGHTS_NAME, {"format": "pt"})
     derived = (cfg.drafter, cfg.target_fingerprint, list(cfg.target_layer_ids), cfg.block_size, cfg.head,
                cfg.conditioning, cfg.mask_token_id, cfg.confidence_head)
     meta = {**dict(zip(BLOCK_META_KEYS, derived, strict=True)), **(extra or {})}
-    write_json_atomic(path / "config.json", {"architectures": [ARCHITECTURE], CONFIG_KEY: cfg.to_dict(),
+    hf_io.write_json_atomic(path / "config.json", {"architectures": [ARCHITECTURE], CONFIG_KEY: cfg.to_dict(),
                                              "angelspec": meta})
     return path
 
@@ -61,7 +55,7 @@ def read_block_config(path: str | Path, *, drafter: str | None = None, head: str
     a clear error names both, instead of a silent mismatch or a missing-weights error."""
     path = Path(path)
     cfg_file = path / "config.json"
-    raw = read_config_json(path, f"is it a block drafter folder (angelspec train --drafter {drafter or 'dfly'})?")
+    raw = hf_io.read_config_json(path, f"is it a block drafter folder (angelspec train --drafter {drafter or 'dfly'})?")
     meta = raw.get("angelspec") or {}
     if meta.get("drafter") not in DRAFTER_KINDS or CONFIG_KEY not in raw:
         raise CheckpointError(f"{path} is not a block drafter (angelspec.drafter = {meta.get('drafter')!r}; expected "
@@ -91,7 +85,7 @@ def load_block_drafter(path: str | Path, target: Decoder, *, drafter: str | None
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
     file = Path(path) / WEIGHTS_NAME
-    model = validate_module_file(Path(path), file, cfg.layer_config(),
+    model = hf_io.validate_module_file(Path(path), file, cfg.layer_config(),
                                  lambda: BlockDrafter(cfg, target.embed_tokens, target.lm_head), CONFIG_KEY
                                  ) or BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     state = load_file(str(file), device=str(w.device))
