@@ -217,3 +217,14 @@ def test_resume_from_a_damaged_checkpoint(capsys: pytest.CaptureFixture[str], tm
         file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])
     code, _, err = _train(capsys, tiny_target_dir, data, out, "--resume", "steps=4")
     assert_bad_input(code, err, "cannot resume", str(file), "--force")
+
+
+def test_line_separators_inside_json_strings_are_not_line_ends(tmp_path: Path) -> None:
+    """U+2028 / U+2029 / U+0085 inside a string are legal JSON and appear raw in real rollouts (json.dumps with
+    ensure_ascii=False): the data check must split JSONL at newlines only."""
+    from angelspec.train.data import check_conversations
+
+    data = tmp_path / "conv.jsonl"
+    turns = [{"role": "user", "content": "a\u2028b\u2029c\x85d"}, {"role": "assistant", "content": "ok\u2028fine"}]
+    data.write_text(json.dumps({"messages": turns}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert check_conversations(data) == 1

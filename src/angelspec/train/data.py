@@ -41,7 +41,9 @@ def check_conversations(data: Path) -> int:
     total = with_assistant = 0
     for train_path, _ in data_domains(Path(data)).values():
         try:
-            lines = train_path.read_text(encoding="utf-8").splitlines()
+            # JSONL lines end at "\n" only: str.splitlines() would also split inside a JSON string at U+2028 /
+            # U+2029 / U+0085, which json.dumps(..., ensure_ascii=False) writes unescaped (real rollouts have them).
+            lines = train_path.read_text(encoding="utf-8").split("\n")
         except UnicodeDecodeError:
             raise DataError(f"{train_path} is not a UTF-8 text file; --data needs {CONVERSATION_FORMAT}; "
                             f"{MAKE_CONVERSATIONS}") from None
