@@ -135,7 +135,9 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
 
     drafter = resolve_drafter(spec, state.model, state.target_dir)
     if k == "natural":
-        k = natural_depth(drafter)
+        from angelspec.eval.server import natural_depth
+
+        k = natural_depth(drafter, default=MTP_DEPTHS)
     settings = replace(state.settings, num_draft_tokens=k or state.num_draft_tokens)
     depth_policy = None
     if policy != "full":
@@ -152,14 +154,7 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
                   f"(K={settings.num_draft_tokens}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
 
 
-def natural_depth(drafter: Any) -> int:
-    """The depth a drafter was trained for: a block drafter's block size - 1 (the shipped ones: 7), else the
-    three depths MTP-3 / EAGLE-3 unroll in training."""
-    inner = getattr(drafter, "inner", drafter)
-    return getattr(inner, "max_draft_tokens", None) or MTP_DEPTHS
-
-
-MTP_DEPTHS = 3
+MTP_DEPTHS = 3  # MTP-3 / EAGLE-3 unroll three depths in training
 # The shipped drafters the headline table measures: (folder name, table name, depth policy), each at the depth
 # it was trained for.
 SHIPPED_ROWS = (("mtp", "MTP-3 (shipped)", "full"), ("eagle3", "EAGLE-3 (shipped)", "full"),

@@ -43,6 +43,7 @@ from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
+from angelspec.fileio import read_json_object
 
 EVAL_LOG = "eval_log.jsonl"
 LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
@@ -99,11 +100,8 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None
     """(folder, trainer state) of the run's newest complete checkpoint, or None."""
     base = work_dir(run_dir) / "checkpoint"
     for cand in (base, base.with_name(f"{base.name}.old")):
-        try:
-            state = json.loads((cand / TRAINER_STATE).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(state, dict) and isinstance(state.get("step"), int):
+        state = read_json_object(cand / TRAINER_STATE)
+        if state is not None and isinstance(state.get("step"), int):
             return cand, state
     return None
 
@@ -139,13 +137,12 @@ def snapshot_checkpoint(src: Path, step: int, dest_root: Path) -> Path | None:
     return dest
 
 
-def natural_depth(drafter: Any) -> int:
-    """A block drafter's block size - 1 (`max_draft_tokens`); 4 for drafters without a natural depth."""
-    for obj in (drafter, getattr(drafter, "inner", None)):
-        v = getattr(obj, "max_draft_tokens", None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 4
+def natural_depth(drafter: Any, default: int = 4) -> int:
+    """A block drafter's block size - 1 (`max_draft_tokens`, looked up through a calibration wrapper); `default`
+    for drafters without a natural depth."""
+    inner = getattr(drafter, "inner", drafter)
+    v = getattr(inner, "max_draft_tokens", None)
+    return v if isinstance(v, int) and v > 0 else default
 
 
 def record_from_report(report: EvalReport, *, step: int, tokens: int | None, temperature: float,

@@ -16,7 +16,6 @@ Everything lives under `work_dir` (default `.cache/shipped/`); the export folder
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 
 from angelspec.assets import DEFAULT_DRAFTERS, resolve_target_dir
 from angelspec.errors import UsageError
-from angelspec.fileio import write_json_atomic
+from angelspec.fileio import read_json_object, write_json_atomic
 
 DEFAULT_WORK = Path(".cache/shipped")
 POOL_FILE = "prompts.jsonl"
@@ -74,11 +73,7 @@ def ensure_pool(work_dir: Path, *, log: Callable[[str], None] = print, progress:
 
 def rollout_state(out: Path) -> dict[str, Any] | None:
     """The rollout's progress sidecar (lines done, complete), or None before it started."""
-    side = out.with_name(out.name + ".progress.json")
-    try:
-        return json.loads(side.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
+    return read_json_object(out.with_name(out.name + ".progress.json"))
 
 
 def ensure_rollouts(work_dir: Path, pool: Path, *, log: Callable[[str], None] = print,
@@ -97,26 +92,17 @@ def ensure_rollouts(work_dir: Path, pool: Path, *, log: Callable[[str], None] = 
     return out
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def train_config(run: Path) -> dict[str, Any]:
     """The run's training config, from its last checkpoint's trainer state ({} before the first)."""
-    for ckpt in ("checkpoint", "checkpoint.old"):
-        state = _read(run / "training" / ckpt / "trainer_state.json")
-        if state:
-            return state.get("train_config", {})
-    return {}
+    from angelspec.eval.server import latest_checkpoint
+
+    found = latest_checkpoint(run)
+    return found[1].get("train_config", {}) if found else {}
 
 
 def run_finished(run: Path, planned_steps: int) -> bool:
     """True when the run wrote its model and report for its planned number of steps."""
-    return _read(run / "train_report.json").get("steps") == planned_steps
+    return (read_json_object(run / "train_report.json") or {}).get("steps") == planned_steps
 
 
 def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes: float | None,
@@ -163,7 +149,7 @@ def export_shipped(run: Path, dest: Path, *, data: Path | None = None) -> Path:
         if (run / name).is_file():
             shutil.copy2(run / name, tmp / name)
     _bf16_weights(run / "model.safetensors", tmp / "model.safetensors")
-    report = _read(run / "train_report.json")
+    report = read_json_object(run / "train_report.json") or {}
     cfg = train_config(run)
     report["shipped"] = {"weights_dtype": "bfloat16", "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                          "train_tokens": report.get("steps", 0) * cfg.get("batch_size", 0) * cfg.get("seq_len", 0),
