@@ -50,8 +50,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from angelspec.models.model.drafter import BlockDrafter
-from angelspec.models.model.presets import dfly_embedded
 
 from angelspec.assets import DEFAULT_DRAFT_LM
 from angelspec.decoding.drafters.base import Drafter
@@ -60,6 +58,8 @@ from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models import Decoder, load_target
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.presets import dfly_embedded
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 
 sys.path.insert(0, str(Path(__file__).parent))

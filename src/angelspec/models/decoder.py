@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (or wider) then cast back before the weight, as the reference does for bf16.
         wide = torch.promote_types(x.dtype, torch.float32)
+        if wide == x.dtype == self.weight.dtype:  # fp32: one fused kernel with the weight (same values, fewer ops)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
