@@ -80,28 +80,38 @@ def test_fast_ttt_matches_explicit_mask_reference(dtype, std):
 
 
 def test_prefix_attention_backward_matches_autograd():
-    """The flash-style backward (recomputed probabilities, + ∂lse term) == plain autograd, and gradcheck."""
-    from angelspec.train.ttt import _PrefixAttention, prefix_attention_reference
+    """The tiled document-masked attention (online softmax forward; backward with recomputed probabilities and the
+    + ∂lse term) == the dense plain-autograd twin, for every tiling, and gradcheck."""
+    from angelspec.models.attention import (
+        document_first_index,
+        document_prefix_attention,
+        document_prefix_attention_reference,
+    )
 
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, T, Dh = 2, 2, 2, 7, 4
-    q = torch.randn(B, Hkv, G, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
-    k = torch.randn(B, Hkv, 1, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
-    v = torch.randn(B, Hkv, 1, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    q = torch.randn(B, Hkv * G, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, T, Dh, dtype=torch.float64, generator=g, requires_grad=True)
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, -1], [0] * 7])
-    gate = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None, None]
-    w_out, w_lse = torch.randn(B, Hkv, G, T, Dh, dtype=torch.float64), torch.randn(B, Hkv, G, T, dtype=torch.float64)
+    last, first = torch.arange(T)[None], document_first_index(doc)
+    w_out, w_lse = torch.randn(B, Hkv * G, T, Dh, dtype=torch.float64), torch.randn(B, Hkv * G, T, dtype=torch.float64)
 
     def loss(fn):
-        out, lse = fn(q, k, v, gate, 0.5)
+        out, lse = fn(q, k, v, last, doc, doc)
         return (out * w_out).sum() + (lse * w_lse).sum()
 
-    ref = torch.autograd.grad(loss(prefix_attention_reference), (q, k, v))
-    for chunk in (3, 7, 256):  # several query chunks, exactly one, and one larger than T
-        fast = torch.autograd.grad(loss(lambda *a, c=chunk: _PrefixAttention.apply(*a, c)), (q, k, v))
-        for a, b in zip(fast, ref, strict=True):
+    ref = torch.autograd.grad(loss(document_prefix_attention_reference), (q, k, v))
+    # several query chunks, exactly one, one larger than T; key tiles smaller than, equal to and above the query's
+    for qc, kc in ((3, 3), (3, 2), (7, 7), (256, 1), (2, 5), (256, 1024)):
+        def fast(*a, qc=qc, kc=kc):
+            return document_prefix_attention(*a, q_first=first, q_chunk=qc, k_chunk=kc)
+
+        got = torch.autograd.grad(loss(fast), (q, k, v))
+        for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
-    assert torch.autograd.gradcheck(lambda q, k, v: _PrefixAttention.apply(q, k, v, gate, 0.5, 3), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: document_prefix_attention(q, k, v, last, doc, doc, first, q_chunk=3, k_chunk=2), (q, k, v))
 
 
 def test_reference_mask_is_the_ttt_pattern():

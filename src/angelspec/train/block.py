@@ -360,7 +360,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         lb = LossBatch(student_logits=logits.flatten(0, 1), mask=valid.flatten(0, 1),
                        teacher_logits=teacher.flatten(0, 1), labels=labels.flatten(0, 1),
                        confidence_logits=conf[0].flatten(0, 1) if conf else None)
-        loss = scheduled_loss(schedule, step, lb, info)
+        loss = scheduled_loss(schedule, step, lb, info).loss
         if lb.confidence_logits is not None and objective != "dspark":
             count = lb.mask.sum()
             loss = loss + cfg.conf_coef * confidence_loss(lb.confidence_logits, lb.student_logits.detach(),

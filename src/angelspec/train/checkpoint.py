@@ -47,8 +47,9 @@ TRAINER_STATE = "trainer_state.json"
 # extended or shortened); every other setting must match the checkpoint exactly.
 RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 # ... and so may where the target features come from: online, or an offline cache of the same target and data
-# (the trainer checks that), which holds the very tensors the online forward computes.
-RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features")
+# (the trainer checks that), which holds the very tensors the online forward computes; and whether activations
+# are recomputed in the backward, which changes memory only (the same graph again, bit-identical; tested).
+RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing")
 OPTIMIZER_STATE = "optimizer.pt"
 
 

@@ -47,7 +47,14 @@ from angelspec.train.distributed import (
     resolve_strategy,
     whole_copy,
 )
-from angelspec.train.losses import LossBatch, LossSchedule, acceptance_per_depth, global_denominators
+from angelspec.train.losses import (
+    ChunkedLossBatch,
+    LossBatch,
+    LossOutput,
+    LossSchedule,
+    acceptance_per_depth,
+    global_denominators,
+)
 from angelspec.train.optim import cosine_lr, set_lr
 
 if TYPE_CHECKING:
@@ -228,14 +235,21 @@ def checkpoint_or_stop(step: int, steps: int, ckpt_every: int, save: Callable[[i
 
 
 # (the wrapped model, step, this rank's rows, their row indices) -> (this rank's share of the loss, the loss
-# batch its α is logged from, extra log fields: tensors are read at log time only)
-StepLoss = Callable[[nn.Module, int, "PackedBatch", list[int]], tuple[Tensor, LossBatch, dict[str, Any]]]
+# batch its α is logged from or, from a chunked loss, that α per depth itself (`ChunkedLossBatch.track_alpha`,
+# when `logs_after(step + 1, cfg)`), extra log fields: tensors are read at log time only)
+StepLoss = Callable[[nn.Module, int, "PackedBatch", list[int]], tuple[Tensor, LossBatch | Tensor, dict[str, Any]]]
 
 
-def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch, info: DistInfo) -> Tensor:
+def logs_after(step: int, cfg: DrafterRunConfig) -> bool:
+    """Whether the loop writes a log line once `step` steps are done (so step `step - 1` must report its α)."""
+    return step % cfg.log_every == 0 or step == cfg.steps
+
+
+def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch | ChunkedLossBatch, info: DistInfo
+                   ) -> LossOutput:
     """The schedule's loss at `step`; under data parallelism its denominators are sums over the global batch."""
     with global_denominators(global_sum) if info.enabled else nullcontext():
-        return schedule.loss(step, lb).loss
+        return schedule.loss(step, lb)
 
 
 def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint: str, model: nn.Module,
@@ -289,9 +303,10 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
         tok_seen += batch.num_tokens
         losses.append(loss.item())  # host sync: once per step, for the log
         bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if logs_after(step, cfg):
             now = time.time()
-            alpha = acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
+            alpha = lb if isinstance(lb, Tensor) else \
+                acceptance_per_depth(lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k)
             mean_loss, tok_seen, alpha_list = reduce_depth_stats(sum(losses) / len(losses), tok_seen, alpha, info)
             rec = {"step": step, "objective": schedule.name_at(step - 1), "loss": mean_loss, "lr": lr,
                    "grad_norm": float(gnorm), "alpha_per_depth": [round(a, 4) for a in alpha_list],

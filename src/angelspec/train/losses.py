@@ -64,6 +64,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 # ---------------------------------------------------------------------------------------------------------
 # Config, inputs, outputs
@@ -121,6 +122,13 @@ class LossBatch:
 class LossOutput(NamedTuple):
     loss: Tensor  # [] scalar to backpropagate
     parts: dict[str, Tensor]  # detached components for logging, e.g. the three DSpark terms
+
+
+class LossSums(NamedTuple):
+    """A batch's (or a chunk of rows') share of a loss: sums over its rows, added up over chunks ("Chunks")."""
+
+    num: Tensor  # [J] numerators, attached to the graph
+    den: Tensor  # [J'] denominators: valid-row counts or detached weight sums
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,9 +219,19 @@ def _depth_mean(values: Tensor, mask: Tensor, depth_weights: Sequence[float] | T
     w is normalised over all K depths once; a depth with no valid row in this batch contributes 0 rather
     than having its weight redistributed, so the loss scale does not depend on the batch's composition.
     """
-    w = normalize_depth_weights(depth_weights, mask.shape[1], dtype=values.dtype, device=values.device)  # [K]
-    count = _denominator(mask.sum(0)).clamp_min(1).to(values.dtype)  # [K]
-    return (w * values.sum(0) / count).sum()
+    return _depth_finish(_depth_sums(values, mask), depth_weights)
+
+
+def _depth_sums(values: Tensor, mask: Tensor) -> LossSums:
+    """`_depth_mean`'s row sums: per depth, Σ_i values[i, k] [K] and the valid-row count |I_k| [K]."""
+    return LossSums(values.sum(0), mask.sum(0))
+
+
+def _depth_finish(sums: LossSums, depth_weights: Sequence[float] | Tensor | None) -> Tensor:
+    """`_depth_mean` from its row sums."""
+    w = normalize_depth_weights(depth_weights, sums.num.shape[0], dtype=sums.num.dtype, device=sums.num.device)
+    count = _denominator(sums.den).clamp_min(1).to(sums.num.dtype)  # [K]
+    return (w * sums.num / count).sum()
 
 
 def normalize_depth_weights(weights: Sequence[float] | Tensor | None, depth: int, *,
@@ -287,9 +305,13 @@ def cross_entropy(student_logits: Tensor, labels: Tensor, mask: Tensor,
 
     student_logits [N, K, V], labels [N, K], mask [N, K] -> [].
     """
+    return _depth_mean(_ce_values(student_logits, labels, mask), mask, depth_weights)
+
+
+def _ce_values(student_logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Per-(row, depth) CE [N, K], 0 where masked."""
     _check(student_logits, mask, labels=labels)
-    ce = token_ce(student_logits[mask], labels[mask])  # [M]
-    return _depth_mean(_unrows(ce, mask), mask, depth_weights)
+    return _unrows(token_ce(student_logits[mask], labels[mask]), mask)
 
 
 def forward_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -298,17 +320,25 @@ def forward_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
 
     [N, K, V] logits, mask [N, K] -> []. Teacher renormalised on its top-K, student full-vocab (module doc).
     """
+    return _depth_mean(_kl_values(student_logits, teacher_logits, mask, top_k), mask, depth_weights)
+
+
+def _kl_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None) -> Tensor:
+    """Per-(row, depth) KL_S [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
-    kl = _kl(_support(student_logits[mask], teacher_logits[mask], top_k))  # [M]
-    return _depth_mean(_unrows(kl, mask), mask, depth_weights)
+    return _unrows(_kl(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)
 
 
 def tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
             depth_weights: Sequence[float] | Tensor | None = None, top_k: int | None = None) -> Tensor:
     """Per-token TV (Eq. 4) with Eq. 3's per-depth reduction. [N, K, V] logits, mask [N, K] -> []."""
+    return _depth_mean(_tv_values(student_logits, teacher_logits, mask, top_k), mask, depth_weights)
+
+
+def _tv_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None) -> Tensor:
+    """Per-(row, depth) TV_S [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
-    tv = 1.0 - _alpha(_support(student_logits[mask], teacher_logits[mask], top_k))  # [M]
-    return _depth_mean(_unrows(tv, mask), mask, depth_weights)
+    return _unrows(1.0 - _alpha(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)
 
 
 def _token_lk_lambda(s: _Support, eta: float) -> Tensor:
@@ -325,9 +355,14 @@ def lk_lambda_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
     λ → 1 (pure KL) while the overlap α is small, λ → exp(−η) (mostly TV) as α → 1. No gradient flows
     through λ. [N, K, V] logits, mask [N, K] -> [].
     """
+    return _depth_mean(_lk_lambda_values(student_logits, teacher_logits, mask, top_k, eta), mask, depth_weights)
+
+
+def _lk_lambda_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None,
+                      eta: float) -> Tensor:
+    """Per-(row, depth) LK^λ [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
-    lk = _token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k), eta)  # [M]
-    return _depth_mean(_unrows(lk, mask), mask, depth_weights)
+    return _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k), eta), mask)
 
 
 def lk_alpha_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -337,9 +372,15 @@ def lk_alpha_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
 
     Its gradient is ∇TV / (α + ε) per token (Eq. 8): the TV direction, amplified where overlap is low.
     """
+    return _depth_mean(_lk_alpha_values(student_logits, teacher_logits, mask, top_k, eps), mask, depth_weights)
+
+
+def _lk_alpha_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None,
+                     eps: float) -> Tensor:
+    """Per-(row, depth) LK^α [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
     alpha = _alpha(_support(student_logits[mask], teacher_logits[mask], top_k))  # [M]
-    return _depth_mean(_unrows(-torch.log(alpha + eps), mask), mask, depth_weights)
+    return _unrows(-torch.log(alpha + eps), mask)
 
 
 def e2e_tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None = None) -> Tensor:
@@ -350,6 +391,11 @@ def e2e_tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, to
     per-depth weights w_k do not apply: the prefix products already weight shallow depths more. With I
     empty the loss is 0 (attached to the graph), not the formula's 1. [N, K, V] logits, mask [N, K] -> [].
     """
+    return _e2e_tv_finish(_e2e_tv_sums(student_logits, teacher_logits, mask, top_k))
+
+
+def _e2e_tv_sums(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None) -> LossSums:
+    """Eq. 9's row sums: Σ_{i∈I} (1 − mean_m Π_{k≤m} α_{i,k}) [1] and |I| [1]."""
     _check(student_logits, mask, teacher_logits)
     full = mask.all(-1)  # [N]
     n_full, depth, v = int(full.sum()), student_logits.shape[1], student_logits.shape[2]
@@ -357,7 +403,11 @@ def e2e_tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, to
     rows_t = teacher_logits[full].reshape(-1, v)
     alpha = _alpha(_support(rows_s, rows_t, top_k)).reshape(n_full, depth)  # [|I|, K]
     survive = torch.cumprod(alpha, dim=1)  # [|I|, K] Π_{k≤m} α_{i,k}
-    return (1.0 - survive.mean(1)).sum() / max(int(_denominator(full.sum())), 1)
+    return LossSums((1.0 - survive.mean(1)).sum()[None], full.sum()[None])
+
+
+def _e2e_tv_finish(sums: LossSums) -> Tensor:
+    return sums.num[0] / max(int(_denominator(sums.den[0])), 1)
 
 
 def dpace_weights(student_logits: Tensor, labels: Tensor, mask: Tensor, rho: float = 0.5) -> Tensor:
@@ -387,11 +437,21 @@ def dpace_lk_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor
     w̄ from `dpace_weights` (Eq. 16–17), L^λ_LK from Eq. 6. The D-PACE weights replace Eq. 3's w_k.
     [N, K, V] logits, labels [N, K], mask [N, K] -> [].
     """
+    return _dpace_lk_finish(_dpace_lk_sums(student_logits, teacher_logits, labels, mask, top_k, eta, rho), eps)
+
+
+def _dpace_lk_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
+                   top_k: int | None, eta: float, rho: float) -> LossSums:
+    """Eq. 18's row sums: Σ sg[w̄]·L^λ_LK [1] and Σ sg[w̄] [1] (w̄ is per row, over its depths only)."""
     _check(student_logits, mask, teacher_logits, labels)
     w = dpace_weights(student_logits, labels, mask, rho)  # [N, K], detached
-    lk = _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k), eta), mask)
+    lk = _lk_lambda_values(student_logits, teacher_logits, mask, top_k, eta)
     w = w.to(lk.dtype)
-    return (w * lk).sum() / (_denominator(w.sum()) + eps)
+    return LossSums((w * lk).sum()[None], w.sum()[None])
+
+
+def _dpace_lk_finish(sums: LossSums, eps: float) -> Tensor:
+    return sums.num[0] / (_denominator(sums.den[0]) + eps)
 
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
@@ -405,6 +465,13 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     distribution; `confidence_logits` are pre-sigmoid (BCE-with-logits). TV is ½‖p − q‖₁ (see the report).
     [N, K, V] logits, labels [N, K], mask [N, K], confidence_logits [N, K] or None (no confidence term).
     """
+    return _dspark_finish(_dspark_sums(student_logits, teacher_logits, labels, mask, confidence_logits, top_k, gamma),
+                          ce_coef, tv_coef, conf_coef)
+
+
+def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
+                 confidence_logits: Tensor | None, top_k: int | None, gamma: float | None) -> LossSums:
+    """The DSpark terms' row sums: Σ w·CE, Σ w·TV (and Σ w·BCE with a confidence head) [2|3], and Σ w [1]."""
     _check(student_logits, mask, teacher_logits, labels)
     n, depth, _ = student_logits.shape
     if confidence_logits is not None and confidence_logits.shape != (n, depth):
@@ -414,16 +481,23 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
     tv = (1.0 - alpha) * mask
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
-    # 0 only when nothing is valid (then numerators are 0)
-    denom = _denominator(w.sum()).clamp_min(torch.finfo(w.dtype).tiny)
-    ce_term = (w * ce).sum() / denom
-    tv_term = (w * tv).sum() / denom
-    loss = ce_coef * ce_term + tv_coef * tv_term
-    parts = {"ce": ce_term.detach(), "tv": tv_term.detach()}
+    terms = [(w * ce).sum(), (w * tv).sum()]
     if confidence_logits is not None:
         target = alpha[mask].detach()  # [M] c* = 1 − TV
         bce = F.binary_cross_entropy_with_logits(confidence_logits[mask].to(target.dtype), target, reduction="none")
-        conf_term = (w * _unrows(bce, mask)).sum() / denom
+        terms.append((w * _unrows(bce, mask)).sum())
+    return LossSums(torch.stack(terms), w.sum()[None])
+
+
+def _dspark_finish(sums: LossSums, ce_coef: float, tv_coef: float, conf_coef: float) -> LossOutput:
+    # 0 only when nothing is valid (then numerators are 0)
+    denom = _denominator(sums.den[0]).clamp_min(torch.finfo(sums.den.dtype).tiny)
+    ce_term = sums.num[0] / denom
+    tv_term = sums.num[1] / denom
+    loss = ce_coef * ce_term + tv_coef * tv_term
+    parts = {"ce": ce_term.detach(), "tv": tv_term.detach()}
+    if sums.num.shape[0] == 3:
+        conf_term = sums.num[2] / denom
         loss = loss + conf_coef * conf_term
         parts["conf"] = conf_term.detach()
     return LossOutput(loss, parts)
@@ -433,16 +507,24 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
 def acceptance_per_depth(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
                          top_k: int | None = None) -> Tensor:
     """Mean α (Eq. 5) over the valid positions of each depth, for logging: [N, K, V], mask [N, K] -> [K]."""
+    alpha_sum, count = _acceptance_sums(student_logits, teacher_logits, mask, top_k)
+    return alpha_sum / count.clamp_min(1).to(alpha_sum.dtype)
+
+
+@torch.no_grad()
+def _acceptance_sums(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None
+                     ) -> tuple[Tensor, Tensor]:
+    """Σ_{i∈I_k} α_{i,k} [K] and |I_k| [K]."""
     _check(student_logits, mask, teacher_logits)
     alpha = _unrows(_alpha(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)  # [N, K]
-    return alpha.sum(0) / mask.sum(0).clamp_min(1).to(alpha.dtype)
+    return alpha.sum(0), mask.sum(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Registry: one signature, selected by config
 # ---------------------------------------------------------------------------------------------------------
 
-LossFn = Callable[[LossBatch, LossConfig], LossOutput]
+LossFn = Callable[["LossBatch | ChunkedLossBatch", LossConfig], LossOutput]
 
 
 def _need(batch: LossBatch, name: str, *fields: str) -> None:
@@ -451,63 +533,61 @@ def _need(batch: LossBatch, name: str, *fields: str) -> None:
         raise ValueError(f"loss {name!r} needs {', '.join(missing)} in the LossBatch")
 
 
-def _ce(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "ce", "labels")
-    return LossOutput(cross_entropy(b.student_logits, b.labels, b.mask, c.depth_weights), {})
+@dataclass(frozen=True)
+class Objective:
+    """A registered loss, split at its only cross-row step ("Chunks" in the module docstring): `sums` of a batch
+    (or a chunk of its rows; sums of chunks add up) and `finish` from the total. Called on a `LossBatch` it is
+    the plain function; on a `ChunkedLossBatch` it runs chunk by chunk (`ChunkedLossBatch.evaluate`)."""
+
+    name: str
+    needs: tuple[str, ...]  # LossBatch fields beyond the student logits and mask
+    row_sums: Callable[[LossBatch, LossConfig], LossSums]
+    finish: Callable[[LossSums, LossConfig], LossOutput]
+
+    def sums(self, batch: LossBatch, config: LossConfig) -> LossSums:
+        _need(batch, self.name, *self.needs)
+        return self.row_sums(batch, config)
+
+    def __call__(self, batch: LossBatch | ChunkedLossBatch, config: LossConfig) -> LossOutput:
+        if isinstance(batch, ChunkedLossBatch):
+            return batch.evaluate(self, config)
+        return self.finish(self.sums(batch, config), config)
 
 
-def _kl_entry(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "kl", "teacher_logits")
-    return LossOutput(forward_kl(b.student_logits, b.teacher_logits, b.mask, c.depth_weights, c.top_k), {})
+def _depth_objective(name: str, needs: tuple[str, ...], values: Callable[[LossBatch, LossConfig], Tensor]
+                     ) -> Objective:
+    """A loss of Eq. 3's form: per-(row, depth) `values` [N, K] reduced by `_depth_mean`."""
+    return Objective(name, needs, lambda b, c: _depth_sums(values(b, c), b.mask),
+                     lambda s, c: LossOutput(_depth_finish(s, c.depth_weights), {}))
 
 
-def _tv(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "tv", "teacher_logits")
-    return LossOutput(tv_loss(b.student_logits, b.teacher_logits, b.mask, c.depth_weights, c.top_k), {})
-
-
-def _lk_lambda(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "lk_lambda", "teacher_logits")
-    loss = lk_lambda_loss(b.student_logits, b.teacher_logits, b.mask, c.depth_weights, c.top_k, c.eta)
-    return LossOutput(loss, {})
-
-
-def _lk_alpha(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "lk_alpha", "teacher_logits")
-    loss = lk_alpha_loss(b.student_logits, b.teacher_logits, b.mask, c.depth_weights, c.top_k, c.eps)
-    return LossOutput(loss, {})
-
-
-def _e2e_tv(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "e2e_tv", "teacher_logits")
-    return LossOutput(e2e_tv_loss(b.student_logits, b.teacher_logits, b.mask, c.top_k), {})
-
-
-def _dpace_lk(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "dpace_lk", "teacher_logits", "labels")
-    loss = dpace_lk_loss(b.student_logits, b.teacher_logits, b.labels, b.mask, c.top_k, c.eta, c.rho, c.eps)
-    return LossOutput(loss, {})
-
-
-def _dspark(b: LossBatch, c: LossConfig) -> LossOutput:
-    _need(b, "dspark", "teacher_logits", "labels")
-    return dspark_loss(b.student_logits, b.teacher_logits, b.labels, b.mask, b.confidence_logits, c.top_k,
-                       c.gamma, c.ce_coef, c.tv_coef, c.conf_coef)
-
-
-LOSSES: dict[str, LossFn] = {
-    "ce": _ce,
-    "kl": _kl_entry,
-    "tv": _tv,
-    "lk_lambda": _lk_lambda,
-    "lk_alpha": _lk_alpha,
-    "e2e_tv": _e2e_tv,
-    "dpace_lk": _dpace_lk,
-    "dspark": _dspark,
+LOSSES: dict[str, Objective] = {
+    "ce": _depth_objective("ce", ("labels",), lambda b, c: _ce_values(b.student_logits, b.labels, b.mask)),
+    "kl": _depth_objective("kl", ("teacher_logits",),
+                           lambda b, c: _kl_values(b.student_logits, b.teacher_logits, b.mask, c.top_k)),
+    "tv": _depth_objective("tv", ("teacher_logits",),
+                           lambda b, c: _tv_values(b.student_logits, b.teacher_logits, b.mask, c.top_k)),
+    "lk_lambda": _depth_objective(
+        "lk_lambda", ("teacher_logits",),
+        lambda b, c: _lk_lambda_values(b.student_logits, b.teacher_logits, b.mask, c.top_k, c.eta)),
+    "lk_alpha": _depth_objective(
+        "lk_alpha", ("teacher_logits",),
+        lambda b, c: _lk_alpha_values(b.student_logits, b.teacher_logits, b.mask, c.top_k, c.eps)),
+    "e2e_tv": Objective("e2e_tv", ("teacher_logits",),
+                        lambda b, c: _e2e_tv_sums(b.student_logits, b.teacher_logits, b.mask, c.top_k),
+                        lambda s, c: LossOutput(_e2e_tv_finish(s), {})),
+    "dpace_lk": Objective("dpace_lk", ("teacher_logits", "labels"),
+                          lambda b, c: _dpace_lk_sums(b.student_logits, b.teacher_logits, b.labels, b.mask, c.top_k,
+                                                      c.eta, c.rho),
+                          lambda s, c: LossOutput(_dpace_lk_finish(s, c.eps), {})),
+    "dspark": Objective("dspark", ("teacher_logits", "labels"),
+                        lambda b, c: _dspark_sums(b.student_logits, b.teacher_logits, b.labels, b.mask,
+                                                  b.confidence_logits, c.top_k, c.gamma),
+                        lambda s, c: _dspark_finish(s, c.ce_coef, c.tv_coef, c.conf_coef)),
 }
 
 
-def get_loss(name: str) -> LossFn:
+def get_loss(name: str) -> Objective:
     """The registered loss `name`, or a ValueError listing the known names."""
     try:
         return LOSSES[name]
@@ -537,6 +617,84 @@ class LossSchedule:
     def name_at(self, step: int) -> str:
         return self.cold_start if step < self.switch_step else self.final
 
-    def loss(self, step: int, batch: LossBatch) -> LossOutput:
+    def loss(self, step: int, batch: LossBatch | ChunkedLossBatch) -> LossOutput:
         return LOSSES[self.name_at(step)](batch, self.config)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunks: the LM head and the loss over a few rows at a time
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkedLossBatch:
+    """A `LossBatch` whose [N, K, V] student logits (and teacher logits) are never held whole.
+
+    It holds the student's states before the LM head, K × [N, C], and a `head` that maps a chunk of them to
+    logits. `Objective.__call__` then runs `evaluate`: per chunk of `chunk_rows` rows, logits -> the loss's row
+    sums, each chunk under `torch.utils.checkpoint` (autograd keeps only the chunk's [n, C] inputs; its logits
+    are recomputed in the backward), and `finish` on the summed row sums. Loss and gradients equal the
+    `LossBatch` path up to summation order (tested). Transient memory: one chunk's [chunk_rows, K, V] logits
+    and the loss's buffers of the same size, in the forward and again in the backward."""
+
+    hidden: tuple[Tensor, ...]  # K × [N, C] (views are fine), the student's states at each depth / block position
+    head: Callable[[Tensor, slice], Tensor]  # (states [n, K, C], the rows) -> fp32 logits [n, K, V]
+    mask: Tensor  # [N, K] bool
+    chunk_rows: int  # rows per chunk
+    teacher: Callable[[slice], Tensor] | None = None  # the rows -> teacher logits [n, K, V]
+    labels: Tensor | None = None  # [N, K]
+    confidence_logits: Tensor | None = None  # [N, K]
+    checkpoint: bool = True  # False: keep every chunk's graph (same values; memory of the LossBatch path)
+    track_alpha: bool = False  # also log the mean α per depth (parts["alpha_per_depth"], needs a teacher)
+
+    def __post_init__(self) -> None:
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+        if len(self.hidden) != self.mask.shape[1]:
+            raise ValueError(f"{len(self.hidden)} state tensors for a mask of {self.mask.shape[1]} depths")
+
+    @staticmethod
+    def rows_for(max_logits: int, depths: int, vocab: int) -> int:
+        """Rows per chunk so that a chunk's logits hold at most `max_logits` values (at least one row)."""
+        return max(1, max_logits // max(1, depths * vocab))
+
+    def chunk(self, rows: slice, states: Sequence[Tensor], confidence_logits: Tensor | None) -> LossBatch:
+        """The `LossBatch` of `rows`: states K × [n, C] (slices of `hidden`) through the head."""
+        logits = self.head(torch.stack(list(states), dim=1), rows)
+        return LossBatch(student_logits=logits, mask=self.mask[rows],
+                         teacher_logits=None if self.teacher is None else self.teacher(rows),
+                         labels=None if self.labels is None else self.labels[rows],
+                         confidence_logits=confidence_logits)
+
+    def evaluate(self, objective: Objective, config: LossConfig) -> LossOutput:
+        """`objective` over all rows, chunk by chunk (class docstring)."""
+        record = [self.track_alpha and self.teacher is not None]  # α only in the forward, not in recomputes
+        alpha: list[tuple[Tensor, Tensor]] = []
+
+        def run(r0: int, r1: int, confidence_logits: Tensor | None, *states: Tensor) -> tuple[Tensor, Tensor]:
+            lb = self.chunk(slice(r0, r1), states, confidence_logits)
+            if record[0]:
+                alpha.append(_acceptance_sums(lb.student_logits.detach(), lb.teacher_logits, lb.mask, config.top_k))
+            s = objective.sums(lb, config)
+            return s.num, s.den
+
+        total: LossSums | None = None
+        for r0 in range(0, self.mask.shape[0], self.chunk_rows):
+            r1 = min(r0 + self.chunk_rows, self.mask.shape[0])
+            conf = None if self.confidence_logits is None else self.confidence_logits[r0:r1]
+            args = (r0, r1, conf, *(h[r0:r1] for h in self.hidden))
+            if self.checkpoint and torch.is_grad_enabled():
+                num, den = checkpoint(run, *args, use_reentrant=False)
+            else:
+                num, den = run(*args)
+            total = LossSums(num, den) if total is None else LossSums(total.num + num, total.den + den)
+        record[0] = False
+        if total is None:
+            raise ValueError("a ChunkedLossBatch needs at least one row")
+        out = objective.finish(total, config)
+        if alpha:
+            a_sum = torch.stack([a for a, _ in alpha]).sum(0)
+            count = torch.stack([c for _, c in alpha]).sum(0)
+            out.parts["alpha_per_depth"] = a_sum / count.clamp_min(1).to(a_sum.dtype)
+        return out
 

@@ -50,10 +50,10 @@ from angelspec.train.config import DrafterRunConfig, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
-from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, get_loss
+from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.losses import LossConfig, LossSchedule, get_loss
 from angelspec.train.optim import build_adamw
-from angelspec.train.ttt import TTTOutput, mtp_loss_batch, ttt_rollout
+from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,10 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     ttt: bool = True  # False: teacher-forced base MTP, one depth
     loss: str = "e2e_tv"  # final objective, a name in train.losses.LOSSES
     cold_start_loss: str | None = "lk_alpha"  # None: `loss` from the first step
-    activation_checkpointing: bool = False  # recompute each depth in the backward (ttt_rollout checkpoint_depths)
+    # Recompute each depth in the backward (ttt_rollout checkpoint_depths). None: on when more than one depth
+    # trains, where it pays (benchmarks/ttt_memory.py; docs/design.md "Memory linear in T"); a single depth keeps
+    # its activations, as one causal pass does.
+    activation_checkpointing: bool | None = None
     batch_size: int = 4  # packed rows per step
 
     def __post_init__(self) -> None:
@@ -84,6 +87,12 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     @property
     def train_depths(self) -> int:
         return self.num_depths if self.ttt else 1
+
+    @property
+    def checkpoint_depths(self) -> bool:
+        """Whether the rollout recomputes each depth in the backward (`activation_checkpointing`, resolved)."""
+        ac = self.activation_checkpointing
+        return self.train_depths > 1 if ac is None else ac
 
     def schedule(self) -> LossSchedule:
         cold = self.cold_start_loss
@@ -163,15 +172,20 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
-    def rollout(b: MTPDraftModel, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                document_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        out = ttt_rollout(b, hidden, input_ids, positions, document_ids, cfg.train_depths, pad_id=pad_id,
-                          checkpoint_depths=cfg.activation_checkpointing)
-        return out.logits, out.inputs, out.hidden  # a tuple, so DDP / FSDP2 find the outputs to hook
+    def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: torch.Tensor | None,
+                     step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rollout, LM head and loss in one forward, in memory linear in T: no [T, T] tensor, no [N, D, V] logits
+        (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
+        where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
+        out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
+                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.checkpoint_depths)
+        lo = scheduled_loss(schedule, step, mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha),
+                            run.info)
+        return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 
     # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,
     # since FSDP2 replaces the block's parameters by DTensor shards.
-    model = wrap_model(FunctionModule(block, rollout), run.strategy, run.info)
+    model = wrap_model(FunctionModule(block, forward_loss), run.strategy, run.info)
     opt = build_adamw(block, cfg.lr, cfg.weight_decay)
     schedule = cfg.schedule()
     meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
@@ -180,11 +194,10 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         lambda m, p: save_mtp(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
-                  ) -> tuple[torch.Tensor, LossBatch, dict[str, Any]]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         taps, teacher = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
-        out = TTTOutput(*wrapped(concat_taps(taps), batch.input_ids, batch.positions, batch.document_ids))
-        lb = mtp_loss_batch(out, batch, teacher)
-        return scheduled_loss(schedule, step, lb, run.info), lb, {}
+        loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
+        return loss, alpha, {}
 
     step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,
                                step_loss=step_loss, save=save_ckpt, desc=kind)

@@ -49,6 +49,7 @@ Dh head dim, N = B·T flattened positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,8 +59,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
+from angelspec.models.attention import document_first_index, document_prefix_attention, merge_extra_keys
 from angelspec.models.mtp import MTPDraftModel
-from angelspec.train.losses import LossBatch
+from angelspec.train.losses import ChunkedLossBatch, LossBatch
+
+# Logits per chunk of the chunked LM head + loss: 32 MiB of fp32 (1,024 rows × 8,192 vocab; 53 rows at 150k).
+DEFAULT_MAX_LOGITS = 1 << 23
 
 AttentionImpl = Literal["fast", "reference"]
 
@@ -68,7 +73,12 @@ AttentionImpl = Literal["fast", "reference"]
 class TTTOutput:
     logits: Tensor | None  # [B, T, D, V] fp32 student logits (depth k at i predicts x_{i+k+2}); None if not kept
     inputs: Tensor  # [B, T, D] int64, the token x̃_k fused at each depth (x_{i+1}, then argmaxes)
-    hidden: Tensor  # [B, T, D, C] h^(k), the block's output per depth
+    states: tuple[Tensor, ...]  # D × [B, T, C] h^(k), the block's output per depth (not stacked: no copy)
+
+    @property
+    def hidden(self) -> Tensor:
+        """[B, T, D, C] h^(k) stacked (a copy)."""
+        return torch.stack(self.states, dim=2)
 
 
 def depth0_inputs(input_ids: Tensor, document_ids: Tensor | None, pad_id: int) -> Tensor:
@@ -82,82 +92,29 @@ def depth0_inputs(input_ids: Tensor, document_ids: Tensor | None, pad_id: int) -
     return nxt
 
 
-class _PrefixAttention(torch.autograd.Function):
-    """Causal-prefix attention that also returns its log-sum-exp, in query chunks, with a flash-style backward.
-
-    Forward, per chunk of `chunk` queries [s0, s1): scores against keys 0..s1-1 (later keys are causally
-    masked anyway) -> masked LSE -> p = exp(scores - lse) -> out = p @ v. Only q, k, v, the gate, lse and out
-    are saved (O(T·Dh) each); the backward recomputes p chunk by chunk, so the largest transient is
-    [B, H, chunk, T] and no [T, T] tensor outlives its chunk:
-        dv = pᵀ g_out,   ds = p ⊙ (g_out vᵀ − rowsum(g_out ⊙ out) + g_lse),   dq = ds k·s,   dk = dsᵀ q·s
-    (the + g_lse term is ∂lse/∂scores = p). `prefix_attention_reference` is the plain-autograd twin."""
-
-    @staticmethod
-    def forward(ctx, qg: Tensor, k: Tensor, v: Tensor, gate: Tensor, scale: float, chunk: int
-                ) -> tuple[Tensor, Tensor]:
-        # qg [B, Hkv, G, T, Dh]; k, v [B, Hkv, 1, T, Dh]; gate [B|1, 1, 1, T, T] bool
-        T = qg.shape[-2]
-        outs, lses = [], []
-        for s0 in range(0, T, chunk):
-            s1 = min(s0 + chunk, T)
-            p = (qg[..., s0:s1, :] @ k[..., :s1, :].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, c, s1]
-            p.masked_fill_(~gate[..., s0:s1, :s1], float("-inf"))
-            lse = p.logsumexp(dim=-1)  # [B, Hkv, G, c]; every row sees its own key, so finite
-            outs.append(p.sub_(lse[..., None]).exp_() @ v[..., :s1, :])
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(qg, k, v, gate, lse, out)
-        ctx.scale, ctx.chunk = scale, chunk
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, g_out: Tensor, g_lse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
-        qg, k, v, gate, lse, out = ctx.saved_tensors
-        sc, T = ctx.scale, qg.shape[-2]
-        dq, dk, dv = torch.empty_like(qg), torch.zeros_like(k), torch.zeros_like(v)
-        for s0 in range(0, T, ctx.chunk):
-            s1 = min(s0 + ctx.chunk, T)
-            q_c, k_c, v_c, g_c = qg[..., s0:s1, :], k[..., :s1, :], v[..., :s1, :], g_out[..., s0:s1, :]
-            p = (q_c @ k_c.transpose(-1, -2)).mul_(sc).masked_fill_(~gate[..., s0:s1, :s1], float("-inf"))
-            p = p.sub_(lse[..., s0:s1, None]).exp_()  # [B, Hkv, G, c, s1]
-            dv[..., :s1, :] += (p.transpose(-1, -2) @ g_c).sum(dim=2, keepdim=True)
-            delta = (g_c * out[..., s0:s1, :]).sum(dim=-1, keepdim=True)  # [B, Hkv, G, c, 1]
-            ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).add_(g_lse[..., s0:s1, None]).mul_(p)
-            del p
-            dq[..., s0:s1, :] = (ds @ k_c).mul_(sc)
-            dk[..., :s1, :] += (ds.transpose(-1, -2) @ q_c).sum(dim=2, keepdim=True).mul_(sc)
-        return dq, dk, dv, None, None, None
-
-
-def prefix_attention_reference(qg: Tensor, k: Tensor, v: Tensor, gate: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Plain-autograd twin of `_PrefixAttention` (keeps the [T, T] scores and probabilities for backward)."""
-    scores = (qg @ k.transpose(-1, -2) * scale).masked_fill(~gate, float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    return torch.exp(scores - lse[..., None]) @ v, lse
-
-
 def ttt_attention(q: Tensor, k0: Tensor, v0: Tensor, diag_k: list[Tensor], diag_v: list[Tensor],
-                  gate: Tensor | None, query_chunk: int = 256) -> Tensor:
+                  document_ids: Tensor | None, document_first: Tensor | None = None, query_chunk: int = 256,
+                  key_chunk: int = 1024) -> Tensor:
     """Fast TTT attention of one depth (module docstring).
 
     q [B, H, T, Dh]; k0, v0 [B, Hkv, T, Dh] depth-0 keys/values; diag_k/diag_v: depths 1..k, each
-    [B, Hkv, T, Dh]; gate [B, 1, T, T] bool (True = attend; None = plain causal) -> [B, H, T, Dh].
-    `query_chunk` bounds the transient scores to [B, H, query_chunk, T]."""
+    [B, Hkv, T, Dh]; document_ids [B, T] (None = plain causal) and their `document_first_index` (computed here
+    when None) -> [B, H, T, Dh]. The prefix part is `models.attention.document_prefix_attention` (tiles of
+    `query_chunk` × `key_chunk`, no [T, T] tensor); the diagonal keys join it by `merge_extra_keys`."""
     B, H, T, Dh = q.shape
     Hkv = k0.shape[1]
-    G = H // Hkv
-    scale = Dh ** -0.5
-    qg = q.reshape(B, Hkv, G, T, Dh)  # query heads grouped under their kv head (GQA)
-    if gate is None:
-        gate = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
-    out, lse_a = _PrefixAttention.apply(qg, k0[:, :, None], v0[:, :, None], gate[:, :, None], scale, query_chunk)
-    if diag_k:
-        s = torch.stack([(qg * kj[:, :, None]).sum(-1) * scale for kj in diag_k], dim=-1)  # [B, Hkv, G, T, k]
-        lse = torch.cat([lse_a[..., None], s], dim=-1).logsumexp(dim=-1)  # [B, Hkv, G, T]
-        out = torch.exp(lse_a - lse)[..., None] * out
-        for j, vj in enumerate(diag_v):
-            out = out + torch.exp(s[..., j] - lse)[..., None] * vj[:, :, None]
-    return out.reshape(B, H, T, Dh)
+    if document_ids is not None and document_first is None:
+        document_first = document_first_index(document_ids)
+    q_last = torch.arange(T, device=q.device)[None]
+    out, lse_a = document_prefix_attention(q, k0, v0, q_last, document_ids, document_ids, document_first,
+                                           q_chunk=query_chunk, k_chunk=max(key_chunk, query_chunk))
+    if not diag_k:
+        return out
+    qg = q.reshape(B, Hkv, H // Hkv, T, Dh)  # query heads grouped under their kv head (GQA)
+    s = torch.stack([(qg * kj[:, :, None]).sum(-1) * Dh ** -0.5 for kj in diag_k], dim=-1)  # [B, Hkv, G, T, k]
+    merged = merge_extra_keys(out.reshape(B, Hkv, H // Hkv, T, Dh), lse_a.reshape(B, Hkv, H // Hkv, T), s,
+                              [vj[:, :, None] for vj in diag_v])
+    return merged.reshape(B, H, T, Dh)
 
 
 def ttt_reference_mask(document_ids: Tensor | None, batch: int, T: int, num_depths: int,
@@ -193,7 +150,7 @@ def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor],
 def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positions: Tensor,
                 document_ids: Tensor | None, num_depths: int, *, pad_id: int = 0,
                 attention: AttentionImpl = "fast", keep_logits: bool = True,
-                checkpoint_depths: bool = False, query_chunk: int = 256) -> TTTOutput:
+                checkpoint_depths: bool = False, query_chunk: int = 256, key_chunk: int = 1024) -> TTTOutput:
     """Unroll the shared block for `num_depths` depths over packed rows (module docstring).
 
     hidden [B, T, n·Ct] target taps joined by `concat_taps` (detached here: the target is frozen; the block's
@@ -205,14 +162,15 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     checkpoint_depths=True recomputes each depth's block activations in the backward (activation
     checkpointing per depth): autograd then keeps only each depth's inputs, output and k/v, so training
     memory of the block stays near one depth's instead of growing D-fold; costs one more block forward
-    per depth. `query_chunk` bounds the transient attention scores and argmax logits to that many positions."""
+    per depth. `query_chunk` × `key_chunk` bounds the transient attention scores, `query_chunk` positions the
+    argmax logits."""
     if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or positions.shape != input_ids.shape:
         raise ValueError(f"hidden must be [B, T, C] with input_ids/positions [B, T], got {tuple(hidden.shape)}, "
                          f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")
     if num_depths < 1:
         raise ValueError(f"num_depths must be >= 1, got {num_depths}")
     B, T, _ = hidden.shape
-    gate = None if document_ids is None else attention_gate(document_ids)  # [B, 1, T, T]
+    first = None if document_ids is None else document_first_index(document_ids)  # [B, T] document starts
     full_mask = ttt_reference_mask(document_ids, B, T, num_depths, hidden.device) if attention == "reference" \
         else None
     attn = block.layer.attn
@@ -225,7 +183,7 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
         q, kk, vv = attn.project(attn_in, cos, sin)
         ks, vs = [*prev_k, kk], [*prev_v, vv]
         if full_mask is None:
-            a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], gate, query_chunk)
+            a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], document_ids, first, query_chunk, key_chunk)
         else:
             a = ttt_attention_reference(q, ks, vs, full_mask, k)
         return block.attend_out(x, a), kk, vv
@@ -255,7 +213,7 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
         inputs.append(tok)
         states.append(h)
         h_prev, tok = h, nxt  # depth k+1 consumes depth k's argmax (TTT)
-    return TTTOutput(logits=logits, inputs=torch.stack(inputs, dim=2), hidden=torch.stack(states, dim=2))
+    return TTTOutput(logits=logits, inputs=torch.stack(inputs, dim=2), states=tuple(states))
 
 
 def teacher_for_depths(target_logits: Tensor, num_depths: int) -> Tensor:
@@ -271,14 +229,53 @@ def teacher_for_depths(target_logits: Tensor, num_depths: int) -> Tensor:
     return out
 
 
+def depth_labels(packed: PackedBatch, num_depths: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """Labels and the depth-shift gate of every depth, flattened: (labels [B·T, D] (0 where invalid), valid
+    [B·T, D] bool)."""
+    labels, valid = zip(*(mtp_labels(packed, k) for k in range(num_depths)), strict=True)
+    lab = torch.stack(labels, dim=-1).to(device).clamp_min(0)  # [B, T, D]
+    mask = torch.stack(valid, dim=-1).to(device)  # [B, T, D]
+    return lab.flatten(0, 1), mask.flatten(0, 1)
+
+
 def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None) -> LossBatch:
-    """Flatten a rollout into the `[N, D, V]` layout of `train.losses` with the depth-shift gate."""
+    """Flatten a rollout into the `[N, D, V]` layout of `train.losses` with the depth-shift gate (the reference
+    for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits)."""
     if out.logits is None:
         raise ValueError("mtp_loss_batch needs a rollout run with keep_logits=True")
     B, T, D, V = out.logits.shape
-    labels, valid = zip(*(mtp_labels(packed, k) for k in range(D)), strict=True)
-    lab = torch.stack(labels, dim=-1).to(out.logits.device)  # [B, T, D]
-    mask = torch.stack(valid, dim=-1).to(out.logits.device)  # [B, T, D]
+    lab, mask = depth_labels(packed, D, out.logits.device)
     teacher = None if target_logits is None else teacher_for_depths(target_logits, D).reshape(B * T, D, V)
-    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask.reshape(B * T, D),
-                     teacher_logits=teacher, labels=lab.clamp_min(0).reshape(B * T, D))
+    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab)
+
+
+def depth_teacher_rows(target_logits: Tensor, num_depths: int) -> Callable[[slice], Tensor]:
+    """`teacher_for_depths` for a slice of the flattened rows only: rows -> [n, D, V] (zeros past a row end)."""
+    B, T, V = target_logits.shape
+    flat = target_logits.reshape(B * T, V)
+
+    def rows(r: slice) -> Tensor:
+        n = torch.arange(r.start, r.stop, device=flat.device)
+        out = flat.new_zeros(len(n), num_depths, V)
+        for k in range(num_depths):
+            ok = (n % T) + k + 1 < T
+            out[ok, k] = flat[n[ok] + k + 1]
+        return out
+
+    return rows
+
+
+def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
+                           *, max_logits: int = DEFAULT_MAX_LOGITS, track_alpha: bool = False) -> ChunkedLossBatch:
+    """`mtp_loss_batch` without the [N, D, V] logits: the rollout's states (run it with keep_logits=False) go
+    through `block.logits` a chunk of rows at a time, at most `max_logits` logits per chunk
+    (`train.losses.ChunkedLossBatch`). Same losses and gradients (tested)."""
+    D = len(out.states)
+    B, T = packed.input_ids.shape
+    dev = out.states[0].device
+    lab, mask = depth_labels(packed, D, dev)
+    return ChunkedLossBatch(
+        hidden=tuple(h.reshape(B * T, -1) for h in out.states), head=lambda h, rows: block.logits(h), mask=mask,
+        chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.vocab_size),
+        teacher=None if target_logits is None else depth_teacher_rows(target_logits, D), labels=lab,
+        track_alpha=track_alpha)
