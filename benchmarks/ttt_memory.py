@@ -1,79 +1,84 @@
-"""Peak memory of the D=3 TTT rollout vs one causal pass of the MTP draft model (report §2.2 / §6.1 claim:
-"close to a single causal pass"; our goal ≤ 1.3×).
+"""Peak memory of one MTP training step with Training-Time Test (D=3), LM head and loss included, against one
+causal pass with its loss, at several sequence lengths (report §2.2 / §6.1: "close to a single causal pass";
+our goal ≤ 1.3× at T = 4k and 16k).
 
 Setup: the embedded target's shape (hidden 256, 4 heads / 2 kv heads × 64, MLP 768, vocab 8192), random
-weights, one packed row of T=1024 tokens holding 4 documents, fp32 on CPU. Each variant runs a full training
-step's autograd work — forward, LM head, CE over the valid depth-shifted labels, backward — and, separately,
-the forward alone under no_grad:
+weights, one packed row of T tokens holding 4 documents (40/30/20/10 % of T), random target taps and random
+teacher logits (the target's features; made before the measured region, like the weights), fp32 on CPU. Each
+variant runs one training step's autograd work: forward, LM head, the objective (`--loss`, default e2e TV, the
+trainer's main objective), backward.
 
-  causal-sdpa   `MTPDraftModel.forward`: one causal pass, SDPA with the [B, 1, T, T] document gate (what the
-                base MTP trains with), head + CE on depth 0
-  ttt D=1       `ttt_rollout(num_depths=1)`: the fast path's attention code at depth 0 only
-  ttt D=3 fast  `ttt_rollout(num_depths=3)`: prefix matmul + masked LSE + diagonal keys, merged by LSE
-  ttt D=3 fast+ckpt  the same with per-depth activation checkpointing (`checkpoint_depths=True`)
-  ttt D=3 ref   the explicit (D·T)×(D·T) mask reference
+  causal D=1 (linear)    THE BASELINE: one causal pass of the block with its loss, done the linear way —
+                         `ttt_rollout(num_depths=1)` (depth 0 = the teacher-forced causal pass; tiled
+                         document-masked attention, no [T, T] mask) and the chunked LM head + loss, activations kept
+                         as any causal pass keeps them. Why this and not `MTPDraftModel.forward`: that pass builds a
+                         [B, 1, T, T] document gate for SDPA and, with a plain head, [T, V] logits; both grow faster
+                         than a pass needs to, so a ratio against it would flatter the TTT step. The goal compares
+                         like with like: the same attention and head machinery, one depth vs D depths.
+  ttt D=3 (linear)       the TTT step as above with D depths, every depth's activations kept
+  ttt D=3 (linear+ckpt)  the same with per-depth activation checkpointing: what the trainer runs by default
+  causal-sdpa (legacy)   `MTPDraftModel.forward` ([B, 1, T, T] gate) + whole [T, V] logits and loss   } only for
+  ttt D=3 (whole logits) the rollout with `keep_logits=True` + `mtp_loss_batch` (the reference loss    } T <=
+                         path: [N, D, V] student logits and a [N, D, V] teacher copy)                   } --legacy-max
 
-Two loss settings: "rollout only" (loss = mean of the h^(k) squared; isolates the rollout's activations and
-attention from the LM head) and "with LM head + CE" (a real step: the D×T×V logits and CE buffers enter).
+How memory is measured: `torch.profiler` with `profile_memory=True` records every allocation and free of the CPU
+allocator; ordered in time, their running sum is the bytes of live tensor storage, and the peak is its maximum
+over the step minus its value at the start (weights, taps and teacher logits made before are excluded; the
+taps' [T, C] and the teacher's [T, V] are listed for scale). This is the allocator's view, not RSS (no allocator
+slack, no scratch outside tensors). It is deterministic: contention on a shared machine changes the seconds,
+never the bytes. The legacy timeline export of an earlier version of this script gave the same peaks.
 
-How memory is measured: `torch.profiler` with `profile_memory=True`; `export_memory_timeline(...json,
-device="cpu")` gives the bytes of live tensors (categorised from the allocator's alloc/free events) at every
-allocation event. We report max over time of the total minus its value at the start of the profiled region,
-i.e. the peak of tensors allocated by the step (weights and inputs created before it are excluded). This is
-the CPU allocator's view of tensor storage, not RSS: it excludes allocator slack and oneDNN scratch outside
-tensors.
-
-Run:  .venv/bin/python benchmarks/ttt_memory.py [--seq-len 1024] [--depths 3] [--threads 2]
+Run:  .venv/bin/python benchmarks/ttt_memory.py --seq-len 4096 16384 32768 [--depths 3] [--loss e2e_tv]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from angelspec.data.packing import Doc, mtp_labels, pack_documents
+from angelspec.data.packing import Doc, PackedBatch, pack_documents
 from angelspec.models import DecoderConfig
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
-from angelspec.train.ttt import depth0_inputs, ttt_rollout
+from angelspec.train.losses import LOSSES, LossBatch, LossConfig
+from angelspec.train.ttt import (
+    depth0_inputs,
+    depth_labels,
+    mtp_chunked_loss_batch,
+    mtp_loss_batch,
+    teacher_for_depths,
+    ttt_rollout,
+)
 
 MiB = 2**20
+BASELINE = "causal D=1 (linear)"
 
 
-def peak_bytes(fn: Callable[[], None]) -> tuple[float, float]:
-    """-> (peak bytes of tensors allocated inside fn, seconds)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+def peak_bytes(fn: Callable[[], float]) -> tuple[float, float, float]:
+    """-> (peak bytes of tensor storage allocated inside fn over its start, seconds, fn's return value)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         t0 = time.perf_counter()
-        fn()
+        value = fn()
         dt = time.perf_counter() - t0
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_memory_timeline(path, device="cpu")
-        with open(path) as f:
-            _, sizes = json.load(f)  # sizes: per event, bytes per category
-    finally:
-        os.unlink(path)
-    totals = [sum(s) for s in sizes]
-    return (max(totals) - totals[0]) if totals else 0.0, dt
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:  # every allocation (+) and free (-) of the CPU allocator, wherever it sits in the op tree
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return float(peak), dt, value
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--depths", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    T, D = args.seq_len, args.depths
-
+def make_problem(T: int, D: int, seed: int = 1) -> tuple[MTPDraftModel, PackedBatch, torch.Tensor, torch.Tensor]:
+    """The model at the embedded shape, one packed row of T tokens (4 documents), random taps and teacher logits."""
     tcfg = DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=T)
     # Only the target's (tied) embedding and head enter the model; taps are random, so no target is built.
@@ -82,68 +87,86 @@ def main() -> None:
     head.weight = embed.weight
     model = MTPDraftModel(MTPConfig.for_target(tcfg, num_depths=D), embed, head)
     model.init_weights(generator=torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(1)
-    docs = [Doc(torch.randint(0, tcfg.vocab_size, (n,), generator=g)) for n in (400, 300, 200, 124)]
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(T * f) for f in (0.4, 0.3, 0.2)]
+    docs = [Doc(torch.randint(0, tcfg.vocab_size, (n,), generator=g)) for n in (*sizes, T - sum(sizes))]
     packed = pack_documents(docs, T, pad_id=0)
-    ids, pos, doc = packed.input_ids, packed.positions, packed.document_ids
     hidden = torch.randn(1, T, tcfg.hidden_size, generator=g)
-    # Depth-shifted labels and the depth-shift gate, depth k at i -> x_{i+k+2} (data.packing.mtp_labels).
-    gated = [mtp_labels(packed, k) for k in range(D)]
-    labels_all = torch.stack([lab.clamp_min(0) for lab, _ in gated], dim=-1)  # [1, T, D]
-    valid_all = torch.stack([val for _, val in gated], dim=-1)  # [1, T, D]
+    teacher = torch.randn(1, T, tcfg.vocab_size, generator=g) * 3
+    return model, packed, hidden, teacher
 
-    def causal_step(train: bool, head: bool) -> Callable[[], None]:
-        def run() -> None:
-            with torch.set_grad_enabled(train):
-                h = model(hidden, depth0_inputs(ids, doc, 0), pos, doc)
-                m = valid_all[..., 0]
-                loss = F.cross_entropy(model.logits(h)[m], labels_all[..., 0][m]) if head else h.square().mean()
-                if train:
-                    loss.backward()
+
+def variants(model: MTPDraftModel, packed: PackedBatch, hidden: torch.Tensor, teacher: torch.Tensor, D: int,
+             loss: str, legacy: bool) -> dict[str, Callable[[], float]]:
+    """name -> one training step (returns the loss value)."""
+    ids, pos, doc = packed.input_ids, packed.positions, packed.document_ids
+    objective, config = LOSSES[loss], LossConfig()
+
+    def linear(depths: int, ckpt: bool) -> Callable[[], float]:
+        def run() -> float:
+            out = ttt_rollout(model, hidden, ids, pos, doc, depths, keep_logits=False, checkpoint_depths=ckpt)
+            value = objective(mtp_chunked_loss_batch(model, out, packed, teacher), config).loss
+            value.backward()
+            return value.item()
         return run
 
-    def ttt_step(depths: int, attention: str, train: bool, head: bool, ckpt: bool = False) -> Callable[[], None]:
-        def run() -> None:
-            with torch.set_grad_enabled(train):
-                out = ttt_rollout(model, hidden, ids, pos, doc, depths, attention=attention,  # type: ignore[arg-type]
-                                  keep_logits=head, checkpoint_depths=ckpt)
-                if head:
-                    assert out.logits is not None
-                    m = valid_all[..., :depths]
-                    loss = F.cross_entropy(out.logits[m], labels_all[..., :depths][m])
-                else:
-                    loss = out.hidden.square().mean()
-                if train:
-                    loss.backward()
-        return run
+    def whole_logits() -> float:
+        out = ttt_rollout(model, hidden, ids, pos, doc, D)
+        value = objective(mtp_loss_batch(out, packed, teacher), config).loss
+        value.backward()
+        return value.item()
 
-    print(f"MTP draft model at the embedded shape, T={T}, D={D}, fp32, {args.threads} threads")
-    for head in (False, True):
-        print("\n" + ("with LM head + CE over the valid (position, depth) rows of every depth" if head else
-                      "rollout only: loss = mean(h^(k)^2) over depths (logits only for the argmax, no grad)"))
-        variants = [("causal-sdpa (D=1)", lambda tr, h=head: causal_step(tr, h)),
-                    ("ttt D=1 fast", lambda tr, h=head: ttt_step(1, "fast", tr, h)),
-                    (f"ttt D={D} fast", lambda tr, h=head: ttt_step(D, "fast", tr, h)),
-                    (f"ttt D={D} fast+ckpt", lambda tr, h=head: ttt_step(D, "fast", tr, h, True)),
-                    (f"ttt D={D} reference", lambda tr, h=head: ttt_step(D, "reference", tr, h))]
-        print(f"{'variant':<22} {'train peak MiB':>15} {'s':>6} {'no-grad peak MiB':>17} {'s':>6}")
-        results = {}
-        for name, make in variants:
-            make(True)()  # warm-up (oneDNN primitives, RoPE tables) outside the measured region
+    def causal_sdpa() -> float:
+        h = model(hidden, depth0_inputs(ids, doc, 0), pos, doc)  # [B, 1, T, T] gate inside
+        lab, mask = depth_labels(packed, 1)
+        lb = LossBatch(student_logits=model.logits(h).flatten(0, 1)[:, None], mask=mask,
+                       teacher_logits=teacher_for_depths(teacher, 1).flatten(0, 1), labels=lab)
+        value = objective(lb, config).loss
+        value.backward()
+        return value.item()
+
+    out = {BASELINE: linear(1, False), f"ttt D={D} (linear)": linear(D, False),
+           f"ttt D={D} (linear+ckpt)": linear(D, True)}
+    if legacy:
+        out |= {"causal-sdpa (legacy)": causal_sdpa, f"ttt D={D} (whole logits)": whole_logits}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[1024])
+    ap.add_argument("--depths", type=int, default=3)
+    ap.add_argument("--loss", default="e2e_tv", choices=sorted(LOSSES))
+    ap.add_argument("--legacy-max", type=int, default=4096, help="run the legacy variants up to this T")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    D = args.depths
+    # Warm-up at a small T (oneDNN primitives and other one-off allocations stay out of the measured steps).
+    for step in variants(*make_problem(256, D), D, args.loss, True).values():
+        step()
+    print(f"MTP draft model at the embedded shape (C=256, V=8192), D={D}, loss={args.loss}, fp32, "
+          f"{args.threads} threads; one packed row of 4 documents")
+    rows = []
+    for T in args.seq_len:
+        model, packed, hidden, teacher = make_problem(T, D)
+        print(f"\nT={T}: inputs, not counted: taps [T, C] {hidden.numel() * 4 / MiB:.0f} MiB, teacher logits "
+              f"[T, V] {teacher.numel() * 4 / MiB:.0f} MiB; one depth's fp32 logits [T, V] would be "
+              f"{T * 8192 * 4 / MiB:.0f} MiB, a [T, T] fp32 score matrix per head {T * T * 4 / MiB:.0f} MiB")
+        print(f"{'variant':<26} {'peak MiB':>10} {'x causal':>9} {'loss':>10} {'s':>7}")
+        peaks: dict[str, float] = {}
+        for name, step in variants(model, packed, hidden, teacher, D, args.loss, T <= args.legacy_max).items():
             model.zero_grad(set_to_none=True)
-            tr, tr_s = peak_bytes(make(True))
-            model.zero_grad(set_to_none=True)
-            ng, ng_s = peak_bytes(make(False))
-            results[name] = (tr, ng)
-            print(f"{name:<22} {tr / MiB:>15.1f} {tr_s:>6.2f} {ng / MiB:>17.1f} {ng_s:>6.2f}")
-        base_tr, base_ng = results["causal-sdpa (D=1)"]
-        for label in (f"ttt D={D} fast", f"ttt D={D} fast+ckpt", f"ttt D={D} reference"):
-            tr, ng = results[label]
-            print(f"ratio {label} / one causal pass: train {tr / base_tr:.2f}x, no-grad {ng / base_ng:.2f}x"
-                  + (" (goal <= 1.3x)" if "fast" in label else ""))
-    logits_mib = T * tcfg.vocab_size * 4 / MiB
-    print(f"for scale: one depth's fp32 logits [T, V] = {logits_mib:.0f} MiB; fp32 scores [H, T, T] = "
-          f"{tcfg.num_attention_heads * T * T * 4 / MiB:.0f} MiB")
+            peaks[name], dt, value = peak_bytes(step)
+            ratio = peaks[name] / peaks[BASELINE]
+            print(f"{name:<26} {peaks[name] / MiB:>10.1f} {ratio:>8.2f}x {value:>10.6f} {dt:>7.1f}", flush=True)
+            rows.append((T, name, peaks[name] / MiB, ratio))
+        model.zero_grad(set_to_none=True)
+    ckpt = f"ttt D={D} (linear+ckpt)"
+    print(f"\nsummary: {ckpt} / {BASELINE} (goal <= 1.3x at T = 4k and 16k)")
+    for T, name, mib, ratio in rows:
+        if name == ckpt:
+            print(f"  T={T:>6}: {mib:8.1f} MiB, {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ rank sees only its slice of the global batch, and averaging per-rank means is no
 ranks hold different numbers of valid tokens. Inside `global_denominators(sum_fn)` every denominator is
 first summed over ranks by `sum_fn`, so each rank's loss is its exact share of the global-batch loss
 (their sum is the single-process loss). Outside it (the default) nothing changes.
+
+Chunks
+------
+Every registered loss is an `Objective`: `sums` maps a batch to sums over its rows (`LossSums`: numerators with
+gradient, detached denominators — valid-row counts, or D-PACE's and DSpark's weight sums), and `finish` turns
+the totals into the loss. Rows interact only through those denominators (e2e TV's and D-PACE's products run over
+one row's depths), so the sums of row chunks add up to the batch's. `ChunkedLossBatch` uses that to run the
+LM head and the loss a chunk of rows at a time under `torch.utils.checkpoint`: the [N, K, V] student and teacher
+logits never exist whole, and loss and gradients equal the whole-batch computation up to summation order.
 """
 
 from __future__ import annotations

@@ -27,18 +27,20 @@ Depth k's query at position i attends to
   (b) the keys of depths 1..k at the SAME position i — the draft chain grown during this drafting round.
 RoPE position of depth k at i is p_i + k (document-local p), as for the k-th entry of an inference round.
 
-Fast path (`ttt_attention`): (a) is one batched matmul per depth against the shared depth-0 keys with the
-[B, 1, T, T] document gate (broadcast over heads and GQA groups), a masked logsumexp and a second matmul
-(`_PrefixAttention`, which returns the prefix LSE; SDPA is not used here because it does not return the
-log-sum-exp, let alone differentiably, and the merge needs both); (b) is k per-position dot products ([B, H, T] each);
-the two are merged exactly with logsumexp:
+Fast path (`ttt_attention`): (a) is `models.attention.document_prefix_attention` against the shared depth-0
+keys: tiles of query_chunk × key_chunk scores, the document mask rebuilt per tile from the document ids (no
+[T, T] mask), an online softmax, and the prefix LSE as a differentiable output (SDPA is not used here because it
+does not return the log-sum-exp, let alone differentiably, and the merge needs both); (b) is k per-position dot
+products ([B, H, T] each); the two are merged exactly with logsumexp (`merge_extra_keys`):
     out = e^{lse_a - lse} out_a + Σ_j e^{s_j - lse} v_j,    lse = logsumexp(lse_a, s_1, ..., s_k).
-Cost per depth: O(B·H·T²·Dh/2) flops for (a) (query chunks skip the causally masked key blocks),
-O(B·H·T·Dh·k) for (b). Memory: scores exist only transiently, [B, H, query_chunk, T] at a time, in the
-forward and again in the backward, which recomputes them flash-style; autograd keeps O(B·H·T·Dh) per
-depth. No D×T×T (let alone (D·T)²) mask exists: the only mask is the [B, 1, T, T] document gate, shared
-by all depths (a fused kernel with a differentiable LSE, e.g. compiled FlexAttention, would drop the
-transient scores and the gate too). `benchmarks/ttt_memory.py` measures all of this.
+Cost per depth: O(B·H·Σ_d L_d²·Dh) flops for (a) (tiles outside a query block's document-and-causal key range
+are skipped), O(B·H·T·Dh·k) for (b). Memory: scores exist only transiently, one [B, H, query_chunk, key_chunk]
+tile at a time, in the forward and again in the backward, which recomputes them flash-style; autograd keeps
+O(B·H·T·Dh) per depth. No tensor is [T, T], let alone D×T×T or (D·T)².
+
+Training step in memory linear in T (docs/design.md "Memory linear in T"): `ttt_rollout(keep_logits=False)` +
+`mtp_chunked_loss_batch` (the LM head and the loss a chunk of positions at a time, recomputed in the backward)
++ `checkpoint_depths=True` (each depth recomputed in the backward). `benchmarks/ttt_memory.py` measures it.
 
 Slow reference (`ttt_attention_reference`): builds the full (D·T)×(D·T) boolean mask of the pattern
 (`ttt_reference_mask`) and runs plain SDPA over the concatenated keys; tests check both agree.
