@@ -83,6 +83,7 @@ def make_problem(T: int, D: int, seed: int = 1) -> tuple[MTPDraftModel, PackedBa
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=T)
     # Only the target's (tied) embedding and head enter the model; taps are random, so no target is built.
     embed = torch.nn.Embedding(tcfg.vocab_size, tcfg.hidden_size)
+    torch.nn.init.normal_(embed.weight, generator=torch.Generator().manual_seed(seed + 1))
     head = torch.nn.Linear(tcfg.hidden_size, tcfg.vocab_size, bias=False)
     head.weight = embed.weight
     model = MTPDraftModel(MTPConfig.for_target(tcfg, num_depths=D), embed, head)
