@@ -83,14 +83,16 @@ def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # ----- training attention -----
 
 
+@pytest.mark.parametrize("attention", ["linear", "dense"])
 @pytest.mark.parametrize("conditioning", CONDITIONINGS)
-def test_training_attention_matches_per_anchor_reference(conditioning: str) -> None:
+def test_training_attention_matches_per_anchor_reference(conditioning: str, attention: str) -> None:
+    """Both training attentions: mask-free tiles (the default) and SDPA under the index-built mask."""
     target = tiny_target()
     model = tiny_drafter(target, conditioning=conditioning)
     ids, pos, docs = packed_batch()
     taps = taps_of(target, model, ids, pos, docs)
     anchors = torch.tensor([[0, 3, 7, 12], [1, 4, 10, 11]])
-    fast = model.forward_backbone(taps, ids, pos, anchors, docs)
+    fast = model.forward_backbone(taps, ids, pos, anchors, docs, attention=attention)
     slow = reference_forward_backbone(model, taps, ids, pos, anchors, docs)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
 

@@ -149,13 +149,16 @@ def _index_inputs(q: Tensor, k: Tensor, q_doc: Tensor | None, q_last: Tensor, k_
 
 def document_prefix_attention(q: Tensor, k: Tensor, v: Tensor, q_last: Tensor, q_doc: Tensor | None = None,
                               k_doc: Tensor | None = None, q_first: Tensor | None = None, *,
-                              q_chunk: int = DEFAULT_Q_CHUNK, k_chunk: int = DEFAULT_K_CHUNK) -> tuple[Tensor, Tensor]:
+                              q_chunk: int | None = None, k_chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q over the keys each query may see (module docstring), with its log-sum-exp.
 
     q [B, H, Q, Dh]; k, v [B, Hkv, T, Dh]; q_last [B|1, Q] the last key index each query may see; q_doc [B|1, Q]
     and k_doc [B|1, T] document ids (None: one document); q_first [B|1, Q] a lower bound on the first visible key
-    (only used to skip tiles; None = 0). -> (out [B, H, Q, Dh], lse [B, H, Q] in fp32 or wider; out = 0 and
-    lse = -inf where a query sees no key). Scale 1/sqrt(Dh)."""
+    (only used to skip tiles; None = 0); tiles of q_chunk × k_chunk (None: `DEFAULT_Q_CHUNK`, `DEFAULT_K_CHUNK`,
+    read at call time). -> (out [B, H, Q, Dh], lse [B, H, Q] in fp32 or wider; out = 0 and lse = -inf where a
+    query sees no key). Scale 1/sqrt(Dh)."""
+    q_chunk = DEFAULT_Q_CHUNK if q_chunk is None else q_chunk
+    k_chunk = DEFAULT_K_CHUNK if k_chunk is None else k_chunk
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"q_chunk and k_chunk must be >= 1, got {q_chunk}, {k_chunk}")
     qg = _grouped(q, k)
@@ -191,3 +194,12 @@ def merge_extra_keys(out_a: Tensor, lse_a: Tensor, scores: Tensor, values: list[
     for e, ve in enumerate(values):
         out = out + torch.exp(scores[..., e].to(lse.dtype) - lse).to(ve.dtype)[..., None] * ve
     return out
+
+
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """One softmax over two disjoint key sets from the two partial attentions (out [..., Q, Dh], lse [..., Q]):
+    out = e^{lse_a - lse} out_a + e^{lse_b - lse} out_b, lse = logaddexp(lse_a, lse_b). A side that saw no key
+    (lse = -inf) drops out; the other must have seen one."""
+    lse = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
+    return (torch.exp(lse_a - lse).to(out_a.dtype)[..., None] * out_a
+            + torch.exp(lse_b.to(lse.dtype) - lse).to(out_b.dtype)[..., None] * out_b)

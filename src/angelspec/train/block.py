@@ -48,7 +48,7 @@ from torch import Tensor
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.block.config import HEADS, MARKOV_HEADS, BlockDrafterConfig
-from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.drafter import BlockDrafter, BlockTrainOutput
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
 from angelspec.models.block.targets import sample_anchors
@@ -56,10 +56,19 @@ from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.mtp import concat_taps
 from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
-from angelspec.train.distributed import FunctionModule, global_sum, shard_rows, shutdown, wrap_model
+from angelspec.train.distributed import FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import drafter_checkpoints, scheduled_loss, start_run, train_drafter_steps
-from angelspec.train.losses import LossBatch, LossConfig, LossSchedule, token_alpha
+from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.losses import (
+    ChunkedLossBatch,
+    LossBatch,
+    LossConfig,
+    LossSchedule,
+    Objective,
+    get_loss,
+    token_alpha,
+    with_confidence_term,
+)
 from angelspec.train.optim import build_adamw
 
 # kind -> (default head, backbone conditioning, default objective)
@@ -90,6 +99,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
     confidence_head: bool = True
     head_intermediate_size: int | None = None
     num_anchors: int = 16  # N blocks per packed row
+    activation_checkpointing: bool = False  # recompute each draft layer in the backward (memory only)
     objective: str | None = None  # "dfly" | "dspark"
     switch_step: int = 60  # "dfly": D-PACE LK cold start before, e2e TV from here
     gamma: float | None = None  # DSpark position decay (None = K)
@@ -296,9 +306,43 @@ def row_anchors(batch: PackedBatch, num_anchors: int, seed: int, step: int, glob
     return torch.cat([a for a, _ in out]), torch.cat([v for _, v in out])
 
 
+def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor) -> LossBatch:
+    """The losses' [N, K, V] layout of a `forward_train` run with compute_logits=True, N = R·N anchors; teacher of
+    draft k of anchor a: the target's distribution at a+k−1. The reference for `block_chunked_loss_batch`: it
+    holds the whole [R·N, K, V] student and teacher logits."""
+    assert out.logits is not None
+    R, N, K, V = out.logits.shape
+    t = out.targets
+    teacher = teacher_logits.gather(1, t.source_index.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
+    return LossBatch(student_logits=out.logits.flatten(0, 1), mask=t.valid.flatten(0, 1),
+                     teacher_logits=teacher.flatten(0, 1), labels=t.labels.flatten(0, 1),
+                     confidence_logits=None if out.confidence_logits is None else out.confidence_logits.flatten(0, 1))
+
+
+def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher_logits: Tensor, *,
+                             max_logits: int = 1 << 23, track_alpha: bool = False) -> ChunkedLossBatch:
+    """`block_loss_batch` without the [R·N, K, V] logits: a `forward_train(compute_logits=False)` run's backbone
+    states go through `model.head_logits` a chunk of anchors at a time (whole blocks, so the RNN head sees its K
+    positions together), at most `max_logits` logits per chunk (`train.losses.ChunkedLossBatch`)."""
+    t = out.targets
+    R, N, K, _ = out.hidden.shape
+    T, V = teacher_logits.shape[1:]
+    prev = t.prev_tokens.flatten(0, 1)  # [R·N, K]
+    src = (t.source_index + T * torch.arange(R, device=prev.device)[:, None, None]).flatten(0, 1)  # [R·N, K] flat
+    flat_teacher = teacher_logits.reshape(R * T, V)
+    return ChunkedLossBatch(
+        hidden=tuple(out.hidden.flatten(0, 1).unbind(1)),
+        head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False)[0],
+        mask=t.valid.flatten(0, 1), chunk_rows=ChunkedLossBatch.rows_for(max_logits, K, V),
+        teacher=lambda rows: flat_teacher[src[rows]], labels=t.labels.flatten(0, 1),
+        confidence_logits=None if out.confidence_logits is None else out.confidence_logits.flatten(0, 1),
+        track_alpha=track_alpha)
+
+
 def confidence_loss(confidence_logits: Tensor, student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
                     top_k: int | None, denominator: Tensor) -> Tensor:
-    """Σ_valid BCE(c, sg[α]) / denominator: confidence_logits [M, K], logits [M, K, V], mask [M, K] -> []."""
+    """Σ_valid BCE(c, sg[α]) / denominator: confidence_logits [M, K], logits [M, K, V], mask [M, K] -> []. The
+    reference for `train.losses.with_confidence_term`, which the trainer runs chunk by chunk."""
     with torch.no_grad():
         alpha = token_alpha(student_logits[mask], teacher_logits[mask], top_k)  # [m]
     bce = F.binary_cross_entropy_with_logits(confidence_logits[mask].to(alpha.dtype), alpha, reduction="sum")
@@ -329,15 +373,24 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         model.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
-    def block_forward(m: BlockDrafter, taps: Tensor, ids: Tensor, pos: Tensor, anchors: Tensor, doc: Tensor,
-                      loss_mask: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
-        o = m.forward_train(taps, ids, pos, anchors, document_ids=doc, loss_mask=loss_mask, anchor_valid=valid)
-        assert o.logits is not None
-        t = o.targets
-        extra = () if o.confidence_logits is None else (o.confidence_logits,)
-        return (o.logits, t.labels, t.source_index, t.valid, *extra)  # a tuple, so DDP / FSDP2 find the outputs
+    def objective_at(step: int) -> Objective:
+        """The schedule's objective at `step`, with the confidence term under "dfly" when there is a head."""
+        base = get_loss(schedule.name_at(step))
+        return with_confidence_term(base, cfg.conf_coef) if mcfg.confidence_head and objective != "dspark" else base
 
-    wrapped = wrap_model(FunctionModule(model, block_forward), run.strategy, info)
+    def forward_loss(m: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
+                     teacher: Tensor, step: int, log_alpha: bool) -> tuple[Tensor, Tensor]:
+        """Backbone, head and loss in one forward, in memory linear in T: no mask, no [R·N, K, V] logits
+        (`anchored_block_attention`, `block_chunked_loss_batch`); inside the wrapped forward, where FSDP2 has the
+        parameters gathered. -> (this rank's share of the loss, α per block position or [])."""
+        o = m.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
+                            loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
+                            checkpoint_layers=cfg.activation_checkpointing)
+        lo = scheduled_loss(schedule, step, block_chunked_loss_batch(m, o, teacher, track_alpha=log_alpha), info,
+                            objective_at(step))
+        return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
+
+    wrapped = wrap_model(FunctionModule(model, forward_loss), run.strategy, info)
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     schedule, objective = cfg.schedule(), cfg.resolved_objective
     meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective}
@@ -349,24 +402,12 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         lambda m, p: save_block_drafter(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
-                  ) -> tuple[Tensor, LossBatch, dict[str, Any]]:
+                  ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         taps, teacher_logits = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
-        logits, labels, src, valid, *conf = wrapped(concat_taps(taps), batch.input_ids, batch.positions,
-                                                    anchors, batch.document_ids, batch.loss_mask, anchor_valid)
-        R, N, K, V = logits.shape
-        # Teacher of draft k of anchor a: the target's distribution at a+k−1. [R, N, K, V]
-        teacher = teacher_logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
-        lb = LossBatch(student_logits=logits.flatten(0, 1), mask=valid.flatten(0, 1),
-                       teacher_logits=teacher.flatten(0, 1), labels=labels.flatten(0, 1),
-                       confidence_logits=conf[0].flatten(0, 1) if conf else None)
-        loss = scheduled_loss(schedule, step, lb, info).loss
-        if lb.confidence_logits is not None and objective != "dspark":
-            count = lb.mask.sum()
-            loss = loss + cfg.conf_coef * confidence_loss(lb.confidence_logits, lb.student_logits.detach(),
-                                                          lb.teacher_logits, lb.mask, cfg.top_k,
-                                                          global_sum(count) if info.enabled else count)
-        return loss, lb, {"valid_anchors": anchor_valid.sum()}
+        loss, alpha = wrapped(concat_taps(taps), batch, anchors, anchor_valid, teacher_logits, step,
+                              logs_after(step + 1, cfg))
+        return loss, alpha, {"valid_anchors": anchor_valid.sum()}
 
     step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
                                step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1")

@@ -52,6 +52,7 @@ from angelspec.train.losses import (
     LossBatch,
     LossOutput,
     LossSchedule,
+    Objective,
     acceptance_per_depth,
     global_denominators,
 )
@@ -245,11 +246,12 @@ def logs_after(step: int, cfg: DrafterRunConfig) -> bool:
     return step % cfg.log_every == 0 or step == cfg.steps
 
 
-def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch | ChunkedLossBatch, info: DistInfo
-                   ) -> LossOutput:
-    """The schedule's loss at `step`; under data parallelism its denominators are sums over the global batch."""
+def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch | ChunkedLossBatch, info: DistInfo,
+                   objective: Objective | None = None) -> LossOutput:
+    """The schedule's loss at `step` (or `objective`'s, with the schedule's config); under data parallelism its
+    denominators are sums over the global batch."""
     with global_denominators(global_sum) if info.enabled else nullcontext():
-        return schedule.loss(step, lb)
+        return schedule.loss(step, lb) if objective is None else objective(lb, schedule.config)
 
 
 def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint: str, model: nn.Module,

@@ -570,6 +570,28 @@ def _depth_objective(name: str, needs: tuple[str, ...], values: Callable[[LossBa
                      lambda s, c: LossOutput(_depth_finish(s, c.depth_weights), {}))
 
 
+def with_confidence_term(objective: Objective, coef: float) -> Objective:
+    """`objective` + coef · Σ_valid BCE(c, sg[α]) / |valid| for a drafter's confidence head (its target is the
+    detached acceptance α of the same position, Eq. 5): one more numerator and count in the row sums, so the sum
+    chunks like any objective. Needs `confidence_logits` [N, K] and the teacher."""
+
+    def row_sums(b: LossBatch, c: LossConfig) -> LossSums:
+        s = objective.sums(b, c)
+        with torch.no_grad():
+            alpha = token_alpha(b.student_logits[b.mask], b.teacher_logits[b.mask], c.top_k)  # [M]
+        bce = F.binary_cross_entropy_with_logits(b.confidence_logits[b.mask].to(alpha.dtype), alpha, reduction="sum")
+        return LossSums(torch.cat([s.num, bce[None].to(s.num.dtype)]),
+                        torch.cat([s.den, b.mask.sum()[None].to(s.den.dtype)]))
+
+    def finish(s: LossSums, c: LossConfig) -> LossOutput:
+        out = objective.finish(LossSums(s.num[:-1], s.den[:-1]), c)
+        conf = s.num[-1] / _denominator(s.den[-1]).clamp_min(1)
+        return LossOutput(out.loss + coef * conf, {**out.parts, "conf": conf.detach()})
+
+    return Objective(f"{objective.name}+confidence", (*objective.needs, "teacher_logits", "confidence_logits"),
+                     row_sums, finish)
+
+
 LOSSES: dict[str, Objective] = {
     "ce": _depth_objective("ce", ("labels",), lambda b, c: _ce_values(b.student_logits, b.labels, b.mask)),
     "kl": _depth_objective("kl", ("teacher_logits",),

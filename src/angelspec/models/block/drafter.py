@@ -26,13 +26,16 @@ over the B−1 draft positions.
 E and W_lm are the TARGET's, held by reference (not submodules), read detached, never saved. Model code only:
 no file I/O, no target inside, no sampling policy (the caller passes `select`).
 
-Training (`forward_train`): N anchors per packed row, all blocks of a row in ONE attention call per layer.
-Queries are the R·N·B block entries; keys are the row's T context entries (their K/V computed once per layer
-and shared by every anchor) followed by all N·B block entries. The boolean mask [R, 1, N·B, T + N·B] is built
-from indices: context key s is visible to anchor a iff s < a and doc(s) = doc(a); block keys iff same anchor.
-Cost per layer: O(N·B·(T + N·B)·D) flops and N·B·(T + N·B) mask bytes, versus O(N·(T+B)²) for a dense
-per-anchor mask; a block-sparse kernel (FlexAttention) could further skip the fully masked tiles.
-`reference_forward_backbone` is the slow per-anchor reference the tests hold it to.
+Training (`forward_train`): N anchors per packed row, all blocks of a row in one pass per layer. Queries are the
+R·N·B block entries; keys are the row's T context entries (their K/V computed once per layer and shared by every
+anchor) and the entries of the query's own block: context key s is visible to anchor a iff s < a and
+doc(s) = doc(a); block keys iff same anchor (bidirectional). By default (`anchored_block_attention`) no mask
+exists: the context part is the tiled `models.attention.document_prefix_attention` (visibility rebuilt per tile
+from the anchor's last key and document; tiles below the anchors' documents skipped), the block part a
+[.., B, B] softmax per block, joined by log-sum-exp: memory O(N·B + T) per layer, O(N·B·L_doc·D) flops. The
+`attention="dense"` reference builds the boolean mask [R, 1, N·B, T + N·B] from the same indices
+(`training_mask`) for one SDPA call. `reference_forward_backbone` is the slow per-anchor reference the tests hold
+both to.
 
 Inference (`propose`): the committed context's injected K/V in a `StaticKVCache`, one backbone pass per step,
 then the head (`reference_propose`: the slow strictly-sequential reference).
@@ -45,11 +48,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from angelspec.models.attention import document_first_index, document_prefix_attention, merge_attention
 from angelspec.models.block.config import MARKOV_HEADS, BlockDrafterConfig, distance_prior
 from angelspec.models.block.heads import HEAD_CLASSES, ConfidenceHead, HiddenCorrectionHead, MarkovHead
 from angelspec.models.block.targets import BlockTargets, block_targets
@@ -83,6 +89,47 @@ def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_
                         qg @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, g·Tq, S + Tq]
     p = torch.softmax(scores if scores.dtype.itemsize >= 4 else scores.float(), dim=-1).to(q.dtype)  # fp32+
     return (p[..., :S] @ ctx_v + p[..., S:] @ v).view(B, H, Tq, Dh)
+
+
+@dataclass(frozen=True)
+class AnchorIndex:
+    """What a training block entry may see, as indices (no mask): entry (n, k) of a row attends to context keys
+    s <= last[n·B + k] = anchors[n] − 1 with doc(s) = doc(anchors[n]), and to the B entries of its own block."""
+
+    block_size: int
+    last: Tensor  # [R, N·B] the last visible context key (−1: none)
+    doc: Tensor | None  # [R, N·B] the anchor's document id (None: one document per row)
+    first: Tensor | None  # [R, N·B] the first position of that document (a lower bound that skips tiles)
+    k_doc: Tensor | None  # [R, T] document ids of the context keys
+
+    @classmethod
+    def build(cls, anchors: Tensor, block_size: int, document_ids: Tensor | None) -> AnchorIndex:
+        """anchors [R, N], document_ids [R, T] -> the index of the R·N·B block entries."""
+        q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [R, N·B]
+        if document_ids is None:
+            return cls(block_size, q_anchor - 1, None, None, None)
+        first = document_first_index(document_ids).gather(1, q_anchor)
+        return cls(block_size, q_anchor - 1, document_ids.gather(1, q_anchor), first, document_ids)
+
+
+def anchored_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, index: AnchorIndex
+                             ) -> Tensor:
+    """Training attention of N blocks per row without a mask: q [R, H, N·B, Dh], own k/v [R, Hkv, N·B, Dh], context
+    ctx_k/ctx_v [R, Hkv, T, Dh] -> [R, H, N·B, Dh]; the softmax over the visible context keys
+    (`document_prefix_attention`, tiled) and over the own block (bidirectional, [.., B, B] scores per block) are
+    joined exactly by their log-sum-exps (`merge_attention`). Equals SDPA under `BlockDrafter.training_mask`."""
+    R, H, Q, Dh = q.shape
+    Hkv, Bk = k.shape[1], index.block_size
+    G, N = H // Hkv, Q // Bk
+    out_c, lse_c = document_prefix_attention(q, ctx_k, ctx_v, index.last, index.doc, index.k_doc, index.first)
+    qg = q.reshape(R, Hkv, G, N, Bk, Dh)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = (qg @ k.reshape(R, Hkv, 1, N, Bk, Dh).transpose(-1, -2)).to(wide) * Dh ** -0.5  # [R, Hkv, G, N, B, B]
+    lse_b = s.logsumexp(dim=-1)
+    out_b = torch.exp(s - lse_b[..., None]).to(v.dtype) @ v.reshape(R, Hkv, 1, N, Bk, Dh)  # [R, Hkv, G, N, B, Dh]
+    out = merge_attention(out_c.reshape(R, Hkv, G, Q, Dh), lse_c.reshape(R, Hkv, G, Q),
+                          out_b.reshape(R, Hkv, G, Q, Dh), lse_b.reshape(R, Hkv, G, Q))
+    return out.reshape(R, H, Q, Dh)
 
 
 @dataclass(frozen=True)
@@ -323,16 +370,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return k * cos + rotate_half(k) * sin, v
 
     def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                      mask: Tensor | None, *, ctx_valid: Tensor | None = None) -> Tensor:
+                      mask: Tensor | None, *, ctx_valid: Tensor | None = None,
+                      anchor_index: AnchorIndex | None = None) -> Tensor:
         """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
         [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C].
 
         Inference passes `ctx_valid` [B, S] instead of `mask` (one block per row: it sees the valid context
-        slots and all of its own entries): `context_block_attention`, which never copies the context K/V."""
+        slots and all of its own entries): `context_block_attention`, which never copies the context K/V.
+        Training passes `anchor_index` instead (`anchored_block_attention`: no mask, memory linear in T)."""
         layer = self.layers[i]
         attn = layer.attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
-        if ctx_valid is not None:
+        if anchor_index is not None:
+            out = anchored_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), anchor_index)
+        elif ctx_valid is not None:
             out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid)
         else:
             k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
@@ -354,10 +405,11 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         table = self.head.embed if isinstance(self.head, MarkovHead) else self.confidence_embed
         return table(prev)
 
-    def head_logits(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+    def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
-        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] or None). Position-wise except the
-        RNN, so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
+        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] or None; None too with
+        confidence=False). Position-wise except the RNN (which runs along K only), so a trainer may call it on
+        chunks of anchors to bound the [.., V] memory."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
             logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
@@ -365,7 +417,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits = self.lm_logits(h)
             if isinstance(self.head, MarkovHead):
                 logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
-        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        conf = self.confidence(h, self.markov_embed(prev)) if confidence and self.config.confidence_head else None
         return logits, conf
 
     def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -399,11 +451,15 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return torch.cat([ctx, own], dim=2)[:, None]
 
     def forward_backbone(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor,
-                         document_ids: Tensor | None = None) -> Tensor:
+                         document_ids: Tensor | None = None, *, attention: Literal["linear", "dense"] = "linear",
+                         checkpoint_layers: bool = False) -> Tensor:
         """The parallel backbone for N anchors per row: -> z [R, N, B, C] (block entry 0 is the anchor).
 
         taps [R, T, n·C] target taps at every position; input_ids [R, T]; positions [R, T] document-local;
-        anchors [R, N] indices into T; document_ids [R, T] (None: one document per row)."""
+        anchors [R, N] indices into T; document_ids [R, T] (None: one document per row).
+        attention "linear": `anchored_block_attention`, memory O(N·B + T) per layer; "dense": one SDPA call under
+        the index-built `training_mask` [R, 1, N·B, T + N·B] (the reference). checkpoint_layers: recompute each
+        draft layer in the backward (activation checkpointing)."""
         if input_ids.dim() != 2 or anchors.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids/positions must be [R, T] and anchors [R, N], got {tuple(input_ids.shape)}, "
                              f"{tuple(positions.shape)}, {tuple(anchors.shape)}")
@@ -417,19 +473,36 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         ctx_cos, ctx_sin = self.rope(positions, dtype)  # [R, 1, T, Dh]
         blk_pos = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)
         cos, sin = self.rope(blk_pos, dtype)  # [R, 1, N·B, Dh]
-        mask = self.training_mask(anchors, T, document_ids)
+        mask = index = None
+        if attention == "dense":
+            mask = self.training_mask(anchors, T, document_ids)
+        elif attention == "linear":
+            index = AnchorIndex.build(anchors, Bk, document_ids)
+        else:
+            raise ValueError(f"attention must be 'linear' or 'dense', got {attention!r}")
         x = self.embed(self.block_inputs(input_ids.gather(1, anchors))).to(dtype).view(R, N * Bk, C)
-        for i, g in enumerate(self.context_features(taps)):
+
+        def layer(i: int, x: Tensor, g: Tensor) -> Tensor:
             ctx_k, ctx_v = self.context_kv(i, g, ctx_cos, ctx_sin)
-            x = self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask)
+            return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, anchor_index=index)
+
+        for i, g in enumerate(self.context_features(taps)):
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, i, x, g, use_reentrant=False)
+            else:
+                x = layer(i, x, g)
         return x.view(R, N, Bk, C)
 
     def forward_train(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor, *,
                       document_ids: Tensor | None = None, loss_mask: Tensor | None = None,
-                      anchor_valid: Tensor | None = None, compute_logits: bool = True) -> BlockTrainOutput:
+                      anchor_valid: Tensor | None = None, compute_logits: bool = True,
+                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False
+                      ) -> BlockTrainOutput:
         """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`;
-        loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`)."""
-        z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids)[:, :, 1:]  # [R, N, K, C]
+        loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`). compute_logits=False leaves the
+        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits)."""
+        z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids, attention=attention,
+                                  checkpoint_layers=checkpoint_layers)[:, :, 1:]  # [R, N, K, C]
         targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
                                 loss_mask=loss_mask, anchor_valid=anchor_valid)
         logits = conf = None

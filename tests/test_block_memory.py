@@ -1,0 +1,103 @@
+"""Block-drafter training in memory linear in T (docs/design.md "Memory linear in T"): the mask-free anchored
+attention, the chunked head + loss (with the confidence term) and per-layer checkpointing give the loss and every
+parameter gradient of the reference path (SDPA under the index-built [R, 1, N·B, T + N·B] mask, whole
+[R·N, K, V] logits, `confidence_loss`) on packed rows of several documents, for each objective and head; and a
+step with N·B >= T anchors' entries creates no [T, T]-sized tensor and never the whole logits.
+
+fp32; the two paths add the same terms in another order: 1e-5 relative, elementwise or to the tensor's largest
+entry (as tests/test_ttt_memory.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_block_drafter import tiny_drafter, tiny_target
+from test_ttt_memory import _assert_same, _grads, _Shapes
+
+from angelspec.data.packing import Doc, pack_documents
+from angelspec.models import Decoder, attention
+from angelspec.models.block.targets import sample_anchors
+from angelspec.train.block import block_chunked_loss_batch, block_loss_batch, confidence_loss
+from angelspec.train.losses import LOSSES, LossConfig, with_confidence_term
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _target(vocab: int) -> Decoder:
+    """`tiny_target`'s shape with another vocabulary."""
+    cfg = replace(tiny_target().config, vocab_size=vocab)
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    model.init_weights(std=0.3)
+    return model.double().eval()
+
+
+def _setup(head: str, conditioning: str, confidence: bool, lengths=(9, 7, 5, 12, 3, 6, 10), seq_len: int = 24,
+           anchors: int = 6, block_size: int = 4, vocab: int = 64):
+    target = tiny_target() if vocab == 64 else _target(vocab)
+    model = tiny_drafter(target, conditioning=conditioning, head=head, confidence=confidence,
+                         block_size=block_size).float()
+    target.float()
+    g = torch.Generator().manual_seed(4)
+    docs = [Doc(torch.randint(6, vocab, (n,), generator=g), (torch.rand(n, generator=g) > 0.2).long())
+            for n in lengths]
+    packed = pack_documents(docs, seq_len, pad_id=0)
+    assert packed.num_rows >= 2 and max(len(r) for r in packed.row_docs) >= 2
+    anchor, valid = sample_anchors(packed.loss_mask, anchors, document_ids=packed.document_ids, generator=g)
+    taps = torch.randn(*packed.input_ids.shape, model.config.num_taps * 32, generator=g)
+    teacher = torch.randn(*packed.input_ids.shape, vocab, generator=g) * 3
+    return model, packed, anchor, valid, taps, teacher
+
+
+def _forward(model, packed, anchor, valid, taps, **kw):
+    return model.forward_train(taps, packed.input_ids, packed.positions, anchor, document_ids=packed.document_ids,
+                               loss_mask=packed.loss_mask, anchor_valid=valid, **kw)
+
+
+CASES = [("hidden", "dfly", True, "dpace_lk"), ("hidden", "dfly", True, "e2e_tv"), ("none", "dflare", False, "e2e_tv"),
+         ("markov", "dflash", True, "dspark"), ("rnn", "dflash", True, "dspark"), ("gated", "dflash", False, "dspark")]
+
+
+@pytest.mark.parametrize(("head", "conditioning", "confidence", "name"), CASES)
+def test_linear_path_equals_the_reference_loss_and_every_gradient(head, conditioning, confidence, name):
+    model, packed, anchor, valid, taps, teacher = _setup(head, conditioning, confidence)
+    config = LossConfig(top_k=9)
+    with_conf = confidence and name != "dspark"  # the trainer's "dfly" objective adds the confidence term
+
+    ref = block_loss_batch(_forward(model, packed, anchor, valid, taps, attention="dense"), teacher)
+    loss = LOSSES[name](ref, config).loss
+    if with_conf:
+        loss = loss + 0.7 * confidence_loss(ref.confidence_logits, ref.student_logits.detach(), ref.teacher_logits,
+                                            ref.mask, config.top_k, ref.mask.sum())
+    loss.backward()
+    ref_loss, ref_grads = loss.detach(), _grads(model)
+
+    out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
+    assert out.logits is None
+    K = model.config.block_size - 1
+    clb = block_chunked_loss_batch(model, out, teacher, max_logits=5 * K * 64)  # 5 anchors per chunk
+    objective = with_confidence_term(LOSSES[name], 0.7) if with_conf else LOSSES[name]
+    lo = objective(clb, config)
+    lo.loss.backward()
+    _assert_same(lo.loss.detach(), _grads(model), ref_loss, ref_grads)
+
+
+def test_a_block_step_creates_no_t_by_t_tensor_and_never_the_whole_logits(monkeypatch):
+    """T = 160 with N·B = 160 block entries per row (feature widths stay below 160): the dense mask would be
+    [R, 1, 160, 320] and SDPA's scores [R, H, 160, 320]; the linear path's largest tensors are tiles and chunks."""
+    T, N, Bk, V = 160, 20, 8, 640
+    model, packed, anchor, valid, taps, teacher = _setup("hidden", "dfly", True, lengths=(70, 50, 38, 60, 90),
+                                                         seq_len=T, anchors=N, block_size=Bk, vocab=V)
+    R, K = packed.num_rows, Bk - 1
+    monkeypatch.setattr(attention, "DEFAULT_Q_CHUNK", 32)  # tiles far below T, as they are at real lengths
+    monkeypatch.setattr(attention, "DEFAULT_K_CHUNK", 64)
+    with _Shapes() as rec:
+        out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
+        clb = block_chunked_loss_batch(model, out, teacher, max_logits=R * N * K * V // 8)
+        with_confidence_term(LOSSES["e2e_tv"], 1.0)(clb, LossConfig()).loss.backward()
+    square = [(f, s) for f, s in rec.shapes if sum(d >= T for d in s) >= 2]
+    assert not square, square[:5]
+    big = [(f, s) for f, s in rec.shapes if torch.Size(s).numel() >= R * N * K * V // 4]
+    assert not big, big[:5]
