@@ -15,6 +15,7 @@ trainer's main objective), backward.
                          [B, 1, T, T] document gate for SDPA and, with a plain head, [T, V] logits; both grow faster
                          than a pass needs to, so a ratio against it would flatter the TTT step. The goal compares
                          like with like: the same attention and head machinery, one depth vs D depths.
+  causal D=1 (ckpt)      the baseline with its one depth checkpointed (does checkpointing pay for one depth?)
   ttt D=3 (linear)       the TTT step as above with D depths, every depth's activations kept
   ttt D=3 (linear+ckpt)  the same with per-depth activation checkpointing: what the trainer runs by default
   causal-sdpa (legacy)   `MTPDraftModel.forward` ([B, 1, T, T] gate) + whole [T, V] logits and loss   } only for
@@ -126,7 +127,7 @@ def variants(model: MTPDraftModel, packed: PackedBatch, hidden: torch.Tensor, te
         value.backward()
         return value.item()
 
-    out = {BASELINE: linear(1, False), f"ttt D={D} (linear)": linear(D, False),
+    out = {BASELINE: linear(1, False), "causal D=1 (ckpt)": linear(1, True), f"ttt D={D} (linear)": linear(D, False),
            f"ttt D={D} (linear+ckpt)": linear(D, True)}
     if legacy:
         out |= {"causal-sdpa (legacy)": causal_sdpa, f"ttt D={D} (whole logits)": whole_logits}

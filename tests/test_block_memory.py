@@ -101,3 +101,30 @@ def test_a_block_step_creates_no_t_by_t_tensor_and_never_the_whole_logits(monkey
     assert not square, square[:5]
     big = [(f, s) for f, s in rec.shapes if torch.Size(s).numel() >= R * N * K * V // 4]
     assert not big, big[:5]
+
+
+def test_block_trainer_runs_the_linear_path(tmp_path, tiny_target_dir, monkeypatch):
+    """`angelspec train --drafter dfly` (tiny_debug): mask-free attention, checkpointed layers, no logits from
+    the backbone pass, the chunked head + loss with α logged from the chunks."""
+    from conftest import write_conversations
+
+    import angelspec.train.block as block
+    from angelspec.models.block.drafter import BlockDrafter
+
+    seen = []
+    forward_train, chunked = BlockDrafter.forward_train, block.block_chunked_loss_batch
+
+    def spy_forward(self, *a, **kw):
+        seen.append(("forward", kw.get("attention", "linear"), kw["compute_logits"], kw["checkpoint_layers"]))
+        return forward_train(self, *a, **kw)
+
+    def spy_chunked(*a, **kw):
+        seen.append(("chunked", kw["track_alpha"]))
+        return chunked(*a, **kw)
+
+    monkeypatch.setattr(BlockDrafter, "forward_train", spy_forward)
+    monkeypatch.setattr(block, "block_chunked_loss_batch", spy_chunked)
+    data = write_conversations(tmp_path / "conv.jsonl", 60, seed=5)
+    block.train_dfly(tiny_target_dir, data, tmp_path / "d", config=block.tiny_debug(), progress=False,
+                     log=lambda *_: None)
+    assert seen == [("forward", "linear", False, True), ("chunked", True)] * 3
