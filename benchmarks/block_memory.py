@@ -24,7 +24,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from ttt_memory import MiB, peak_bytes
+from ttt_memory import MiB, limit_heap_fragmentation, peak_bytes
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.models import DecoderConfig
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    limit_heap_fragmentation()
     for step in variants(256, True).values():  # warm-up: one-off allocations stay out of the measured steps
         step()
     print(f"DFly (dfly_embedded: L2-B8, C=256, V=8192), N = T/32 anchors, fp32, {args.threads} threads")

@@ -27,7 +27,8 @@ allocator; ordered in time, their running sum is the bytes of live tensor storag
 over the step minus its value at the start (weights, taps and teacher logits made before are excluded; the
 taps' [T, C] and the teacher's [T, V] are listed for scale). This is the allocator's view, not RSS (no allocator
 slack, no scratch outside tensors). It is deterministic: contention on a shared machine changes the seconds,
-never the bytes. The legacy timeline export of an earlier version of this script gave the same peaks.
+never the bytes. `export_memory_timeline`, which an earlier version of this script used, gives the same peaks,
+minutes slower. RSS is kept close to it by `limit_heap_fragmentation`.
 
 Run:  .venv/bin/python benchmarks/ttt_memory.py --seq-len 4096 16384 32768 [--depths 3] [--loss e2e_tv]
 """
@@ -35,6 +36,7 @@ Run:  .venv/bin/python benchmarks/ttt_memory.py --seq-len 4096 16384 32768 [--de
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 from collections.abc import Callable
 
@@ -57,6 +59,18 @@ from angelspec.train.ttt import (
 
 MiB = 2**20
 BASELINE = "causal D=1 (linear)"
+
+
+def limit_heap_fragmentation() -> None:
+    """glibc: serve every allocation of 128 KiB or more by mmap, returned to the OS when freed. By default glibc
+    raises that threshold to the size of the largest block freed so far (up to 32 MiB), after which the many
+    4-32 MiB attention tiles and loss chunks of a long step come from the heap and fragment it: at T = 8192 the
+    process's RSS grew to 4x the tensor peak (and a 32k run was OOM-killed at 18 GiB RSS for ~4 GiB of tensors).
+    Changes RSS only, not the bytes measured here. No-op where glibc is absent."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_bytes(fn: Callable[[], float]) -> tuple[float, float, float]:
@@ -143,6 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    limit_heap_fragmentation()
     D = args.depths
     # Warm-up at a small T (oneDNN primitives and other one-off allocations stay out of the measured steps).
     for step in variants(*make_problem(256, D), D, args.loss, True).values():
