@@ -68,10 +68,11 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     ttt: bool = True  # False: teacher-forced base MTP, one depth
     loss: str = "e2e_tv"  # final objective, a name in train.losses.LOSSES
     cold_start_loss: str | None = "lk_alpha"  # None: `loss` from the first step
-    # Recompute each depth in the backward (ttt_rollout checkpoint_depths). None: on when more than one depth
-    # trains, where it pays (benchmarks/ttt_memory.py; docs/design.md "Memory linear in T"); a single depth keeps
-    # its activations, as one causal pass does.
-    activation_checkpointing: bool | None = None
+    # Recompute each depth in the backward (ttt_rollout checkpoint_depths; memory only, bit-identical). It pays at
+    # every depth count (benchmarks/ttt_memory.py, docs/design.md "Memory linear in T"): D = 3 at 16k tokens
+    # peaks at 0.42x of the same step without it; even one depth peaks lower, because the loss chunks' backward
+    # then runs before the depth's activations are rebuilt instead of on top of them.
+    activation_checkpointing: bool = True
     batch_size: int = 4  # packed rows per step
 
     def __post_init__(self) -> None:
@@ -87,12 +88,6 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     @property
     def train_depths(self) -> int:
         return self.num_depths if self.ttt else 1
-
-    @property
-    def checkpoint_depths(self) -> bool:
-        """Whether the rollout recomputes each depth in the backward (`activation_checkpointing`, resolved)."""
-        ac = self.activation_checkpointing
-        return self.train_depths > 1 if ac is None else ac
 
     def schedule(self) -> LossSchedule:
         cold = self.cold_start_loss
@@ -178,7 +173,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
-                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.checkpoint_depths)
+                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing)
         lo = scheduled_loss(schedule, step, mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha),
                             run.info)
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
