@@ -188,11 +188,18 @@ class MTPDraftModel(DraftVocabulary, nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def attention_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """`DecoderLayer.forward`'s attention residual: x [B, T, C], attn_out [B, H, T, Dh] -> [B, T, C]."""
+        B, H, T, Dh = attn_out.shape
+        return x + self.layer.attn.o_proj(attn_out.transpose(1, 2).reshape(B, T, H * Dh))
+
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """`DecoderLayer.forward`'s MLP residual, the layer's last step: x [B, T, C] -> h [B, T, C]."""
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
     def attend_out(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The rest of `DecoderLayer.forward` after attention: x [B, T, C], attn_out [B, H, T, Dh] -> h [B, T, C]."""
-        B, H, T, Dh = attn_out.shape
-        x = x + self.layer.attn.o_proj(attn_out.transpose(1, 2).reshape(B, T, H * Dh))
-        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        return self.mlp_residual(self.attention_residual(x, attn_out))
 
     # ----- depth 0, teacher-forced (base MTP and the "one causal pass" of benchmarks/ttt_memory.py) -----
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,

@@ -162,10 +162,10 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     returns logits=None: a caller that applies the head itself, e.g. chunk-wise from `hidden`, then never
     holds D×T×V logits.
     checkpoint_depths=True recomputes each depth's block activations in the backward (activation
-    checkpointing per depth): autograd then keeps only each depth's inputs, output and k/v, so training
-    memory of the block stays near one depth's instead of growing D-fold; costs one more block forward
-    per depth. `query_chunk` × `key_chunk` bounds the transient attention scores, `query_chunk` positions the
-    argmax logits."""
+    checkpointing per depth, in two pieces: fusion + attention, then the MLP): autograd then keeps only each
+    depth's inputs, its attention residual, output and k/v, so training memory of the block stays near half a
+    depth's activations instead of growing D-fold; costs one more block forward per depth. `query_chunk` ×
+    `key_chunk` bounds the transient attention scores, `query_chunk` positions the argmax logits."""
     if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or positions.shape != input_ids.shape:
         raise ValueError(f"hidden must be [B, T, C] with input_ids/positions [B, T], got {tuple(hidden.shape)}, "
                          f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")
@@ -177,9 +177,10 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
         else None
     attn = block.layer.attn
 
-    def depth_step(h_prev: Tensor, tok: Tensor, k: int, prev_k: list[Tensor], prev_v: list[Tensor]
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-        """Depth k: the block's fusion, attention over depth-0 prefix + diagonal keys, rest of Eq. 2 -> (h, k, v)."""
+    def attention_step(h_prev: Tensor, tok: Tensor, k: int, prev_k: list[Tensor], prev_v: list[Tensor]
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+        """Depth k up to its attention residual: the block's fusion, attention over depth-0 prefix + diagonal
+        keys -> (x [B, T, C], k, v); `block.mlp_residual(x)` completes Eq. 2."""
         x, attn_in = block.layer_inputs(h_prev, tok)  # residual [B, T, C], attention input [B, T, C_in]
         cos, sin = block.rope(positions + k, x.dtype)
         q, kk, vv = attn.project(attn_in, cos, sin)
@@ -188,7 +189,7 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
             a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], document_ids, first, query_chunk, key_chunk)
         else:
             a = ttt_attention_reference(q, ks, vs, full_mask, k)
-        return block.attend_out(x, a), kk, vv
+        return block.attention_residual(x, a), kk, vv
 
     h_prev, tok = block.condition(hidden.detach()), depth0_inputs(input_ids, document_ids, pad_id)
     keys: list[Tensor] = []
@@ -198,10 +199,12 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     logits = hidden.new_empty(B, T, num_depths, block.config.vocab_size, dtype=torch.float32) if keep_logits \
         else None
     for k in range(num_depths):
-        if checkpoint_depths and torch.is_grad_enabled():
-            h, kk, vv = checkpoint(depth_step, h_prev, tok, k, list(keys), list(values), use_reentrant=False)
+        if checkpoint_depths and torch.is_grad_enabled():  # two pieces: the backward rebuilds one at a time
+            x, kk, vv = checkpoint(attention_step, h_prev, tok, k, list(keys), list(values), use_reentrant=False)
+            h = checkpoint(block.mlp_residual, x, use_reentrant=False)
         else:
-            h, kk, vv = depth_step(h_prev, tok, k, keys, values)
+            x, kk, vv = attention_step(h_prev, tok, k, keys, values)
+            h = block.mlp_residual(x)
         keys.append(kk)
         values.append(vv)
         nxt = tok
