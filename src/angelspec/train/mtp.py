@@ -5,7 +5,8 @@ no_grad (online features: the tap h_i and the teacher logits; or, with `features
 from an offline cache made by `angelspec features`, see `train.features.TargetFeatures`) -> TTT rollout of the
 MTP block for D depths (`train.ttt`) -> a loss from `train.losses` chosen by name, by default the report's
 two-stage recipe (LK^α cold start, then e2e TV, via `LossSchedule`) -> AdamW, warm-up + cosine, gradient
-clipping.
+clipping. Rollout, LM head and loss run in memory linear in T (tiled document-masked attention, the head and
+loss a chunk of positions at a time, each depth recomputed in the backward: docs/design.md section 7).
 
 `ttt=False` trains the teacher-forced base MTP of Table 2: one depth (k = 0, no self-conditioned
 rollout), typically with `loss="ce"` (preset `mtp_base`). The drafter still drafts K tokens at inference
@@ -70,8 +71,8 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
     cold_start_loss: str | None = "lk_alpha"  # None: `loss` from the first step
     # Recompute each depth in the backward (ttt_rollout checkpoint_depths; memory only, bit-identical). It pays at
     # every depth count (benchmarks/ttt_memory.py, docs/design.md "Memory linear in T"): D = 3 at 16k tokens
-    # peaks at 0.42x of the same step without it; even one depth peaks lower, because the loss chunks' backward
-    # then runs before the depth's activations are rebuilt instead of on top of them.
+    # peaks at 0.31x of the same step without it; even one depth peaks at 0.48x, because the loss chunks'
+    # backward then runs before the depth's activations are rebuilt instead of on top of them.
     activation_checkpointing: bool = True
     batch_size: int = 4  # packed rows per step
 
