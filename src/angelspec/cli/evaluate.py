@@ -56,7 +56,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.drafter, target=args.target, prompts=args.prompts, limit=args.limit, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
-        cost_table=args.cost_table, compile=args.compile, json_out=args.json, force=args.force,
+        cost_table=args.cost_table, compile=args.compile, spec_gate=args.spec_gate, json_out=args.json,
+        force=args.force,
         progress=not args.quiet, log=None if args.quiet else print)
     print(run.format())
     if run.report.lossless is False:
@@ -141,9 +142,11 @@ def add_bench(sub: Subparsers) -> None:
         "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
         description=add_bench.__doc__)
     add_target_flag(p)
-    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY]",
+    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY][+gate]",
                    help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
-                        "(default full), e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut")
+                        "(default full), +gate the speculation gate (skip drafting where plain steps are faster), "
+                        "e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut "
+                        "DFly+gate=.cache/demo/dfly@dcut+gate")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
                    help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")

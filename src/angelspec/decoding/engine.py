@@ -46,7 +46,7 @@ import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -58,6 +58,7 @@ from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
 from angelspec.decoding.metrics import DecodeMetrics
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
+from angelspec.decoding.policies.gate import SpecGate
 from angelspec.decoding.sampling import (
     BatchSampling,
     NoiseStream,
@@ -123,7 +124,9 @@ class EngineConfig:
     unpacked verify forward and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
     compilation, about 5-60 s on CPU; falls back to eager if compilation fails. The
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
-    engine."""
+    engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
+    faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay exact in
+    distribution but are not bit-reproducible across runs)."""
 
     max_batch_size: int = 8
     max_seq_len: int | None = None
@@ -132,6 +135,7 @@ class EngineConfig:
     seed: int | None = None
     compile: bool = False
     dense_verify: bool = True
+    spec_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_draft_tokens"):
@@ -202,6 +206,7 @@ class SpecEngine:
         if static is not None and not 0 <= static <= self.k:
             raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {self.k}")
         self._policy_uses_proposal = policy_uses_proposal(self.depth_policy)
+        self.gate: SpecGate | None = SpecGate() if config.spec_gate and drafter is not None else None
         self._taps: tuple[int, ...] = ()
         if drafter is not None:
             # Before any decoding: a drafter for another target/tokenizer fails here, not mid-generation.
@@ -440,11 +445,18 @@ class SpecEngine:
                            sampling=self._sampling, draft_round=self._draft_round, num_draft_tokens=k,
                            deterministic=self._policy_uses_proposal, all_greedy=self._all_greedy,
                            seq_len_bound=bound)
-        proposal = self.drafter.propose(state)
-        proposal.check(b, k, self.vocab_size)
-        t1 = time.perf_counter()
-
-        depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+        drafting = self.gate is None or self.gate.should_draft(len(rows))
+        if drafting:
+            proposal = self.drafter.propose(state)
+            proposal.check(b, k, self.vocab_size)
+            t1 = time.perf_counter()
+            depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+        else:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts and its commit
+            proposal = self.drafter.propose(replace(state, num_draft_tokens=0))
+            proposal.check(b, 0, self.vocab_size)
+            proposal = replace(proposal, deterministic=True)  # nothing drafted: verification is plain sampling
+            t1 = time.perf_counter()
+            depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
         t2 = time.perf_counter()
 
         drafts = proposal.tokens[:, :width]  # [B, n]
@@ -461,7 +473,7 @@ class SpecEngine:
         t3 = time.perf_counter()
 
         acc = v.num_accepted
-        if self.on_verify is not None:
+        if self.on_verify is not None and drafting:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=acc, active=self._active.clone()))
         cache.truncate(torch.where(self._active, old_len + acc + 1, old_len))  # rollback: trap 4
         self._seq_lens = torch.where(self._active, self._seq_lens + acc + 1, self._seq_lens)
@@ -483,8 +495,14 @@ class SpecEngine:
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
                                       target_hidden=hidden))
-        self.metrics.record_verify(accepted, depths, protocol)
+        if drafting:
+            self.metrics.record_verify(accepted, depths, protocol)
+        else:
+            self.metrics.record_decode(len(rows))
+            self.metrics.skipped_steps += 1
         t4 = time.perf_counter()
+        if self.gate is not None:
+            self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, t4 - t0)
         sec = self.metrics.seconds
         sec["draft"] += t1 - t0
         sec["select"] += t2 - t1

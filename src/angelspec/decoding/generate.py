@@ -93,7 +93,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
                          drafter: str = "none", num_draft_tokens: int = 4, temperature: float = 0.0,
                          top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_new_tokens: int = 256,
                          batch_size: int = 8, think: bool = False, policy: str = "full",
-                         cost_table: str | Path | None = None, force: bool = False, progress: bool = True,
+                         cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
+                         progress: bool = True,
                          log: Callable[[str], None] | None = None,
                          warn: Callable[[str], None] | None = None) -> GenerateSummary:
     """Complete every line of the JSONL prompts file `prompts` ({"prompt": str} or {"messages": [...]},
@@ -106,6 +107,9 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     Everything that can be checked without the weights is checked before they are loaded.
     """
     require_positive("--max-new-tokens", max_new_tokens)
+    if spec_gate and drafter == "none":
+        raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
+                         "--spec-gate")
     require_positive("--batch-size", batch_size)
     require_positive("--num-draft-tokens", num_draft_tokens)
     out = Path(out)
@@ -128,7 +132,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
 
     results, metrics = run_engine(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                   batch_size=batch_size, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                  progress=progress, depth_policy=depth_policy)
+                                  progress=progress, depth_policy=depth_policy, spec_gate=spec_gate)
     lines = []
     for p, res in zip(records, results, strict=True):
         ids = [int(t) for t in res.token_ids]

@@ -37,6 +37,7 @@ class DecodeMetrics:
     depth_hist: list[int] = field(default_factory=list)  # [K+1]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     protocols: dict[str, int] = field(default_factory=dict)  # verify steps per protocol (greedy / ...)
+    skipped_steps: int = 0  # steps of a speculative engine whose drafting the gate skipped (counted in steps)
 
     def __post_init__(self) -> None:
         if not self.accept_hist:
@@ -93,6 +94,7 @@ class DecodeMetrics:
             "depth_hist": list(self.depth_hist),
             "seconds": dict(self.seconds),
             "protocols": dict(self.protocols),
+            "skipped_steps": self.skipped_steps,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
         }
@@ -100,5 +102,6 @@ class DecodeMetrics:
     def format(self) -> str:
         acc = " ".join(f"{p:.2f}" for p in self.acceptance)
         t = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in self.seconds.items())
+        gated = f" ({self.skipped_steps} without drafting)" if self.skipped_steps else ""
         return (f"{self.output_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
-                f"{self.steps} steps, MAL {self.mean_accepted_length:.2f}, p_1..p_K [{acc}], {t}")
+                f"{self.steps} steps{gated}, MAL {self.mean_accepted_length:.2f}, p_1..p_K [{acc}], {t}")

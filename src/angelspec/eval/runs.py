@@ -67,13 +67,15 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
                      limit: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                      seed: int | None = 0, max_new_tokens: int = 128, num_draft_tokens: int = 4, batch_size: int = 8,
                      think: bool = False, policy: str = "full", cost_table: str | Path | None = None,
-                     compile: bool = False, json_out: str | Path | None = None, force: bool = False,
+                     compile: bool = False, spec_gate: bool = False, json_out: str | Path | None = None,
+                     force: bool = False,
                      progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
     """Decode the same prompts autoregressively and with `drafter` (a `--drafter` spec other than none) under
     the same settings (`angelspec.eval.speculative.evaluate`); write the numbers to `json_out` when given.
 
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
     limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec;
+    spec_gate: the speculative run skips drafting where plain steps are faster (`EngineConfig.spec_gate`);
     log: the cost-table profiler's progress.
     """
     from angelspec.decoding.policies.sts import CalibratedDrafter
@@ -103,7 +105,8 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)
     settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
-                            sampling=sampling, compile=compile)  # evaluate gives request i the seed S + i
+                            sampling=sampling, compile=compile,
+                            spec_gate=spec_gate)  # evaluate gives request i the seed S + i
     report = evaluate(model, draft, chosen, settings, name=drafter, progress=progress, depth_policy=depth_policy,
                       policy=policy)
     calibrated = isinstance(draft, CalibratedDrafter)

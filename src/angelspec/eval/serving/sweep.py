@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MIN_REQUESTS = 8
 MAX_CONCURRENCY = 4096
+GATE_SUFFIX = "+gate"  # NAME=SPEC[@POLICY]+gate: the speculation gate on
 DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
 EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
 
@@ -53,12 +54,13 @@ EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
 class ServingConfig:
     """One curve of the sweep: `drafter` as `--drafter` takes it ("none" = AR), `policy` a depth-policy spec,
     `num_draft_tokens` K (None = the sweep's default, DRAFTER_MAX_DEPTH = the drafter's `max_draft_tokens`;
-    ignored for AR)."""
+    ignored for AR), `spec_gate` the engine's speculation gate (`EngineConfig.spec_gate`)."""
 
     name: str
     drafter: str = "none"
     policy: str = "full"
     num_draft_tokens: int | None = None
+    spec_gate: bool = False
 
     @property
     def is_ar(self) -> bool:
@@ -66,11 +68,14 @@ class ServingConfig:
 
 
 def parse_config(text: str) -> ServingConfig:
-    """`NAME=SPEC[@POLICY]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY default full)."""
+    """`NAME=SPEC[@POLICY][+gate]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY default
+    full; a trailing `+gate` turns the speculation gate on)."""
     from angelspec.decoding.policies.factory import parse_policy
 
     name, sep, rest = text.partition("=")
     name, rest = name.strip(), rest.strip()
+    gate = rest.endswith(GATE_SUFFIX)
+    rest = rest.removesuffix(GATE_SUFFIX).strip()
     if not sep or not name or not rest:
         raise ServingError(f"--config {text!r}: expected NAME=SPEC[@POLICY], e.g. AR=none, DFly=dfly:DIR or "
                            "DFly+D-cut=dfly:DIR@dcut")
@@ -80,7 +85,10 @@ def parse_config(text: str) -> ServingConfig:
     if not spec.strip():
         raise ServingError(f"--config {text!r}: the drafter SPEC before '@' is empty; expected NAME=SPEC[@POLICY]")
     parse_policy(policy)  # PolicyError names the valid forms
-    return ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip())
+    config = ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip(), spec_gate=gate)
+    if gate and config.is_ar:
+        raise ServingError(f"--config {text!r}: +gate decides when to draft, but AR (drafter none) never drafts")
+    return config
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -264,7 +272,8 @@ def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
     max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
     engine = SpecEngine(target, contender.drafter,
                         EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
-                                     num_draft_tokens=contender.num_draft_tokens),
+                                     num_draft_tokens=contender.num_draft_tokens,
+                                     spec_gate=contender.config.spec_gate),
                         depth_policy=contender.policy)
     return engine, requests
 
@@ -309,7 +318,8 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             "concurrency": list(concurrency), "temperature": 0.0, "workload_prompts": len(workload),
             "workload_domains": ", ".join(f"{d} {n}" for d, n in domains.items()),
             "configs": [{"name": ct.config.name, "drafter": ct.config.drafter, "policy": ct.config.policy,
-                         "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind} for ct in contenders],
+                         "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind,
+                         "spec_gate": ct.config.spec_gate} for ct in contenders],
             "torch_threads": _torch_threads()}
     return ServingReport(settings={**base, **(settings or {})}, rows=rows)
 
