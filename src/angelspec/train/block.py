@@ -13,7 +13,7 @@ Objectives (`objective`, selectable per run):
               then end-to-end TV (Eq. 9, "e2e_tv"); the block position is the depth axis.
     "dspark"  DSpark report: ce_coef·CE + tv_coef·L_TV + conf_coef·BCE(c, sg[α]) with position weights
               w_k = exp(−(k−1)/γ) (`train.losses.dspark_loss`); L_TV = ‖p − q‖₁ as the report writes it
-              (`tv_norm` "l1"), or ½‖p − q‖₁ = TV (`tv_norm` "half_l1", what runs before the option used).
+              (`tv_norm` "l1"), or ½‖p − q‖₁ = TV (`tv_norm` "half_l1", what runs made before the option had).
 
 Under "dfly" a drafter that has a confidence head also gets the confidence term conf_coef·BCE(c, sg[α]) (mean
 over valid positions; α is detached, as in DSpark's loss, so the target of the term never moves with the
@@ -273,7 +273,7 @@ def tiny_debug() -> BlockDrafterTrainConfig:
                                    log_every=1)
 
 
-QWEN3_TOP_K = 10_000  # the report's teacher support K (§2.3); full-vocabulary targets at V = 152k cost ~15x more
+QWEN3_TOP_K = 10_000  # the report's teacher support K (§2.3); at V = 152k full-vocabulary targets are ~15x larger
 
 
 def qwen3_8b_dfly() -> BlockDrafterTrainConfig:
