@@ -51,16 +51,21 @@ def _eagle3(target, draft_vocab: list[int] | None = None) -> Eagle3DraftModel:
 
 
 def _block(target, head: str = "none", conditioning: str = "dflash", confidence: bool = False,
-           draft_vocab: list[int] | None = None, zero_bias: bool = True) -> BlockDrafter:
+           draft_vocab: list[int] | None = None, bias: str = "none", context_injection: str | None = "shared"
+           ) -> BlockDrafter:
+    """A block drafter with every tensor non-zero except as `bias` says: "none" = an fc without bias (new DFlash /
+    DSpark drafters), "zero" / "trained" = an fc bias (folders saved before fc_bias existed) held at zero / moved.
+    `context_injection` None takes the new drafters' default (same-layer for a DSpark)."""
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
                                         conditioning=conditioning, head=head, markov_rank=8,
-                                        confidence_head=confidence)
+                                        confidence_head=confidence, context_injection=context_injection,
+                                        fc_bias=None if bias == "none" else True)
     if draft_vocab:
         cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
     model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
     if draft_vocab:
         model.set_draft_vocab(draft_vocab)
-    if zero_bias and hasattr(model, "fc"):
+    if bias == "zero":
         with torch.no_grad():
             model.fc.bias.zero_()
     return model
@@ -126,9 +131,11 @@ def test_eagle3_export_maps_every_tensor_shifts_taps_and_writes_d2t(target_dir, 
 @pytest.mark.parametrize(("head", "confidence", "draft_vocab"),
                          [("none", False, None), ("none", True, [9, 8, 7, 6]), ("markov", True, None),
                           ("markov", False, [1, 2, 30, 40, 50])])
-def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_vocab):
+@pytest.mark.parametrize("bias", ["none", "zero"])
+def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_vocab, bias):
     path, target = target_dir
-    model = _block(target, head=head, confidence=confidence, draft_vocab=draft_vocab)
+    model = _block(target, head=head, confidence=confidence, draft_vocab=draft_vocab, bias=bias)
+    assert (model.fc.bias is None) == (bias == "none")
     src = save_block_drafter(model, tmp_path / "block")
     result = export_drafter(src, tmp_path / "out", target=path)
     out = tmp_path / "out"
@@ -181,7 +188,8 @@ def test_draft_lm_is_copied(target_dir, tmp_path):
     (lambda t: _block(t, head="rnn", confidence=False), "rnn"),
     (lambda t: _block(t, conditioning="dfly", head="markov", confidence=False), "dfly"),
     (lambda t: _block(t, conditioning="dflare", head="none", confidence=False), "dflare"),
-    (lambda t: _block(t, zero_bias=False), "fc.bias"),
+    (lambda t: _block(t, bias="trained"), r"fc\.bias.*fc_bias=false"),
+    (lambda t: _block(t, head="markov", context_injection=None), "same_layer.*context_injection=shared"),
 ])
 def test_refusals_name_what_does_not_fit(target_dir, tmp_path, build, words):
     path, target = target_dir
@@ -305,7 +313,8 @@ def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_
     from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_block_drafter
 
     src = tmp_path / "dspark"
-    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1)
+    # The shared context with a biased fc: what DSpark trained with before context_injection / fc_bias existed.
+    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1, context_injection="shared", fc_bias=True)
     assert isinstance(cfg, BlockDrafterTrainConfig)
     train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
     with pytest.raises(ExportRefused, match=r"fc\.bias"):  # training moved the bias vLLM's fc does not have
@@ -328,3 +337,26 @@ def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_
     assert result.speculative_config["num_speculative_tokens"] == block.block_size - 1
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["dflash_config"]["target_layer_ids"] == list(block.target_layer_ids)
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("dflash", {}), ("dspark", {"context_injection": "shared"})])
+def test_freshly_trained_dflash_and_dspark_have_no_fc_bias_and_export(tmp_path, deep_target_dir, conversations,
+                                                                        kind, overrides):
+    from dataclasses import replace
+
+    from angelspec.train.block import tiny_debug, train_block_drafter
+
+    src = tmp_path / kind
+    cfg = replace(tiny_debug(), drafter=kind, steps=1, **overrides)
+    train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
+    block = json.loads((src / "config.json").read_text())["block_drafter_config"]
+    assert block["fc_bias"] is False and "fc.bias" not in _ours(src) and "fc.weight" in _ours(src)
+    result = export_drafter(src, tmp_path / "out", target=deep_target_dir)
+    assert result.speculative_config["method"] == kind
+    if kind == "dspark":  # the default DSpark injects each layer's own tap: no fc at all, which vLLM cannot serve
+        default = tmp_path / "same_layer"
+        train_block_drafter(deep_target_dir, conversations, default, config=replace(cfg, context_injection=None),
+                            progress=False, log=lambda *_: None)
+        assert "fc.weight" not in _ours(default)
+        with pytest.raises(ExportRefused, match="context_injection=shared"):
+            export_drafter(default, tmp_path / "out2", target=deep_target_dir)

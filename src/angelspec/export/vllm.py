@@ -5,10 +5,12 @@ Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up project
 
   EAGLE-3   fc.weight -> fc.weight; hidden_norm -> midlayer.hidden_norm; layer.* -> midlayer.* (attn -> self_attn);
             norm -> norm
-  DFlash    fc.weight -> fc.weight (fc.bias must be zero: vLLM's fc has none); hidden_norm -> hidden_norm;
+  DFlash    fc.weight -> fc.weight (no fc.bias, or a zero one: vLLM's fc has none; new DFlash / DSpark drafters
+            are built without it); hidden_norm -> hidden_norm;
             layers.N.* -> layers.N.* (attn -> self_attn); norm -> norm
   DSpark    DFlash + head.embed -> markov_head.markov_w1 [V, r]; head.out -> markov_head.markov_w2 [V', r];
-            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov)
+            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov). Only with
+            the shared fused context: Qwen3DSparkModel is DFlash's backbone, so same-layer injection is refused
 
 A draft vocabulary (`draft_vocab` buffer: draft index -> target id) becomes `lm_head.weight` = the target's LM-head
 rows [V', C] and `d2t` (int64, target id = draft id + d2t[draft id]); without one the head is the target's (vLLM
@@ -140,6 +142,11 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
         raise ExportRefused(f"a {cfg.conditioning} drafter cannot be exported to vLLM: its per-layer tap fusion "
                             "(fusion_logits, context_norms) has no place in DFlash's single shared fc; only the "
                             "dflash conditioning (DFlash, DSpark) can")
+    if not cfg.has_fc:
+        raise ExportRefused("this dspark drafter injects each draft layer's own target tap (context_injection="
+                            "same_layer, Uraion §3.3); vLLM 0.32's Qwen3DSparkModel is DFlash's backbone with one "
+                            "shared fc context, so it cannot serve it. Train the drafter with context_injection=shared "
+                            "to export it")
     if cfg.head == "hidden":
         raise ExportRefused("the DFly hidden-correction head (head.*, Eq. 15) has no vLLM equivalent; export a drafter "
                             "with head none (DFlash) or markov (DSpark)")
@@ -150,7 +157,7 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
     if bias is not None and bool(bias.ne(0).any()):
         raise ExportRefused(f"the context projection has a non-zero bias fc.bias (max |b| = "
                             f"{bias.abs().max().item():.3g}); vLLM's DFlash fc has no bias, so the drafter would "
-                            "change. Train it with the bias held at zero")
+                            "change. Train it with fc_bias=false (the default for new dflash / dspark drafters)")
     dtype = state["norm.weight"].dtype
     tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("hidden_norm.weight")}
     for n in range(cfg.num_draft_layers):

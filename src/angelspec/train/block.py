@@ -11,12 +11,17 @@ Objectives (`objective`, selectable per run):
 
     "dfly"    report §3.3: the D-PACE-weighted LK^λ cold start (Eq. 16–18, "dpace_lk") for `switch_step` steps,
               then end-to-end TV (Eq. 9, "e2e_tv"); the block position is the depth axis.
-    "dspark"  DSpark report: ce_coef·CE + tv_coef·TV + conf_coef·BCE(c, sg[1 − TV]) with position weights
-              w_k = exp(−(k−1)/γ) (`train.losses.dspark_loss`).
+    "dspark"  DSpark report: ce_coef·CE + tv_coef·L_TV + conf_coef·BCE(c, sg[α]) with position weights
+              w_k = exp(−(k−1)/γ) (`train.losses.dspark_loss`); L_TV = ‖p − q‖₁ as the report writes it
+              (`tv_norm` "l1"), or ½‖p − q‖₁ = TV (`tv_norm` "half_l1", what runs made before the option had).
 
 Under "dfly" a drafter that has a confidence head also gets the confidence term conf_coef·BCE(c, sg[α]) (mean
 over valid positions; α is detached, as in DSpark's loss, so the target of the term never moves with the
 drafter), so the engine's `Proposal.confidences` are trained whatever the objective.
+
+New drafters (`BlockDrafterConfig.for_target`): a DSpark injects each draft layer's own target tap (Uraion §3.3,
+`context_injection` "same_layer"; "shared" keeps DFlash's fused context, Eq. 10), and the DFlash backbone's fc has
+no bias (`fc_bias`), since vLLM's DFlash / DSpark fc has none (`export.vllm`). None takes these defaults.
 
 Teacher alignment: draft k of anchor a predicts x_{a+k}; its teacher is the target's distribution at position
 a+k−1 (`BlockTargets.source_index`), gathered from the [R, T, V] teacher logits.
@@ -47,7 +52,7 @@ from torch import Tensor
 
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
-from angelspec.models.block.config import HEADS, MARKOV_HEADS, BlockDrafterConfig
+from angelspec.models.block.config import CONTEXT_INJECTIONS, HEADS, MARKOV_HEADS, BlockDrafterConfig
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
@@ -96,6 +101,9 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
     ce_coef: float = 0.1
     tv_coef: float = 0.9
     conf_coef: float = 1.0
+    tv_norm: str = "l1"  # DSpark's L_TV: "l1" = ‖p − q‖₁ (the report), "half_l1" = ½‖p − q‖₁ (before the option)
+    context_injection: str | None = None  # None: "same_layer" for dspark, else "shared" (models.block.config)
+    fc_bias: bool | None = None  # None: a bias only for dfly (vLLM's DFlash / DSpark fc has none)
     batch_size: int = 2
     steps: int = 200
     warmup: int = 10
@@ -114,6 +122,9 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             raise ConfigError(f"unknown objective {self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
         if self.switch_step < 0:
             raise ConfigError(f"switch_step must be >= 0, got {self.switch_step}")
+        if self.context_injection not in (None, *CONTEXT_INJECTIONS):
+            raise ConfigError(f"unknown context_injection {self.context_injection!r}; choose one of "
+                              f"{', '.join(CONTEXT_INJECTIONS)} (or none: the kind's default)")
         self.loss_config()  # validates top_k, gamma and the coefficients
         if self.drafter is not None:
             self._check_head(self.drafter, self.resolved_head)
@@ -151,7 +162,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
     def loss_config(self) -> LossConfig:
         try:
             return LossConfig(top_k=self.top_k, gamma=self.gamma, ce_coef=self.ce_coef, tv_coef=self.tv_coef,
-                              conf_coef=self.conf_coef)
+                              conf_coef=self.conf_coef, tv_norm=self.tv_norm)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -169,7 +180,21 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             target_layer_ids=self.target_layer_ids, num_taps=self.num_taps, conditioning=conditioning,
             head=self.resolved_head, markov_rank=self.markov_rank, confidence_head=self.confidence_head,
             head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
-            **self.layer_shape())
+            context_injection=self.context_injection, fc_bias=self.fc_bias, **self.layer_shape())
+
+    def checkpoint_defaults(self) -> dict[str, Any]:
+        """What a checkpoint written before `tv_norm`, `context_injection` and `fc_bias` existed ran with, for
+        `resume`: the old behaviour (½‖p − q‖₁, the shared fused context, an fc bias) where this run's settings
+        change it, else this run's own value (a setting that does not change the run, e.g. tv_norm outside the
+        dspark objective, or DFly's fc bias, which has not changed)."""
+        kind = self.kind
+        changes = {
+            "tv_norm": self.resolved_objective == "dspark" and self.tv_norm != "half_l1",
+            "context_injection": kind == "dspark" and self.context_injection != "shared",
+            "fc_bias": kind in ("dflash", "dspark") and self.fc_bias is not True,
+        }
+        old = {"tv_norm": "half_l1", "context_injection": "shared", "fc_bias": True}
+        return {k: old[k] if changed else getattr(self, k) for k, changed in changes.items()}
 
 
 # ----- presets -----
@@ -232,9 +257,12 @@ def dspark_embedded() -> BlockDrafterTrainConfig:
 
 def dspark_shipped() -> BlockDrafterTrainConfig:
     """The DSpark that ships with the embedded target: `dspark_embedded`'s recipe (Markov head, confidence head,
-    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (1,600 steps, 3.3M tokens)."""
+    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (1,600 steps, 3.3M tokens).
+    It was trained before the DSpark defaults changed, so the preset keeps what it was trained with (and `make
+    drafters` keeps resuming its run): DFlash's shared fused context with an fc bias, and L_TV = ½‖p − q‖₁."""
     return replace(dspark_embedded(), draft_layers=1, intermediate_size=512, draft_vocab_size=1024, batch_size=4,
-                   num_anchors=32, steps=1600, warmup=50, ckpt_every=200, log_every=20)
+                   num_anchors=32, steps=1600, warmup=50, ckpt_every=200, log_every=20,
+                   context_injection="shared", fc_bias=True, tv_norm="half_l1")
 
 
 def tiny_debug() -> BlockDrafterTrainConfig:
@@ -245,19 +273,24 @@ def tiny_debug() -> BlockDrafterTrainConfig:
                                    log_every=1)
 
 
+QWEN3_TOP_K = 10_000  # the report's teacher support K (§2.3); at V = 152k full-vocabulary targets are ~15x larger
+
+
 def qwen3_8b_dfly() -> BlockDrafterTrainConfig:
     """The report's DFly for Qwen3-8B (§3.5, L5-B8): 5 draft layers of the target's shape, DFlash taps (1, 9, 17,
-    25, 33), hidden-correction head, Qwen3's reserved mask token 151669, 3k-token rows with 64 anchors. The
-    schedule is a starting point for a GPU run, not a tuned recipe."""
+    25, 33), hidden-correction head, Qwen3's reserved mask token 151669, 3k-token rows with 64 anchors, the
+    teacher's top 10,000 tokens as the distillation support (the report's K; the whole 152k vocabulary would hold
+    [rows, anchors, K, V] teacher probabilities). The schedule is a starting point for a GPU run, not a tuned
+    recipe."""
     return BlockDrafterTrainConfig(drafter="dfly", head="hidden", block_size=8, draft_layers=5, markov_rank=256,
                                    mask_token_id=QWEN3_MASK_TOKEN_ID, num_anchors=64, seq_len=3072, batch_size=8,
                                    steps=20_000, switch_step=2_000, lr=6e-4, warmup=500, ckpt_every=1_000,
-                                   log_every=50)
+                                   log_every=50, top_k=QWEN3_TOP_K)
 
 
 def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
-    """DSpark for Qwen3-8B (DSpark report §3): DFlash backbone L5-B8, rank-256 Markov head, confidence head,
-    the three-term loss; same data budget as `qwen3_8b_dfly`."""
+    """DSpark for Qwen3-8B (DSpark report §3): DFlash backbone L5-B8 with same-layer injection, rank-256 Markov head,
+    confidence head, the three-term loss; same data budget and teacher top-K as `qwen3_8b_dfly`."""
     return replace(qwen3_8b_dfly(), drafter="dspark", head="markov", objective="dspark")
 
 

@@ -239,19 +239,21 @@ def resume_training(
     log: Callable[[str], None],
     *,
     model: nn.Module | None = None,
+    saved_defaults: dict[str, Any] | None = None,
 ) -> int:
     """The step a run starts from: 0 when not resuming (or nothing to resume), else the newest checkpoint's
     step after checking that `identity` (its `train_config` compared without the run-length keys) matches the
     checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state (`model`: the module
-    of the optimizer's parameters, for the named form; see `load_optimizer_state`)."""
+    of the optimizer's parameters, for the named form; see `load_optimizer_state`). `saved_defaults` fill the
+    settings a checkpoint written before they existed lacks (`DrafterRunConfig.checkpoint_defaults`)."""
     ckpt = find_checkpoint(ckpt_dir) if resume else None
     if ckpt is None:
         if resume:
             log(f"no checkpoint in {ckpt_dir}; starting from scratch")
         return 0
     state = read_trainer_state(ckpt)
-    saved = {**state, "train_config": {k: v for k, v in state.get("train_config", {}).items()
-                                       if k not in RESUME_FREE_KEYS}}
+    saved_config = {**(saved_defaults or {}), **state.get("train_config", {})}
+    saved = {**state, "train_config": {k: v for k, v in saved_config.items() if k not in RESUME_FREE_KEYS}}
     check_resume_compatible(saved, identity, tuple(identity))
     check_checkpoint_weights(ckpt)
     try:

@@ -247,7 +247,7 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
     step = resume_training(run.ckpt_dir, run.job.resume, identity,
                            lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
-                           run.log, model=model)
+                           run.log, model=model, saved_defaults=cfg.checkpoint_defaults())
 
     def snapshot() -> Any:
         return whole_copy(model, rebuild)

@@ -70,6 +70,10 @@ from torch import Tensor
 # ---------------------------------------------------------------------------------------------------------
 
 
+# DSpark's L_TV as a multiple of TV = ½‖p − q‖₁ = 1 − α: the report's full L1 distance, or TV itself.
+TV_NORMS: dict[str, float] = {"l1": 2.0, "half_l1": 1.0}
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Hyper-parameters of every loss in `LOSSES`; each loss reads only the fields it needs.
@@ -79,6 +83,8 @@ class LossConfig:
     `eta`: λ = exp(−η·sg[α]) of Eq. 6.  `eps`: ε of Eq. 7 and Eq. 18.
     `rho`: D-PACE smoothing ρ of Eq. 16.  `gamma`: DSpark decay γ of w_k = exp(−(k−1)/γ) (None = K).
     `ce_coef`, `tv_coef`, `conf_coef`: the DSpark coefficients 0.1 / 0.9 / 1.0.
+    `tv_norm`: DSpark's L_TV (TV_NORMS): "l1" = ‖p − q‖₁ as the DSpark report writes it (the default), "half_l1" =
+    ½‖p − q‖₁ = TV (half the weight against CE; what the DSpark loss used before this option existed).
     The report fixes none of η, ε, ρ; the defaults here are our choices.
     """
 
@@ -91,6 +97,7 @@ class LossConfig:
     ce_coef: float = 0.1
     tv_coef: float = 0.9
     conf_coef: float = 1.0
+    tv_norm: str = "l1"
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k < 1:
@@ -105,6 +112,9 @@ class LossConfig:
             raise ValueError(f"gamma must be > 0 or None, got {self.gamma}")
         if min(self.ce_coef, self.tv_coef, self.conf_coef) < 0:
             raise ValueError("DSpark coefficients must be >= 0")
+        if self.tv_norm not in TV_NORMS:
+            raise ValueError(f"unknown tv_norm {self.tv_norm!r}; choose one of {', '.join(TV_NORMS)} (the DSpark "
+                             "report's L_TV is the full L1 distance, l1)")
 
 
 @dataclass(frozen=True)
@@ -396,15 +406,20 @@ def dpace_lk_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
                 confidence_logits: Tensor | None = None, top_k: int | None = None, gamma: float | None = None,
-                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0) -> LossOutput:
+                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0, tv_norm: str = "l1"
+                ) -> LossOutput:
     """DSpark three-term loss: ce_coef·L_CE + tv_coef·L_TV + conf_coef·BCE(c, sg[1 − TV]).
 
     Every term is a position-weighted mean over valid (i, k) with w_k = exp(−(k−1)/γ), k = 1..K:
     Σ_{i,k valid} w_k ℓ_{i,k} / Σ_{i,k valid} w_k. The confidence head is trained on the analytic
     acceptance c* = 1 − TV = α of the same position (Eq. 5), detached, so it never pulls the drafter's
-    distribution; `confidence_logits` are pre-sigmoid (BCE-with-logits). TV is ½‖p − q‖₁ (see the report).
+    distribution; `confidence_logits` are pre-sigmoid (BCE-with-logits). L_TV is the report's ‖p_d − p_t‖₁ = 2·TV
+    with `tv_norm` "l1" (the default), TV = ½‖p − q‖₁ with "half_l1"; the confidence target is α = 1 − ½‖p − q‖₁
+    either way, as the report writes c*. The logged part "tv" is L_TV as weighted in the loss.
     [N, K, V] logits, labels [N, K], mask [N, K], confidence_logits [N, K] or None (no confidence term).
     """
+    if tv_norm not in TV_NORMS:
+        raise ValueError(f"unknown tv_norm {tv_norm!r}; choose one of {', '.join(TV_NORMS)}")
     _check(student_logits, mask, teacher_logits, labels)
     n, depth, _ = student_logits.shape
     if confidence_logits is not None and confidence_logits.shape != (n, depth):
@@ -412,7 +427,7 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     rows_s = student_logits[mask]  # [M, V]
     ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
     alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
-    tv = (1.0 - alpha) * mask
+    tv = (TV_NORMS[tv_norm] * (1.0 - alpha)) * mask  # ‖p − q‖₁ = 2·TV ("l1") or TV ("half_l1")
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
     # 0 only when nothing is valid (then numerators are 0)
     denom = _denominator(w.sum()).clamp_min(torch.finfo(w.dtype).tiny)
@@ -492,7 +507,7 @@ def _dpace_lk(b: LossBatch, c: LossConfig) -> LossOutput:
 def _dspark(b: LossBatch, c: LossConfig) -> LossOutput:
     _need(b, "dspark", "teacher_logits", "labels")
     return dspark_loss(b.student_logits, b.teacher_logits, b.labels, b.mask, b.confidence_logits, c.top_k,
-                       c.gamma, c.ce_coef, c.tv_coef, c.conf_coef)
+                       c.gamma, c.ce_coef, c.tv_coef, c.conf_coef, c.tv_norm)
 
 
 LOSSES: dict[str, LossFn] = {

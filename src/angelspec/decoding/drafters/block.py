@@ -179,8 +179,8 @@ DFlareDrafter = _block_kind("dflare", "DFlareDrafter",
 DFlyDrafter = _block_kind("dfly", "DFlyDrafter",
                           "DFly (report Eq. 12, 14–15): hybrid conditioning with a Markov or hidden-correction head.")
 DSparkDrafter = _block_kind("dspark", "DSparkDrafter",
-                            "DSpark (DSpark report §3): the DFlash backbone, a Markov-family head and the confidence "
-                            "head.")
+                            "DSpark (DSpark report §3): the DFlash backbone (same-layer injection or the shared fused "
+                            "context), a Markov-family head and the confidence head.")
 
 
 @torch.no_grad()

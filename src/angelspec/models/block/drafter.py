@@ -14,11 +14,15 @@ where g^(i)_s is draft layer i's view of the target taps at committed position s
 `target_layer_ids`; id j = output of target decoder layer j, docs/design.md trap 2):
 
     dflash  Eq. 10   g^(i)_s = RMSNorm(c_s),  c_s = W_fc [h_s^(1); …; h_s^(n)] + b_fc     (shared by all layers)
+    dspark  Uraion §3.3  the same shared context (context_injection "shared"), or, the default for new DSpark
+                     drafters ("same_layer"), g^(i)_s = RMSNorm_i(h_s^(j(i))): draft layer i reads its own tap,
+                     j(i) = `config.same_layer_taps` (layers and taps matched by relative depth)
     dflare  Eq. 11   g^(i)_s = RMSNorm_i(f^(i)_s),  f^(i)_s = Σ_j softmax(W_fuse[i])_j h_s^(j)
     dfly    Eq. 12   g^(i)_s = RMSNorm_i(c_s + f^(i)_s)
 
-(DFlash's `hidden_norm` after fc is kept; DFlare gets a per-layer RMSNorm too, because the raw taps of
-different target layers differ in scale by orders of magnitude and W_K was sized for normalised input.)
+(DFlash's `hidden_norm` after fc is kept; DFlare and same-layer DSpark get a per-layer RMSNorm too, because the
+raw taps of different target layers differ in scale by orders of magnitude and W_K was sized for normalised input:
+the report injects W_K h unnormalised. b_fc exists only with `config.fc_bias`.)
 W_fuse starts from a distance prior (§6.2, `config.distance_prior`): draft layer i first looks at the taps of
 matching relative depth and learns to deviate. After the backbone, a head (`heads`, Eq. 13–15) runs left to right
 over the B−1 draft positions.
@@ -123,13 +127,15 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
         C, L, n, eps = cfg.hidden_size, cfg.num_draft_layers, cfg.num_taps, cfg.rms_norm_eps
-        if cfg.conditioning in ("dflash", "dfly"):
-            self.fc = nn.Linear(n * C, C, bias=True)  # W_fc, b_fc of Eq. 10
-        if cfg.conditioning == "dflash":
+        if cfg.has_fc:
+            self.fc = nn.Linear(n * C, C, bias=cfg.fc_bias)  # W_fc, b_fc of Eq. 10
+        if cfg.conditioning == "dflash" and cfg.has_fc:
             self.hidden_norm = RMSNorm(C, eps)
         else:
-            self.fusion_logits = nn.Parameter(torch.zeros(L, n))  # W_fuse of Eq. 11, distance-prior init
-            self.context_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(L))  # RMSNorm of Eq. 12, per layer
+            if cfg.conditioning != "dflash":
+                self.fusion_logits = nn.Parameter(torch.zeros(L, n))  # W_fuse of Eq. 11, distance-prior init
+            # RMSNorm of Eq. 12 (and of the same-layer taps), per layer
+            self.context_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(L))
         layer_cfg = cfg.layer_config()
         self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i) for i in range(L))
         self.norm = RMSNorm(C, eps)  # before W_lm
@@ -290,16 +296,19 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def context_features(self, taps: Tensor) -> list[Tensor]:
-        """Eq. 10–12: taps [B, T, n·C] (`concat_taps` of `target_layer_ids`) -> g^(i) [B, T, C] for each layer i."""
+        """Eq. 10–12 and same-layer injection (Uraion §3.3): taps [B, T, n·C] (`concat_taps` of `target_layer_ids`)
+        -> g^(i) [B, T, C] for each layer i."""
         cfg = self.config
         if taps.dim() != 3 or taps.shape[-1] != cfg.num_taps * cfg.hidden_size:
             raise ValueError(f"taps must be [B, T, n·C] = [B, T, {cfg.num_taps * cfg.hidden_size}] (the "
                              f"{cfg.num_taps} taps {list(cfg.target_layer_ids)} joined), got {tuple(taps.shape)}")
-        if cfg.conditioning == "dflash":
+        if cfg.conditioning == "dflash" and cfg.has_fc:
             g = self.hidden_norm(self.fc(taps))  # Eq. 10, shared
             return [g] * cfg.num_draft_layers
         B, T, _ = taps.shape
         per_tap = taps.view(B, T, cfg.num_taps, cfg.hidden_size)  # [B, T, n, C]
+        if cfg.conditioning == "dflash":  # same-layer injection (Uraion §3.3): layer i reads tap j(i)
+            return [norm(per_tap[:, :, j]) for norm, j in zip(self.context_norms, cfg.context_taps, strict=True)]
         alpha = self.fusion_weights().to(taps.dtype)  # [L, n]
         c = self.fc(taps) if cfg.conditioning == "dfly" else None
         out = []
