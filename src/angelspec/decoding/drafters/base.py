@@ -172,7 +172,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, state: DraftState) -> Proposal:
-        """Propose `state.num_draft_tokens` drafts for every row (see `Proposal`)."""
+        """Propose `state.num_draft_tokens` drafts for every row (see `Proposal`). A round of 0 drafts (the
+        speculation gate skipped drafting) may come between ordinary rounds: propose nothing and keep whatever
+        state the following `on_commit` (one committed token per active row) needs."""
 
     @abstractmethod
     def on_commit(self, commit: Commit) -> None:
