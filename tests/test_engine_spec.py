@@ -13,7 +13,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ from angelspec.decoding.drafters.base import (
     register_drafter,
 )
 from angelspec.decoding.drafters.ngram import reference_lookup
-from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import Decoder, DecoderConfig, save_target
@@ -400,6 +400,39 @@ def test_t1_test_detects_the_biased_combination(dist_case):
     assert set(metrics.protocols) == {"speculative"}
     stat, df = _distribution_stats(y, joint)["y2"]
     assert stat > 3 * chi2_crit(df), f"bias not detected: chi2 = {stat:.1f}"
+
+
+class SampledDraftLMWithLengths(AlwaysSampledDraftLM):
+    """Samples its drafts, then ends each row's proposal before its first draft of confidence < 0.3: per-row
+    lengths read from the sampled drafts (the draft LM's early stop applied to sampled drafts, trap 1)."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        p = super().propose(state)
+        return replace(p, lengths=(p.confidences >= 0.3).long().cumprod(dim=-1).sum(dim=-1))
+
+
+def test_lengths_of_sampled_drafts_are_refused_under_standard_sampling(dist_case, monkeypatch):
+    """Trap 1: `Proposal.lengths` cap the verified depth, so lengths chosen after sampling bias standard speculative
+    sampling exactly like a depth policy reading the sampled drafts (`test_t1_test_detects_the_biased_combination`).
+    The engine refuses such a proposal before the verify forward. The same drafter stays usable where lengths are
+    harmless: greedy rows, and a proposal-reading policy (deterministic-draft protocol, exact for any depth)."""
+    tgt, draft, joint = dist_case
+    engine = SpecEngine(tgt, SampledDraftLMWithLengths(draft), EngineConfig(max_batch_size=2, num_draft_tokens=3))
+    calls, forward = [], tgt.forward
+    monkeypatch.setattr(tgt, "forward", lambda *a, **kw: calls.append(a[0].shape[1]) or forward(*a, **kw))
+    sampled = [Request(PROMPT, 3, SamplingParams(temperature=1.0, seed=0), stop_ids=()),
+               Request(PROMPT, 3, stop_ids=())]  # one sampled row is enough for standard sampling
+    with pytest.raises(ValueError, match=r"lengths.*standard speculative sampling.*trap 1"):
+        engine.generate(sampled)
+    assert calls == [len(PROMPT)]  # the prefill only: refused before any verify forward
+    monkeypatch.undo()
+    greedy = engine.generate([Request(PROMPT, 6, stop_ids=())])
+    assert greedy[0].token_ids == reference_generate(tgt, [Request(PROMPT, 6, stop_ids=())])[0].token_ids
+    y, metrics = _sample_spec(tgt, SampledDraftLMWithLengths(draft), ConfidenceThreshold(0.0))
+    assert set(metrics.protocols) == {"deterministic"}
+    assert sum(c > 0 for c in metrics.depth_hist) >= 2, metrics.depth_hist  # the lengths really vary the depth
+    for name, (stat, df) in _distribution_stats(y, joint).items():
+        assert stat < chi2_crit(df), f"lengths: {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f} (df {df})"
 
 
 def test_t1_spec_is_seeded_and_batch_independent(dist_case):
