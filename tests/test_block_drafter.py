@@ -341,21 +341,61 @@ def test_distance_prior_peaks_at_matching_depth() -> None:
     torch.testing.assert_close(w.sum(-1), torch.ones(2, dtype=w.dtype))
 
 
-def test_conditioning_equations() -> None:
+CONDITIONING_PARAMETERS = {  # the raw tensors each conditioning owns (Eq. 10-12), by state-dict name (L = 2)
+    "dflash": {"fc.weight", "fc.bias", "hidden_norm.weight"},
+    "dflare": {"fusion_logits", "context_norms.0.weight", "context_norms.1.weight"},
+    "dfly": {"fc.weight", "fc.bias", "fusion_logits", "context_norms.0.weight", "context_norms.1.weight"},
+}
+
+
+def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out: gain * x / sqrt(mean(x^2) + eps) over the last dim."""
+    return gain * x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("conditioning", CONDITIONINGS)
+def test_conditioning_equations(conditioning: str) -> None:
+    """Eq. 10-12 (report §3.1) rebuilt from the raw weight tensors with explicit arithmetic, never through the model's
+    modules, so a wrong module, a swapped layer index or a mis-sliced W_fc is caught:
+        Eq. 10  c_t = W_fc [h_t^(1); ...; h_t^(n)] + b_fc                (tap j meets columns j*C:(j+1)*C of W_fc)
+        Eq. 11  alpha^(i) = softmax(W_fuse[i, :]),  f_t^(i) = sum_j alpha^(i)_j h_t^(j)
+        Eq. 12  g_t^(i) = RMSNorm_i(c_t + f_t^(i))                        (dfly)
+    dflash feeds RMSNorm(c_t) (its `hidden_norm`) to every draft layer; dflare RMSNorm_i(f_t^(i)). The taps h^(j) are
+    read from the target directly (not through `concat_taps`), and every gain, bias and fusion logit is random, so no
+    tensor can stand in for another."""
     target = tiny_target()
-    ids = torch.randint(6, VOCAB, (1, 6))
-    for cond in CONDITIONINGS:
-        model = tiny_drafter(target, conditioning=cond)
-        taps = taps_of(target, model, ids)
-        feats = model.context_features(taps)
-        per_tap = taps.view(1, 6, 3, 32)
-        for i, g in enumerate(feats):
-            if cond == "dflash":
-                expected = model.hidden_norm(model.fc(taps))  # Eq. 10
-            else:
-                f = (per_tap * model.fusion_weights()[i][:, None]).sum(-2)  # Eq. 11
-                expected = model.context_norms[i](f + (model.fc(taps) if cond == "dfly" else 0))  # Eq. 12
-            torch.testing.assert_close(g, expected)
+    model = tiny_drafter(target, conditioning=conditioning)
+    params = dict(model.named_parameters())
+    own = {k for k in params if not k.startswith(("layers.", "norm.", "head.", "confidence"))}
+    assert own == CONDITIONING_PARAMETERS[conditioning]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name in sorted(own):
+            noise = torch.randn(params[name].shape, generator=g, dtype=params[name].dtype)
+            if "norm" in name:  # RMSNorm gains around 1
+                params[name].copy_(1.0 + 0.5 * noise)
+            else:  # W_fc (scaled to the taps' size), b_fc, W_fuse
+                params[name].copy_(noise * (0.2 if name == "fc.weight" else 1.0))
+    ids = torch.randint(6, VOCAB, (1, 6), generator=g)
+    with torch.no_grad():
+        h = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden  # n x [1, T, C]
+        feats = model.context_features(taps_of(target, model, ids))
+    C, eps, n, L = model.config.hidden_size, model.config.rms_norm_eps, len(h), model.config.num_draft_layers
+    assert len(feats) == L == 2 and n == 3
+    if conditioning != "dflare":  # Eq. 10
+        w_fc, b_fc = params["fc.weight"].detach(), params["fc.bias"].detach()  # [C, n*C], [C]
+        c = sum(h[j] @ w_fc[:, j * C:(j + 1) * C].T for j in range(n)) + b_fc
+    for i in range(L):
+        if conditioning == "dflash":
+            expected = _rms_norm(c, params["hidden_norm.weight"].detach(), eps)
+        else:
+            logits = params["fusion_logits"].detach()[i]  # [n], W_fuse[i, :]
+            e = torch.exp(logits - logits.max())
+            alpha = e / e.sum()  # Eq. 11
+            f = sum(alpha[j] * h[j] for j in range(n))
+            gain = params[f"context_norms.{i}.weight"].detach()
+            expected = _rms_norm(f if conditioning == "dflare" else c + f, gain, eps)  # Eq. 12
+        torch.testing.assert_close(feats[i], expected, rtol=1e-12, atol=1e-12)
 
 
 # ----- DSpark's context injection (Uraion §3.3) -----

@@ -1,6 +1,7 @@
 """Block-parallel drafters in the engine and the trainer (report §3; DSpark report §3): greedy speculative output
 equals autoregressive output for DFlash / DFly / DSpark with every proposal equal to a from-scratch recompute
-(so the context cache is exact after partial accepts), a T=1 smoke test, training + exact resume, the real-target
+(so the context cache is exact after partial accepts), the T=1 output distribution of DSpark / DFly sampled drafts
+(chi-square, with negative controls), training + exact resume, the real-target
 presets on a tiny target, train + eval from the command line, and bad input.
 
 Engine tests run in float64 on a tiny target so batched and single-row arithmetic agree far below any argmax gap."""
@@ -16,6 +17,12 @@ import pytest
 import torch
 from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
 from test_distributed import _torchrun, needs_gloo
+from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
+    WRONG_SAMPLERS,
+    assert_t1_matches_target,
+    assert_wrong_sampler_detected,
+    dist_case,
+)
 
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
@@ -52,10 +59,11 @@ def tiny_target(layers: int = 3, vocab: int = VOCAB) -> Decoder:
     return tiny_decoder(vocab, layers=layers, heads=2, kv=1)
 
 
-def tiny_block_drafter(target: Decoder, kind: str, block_size: int = 4) -> BlockDrafter:
+def tiny_block_drafter(target: Decoder, kind: str, block_size: int = 4, layer_ids: tuple[int, ...] = (0, 2)
+                       ) -> BlockDrafter:
     conditioning, head = DESIGNS[kind]
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size,
-                                        num_draft_layers=1, target_layer_ids=(0, 2), conditioning=conditioning,
+                                        num_draft_layers=1, target_layer_ids=layer_ids, conditioning=conditioning,
                                         head=head, markov_rank=8)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.3, generator=torch.Generator().manual_seed(1))
@@ -107,6 +115,36 @@ def test_sampling_smoke_t1_returns_probs_and_confidences():
     prop = seen[0]
     assert not prop.deterministic and prop.probs is not None and prop.probs.shape == (3, 3, VOCAB)
     assert prop.confidences is not None and ((prop.confidences > 0) & (prop.confidences < 1)).all()
+
+
+def sampling_block_drafter(target: Decoder, kind: str) -> BlockDrafterAdapter:
+    """A DSpark (Markov head) or DFly (hidden-correction head) drafter for the T=1 distribution tests, on the
+    two-layer target of `dist_case`. DSpark's Markov bias is scaled up so that draft 2's q depends clearly on the
+    sampled draft 1 (max TV between its q for two values of draft 1: 0.1 unscaled, about 0.7 here); DFly's head
+    already moves it that much."""
+    model = tiny_block_drafter(target, kind, layer_ids=(0, 1))
+    if kind == "dspark":
+        with torch.no_grad():
+            model.head.out.weight.mul_(5.0)
+    return BlockDrafterAdapter(model)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dfly"])
+def test_t1_sampled_drafts_keep_the_target_distribution(dist_case, kind):  # noqa: F811
+    """Standard speculative sampling with a block drafter's sampled drafts (T=1) emits the target's distribution:
+    chi-square on the first three tokens of 4000 seeded requests against the target's exact softmax (alpha 1e-4).
+    The sequential head conditions each draft on the previously SAMPLED one, so the q returned per position must be
+    the distribution that draft was really drawn from."""
+    tgt, _, joint = dist_case
+    assert_t1_matches_target(tgt, sampling_block_drafter(tgt, kind), joint, kind)
+
+
+@pytest.mark.parametrize("wrong", WRONG_SAMPLERS)
+def test_t1_distribution_test_detects_a_wrong_sampler(dist_case, monkeypatch, wrong):  # noqa: F811
+    """Negative control for the test above (DSpark): the same drafter and statistics with the min(1, p/q) test
+    removed, or with draft 2's q replaced by draft 1's (the Markov conditioning lost), must fail."""
+    tgt, _, joint = dist_case
+    assert_wrong_sampler_detected(tgt, sampling_block_drafter(tgt, "dspark"), joint, wrong, monkeypatch)
 
 
 def test_registry_folder_round_trip_and_mismatches(tmp_path):

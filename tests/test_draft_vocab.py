@@ -1,6 +1,7 @@
 """Draft vocabularies (EAGLE-3's reduced draft vocabulary for the block drafters): the frequency choice, the
 inference path over the chosen LM-head rows against the full-vocabulary one, losslessness in the engine at T=0
-and T=1, folder round trips, the trainer and the `angelspec draft-vocab` command."""
+and T=1 (chi-square against the target's distribution, with negative controls), folder round trips, the trainer and the
+`angelspec draft-vocab` command."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ import conftest
 import pytest
 import torch
 from test_block_drafter import MASK, VOCAB, taps_of, tiny_drafter, tiny_target
+from test_block_engine import sampling_block_drafter
+from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
+    WRONG_SAMPLERS,
+    assert_t1_matches_target,
+    assert_wrong_sampler_detected,
+    dist_case,
+)
 
 from angelspec.data.packing import Doc
 from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_counts
@@ -319,3 +327,36 @@ def test_draft_index_table_is_cached_and_follows_a_new_vocabulary():
         table = model._derived["draft index"][1]
         model.to_draft_index(tokens)
         assert model._derived["draft index"][1] is table  # not rebuilt for the same vocabulary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# T = 1 in distribution: sampling inside a draft vocabulary keeps the target's distribution
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sampling_vocab_drafter(kind: str, target, joint: torch.Tensor):
+    """An MTP or DSpark drafter on `dist_case`'s target drafting from the 10 most likely ids of the second emitted
+    token (a frequency-chosen vocabulary, as `angelspec draft-vocab` picks one): q is 0 on the 6 other ids, which
+    the target can still emit, so recovery from the residual max(0, p - q) is exercised."""
+    from angelspec.decoding.drafters.mtp import MTPDrafter
+
+    ids = joint.sum((0, 2)).argsort(descending=True)[:10]
+    if kind == "mtp":
+        return MTPDrafter(_mtp_with_vocab("mtp", target, ids))
+    return BlockDrafterAdapter(with_vocab(sampling_block_drafter(target, "dspark").model, ids))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_t1_draft_vocab_sampling_keeps_the_target_distribution(dist_case, kind):  # noqa: F811
+    """Standard speculative sampling with drafts sampled inside a draft vocabulary (T=1): the first three emitted
+    tokens of 4000 seeded requests follow the target's exact distribution (chi-square, alpha 1e-4)."""
+    tgt, _, joint = dist_case
+    assert_t1_matches_target(tgt, _sampling_vocab_drafter(kind, tgt, joint), joint, f"{kind} + draft vocab")
+
+
+@pytest.mark.parametrize("wrong", WRONG_SAMPLERS)
+def test_t1_draft_vocab_distribution_test_detects_a_wrong_sampler(dist_case, monkeypatch, wrong):  # noqa: F811
+    """Negative control for the test above (MTP with a draft vocabulary): the min(1, p/q) test removed, or depth 1's
+    q replaced by depth 0's, must fail."""
+    tgt, _, joint = dist_case
+    assert_wrong_sampler_detected(tgt, _sampling_vocab_drafter("mtp", tgt, joint), joint, wrong, monkeypatch)

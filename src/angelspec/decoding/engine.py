@@ -26,7 +26,8 @@ Verification protocol (docs/design.md trap 1), chosen per step on the host:
 * every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
 * drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
   (exact for any depth choice);
-* otherwise                           -> `verify_speculative` with the drafter's probabilities.
+* otherwise                           -> `verify_speculative` with the drafter's probabilities; a proposal
+  that also carries per-row `lengths` is refused here (they could depend on the sampled drafts).
 
 Cost notes
 ----------
@@ -74,6 +75,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 
 FinishReason = Literal["stop", "length"]
+VerifyProtocol = Literal["greedy", "deterministic", "speculative"]
 DepthPolicyFn = Callable[[Proposal, DraftState], Tensor]
 
 
@@ -449,12 +451,14 @@ class SpecEngine:
         if drafting:
             proposal = self.drafter.propose(state)
             proposal.check(b, k, self.vocab_size)
+            protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
             t1 = time.perf_counter()
             depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
         else:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts and its commit
             proposal = self.drafter.propose(replace(state, num_draft_tokens=0))
             proposal.check(b, 0, self.vocab_size)
-            proposal = replace(proposal, deterministic=True)  # nothing drafted: verification is plain sampling
+            proposal = replace(proposal, deterministic=True, lengths=None)  # nothing drafted: a plain sample
+            protocol = self._protocol(proposal)
             t1 = time.perf_counter()
             depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
         t2 = time.perf_counter()
@@ -469,7 +473,7 @@ class SpecEngine:
             logits, hidden = out.logits, out.hidden
         else:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
-        protocol, v = self._verify(drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
+        v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
         t3 = time.perf_counter()
 
         acc = v.num_accepted
@@ -532,21 +536,42 @@ class SpecEngine:
             raise ValueError(f"depth policy returned depths in [{lo}, {hi}]; they must lie in [0, K={k}]")
         return depth, width, num_keep
 
-    def _verify(self, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
-                width: int) -> tuple[str, VerifyOutput]:
-        """drafts [B, n], logits [B, n+1, V] -> (protocol name, VerifyOutput(tokens [B, n+1], num_accepted [B]))."""
+    def _protocol(self, proposal: Proposal) -> VerifyProtocol:
+        """The step's verification protocol (docs/design.md trap 1); refuses a proposal it cannot verify exactly.
+
+        "greedy" when every active row is greedy; "deterministic" when the drafts are deterministic or the depth
+        policy reads this round's proposal (exact for any depth, even one computed from this round's drafts);
+        else "speculative", which is exact only if nothing that bounds the depth depends on the sampled drafts.
+        The engine cannot tell when a drafter fixed `Proposal.lengths`, so under standard sampling it refuses
+        lengths altogether: a per-row cap known before sampling belongs in the depth policy (`uses_proposal =
+        False`, depths from `DraftState` and earlier steps only)."""
         if self._all_greedy:
-            return "greedy", verify_greedy(drafts, logits, depth)
+            return "greedy"
+        if proposal.deterministic or self._policy_uses_proposal:
+            return "deterministic"
+        name = type(self.drafter).__name__
+        if proposal.probs is None:
+            raise ValueError(f"{name} proposed sampled drafts (deterministic=False) without probs [B, K, V]; "
+                             "standard speculative sampling needs the draft distributions")
+        if proposal.lengths is not None:
+            raise ValueError(f"{name} proposed sampled drafts with per-row lengths, but standard speculative sampling "
+                             "is exact only if no depth depends on the sampled drafts (docs/design.md trap 1): "
+                             "return lengths=None for sampled drafts (end proposals early only when "
+                             "DraftState.deterministic or all_greedy asks for argmax drafts), or cap depths in a "
+                             "depth policy that reads only DraftState")
+        return "speculative"
+
+    def _verify(self, protocol: VerifyProtocol, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
+                width: int) -> VerifyOutput:
+        """drafts [B, n], logits [B, n+1, V] -> VerifyOutput(tokens [B, n+1], num_accepted [B]) by `protocol`."""
+        if protocol == "greedy":
+            return verify_greedy(drafts, logits, depth)
         s = self._sampling
         probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, n+1, V]
-        if proposal.deterministic or self._policy_uses_proposal:
-            # Exact for any depth choice, even one computed from this round's drafts (trap 1).
-            return "deterministic", verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
-        if proposal.probs is None:
-            raise ValueError(f"{type(self.drafter).__name__} proposed sampled drafts (deterministic=False) without "
-                             "probs [B, K, V]; standard speculative sampling needs the draft distributions")
-        return "speculative", verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds,
-                                                 self._seq_lens)
+        if protocol == "deterministic":
+            return verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
+        assert proposal.probs is not None  # _protocol checked it
+        return verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds, self._seq_lens)
 
 
 def reference_generate(target: Decoder, requests: Sequence[Request],

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
-from angelspec.decoding.policies.base import sanitize_confidences
+from angelspec.decoding.policies.base import policy_static_depth, policy_uses_proposal, sanitize_confidences
 from angelspec.fileio import write_json_atomic
 from angelspec.models.config import DecoderConfig
 
@@ -200,8 +200,14 @@ class CalibratedPolicy:
 
     def __init__(self, policy: object, calibration: StsCalibration) -> None:
         self.policy, self.calibration = policy, calibration
-        self.uses_proposal = bool(getattr(policy, "uses_proposal", True))
-        self.static_depth = getattr(policy, "static_depth", None)
+
+    @property
+    def uses_proposal(self) -> bool:
+        return policy_uses_proposal(self.policy)  # type: ignore[arg-type]
+
+    @property
+    def static_depth(self) -> int | None:
+        return policy_static_depth(self.policy)  # type: ignore[arg-type]
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         c = proposal.confidences
