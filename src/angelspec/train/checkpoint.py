@@ -160,6 +160,18 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return None
 
 
+def refuse_resume_over_model(out_dir: str | Path, ckpt_dir: str | Path) -> None:
+    """A resume (without --force) whose output `out_dir` holds a model (config.json) while `ckpt_dir` holds no
+    checkpoint has nothing to resume: it would train from scratch and overwrite the finished model, so refuse
+    (ResumeError) before anything is written. With no model there, a resume starts from scratch: a run killed before
+    its first checkpoint stays resumable."""
+    out_dir, ckpt_dir = Path(out_dir), Path(ckpt_dir)
+    if (out_dir / "config.json").exists() and find_checkpoint(ckpt_dir) is None:
+        raise ResumeError(f"cannot resume: {out_dir} holds a finished model but there is no checkpoint to resume "
+                          f"from ({ckpt_dir}/{TRAINER_STATE}), so there is nothing to resume; pass --force instead of "
+                          "--resume to start a new training run over it (it overwrites the model)")
+
+
 def _unreadable(file: Path, why: object) -> ResumeError:
     return ResumeError(f"cannot resume: {file} is unreadable ({why}); the checkpoint may be half-written or "
                        "edited: pass --force instead of --resume to start over (it overwrites the model)")
