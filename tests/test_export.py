@@ -285,7 +285,7 @@ def test_trained_eagle3_with_a_draft_vocab_exports_exactly(tmp_path, deep_target
     src = tmp_path / "eagle3"
     train_eagle3(deep_target_dir, conversations, src, config=replace(tiny_debug(), steps=1), progress=False,
                  log=lambda *_: None)
-    apply_draft_vocab(src, conversations, 24, target=deep_target_dir)
+    apply_draft_vocab(src, conversations, 24, target=deep_target_dir, force=True)  # in place
     export_drafter(src, tmp_path / "out", target=deep_target_dir)
     ours, got = _ours(src), _ours(tmp_path / "out")
     raw = json.loads((src / "config.json").read_text())

@@ -101,7 +101,8 @@ def add_target(sub: Subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help=f"output folder (default: the embedded target, {DEFAULT_TARGET})")
     p.add_argument("--work-dir", default=".cache/target-build", metavar="DIR",
                    help="corpus, tokenizer and checkpoints (default: .cache/target-build)")
-    add_run_flags(p, resume_help="continue from the last checkpoint in --work-dir",
+    add_run_flags(p, resume_help="continue from the last checkpoint in --work-dir (refused when there is none and "
+                                 "--out holds a model: --force trains a new one over it)",
                   force_help="start over, overwriting --out and --work-dir",
                   preset_help="training preset: embedded_target (default) or tiny_debug",
                   max_minutes_help="stop training after M minutes at a checkpoint and export (continue later with "

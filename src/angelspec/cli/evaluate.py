@@ -134,8 +134,9 @@ def add_bench(sub: Subparsers) -> None:
     """For each --config and each concurrency C, run max(2C, --min-requests) greedy requests of --max-new-tokens tokens
     (a chat/code/math mix of the held-out prompts) through one engine with C rows (continuous batching = C
     closed-loop clients), after an untimed warm-up. Print aggregate and per-user tokens/s, MAL, speed-up over the AR
-    config, per-step verify and draft+select time, and whether D-cut beats full verification at the highest C (dcut,
-    alg1 and production profile a cost table per drafter on first use, cached under .cache/angelspec-costs); write
+    config, the median per-step verify and draft (propose + on_commit) + select time, and whether D-cut beats full
+    verification at the highest C (dcut, alg1 and production profile a cost table per drafter on first use, cached
+    under .cache/angelspec-costs); write
     results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. Exits 1 if a
     speculative output differs from AR's (a bug)."""
     p = sub.add_parser(

@@ -136,8 +136,9 @@ def add_draft_vocab(sub: Subparsers) -> None:
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
     p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
     add_target_flag(p)
-    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place)")
-    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
+    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place, which needs --force)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite a model already in --out, or without --out rewrite --drafter in place")
     p.set_defaults(func=cmd_draft_vocab)
 
 

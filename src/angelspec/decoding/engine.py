@@ -431,8 +431,7 @@ class SpecEngine:
             s.emit((host[r],))
         self.metrics.record_decode(len(rows))
         t2 = time.perf_counter()
-        self.metrics.seconds["verify"] += t1 - t0
-        self.metrics.seconds["commit"] += t2 - t1
+        self.metrics.record_step_seconds(verify=t1 - t0, commit=t2 - t1)
 
     # ------------------------------------------------------------------------------------------------
     # Speculative step
@@ -496,9 +495,11 @@ class SpecEngine:
             s.seq_len += a + 1
             s.steps += 1
             s.emit(host_tokens[r])
+        t_on_commit = time.perf_counter()
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
                                       target_hidden=hidden))
+        on_commit = time.perf_counter() - t_on_commit  # the drafter's share of the commit phase
         if drafting:
             self.metrics.record_verify(accepted, depths, protocol)
         else:
@@ -507,11 +508,8 @@ class SpecEngine:
         t4 = time.perf_counter()
         if self.gate is not None:
             self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, t4 - t0)
-        sec = self.metrics.seconds
-        sec["draft"] += t1 - t0
-        sec["select"] += t2 - t1
-        sec["verify"] += t3 - t2
-        sec["commit"] += t4 - t3
+        self.metrics.record_step_seconds(draft=t1 - t0, select=t2 - t1, verify=t3 - t2, commit=t4 - t3,
+                                         on_commit=on_commit)
 
     def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified

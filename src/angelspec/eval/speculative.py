@@ -313,7 +313,8 @@ def format_comparison(baseline: DecodeRun, reports: Sequence[EvalReport]) -> str
 
 
 def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
-    """Aggregate runs of one mode: counts, histograms and seconds add up; rates follow from the sums."""
+    """Aggregate runs of one mode: counts, histograms and seconds add up (per-step seconds are pooled); rates
+    follow from the sums."""
     if not runs:
         raise EvalError("no runs to merge")
     k = runs[0].num_draft_tokens
@@ -328,6 +329,8 @@ def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
         out.depth_hist = [a + b for a, b in zip(out.depth_hist, m.depth_hist, strict=True)]
         for phase, sec in m.seconds.items():
             out.seconds[phase] = out.seconds.get(phase, 0.0) + sec
+        for phase, per_step in m.step_seconds.items():
+            out.step_seconds.setdefault(phase, []).extend(per_step)
         for proto, n in m.protocols.items():
             out.protocols[proto] = out.protocols.get(proto, 0) + n
     return out

@@ -19,7 +19,8 @@ either the previous checkpoint or the new one, never a mix: `latest/` is replace
 then removed; no folder is ever removed under a name a reader looks at. A reader that finds only `latest.old`
 (a kill between the first two renames) uses it. Each write first repairs what a killed one left: `latest.old`
 is renamed back when `latest` is missing (or dropped when `latest` is complete), and trash folders and the
-temp folders of writers that no longer run are removed.
+temp folders of writers that no longer run are removed. `replace_folder` is that swap for any folder (a drafter
+folder rewritten in place by `angelspec draft-vocab`, say), with its own test of what counts as complete.
 """
 
 from __future__ import annotations
@@ -64,26 +65,40 @@ def write_checkpoint(
 ) -> Path:
     """Write a complete checkpoint atomically. `write_model(tmp_dir)` writes config + safetensors; `optimizer`
     is an optimizer (its `state_dict()` is saved), an already gathered state dict, or None (not resumable)."""
-    final = Path(ckpt_dir)
+    def write(tmp: Path) -> None:
+        write_model(tmp)
+        if optimizer is not None:
+            state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+            torch.save(state, tmp / OPTIMIZER_STATE)
+        write_json_atomic(tmp / TRAINER_STATE, trainer_state)
+
+    return replace_folder(ckpt_dir, write)
+
+
+def replace_folder(folder: str | Path, write: Callable[[Path], None],
+                   complete: Callable[[Path], bool] | None = None, old_suffix: str = ".old") -> Path:
+    """Write the folder `folder` atomically: `write(tmp)` fills `<folder>.tmp-<pid>`, which is then swapped in with
+    renames (module docstring), so a kill at any moment leaves the previous folder or the new one, never a mix.
+    `complete(f)` says whether a folder left under `folder`'s name or its `.old` twin is whole (default: a checkpoint,
+    whose trainer state is written last); `repair_folder` decides with it what a killed write's leftovers become.
+    `old_suffix` names the twin: a folder a user names gets one no user folder beside it is likely to have (the
+    repair removes the twin when `folder` is complete)."""
+    final = Path(folder)
     final.parent.mkdir(parents=True, exist_ok=True)
-    old = _old(final)
-    _repair(final)
+    old = _old(final, old_suffix)
+    repair_folder(final, complete, old_suffix)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir()
-    write_model(tmp)
-    if optimizer is not None:
-        state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        torch.save(state, tmp / OPTIMIZER_STATE)
-    write_json_atomic(tmp / TRAINER_STATE, trainer_state)
+    write(tmp)
     if final.exists():
-        os.replace(final, old)  # `_repair` left no `old`: this never replaces a checkpoint
+        os.replace(final, old)  # `repair_folder` left no `old`: this never replaces a whole folder
     os.replace(tmp, final)
     _discard(old, final)
     return final
 
 
-def _old(final: Path) -> Path:
-    return final.with_name(f"{final.name}.old")
+def _old(final: Path, suffix: str = ".old") -> Path:
+    return final.with_name(f"{final.name}{suffix}")
 
 
 def _complete(folder: Path) -> bool:
@@ -113,13 +128,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _repair(final: Path) -> None:
-    """Undo what a killed `write_checkpoint` left beside `final`: put a complete `final.old` back when `final` is not
+def repair_folder(final: Path, complete: Callable[[Path], bool] | None = None, old_suffix: str = ".old") -> None:
+    """Undo what a killed `replace_folder` left beside `final`: put a complete `final.old` back when `final` is not
     complete (a kill between the first two renames), drop it when `final` is (a kill after the swap), and remove
-    trash and temp folders that this process, or one that no longer runs, left behind."""
-    old = _old(final)
-    if _complete(old):
-        if not _complete(final):
+    trash and temp folders that this process, or one that no longer runs, left behind. `complete`, `old_suffix`: as
+    in `replace_folder`."""
+    complete = complete or _complete
+    old = _old(final, old_suffix)
+    if complete(old):
+        if not complete(final):
             _discard(final, final)  # only ever an incomplete leftover: a complete one has trainer_state.json
             os.replace(old, final)
         else:
@@ -141,6 +158,18 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
         if _complete(cand):
             return cand
     return None
+
+
+def refuse_resume_over_model(out_dir: str | Path, ckpt_dir: str | Path) -> None:
+    """A resume (without --force) whose output `out_dir` holds a model (config.json) while `ckpt_dir` holds no
+    checkpoint has nothing to resume: it would train from scratch and overwrite the finished model, so refuse
+    (ResumeError) before anything is written. With no model there, a resume starts from scratch: a run killed before
+    its first checkpoint stays resumable."""
+    out_dir, ckpt_dir = Path(out_dir), Path(ckpt_dir)
+    if (out_dir / "config.json").exists() and find_checkpoint(ckpt_dir) is None:
+        raise ResumeError(f"cannot resume: {out_dir} holds a finished model but there is no checkpoint to resume "
+                          f"from ({ckpt_dir}/{TRAINER_STATE}), so there is nothing to resume; pass --force instead of "
+                          "--resume to start a new training run over it (it overwrites the model)")
 
 
 def _unreadable(file: Path, why: object) -> ResumeError:

@@ -25,10 +25,8 @@ from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
-    TRAINER_STATE,
-    ResumeError,
-    find_checkpoint,
     make_checkpoint_saver,
+    refuse_resume_over_model,
     resume_training,
     run_identity,
 )
@@ -153,11 +151,7 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
         return
     if not resume:
         raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    ckpt = out_dir / "training" / "checkpoint"
-    if find_checkpoint(ckpt) is None:
-        raise ResumeError(f"cannot resume: {out_dir} holds a model but no checkpoint ({ckpt}/{TRAINER_STATE}), "
-                          "so there is nothing to resume; pass --force instead of --resume to start over (it "
-                          "overwrites the model)")
+    refuse_resume_over_model(out_dir, out_dir / "training" / "checkpoint")
 
 
 # ----- end-of-step bookkeeping -----

@@ -138,7 +138,7 @@ class ServingReport:
     def format_table(self) -> str:
         """A markdown table, readable as plain text too."""
         head = ["config", "policy", "K", "C", "requests", "tok/s", "per-user tok/s", "speed-up", "MAL",
-                "depth", "verify ms/step", "draft+select ms/step", "lossless"]
+                "depth", "verify ms/step", "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
         body = []
         for name in self.configs:
             for c in self.concurrency:
@@ -167,7 +167,7 @@ class ServingReport:
 
     # ----- files (plots.py) ------------------------------------------------------------------
     def plot(self, out_dir: str | Path) -> tuple[list[Path], str | None]:
-        """serving.png (Figure 4's two panels) and phases.png (per-step verify vs draft+select) in `out_dir`.
+        """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`.
         Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
         return plot_sweep(self.rows, out_dir, self.goal_pair())
 

@@ -44,7 +44,9 @@ DEFAULT_MIN_REQUESTS = 8
 MAX_CONCURRENCY = 4096
 GATE_SUFFIX = "+gate"  # NAME=SPEC[@POLICY]+gate: the speculation gate on
 DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
-EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
+# Eq. 25's two terms, as medians over decode steps (decoding/metrics.py `median_step_seconds`): T_exec the target's
+# verification, T_sample the drafter's work (propose and on_commit) and the depth selection.
+EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select", "on_commit")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +242,6 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
     engine, requests = _engine(target, contender, workload, concurrency, n, max_new_tokens)
     results = engine.generate(requests)
     m = engine.metrics
-    steps = max(m.steps, 1)
     per_user = statistics.fmean(len(r.token_ids) / r.latency_s if r.latency_s > 0 else 0.0 for r in results)
     depth = sum(d * c for d, c in enumerate(m.depth_hist)) / m.row_steps if m.row_steps else 0.0
     c = contender.config
@@ -248,8 +249,8 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
                      num_draft_tokens=contender.num_draft_tokens, concurrency=concurrency, requests=n,
                      output_tokens=m.output_tokens, wall_s=m.wall_s, tokens_per_s=m.tokens_per_s,
                      per_user_tokens_per_s=per_user, mal=m.mean_accepted_length, mean_depth=depth, steps=m.steps,
-                     exec_s_per_step=sum(m.seconds.get(p, 0.0) for p in EXEC_PHASES) / steps,
-                     sample_s_per_step=sum(m.seconds.get(p, 0.0) for p in SAMPLE_PHASES) / steps,
+                     exec_s_per_step=m.median_step_seconds(EXEC_PHASES),
+                     sample_s_per_step=m.median_step_seconds(SAMPLE_PHASES),
                      seconds=dict(m.seconds))
     return row, [list(map(int, r.token_ids)) for r in results]
 
