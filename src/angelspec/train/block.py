@@ -402,7 +402,8 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         return loss, lb, {"valid_anchors": anchor_valid.sum()}
 
     step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1")
+                               step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1",
+                               features=features)
     final = model_to_save()
     report = run.drafter_report({"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
                                  "draft_layers": mcfg.num_draft_layers,

@@ -116,7 +116,8 @@ def _discard(folder: Path, final: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a temp folder's or a server's owner that may have been killed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -147,7 +148,7 @@ def repair_folder(final: Path, complete: Callable[[Path], bool] | None = None, o
         kind, _, rest = sibling.name[len(final.name) + 1:].partition("-")  # tmp-<pid>, trash-<pid>-<random>
         pid = rest.partition("-")[0]
         if kind in ("tmp", "trash") and pid.isdigit() and sibling.is_dir() and (
-                int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                int(pid) == os.getpid() or not pid_alive(int(pid))):
             shutil.rmtree(sibling)
 
 

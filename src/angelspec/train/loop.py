@@ -253,13 +253,18 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
 
 def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, model: nn.Module,
                         wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
-                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0") -> int:
+                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0",
+                        features: TargetFeatures | None = None) -> int:
     """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
     batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
     DDP / FSDP2), the backward (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
     `log_every` steps a JSONL line with the loss, lr, gradient norm and per-depth α over all ranks; checkpoints
-    and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`."""
+    and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`.
+    `features` (the ones `step_loss` reads) is told where the loop starts and stops, which a feature stream needs
+    (`TargetFeatures.start` / `.finish`)."""
     info = run.info
+    if features is not None:
+        features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)
     log_path = run.work / "train_log.jsonl"
     trim_log(log_path, step, run.main)
@@ -297,5 +302,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
         if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save, deadline, run.log):
             break
     bar.close()
+    if features is not None:
+        features.finish(step)
     model.eval()
     return step
