@@ -173,6 +173,18 @@ def test_draft_lm_is_copied(target_dir, tmp_path):
     result = export_drafter(tmp_path / "lm", tmp_path / "out", target=path)
     assert result.speculative_config["method"] == "draft_model"
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "lm" / "model.safetensors").read_bytes()
+    assert not result.notes
+
+
+def test_draft_lm_with_a_draft_vocabulary_is_copied_with_a_note(target_dir, tmp_path):
+    """vLLM's draft_model drafts from the whole vocabulary (`make vllm-check` runs ours the same way)."""
+    path, target = target_dir
+    save_target(tiny_decoder(vocab=VOCAB, layers=1, dtype=torch.float32), tmp_path / "lm")
+    cfg = json.loads((tmp_path / "lm" / "config.json").read_text())
+    cfg["angelspec"] = {"drafter": "draft-lm", "draft_vocab": [1, 2, 3, 4]}
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(cfg))
+    result = export_drafter(tmp_path / "lm", tmp_path / "out", target=path)
+    assert len(result.notes) == 1 and "whole vocabulary" in result.notes[0]
 
 
 @pytest.mark.parametrize(("build", "words"), [

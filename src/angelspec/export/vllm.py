@@ -237,8 +237,9 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
                                 f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
         prepare_out_dir(src, out, force)
         shutil.copytree(src, out, dirs_exist_ok=True)
-        spec, notes = {"method": "draft_model", "model": str(out.resolve()),
-                       "num_speculative_tokens": DRAFT_LM_TOKENS}, []
+        spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
+        notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by vLLM's draft_model, which drafts from "
+                 "the whole vocabulary"] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
     write_json_atomic(out / SPEC_CONFIG, spec)
