@@ -47,19 +47,32 @@ from angelspec.models.mtp_io import MTP_FAMILY
 DRAFT_LM_TOKENS = 4  # num_speculative_tokens written for a draft LM (the engine's default)
 
 
+# Our `DecoderLayer` tensor names -> vLLM's Qwen3 layer names: the fused projections (ours, vLLM's parts in row
+# order), then the tensors that are only renamed. `_split_layer` and its inverse `fuse_layer` both read these.
+FUSED = (("attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+         ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
+RENAMED = (("input_layernorm.weight", "input_layernorm.weight"),
+           ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+           ("mlp.down_proj.weight", "mlp.down_proj.weight"), ("attn.q_norm.weight", "self_attn.q_norm.weight"),
+           ("attn.k_norm.weight", "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight"))
+
+
 def _split_layer(state: dict[str, torch.Tensor], src: str, dst: str, cfg: Any) -> dict[str, torch.Tensor]:
     """One of our `DecoderLayer`s under `src` -> vLLM's Qwen3 layer names under `dst` (q/k/v and gate/up split)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    qkv = state.pop(f"{src}attn.qkv_proj.weight")
-    gate, up = state.pop(f"{src}mlp.gate_up_proj.weight").split(cfg.intermediate_size, dim=0)
-    out = {f"{dst}self_attn.q_proj.weight": qkv[:q], f"{dst}self_attn.k_proj.weight": qkv[q:q + kv],
-           f"{dst}self_attn.v_proj.weight": qkv[q + kv:], f"{dst}mlp.gate_proj.weight": gate,
-           f"{dst}mlp.up_proj.weight": up}
-    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight"):
-        out[f"{dst}{name}"] = state.pop(f"{src}{name}")
-    for ours, theirs in (("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight",
-                         "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight")):
-        out[f"{dst}{theirs}"] = state.pop(f"{src}{ours}")
+    sizes = ([q, kv, kv], [cfg.intermediate_size] * 2)
+    out = {}
+    for (ours, parts), split in zip(FUSED, sizes, strict=True):
+        out.update(zip((dst + p for p in parts), state.pop(src + ours).split(split, dim=0), strict=True))
+    out.update({dst + theirs: state.pop(src + ours) for ours, theirs in RENAMED})
+    return out
+
+
+def fuse_layer(state: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """The inverse of `_split_layer`: vLLM's Qwen3 layer names under `src` -> ours under `dst` (KeyError names a
+    missing tensor)."""
+    out = {dst + ours: torch.cat([state.pop(src + p) for p in parts], dim=0) for ours, parts in FUSED}
+    out.update({dst + ours: state.pop(src + theirs) for ours, theirs in RENAMED})
     return out
 
 
@@ -92,19 +105,27 @@ def _vocab_tensors(state: dict[str, torch.Tensor], cfg: Any, target_dir: Path, d
 
 
 def _target_lm_head(target_dir: Path) -> torch.Tensor:
-    """The target's LM head [V, C] read lazily from its safetensors (one tensor, not the model): `lm_head.weight`,
-    or the embedding when the head is tied."""
+    """The target's LM head [V, C]: `lm_head.weight`, or the embedding when the head is tied."""
+    head = target_tensor(target_dir, ("lm_head.weight", "model.embed_tokens.weight"))
+    if head is None:
+        raise ExportRefused(f"{target_dir} holds neither lm_head.weight nor model.embed_tokens.weight: the draft "
+                            "vocabulary's LM head cannot be written")
+    return head
+
+
+def target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The first of `names` the target folder's safetensors hold, read lazily (one tensor, not the model); None if
+    it holds none of them."""
     index = target_dir / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+    for name in names:
         file = target_dir / (weight_map.get(name, "") if weight_map is not None else WEIGHTS)
         if not file.is_file():
             continue
         with safe_open(str(file), framework="pt") as f:
             if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 return f.get_tensor(name)
-    raise ExportRefused(f"{target_dir} holds neither lm_head.weight nor model.embed_tokens.weight: the draft "
-                        "vocabulary's LM head cannot be written")
+    return None
 
 
 def _left(state: dict[str, torch.Tensor], kind: str) -> None:
@@ -223,8 +244,9 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
                                 f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
         prepare_out_dir(src, out, force)
         shutil.copytree(src, out, dirs_exist_ok=True)
-        spec, notes = {"method": "draft_model", "model": str(out.resolve()),
-                       "num_speculative_tokens": DRAFT_LM_TOKENS}, []
+        spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
+        notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by vLLM's draft_model, which drafts from "
+                 "the whole vocabulary"] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
     write_json_atomic(out / SPEC_CONFIG, spec)
