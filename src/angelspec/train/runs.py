@@ -78,12 +78,15 @@ class TrainResult:
 def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None = None,
                   preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
                   resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                  distributed: str = "auto", log: Callable[[str], None] = print) -> TrainResult:
+                  distributed: str = "auto", init_from: str | Path | None = None, only: str | None = None,
+                  log: Callable[[str], None] = print) -> TrainResult:
     """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
     file or a corpus folder) and write a self-describing drafter folder to `out`.
 
     preset: the trainer's preset (None: the kind's default); head: a block drafter's sequential head (the same
-    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2.
+    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2;
+    init_from / only: a block drafter folder whose part `only` ("confidence") alone is trained, everything else
+    frozen (the overrides init_from=DIR, only=confidence; `train.block`; default preset then confidence_only).
     """
     if kind not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
@@ -94,6 +97,13 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
         if kind not in BLOCK_DRAFTERS:
             raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
         overrides = [*overrides, f"head={head}"]
+    for flag, value in (("--init-from", init_from), ("--only", only)):
+        if value is not None:
+            if kind not in BLOCK_DRAFTERS:
+                raise UsageError(f"{flag} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
+            overrides = [*overrides, f"{flag.strip('-').replace('-', '_')}={value}"]
+    if only is not None and preset is None:
+        preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
     config = preset_config(presets, preset, default_preset, overrides, max_minutes)
     data = Path(data)
