@@ -14,10 +14,19 @@ import pytest
 import torch
 from conftest import tiny_decoder
 
+from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal
 from angelspec.decoding.drafters.block import BlockDrafterAdapter, DFlyDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.policies.dcut import DCut
+from angelspec.decoding.policies.sts import (
+    CALIBRATION_FILE,
+    CalibratedDrafter,
+    StsCalibration,
+    StsCalibrationSet,
+    load_calibration,
+)
 from angelspec.decoding.sampling import SamplingParams
+from angelspec.eval.sts_fit import collect_outcomes
 from angelspec.models import ConfigError, load_target
 from angelspec.models.block.config import BlockDrafterConfig
 from angelspec.models.block.drafter import BlockDrafter
@@ -219,13 +228,20 @@ def conversations(tmp_path_factory):
     return conftest.write_conversations(tmp_path_factory.mktemp("conf_data") / "conv.jsonl", 40, seed=7)
 
 
-def test_a_new_run_trains_a_protocol_head(tmp_path, tiny_target_dir, conversations):
-    cfg = replace(tiny_debug(), steps=1, confidence_temperatures=(0.0, 1.0))
-    train_dfly(tiny_target_dir, conversations, tmp_path / "p", config=cfg, **QUIET)
-    raw = json.loads((tmp_path / "p" / "config.json").read_text())
+@pytest.fixture(scope="module")
+def protocol_dfly(tmp_path_factory, tiny_target_dir, conversations):
+    """A DFly trained for one step with the defaults of a new run (a protocol head at T = 0 and 1)."""
+    out = tmp_path_factory.mktemp("protocol") / "dfly"
+    train_dfly(tiny_target_dir, conversations, out, config=replace(tiny_debug(), steps=1,
+                                                                   confidence_temperatures=(0.0, 1.0)), **QUIET)
+    return out
+
+
+def test_a_new_run_trains_a_protocol_head(protocol_dfly, tiny_target_dir):
+    raw = json.loads((protocol_dfly / "config.json").read_text())
     assert raw["block_drafter_config"]["confidence_target"] == "protocol"
     assert raw["block_drafter_config"]["confidence_temperatures"] == [0.0, 1.0]
-    drafter = DFlyDrafter.from_pretrained(tmp_path / "p", target=load_target(tiny_target_dir))
+    drafter = DFlyDrafter.from_pretrained(protocol_dfly, target=load_target(tiny_target_dir))
     assert drafter.model.confidence.proj.out_features == 2
 
 
@@ -283,3 +299,105 @@ def test_confidence_only_refusals(capsys, tmp_path, tiny_target_dir, conversatio
     code, _, err = conftest.run_cli(capsys, "train", "--drafter", "mtp", "--out", str(tmp_path / "z"),
                                     "--init-from", str(base), *common)
     conftest.assert_bad_input(code, err, "--init-from applies to the block drafters")
+
+
+# ----- calibration per sampling temperature -----
+
+
+class FixedConfidences(Drafter):
+    """Proposes token 0 with the given raw confidences, deterministically."""
+
+    def __init__(self, conf: list[float]) -> None:
+        self.conf = torch.tensor(conf)
+
+    def prefill(self, rows, prompts, first_tokens, target_hidden) -> None:
+        pass
+
+    def propose(self, state: DraftState) -> Proposal:
+        b, k = state.seq_lens.shape[0], state.num_draft_tokens
+        return Proposal(tokens=torch.zeros(b, k, dtype=torch.int64), confidences=self.conf[:k].expand(b, k),
+                        deterministic=True)
+
+    def on_commit(self, commit) -> None:
+        pass
+
+
+def _fits() -> StsCalibrationSet:
+    return StsCalibrationSet((StsCalibration(temperatures=(2.0, 2.0), sampling_temperature=1.0),
+                              StsCalibration(temperatures=(0.5, 0.25), sampling_temperature=0.0)))
+
+
+def test_old_calibration_files_are_greedy_fits(tmp_path):
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"method": "sts", "temperatures": [2.0, 0.5]}))
+    cal = load_calibration(tmp_path)
+    assert cal.sampling_temperatures == (0.0,) and cal.fits[0].temperatures == (2.0, 0.5)
+    assert cal.fit_for(1.0) is cal.fits[0]  # the only fit serves every temperature
+    # Several fits round-trip through the file, sorted by temperature; one fit keeps the old single-fit form.
+    fits = _fits()
+    assert fits.sampling_temperatures == (0.0, 1.0)
+    fits.save(tmp_path)
+    assert load_calibration(tmp_path) == fits
+    assert set(json.loads((tmp_path / CALIBRATION_FILE).read_text())) == {"method", "fits"}
+    StsCalibrationSet((fits.fits[1],)).save(tmp_path)
+    assert json.loads((tmp_path / CALIBRATION_FILE).read_text())["temperatures"] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="one fit per sampling temperature"):
+        StsCalibrationSet((fits.fits[0], fits.fits[0]))
+
+
+def test_each_row_uses_the_fit_of_the_nearest_temperature():
+    target = tiny_target()
+    drafter = CalibratedDrafter(FixedConfidences([0.25, 0.5]), _fits())
+    seen = []
+
+    def policy(proposal, state):
+        seen.append(proposal.confidences.clone())
+        return torch.zeros_like(state.seq_lens)
+
+    temps = [0.0, 1.0, 0.7, 0.5, 3.0]  # 0.5 is halfway: the lower fit; 3.0 is far: the nearest (1.0)
+    reqs = [Request([4, 5], max_new_tokens=2, sampling=SamplingParams(temperature=t, seed=i), stop_ids=())
+            for i, t in enumerate(temps)]
+    SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=2), depth_policy=policy).generate(reqs)
+    greedy, hot = [0.25 ** 2, 0.5 ** 4], [0.25 ** 0.5, 0.5 ** 0.5]  # c^(1/T_k) with T_k of each fit
+    for row, want in enumerate([greedy, hot, hot, greedy, hot]):
+        assert seen[0][row].tolist() == pytest.approx(want), row
+    assert drafter.temperature_note(0.2) is None and drafter.temperature_note(1.2) is None
+    note = drafter.temperature_note(3.0)
+    assert "calibrated at temperature 0, 1" in note and "use the fit at 1" in note and "--temperature 3" in note
+    assert "used at temperature 0.7" in drafter.describe(0.7).splitlines()[1]
+
+
+def test_calibration_at_t1_verifies_argmax_drafts_and_adds_a_fit(capsys, tmp_path, tiny_target_dir, protocol_dfly):
+    import shutil
+
+    folder = tmp_path / "dfly"
+    shutil.copytree(protocol_dfly, folder)
+    target = load_target(tiny_target_dir)
+    drafter = DFlyDrafter.from_pretrained(folder, target=target)
+    proposals = conftest.record_proposals(drafter)
+    collect_outcomes(target, drafter, [[4, 5, 6, 7], [8, 9]], name="d", max_new_tokens=8, num_draft_tokens=3,
+                     batch_size=2, temperature=1.0)
+    assert proposals and all(p.deterministic and p.probs is None for p in proposals)  # what D-cut verifies
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(x, y):", "What is 7 + 8?"]))
+    args = ["calibrate", "--target", tiny_target_dir, "--drafter", folder, "--prompts", prompts,
+            "--max-new-tokens", 12, "--num-draft-tokens", 3, "--quiet"]
+    code, out, err = conftest.run_cli(capsys, *args)
+    assert code == 0, err
+    code, out, err = conftest.run_cli(capsys, *args, "--temperature", 1)
+    assert code == 0, err
+    assert "at sampling temperature 1 on" in out
+    first = load_calibration(folder)
+    assert first.sampling_temperatures == (0.0, 1.0)
+    code, _, err = conftest.run_cli(capsys, *args, "--temperature", 1)  # that fit exists
+    conftest.assert_bad_input(code, err, "already exists; pass --force", "temperature 1")
+    code, _, err = conftest.run_cli(capsys, *args, "--temperature", 1, "--force", "--max-new-tokens", 6)
+    assert code == 0, err
+    again = load_calibration(folder)
+    assert again.sampling_temperatures == (0.0, 1.0) and again.fits[0] == first.fits[0]  # the T = 0 fit is kept
+    code, _, err = conftest.run_cli(capsys, *args, "--temperature", -1)
+    conftest.assert_bad_input(code, err, "--temperature must be a number >= 0")
+    # generate at a temperature far from both fits says which fit it uses.
+    code, _, err = conftest.run_cli(capsys, "generate", "--target", tiny_target_dir, "--drafter", folder,
+                                    "--prompts", prompts, "--out", tmp_path / "gen.jsonl", "--max-new-tokens", 4,
+                                    "--temperature", 2, "--quiet")
+    assert code == 0 and "use the fit at 1" in err, err
