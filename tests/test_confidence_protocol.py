@@ -13,8 +13,8 @@ import conftest
 import pytest
 import torch
 from conftest import tiny_decoder
+from test_calibrate_cli import FixedConfidences
 
-from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal
 from angelspec.decoding.drafters.block import BlockDrafterAdapter, DFlyDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.policies.dcut import DCut
@@ -26,6 +26,7 @@ from angelspec.decoding.policies.sts import (
     load_calibration,
 )
 from angelspec.decoding.sampling import SamplingParams
+from angelspec.eval.commit_prediction import CommitPredictionRecorder, predicted_commits
 from angelspec.eval.sts_fit import collect_outcomes
 from angelspec.models import ConfigError, load_target
 from angelspec.models.block.config import BlockDrafterConfig
@@ -304,24 +305,6 @@ def test_confidence_only_refusals(capsys, tmp_path, tiny_target_dir, conversatio
 # ----- calibration per sampling temperature -----
 
 
-class FixedConfidences(Drafter):
-    """Proposes token 0 with the given raw confidences, deterministically."""
-
-    def __init__(self, conf: list[float]) -> None:
-        self.conf = torch.tensor(conf)
-
-    def prefill(self, rows, prompts, first_tokens, target_hidden) -> None:
-        pass
-
-    def propose(self, state: DraftState) -> Proposal:
-        b, k = state.seq_lens.shape[0], state.num_draft_tokens
-        return Proposal(tokens=torch.zeros(b, k, dtype=torch.int64), confidences=self.conf[:k].expand(b, k),
-                        deterministic=True)
-
-    def on_commit(self, commit) -> None:
-        pass
-
-
 def _fits() -> StsCalibrationSet:
     return StsCalibrationSet((StsCalibration(temperatures=(2.0, 2.0), sampling_temperature=1.0),
                               StsCalibration(temperatures=(0.5, 0.25), sampling_temperature=0.0)))
@@ -401,3 +384,60 @@ def test_calibration_at_t1_verifies_argmax_drafts_and_adds_a_fit(capsys, tmp_pat
                                     "--prompts", prompts, "--out", tmp_path / "gen.jsonl", "--max-new-tokens", 4,
                                     "--temperature", 2, "--quiet")
     assert code == 0 and "use the fit at 1" in err, err
+
+
+# ----- D-cut's predicted vs measured committed tokens -----
+
+
+def test_predicted_commits_by_hand():
+    conf = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.0, 1.0], [float("nan"), 2.0, 0.5]])
+    got = predicted_commits(conf, torch.tensor([2, 3, 1]))
+    # 1 + .5 + .25;  1 + 1 + 0 + 0;  NaN -> 0 as the policies sanitise it: 1 + 0
+    assert got.tolist() == [1.75, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("reject", [False, True])
+def test_prediction_bookkeeping_counts_active_rows_at_the_chosen_depth(reject):
+    from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
+    from angelspec.decoding.engine import reference_generate
+
+    target = tiny_target()
+    prompts = [[4, 5, 6], [7], [8, 9, 10, 11], [12, 13], [5]]
+    reqs = [Request(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, (9, 4, 13, 6, 7), strict=True)]
+    ar = reference_generate(target, reqs)
+    drafter = OracleDrafter(greedy_continuations(prompts, [r.token_ids for r in ar]), reject=reject, vocab_size=VOCAB)
+    recorder = CommitPredictionRecorder()
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=3),
+                        depth_policy=DCut(ratios=(0.5,)), on_verify=recorder)
+    results = engine.generate(reqs)
+    got = recorder.summary()
+    assert got.row_steps == sum(r.num_steps - 1 for r in results)  # every active row-step, no idle row
+    # Confidences are 1, so D-cut's prediction is depth + 1 at whatever depth it chose.
+    assert got.predicted == pytest.approx(got.depth + 1)
+    if reject:  # every draft rejected: one committed token per step, the prediction over-confident
+        assert got.measured == 1.0 and got.ratio == pytest.approx(got.depth + 1)
+    else:  # every verified draft accepted: the prediction is exact
+        assert got.measured == pytest.approx(got.predicted) and 0 < got.depth < 3
+
+
+def test_benchmark_prints_predicted_and_measured_per_temperature(capsys, tiny_target_dir, protocol_dfly, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "confidence_protocol.py"
+    spec = importlib.util.spec_from_file_location("confidence_protocol", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in conftest.DOMAIN_PROMPTS))
+    code = bench.main(["--target", str(tiny_target_dir), "--drafter", str(protocol_dfly), "--prompts", str(prompts),
+                       "--limit", "1", "--max-new-tokens", "6", "--policy", "dcut:0.5", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.startswith(str(protocol_dfly)[-40:])]
+    assert [r[-6] for r in rows] == ["0", "1"]  # one row per temperature
+    assert all("protocol" in line for line in out.splitlines()[2:])
+    for r in rows:
+        predicted, measured, ratio = float(r[-4]), float(r[-3]), float(r[-2])
+        assert int(r[-5]) > 0 and predicted >= 1 and measured >= 1 and ratio == pytest.approx(predicted / measured,
+                                                                                              abs=2e-3)

@@ -144,10 +144,8 @@ class StsCalibration:
                 "sampling_temperature": self.sampling_temperature}
 
     def save(self, checkpoint_dir: str | Path) -> Path:
-        """Write `calibration.json` into the drafter checkpoint directory; returns its path."""
-        path = Path(checkpoint_dir) / CALIBRATION_FILE
-        write_json_atomic(path, self.to_json())
-        return path
+        """Write `calibration.json` (this fit alone) into the drafter checkpoint directory; returns its path."""
+        return StsCalibrationSet((self,)).save(checkpoint_dir)
 
     @classmethod
     def from_json(cls, obj: dict[str, object]) -> StsCalibration:
