@@ -441,3 +441,21 @@ def test_benchmark_prints_predicted_and_measured_per_temperature(capsys, tiny_ta
         predicted, measured, ratio = float(r[-4]), float(r[-3]), float(r[-2])
         assert int(r[-5]) > 0 and predicted >= 1 and measured >= 1 and ratio == pytest.approx(predicted / measured,
                                                                                               abs=2e-3)
+
+
+def test_a_run_begun_before_the_option_resumes_as_tv(tmp_path, tiny_target_dir, conversations):
+    from angelspec.train.checkpoint import TRAINER_STATE, ResumeError
+
+    tv = replace(tiny_debug(), steps=2, ckpt_every=1, confidence_target="tv")
+    train_dfly(tiny_target_dir, conversations, tmp_path / "whole", config=tv, **QUIET)
+    train_dfly(tiny_target_dir, conversations, tmp_path / "old", config=tv, max_minutes=0, **QUIET)  # stops at 1
+    state_file = tmp_path / "old" / "training" / "checkpoint" / TRAINER_STATE
+    state = json.loads(state_file.read_text())
+    for key in ("confidence_target", "confidence_temperatures", "init_from", "only"):  # as written before them
+        del state["train_config"][key]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ResumeError, match=r"train_config\.confidence_target: checkpoint 'tv' vs now 'protocol'"):
+        train_dfly(tiny_target_dir, conversations, tmp_path / "old", config=replace(tv, confidence_target="protocol"),
+                   resume=True, **QUIET)
+    train_dfly(tiny_target_dir, conversations, tmp_path / "old", config=tv, resume=True, **QUIET)
+    conftest.same_weights(tmp_path / "whole", tmp_path / "old")
