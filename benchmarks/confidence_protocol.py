@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [q.ids for q in prompts]
     log = None if args.quiet else print
     print(f"{len(ids)} prompts, policy {args.policy}, max {args.max_new_tokens} new tokens, batch {args.batch_size}")
-    header = (f"{'drafter':<40}{'confidence':<20}{'T':>5}{'row-steps':>11}{'predicted':>11}{'measured':>10}"
+    header = (f"{'drafter':<40}{'confidence':<26}{'T':>5}{'row-steps':>11}{'predicted':>11}{'measured':>10}"
               f"{'pred/meas':>11}{'depth':>7}")
     print(header)
     for folder in folders:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in temperatures:
             r = predicted_vs_measured(target, drafter, ids, depth_policy=policy, temperature=t, num_draft_tokens=k,
                                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, seed=args.seed)
-            print(f"{folder[-40:]:<40}{label:<20}{t:>5g}{r.row_steps:>11}{r.predicted:>11.3f}{r.measured:>10.3f}"
+            print(f"{folder[-40:]:<40}{label:<26}{t:>5g}{r.row_steps:>11}{r.predicted:>11.3f}{r.measured:>10.3f}"
                   f"{r.ratio:>11.3f}{r.depth:>7.2f}")
     return 0
 

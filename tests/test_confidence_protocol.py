@@ -459,3 +459,23 @@ def test_a_run_begun_before_the_option_resumes_as_tv(tmp_path, tiny_target_dir, 
                    resume=True, **QUIET)
     train_dfly(tiny_target_dir, conversations, tmp_path / "old", config=tv, resume=True, **QUIET)
     conftest.same_weights(tmp_path / "whole", tmp_path / "old")
+
+
+def test_confidence_only_drafter_warm_starts_or_adds_the_head(tmp_path):
+    from angelspec.models.block.io import save_block_drafter
+    from angelspec.train.confidence import confidence_only_drafter, warm_start_outputs
+
+    w = torch.tensor([[1.0, 2.0], [3.0, 6.0]])  # a head at T = 0 and 1, re-gridded to 0, 0.5, 1 and to one output
+    torch.testing.assert_close(warm_start_outputs(w, (0.0, 1.0), (0.0, 0.5, 1.0)), torch.tensor([[1.0, 2], [2, 4],
+                                                                                                 [3, 6]]))
+    torch.testing.assert_close(warm_start_outputs(w[:, 0], (0.0, 1.0), ()), torch.tensor([3.0]))
+    target = tiny_target()
+    bare = tiny_block_drafter(target, confidence_head=False)
+    save_block_drafter(bare, tmp_path / "bare")
+    model = confidence_only_drafter(tmp_path / "bare", target, kind="dfly", confidence_target="protocol",
+                                    temperatures=(0.0, 1.0), seed=0, init_std=0.02)
+    assert model.config.confidence_head and model.confidence.proj.out_features == 2
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"confidence.proj.weight", "confidence.proj.bias", "confidence_embed.weight"}
+    old = bare.state_dict()
+    assert all(torch.equal(t, old[n]) for n, t in model.state_dict().items() if n in old)
