@@ -173,6 +173,24 @@ def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_
     assert result.speculative_config["num_speculative_tokens"] == c.block_size - 1 == 3
 
 
+def test_a_protocol_confidence_head_exports_its_greedy_output(target_dir, tmp_path):
+    path, target = target_dir
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
+                                        conditioning="dflash", head="markov", markov_rank=8,
+                                        confidence_target="protocol", confidence_temperatures=(0.0, 0.5, 1.0))
+    model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
+    with torch.no_grad():
+        model.fc.bias.zero_()
+    result = export_drafter(save_block_drafter(model, tmp_path / "block"), tmp_path / "out", target=path)
+    got = read_tensors(tmp_path / "out" / "model.safetensors")
+    w, b = got["confidence_head.proj.weight"], got["confidence_head.proj.bias"]
+    assert w.shape == (1, cfg.hidden_size + 8) and b.shape == (1,)
+    h, e = torch.randn(5, cfg.hidden_size), torch.randn(5, 8)
+    with torch.no_grad():  # vLLM's one-output head computes what ours does for a greedy row
+        torch.testing.assert_close((torch.cat([h, e], -1) @ w.t() + b)[:, 0], model.confidence(h, e, torch.zeros(5)))
+    assert any("T = 0" in n for n in result.notes)
+
+
 def test_draft_lm_is_copied(target_dir, tmp_path):
     path, target = target_dir
     lm = tiny_decoder(vocab=VOCAB, layers=1, dtype=torch.float32)
@@ -325,8 +343,10 @@ def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_
     from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_block_drafter
 
     src = tmp_path / "dspark"
-    # The shared context with a biased fc: what DSpark trained with before context_injection / fc_bias existed.
-    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1, context_injection="shared", fc_bias=True)
+    # The shared context with a biased fc and a one-output "tv" confidence head: what DSpark trained with before
+    # context_injection / fc_bias / confidence_target existed.
+    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1, context_injection="shared", fc_bias=True,
+                  confidence_target="tv")
     assert isinstance(cfg, BlockDrafterTrainConfig)
     train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
     with pytest.raises(ExportRefused, match=r"fc\.bias"):  # training moved the bias vLLM's fc does not have

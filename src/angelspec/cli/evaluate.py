@@ -115,7 +115,10 @@ def add_calibrate(sub: Subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use at most N prompts")
     add_num_draft_tokens_flag(p)
     add_batch_size_flag(p)
-    p.add_argument("--force", action="store_true", help="overwrite an existing calibration.json")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="decode at this sampling temperature and store the fit as the one at T (default: 0); fits at "
+                        "other temperatures stay in calibration.json, and each request uses the nearest one")
+    p.add_argument("--force", action="store_true", help="overwrite an existing fit at this temperature")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)
 
@@ -126,7 +129,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     print(calibrate(args.drafter, args.prompts, target=args.target, max_new_tokens=args.max_new_tokens,
                     limit=args.limit, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                    force=args.force, progress=not args.quiet))
+                    temperature=args.temperature, force=args.force, progress=not args.quiet))
     return 0
 
 

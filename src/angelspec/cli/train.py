@@ -42,6 +42,12 @@ def add_train(sub: Subparsers) -> None:
     p.add_argument("--head", choices=("none", "markov", "gated", "rnn", "hidden"), default=None,
                    help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
                         "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="a trained block-drafter folder to start from, with --only (same as init_from=DIR)")
+    p.add_argument("--only", choices=("confidence",), default=None,
+                   help="train only this part of the --init-from drafter, everything else frozen: `confidence` "
+                        "re-fits its confidence head (confidence_target=protocol by default; default preset "
+                        "confidence_only); writes a new drafter folder to --out; same as only=confidence")
     add_run_flags(p, resume_help="continue from the last checkpoint in --out/training",
                   force_help="start over, overwriting --out",
                   max_minutes_help="stop after M minutes at a checkpoint and export (continue later with --resume)")
@@ -87,7 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
                            overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
                            max_minutes=args.max_minutes, distributed=args.distributed,
-                           feature_workers=args.feature_workers, feature_backend=args.feature_backend, log=print)
+                           feature_workers=args.feature_workers, feature_backend=args.feature_backend,
+                           init_from=args.init_from, only=args.only, log=print)
     print(result.format())
     return 0
 

@@ -103,7 +103,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
 
     target: HF checkpoint folder (None: the embedded target); drafter: a `--drafter` spec
     (`decoding.loading.resolve_drafter`); policy: a `--policy` spec; log: the cost-table profiler's progress;
-    warn: a note when some prompts leave less than `max_new_tokens` of the context.
+    warn: a note when some prompts leave less than `max_new_tokens` of the context, or when the drafter's confidence
+    calibration has no fit near `temperature`.
     Everything that can be checked without the weights is checked before they are loaded.
     """
     require_positive("--max-new-tokens", max_new_tokens)
@@ -125,6 +126,11 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     draft = resolve_drafter(drafter, model, target_dir)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)
+    from angelspec.decoding.policies.sts import CalibratedDrafter
+
+    note = draft.temperature_note(temperature) if isinstance(draft, CalibratedDrafter) else None
+    if note is not None and warn is not None:  # calibrated only far from `temperature`
+        warn(note)
     capped = sum(len(ids) + max_new_tokens > context for ids in prompt_ids)
     if capped and warn is not None:
         warn(f"note: {capped} prompt(s) leave fewer than {max_new_tokens} tokens of the {context}-token "

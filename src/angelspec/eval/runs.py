@@ -9,6 +9,7 @@ measures and writes; the messages name the command-line flags, since that is whe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,13 +111,17 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
     report = evaluate(model, draft, chosen, settings, name=drafter, progress=progress, depth_policy=depth_policy,
                       policy=policy)
     calibrated = isinstance(draft, CalibratedDrafter)
+    described = None
+    if calibrated:
+        note = draft.temperature_note(temperature)
+        described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json_path, {"target": str(target_dir), "prompts_file": str(prompts_path),
                                       "calibration": draft.calibration.to_json() if calibrated else None,
                                       **report.to_dict()})
     return EvalRun(report=report, target_dir=target_dir, prompts_path=prompts_path,
-                   calibration=draft.describe() if calibrated else None, json_out=json_path)
+                   calibration=described, json_out=json_path)
 
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
@@ -147,10 +152,11 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
 
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,
-              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, force: bool = False,
-              progress: bool = True) -> str:
+              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, temperature: float = 0.0,
+              force: bool = False, progress: bool = True) -> str:
     """Fit STS temperatures for the confidences of the saved drafter `drafter` (DIR or KIND:DIR) on the held-out
-    `prompts` (at most `limit`) and write calibration.json next to its checkpoint; returns the report."""
+    `prompts` (at most `limit`) decoded at sampling `temperature`, and store them as its fit at that temperature in
+    calibration.json next to its checkpoint; returns the report."""
     from angelspec.eval.sts_fit import calibrate_drafter, check_writable
     from angelspec.eval.sts_fit import drafter_folder as calibration_folder
 
@@ -158,8 +164,10 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
                         ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
         if value is not None:
             require_positive(flag, value)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
     folder = calibration_folder(drafter)
-    check_writable(folder, force)  # before anything is loaded or decoded
+    check_writable(folder, force, temperature)  # before anything is loaded or decoded
     records = load_prompts(prompts)[:limit]
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir)
@@ -168,7 +176,8 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return calibrate_drafter(model, draft, prompt_ids, folder, name=drafter, max_new_tokens=max_new_tokens,
-                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, force=force, progress=progress)
+                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, temperature=temperature,
+                             force=force, progress=progress)
 
 
 def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,

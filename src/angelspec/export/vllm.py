@@ -9,7 +9,9 @@ Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up project
             are built without it); hidden_norm -> hidden_norm;
             layers.N.* -> layers.N.* (attn -> self_attn); norm -> norm
   DSpark    DFlash + head.embed -> markov_head.markov_w1 [V, r]; head.out -> markov_head.markov_w2 [V', r];
-            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov). Only with
+            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov); vLLM's head
+            has one output and no temperature input, so a "protocol" head (one output per sampling temperature) is
+            written as its output at T = 0, the greedy acceptance (a note says so). Only with
             the shared fused context: Qwen3DSparkModel is DFlash's backbone, so same-layer injection is refused
 
 A draft vocabulary (`draft_vocab` buffer: draft index -> target id) becomes `lm_head.weight` = the target's LM-head
@@ -40,6 +42,7 @@ from angelspec.export.checks import (
 )
 from angelspec.fileio import write_json_atomic
 from angelspec.models.block.config import DRAFTER_KINDS, BlockDrafterConfig
+from angelspec.models.block.heads import temperature_weights
 from angelspec.models.config import DecoderConfig
 from angelspec.models.hf_io import read_config, read_config_json, save_safetensors_atomic
 from angelspec.models.mtp_io import MTP_FAMILY
@@ -197,8 +200,13 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
                       enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_head,
                       sample_from_anchor=False)
         if cfg.confidence_head:
-            tensors["confidence_head.proj.weight"] = state.pop("confidence.proj.weight")
-            tensors["confidence_head.proj.bias"] = state.pop("confidence.proj.bias")
+            weight, bias = state.pop("confidence.proj.weight"), state.pop("confidence.proj.bias")
+            if cfg.confidence_temperatures:  # a "protocol" head, read at T = 0 (module docstring)
+                mix = temperature_weights(torch.zeros(1), cfg.confidence_temperatures).to(weight.dtype)  # [1, n]
+                weight, bias = mix @ weight, mix @ bias
+                notes.append(f"the confidence head's T = 0 output was exported (it has one per sampling temperature "
+                             f"{list(cfg.confidence_temperatures)}; vLLM's has one)")
+            tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = weight, bias
         method = "dspark"
     else:
         config["architectures"] = ["DFlashDraftModel"]

@@ -40,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from angelspec.models.block.config import DEFAULT_CONFIDENCE_TEMPERATURES
 from angelspec.models.hf_io import write_json_atomic
 from angelspec.train.distributed import has_dtensors
 
@@ -50,6 +51,12 @@ RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 # ... and so may where the target features come from: online, or an offline cache of the same target and data
 # (the trainer checks that), which holds the very tensors the online forward computes.
 RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features")
+# Settings a checkpoint may predate, with the value that reproduces how such a run trained: a checkpoint whose
+# train_config lacks one reads as having that value, so a run started before the setting existed resumes when the
+# setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv).
+PREDATED_SETTINGS: dict[str, Any] = {"confidence_target": "tv",
+                                     "confidence_temperatures": list(DEFAULT_CONFIDENCE_TEMPERATURES),
+                                     "init_from": None, "only": None}
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -245,11 +252,23 @@ def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+def _differences(saved: dict[str, Any], current: dict[str, Any], keys: Any, prefix: str = "") -> list[str]:
+    """`key: checkpoint A vs now B` for each of `keys` that differs, naming the settings inside a differing dict."""
+    out = []
+    for k in keys:
+        a, b = saved.get(k), current.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, dict.fromkeys([*a, *b]), f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: checkpoint {a!r} vs now {b!r}")
+    return out
+
+
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
     """Refuse to resume when a setting that changes the run differs from the checkpoint's."""
-    diffs = [
-        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
-    ]
+    diffs = _differences(saved, current, keys)
     if diffs:
         raise ResumeError("cannot resume: the run's settings differ from the checkpoint's (" + "; ".join(diffs)
                           + "). Use the original settings, or --force to start over.")
@@ -282,7 +301,9 @@ def resume_training(
             log(f"no checkpoint in {ckpt_dir}; starting from scratch")
         return 0
     state = read_trainer_state(ckpt)
-    saved_config = {**(saved_defaults or {}), **state.get("train_config", {})}
+    old, now = state.get("train_config", {}), identity.get("train_config", {})
+    predated = {k: v for k, v in PREDATED_SETTINGS.items() if k in now and k not in old}
+    saved_config = {**predated, **(saved_defaults or {}), **old}
     saved = {**state, "train_config": {k: v for k, v in saved_config.items() if k not in RESUME_FREE_KEYS}}
     check_resume_compatible(saved, identity, tuple(identity))
     check_checkpoint_weights(ckpt)

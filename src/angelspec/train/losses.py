@@ -125,7 +125,8 @@ class LossBatch:
     mask: Tensor  # [N, K] bool, True where (position, depth) has valid supervision
     teacher_logits: Tensor | None = None  # [N, K, V] frozen target logits aligned with the student
     labels: Tensor | None = None  # [N, K] int, ground-truth token ids (any value where mask is False)
-    confidence_logits: Tensor | None = None  # [N, K] DSpark confidence-head logits (pre-sigmoid)
+    confidence_logits: Tensor | None = None  # [N, K] DSpark confidence-head logits (pre-sigmoid), or [N, K, n]
+    confidence_targets: Tensor | None = None  # same shape: what the head is fitted to (None: α of each position)
 
 
 class LossOutput(NamedTuple):
@@ -406,8 +407,8 @@ def dpace_lk_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
                 confidence_logits: Tensor | None = None, top_k: int | None = None, gamma: float | None = None,
-                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0, tv_norm: str = "l1"
-                ) -> LossOutput:
+                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0, tv_norm: str = "l1",
+                confidence_targets: Tensor | None = None) -> LossOutput:
     """DSpark three-term loss: ce_coef·L_CE + tv_coef·L_TV + conf_coef·BCE(c, sg[1 − TV]).
 
     Every term is a position-weighted mean over valid (i, k) with w_k = exp(−(k−1)/γ), k = 1..K:
@@ -417,12 +418,14 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     with `tv_norm` "l1" (the default), TV = ½‖p − q‖₁ with "half_l1"; the confidence target is α = 1 − ½‖p − q‖₁
     either way, as the report writes c*. The logged part "tv" is L_TV as weighted in the loss.
     [N, K, V] logits, labels [N, K], mask [N, K], confidence_logits [N, K] or None (no confidence term).
+    `confidence_targets` replaces c* (a "protocol" head's, `train.confidence`): [N, K], or [N, K, n] with
+    confidence_logits [N, K, n] (the BCE averaged over the n outputs).
     """
     if tv_norm not in TV_NORMS:
         raise ValueError(f"unknown tv_norm {tv_norm!r}; choose one of {', '.join(TV_NORMS)}")
     _check(student_logits, mask, teacher_logits, labels)
     n, depth, _ = student_logits.shape
-    if confidence_logits is not None and confidence_logits.shape != (n, depth):
+    if confidence_logits is not None and confidence_logits.shape[:2] != (n, depth):
         raise ValueError(f"confidence_logits must be [N, K] = [{n}, {depth}], got {tuple(confidence_logits.shape)}")
     rows_s = student_logits[mask]  # [M, V]
     ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
@@ -436,12 +439,23 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     loss = ce_coef * ce_term + tv_coef * tv_term
     parts = {"ce": ce_term.detach(), "tv": tv_term.detach()}
     if confidence_logits is not None:
-        target = alpha[mask].detach()  # [M] c* = 1 − TV
-        bce = F.binary_cross_entropy_with_logits(confidence_logits[mask].to(target.dtype), target, reduction="none")
+        target = alpha[mask].detach() if confidence_targets is None else confidence_targets[mask]  # [M] c* = 1 − TV
+        bce = confidence_bce(confidence_logits[mask], target)  # [M]
         conf_term = (w * _unrows(bce, mask)).sum() / denom
         loss = loss + conf_coef * conf_term
         parts["conf"] = conf_term.detach()
     return LossOutput(loss, parts)
+
+
+def confidence_bce(logits: Tensor, target: Tensor) -> Tensor:
+    """BCE-with-logits of confidence logits against a detached target, per row: [M] or [M, n] (a "protocol" head's
+    n sampling temperatures, averaged) -> [M]."""
+    if logits.shape != target.shape:
+        raise ValueError(f"confidence targets {tuple(target.shape)} must match the confidence logits "
+                         f"{tuple(logits.shape)}")
+    target = target.detach().to(_compute_dtype(target))
+    bce = F.binary_cross_entropy_with_logits(logits.to(target.dtype), target, reduction="none")
+    return bce if bce.dim() == 1 else bce.mean(-1)
 
 
 @torch.no_grad()
@@ -507,7 +521,7 @@ def _dpace_lk(b: LossBatch, c: LossConfig) -> LossOutput:
 def _dspark(b: LossBatch, c: LossConfig) -> LossOutput:
     _need(b, "dspark", "teacher_logits", "labels")
     return dspark_loss(b.student_logits, b.teacher_logits, b.labels, b.mask, b.confidence_logits, c.top_k,
-                       c.gamma, c.ce_coef, c.tv_coef, c.conf_coef, c.tv_norm)
+                       c.gamma, c.ce_coef, c.tv_coef, c.conf_coef, c.tv_norm, b.confidence_targets)
 
 
 LOSSES: dict[str, LossFn] = {

@@ -80,6 +80,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                   preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
                   resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
                   distributed: str = "auto", feature_workers: int | None = None, feature_backend: str = "files",
+                  init_from: str | Path | None = None, only: str | None = None,
                   log: Callable[[str], None] = print) -> TrainResult:
     """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
     file or a corpus folder) and write a self-describing drafter folder to `out`.
@@ -88,6 +89,8 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2;
     feature_workers: run the target in that many feature servers of its own, separate processes that stream the
     features to this trainer (`train.stream`; backend "files" or "ray"), instead of inside the training step.
+    init_from / only: a block drafter folder whose part `only` ("confidence") alone is trained, everything else
+    frozen (the overrides init_from=DIR, only=confidence; `train.block`; default preset then confidence_only).
     """
     if feature_workers is not None:
         return _train_with_feature_servers(kind, data, out, target=target, preset=preset, head=head,
@@ -103,6 +106,13 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
         if kind not in BLOCK_DRAFTERS:
             raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
         overrides = [*overrides, f"head={head}"]
+    for flag, value in (("--init-from", init_from), ("--only", only)):
+        if value is not None:
+            if kind not in BLOCK_DRAFTERS:
+                raise UsageError(f"{flag} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
+            overrides = [*overrides, f"{flag.strip('-').replace('-', '_')}={value}"]
+    if only is not None and preset is None:
+        preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
     config = preset_config(presets, preset, default_preset, overrides, max_minutes)
     data = Path(data)

@@ -1,12 +1,13 @@
 """Block-drafter configuration (report §3.1–3.2, §6.2; DSpark report §3): `BlockDrafterConfig`, the design
 choices of a DFlash / DFlare / DFly / DSpark drafter and the target it belongs to, the names of those choices
-(CONDITIONINGS, HEADS, MARKOV_HEADS, DRAFTER_KINDS, CONTEXT_INJECTIONS), DFlash's tap choice
+(CONDITIONINGS, HEADS, MARKOV_HEADS, DRAFTER_KINDS, CONTEXT_INJECTIONS, CONFIDENCE_TARGETS), DFlash's tap choice
 (`default_block_layer_ids`), the distance prior W_fuse starts from (`distance_prior`, §6.2) and the tap each draft
 layer reads under DSpark's same-layer injection (`same_layer_taps`, Uraion §3.3).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,6 +26,12 @@ DRAFTER_KINDS = ("dflash", "dflare", "dfly", "dspark")
 # fused context RMSNorm(W_fc [h^(1); …; h^(n)] + b) for every draft layer (Eq. 10); "same_layer" = draft layer i
 # reads its own target tap (`same_layer_taps`), as the DSpark report's backbone does.
 CONTEXT_INJECTIONS = ("shared", "same_layer")
+# What the confidence head predicts (`heads.ConfidenceHead`): "tv" = α = 1 − TV(p, q), the acceptance of standard
+# speculative sampling at T = 1 (DSpark §3.2; one output); "protocol" = the acceptance of the ARGMAX draft that every
+# confidence-driven depth policy verifies (deterministic-draft protocol): 1[argmax q = argmax p] at T = 0, p_T(argmax q)
+# at T > 0, one output per temperature of `confidence_temperatures`, interpolated in between.
+CONFIDENCE_TARGETS = ("tv", "protocol")
+DEFAULT_CONFIDENCE_TEMPERATURES = (0.0, 0.5, 1.0)
 
 
 def default_block_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -72,6 +79,21 @@ def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], tempe
     return (-(d[:, None] - t[None, :]).abs() / temperature).float()
 
 
+def check_confidence_target(target: str, temperatures: Sequence[float]) -> None:
+    """Raise ConfigError unless `target` is one of CONFIDENCE_TARGETS with fitting `temperatures`: none for "tv"
+    (its one output predicts α), a strictly increasing list of finite values >= 0 for "protocol"."""
+    if target not in CONFIDENCE_TARGETS:
+        raise ConfigError(f"unknown confidence_target {target!r}; choose one of {', '.join(CONFIDENCE_TARGETS)}")
+    temps = list(temperatures)
+    if target == "tv" and temps:
+        raise ConfigError(f"confidence_target 'tv' predicts α = 1 − TV at T = 1 and takes no temperatures, got {temps}"
+                          "; use confidence_target=protocol for per-temperature confidences")
+    if target == "protocol" and (not temps or any(not (math.isfinite(t) and t >= 0) for t in temps)
+                                 or any(b <= a for a, b in zip(temps, temps[1:], strict=False))):
+        raise ConfigError(f"confidence_temperatures must be a strictly increasing list of temperatures >= 0 (e.g. "
+                          f"0,0.5,1), got {temps}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockDrafterConfig(DraftModelConfig):
     """Shape and design of a block-parallel drafter and the target it belongs to (`DraftModelConfig`).
@@ -99,9 +121,13 @@ class BlockDrafterConfig(DraftModelConfig):
     fusion_prior_temperature: float = 0.1  # sharpness of the distance prior (dflare/dfly)
     context_injection: str = "shared"  # the DFlash backbone's context (CONTEXT_INJECTIONS); "same_layer": DSpark only
     fc_bias: bool = True  # b_fc of Eq. 10 / 12 (vLLM's DFlash fc has none); unused without an fc
+    # The confidence head's target (CONFIDENCE_TARGETS). Folders written before these fields existed are "tv".
+    confidence_target: str = "tv"
+    confidence_temperatures: tuple[float, ...] = ()  # "protocol": the sampling temperatures it has outputs for
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
+        object.__setattr__(self, "confidence_temperatures", tuple(float(t) for t in self.confidence_temperatures))
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an int >= 2 (the anchor plus at least one draft), got "
                               f"{self.block_size!r}")
@@ -123,6 +149,7 @@ class BlockDrafterConfig(DraftModelConfig):
                 self.target_layer_ids):
             raise ConfigError(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
         self.check_layer_ids(self.target_num_layers)
+        check_confidence_target(self.confidence_target, self.confidence_temperatures)
         if self.mask_token_id is None:
             raise ConfigError("mask_token_id is required: block drafters fill the draft positions with the "
                               "embedding of a reserved token (pass mask_token_id=<an unused special token id>)")
@@ -193,7 +220,8 @@ class BlockDrafterConfig(DraftModelConfig):
         = "same_layer" for a DSpark (the dflash conditioning with a Markov-family head, Uraion §3.3), else "shared";
         `fc_bias` None = a bias only for DFly (Eq. 12): the DFlash backbone's fc is built without one, as vLLM's
         DFlash / DSpark fc has none (`export.vllm`). `design` takes the remaining fields (head_intermediate_size,
-        fusion_prior_temperature)."""
+        fusion_prior_temperature, confidence_target,
+        confidence_temperatures)."""
         if target_layer_ids is None:
             taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
             target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)

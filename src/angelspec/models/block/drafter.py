@@ -94,7 +94,8 @@ class BlockTrainOutput:
     """`forward_train`'s result; flatten (R, N) with `.flatten(0, 1)` for the losses' [N, K, V] layout."""
 
     logits: Tensor | None  # [R, N, K, V] fp32 (None with compute_logits=False: use `head_logits` in chunks)
-    confidence_logits: Tensor | None  # [R, N, K] pre-sigmoid, None without a confidence head
+    confidence_logits: Tensor | None  # [R, N, K] pre-sigmoid ([R, N, K, n] for a "protocol" head: one per grid
+    #                                   temperature), None without a confidence head
     hidden: Tensor  # [R, N, K, C] backbone output at the draft positions (pre-norm)
     targets: BlockTargets
 
@@ -109,7 +110,8 @@ class BlockProposal:
     #                        may be None when `propose(with_logits=False)` (the engine's greedy steps)
     probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
     confidences: Tensor  # [B, K] in [0, 1], per position (not cumulative): σ(confidence logits) with a confidence
-    #                      head, else each draft's own probability under the head's temperature-1 logits
+    #                      head (a "protocol" head's at each row's sampling temperature), else each draft's own
+    #                      probability under the head's temperature-1 logits
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
@@ -145,7 +147,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         elif cfg.head == "hidden":
             self.head = HiddenCorrectionHead(C, cfg.head_intermediate_size or C, eps)
         if cfg.confidence_head:
-            self.confidence = ConfidenceHead(C, cfg.markov_rank)
+            self.confidence = ConfidenceHead(C, cfg.markov_rank, cfg.confidence_temperatures)
             if cfg.head not in MARKOV_HEADS:
                 self.confidence_embed = nn.Embedding(cfg.vocab_size, cfg.markov_rank)  # its own W1
         dh = cfg.head_dim
@@ -365,8 +367,9 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     def head_logits(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
-        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] or None). Position-wise except the
-        RNN, so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
+        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] ([..., K, n], one per grid temperature,
+        for a "protocol" head) or None). Position-wise except the RNN, so a trainer may call it on chunks of anchors
+        to bound the [.., V] memory."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
             logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
@@ -374,12 +377,13 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits = self.lm_logits(h)
             if isinstance(self.head, MarkovHead):
                 logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
-        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        conf = self.confidence.training_logits(h, self.markov_embed(prev)) if self.config.confidence_head else None
         return logits, conf
 
-    def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """One draft position at inference: z [B, C], prev [B] -> (logits [B, V'] over the draft vocabulary,
-        confidence logit [B] or None, next head state)."""
+    def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None, temperature: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One draft position at inference: z [B, C], prev [B], temperature [B] the rows' sampling temperatures
+        (None = 0) -> (logits [B, V'] over the draft vocabulary, confidence logit [B] or None, next head state)."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
             logits = self.draft_logits(self.norm(self.head(z, self.embed(prev))))
@@ -388,7 +392,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             if isinstance(self.head, MarkovHead):
                 u, state = self.head.features(h, prev, state)
                 logits = logits + self.draft_bias(u).float()
-        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        conf = self.confidence(h, self.markov_embed(prev), temperature) if self.config.confidence_head else None
         return logits, conf, state
 
     # ----- training: many anchors per packed row -----
@@ -445,7 +449,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if compute_logits:
             logits, conf = self.head_logits(z, targets.prev_tokens)
         elif self.config.confidence_head:
-            conf = self.confidence(self.norm(z), self.markov_embed(targets.prev_tokens))
+            conf = self.confidence.training_logits(self.norm(z), self.markov_embed(targets.prev_tokens))
         return BlockTrainOutput(logits=logits, confidence_logits=conf, hidden=z, targets=targets)
 
     # ----- inference: context K/V in a static cache, one backbone pass per step, then the head -----
@@ -494,8 +498,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True
-                ) -> BlockProposal:
+                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True,
+                temperature: Tensor | None = None) -> BlockProposal:
         """One backbone pass over the whole block, then the head (Eq. 13) over its first `num_drafts` positions
         (default and at most K = B−1): -> that many drafts per row.
 
@@ -503,26 +507,28 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
         `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1.
         `with_logits=False` lets a greedy step skip forming logits it does not need (the factored head's, when a
-        confidence head gives the confidences): `logits` may then be None."""
+        confidence head gives the confidences): `logits` may then be None. `temperature` [B]: each row's sampling
+        temperature, which a "protocol" confidence head reads (None = 0, greedy)."""
         if select is None:
             self.refresh_inference_tables()  # outside any compiled graph
-            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits)
+            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits,
+                                                              temperature)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select)
+        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select, temperature=temperature)
         return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
 
     def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None,
-                       num_drafts: int | None = None, with_logits: bool = True
+                       num_drafts: int | None = None, with_logits: bool = True, temperature: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'] (or None: see
         `propose`), index [B, K], confidences [B, K]) for K = `num_drafts` (default B−1)."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits)
+        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits, temperature)
         return tokens, logits, index, conf
 
-    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True
-                  ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
+    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True,
+                  temperature: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
         """The head over backbone outputs z [B, K, C], left to right in its predecessors -> (tokens [B, K],
         logits [B, K, V'] (None only when not `with_logits` and not needed), index [B, K], probs [B, K, V] or None,
         confidences [B, K]).
@@ -532,8 +538,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         rank-r bias to them per position), and the hidden-correction head's W_z RMSNorm(z) half (its W_e half, the
         final norm and the LM head over the draft vocabulary run per position: the predecessor goes through them,
         Eq. 15; greedy steps of few rows on CPU run it factored instead, `_factored_hidden`). Confidences: the
-        confidence head's σ(logit) when the drafter has one, else each draft's own probability under the head's
-        (temperature-1) logits."""
+        confidence head's σ(logit) when the drafter has one (at the rows' sampling temperatures `temperature` [B], for
+        a "protocol" head), else each draft's own probability under the head's (temperature-1) logits."""
         head = self.head
         h = self.norm(z)  # [B, K, C]
         if head is None:
@@ -568,7 +574,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             probs = None if any(c[3] is None for c in cols) else torch.stack([c[3] for c in cols], dim=1)
         if self.config.confidence_head:
             prev_all = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K]
-            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all)).float())
+            temps = None if temperature is None else temperature[:, None]  # [B, 1]: one per row, every position
+            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all), temps).float())
         else:
             conf = torch.softmax(logits, dim=-1).gather(-1, index[..., None])[..., 0]
         return tokens, logits, index, probs, conf
@@ -596,7 +603,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     @torch.no_grad()
     def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                          select: Select | None = None) -> BlockProposal:
+                          select: Select | None = None, temperature: Tensor | None = None) -> BlockProposal:
         """Slow reference for `propose`: the whole head strictly left to right, one position (one LM-head call,
         `head_step`) at a time, as Eq. 13 reads."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
@@ -604,7 +611,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         prev = anchor_tokens
         index, tokens, logits_out, probs, confs = [], [], [], [], []
         for k in range(self.config.num_drafts):
-            logits, conf, state = self.head_step(z[:, k], prev, state)
+            logits, conf, state = self.head_step(z[:, k], prev, state, temperature)
             idx, tok, p = self._pick(logits[:, None], select, k)
             index.append(idx[:, 0])
             tokens.append(tok[:, 0])
