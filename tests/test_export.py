@@ -177,10 +177,9 @@ def test_a_protocol_confidence_head_exports_its_greedy_output(target_dir, tmp_pa
     path, target = target_dir
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
                                         conditioning="dflash", head="markov", markov_rank=8,
-                                        confidence_target="protocol", confidence_temperatures=(0.0, 0.5, 1.0))
+                                        confidence_target="protocol", confidence_temperatures=(0.0, 0.5, 1.0),
+                                        context_injection="shared")  # what vLLM's DSpark serves (no fc bias)
     model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
-    with torch.no_grad():
-        model.fc.bias.zero_()
     result = export_drafter(save_block_drafter(model, tmp_path / "block"), tmp_path / "out", target=path)
     got = read_tensors(tmp_path / "out" / "model.safetensors")
     w, b = got["confidence_head.proj.weight"], got["confidence_head.proj.bias"]
