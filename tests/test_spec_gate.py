@@ -185,3 +185,12 @@ def test_at_t1_a_gate_that_never_drafts_samples_exactly_what_plain_decoding_samp
     assert [r.token_ids for r in gated] == [r.token_ids for r in plain]
     assert engine.metrics.skipped_steps == engine.metrics.steps > 0
     assert len({t for r in plain for t in r.token_ids}) > 10  # really sampled, not a near-greedy target
+
+
+def test_merged_metrics_keep_the_skipped_steps():
+    from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.eval.speculative import merge_metrics
+
+    a, b = DecodeMetrics(num_draft_tokens=3), DecodeMetrics(num_draft_tokens=3)
+    a.skipped_steps, b.skipped_steps = 2, 5
+    assert merge_metrics([a, b]).skipped_steps == 7

@@ -322,7 +322,8 @@ def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
     for m in runs:
         if m.num_draft_tokens != k:
             raise EvalError(f"cannot merge metrics with K={m.num_draft_tokens} into K={k}")
-        for name in ("steps", "row_steps", "accepted_plus_one", "output_tokens", "prompt_tokens", "requests"):
+        for name in ("steps", "row_steps", "accepted_plus_one", "output_tokens", "prompt_tokens", "requests",
+                     "skipped_steps"):
             setattr(out, name, getattr(out, name) + getattr(m, name))
         out.wall_s += m.wall_s
         out.accept_hist = [a + b for a, b in zip(out.accept_hist, m.accept_hist, strict=True)]
