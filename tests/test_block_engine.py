@@ -275,7 +275,8 @@ def test_a_run_checkpointed_before_the_new_settings_resumes_only_with_its_old_on
         del state["train_config"][key]
     state_file.write_text(json.dumps(state))
     new = replace(old, context_injection=None, fc_bias=None, tv_norm="l1")
-    with pytest.raises(ResumeError, match="'tv_norm': 'half_l1'.*'context_injection': 'shared'.*'fc_bias': True"):
+    with pytest.raises(ResumeError, match="tv_norm: checkpoint 'half_l1'.*context_injection: checkpoint 'shared'"
+                                          ".*fc_bias: checkpoint True"):
         train_block_drafter(tiny_target_dir, conversations, tmp_path / "b", config=new, resume=True, **QUIET)
     train_block_drafter(tiny_target_dir, conversations, tmp_path / "b", config=old, resume=True, **QUIET)
     conftest.same_weights(tmp_path / "a", tmp_path / "b")

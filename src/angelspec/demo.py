@@ -272,7 +272,8 @@ SERVING_K = 4  # one depth for every configuration of the sweep (MTP-3 drafts it
 def stage_serving(state: DemoState) -> dict[str, str]:
     """Serving in miniature (AngelSpec report Figure 4): AR and the shipped MTP, DFly and DFly + D-cut (the
     report's, bounded to <= 3% expected acceptance loss, and with the speculation gate) as closed-loop clients at
-    concurrency 1, 4 and 16, short greedy generations (a minute or two on 2 CPU cores; the full sweep is `benchmarks/serving.py`)."""
+    concurrency 1, 4 and 16, short greedy generations (a minute or two on 2 CPU cores; the full sweep is
+    `benchmarks/serving.py`)."""
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.eval.serving import ServingConfig, bench, lossless
 
