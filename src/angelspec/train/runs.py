@@ -51,6 +51,49 @@ def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=")
                          f"max_position_embeddings in {target_dir}/config.json); pass {flag}{context} or less")
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def step_memory_floor(batch_size: int, seq_len: int, vocab_size: int, hidden_size: int, num_layers: int) -> int:
+    """Bytes one drafter-training step cannot do without on the host, whatever the drafter: the target's fp32
+    logits over the batch (the teacher distribution, [B, T, V]) and its per-layer hidden states ([L, B, T, C]).
+    A floor, not an estimate: the drafter's own activations and the loss come on top."""
+    tokens = batch_size * seq_len
+    return 4 * tokens * (vocab_size + num_layers * hidden_size)
+
+
+def check_memory(config: Any, target_dir: Path, available: int | None = None) -> None:
+    """Refuse, before any data or weights are read, a run whose step cannot fit in the memory this machine has
+    (`step_memory_floor` above 90% of MemAvailable), instead of being OOM-killed minutes later without a word.
+    Skipped where the memory cannot be read or the run may use a GPU."""
+    import torch
+
+    from angelspec.models.hf_io import read_config
+
+    seq_len, batch = getattr(config, "seq_len", None), getattr(config, "batch_size", None)
+    if not seq_len or not batch or torch.cuda.is_available():
+        return
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    target = read_config(target_dir)
+    need = step_memory_floor(batch, seq_len, target.vocab_size, target.hidden_size, target.num_hidden_layers)
+    if need > 0.9 * available:
+        gib = 1 << 30
+        raise UsageError(f"batch_size={batch} x seq_len={seq_len} needs at least {need / gib:.1f} GiB per step (the "
+                         f"target's fp32 logits over {target.vocab_size} tokens and its hidden states for "
+                         f"{batch * seq_len} tokens), but this machine has {available / gib:.1f} GiB available; lower "
+                         "batch_size or seq_len")
+
+
 @dataclass
 class TrainResult:
     """What `train_drafter` wrote: the trainer's report, the folder and the steps the run planned."""
@@ -121,6 +164,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(target)
     check_seq_len(getattr(config, "seq_len", None), target_dir)
+    check_memory(config, target_dir)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
