@@ -67,3 +67,11 @@ def test_vllm_engine_module_imports_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": src})
     assert out.stdout.split() == ["1", "[]"], out
+
+
+def test_vllm_runs_with_one_numba_thread():
+    """vLLM's n-gram proposer runs in numba; with numba's default pool (one worker per core) vLLM's n-gram speculation
+    ran 45x slower on this 2-core machine, so every vLLM process here gets one numba thread."""
+    from angelspec.decoding.vllm_engine import CPU_ENV
+
+    assert CPU_ENV["NUMBA_NUM_THREADS"] == "1" and CPU_ENV["OMP_NUM_THREADS"] == "1"
