@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 
-# Before torch or vLLM is imported: vLLM's engine in this process (the check starts one engine per drafter, about
-# 15 s each instead of about 70 s for a separate engine process), one compute thread (a second one spins against
-# the other core's work and made every kernel several times slower here), a small KV cache, no hub lookups.
-for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("OMP_NUM_THREADS", "1"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+from angelspec.decoding.vllm_engine import CPU_ENV  # imports neither torch nor vLLM
+
+# Before torch or vLLM is imported (the check starts one engine per drafter in this process; CPU_ENV says why).
+for key, value in CPU_ENV.items():
     os.environ.setdefault(key, value)
 
 import argparse  # noqa: E402

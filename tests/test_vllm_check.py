@@ -49,3 +49,29 @@ def test_a_drafter_row_passes_only_when_every_condition_holds(changes, passes):
     assert report.passed is passes
     assert ("| pass |" if passes else "| FAIL |") in report.format().splitlines()[3]
     assert VllmCheckReport(VllmCheckSettings(), [row], {"identical": False}, {"passed": True}).passed is False
+
+
+def test_vllm_engine_module_imports_neither_torch_nor_vllm():
+    """`benchmarks/vllm_check.py` and the serving benchmark's vLLM column read `CPU_ENV` from this module before
+    torch starts (one compute thread only takes effect that way), so importing it must not start torch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import angelspec
+
+    code = ("import sys; from angelspec.decoding.vllm_engine import CPU_ENV; "
+            "print(CPU_ENV['OMP_NUM_THREADS'], [m for m in ('torch', 'vllm') if m in sys.modules])")
+    src = str(Path(angelspec.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": src})
+    assert out.stdout.split() == ["1", "[]"], out
+
+
+def test_vllm_runs_with_one_numba_thread():
+    """vLLM's n-gram proposer runs in numba; with numba's default pool (one worker per core) vLLM's n-gram speculation
+    ran 45x slower on this 2-core machine, so every vLLM process here gets one numba thread."""
+    from angelspec.decoding.vllm_engine import CPU_ENV
+
+    assert CPU_ENV["NUMBA_NUM_THREADS"] == "1" and CPU_ENV["OMP_NUM_THREADS"] == "1"

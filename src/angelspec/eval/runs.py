@@ -183,11 +183,13 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
 def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
               concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
               num_draft_tokens: int = 4, min_requests: int = 8, warmup_tokens: int = 8,
-              prompts: str | Path | None = None, breakeven: bool = False,
-              log: Callable[[str], None] | None = None) -> ServingReport:
+              prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
+              vllm: str | Path | None = None, log: Callable[[str], None] | None = None) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
-    folder `out`. Drafter folders are checked before the target is loaded."""
+    folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
+    (`eval.serving.vllm`; its log goes to `out`/vllm.log). Drafter folders and the vLLM venv are checked before
+    the target is loaded."""
     from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
 
@@ -198,7 +200,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     except (ServingError, PolicyError) as e:
         raise UsageError(str(e)) from None
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-draft-tokens", num_draft_tokens),
-                        ("--min-requests", min_requests)):
+                        ("--min-requests", min_requests), ("--limit", 1 if limit is None else limit)):
         require_positive(flag, value)
     if warmup_tokens < 0:
         raise UsageError(f"--warmup-tokens must be >= 0, got {warmup_tokens}")
@@ -212,7 +214,13 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     target_dir = resolve_target_dir(target)
+    column = None
+    if vllm is not None:
+        from angelspec.eval.serving.vllm import find_vllm_python, open_vllm_column
+
+        find_vllm_python(vllm)  # a missing venv fails at once, before the import check
+        column = open_vllm_column(vllm, target_dir, out_dir / "vllm.log", log=log)
     model, tokenizer = load_target_and_tokenizer(target_dir)
     return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
                  num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
-                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, log=log)
+                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log)

@@ -37,6 +37,15 @@ class ServingRow:
     seconds: dict[str, float] = field(default_factory=dict)  # whole run, per phase
     speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
+    # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent
+    vllm_tokens_per_s: float | None = None
+    vllm_mal: float | None = None  # vLLM's accepted drafts + 1 per verify step that had drafts
+    vllm_identical: int | None = None  # vLLM outputs equal to this configuration's
+
+    @property
+    def vs_vllm(self) -> float | None:
+        """Our tokens/s over vLLM's on the same requests (> 1: ours is faster)."""
+        return self.tokens_per_s / self.vllm_tokens_per_s if self.vllm_tokens_per_s else None
 
     @property
     def step_s(self) -> float:
