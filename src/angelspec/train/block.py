@@ -270,12 +270,14 @@ def dfly_demo() -> BlockDrafterTrainConfig:
 def dfly_shipped() -> BlockDrafterTrainConfig:
     """The DFly that ships with the embedded target (`assets/drafters/dfly`, `make drafters`): `dfly_demo`'s
     CPU-cheap shape (one draft layer, 512-wide MLP, 128-wide hidden-correction head, 1024-token draft vocabulary,
-    block 8 = K 7) trained on the 20k-prompt pool's rollouts for 4,800 steps of 4 × 512 tokens (9.8M tokens),
+    block 8 = K 7) trained on the 20k-prompt pool's rollouts for 6,800 steps of 4 × 512 tokens (13.9M tokens),
     with 32 anchors per row (the target forward dominates a step, so more blocks per row buy supervision
-    cheaply), the LK cold start for the first 800 steps, then e2e TV. Its confidence head predates the
+    cheaply), the LK cold start for the first 800 steps, then e2e TV. (The shipped weights got these steps as a
+    4,800-step cosine cycle, then a warm restart resumed with steps=6800; a fresh run is one 6,800-step cycle.)
+    Its confidence head predates the
     "protocol" target and keeps α ("tv"), so `make drafters` keeps resuming its run (re-fit the head alone with
     `train --init-from DIR --only confidence`)."""
-    return replace(dfly_demo(), batch_size=4, num_anchors=32, steps=4800, switch_step=800, warmup=50,
+    return replace(dfly_demo(), batch_size=4, num_anchors=32, steps=6800, switch_step=800, warmup=50,
                    ckpt_every=200, log_every=20, confidence_target="tv")
 
 
