@@ -325,7 +325,8 @@ STAGES: list[Stage] = [
     Stage("AR baseline (greedy)", stage_ar_baseline),
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
-    Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut)", stage_shipped),
+    Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut; MTP-3 and "
+          "DFly + D-cut with the speculation gate)", stage_shipped),
     Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
     Stage("serving sweep: throughput vs concurrency (AR, shipped MTP, DFly, DFly + D-cut)", stage_serving),
     Stage("AR vs drafters, per domain", stage_report),
