@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import tiny_decoder
-from test_export import MASK, VOCAB, _assert_same, _block, _eagle3, _init, _split_layer, target_dir  # noqa: F401
+from test_export import LAYERS, MASK, VOCAB, _assert_same, _block, _eagle3, _init, _split_layer
 
 from angelspec.cli import main
 from angelspec.export import ExportCheckError, ExportRefused, export_drafter
@@ -20,6 +20,15 @@ from angelspec.models import save_target
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.models.mtp_io import save_mtp
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The 6-layer tiny target of tests/test_export.py, saved as a folder: (path, model)."""
+    target = tiny_decoder(vocab=VOCAB, layers=LAYERS, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("target")
+    save_target(target, path)
+    return path, target
 
 
 def test_dflash_exports_every_tensor_taps_and_flags(target_dir, tmp_path):
