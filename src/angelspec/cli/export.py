@@ -9,18 +9,22 @@ from angelspec.cli import common
 
 def add_export(sub: common.Subparsers) -> None:
     """Write a drafter folder in the layout a serving engine loads (vLLM 0.32: EAGLE-3, DFlash, DSpark with the plain
-    Markov head, or a draft LM), plus speculative_config.json, the dict to pass as --speculative-config. Drafters the
-    format cannot represent (MTP, DFly/DFlare, hidden-correction, gated or RNN heads) are refused."""
-    p = sub.add_parser("export", help="export a drafter for a serving engine (vLLM)", description=add_export.__doc__)
-    _folder_flags(p, "target format", ("drafter_dir", "DRAFTER_DIR", "the trained drafter folder"),
+    Markov head, or a draft LM, plus speculative_config.json, the dict to pass as --speculative-config; SGLang:
+    DFlash or a draft LM, plus sglang_args.json, the --speculative-* flags to pass, checked offline only). Drafters
+    the format cannot represent (MTP, DFly/DFlare, hidden-correction, gated or RNN heads; for SGLang also EAGLE-3,
+    DSpark and draft vocabularies) are refused."""
+    p = sub.add_parser("export", help="export a drafter for a serving engine (vLLM, SGLang)",
+                       description=add_export.__doc__)
+    _folder_flags(p, ("vllm", "sglang"), "target format", ("drafter_dir", "DRAFTER_DIR", "the trained drafter folder"),
                   "the folder to write (refused if not empty)", "the target the drafter was trained for")
     p.set_defaults(func=cmd_export)
 
 
-def _folder_flags(p: argparse.ArgumentParser, format_help: str, src: tuple[str, str, str], out_help: str,
-                  target_help: str) -> None:
-    """The flags `export` and `import` share: --format, the source (dest, metavar, help), OUT_DIR, --target, --force."""
-    p.add_argument("--format", default="vllm", choices=["vllm"], help=f"{format_help} (default: vllm)")
+def _folder_flags(p: argparse.ArgumentParser, formats: tuple[str, ...], format_help: str, src: tuple[str, str, str],
+                  out_help: str, target_help: str) -> None:
+    """The flags `export` and `import` share: --format (one of `formats`), the source (dest, metavar, help), OUT_DIR,
+    --target, --force."""
+    p.add_argument("--format", default="vllm", choices=list(formats), help=f"{format_help} (default: vllm)")
     p.add_argument(src[0], metavar=src[1], help=src[2])
     p.add_argument("out_dir", metavar="OUT_DIR", help=out_help)
     common.add_target_flag(p, f"{target_help} (default: the embedded target)")
@@ -28,7 +32,8 @@ def _folder_flags(p: argparse.ArgumentParser, format_help: str, src: tuple[str, 
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """`angelspec export`: export DRAFTER_DIR into OUT_DIR and print the speculative_config."""
+    """`angelspec export`: export DRAFTER_DIR into OUT_DIR and print the speculative_config (vLLM) or the launch
+    flags (SGLang)."""
     from angelspec.export import export_drafter
 
     result = export_drafter(args.drafter_dir, args.out_dir, format=args.format, target=args.target, force=args.force)
@@ -43,7 +48,8 @@ def add_import(sub: common.Subparsers) -> None:
     policies. Folders our models cannot compute exactly (their own LM head or embedding, the LLaMA EAGLE-3 layout,
     fc norms, sliding windows, ...) are refused with what does not fit."""
     p = sub.add_parser("import", help="import a vLLM-format EAGLE-3 or DFlash drafter", description=add_import.__doc__)
-    _folder_flags(p, "source format", ("src_dir", "VLLM_DIR", "the vLLM drafter folder (config.json + safetensors)"),
+    _folder_flags(p, ("vllm",), "source format",
+                  ("src_dir", "VLLM_DIR", "the vLLM drafter folder (config.json + safetensors)"),
                   "the AngelSpec drafter folder to write (refused if not empty)", "the target the drafter serves")
     p.set_defaults(func=cmd_import)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,9 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
     bias = state.pop("fc.bias", None)
     if bias is not None and bool(bias.ne(0).any()):
         raise ExportRefused(f"the context projection has a non-zero bias fc.bias (max |b| = "
-                            f"{bias.abs().max().item():.3g}); vLLM's DFlash fc has no bias, so the drafter would "
-                            "change. Train it with fc_bias=false (the default for new dflash / dspark drafters)")
+                            f"{bias.abs().max().item():.3g}); vLLM's (and SGLang's) DFlash fc has no bias, so the "
+                            "drafter would change. Train it with fc_bias=false (the default for new dflash / dspark "
+                            "drafters)")
     dtype = state["norm.weight"].dtype
     tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("hidden_norm.weight")}
     for n in range(cfg.num_draft_layers):
@@ -222,16 +224,21 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
 
 
 def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
-                force: bool = False) -> ExportResult:
+                force: bool = False, screen: Callable[[str, dict[str, Any]], None] | None = None) -> ExportResult:
     """Write `out_dir` (config.json, model.safetensors, speculative_config.json) for vLLM 0.32 from the drafter
     folder `drafter_dir`, trained for `target` (default: the embedded target); refuse what vLLM cannot represent;
-    check the result against the target's config (`checks.check_vllm_folder`)."""
+    check the result against the target's config (`checks.check_vllm_folder`). `screen(kind, config)`, if given,
+    runs before anything is written and raises ExportRefused for what another engine reading the same layout
+    (SGLang, `export/sglang.py`) cannot load."""
     src, out = Path(drafter_dir), Path(out_dir)
     raw = read_config_json(src, "is it an AngelSpec drafter folder?", "drafter folder")
     target_dir = resolve_target_dir(target)
     target_cfg = read_config(target_dir)
     meta = raw.get("angelspec") or {}
     kind = meta.get("drafter")
+    is_lm = kind not in MTP_FAMILY and kind not in DRAFTER_KINDS and "model_type" in raw and "architectures" in raw
+    if screen is not None:
+        screen("draft-lm" if is_lm else kind, raw)
     if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
         if target_cfg.model_type != "qwen3":
             raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
@@ -245,7 +252,7 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         prepare_out_dir(src, out, force)
         save_safetensors_atomic(tensors, out / WEIGHTS, {"format": "pt"})
         write_json_atomic(out / "config.json", config)
-    elif "model_type" in raw and "architectures" in raw:  # a draft LM: vLLM serves the HF folder as it is
+    elif is_lm:  # a draft LM: vLLM serves the HF folder as it is
         kind = "draft-lm"
         if raw.get("vocab_size") != target_cfg.vocab_size:
             raise ExportRefused(f"the draft LM's vocab_size {raw.get('vocab_size')} differs from the target's "
@@ -253,8 +260,9 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         prepare_out_dir(src, out, force)
         shutil.copytree(src, out, dirs_exist_ok=True)
         spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
-        notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by vLLM's draft_model, which drafts from "
-                 "the whole vocabulary"] if meta.get("draft_vocab") else []
+        notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by the engine's draft-model path (vLLM's "
+                 "draft_model, SGLang's STANDALONE), which drafts from the whole vocabulary"
+                 ] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
     write_json_atomic(out / SPEC_CONFIG, spec)
