@@ -18,6 +18,7 @@ attention biases, sliding windows, non-causal options beyond DFlash's block, a s
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,21 +171,15 @@ def _eagle3(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str,
     vocab = _draft_vocab(state, cfg, target, target_dir)
     _shared_embedding(state, target_dir)
     depths = int(spec.get("num_speculative_tokens") or EAGLE3_DEFAULT_DEPTHS)
-    try:
+    def build() -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
         config = Eagle3Config(**_shape(cfg, target, None), target_layer_ids=tuple(taps),
                               target_fingerprint=target.fingerprint(), target_num_layers=target.num_hidden_layers,
                               draft_vocab_size=len(vocab) if vocab else 0, num_depths=depths)
         tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("midlayer.hidden_norm.weight"),
                    **fuse_layer(state, "midlayer.", "layer."), "norm.weight": state.pop("norm.weight")}
-    except ConfigError as e:
-        raise ImportRefused(f"the EAGLE-3 config does not fit the target ({e})") from None
-    except KeyError as e:
-        raise ImportRefused(f"the weights lack {e.args[0]}") from None
-    model = Eagle3DraftModel(config, *_placeholders(target))
-    _load(model, tensors, Path(spec.get("model", "")))
-    if vocab:
-        model.set_draft_vocab(vocab)
-    return model, notes
+        return config, tensors
+
+    return _assemble("EAGLE-3", build, Eagle3DraftModel, target, spec, vocab), notes
 
 
 def _dflash(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str, Any], target: DecoderConfig,
@@ -211,7 +206,7 @@ def _dflash(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str,
     vocab = _draft_vocab(state, cfg, target, target_dir)
     _shared_embedding(state, target_dir)
     layers = int(cfg.get("num_hidden_layers", 0))
-    try:
+    def build() -> tuple[BlockDrafterConfig, dict[str, torch.Tensor]]:
         config = BlockDrafterConfig(**_shape(cfg, target, DFLASH_DEFAULT_ROPE_THETA), target_layer_ids=tuple(taps),
                                     mask_token_id=int(mask), block_size=int(block), num_draft_layers=layers,
                                     conditioning="dflash", head="none", confidence_head=False,
@@ -223,15 +218,26 @@ def _dflash(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str,
                    "norm.weight": state.pop("norm.weight")}
         for n in range(layers):
             tensors.update(fuse_layer(state, f"layers.{n}.", f"layers.{n}."))
+        return config, tensors
+
+    return _assemble("DFlash", build, BlockDrafter, target, spec, vocab), notes
+
+
+def _assemble(what: str, build: Callable[[], tuple[Any, dict[str, torch.Tensor]]], model_cls: Callable[..., nn.Module],
+              target: DecoderConfig, spec: dict[str, Any], vocab: list[int] | None) -> nn.Module:
+    """Our drafter from `build()`'s (config, tensors), with the config and missing-tensor errors as one-line
+    refusals, its draft vocabulary set."""
+    try:
+        config, tensors = build()
     except ConfigError as e:
-        raise ImportRefused(f"the DFlash config does not fit the target ({e})") from None
+        raise ImportRefused(f"the {what} config does not fit the target ({e})") from None
     except KeyError as e:
         raise ImportRefused(f"the weights lack {e.args[0]}") from None
-    model = BlockDrafter(config, *_placeholders(target))
+    model = model_cls(config, *_placeholders(target))
     _load(model, tensors, Path(spec.get("model", "")))
     if vocab:
-        model.set_draft_vocab(vocab)
-    return model, notes
+        model.set_draft_vocab(vocab)  # type: ignore[operator]
+    return model
 
 
 def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
