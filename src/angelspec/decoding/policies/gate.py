@@ -14,7 +14,9 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
     rate_plain = EMA over skipped steps of 1 / (step seconds)
     draft  iff  fewer than `warmup` drafted steps were seen in the bucket, or no skipped step yet (one is run
                 to measure it), or rate_spec > (1 + margin) * rate_plain, or `probe_every` steps were skipped
-                in a row (a drafted probe keeps rate_spec current: acceptance changes with the prompts).
+                in a row (a drafted probe keeps rate_spec current: acceptance changes with the prompts, so the
+                EMAs weigh the newest step by half: with a slower EMA the gate kept skipping on the demo's maths
+                prompts, where DFly wins, after learning on its code prompts, where it loses).
 
 Exactness: the decision reads only what earlier steps measured (timings and committed counts), never this
 step's drafts or randomness, so every step is still an exact sampler of its tokens (T = 0: identical to AR; T > 0:
@@ -51,9 +53,9 @@ class SpecGate:
     speculation; decay: EMA weight of the history (0 = only the newest step)."""
 
     warmup: int = 4
-    probe_every: int = 16
+    probe_every: int = 8
     margin: float = 0.0
-    decay: float = 0.8
+    decay: float = 0.5
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
