@@ -50,10 +50,11 @@ def tiny_target(layers: int = 4, seed: int = 0) -> Decoder:
 
 def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hidden", block_size: int = 4,
                  seed: int = 1, confidence: bool = True, nonzero_heads: bool = True,
-                 context_injection: str | None = None) -> BlockDrafter:
+                 context_injection: str | None = None, fc_bias: bool | None = None) -> BlockDrafter:
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning=conditioning, head=head,
-                                        markov_rank=8, confidence_head=confidence, context_injection=context_injection)
+                                        markov_rank=8, confidence_head=confidence, context_injection=context_injection,
+                                        fc_bias=fc_bias)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     if nonzero_heads:  # the zero-initialised projections would hide every head's effect
@@ -364,7 +365,7 @@ def test_conditioning_equations(conditioning: str) -> None:
     read from the target directly (not through `concat_taps`), and every gain, bias and fusion logit is random, so no
     tensor can stand in for another."""
     target = tiny_target()
-    model = tiny_drafter(target, conditioning=conditioning)
+    model = tiny_drafter(target, conditioning=conditioning, fc_bias=True)  # Eq. 10's b_fc (new DFlash drafters omit it)
     params = dict(model.named_parameters())
     own = {k for k in params if not k.startswith(("layers.", "norm.", "head.", "confidence"))}
     assert own == CONDITIONING_PARAMETERS[conditioning]

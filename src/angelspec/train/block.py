@@ -300,12 +300,12 @@ def dspark_embedded() -> BlockDrafterTrainConfig:
 
 def dspark_shipped() -> BlockDrafterTrainConfig:
     """The DSpark that ships with the embedded target: `dspark_embedded`'s recipe (Markov head, confidence head,
-    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (1,600 steps, 3.3M tokens).
+    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (2,300 steps, 4.7M tokens).
     It was trained before the DSpark defaults changed, so the preset keeps what it was trained with (and `make
     drafters` keeps resuming its run): DFlash's shared fused context with an fc bias, L_TV = ½‖p − q‖₁ and the
     "tv" confidence head."""
     return replace(dspark_embedded(), draft_layers=1, intermediate_size=512, draft_vocab_size=1024, batch_size=4,
-                   num_anchors=32, steps=1600, warmup=50, ckpt_every=200, log_every=20,
+                   num_anchors=32, steps=2300, warmup=50, ckpt_every=200, log_every=20,
                    context_injection="shared", fc_bias=True, tv_norm="half_l1", confidence_target="tv")
 
 
