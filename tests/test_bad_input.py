@@ -184,6 +184,29 @@ def test_train_seq_len_beyond_the_target_context(capsys: pytest.CaptureFixture[s
     assert not (tmp_path / "out").exists()
 
 
+def test_train_that_cannot_fit_in_memory_is_refused_before_it_starts(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path, tiny_target_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose teacher logits alone exceed the machine's memory is refused in one line (it was OOM-killed
+    without a word); a batch that fits is not."""
+    from conftest import write_conversations
+
+    from angelspec.models.hf_io import read_config
+    from angelspec.train import runs
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(runs, "available_memory_bytes", lambda: 1 << 30)  # a 1 GiB machine
+    data = write_conversations(tmp_path / "conv.jsonl", 4, seed=1)
+    code, _, err = _train(capsys, tiny_target_dir, data, tmp_path / "out", "batch_size=100000", "seq_len=64")
+    assert_bad_input(code, err, "batch_size=100000 x seq_len=64", "GiB per step", "1.0 GiB available",
+                     "lower batch_size or seq_len")
+    assert not (tmp_path / "out").exists()
+    cfg = read_config(tiny_target_dir)
+    assert runs.step_memory_floor(2, 64, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) < 1 << 20
+    code, _, err = _train(capsys, tiny_target_dir, data, tmp_path / "out", "steps=1", "seq_len=64")
+    assert code == 0, err
+
+
 # ----- angelspec train --resume on a damaged checkpoint -----
 
 

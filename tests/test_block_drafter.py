@@ -19,6 +19,7 @@ from angelspec.models.block.config import (
     BlockDrafterConfig,
     default_block_layer_ids,
     distance_prior,
+    same_layer_taps,
 )
 from angelspec.models.block.drafter import BlockDrafter, reference_forward_backbone
 from angelspec.models.block.heads import GatedMarkovHead, HiddenCorrectionHead, MarkovHead, RNNHead
@@ -48,10 +49,12 @@ def tiny_target(layers: int = 4, seed: int = 0) -> Decoder:
 
 
 def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hidden", block_size: int = 4,
-                 seed: int = 1, confidence: bool = True, nonzero_heads: bool = True) -> BlockDrafter:
+                 seed: int = 1, confidence: bool = True, nonzero_heads: bool = True,
+                 context_injection: str | None = None, fc_bias: bool | None = None) -> BlockDrafter:
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning=conditioning, head=head,
-                                        markov_rank=8, confidence_head=confidence)
+                                        markov_rank=8, confidence_head=confidence, context_injection=context_injection,
+                                        fc_bias=fc_bias)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     if nonzero_heads:  # the zero-initialised projections would hide every head's effect
@@ -341,21 +344,164 @@ def test_distance_prior_peaks_at_matching_depth() -> None:
     torch.testing.assert_close(w.sum(-1), torch.ones(2, dtype=w.dtype))
 
 
-def test_conditioning_equations() -> None:
+CONDITIONING_PARAMETERS = {  # the raw tensors each conditioning owns (Eq. 10-12), by state-dict name (L = 2)
+    "dflash": {"fc.weight", "fc.bias", "hidden_norm.weight"},
+    "dflare": {"fusion_logits", "context_norms.0.weight", "context_norms.1.weight"},
+    "dfly": {"fc.weight", "fc.bias", "fusion_logits", "context_norms.0.weight", "context_norms.1.weight"},
+}
+
+
+def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out: gain * x / sqrt(mean(x^2) + eps) over the last dim."""
+    return gain * x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("conditioning", CONDITIONINGS)
+def test_conditioning_equations(conditioning: str) -> None:
+    """Eq. 10-12 (report §3.1) rebuilt from the raw weight tensors with explicit arithmetic, never through the model's
+    modules, so a wrong module, a swapped layer index or a mis-sliced W_fc is caught:
+        Eq. 10  c_t = W_fc [h_t^(1); ...; h_t^(n)] + b_fc                (tap j meets columns j*C:(j+1)*C of W_fc)
+        Eq. 11  alpha^(i) = softmax(W_fuse[i, :]),  f_t^(i) = sum_j alpha^(i)_j h_t^(j)
+        Eq. 12  g_t^(i) = RMSNorm_i(c_t + f_t^(i))                        (dfly)
+    dflash feeds RMSNorm(c_t) (its `hidden_norm`) to every draft layer; dflare RMSNorm_i(f_t^(i)). The taps h^(j) are
+    read from the target directly (not through `concat_taps`), and every gain, bias and fusion logit is random, so no
+    tensor can stand in for another."""
     target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning, fc_bias=True)  # Eq. 10's b_fc (new DFlash drafters omit it)
+    params = dict(model.named_parameters())
+    own = {k for k in params if not k.startswith(("layers.", "norm.", "head.", "confidence"))}
+    assert own == CONDITIONING_PARAMETERS[conditioning]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name in sorted(own):
+            noise = torch.randn(params[name].shape, generator=g, dtype=params[name].dtype)
+            if "norm" in name:  # RMSNorm gains around 1
+                params[name].copy_(1.0 + 0.5 * noise)
+            else:  # W_fc (scaled to the taps' size), b_fc, W_fuse
+                params[name].copy_(noise * (0.2 if name == "fc.weight" else 1.0))
+    ids = torch.randint(6, VOCAB, (1, 6), generator=g)
+    with torch.no_grad():
+        h = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden  # n x [1, T, C]
+        feats = model.context_features(taps_of(target, model, ids))
+    C, eps, n, L = model.config.hidden_size, model.config.rms_norm_eps, len(h), model.config.num_draft_layers
+    assert len(feats) == L == 2 and n == 3
+    if conditioning != "dflare":  # Eq. 10
+        w_fc, b_fc = params["fc.weight"].detach(), params["fc.bias"].detach()  # [C, n*C], [C]
+        c = sum(h[j] @ w_fc[:, j * C:(j + 1) * C].T for j in range(n)) + b_fc
+    for i in range(L):
+        if conditioning == "dflash":
+            expected = _rms_norm(c, params["hidden_norm.weight"].detach(), eps)
+        else:
+            logits = params["fusion_logits"].detach()[i]  # [n], W_fuse[i, :]
+            e = torch.exp(logits - logits.max())
+            alpha = e / e.sum()  # Eq. 11
+            f = sum(alpha[j] * h[j] for j in range(n))
+            gain = params[f"context_norms.{i}.weight"].detach()
+            expected = _rms_norm(f if conditioning == "dflare" else c + f, gain, eps)  # Eq. 12
+        torch.testing.assert_close(feats[i], expected, rtol=1e-12, atol=1e-12)
+
+
+# ----- DSpark's context injection (Uraion §3.3) -----
+
+
+def test_same_layer_taps_match_layers_and_taps_by_relative_depth() -> None:
+    assert same_layer_taps(5, 5) == (0, 1, 2, 3, 4)  # one to one
+    assert same_layer_taps(2, 3) == (0, 2) and same_layer_taps(3, 5) == (0, 2, 4)  # fewer layers: own taps, ends kept
+    assert same_layer_taps(1, 3) == (1,) and same_layer_taps(1, 2) == (1,)  # one layer: the middle (deeper) tap
+    assert same_layer_taps(5, 2) == (0, 0, 1, 1, 1)  # more layers than taps: neighbours share, every tap read
+    for layers in range(1, 8):
+        for taps in range(1, 8):
+            j = same_layer_taps(layers, taps)
+            assert len(j) == layers and list(j) == sorted(j) and all(0 <= x < taps for x in j)
+            assert len(set(j)) == min(layers, taps)  # distinct when layers <= taps, all taps when layers >= taps
+
+
+def test_same_layer_injection_gives_each_draft_layer_its_own_tap() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning="dflash", head="markov")  # a new DSpark: same-layer by default
+    cfg = model.config
+    assert cfg.context_injection == "same_layer" and cfg.context_taps == (0, 2) and not cfg.has_fc
+    assert not hasattr(model, "fc") and not hasattr(model, "hidden_norm") and not hasattr(model, "fusion_logits")
     ids = torch.randint(6, VOCAB, (1, 6))
-    for cond in CONDITIONINGS:
-        model = tiny_drafter(target, conditioning=cond)
-        taps = taps_of(target, model, ids)
-        feats = model.context_features(taps)
-        per_tap = taps.view(1, 6, 3, 32)
-        for i, g in enumerate(feats):
-            if cond == "dflash":
-                expected = model.hidden_norm(model.fc(taps))  # Eq. 10
-            else:
-                f = (per_tap * model.fusion_weights()[i][:, None]).sum(-2)  # Eq. 11
-                expected = model.context_norms[i](f + (model.fc(taps) if cond == "dfly" else 0))  # Eq. 12
-            torch.testing.assert_close(g, expected)
+    taps = taps_of(target, model, ids)
+    per_tap = taps.view(1, 6, 3, 32)
+    feats = model.context_features(taps)
+    for i, j in enumerate((0, 2)):  # draft layer 0 reads tap id 0, layer 1 tap id 3 (taps (0, 2, 3))
+        torch.testing.assert_close(feats[i], model.context_norms[i](per_tap[:, :, j]), rtol=0, atol=0)
+    # The tap no layer reads changes nothing; the one layer 0 reads changes layer 0's context only.
+    moved = per_tap.clone()
+    moved[:, :, 1] += 5.0
+    assert all(torch.equal(a, b) for a, b in zip(feats, model.context_features(moved.view(1, 6, 96)), strict=True))
+    moved = per_tap.clone()
+    moved[:, :, 0] += 5.0
+    after = model.context_features(moved.view(1, 6, 96))
+    assert not torch.allclose(after[0], feats[0]) and torch.equal(after[1], feats[1])
+    # The index-masked training attention still equals the per-anchor reference.
+    ids, pos, docs = packed_batch()
+    taps = taps_of(target, model, ids, pos, docs)
+    anchors = torch.tensor([[0, 3, 7, 12], [1, 4, 10, 11]])
+    torch.testing.assert_close(model.forward_backbone(taps, ids, pos, anchors, docs),
+                               reference_forward_backbone(model, taps, ids, pos, anchors, docs), rtol=1e-10, atol=1e-10)
+
+
+def test_new_drafters_pick_the_injection_and_fc_bias_old_folders_keep_theirs(tmp_path) -> None:
+    """New DSpark: same-layer injection; new DFlash / shared-context DSpark: fc without bias; DFly keeps Eq. 12's
+    bias. A folder saved before the two fields existed (no context_injection / fc_bias in config.json) loads as it
+    was built: the shared context with a biased fc."""
+    target = tiny_target()
+    shared = tiny_drafter(target, conditioning="dflash", head="markov", context_injection="shared")
+    assert shared.config.context_injection == "shared" and shared.config.has_fc and shared.fc.bias is None
+    assert tiny_drafter(target, conditioning="dflash", head="none").fc.bias is None
+    assert tiny_drafter(target, conditioning="dfly").fc.bias is not None
+    old = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
+                                        target_layer_ids=(0, 2, 3), conditioning="dflash", head="markov",
+                                        markov_rank=8, context_injection="shared", fc_bias=True)
+    model = BlockDrafter(old, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.fc.bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+    model.double()  # after the fp32 init, like `tiny_drafter`: the loader builds in fp32, then casts
+    out = save_block_drafter(model, tmp_path / "old")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["block_drafter_config"]["context_injection"] == "shared" and raw["block_drafter_config"]["fc_bias"]
+    for key in ("context_injection", "fc_bias"):  # as written before these fields existed
+        del raw["block_drafter_config"][key]
+    (out / "config.json").write_text(json.dumps(raw))
+    loaded = load_block_drafter(out, target, drafter="dspark")
+    assert loaded.config == old and torch.equal(loaded.fc.bias, model.fc.bias)
+    ids = torch.randint(6, VOCAB, (1, 10))
+    taps = taps_of(target, model, ids)
+    torch.testing.assert_close(loaded.propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits,
+                               model.propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits, rtol=0, atol=0)
+
+
+def test_shipped_dspark_loads_and_proposes_exactly_as_before() -> None:
+    """The shipped DSpark (saved before context_injection / fc_bias existed) keeps DFlash's shared context with its
+    fc bias, and proposes what it proposed before the fields were added (values computed on main at 46c763b)."""
+    from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+    from angelspec.models import load_target
+
+    folder = DEFAULT_DRAFTERS / "dspark"
+    if not (folder / "config.json").is_file() or not (DEFAULT_TARGET / "config.json").is_file():
+        pytest.skip("the shipped DSpark or the embedded target is not in this checkout")
+    target = load_target(DEFAULT_TARGET, dtype=torch.float32)
+    model = load_block_drafter(folder, target, dtype=torch.float32)
+    assert model.config.context_injection == "shared" and model.config.fc_bias and model.fc.bias is not None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(6, 8192, (3, 24), generator=g)
+    lengths = torch.tensor([24, 17, 9])
+    with torch.no_grad():
+        taps = concat_taps(target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden)
+        prop = model.propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1])
+    assert prop.tokens.tolist() == [[273, 322, 19, 69, 300, 273, 322], [19, 2, 19, 2, 19, 2, 19],
+                                    [542, 542, 310, 542, 310, 542, 941]]
+    want_conf = [[0.088246, 0.103327, 0.037321, 0.04851, 0.10284, 0.217968, 0.132629],
+                 [0.092781, 0.041504, 0.098541, 0.044062, 0.103243, 0.047099, 0.102677],
+                 [0.286931, 0.143684, 0.140744, 0.419016, 0.14292, 0.412408, 0.10325]]
+    torch.testing.assert_close(prop.confidences, torch.tensor(want_conf), rtol=0, atol=2e-5)
+    want_max = [5.2187, 4.7803, 4.9013, 5.2601, 5.1835, 6.7125, 5.7155, 4.9400, 4.4869, 5.0777, 4.8254, 5.2771,
+                4.7046, 5.0281, 5.1253, 4.8414, 4.5792, 4.9142, 5.2812, 5.0545, 5.0823]
+    torch.testing.assert_close(prop.logits.max(-1).values.flatten(), torch.tensor(want_max), rtol=0, atol=2e-4)
 
 
 # ----- folder IO -----
@@ -471,6 +617,15 @@ def test_bad_configs_raise_clear_errors() -> None:
         make().check_mask_token(4)  # a tokenizer with only 4 ids lacks the mask token
     with pytest.raises(ConfigError, match="unknown block drafter config fields"):
         BlockDrafterConfig.from_dict({**make().to_dict(), "markov_head_type": "vanilla"})
+    with pytest.raises(ConfigError, match="unknown context_injection 'per_layer'; choose one of shared, same_layer"):
+        make(conditioning="dflash", head="markov", context_injection="per_layer")
+    for design in (dict(conditioning="dflash", head="none"), dict(conditioning="dfly", head="markov"),
+                   dict(conditioning="dflare", head="markov")):  # same-layer injection is DSpark's backbone only
+        with pytest.raises(ConfigError, match="context_injection=same_layer is DSpark's backbone.*pass "
+                                              "context_injection=shared"):
+            make(context_injection="same_layer", **design)
+    with pytest.raises(ConfigError, match="fc_bias must be true or false"):
+        make(fc_bias="no")
 
 
 def test_bad_forward_inputs() -> None:

@@ -1,6 +1,7 @@
 """Block-parallel drafters in the engine and the trainer (report §3; DSpark report §3): greedy speculative output
 equals autoregressive output for DFlash / DFly / DSpark with every proposal equal to a from-scratch recompute
-(so the context cache is exact after partial accepts), a T=1 smoke test, training + exact resume, the real-target
+(so the context cache is exact after partial accepts), the T=1 output distribution of DSpark / DFly sampled drafts
+(chi-square, with negative controls), training + exact resume, the real-target
 presets on a tiny target, train + eval from the command line, and bad input.
 
 Engine tests run in float64 on a tiny target so batched and single-row arithmetic agree far below any argmax gap."""
@@ -16,6 +17,12 @@ import pytest
 import torch
 from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
 from test_distributed import _torchrun, needs_gloo
+from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
+    WRONG_SAMPLERS,
+    assert_t1_matches_target,
+    assert_wrong_sampler_detected,
+    dist_case,
+)
 
 from angelspec.decoding.drafters import get_drafter
 from angelspec.decoding.drafters.base import DrafterMismatchError
@@ -33,6 +40,7 @@ from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.io import save_block_drafter
 from angelspec.train.block import (
     BlockDrafterTrainConfig,
+    dspark_shipped,
     qwen3_8b_dfly,
     qwen3_8b_dspark,
     resolve_mask_token,
@@ -51,10 +59,11 @@ def tiny_target(layers: int = 3, vocab: int = VOCAB) -> Decoder:
     return tiny_decoder(vocab, layers=layers, heads=2, kv=1)
 
 
-def tiny_block_drafter(target: Decoder, kind: str, block_size: int = 4) -> BlockDrafter:
+def tiny_block_drafter(target: Decoder, kind: str, block_size: int = 4, layer_ids: tuple[int, ...] = (0, 2)
+                       ) -> BlockDrafter:
     conditioning, head = DESIGNS[kind]
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size,
-                                        num_draft_layers=1, target_layer_ids=(0, 2), conditioning=conditioning,
+                                        num_draft_layers=1, target_layer_ids=layer_ids, conditioning=conditioning,
                                         head=head, markov_rank=8)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.3, generator=torch.Generator().manual_seed(1))
@@ -106,6 +115,36 @@ def test_sampling_smoke_t1_returns_probs_and_confidences():
     prop = seen[0]
     assert not prop.deterministic and prop.probs is not None and prop.probs.shape == (3, 3, VOCAB)
     assert prop.confidences is not None and ((prop.confidences > 0) & (prop.confidences < 1)).all()
+
+
+def sampling_block_drafter(target: Decoder, kind: str) -> BlockDrafterAdapter:
+    """A DSpark (Markov head) or DFly (hidden-correction head) drafter for the T=1 distribution tests, on the
+    two-layer target of `dist_case`. DSpark's Markov bias is scaled up so that draft 2's q depends clearly on the
+    sampled draft 1 (max TV between its q for two values of draft 1: 0.1 unscaled, about 0.7 here); DFly's head
+    already moves it that much."""
+    model = tiny_block_drafter(target, kind, layer_ids=(0, 1))
+    if kind == "dspark":
+        with torch.no_grad():
+            model.head.out.weight.mul_(5.0)
+    return BlockDrafterAdapter(model)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dfly"])
+def test_t1_sampled_drafts_keep_the_target_distribution(dist_case, kind):  # noqa: F811
+    """Standard speculative sampling with a block drafter's sampled drafts (T=1) emits the target's distribution:
+    chi-square on the first three tokens of 4000 seeded requests against the target's exact softmax (alpha 1e-4).
+    The sequential head conditions each draft on the previously SAMPLED one, so the q returned per position must be
+    the distribution that draft was really drawn from."""
+    tgt, _, joint = dist_case
+    assert_t1_matches_target(tgt, sampling_block_drafter(tgt, kind), joint, kind)
+
+
+@pytest.mark.parametrize("wrong", WRONG_SAMPLERS)
+def test_t1_distribution_test_detects_a_wrong_sampler(dist_case, monkeypatch, wrong):  # noqa: F811
+    """Negative control for the test above (DSpark): the same drafter and statistics with the min(1, p/q) test
+    removed, or with draft 2's q replaced by draft 1's (the Markov conditioning lost), must fail."""
+    tgt, _, joint = dist_case
+    assert_wrong_sampler_detected(tgt, sampling_block_drafter(tgt, "dspark"), joint, wrong, monkeypatch)
 
 
 def test_registry_folder_round_trip_and_mismatches(tmp_path):
@@ -178,6 +217,81 @@ def test_real_target_presets_build_and_run_one_step_scaled_down(tmp_path, tiny_t
     assert report["drafter"] == preset().drafter and report["objective"] == preset().resolved_objective
 
 
+def test_only_the_large_target_presets_cap_the_teacher_at_the_reports_top_k():
+    """Teacher top-K: the report's 10,000 in the Qwen3-8B presets (full-vocabulary targets at V = 152k are a memory
+    risk), the full vocabulary (None) in the embedded-target presets (V = 8192)."""
+    from angelspec.train import block, eagle3, mtp
+
+    for module in (block, mtp, eagle3):
+        for name, preset in module.PRESETS.items():
+            assert preset().top_k == (10_000 if "8b" in name else None), (module.__name__, name)
+    assert qwen3_8b_dfly().top_k == qwen3_8b_dspark().top_k == 10_000
+
+
+def test_new_dspark_trains_with_the_reports_defaults_and_records_them(tmp_path, tiny_target_dir, conversations):
+    """A new DSpark: same-layer injection, no fc at all, L_TV = ‖p − q‖₁; all of it in its config.json."""
+    out = tmp_path / "dspark"
+    train_block_drafter(tiny_target_dir, conversations, out, config=replace(tiny_debug(), drafter="dspark", steps=1),
+                        **QUIET)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["block_drafter_config"]["context_injection"] == "same_layer"
+    assert raw["block_drafter_config"]["fc_bias"] is False
+    assert raw["angelspec"]["train_config"]["tv_norm"] == "l1"
+    assert not any(k.startswith("fc.") for k in conftest.same_weights(out, out))
+    target = load_target(tiny_target_dir)
+    drafter = get_drafter("dspark").from_pretrained(out, target=target)
+    assert drafter.model.config.context_taps == (0,)  # one draft layer, taps (0, 1) of the 2-layer target: the middle
+
+
+def test_dspark_shipped_preset_still_builds_the_shipped_drafter():
+    """The shipped DSpark predates the new defaults; its preset keeps what it was trained with, so that `make
+    drafters` rebuilds (and resumes) that drafter: its config equals the shipped folder's."""
+    from angelspec.assets import DEFAULT_DRAFTERS
+    from angelspec.models.block.presets import EMBEDDED_MASK_TOKEN_ID, embedded_target_shape
+
+    folder = DEFAULT_DRAFTERS / "dspark" / "config.json"
+    if not folder.is_file():
+        pytest.skip("the shipped DSpark is not in this checkout")
+    shipped = BlockDrafterConfig.from_dict(json.loads(folder.read_text())["block_drafter_config"])
+    cfg = dspark_shipped()
+    assert cfg.model_config(embedded_target_shape(), EMBEDDED_MASK_TOKEN_ID) == shipped
+    assert (cfg.tv_norm, shipped.context_injection, shipped.fc_bias) == ("half_l1", "shared", True)
+
+
+def test_a_run_checkpointed_before_the_new_settings_resumes_only_with_its_old_ones(tmp_path, tiny_target_dir,
+                                                                                   conversations):
+    """A checkpoint whose train_config lacks tv_norm / context_injection / fc_bias was made with ½‖p − q‖₁, the shared
+    context and an fc bias: resuming it under the new DSpark defaults is refused, naming them; with the old
+    settings it resumes exactly."""
+    from angelspec.train.checkpoint import ResumeError
+
+    old = replace(tiny_debug(), drafter="dspark", steps=2, ckpt_every=1, context_injection="shared", fc_bias=True,
+                  tv_norm="half_l1")
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "a", config=old, **QUIET)
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "b", config=old, max_minutes=0, **QUIET)
+    state_file = tmp_path / "b" / "training" / "checkpoint" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("tv_norm", "context_injection", "fc_bias"):  # as written before these settings existed
+        del state["train_config"][key]
+    state_file.write_text(json.dumps(state))
+    new = replace(old, context_injection=None, fc_bias=None, tv_norm="l1")
+    with pytest.raises(ResumeError, match="tv_norm: checkpoint 'half_l1'.*context_injection: checkpoint 'shared'"
+                                          ".*fc_bias: checkpoint True"):
+        train_block_drafter(tiny_target_dir, conversations, tmp_path / "b", config=new, resume=True, **QUIET)
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "b", config=old, resume=True, **QUIET)
+    conftest.same_weights(tmp_path / "a", tmp_path / "b")
+    # A DFly run is untouched by the DSpark settings: its old checkpoint resumes under the new defaults.
+    dfly = replace(tiny_debug(), drafter="dfly", steps=2, ckpt_every=1)
+    train_block_drafter(tiny_target_dir, conversations, tmp_path / "c", config=dfly, max_minutes=0, **QUIET)
+    state_file = tmp_path / "c" / "training" / "checkpoint" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("tv_norm", "context_injection", "fc_bias"):
+        del state["train_config"][key]
+    state_file.write_text(json.dumps(state))
+    assert train_block_drafter(tiny_target_dir, conversations, tmp_path / "c", config=dfly, resume=True,
+                               **QUIET)["steps"] == 2
+
+
 def test_train_and_eval_from_the_cli(capsys, tmp_path, tiny_target_dir, conversations):
     from angelspec.cli import main
 
@@ -235,6 +349,13 @@ def test_bad_train_configs_raise_clear_errors():
         replace(tiny_debug(), drafter="dspark").for_kind("dfly")
     with pytest.raises(ConfigError, match="layer ids"):
         replace(tiny_debug(), target_layer_ids=(0, 7)).model_config(tiny_target().config, MASK)
+    with pytest.raises(ConfigError, match="unknown context_injection 'fused'"):
+        BlockDrafterTrainConfig(drafter="dspark", context_injection="fused")
+    with pytest.raises(ConfigError, match="unknown tv_norm 'l2'"):
+        BlockDrafterTrainConfig(drafter="dspark", tv_norm="l2")
+    with pytest.raises(ConfigError, match="same_layer is DSpark's backbone"):
+        replace(tiny_debug(), drafter="dflash", context_injection="same_layer").model_config(tiny_target().config,
+                                                                                              MASK)
 
 
 def test_mask_token_missing_or_out_of_range_is_a_clear_error(tmp_path, tiny_target_dir, conversations):
@@ -261,7 +382,9 @@ def test_cli_bad_block_arguments(capsys, tmp_path, tiny_target_dir, conversation
     for extra, needle in [(["--drafter", "dfly", "block_size=1"], "block_size must be an int >= 2"),
                           (["--drafter", "dspark", "--head", "hidden"], "Markov-family"),
                           (["--drafter", "dfly", "target_layer_ids=0,5"], "layer ids"),
-                          (["--drafter", "dfly", "mask_token_id=5000"], "mask token id 5000")]:
+                          (["--drafter", "dfly", "mask_token_id=5000"], "mask token id 5000"),
+                          (["--drafter", "dflash", "context_injection=same_layer"], "context_injection=shared"),
+                          (["--drafter", "dspark", "tv_norm=l2"], "unknown tv_norm")]:
         code = main(base + extra)
         err = capsys.readouterr().err
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

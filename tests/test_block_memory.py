@@ -18,8 +18,10 @@ from test_ttt_memory import _assert_same, _grads, _Shapes
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.models import Decoder, attention
+from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.targets import sample_anchors
 from angelspec.train.block import block_chunked_loss_batch, block_loss_batch, confidence_loss
+from angelspec.train.confidence import confidence_targets
 from angelspec.train.losses import LOSSES, LossConfig, with_confidence_term
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,11 +36,23 @@ def _target(vocab: int) -> Decoder:
     return model.double().eval()
 
 
-def _setup(head: str, conditioning: str, confidence: bool, lengths=(9, 7, 5, 12, 3, 6, 10), seq_len: int = 24,
+def _protocol(model: BlockDrafter) -> BlockDrafter:
+    """`model` with a "protocol" confidence head (three temperatures), a fresh non-zero one."""
+    cfg = replace(model.config, confidence_target="protocol", confidence_temperatures=(0.0, 0.5, 1.0))
+    out = BlockDrafter(cfg, *model._shared)
+    out.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("confidence.")},
+                        strict=False)
+    with torch.no_grad():
+        out.confidence.proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    return out.to(next(model.parameters()).dtype)
+
+
+def _setup(head: str, conditioning: str, confidence: bool | str, lengths=(9, 7, 5, 12, 3, 6, 10), seq_len: int = 24,
            anchors: int = 6, block_size: int = 4, vocab: int = 64):
     target = tiny_target() if vocab == 64 else _target(vocab)
-    model = tiny_drafter(target, conditioning=conditioning, head=head, confidence=confidence,
-                         block_size=block_size).float()
+    model = tiny_drafter(target, conditioning=conditioning, head=head, confidence=bool(confidence),
+                         block_size=block_size)
+    model = (_protocol(model) if confidence == "protocol" else model).float()
     target.float()
     g = torch.Generator().manual_seed(4)
     docs = [Doc(torch.randint(6, vocab, (n,), generator=g), (torch.rand(n, generator=g) > 0.2).long())
@@ -57,27 +71,34 @@ def _forward(model, packed, anchor, valid, taps, **kw):
 
 
 CASES = [("hidden", "dfly", True, "dpace_lk"), ("hidden", "dfly", True, "e2e_tv"), ("none", "dflare", False, "e2e_tv"),
-         ("markov", "dflash", True, "dspark"), ("rnn", "dflash", True, "dspark"), ("gated", "dflash", False, "dspark")]
+         ("markov", "dflash", True, "dspark"), ("rnn", "dflash", True, "dspark"), ("gated", "dflash", False, "dspark"),
+         ("hidden", "dfly", "protocol", "e2e_tv"), ("markov", "dflash", "protocol", "dspark")]
 
 
 @pytest.mark.parametrize(("head", "conditioning", "confidence", "name"), CASES)
 def test_linear_path_equals_the_reference_loss_and_every_gradient(head, conditioning, confidence, name):
+    """confidence True: a "tv" head (target α); "protocol": one output per temperature, fitted to the protocol
+    targets (`train.confidence`), which the chunked path computes from each chunk's logits."""
     model, packed, anchor, valid, taps, teacher = _setup(head, conditioning, confidence)
-    config = LossConfig(top_k=9)
-    with_conf = confidence and name != "dspark"  # the trainer's "dfly" objective adds the confidence term
+    config = LossConfig(top_k=9, tv_norm="half_l1" if confidence == "protocol" else "l1")
+    with_conf = bool(confidence) and name != "dspark"  # the trainer's "dfly" objective adds the confidence term
 
-    ref = block_loss_batch(_forward(model, packed, anchor, valid, taps, attention="dense"), teacher)
+    def targets(lb):
+        return confidence_targets(model.config, lb.student_logits.detach(), lb.teacher_logits, lb.mask, config.top_k)
+
+    ref = block_loss_batch(_forward(model, packed, anchor, valid, taps, attention="dense"), teacher, targets)
+    assert (ref.confidence_targets is None) == (not confidence)
     loss = LOSSES[name](ref, config).loss
     if with_conf:
-        loss = loss + 0.7 * confidence_loss(ref.confidence_logits, ref.student_logits.detach(), ref.teacher_logits,
-                                            ref.mask, config.top_k, ref.mask.sum())
+        loss = loss + 0.7 * confidence_loss(ref.confidence_logits, ref.confidence_targets, ref.mask, ref.mask.sum())
     loss.backward()
     ref_loss, ref_grads = loss.detach(), _grads(model)
 
     out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
     assert out.logits is None
     K = model.config.block_size - 1
-    clb = block_chunked_loss_batch(model, out, teacher, max_logits=5 * K * 64)  # 5 anchors per chunk
+    clb = block_chunked_loss_batch(model, out, teacher, max_logits=5 * K * 64,  # 5 anchors per chunk
+                                   confidence_targets=targets)
     objective = with_confidence_term(LOSSES[name], 0.7) if with_conf else LOSSES[name]
     lo = objective(clb, config)
     lo.loss.backward()

@@ -116,6 +116,8 @@ def test_calibrated_policy_passes_calibrated_confidences():
     assert torch.allclose(seen[0], torch.tensor([[0.5, 0.9, 0.2]]))  # the last temperature is reused
     assert wrapped.uses_proposal is True and CalibratedPolicy(FixedDepth(2), cal).static_depth == 2
     assert CalibratedPolicy(FixedDepth(2), cal).uses_proposal is False and CalibratedPolicy(DCut(), cal).uses_proposal
+    with pytest.raises(AttributeError):  # the wrapped policy's declaration, read-only like the policies' own (trap 1)
+        wrapped.uses_proposal = False
 
 
 def test_calibrated_drafter_compiles_its_inner_drafter_once():

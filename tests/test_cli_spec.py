@@ -187,7 +187,8 @@ def test_eval_report_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path
     report = json.loads(out.read_text())
     assert report["drafter"] == spec and report["target"] == str(tiny_target_dir)
     assert report["settings"] == {"max_new_tokens": 12, "batch_size": 2, "num_draft_tokens": 3, "temperature": 0.0,
-                                  "top_k": 0, "top_p": 1.0, "seed": 0, "warmup_tokens": 16, "compile": False}
+                                  "top_k": 0, "top_p": 1.0, "seed": 0, "warmup_tokens": 16, "compile": False,
+                                  "spec_gate": False}
     assert report["lossless"] == {"checked": True, "ok": True, "identical": 6, "total": 6, "mismatches": []}
     assert list(report["domains"]) == ["code", "math", "chat"]
     for block in [report["overall"], *report["domains"].values()]:
@@ -411,7 +412,8 @@ def test_demo_with_a_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_di
                               conversations: Path, tmp_path: Path) -> None:
     """The headline table: AR, n-gram, the draft LM, the shipped drafters found in --drafters (here MTP and DFly
     trained for the tiny target; EAGLE-3 and DSpark missing, so skipped with the command that builds them), DFly
-    with D-cut, and the short DFly training stage; every output identical to AR."""
+    with D-cut, MTP and DFly + D-cut with the speculation gate, and the short DFly training stage; every output
+    identical to AR."""
     from angelspec import demo
     from angelspec.train.block import tiny_debug as block_tiny
     from angelspec.train.block import train_dfly
@@ -428,9 +430,9 @@ def test_demo_with_a_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_di
     out = capsys.readouterr().out
     table = out[out.index("AR vs drafters, per domain"):]
     for name in ("AR", "n-gram", "draft-LM", "MTP-3 (shipped)", "DFly (shipped)", "DFly+D-cut (shipped)",
-                 "DFly (2-min demo training)"):
+                 "MTP-3+gate (shipped)", "DFly+D-cut+gate (shipped)", "DFly (2-min demo training)"):
         assert name in table
-    assert table.count("identical to AR (1/1)") == 18 and "identical to AR (3/3)" in table
+    assert table.count("identical to AR (1/1)") == 24 and "identical to AR (3/3)" in table  # 8 rows x 3 domains
     assert (tmp_path / "demo" / "dfly" / "config.json").is_file()
     skipped = [line for line in out.splitlines() if "skipped" in line and "prompt longer than context" not in line]
     assert {("EAGLE-3" in line) or ("DSpark" in line) or ("eagle3" in line) or ("dspark" in line)

@@ -1,17 +1,27 @@
 """Draft vocabularies (EAGLE-3's reduced draft vocabulary for the block drafters): the frequency choice, the
 inference path over the chosen LM-head rows against the full-vocabulary one, losslessness in the engine at T=0
-and T=1, folder round trips, the trainer and the `angelspec draft-vocab` command."""
+and T=1 (chi-square against the target's distribution, with negative controls), folder round trips, the trainer and the
+`angelspec draft-vocab` command."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import conftest
 import pytest
 import torch
 from test_block_drafter import MASK, VOCAB, taps_of, tiny_drafter, tiny_target
+from test_block_engine import sampling_block_drafter
+from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
+    WRONG_SAMPLERS,
+    assert_t1_matches_target,
+    assert_wrong_sampler_detected,
+    dist_case,
+)
 
 from angelspec.data.packing import Doc
 from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_counts
@@ -216,7 +226,7 @@ def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_t
     cfg = load_target(tiny_target_dir).config
     save_target(Decoder(replace(cfg, num_hidden_layers=1)), tmp_path / "dlm")
     assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "dlm"), "--data",
-                 str(conversations), "--size", "30"]) == 0
+                 str(conversations), "--size", "30", "--force"]) == 0  # in place
     capsys.readouterr()
     drafter = DraftLMDrafter.from_pretrained(tmp_path / "dlm")
     assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 30
@@ -228,6 +238,77 @@ def test_cli_gives_a_draft_lm_folder_a_draft_vocabulary(capsys, tmp_path, tiny_t
     assert main(["draft-vocab", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "half"), "--data",
                  str(conversations), "--size", "30"]) == 2
     assert "is not valid JSON" in capsys.readouterr().err
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_draft_vocab_in_place_needs_force_and_is_refused_before_anything_is_written(capsys, tmp_path,
+                                                                                   tiny_target_dir, conversations):
+    """Without --out the command would replace the drafter the user trained: it needs --force, and without it
+    nothing is written (the folder, spelled any way, stays byte for byte and nothing appears beside it)."""
+    from angelspec.decoding.drafters import DraftLMDrafter
+    from angelspec.models import Decoder, load_target, save_target
+
+    dlm = tmp_path / "work" / "dlm"
+    save_target(Decoder(replace(load_target(tiny_target_dir).config, num_hidden_layers=1)), dlm)
+    (dlm / "training").mkdir()
+    (dlm / "training" / "train_log.jsonl").write_text('{"step": 1}\n')  # a file the rewrite must keep
+    before = _files(dlm)
+    common = ["draft-vocab", "--target", tiny_target_dir, "--drafter", dlm, "--data", conversations, "--size", 30]
+    for extra in ([], ["--out", dlm / "."], ["--out", tmp_path / "work" / ".." / "work" / "dlm"]):
+        code, _, err = conftest.run_cli(capsys, *common, *extra)
+        conftest.assert_bad_input(code, err, str(dlm), "in place", "--out DIR", "--force")
+        assert _files(dlm) == before and sorted(p.name for p in dlm.parent.iterdir()) == ["dlm"]
+    code, out, err = conftest.run_cli(capsys, *common, "--force")
+    assert code == 0, err
+    assert DraftLMDrafter.from_pretrained(dlm).draft_vocab.numel() == 30
+    after = _files(dlm)
+    assert after.pop("config.json") != before.pop("config.json") and after == before  # only the config changed
+    assert sorted(p.name for p in dlm.parent.iterdir()) == ["dlm"]  # no temp or earlier folder left beside it
+
+
+def test_a_killed_draft_vocab_leaves_the_drafter_whole(tmp_path, tiny_target_dir, conversations):
+    """A kill at any rename or folder removal of an in-place rewrite (two files: weights and config) leaves the
+    drafter as it was or complete with its draft vocabulary, never one file of each; after a kill between the
+    swap's renames the earlier folder waits under the twin name, and the next run puts it back and finishes."""
+    from test_checkpoint import Killed, kill_at
+
+    from angelspec.models import load_target
+    from angelspec.models.mtp_io import load_mtp, save_mtp
+    from angelspec.train.draft_vocab import OLD_SUFFIX, apply_draft_vocab
+
+    target = load_target(tiny_target_dir)
+    pristine = save_mtp(_mtp_with_vocab("mtp", target, None), tmp_path / "pristine")
+    before = _files(pristine)
+
+    def run(folder: Path) -> None:
+        apply_draft_vocab(folder, conversations, 40, target=tiny_target_dir, force=True)
+
+    def new_and_whole(folder: Path) -> bool:
+        return folder.is_dir() and load_mtp(folder, target).config.draft_vocab_size == 40
+
+    kills = 0
+    for n in range(1, 50):
+        root = tmp_path / f"n{n}"
+        folder = root / "mtp"
+        shutil.copytree(pristine, folder)
+        with kill_at(n, folder):
+            try:
+                run(folder)
+            except Killed:
+                kills += 1
+            else:
+                break
+        twin = folder.with_name(folder.name + OLD_SUFFIX)
+        if folder.is_dir():
+            assert new_and_whole(folder) or _files(folder) == before, f"kill at call {n}: a mix"
+        else:  # between the renames: the earlier folder, whole, under the twin name
+            assert _files(twin) == before, f"kill at call {n}"
+        run(folder)
+        assert new_and_whole(folder) and [p.name for p in root.iterdir()] == ["mtp"], (n, list(root.iterdir()))
+    assert kills >= 4  # both file writes and both renames of the swap were reached
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,3 +400,36 @@ def test_draft_index_table_is_cached_and_follows_a_new_vocabulary():
         table = model._derived["draft index"][1]
         model.to_draft_index(tokens)
         assert model._derived["draft index"][1] is table  # not rebuilt for the same vocabulary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# T = 1 in distribution: sampling inside a draft vocabulary keeps the target's distribution
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sampling_vocab_drafter(kind: str, target, joint: torch.Tensor):
+    """An MTP or DSpark drafter on `dist_case`'s target drafting from the 10 most likely ids of the second emitted
+    token (a frequency-chosen vocabulary, as `angelspec draft-vocab` picks one): q is 0 on the 6 other ids, which
+    the target can still emit, so recovery from the residual max(0, p - q) is exercised."""
+    from angelspec.decoding.drafters.mtp import MTPDrafter
+
+    ids = joint.sum((0, 2)).argsort(descending=True)[:10]
+    if kind == "mtp":
+        return MTPDrafter(_mtp_with_vocab("mtp", target, ids))
+    return BlockDrafterAdapter(with_vocab(sampling_block_drafter(target, "dspark").model, ids))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_t1_draft_vocab_sampling_keeps_the_target_distribution(dist_case, kind):  # noqa: F811
+    """Standard speculative sampling with drafts sampled inside a draft vocabulary (T=1): the first three emitted
+    tokens of 4000 seeded requests follow the target's exact distribution (chi-square, alpha 1e-4)."""
+    tgt, _, joint = dist_case
+    assert_t1_matches_target(tgt, _sampling_vocab_drafter(kind, tgt, joint), joint, f"{kind} + draft vocab")
+
+
+@pytest.mark.parametrize("wrong", WRONG_SAMPLERS)
+def test_t1_draft_vocab_distribution_test_detects_a_wrong_sampler(dist_case, monkeypatch, wrong):  # noqa: F811
+    """Negative control for the test above (MTP with a draft vocabulary): the min(1, p/q) test removed, or depth 1's
+    q replaced by depth 0's, must fail."""
+    tgt, _, joint = dist_case
+    assert_wrong_sampler_detected(tgt, _sampling_vocab_drafter("mtp", tgt, joint), joint, wrong, monkeypatch)

@@ -13,7 +13,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ from angelspec.decoding.drafters.base import (
     register_drafter,
 )
 from angelspec.decoding.drafters.ngram import reference_lookup
-from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import Decoder, DecoderConfig, save_target
@@ -375,6 +375,83 @@ def _distribution_stats(y: Tensor, joint: Tensor) -> dict[str, tuple[float, int]
     }
 
 
+def assert_target_distributed(y: Tensor, joint: Tensor, label: str) -> None:
+    """Every statistic of `_distribution_stats` passes at alpha = 1e-4 (a false failure is practically impossible
+    with a fixed seed set: the samples are deterministic)."""
+    for name, (stat, df) in _distribution_stats(y, joint).items():
+        assert stat < chi2_crit(df), f"{label}: {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f} (df {df})"
+
+
+def assert_bias_detected(y: Tensor, joint: Tensor, factor: float = 3.0, stat_name: str = "y2") -> None:
+    """Negative control: one statistic (default: the second emitted token's) is far past the critical value
+    (p << 1e-4)."""
+    stat, df = _distribution_stats(y, joint)[stat_name]
+    assert stat > factor * chi2_crit(df), f"bias not detected: {stat_name} chi2 = {stat:.1f} (df {df})"
+
+
+def accept_every_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deliberately wrong sampler for negative controls: the engine's standard speculative sampling without the
+    min(1, p/q) test. The target's distributions at the draft positions are replaced by the drafter's q (ratio 1),
+    so every verified draft is accepted and the drafted tokens are distributed as q, not as the target."""
+    from angelspec.decoding import engine as engine_module
+
+    real = engine_module.verify_speculative
+
+    def accept_all(drafts, draft_probs, target_probs, depth, seeds, counters):
+        n = draft_probs.shape[1]
+        fake = torch.cat([draft_probs.to(target_probs.dtype), target_probs[:, n:]], dim=1)  # bonus stays p
+        return real(drafts, draft_probs, fake, depth, seeds, counters)
+
+    monkeypatch.setattr(engine_module, "verify_speculative", accept_all)
+
+
+def report_first_q_for_second_draft(drafter: Drafter) -> None:
+    """A deliberately wrong drafter for negative controls: it samples as before but reports draft 1's q for draft 2,
+    i.e. the q it returns for draft 2 ignores the sampled draft 1 it was conditioned on (the bug a sequential head
+    such as a Markov head or an MTP depth step could have)."""
+    propose = drafter.propose
+
+    def wrong(state: DraftState) -> Proposal:
+        p = propose(state)
+        if p.probs is None:
+            return p
+        probs = p.probs.clone()
+        probs[:, 1] = p.probs[:, 0]
+        return replace(p, probs=probs)
+
+    drafter.propose = wrong  # type: ignore[method-assign]
+
+
+WRONG_SAMPLERS = ("accept-every-draft", "first-q-for-second-draft")
+
+
+def assert_t1_matches_target(tgt: Decoder, drafter: Drafter, joint: Tensor, label: str) -> None:
+    """T=1 standard speculative sampling with `drafter`'s sampled drafts: the first three emitted tokens of
+    N_SAMPLES seeded requests follow the target's exact distribution `joint`. Tokens 2 and 3 come from one
+    speculative step, so drafts 1 and 2 (and draft 2's q, conditioned on the sampled draft 1) are both verified."""
+    y, metrics = _sample_spec(tgt, drafter, None)
+    assert set(metrics.protocols) == {"speculative"}
+    assert metrics.mean_accepted_length > 1.3 and metrics.acceptance[1] > 0.05, metrics.acceptance
+    assert_target_distributed(y, joint, label)
+
+
+def assert_wrong_sampler_detected(tgt: Decoder, drafter: Drafter, joint: Tensor, wrong: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of `assert_t1_matches_target`: the same drafter and statistics with one of WRONG_SAMPLERS
+    must fail, far past the critical value (the statistics have power against that bug)."""
+    if wrong == "accept-every-draft":
+        accept_every_draft(monkeypatch)  # tokens 2-3 follow q: seen in the second token already
+        stat_name = "y2"
+    else:
+        report_first_q_for_second_draft(drafter)  # only draft 2's verification is wrong: seen in (y2, y3)
+        stat_name = "y2y3"
+    y, metrics = _sample_spec(tgt, drafter, None)
+    assert set(metrics.protocols) == {"speculative"}
+    if wrong == "accept-every-draft":
+        assert metrics.acceptance[:2] == [1.0, 1.0]
+    assert_bias_detected(y, joint, factor=2.0, stat_name=stat_name)
+
+
 @pytest.mark.parametrize("case", ["standard", "deterministic-confidence", "sampled-drafts-confidence", "ngram"])
 def test_t1_distribution_matches_ar(dist_case, case):
     tgt, draft, joint = dist_case
@@ -388,8 +465,7 @@ def test_t1_distribution_matches_ar(dist_case, case):
     assert set(metrics.protocols) == {protocol}
     if case != "ngram":
         assert metrics.mean_accepted_length > 1.3  # drafts get accepted, so the test exercises verification
-    for name, (stat, df) in _distribution_stats(y, joint).items():
-        assert stat < chi2_crit(df), f"{case}: {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f} (df {df})"
+    assert_target_distributed(y, joint, case)
 
 
 def test_t1_test_detects_the_biased_combination(dist_case):
@@ -398,8 +474,39 @@ def test_t1_test_detects_the_biased_combination(dist_case):
     tgt, draft, joint = dist_case
     y, metrics = _sample_spec(tgt, DraftLMDrafter(draft), DishonestConfidenceDepth(0.3))
     assert set(metrics.protocols) == {"speculative"}
-    stat, df = _distribution_stats(y, joint)["y2"]
-    assert stat > 3 * chi2_crit(df), f"bias not detected: chi2 = {stat:.1f}"
+    assert_bias_detected(y, joint)
+
+
+class SampledDraftLMWithLengths(AlwaysSampledDraftLM):
+    """Samples its drafts, then ends each row's proposal before its first draft of confidence < 0.3: per-row
+    lengths read from the sampled drafts (the draft LM's early stop applied to sampled drafts, trap 1)."""
+
+    def propose(self, state: DraftState) -> Proposal:
+        p = super().propose(state)
+        return replace(p, lengths=(p.confidences >= 0.3).long().cumprod(dim=-1).sum(dim=-1))
+
+
+def test_lengths_of_sampled_drafts_are_refused_under_standard_sampling(dist_case, monkeypatch):
+    """Trap 1: `Proposal.lengths` cap the verified depth, so lengths chosen after sampling bias standard speculative
+    sampling exactly like a depth policy reading the sampled drafts (`test_t1_test_detects_the_biased_combination`).
+    The engine refuses such a proposal before the verify forward. The same drafter stays usable where lengths are
+    harmless: greedy rows, and a proposal-reading policy (deterministic-draft protocol, exact for any depth)."""
+    tgt, draft, joint = dist_case
+    engine = SpecEngine(tgt, SampledDraftLMWithLengths(draft), EngineConfig(max_batch_size=2, num_draft_tokens=3))
+    calls, forward = [], tgt.forward
+    monkeypatch.setattr(tgt, "forward", lambda *a, **kw: calls.append(a[0].shape[1]) or forward(*a, **kw))
+    sampled = [Request(PROMPT, 3, SamplingParams(temperature=1.0, seed=0), stop_ids=()),
+               Request(PROMPT, 3, stop_ids=())]  # one sampled row is enough for standard sampling
+    with pytest.raises(ValueError, match=r"lengths.*standard speculative sampling.*trap 1"):
+        engine.generate(sampled)
+    assert calls == [len(PROMPT)]  # the prefill only: refused before any verify forward
+    monkeypatch.undo()
+    greedy = engine.generate([Request(PROMPT, 6, stop_ids=())])
+    assert greedy[0].token_ids == reference_generate(tgt, [Request(PROMPT, 6, stop_ids=())])[0].token_ids
+    y, metrics = _sample_spec(tgt, SampledDraftLMWithLengths(draft), ConfidenceThreshold(0.0))
+    assert set(metrics.protocols) == {"deterministic"}
+    assert sum(c > 0 for c in metrics.depth_hist) >= 2, metrics.depth_hist  # the lengths really vary the depth
+    assert_target_distributed(y, joint, "lengths")
 
 
 def test_t1_spec_is_seeded_and_batch_independent(dist_case):
@@ -459,8 +566,7 @@ def test_t1_library_oracle_matches_ar(dist_case, reject):
     assert set(metrics.protocols) == {"deterministic"}
     if not reject:
         assert metrics.mean_accepted_length > 1.1  # some greedy drafts are accepted at T=1: verification is exercised
-    for name, (stat, df) in _distribution_stats(y, joint).items():
-        assert stat < chi2_crit(df), f"oracle (reject={reject}): {name} chi2 = {stat:.1f} >= {chi2_crit(df):.1f}"
+    assert_target_distributed(y, joint, f"oracle (reject={reject})")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -51,16 +51,21 @@ def _eagle3(target, draft_vocab: list[int] | None = None) -> Eagle3DraftModel:
 
 
 def _block(target, head: str = "none", conditioning: str = "dflash", confidence: bool = False,
-           draft_vocab: list[int] | None = None, zero_bias: bool = True) -> BlockDrafter:
+           draft_vocab: list[int] | None = None, bias: str = "none", context_injection: str | None = "shared"
+           ) -> BlockDrafter:
+    """A block drafter with every tensor non-zero except as `bias` says: "none" = an fc without bias (new DFlash /
+    DSpark drafters), "zero" / "trained" = an fc bias (folders saved before fc_bias existed) held at zero / moved.
+    `context_injection` None takes the new drafters' default (same-layer for a DSpark)."""
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
                                         conditioning=conditioning, head=head, markov_rank=8,
-                                        confidence_head=confidence)
+                                        confidence_head=confidence, context_injection=context_injection,
+                                        fc_bias=None if bias == "none" else True)
     if draft_vocab:
         cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
     model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
     if draft_vocab:
         model.set_draft_vocab(draft_vocab)
-    if zero_bias and hasattr(model, "fc"):
+    if bias == "zero":
         with torch.no_grad():
             model.fc.bias.zero_()
     return model
@@ -126,9 +131,11 @@ def test_eagle3_export_maps_every_tensor_shifts_taps_and_writes_d2t(target_dir, 
 @pytest.mark.parametrize(("head", "confidence", "draft_vocab"),
                          [("none", False, None), ("none", True, [9, 8, 7, 6]), ("markov", True, None),
                           ("markov", False, [1, 2, 30, 40, 50])])
-def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_vocab):
+@pytest.mark.parametrize("bias", ["none", "zero"])
+def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_vocab, bias):
     path, target = target_dir
-    model = _block(target, head=head, confidence=confidence, draft_vocab=draft_vocab)
+    model = _block(target, head=head, confidence=confidence, draft_vocab=draft_vocab, bias=bias)
+    assert (model.fc.bias is None) == (bias == "none")
     src = save_block_drafter(model, tmp_path / "block")
     result = export_drafter(src, tmp_path / "out", target=path)
     out = tmp_path / "out"
@@ -166,6 +173,23 @@ def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_
     assert result.speculative_config["num_speculative_tokens"] == c.block_size - 1 == 3
 
 
+def test_a_protocol_confidence_head_exports_its_greedy_output(target_dir, tmp_path):
+    path, target = target_dir
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
+                                        conditioning="dflash", head="markov", markov_rank=8,
+                                        confidence_target="protocol", confidence_temperatures=(0.0, 0.5, 1.0),
+                                        context_injection="shared")  # what vLLM's DSpark serves (no fc bias)
+    model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
+    result = export_drafter(save_block_drafter(model, tmp_path / "block"), tmp_path / "out", target=path)
+    got = read_tensors(tmp_path / "out" / "model.safetensors")
+    w, b = got["confidence_head.proj.weight"], got["confidence_head.proj.bias"]
+    assert w.shape == (1, cfg.hidden_size + 8) and b.shape == (1,)
+    h, e = torch.randn(5, cfg.hidden_size), torch.randn(5, 8)
+    with torch.no_grad():  # vLLM's one-output head computes what ours does for a greedy row
+        torch.testing.assert_close((torch.cat([h, e], -1) @ w.t() + b)[:, 0], model.confidence(h, e, torch.zeros(5)))
+    assert any("T = 0" in n for n in result.notes)
+
+
 def test_draft_lm_is_copied(target_dir, tmp_path):
     path, target = target_dir
     lm = tiny_decoder(vocab=VOCAB, layers=1, dtype=torch.float32)
@@ -173,6 +197,18 @@ def test_draft_lm_is_copied(target_dir, tmp_path):
     result = export_drafter(tmp_path / "lm", tmp_path / "out", target=path)
     assert result.speculative_config["method"] == "draft_model"
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "lm" / "model.safetensors").read_bytes()
+    assert not result.notes
+
+
+def test_draft_lm_with_a_draft_vocabulary_is_copied_with_a_note(target_dir, tmp_path):
+    """vLLM's draft_model drafts from the whole vocabulary (`make vllm-check` runs ours the same way)."""
+    path, target = target_dir
+    save_target(tiny_decoder(vocab=VOCAB, layers=1, dtype=torch.float32), tmp_path / "lm")
+    cfg = json.loads((tmp_path / "lm" / "config.json").read_text())
+    cfg["angelspec"] = {"drafter": "draft-lm", "draft_vocab": [1, 2, 3, 4]}
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(cfg))
+    result = export_drafter(tmp_path / "lm", tmp_path / "out", target=path)
+    assert len(result.notes) == 1 and "whole vocabulary" in result.notes[0]
 
 
 @pytest.mark.parametrize(("build", "words"), [
@@ -181,7 +217,8 @@ def test_draft_lm_is_copied(target_dir, tmp_path):
     (lambda t: _block(t, head="rnn", confidence=False), "rnn"),
     (lambda t: _block(t, conditioning="dfly", head="markov", confidence=False), "dfly"),
     (lambda t: _block(t, conditioning="dflare", head="none", confidence=False), "dflare"),
-    (lambda t: _block(t, zero_bias=False), "fc.bias"),
+    (lambda t: _block(t, bias="trained"), r"fc\.bias.*fc_bias=false"),
+    (lambda t: _block(t, head="markov", context_injection=None), "same_layer.*context_injection=shared"),
 ])
 def test_refusals_name_what_does_not_fit(target_dir, tmp_path, build, words):
     path, target = target_dir
@@ -277,7 +314,7 @@ def test_trained_eagle3_with_a_draft_vocab_exports_exactly(tmp_path, deep_target
     src = tmp_path / "eagle3"
     train_eagle3(deep_target_dir, conversations, src, config=replace(tiny_debug(), steps=1), progress=False,
                  log=lambda *_: None)
-    apply_draft_vocab(src, conversations, 24, target=deep_target_dir)
+    apply_draft_vocab(src, conversations, 24, target=deep_target_dir, force=True)  # in place
     export_drafter(src, tmp_path / "out", target=deep_target_dir)
     ours, got = _ours(src), _ours(tmp_path / "out")
     raw = json.loads((src / "config.json").read_text())
@@ -305,7 +342,10 @@ def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_
     from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_block_drafter
 
     src = tmp_path / "dspark"
-    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1)
+    # The shared context with a biased fc and a one-output "tv" confidence head: what DSpark trained with before
+    # context_injection / fc_bias / confidence_target existed.
+    cfg = replace(tiny_debug(), drafter="dspark", head="markov", steps=1, context_injection="shared", fc_bias=True,
+                  confidence_target="tv")
     assert isinstance(cfg, BlockDrafterTrainConfig)
     train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
     with pytest.raises(ExportRefused, match=r"fc\.bias"):  # training moved the bias vLLM's fc does not have
@@ -328,3 +368,134 @@ def test_trained_dspark_is_refused_for_its_bias_and_exports_once_it_is_zero(tmp_
     assert result.speculative_config["num_speculative_tokens"] == block.block_size - 1
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["dflash_config"]["target_layer_ids"] == list(block.target_layer_ids)
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("dflash", {}), ("dspark", {"context_injection": "shared"})])
+def test_freshly_trained_dflash_and_dspark_have_no_fc_bias_and_export(tmp_path, deep_target_dir, conversations,
+                                                                        kind, overrides):
+    from dataclasses import replace
+
+    from angelspec.train.block import tiny_debug, train_block_drafter
+
+    src = tmp_path / kind
+    cfg = replace(tiny_debug(), drafter=kind, steps=1, **overrides)
+    train_block_drafter(deep_target_dir, conversations, src, config=cfg, progress=False, log=lambda *_: None)
+    block = json.loads((src / "config.json").read_text())["block_drafter_config"]
+    assert block["fc_bias"] is False and "fc.bias" not in _ours(src) and "fc.weight" in _ours(src)
+    result = export_drafter(src, tmp_path / "out", target=deep_target_dir)
+    assert result.speculative_config["method"] == kind
+    if kind == "dspark":  # the default DSpark injects each layer's own tap: no fc at all, which vLLM cannot serve
+        default = tmp_path / "same_layer"
+        train_block_drafter(deep_target_dir, conversations, default, config=replace(cfg, context_injection=None),
+                            progress=False, log=lambda *_: None)
+        assert "fc.weight" not in _ours(default)
+        with pytest.raises(ExportRefused, match="context_injection=shared"):
+            export_drafter(default, tmp_path / "out2", target=deep_target_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `angelspec import --format vllm`: a vLLM folder back into our drafter (the inverse of the export)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _drafts(folder: Path, target, target_path: Path) -> tuple[list, list]:
+    """Greedy speculative decoding of three prompts with the drafter in `folder`: (every proposal's tokens, outputs)."""
+    from conftest import record_proposals
+
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+    from angelspec.decoding.loading import resolve_drafter
+
+    drafter = resolve_drafter(str(folder), target, target_path)
+    seen = record_proposals(drafter)
+    reqs = [Request(prompt_ids=[3 + i, 9, 17 + i, 30], max_new_tokens=24, stop_ids=()) for i in range(3)]
+    out = SpecEngine(target, drafter, EngineConfig(max_batch_size=2, num_draft_tokens=3)).generate(reqs)
+    return [p.tokens.tolist() for p in seen], [r.token_ids for r in out]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("kind", "draft_vocab"), [("eagle3", None), ("eagle3", [40, 3, 7, 11, 0, 63, 20, 21]),
+                                                   ("dflash", None), ("dflash", [9, 8, 7, 6, 5, 1, 2])])
+def test_import_round_trip_gives_the_same_weights_config_and_drafts(target_dir, tmp_path, kind, draft_vocab):
+    from conftest import same_weights
+
+    from angelspec.export.vllm_import import import_vllm
+
+    path, target = target_dir
+    if kind == "eagle3":
+        src = save_mtp(_eagle3(target, draft_vocab), tmp_path / "src")
+    else:
+        src = save_block_drafter(_block(target, draft_vocab=draft_vocab), tmp_path / "src")
+    export_drafter(src, tmp_path / "vllm", target=path)
+    result = import_vllm(tmp_path / "vllm", tmp_path / "back", target=path)
+    back = tmp_path / "back"
+    assert result.kind == kind and not result.notes
+    same_weights(src, back)
+    key = "eagle3_config" if kind == "eagle3" else "block_drafter_config"
+    raw_src, raw_back = (json.loads((p / "config.json").read_text()) for p in (src, back))
+    unused = {"markov_rank"} if kind == "dflash" else set()  # DFlash has no Markov head: vLLM's config has no rank
+    assert {k: v for k, v in raw_back[key].items() if k not in unused} == \
+        {k: v for k, v in raw_src[key].items() if k not in unused}
+    assert raw_back["angelspec"]["imported_from"] == str((tmp_path / "vllm").resolve())
+    drafts, outputs = _drafts(src, target, path)
+    assert _drafts(back, target, path) == (drafts, outputs) and len(drafts) > 3
+
+
+def _vllm_eagle3(target_dir, tmp_path) -> Path:
+    path, target = target_dir
+    src = save_mtp(_eagle3(target, [40, 3, 7, 11, 0, 63, 20, 21]), tmp_path / "src")
+    export_drafter(src, tmp_path / "vllm", target=path)
+    return tmp_path / "vllm"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda d: _edit_config(d, architectures=["LlamaForCausalLMEagle3"]), "LLaMA EAGLE-3 layout"),
+    (lambda d: _edit_config(d, norm_before_fc=True), "norm_before_fc=True"),
+    (lambda d: _edit_config(d, eagle_aux_hidden_state_layer_ids=None, eagle_config={}), "three strictly increasing"),
+    (lambda d: _edit_config(d, hidden_size=96), "hidden 96"),
+    (lambda d: _edit_tensors(d, lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"] + 1)), "own lm_head"),
+    (lambda d: _edit_tensors(d, lambda t: t.pop("midlayer.self_attn.k_proj.weight")), "k_proj"),
+    (lambda d: _edit_tensors(d, lambda t: t.__setitem__("extra.weight", torch.zeros(2))), "extra.weight"),
+    (lambda d: _edit_tensors(d, lambda t: t.__setitem__("d2t", -torch.arange(8))), "distinct target ids"),
+])
+def test_import_refuses_what_our_drafter_cannot_compute_in_one_line(target_dir, tmp_path, capsys, edit, words):
+    from conftest import assert_bad_input, run_cli
+
+    folder = _vllm_eagle3(target_dir, tmp_path)
+    edit(folder)
+    code, _, err = run_cli(capsys, "import", folder, tmp_path / "out", "--target", target_dir[0])
+    assert_bad_input(code, err, words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_cli_writes_a_folder_eval_loads_and_refuses_a_bad_folder(target_dir, tmp_path, capsys):
+    from conftest import assert_bad_input, run_cli
+
+    from angelspec.decoding.loading import resolve_drafter
+
+    path, target = target_dir
+    folder = _vllm_eagle3(target_dir, tmp_path)
+    code, out, _ = run_cli(capsys, "import", "--format", "vllm", folder, tmp_path / "back", "--target", path)
+    assert code == 0 and f"--drafter {tmp_path / 'back'}" in out
+    assert resolve_drafter(str(tmp_path / "back"), target, path).target_layer_ids == (1, 3, 4)
+    assert_bad_input(*run_cli(capsys, "import", folder, tmp_path / "back", "--target", path)[::2], "--force")
+    assert_bad_input(*run_cli(capsys, "import", tmp_path / "nowhere", tmp_path / "o", "--target", path)[::2],
+                     "config.json")
+    mtp = json.loads((folder / "config.json").read_text())
+    _edit_config(folder, architectures=["Qwen3DSparkModel"], dflash_config={"mask_token_id": 5})
+    assert_bad_input(*run_cli(capsys, "import", folder, tmp_path / "o2", "--target", path)[::2], "Qwen3DSparkModel",
+                     "DFlashDraftModel")
+    assert mtp["architectures"] == ["Eagle3Qwen3ForCausalLM"]

@@ -15,6 +15,8 @@ import torch
 
 from angelspec.train.losses import (
     LOSSES,
+    NO_LOSS,
+    ChunkedLossBatch,
     LossBatch,
     LossConfig,
     LossOutput,
@@ -150,7 +152,8 @@ def ref_dpace_weights(s, labels, mask, rho) -> list[list[float]]:
     return out
 
 
-def ref_dspark(s, t, labels, conf, mask, gamma, top_k=None, coefs=(0.1, 0.9, 1.0)) -> float:
+def ref_dspark(s, t, labels, conf, mask, gamma, top_k=None, coefs=(0.1, 0.9, 1.0), l1_scale=2.0) -> float:
+    """The DSpark loss with L_TV = l1_scale·TV: 2·TV = ‖p − q‖₁ (the report), 1·TV = ½‖p − q‖₁ (tv_norm half_l1)."""
     num_ce = num_tv = num_conf = den = 0.0
     for i in range(len(mask)):
         for k in range(len(mask[i])):
@@ -162,7 +165,7 @@ def ref_dspark(s, t, labels, conf, mask, gamma, top_k=None, coefs=(0.1, 0.9, 1.0
             target = 1 - tv
             den += w
             num_ce += w * ref_ce(s[i][k], labels[i][k])
-            num_tv += w * tv
+            num_tv += w * l1_scale * tv
             num_conf += w * -(target * math.log(c) + (1 - target) * math.log(1 - c))
     return (coefs[0] * num_ce + coefs[1] * num_tv + coefs[2] * num_conf) / den
 
@@ -269,6 +272,8 @@ def test_masked_losses_match_brute_force(top_k):
     assert set(out.parts) == {"ce", "tv", "conf"} and not any(v.requires_grad for v in out.parts.values())
     default_gamma = dspark_loss(st, te, y, m, b.confidence_logits, top_k).loss  # γ = K
     assert default_gamma.item() == pytest.approx(ref_dspark(s, t, labels, conf, mask, float(K), top_k), abs=1e-12)
+    half = dspark_loss(st, te, y, m, b.confidence_logits, top_k, gamma=2.0, tv_norm="half_l1").loss
+    assert half.item() == pytest.approx(ref_dspark(s, t, labels, conf, mask, 2.0, top_k, l1_scale=1.0), abs=1e-12)
 
     per_depth = acceptance_per_depth(st, te, m, top_k)
     for k in range(K):
@@ -426,6 +431,74 @@ def test_dpace_lk_gradient_treats_weights_as_constant(top_k):
     _gradcheck(surrogate, x)
     assert torch.allclose(_grad(dpace_lk_loss(x, te, y, m, top_k, eta, rho, eps), x), _grad(surrogate(x), x),
                           atol=1e-13)
+
+
+def test_dspark_tv_term_is_the_reports_l1_distance_by_default():
+    """One position, V = 3, by hand: p_t = (0.5, 0.3, 0.2), p_d = (0.2, 0.2, 0.6), label 0, confidence logit 0.
+    ‖p_d − p_t‖₁ = 0.3 + 0.1 + 0.4 = 0.8, CE = −log 0.2, α = 1 − 0.4 = 0.6, BCE(σ(0) = ½, 0.6) = log 2.
+    Report (default): 0.1·CE + 0.9·0.8 + log 2; tv_norm half_l1 (the loss before the option): 0.1·CE + 0.9·0.4
+    + log 2."""
+    student = torch.tensor([[[0.2, 0.2, 0.6]]], dtype=torch.float64).log()
+    teacher = torch.tensor([[[0.5, 0.3, 0.2]]], dtype=torch.float64).log()
+    labels, mask, conf = torch.tensor([[0]]), torch.tensor([[True]]), torch.zeros(1, 1, dtype=torch.float64)
+    ce = -math.log(0.2)
+    report = dspark_loss(student, teacher, labels, mask, conf)
+    assert report.loss.item() == pytest.approx(0.1 * ce + 0.9 * 0.8 + math.log(2), abs=1e-12)
+    assert report.parts["tv"].item() == pytest.approx(0.8, abs=1e-12)
+    assert report.parts["conf"].item() == pytest.approx(math.log(2), abs=1e-12)  # target α = 1 − ½‖·‖₁ either way
+    old = dspark_loss(student, teacher, labels, mask, conf, tv_norm="half_l1")
+    assert old.loss.item() == pytest.approx(0.1 * ce + 0.9 * 0.4 + math.log(2), abs=1e-12)
+    batch = LossBatch(student_logits=student, mask=mask, teacher_logits=teacher, labels=labels, confidence_logits=conf)
+    assert LOSSES["dspark"](batch, LossConfig()).loss.item() == pytest.approx(report.loss.item(), abs=1e-15)
+    assert LOSSES["dspark"](batch, LossConfig(tv_norm="half_l1")).loss.item() == pytest.approx(old.loss.item(),
+                                                                                             abs=1e-15)
+    with pytest.raises(ValueError, match="unknown tv_norm 'l2'; choose one of l1, half_l1"):
+        LossConfig(tv_norm="l2")
+
+
+@pytest.mark.parametrize("tv_norm", ["l1", "half_l1"])
+@pytest.mark.parametrize("protocol", [False, True])
+def test_chunked_dspark_and_confidence_term_equal_the_whole_batch(tv_norm, protocol):
+    """DSpark's tv_norm and given confidence targets ([N, K] or a protocol head's [N, K, n]) reach every chunk's
+    row sums: chunked (3 rows a chunk, a remainder) equals the whole batch, loss and gradients; so does the
+    confidence term alone (`with_confidence_term(NO_LOSS, ·)`, a confidence-only run)."""
+    from angelspec.train.losses import with_confidence_term
+
+    g = torch.Generator().manual_seed(11)
+    N, K, C, V = 8, 3, 5, 7
+    hidden = torch.randn(N, K, C, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, V, generator=g, dtype=torch.float64)
+    teacher = torch.randn(N, K, V, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (N, K), generator=g)
+    mask = torch.rand(N, K, generator=g) > 0.2
+    shape = (N, K, 3) if protocol else (N, K)
+    conf = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def of(lb: LossBatch) -> torch.Tensor:  # targets from a batch's (or chunk's) own teacher logits
+        t = torch.sigmoid(lb.teacher_logits[..., :3])
+        return t if protocol else t[..., 0]
+
+    targets = of(LossBatch(student_logits=teacher, mask=mask, teacher_logits=teacher))
+    config = LossConfig(top_k=4, tv_norm=tv_norm)
+    objectives = (LOSSES["dspark"], with_confidence_term(LOSSES["e2e_tv"], 0.5), with_confidence_term(NO_LOSS, 2.0))
+
+    def grad(loss: torch.Tensor) -> list[torch.Tensor]:  # the confidence term alone leaves the states without one
+        ds = torch.autograd.grad(loss, (hidden, conf), allow_unused=True)
+        return [torch.zeros_like(x) if d is None else d for x, d in zip((hidden, conf), ds, strict=True)]
+
+    for objective in objectives:
+        whole = objective(LossBatch(student_logits=hidden @ w, mask=mask, teacher_logits=teacher, labels=labels,
+                                    confidence_logits=conf, confidence_targets=targets), config)
+        grads = grad(whole.loss)
+        for given in (targets, of):  # a tensor (sliced per chunk) or computed from each chunk
+            clb = ChunkedLossBatch(hidden=tuple(hidden.unbind(1)), head=lambda z, rows: z @ w, mask=mask, chunk_rows=3,
+                                   teacher=lambda rows: teacher[rows], labels=labels, confidence_logits=conf,
+                                   confidence_targets=given)
+            out = objective(clb, config)
+            assert out.loss.item() == pytest.approx(whole.loss.item(), rel=1e-12)
+            assert out.parts.keys() == whole.parts.keys()
+            for a, b in zip(grad(out.loss), grads, strict=True):
+                assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_dspark_weights_and_confidence_target_are_detached():

@@ -1,6 +1,7 @@
 """MTP drafter with Training-Time Test (report §2): the fast TTT attention against its explicit-mask
 reference, packing isolation and the depth-shift gate, lossless decoding through the engine with exact
-draft-cache rollback, training/resume/save/load, and bad input.
+draft-cache rollback (T=0 token for token, T=1 in distribution with negative controls), training/resume/save/load,
+and bad input.
 
 Models are tiny; the engine tests run in float64 so that batched and single-row arithmetic agree far below
 any argmax gap."""
@@ -21,6 +22,12 @@ from conftest import (
     write_conversations,
 )
 from conftest import tiny_decoder as tiny_target
+from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
+    WRONG_SAMPLERS,
+    assert_t1_matches_target,
+    assert_wrong_sampler_detected,
+    dist_case,
+)
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.decoding.drafters import get_drafter
@@ -256,6 +263,22 @@ def test_sampling_smoke_t1():
                     stop_ids=()) for i in range(3)]
     out = engine.generate(reqs)
     assert [len(r.token_ids) for r in out] == [16, 16, 16]
+
+
+def test_t1_sampled_drafts_keep_the_target_distribution(dist_case):  # noqa: F811
+    """Standard speculative sampling with the MTP drafter's sampled drafts (T=1) emits the target's distribution:
+    chi-square on the first three tokens of 4000 seeded requests against the target's exact softmax (alpha 1e-4).
+    Depth 1's q is conditioned on the sampled depth-0 draft, so it must be the q that draft was drawn from."""
+    tgt, _, joint = dist_case
+    assert_t1_matches_target(tgt, MTPDrafter(tiny_model(tgt)), joint, "mtp")
+
+
+@pytest.mark.parametrize("wrong", WRONG_SAMPLERS)
+def test_t1_distribution_test_detects_a_wrong_sampler(dist_case, monkeypatch, wrong):  # noqa: F811
+    """Negative control for the test above: the same drafter and statistics with the min(1, p/q) test removed,
+    or with depth 1's q replaced by depth 0's, must fail."""
+    tgt, _, joint = dist_case
+    assert_wrong_sampler_detected(tgt, MTPDrafter(tiny_model(tgt)), joint, wrong, monkeypatch)
 
 
 def test_registry_and_mismatch(tmp_path):

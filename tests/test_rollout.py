@@ -286,3 +286,78 @@ def test_batch_size_and_chunking_do_not_change_the_file(tiny_target_dir: Path, t
                 chunk_lines=chunk)
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --engine vllm: vLLM is not installed here (it lives in .venv-vllm); `make vllm-check` runs the real one
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_engine_vllm_without_vllm_fails_in_one_line_naming_the_make_target(
+        tiny_target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from angelspec.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    out = tmp_path / "o.jsonl"
+    code = main(["rollout", "--engine", "vllm", "--target", str(tiny_target_dir), "--prompts", str(prompts),
+                 "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--engine vllm needs vLLM" in err and "make vllm-venv" in err
+    assert not out.exists() and not out.with_name(out.name + ".progress.json").exists()
+
+
+class _FakeVllm:
+    """A stand-in `vllm` module with the semantics read in vLLM 0.32's source (`v1/core/sched/utils.py check_stop`:
+    a stop token ends the request and stays in its output; `max_tokens` caps it), greedy through our engine; it
+    checks that `VllmEngine` hands vLLM the request the way our engine runs it."""
+
+    def __init__(self, target_dir: Path) -> None:
+        import types
+
+        self.calls: list[dict] = []
+        fake = self
+
+        class LLM:
+            def __init__(self, **kwargs) -> None:
+                fake.calls.append(kwargs)
+                self.engine = SpecEngine(load_target(target_dir, dtype=torch.float32),
+                                         config=EngineConfig(max_batch_size=kwargs["max_num_seqs"]))
+
+            def generate(self, prompts, params, use_tqdm=False):
+                assert all(p.temperature == 0.0 and p.ignore_eos for p in params)
+                reqs = [Request(prompt_ids=p["prompt_token_ids"], max_new_tokens=s.max_tokens,
+                                sampling=SamplingParams(), stop_ids=tuple(s.stop_token_ids))
+                        for p, s in zip(prompts, params, strict=True)]
+                done = self.engine.generate(reqs)
+                return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=r.token_ids,
+                                                                             finish_reason=r.finish_reason)])
+                        for r in done]
+
+        self.module = types.SimpleNamespace(LLM=LLM, SamplingParams=types.SimpleNamespace)
+        self.inputs = types.SimpleNamespace(TokensPrompt=dict)
+        self.platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: True))
+
+
+def test_engine_vllm_writes_our_greedy_file_and_records_the_engine(tiny_target_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    fake = _FakeVllm(tiny_target_dir)
+    for name, module in (("vllm", fake.module), ("vllm.inputs", fake.inputs), ("vllm.platforms", fake.platforms)):
+        monkeypatch.setitem(sys.modules, name, module)
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
+    ours, theirs = tmp_path / "ours.jsonl", tmp_path / "vllm.jsonl"
+    rollout(tiny_target_dir, prompts, ours, max_new_tokens=12, batch_size=2)
+    rollout(tiny_target_dir, prompts, theirs, max_new_tokens=12, batch_size=2, engine="vllm")
+    assert theirs.read_bytes() == ours.read_bytes()
+    assert fake.calls[0]["dtype"] == "float32" and fake.calls[0]["enforce_eager"] is True
+    config = json.loads(theirs.with_name(theirs.name + ".progress.json").read_text())["config"]
+    assert config["engine"] == "vllm"
+    assert "engine" not in json.loads(ours.with_name(ours.name + ".progress.json").read_text())["config"]
+    with pytest.raises(RolloutError, match="engine"):  # a file is continued by the engine that started it
+        rollout(tiny_target_dir, prompts, ours, max_new_tokens=12, batch_size=2, engine="vllm", resume=True)

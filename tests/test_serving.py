@@ -112,6 +112,76 @@ def test_breakeven_eq25_uses_the_mtp_reference() -> None:
     assert fallback is not None and fallback.reference == "DFly" and "no MTP" in fallback.why
 
 
+def test_step_seconds_medians_ignore_one_outlier_step() -> None:
+    """Eq. 25's T_exec and T_sample are medians over steps (the report's T-tilde): one step 100x slower than the
+    others does not move them, and the drafter's on_commit is part of the step's drafting time."""
+    from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.eval.serving.sweep import EXEC_PHASES, SAMPLE_PHASES
+
+    m = DecodeMetrics(num_draft_tokens=2)
+    for i in range(5):
+        huge = 100.0 if i == 3 else 1.0
+        m.record_step_seconds(draft=0.002 * huge, select=0.001, verify=0.010 * huge, commit=0.003, on_commit=0.002)
+    assert m.median_step_seconds(EXEC_PHASES) == pytest.approx(0.010)
+    assert m.median_step_seconds(SAMPLE_PHASES) == pytest.approx(0.005)  # draft 2 + select 1 + on_commit 2 ms
+    assert m.seconds["verify"] == pytest.approx(0.010 * 104) and m.seconds["commit"] == pytest.approx(0.015)
+    assert DecodeMetrics().median_step_seconds(SAMPLE_PHASES) == 0.0
+    rows = [_row("MTP", "mtp", "full", 1, 100, 2.5, 0.020, 0.010),
+            _row("X", "dfly", "full", 1, 100, 3.0, m.median_step_seconds(EXEC_PHASES),
+                 m.median_step_seconds(SAMPLE_PHASES))]
+    be = ServingReport(settings={}, rows=rows).breakeven()
+    assert be is not None and be.values["X"][1] == pytest.approx(3 * 0.015 / 0.030)  # the mean would give 16.3
+
+
+def _ngram_point(target: object, name: str, *, slow_propose: tuple[int, float] = (0, 0.0),
+                 on_commit_s: float = 0.0) -> ServingRow:
+    """`run_point` at concurrency 1 for an n-gram drafter whose `slow_propose[0]`-th propose sleeps `slow_propose[1]`
+    seconds and whose every on_commit sleeps `on_commit_s` seconds."""
+    import time
+
+    from angelspec.decoding.drafters.ngram import NGramDrafter
+    from angelspec.eval.serving.sweep import Contender, run_point
+
+    drafter = NGramDrafter()
+    propose, on_commit, calls = drafter.propose, drafter.on_commit, [0]
+
+    def timed_propose(state: object) -> object:
+        calls[0] += 1
+        time.sleep(slow_propose[1] if calls[0] == slow_propose[0] else 0.0)
+        return propose(state)
+
+    def timed_on_commit(commit: object) -> None:
+        time.sleep(on_commit_s)
+        on_commit(commit)
+
+    drafter.propose, drafter.on_commit = timed_propose, timed_on_commit  # type: ignore[method-assign]
+    contender = Contender(config=ServingConfig(name, "ngram"), drafter=drafter, policy=None, num_draft_tokens=2,
+                          kind="ngram")
+    workload = [EvalPrompt([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], "code")]
+    row, _ = run_point(target, contender, workload, 1, max_new_tokens=12, min_requests=2)  # type: ignore[arg-type]
+    assert row.steps >= 5  # one stalled step is not the median
+    return row
+
+
+def test_sweep_step_costs_are_medians_and_count_the_drafters_on_commit(tiny_target_dir: Path) -> None:
+    """Through the real engine: one propose that stalls for half a second leaves the point's T_sample at a typical
+    step's (a mean would add 0.5 s / steps), and a drafter whose on_commit takes 50 ms per step pays it in
+    T_sample, which moves its break-even committed length far above the reference's 3."""
+    from angelspec.eval.serving import REFERENCE_COMMIT, compute_breakeven
+    from angelspec.models import load_target
+
+    target = load_target(tiny_target_dir)
+    ref = _ngram_point(target, "NG")
+    stalled = _ngram_point(target, "NG-stall", slow_propose=(2, 0.5))
+    assert stalled.sample_s_per_step < 0.25 / stalled.steps, stalled  # the mean would be >= 0.5 s / steps
+    slow = _ngram_point(target, "NG-slow-commit", on_commit_s=0.05)
+    assert slow.sample_s_per_step >= 0.05, slow
+    be = compute_breakeven([ref, slow], reference="NG")
+    assert be is not None and be.values["NG"][1] == pytest.approx(REFERENCE_COMMIT)
+    assert be.values["NG-slow-commit"][1] >= REFERENCE_COMMIT * (slow.exec_s_per_step + 0.05) / ref.step_s
+    assert be.values["NG-slow-commit"][1] > 2 * REFERENCE_COMMIT, (ref, slow)
+
+
 def test_table_json_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report = _report(221, 2.95)
     table = report.format_table()

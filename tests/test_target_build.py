@@ -87,6 +87,38 @@ def test_refuses_to_overwrite_and_to_resume_a_different_run(tmp_path, corpus):
     assert report["steps"] == 4
 
 
+def test_resume_without_a_checkpoint_keeps_the_finished_model(capsys, tmp_path):
+    """`target build --resume` on an --out that holds a model (its default is the shipped target) with no checkpoint
+    in --work-dir has nothing to resume: refused before anything is written, instead of training a new target from
+    scratch over the model; --force is the way to do that."""
+    import conftest
+
+    out, work = tmp_path / "target", tmp_path / "w"
+    out.mkdir()
+    (out / "config.json").write_text('{"finished": true}')
+    (out / "model.safetensors").write_text("trained weights")
+    code, _, err = conftest.run_cli(capsys, "target", "build", "--out", out, "--work-dir", work, "--preset",
+                                    "tiny_debug", "--resume", "--quiet")
+    conftest.assert_bad_input(code, err, str(out), "no checkpoint", "nothing to resume", "--force",
+                              "new training run")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"finished": true}'
+    assert (out / "model.safetensors").read_text() == "trained weights"
+    assert not work.exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_without_a_checkpoint_or_a_model_starts_from_scratch(tmp_path, corpus):
+    """A build killed before its first checkpoint (nothing exported yet) still continues with --resume, from step 0."""
+    (tmp_path / "w").mkdir()  # the kill left the work folder but no checkpoint
+    (tmp_path / "out").mkdir()  # and an empty output folder
+    logged: list[str] = []
+    report = build_target(tmp_path / "out", work_dir=tmp_path / "w", config=replace(CFG, steps=1), resume=True,
+                          corpus_dir=corpus, progress=False, log=logged.append)
+    assert report["steps"] == 1 and any("starting from scratch" in line for line in logged)
+    assert load_target(tmp_path / "out").config.num_hidden_layers == CFG.num_hidden_layers
+
+
 def test_a_kill_between_renames_keeps_the_previous_checkpoint(tmp_path):
     from angelspec.train.checkpoint import write_checkpoint
 

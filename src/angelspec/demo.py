@@ -124,10 +124,10 @@ def stage_ar_baseline(state: DemoState) -> dict[str, str]:
 
 
 def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str | None = None,
-                       policy: str = "full") -> dict[str, str]:
+                       policy: str = "full", spec_gate: bool = False) -> dict[str, str]:
     """Decode the demo prompts with drafter `spec` (`--drafter` syntax) at depth `k` (default: the demo's K;
-    "natural": what the drafter was trained for, `natural_depth`) and depth policy `policy`, against the AR
-    baseline."""
+    "natural": what the drafter was trained for, `natural_depth`) and depth policy `policy`, with the speculation
+    gate when `spec_gate`, against the AR baseline."""
     from dataclasses import replace
 
     from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
@@ -138,7 +138,7 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
         from angelspec.eval.server import natural_depth
 
         k = natural_depth(drafter, default=MTP_DEPTHS)
-    settings = replace(state.settings, num_draft_tokens=k or state.num_draft_tokens)
+    settings = replace(state.settings, num_draft_tokens=k or state.num_draft_tokens, spec_gate=spec_gate)
     depth_policy = None
     if policy != "full":
         depth_policy = make_policy(policy, target=state.model, drafter=drafter,
@@ -150,16 +150,20 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
     state.reports.append(report)
     print(report.format())
     r = report.overall
+    skipped = r.spec.skipped_steps
+    gated = f", {skipped} of {r.spec.steps} steps without drafting" if spec_gate else ""
     return {name: f"{r.spec.tokens_per_s:.1f} tokens/s, MAL {r.spec.mean_accepted_length:.2f} "
-                  f"(K={settings.num_draft_tokens}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
+                  f"(K={settings.num_draft_tokens}{gated}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
 
 
 MTP_DEPTHS = 3  # MTP-3 / EAGLE-3 unroll three depths in training
-# The shipped drafters the headline table measures: (folder name, table name, depth policy), each at the depth
-# it was trained for.
-SHIPPED_ROWS = (("mtp", "MTP-3 (shipped)", "full"), ("eagle3", "EAGLE-3 (shipped)", "full"),
-                ("dfly", "DFly (shipped)", "full"), ("dspark", "DSpark (shipped)", "full"),
-                ("dfly", "DFly+D-cut (shipped)", "dcut"))
+# The shipped drafters the headline table measures: (folder name, table name, depth policy, speculation gate),
+# each at the depth it was trained for. The gated rows show what `--spec-gate` makes of a drafter that loses to AR
+# (MTP-3) and of the best one (DFly + D-cut).
+SHIPPED_ROWS = (("mtp", "MTP-3 (shipped)", "full", False), ("eagle3", "EAGLE-3 (shipped)", "full", False),
+                ("dfly", "DFly (shipped)", "full", False), ("dspark", "DSpark (shipped)", "full", False),
+                ("dfly", "DFly+D-cut (shipped)", "dcut", False), ("mtp", "MTP-3+gate (shipped)", "full", True),
+                ("dfly", "DFly+D-cut+gate (shipped)", "dcut", True))
 
 
 def shipped_folder(state: DemoState, name: str) -> Path | None:
@@ -174,7 +178,7 @@ def stage_shipped(state: DemoState) -> dict[str, str]:
     from angelspec.decoding.drafters.base import DrafterMismatchError
 
     facts: dict[str, str] = {}
-    for folder_name, name, policy in SHIPPED_ROWS:
+    for folder_name, name, policy, gate in SHIPPED_ROWS:
         folder = shipped_folder(state, folder_name)
         if folder is None:
             facts[name] = f"skipped: no drafter in {state.drafters / folder_name} (`make drafters` builds it)"
@@ -182,7 +186,7 @@ def stage_shipped(state: DemoState) -> dict[str, str]:
             continue
         print(f"\n--- {name} ---")
         try:
-            facts.update(_speculative_stage(state, str(folder), name, k="natural", policy=policy))
+            facts.update(_speculative_stage(state, str(folder), name, k="natural", policy=policy, spec_gate=gate))
         except DrafterMismatchError as e:
             facts[name] = f"skipped: {e}"
             print(facts[name])
@@ -267,8 +271,9 @@ SERVING_K = 4  # one depth for every configuration of the sweep (MTP-3 drafts it
 
 def stage_serving(state: DemoState) -> dict[str, str]:
     """Serving in miniature (AngelSpec report Figure 4): AR and the shipped MTP, DFly and DFly + D-cut (the
-    report's, and bounded to <= 3% expected acceptance loss) as closed-loop clients at concurrency 1, 4 and 16,
-    short greedy generations (a minute or two on 2 CPU cores; the full sweep is `benchmarks/serving.py`)."""
+    report's, bounded to <= 3% expected acceptance loss, and with the speculation gate) as closed-loop clients at
+    concurrency 1, 4 and 16, short greedy generations (a minute or two on 2 CPU cores; the full sweep is
+    `benchmarks/serving.py`)."""
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.eval.serving import ServingConfig, bench, lossless
 
@@ -281,7 +286,8 @@ def stage_serving(state: DemoState) -> dict[str, str]:
         return {"serving": note}
     configs = [ServingConfig("AR", "none"), ServingConfig("MTP", f"mtp:{mtp}"), ServingConfig("DFly", f"dfly:{dfly}"),
                ServingConfig("DFly+D-cut", f"dfly:{dfly}", "dcut"),
-               ServingConfig("DFly+D-cut<=3%", f"dfly:{dfly}", "dcut:max-loss=0.03")]
+               ServingConfig("DFly+D-cut<=3%", f"dfly:{dfly}", "dcut:max-loss=0.03"),
+               ServingConfig("DFly+D-cut+gate", f"dfly:{dfly}", "dcut", spec_gate=True)]
     out_dir = state.work_dir / "serving"
     try:
         report = bench(state.model, state.tokenizer, state.target_dir, configs, concurrency=SERVING_CONCURRENCY,
@@ -319,7 +325,8 @@ STAGES: list[Stage] = [
     Stage("AR baseline (greedy)", stage_ar_baseline),
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
-    Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut)", stage_shipped),
+    Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut; MTP-3 and "
+          "DFly + D-cut with the speculation gate)", stage_shipped),
     Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
     Stage("serving sweep: throughput vs concurrency (AR, shipped MTP, DFly, DFly + D-cut)", stage_serving),
     Stage("AR vs drafters, per domain", stage_report),

@@ -6,12 +6,15 @@ would give) because a private 0600 (`mkstemp`'s, or that of a writer such as saf
 file in) would otherwise survive the rename into checkpoints users share.
 `check_output_path` refuses, before any work, an output that is a folder, that exists without --force, or whose
 folder cannot be made or written (`check_writable_path`); `refuse_same_file` refuses an output that is an input.
+`copy_files` fills a folder about to be swapped in (train/checkpoint.py's `replace_folder`) without writing through
+a file it shares.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -86,7 +89,8 @@ def check_output_path(path: Path, force: bool, flag: str = "--out", example: str
     check_writable_path(path, flag)
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_path(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name the same file or folder: a relative path, a symbolic or a hard link."""
     try:
         if os.path.samefile(a, b):  # hard links and symbolic links included
             return True
@@ -101,7 +105,7 @@ def refuse_same_file(out: str | os.PathLike[str], *inputs: tuple[str, str | os.P
     skipped) under any name: a relative path, a symbolic or a hard link. Writing it would destroy the input."""
     out = Path(out)
     for input_flag, path in inputs:
-        if path is not None and _same_file(out, Path(path)):
+        if path is not None and same_path(out, Path(path)):
             raise UsageError(f"{flag} {out} is the same file as the input {input_flag} {path}; writing it would "
                              f"destroy the input, so give {flag} another path")
 
@@ -121,3 +125,21 @@ def check_writable_path(path: str | os.PathLike[str], flag: str = "--out") -> No
         what = "folder" if above == folder else f"folder in which {folder} would be created"
         raise UsageError(f"{flag} {path}: the {what}, {above}, is not writable; give {flag} a path in a folder you "
                          "can write to")
+
+
+def copy_files(src: str | os.PathLike[str], folder: str | os.PathLike[str], *, link: bool = False) -> None:
+    """Copy the files of the folder `src` (subfolders included) into `folder`; with `link`, as hard links where the
+    file system allows (free, for a folder that is about to replace `src`, whose files are then only ever replaced
+    by atomic writes, never written through). A file of the same name in `folder` is unlinked first, never
+    overwritten in place: it may be a hard link to a file of a folder that must not change."""
+    def put(a: str, b: str) -> None:
+        Path(b).unlink(missing_ok=True)
+        if link:
+            try:
+                os.link(a, b)
+                return
+            except OSError:  # a file system without hard links
+                pass
+        shutil.copy2(a, b)
+
+    shutil.copytree(src, folder, copy_function=put, dirs_exist_ok=True)

@@ -1,7 +1,8 @@
 """The `angelspec` command line: `build_parser` and `main`; one module per command group.
 
 - `generate.py`: generate. `evaluate.py`: eval, profile, calibrate, bench. `train.py`: train, features,
-  draft-vocab. `data.py`: rollout, decontam, target build. `export.py`: export. `common.py`: the flag blocks they share.
+  feature-server, draft-vocab. `data.py`: rollout, decontam, target build. `export.py`: export, import.
+  `common.py`: the flag blocks they share.
 
 Every handler parses its flags, calls one library function (so each command's work is callable from Python
 without argparse) and prints what it returns; heavy modules (torch, the engine, the trainers) are imported
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_calibrate(sub)
     train.add_draft_vocab(sub)
     train.add_features(sub)
+    train.add_feature_server(sub)
     evaluate.add_bench(sub)
     data.add_rollout(sub)
     data.add_decontam(sub)
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_eval_server(sub)
     train.add_build_drafters(sub)
     export.add_export(sub)
+    export.add_import(sub)
     return parser
 
 

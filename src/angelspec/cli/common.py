@@ -58,6 +58,10 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-table", default=None, metavar="FILE.json",
                    help="cost table of --policy dcut / alg1 / production (default: "
                         ".cache/angelspec-costs/<model>-<key digest>.json; re-profiled when stale)")
+    p.add_argument("--spec-gate", action="store_true",
+                   help="skip drafting on steps where plain decoding has been committing tokens faster at the "
+                        "current batch size (measured online; outputs stay exact, sampled ones are not "
+                        "bit-reproducible across runs)")
 
 
 def add_overrides(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,8 @@ from angelspec.data.decontam import DEFAULT_NGRAM
 
 def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
     """Replace every assistant turn of a JSONL conversation dataset with the target's own response, rendered with its
-    chat template and decoded in batches. Resumable with --resume."""
+    chat template and decoded in batches by our engine or, with --engine vllm, by vLLM's offline batch API (the same
+    JSONL; vLLM lives in its own venv: make vllm-venv). Resumable with --resume."""
     p = sub.add_parser("rollout", help="regenerate a dataset's assistant turns with the target (report §2.4)",
                        description=add_rollout.__doc__)
     add_target_flag(p)
@@ -34,6 +35,9 @@ def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
     add_sampling_flags(p, seed=0, seed_help="seeds derive from (S, line, turn) (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="per response (default: 512)")
     add_batch_size_flag(p)
+    p.add_argument("--engine", choices=["ours", "vllm"], default="ours",
+                   help="ours (default) or vllm: vLLM's LLM.generate, for a target served by vLLM (needs vLLM, in "
+                        "its own venv: make vllm-venv); the same JSONL, identical at T=0")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
     p.add_argument("--force", action="store_true", help="overwrite --out (and its progress file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -49,7 +53,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         raise RolloutError("--resume and --force contradict each other: pick one")
     summary = rollout(args.target, args.prompts, args.out, enable_thinking=args.think, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet)
+                      batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet,
+                      engine=args.engine)
     print(summary.format())
     print(f"wrote {args.out}")
     if summary.truncated_turns:
@@ -101,7 +106,8 @@ def add_target(sub: Subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help=f"output folder (default: the embedded target, {DEFAULT_TARGET})")
     p.add_argument("--work-dir", default=".cache/target-build", metavar="DIR",
                    help="corpus, tokenizer and checkpoints (default: .cache/target-build)")
-    add_run_flags(p, resume_help="continue from the last checkpoint in --work-dir",
+    add_run_flags(p, resume_help="continue from the last checkpoint in --work-dir (refused when there is none and "
+                                 "--out holds a model: --force trains a new one over it)",
                   force_help="start over, overwriting --out and --work-dir",
                   preset_help="training preset: embedded_target (default) or tiny_debug",
                   max_minutes_help="stop training after M minutes at a checkpoint and export (continue later with "

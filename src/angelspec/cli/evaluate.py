@@ -56,7 +56,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.drafter, target=args.target, prompts=args.prompts, limit=args.limit, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
-        cost_table=args.cost_table, compile=args.compile, json_out=args.json, force=args.force,
+        cost_table=args.cost_table, compile=args.compile, spec_gate=args.spec_gate, json_out=args.json,
+        force=args.force,
         progress=not args.quiet, log=None if args.quiet else print)
     print(run.format())
     if run.report.lossless is False:
@@ -114,7 +115,10 @@ def add_calibrate(sub: Subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="use at most N prompts")
     add_num_draft_tokens_flag(p)
     add_batch_size_flag(p)
-    p.add_argument("--force", action="store_true", help="overwrite an existing calibration.json")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="decode at this sampling temperature and store the fit as the one at T (default: 0); fits at "
+                        "other temperatures stay in calibration.json, and each request uses the nearest one")
+    p.add_argument("--force", action="store_true", help="overwrite an existing fit at this temperature")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)
 
@@ -125,7 +129,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     print(calibrate(args.drafter, args.prompts, target=args.target, max_new_tokens=args.max_new_tokens,
                     limit=args.limit, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                    force=args.force, progress=not args.quiet))
+                    temperature=args.temperature, force=args.force, progress=not args.quiet))
     return 0
 
 
@@ -133,17 +137,23 @@ def add_bench(sub: Subparsers) -> None:
     """For each --config and each concurrency C, run max(2C, --min-requests) greedy requests of --max-new-tokens tokens
     (a chat/code/math mix of the held-out prompts) through one engine with C rows (continuous batching = C
     closed-loop clients), after an untimed warm-up. Print aggregate and per-user tokens/s, MAL, speed-up over the AR
-    config, per-step verify and draft+select time, and whether D-cut beats full verification at the highest C (dcut,
-    alg1 and production profile a cost table per drafter on first use, cached under .cache/angelspec-costs); write
-    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. Exits 1 if a
+    config, the median per-step verify and draft (propose + on_commit) + select time, and whether D-cut beats full
+    verification at the highest C (dcut, alg1 and production profile a cost table per drafter on first use, cached
+    under .cache/angelspec-costs); write
+    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. With --vllm,
+    vLLM (its own venv, `make vllm-venv`) serves the same requests at each C for every AR and full-depth n-gram
+    config, and the table gains its tokens/s, ours/vLLM and whether its outputs equal ours. Exits 1 if a
     speculative output differs from AR's (a bug)."""
     p = sub.add_parser(
         "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
         description=add_bench.__doc__)
     add_target_flag(p)
-    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY]",
+    p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY][+gate]",
                    help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
-                        "(default full), e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut")
+                        "(default full), +gate the speculation gate (skip drafting where plain steps are faster), "
+                        "+compile torch.compile in the engine (about a minute per config on a 2-core CPU), "
+                        "e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut "
+                        "DFly+gate=.cache/demo/dfly@dcut+gate AR-compiled=none+compile")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
                    help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
@@ -154,6 +164,12 @@ def add_bench(sub: Subparsers) -> None:
                    help="new tokens of the untimed warm-up batch per config (default: 8)")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="use the first N prompts of each domain (default: every prompt that fits)")
+    p.add_argument("--vllm", nargs="?", const=".venv-vllm", default=None, metavar="DIR",
+                   help="also run vLLM from the venv DIR (default .venv-vllm, built by `make vllm-venv`) on the same "
+                        "requests for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and "
+                        "whether its outputs equal ours (log: --out/vllm.log)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
     p.add_argument("--breakeven", action="store_true",
                    help="also print the break-even committed length per drafter and concurrency (report Eq. 25)")
@@ -169,7 +185,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.config, args.out, target=args.target, concurrency=args.concurrency,
                        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
-                       breakeven=args.breakeven, log=None if args.quiet else print)
+                       breakeven=args.breakeven, limit=args.limit, vllm=args.vllm,
+                       log=None if args.quiet else print)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 
 

@@ -9,21 +9,54 @@ from angelspec.cli import common
 
 def add_export(sub: common.Subparsers) -> None:
     """Write a drafter folder in the layout a serving engine loads (vLLM 0.32: EAGLE-3, DFlash, DSpark with the plain
-    Markov head, or a draft LM), plus speculative_config.json, the dict to pass as --speculative-config. Drafters the
-    format cannot represent (MTP, DFly/DFlare, hidden-correction, gated or RNN heads) are refused."""
-    p = sub.add_parser("export", help="export a drafter for a serving engine (vLLM)", description=add_export.__doc__)
-    p.add_argument("--format", default="vllm", choices=["vllm"], help="target format (default: vllm)")
-    p.add_argument("drafter_dir", metavar="DRAFTER_DIR", help="the trained drafter folder")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (refused if not empty)")
-    common.add_target_flag(p, "the target the drafter was trained for (default: the embedded target)")
-    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+    Markov head, or a draft LM, plus speculative_config.json, the dict to pass as --speculative-config; SGLang:
+    DFlash or a draft LM, plus sglang_args.json, the --speculative-* flags to pass, checked offline only). Drafters
+    the format cannot represent (MTP, DFly/DFlare, hidden-correction, gated or RNN heads; for SGLang also EAGLE-3,
+    DSpark and draft vocabularies) are refused."""
+    p = sub.add_parser("export", help="export a drafter for a serving engine (vLLM, SGLang)",
+                       description=add_export.__doc__)
+    _folder_flags(p, ("vllm", "sglang"), "target format", ("drafter_dir", "DRAFTER_DIR", "the trained drafter folder"),
+                  "the folder to write (refused if not empty)", "the target the drafter was trained for")
     p.set_defaults(func=cmd_export)
 
 
+def _folder_flags(p: argparse.ArgumentParser, formats: tuple[str, ...], format_help: str, src: tuple[str, str, str],
+                  out_help: str, target_help: str) -> None:
+    """The flags `export` and `import` share: --format (one of `formats`), the source (dest, metavar, help), OUT_DIR,
+    --target, --force."""
+    p.add_argument("--format", default="vllm", choices=list(formats), help=f"{format_help} (default: vllm)")
+    p.add_argument(src[0], metavar=src[1], help=src[2])
+    p.add_argument("out_dir", metavar="OUT_DIR", help=out_help)
+    common.add_target_flag(p, f"{target_help} (default: the embedded target)")
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    """`angelspec export`: export DRAFTER_DIR into OUT_DIR and print the speculative_config."""
+    """`angelspec export`: export DRAFTER_DIR into OUT_DIR and print the speculative_config (vLLM) or the launch
+    flags (SGLang)."""
     from angelspec.export import export_drafter
 
     result = export_drafter(args.drafter_dir, args.out_dir, format=args.format, target=args.target, force=args.force)
     print(result.format())
+    return 0
+
+
+def add_import(sub: common.Subparsers) -> None:
+    """Read a drafter folder in a serving engine's layout (vLLM 0.32: EAGLE-3 for a Qwen3 target,
+    Eagle3Qwen3ForCausalLM, or DFlash, DFlashDraftModel; an `angelspec export` output or one trained elsewhere) and
+    write it as an AngelSpec drafter folder, so `angelspec eval --drafter OUT_DIR` measures it on our engine and
+    policies. Folders our models cannot compute exactly (their own LM head or embedding, the LLaMA EAGLE-3 layout,
+    fc norms, sliding windows, ...) are refused with what does not fit."""
+    p = sub.add_parser("import", help="import a vLLM-format EAGLE-3 or DFlash drafter", description=add_import.__doc__)
+    _folder_flags(p, ("vllm",), "source format",
+                  ("src_dir", "VLLM_DIR", "the vLLM drafter folder (config.json + safetensors)"),
+                  "the AngelSpec drafter folder to write (refused if not empty)", "the target the drafter serves")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """`angelspec import`: import VLLM_DIR into OUT_DIR and print how to use it."""
+    from angelspec.export.vllm_import import import_vllm
+
+    print(import_vllm(args.src_dir, args.out_dir, target=args.target, force=args.force).format())
     return 0

@@ -35,7 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompts, args.out, target=args.target, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
-        cost_table=args.cost_table, force=args.force, progress=not args.quiet, log=None if args.quiet else print,
+        cost_table=args.cost_table, spec_gate=args.spec_gate, force=args.force, progress=not args.quiet,
+        log=None if args.quiet else print,
         warn=common.warn)
     print(summary.format())
     return 0

@@ -1,5 +1,5 @@
-"""The drafter-training commands `train`, `features` and `draft-vocab`: their parsers, and handlers that each call
-one library function (`angelspec.train.runs`, `angelspec.train.draft_vocab`) and print its summary."""
+"""The drafter-training commands `train`, `features`, `feature-server` and `draft-vocab`: their parsers, and handlers
+that each call one library function (`angelspec.train.runs`, `angelspec.train.draft_vocab`) and print its summary."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def add_train(sub: Subparsers) -> None:
     p.add_argument("--head", choices=("none", "markov", "gated", "rnn", "hidden"), default=None,
                    help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
                         "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="a trained block-drafter folder to start from, with --only (same as init_from=DIR)")
+    p.add_argument("--only", choices=("confidence",), default=None,
+                   help="train only this part of the --init-from drafter, everything else frozen: `confidence` "
+                        "re-fits its confidence head (confidence_target=protocol by default; default preset "
+                        "confidence_only); writes a new drafter folder to --out; same as only=confidence")
     add_run_flags(p, resume_help="continue from the last checkpoint in --out/training",
                   force_help="start over, overwriting --out",
                   max_minutes_help="stop after M minutes at a checkpoint and export (continue later with --resume)")
@@ -54,6 +60,14 @@ def add_train(sub: Subparsers) -> None:
                         "each checkpoint into --out/training/eval_log.jsonl (its output: OUT.eval-server.log)")
     p.add_argument("--eval-prompts", metavar="FILE.jsonl",
                    help="held-out prompts for --eval-every (default: the shipped ones)")
+    p.add_argument("--feature-workers", type=int, default=None, metavar="N",
+                   help="run the frozen target in N feature servers of its own, separate processes that stream the "
+                        "hidden states to this trainer (`angelspec feature-server`; their output: "
+                        "OUT.feature-server*.log), instead of inside each training step; same losses")
+    p.add_argument("--feature-backend", choices=("files", "ray"), default="files",
+                   help="how --feature-workers stream: files = a folder in --out/training (default, nothing to "
+                        "install); ray = Ray actors and object store (pip install 'angelspec[ray]'; joins RAY_ADDRESS, "
+                        "else starts a Ray cluster for the run)")
     add_overrides(p)
     p.set_defaults(func=cmd_train)
 
@@ -78,7 +92,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"{args.out}/training/eval_log.jsonl")
     result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
                            overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
-                           max_minutes=args.max_minutes, distributed=args.distributed, log=print)
+                           max_minutes=args.max_minutes, distributed=args.distributed,
+                           feature_workers=args.feature_workers, feature_backend=args.feature_backend,
+                           init_from=args.init_from, only=args.only, log=print)
     print(result.format())
     return 0
 
@@ -121,6 +137,45 @@ def cmd_features(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_feature_server(sub: Subparsers) -> None:
+    """Run the frozen target over a trainer's batches and stream their hidden states to it, as a process (or
+    machine) of its own: the trainer reads them with `angelspec train ... features=stream:DIR` (a folder both see)
+    or `features=ray:NAME` (a Ray cluster), with the same losses as running the target inside the step. The
+    trainer publishes what it needs (taps, rows, order); the server keeps --buffer batches ahead of it, blocks when
+    they wait unread, and exits when the trainer has finished. Either side can be killed and restarted at any time:
+    nothing is lost or read twice."""
+    p = sub.add_parser("feature-server", help="stream the target's hidden states to a trainer (disaggregated "
+                                              "features)", description=add_feature_server.__doc__)
+    p.add_argument("--data", required=True, metavar="FILE_OR_DIR", help="the trainer's --data")
+    add_target_flag(p)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stream", metavar="DIR", help="serve features=stream:DIR (a folder the trainer sees too)")
+    where.add_argument("--ray", metavar="NAME", help="serve features=ray:NAME on a Ray cluster "
+                                                     "(pip install 'angelspec[ray]')")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="--stream: how many servers share the stream (start one per --worker); --ray: target actors "
+                        "this server starts (default: 1)")
+    p.add_argument("--worker", type=int, default=0, metavar="I", help="--stream: this server's index, 0..N-1")
+    p.add_argument("--buffer", type=int, default=4, metavar="B",
+                   help="batches made ahead of each trainer rank; the server waits when B are unread (default: 4)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="--ray: the cluster (default: RAY_ADDRESS, else the one `ray start` runs here)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0, metavar="S",
+                   help="stop after S seconds without a trainer's progress (default: 3600)")
+    p.set_defaults(func=cmd_feature_server)
+
+
+def cmd_feature_server(args: argparse.Namespace) -> int:
+    """`angelspec feature-server`: stream the target's hidden states to a trainer until it finishes."""
+    from angelspec.train.runs import serve_features
+
+    n = serve_features(args.data, stream=args.stream, ray=args.ray, target=args.target, worker=args.worker,
+                       workers=args.workers, buffer=args.buffer, address=args.address,
+                       idle_timeout_s=args.idle_timeout, log=lambda m: print(m, flush=True))
+    print(f"published {n} feature batches", flush=True)
+    return 0
+
+
 def add_draft_vocab(sub: Subparsers) -> None:
     """Count the assistant tokens of a conversations JSONL (the drafter's training data), keep the --size most
     frequent target tokens (plus the end-of-turn tokens) as the drafter's draft vocabulary and save the drafter
@@ -136,8 +191,9 @@ def add_draft_vocab(sub: Subparsers) -> None:
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="conversations to count tokens in")
     p.add_argument("--size", required=True, type=int, metavar="N", help="draft vocabulary size")
     add_target_flag(p)
-    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place)")
-    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
+    p.add_argument("--out", metavar="DIR", help="write the drafter here (default: in place, which needs --force)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite a model already in --out, or without --out rewrite --drafter in place")
     p.set_defaults(func=cmd_draft_vocab)
 
 

@@ -43,6 +43,26 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def checkpoint_fingerprint(folder: str | Path) -> str:
+    """A short hex id of a HF checkpoint folder read from its files, without loading the model (for a target
+    that another engine serves, e.g. vLLM): config.json, then per safetensors file its header (names, shapes,
+    dtypes, offsets), its size and SAMPLES_PER_TENSOR strided 8-byte samples of its data. Retraining or
+    re-quantising changes it; it is not comparable with `model_fingerprint` of the same weights."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(file.name.encode() + f.read(header_len) + str(size).encode())
+            start = 8 + header_len
+            step = max(8, (size - start) // SAMPLES_PER_TENSOR)
+            for pos in range(start, size, step):
+                f.seek(pos)
+                h.update(f.read(8))
+    return h.hexdigest()[:16]
+
+
 def file_sha256(path: str | Path) -> str:
     """Full SHA-256 of a file, streamed (input files and cache shards are hashed whole)."""
     h = hashlib.sha256()

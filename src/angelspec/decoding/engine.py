@@ -26,7 +26,8 @@ Verification protocol (docs/design.md trap 1), chosen per step on the host:
 * every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
 * drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
   (exact for any depth choice);
-* otherwise                           -> `verify_speculative` with the drafter's probabilities.
+* otherwise                           -> `verify_speculative` with the drafter's probabilities; a proposal
+  that also carries per-row `lengths` is refused here (they could depend on the sampled drafts).
 
 Cost notes
 ----------
@@ -46,7 +47,7 @@ import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -58,6 +59,7 @@ from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
 from angelspec.decoding.metrics import DecodeMetrics
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
+from angelspec.decoding.policies.gate import SpecGate
 from angelspec.decoding.sampling import (
     BatchSampling,
     NoiseStream,
@@ -73,6 +75,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
 
 FinishReason = Literal["stop", "length"]
+VerifyProtocol = Literal["greedy", "deterministic", "speculative"]
 DepthPolicyFn = Callable[[Proposal, DraftState], Tensor]
 
 
@@ -123,7 +126,9 @@ class EngineConfig:
     unpacked verify forward and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
     compilation, about 5-60 s on CPU; falls back to eager if compilation fails. The
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
-    engine."""
+    engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
+    faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay exact in
+    distribution but are not bit-reproducible across runs)."""
 
     max_batch_size: int = 8
     max_seq_len: int | None = None
@@ -132,6 +137,7 @@ class EngineConfig:
     seed: int | None = None
     compile: bool = False
     dense_verify: bool = True
+    spec_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_draft_tokens"):
@@ -202,6 +208,7 @@ class SpecEngine:
         if static is not None and not 0 <= static <= self.k:
             raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {self.k}")
         self._policy_uses_proposal = policy_uses_proposal(self.depth_policy)
+        self.gate: SpecGate | None = SpecGate() if config.spec_gate and drafter is not None else None
         self._taps: tuple[int, ...] = ()
         if drafter is not None:
             # Before any decoding: a drafter for another target/tokenizer fails here, not mid-generation.
@@ -424,8 +431,7 @@ class SpecEngine:
             s.emit((host[r],))
         self.metrics.record_decode(len(rows))
         t2 = time.perf_counter()
-        self.metrics.seconds["verify"] += t1 - t0
-        self.metrics.seconds["commit"] += t2 - t1
+        self.metrics.record_step_seconds(verify=t1 - t0, commit=t2 - t1)
 
     # ------------------------------------------------------------------------------------------------
     # Speculative step
@@ -440,11 +446,20 @@ class SpecEngine:
                            sampling=self._sampling, draft_round=self._draft_round, num_draft_tokens=k,
                            deterministic=self._policy_uses_proposal, all_greedy=self._all_greedy,
                            seq_len_bound=bound)
-        proposal = self.drafter.propose(state)
-        proposal.check(b, k, self.vocab_size)
-        t1 = time.perf_counter()
-
-        depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+        drafting = self.gate is None or self.gate.should_draft(len(rows))
+        if drafting:
+            proposal = self.drafter.propose(state)
+            proposal.check(b, k, self.vocab_size)
+            protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
+            t1 = time.perf_counter()
+            depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+        else:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts and its commit
+            proposal = self.drafter.propose(replace(state, num_draft_tokens=0))
+            proposal.check(b, 0, self.vocab_size)
+            proposal = replace(proposal, deterministic=True, lengths=None)  # nothing drafted: a plain sample
+            protocol = self._protocol(proposal)
+            t1 = time.perf_counter()
+            depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
         t2 = time.perf_counter()
 
         drafts = proposal.tokens[:, :width]  # [B, n]
@@ -457,11 +472,11 @@ class SpecEngine:
             logits, hidden = out.logits, out.hidden
         else:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
-        protocol, v = self._verify(drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
+        v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
         t3 = time.perf_counter()
 
         acc = v.num_accepted
-        if self.on_verify is not None:
+        if self.on_verify is not None and drafting:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=acc, active=self._active.clone()))
         cache.truncate(torch.where(self._active, old_len + acc + 1, old_len))  # rollback: trap 4
         self._seq_lens = torch.where(self._active, self._seq_lens + acc + 1, self._seq_lens)
@@ -480,16 +495,21 @@ class SpecEngine:
             s.seq_len += a + 1
             s.steps += 1
             s.emit(host_tokens[r])
+        t_on_commit = time.perf_counter()
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
                                       target_hidden=hidden))
-        self.metrics.record_verify(accepted, depths, protocol)
+        on_commit = time.perf_counter() - t_on_commit  # the drafter's share of the commit phase
+        if drafting:
+            self.metrics.record_verify(accepted, depths, protocol)
+        else:
+            self.metrics.record_decode(len(rows))
+            self.metrics.skipped_steps += 1
         t4 = time.perf_counter()
-        sec = self.metrics.seconds
-        sec["draft"] += t1 - t0
-        sec["select"] += t2 - t1
-        sec["verify"] += t3 - t2
-        sec["commit"] += t4 - t3
+        if self.gate is not None:
+            self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, t4 - t0)
+        self.metrics.record_step_seconds(draft=t1 - t0, select=t2 - t1, verify=t3 - t2, commit=t4 - t3,
+                                         on_commit=on_commit)
 
     def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
@@ -514,21 +534,42 @@ class SpecEngine:
             raise ValueError(f"depth policy returned depths in [{lo}, {hi}]; they must lie in [0, K={k}]")
         return depth, width, num_keep
 
-    def _verify(self, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
-                width: int) -> tuple[str, VerifyOutput]:
-        """drafts [B, n], logits [B, n+1, V] -> (protocol name, VerifyOutput(tokens [B, n+1], num_accepted [B]))."""
+    def _protocol(self, proposal: Proposal) -> VerifyProtocol:
+        """The step's verification protocol (docs/design.md trap 1); refuses a proposal it cannot verify exactly.
+
+        "greedy" when every active row is greedy; "deterministic" when the drafts are deterministic or the depth
+        policy reads this round's proposal (exact for any depth, even one computed from this round's drafts);
+        else "speculative", which is exact only if nothing that bounds the depth depends on the sampled drafts.
+        The engine cannot tell when a drafter fixed `Proposal.lengths`, so under standard sampling it refuses
+        lengths altogether: a per-row cap known before sampling belongs in the depth policy (`uses_proposal =
+        False`, depths from `DraftState` and earlier steps only)."""
         if self._all_greedy:
-            return "greedy", verify_greedy(drafts, logits, depth)
+            return "greedy"
+        if proposal.deterministic or self._policy_uses_proposal:
+            return "deterministic"
+        name = type(self.drafter).__name__
+        if proposal.probs is None:
+            raise ValueError(f"{name} proposed sampled drafts (deterministic=False) without probs [B, K, V]; "
+                             "standard speculative sampling needs the draft distributions")
+        if proposal.lengths is not None:
+            raise ValueError(f"{name} proposed sampled drafts with per-row lengths, but standard speculative sampling "
+                             "is exact only if no depth depends on the sampled drafts (docs/design.md trap 1): "
+                             "return lengths=None for sampled drafts (end proposals early only when "
+                             "DraftState.deterministic or all_greedy asks for argmax drafts), or cap depths in a "
+                             "depth policy that reads only DraftState")
+        return "speculative"
+
+    def _verify(self, protocol: VerifyProtocol, drafts: Tensor, proposal: Proposal, logits: Tensor, depth: Tensor,
+                width: int) -> VerifyOutput:
+        """drafts [B, n], logits [B, n+1, V] -> VerifyOutput(tokens [B, n+1], num_accepted [B]) by `protocol`."""
+        if protocol == "greedy":
+            return verify_greedy(drafts, logits, depth)
         s = self._sampling
         probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, n+1, V]
-        if proposal.deterministic or self._policy_uses_proposal:
-            # Exact for any depth choice, even one computed from this round's drafts (trap 1).
-            return "deterministic", verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
-        if proposal.probs is None:
-            raise ValueError(f"{type(self.drafter).__name__} proposed sampled drafts (deterministic=False) without "
-                             "probs [B, K, V]; standard speculative sampling needs the draft distributions")
-        return "speculative", verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds,
-                                                 self._seq_lens)
+        if protocol == "deterministic":
+            return verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
+        assert proposal.probs is not None  # _protocol checked it
+        return verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds, self._seq_lens)
 
 
 def reference_generate(target: Decoder, requests: Sequence[Request],

@@ -93,7 +93,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
                          drafter: str = "none", num_draft_tokens: int = 4, temperature: float = 0.0,
                          top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_new_tokens: int = 256,
                          batch_size: int = 8, think: bool = False, policy: str = "full",
-                         cost_table: str | Path | None = None, force: bool = False, progress: bool = True,
+                         cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
+                         progress: bool = True,
                          log: Callable[[str], None] | None = None,
                          warn: Callable[[str], None] | None = None) -> GenerateSummary:
     """Complete every line of the JSONL prompts file `prompts` ({"prompt": str} or {"messages": [...]},
@@ -102,10 +103,14 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
 
     target: HF checkpoint folder (None: the embedded target); drafter: a `--drafter` spec
     (`decoding.loading.resolve_drafter`); policy: a `--policy` spec; log: the cost-table profiler's progress;
-    warn: a note when some prompts leave less than `max_new_tokens` of the context.
+    warn: a note when some prompts leave less than `max_new_tokens` of the context, or when the drafter's confidence
+    calibration has no fit near `temperature`.
     Everything that can be checked without the weights is checked before they are loaded.
     """
     require_positive("--max-new-tokens", max_new_tokens)
+    if spec_gate and drafter == "none":
+        raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
+                         "--spec-gate")
     require_positive("--batch-size", batch_size)
     require_positive("--num-draft-tokens", num_draft_tokens)
     out = Path(out)
@@ -121,6 +126,11 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     draft = resolve_drafter(drafter, model, target_dir)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)
+    from angelspec.decoding.policies.sts import CalibratedDrafter
+
+    note = draft.temperature_note(temperature) if isinstance(draft, CalibratedDrafter) else None
+    if note is not None and warn is not None:  # calibrated only far from `temperature`
+        warn(note)
     capped = sum(len(ids) + max_new_tokens > context for ids in prompt_ids)
     if capped and warn is not None:
         warn(f"note: {capped} prompt(s) leave fewer than {max_new_tokens} tokens of the {context}-token "
@@ -128,7 +138,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
 
     results, metrics = run_engine(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                   batch_size=batch_size, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                  progress=progress, depth_policy=depth_policy)
+                                  progress=progress, depth_policy=depth_policy, spec_gate=spec_gate)
     lines = []
     for p, res in zip(records, results, strict=True):
         ids = [int(t) for t in res.token_ids]

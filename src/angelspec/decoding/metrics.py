@@ -13,14 +13,20 @@ Definitions (per verify step per active row, a "row-step"):
   verification), commit (cache rollback, host copy, bookkeeping, drafter rollback), plus prefill.
   In AR steps the forward and sampling are billed to verify, the host bookkeeping to commit.
   Host wall-clock: exact on CPU; on an asynchronous device queued work is billed to the phase that syncs.
+* step_seconds keeps the same split per decode step, plus "on_commit": the part of a step's commit the
+  drafter's `on_commit` took (its share of the drafting cost; AngelSpec §5 counts it in sample_tokens). Medians
+  over steps (`median_step_seconds`) are the report's typical-step latencies, which one slow step cannot move.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 PHASES = ("prefill", "draft", "select", "verify", "commit")
+STEP_PHASES = ("draft", "select", "verify", "commit", "on_commit")  # per decode step; on_commit is within commit
 
 
 @dataclass
@@ -37,6 +43,8 @@ class DecodeMetrics:
     depth_hist: list[int] = field(default_factory=list)  # [K+1]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     protocols: dict[str, int] = field(default_factory=dict)  # verify steps per protocol (greedy / ...)
+    skipped_steps: int = 0  # steps of a speculative engine whose drafting the gate skipped (counted in steps)
+    step_seconds: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in STEP_PHASES})
 
     def __post_init__(self) -> None:
         if not self.accept_hist:
@@ -61,6 +69,23 @@ class DecodeMetrics:
         self.accepted_plus_one += active_rows
         self.accept_hist[0] += active_rows
         self.depth_hist[0] += active_rows
+
+    def record_step_seconds(self, **seconds: float) -> None:
+        """One decode step's seconds per phase of `STEP_PHASES` (a phase not given took 0): kept per step and added
+        to the run's `seconds` ("on_commit" only per step: its time is already part of "commit")."""
+        for phase in STEP_PHASES:
+            sec = seconds.pop(phase, 0.0)
+            self.step_seconds[phase].append(sec)
+            if phase in self.seconds:
+                self.seconds[phase] += sec
+        if seconds:
+            raise ValueError(f"unknown step phases {sorted(seconds)}; expected some of {STEP_PHASES}")
+
+    def median_step_seconds(self, phases: Sequence[str]) -> float:
+        """The median over decode steps of the seconds a step spent in `phases` (summed within the step); 0.0
+        before the first step."""
+        per_step = [sum(t) for t in zip(*(self.step_seconds[p] for p in phases), strict=True)]
+        return statistics.median(per_step) if per_step else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -93,6 +118,7 @@ class DecodeMetrics:
             "depth_hist": list(self.depth_hist),
             "seconds": dict(self.seconds),
             "protocols": dict(self.protocols),
+            "skipped_steps": self.skipped_steps,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
         }
@@ -100,5 +126,6 @@ class DecodeMetrics:
     def format(self) -> str:
         acc = " ".join(f"{p:.2f}" for p in self.acceptance)
         t = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in self.seconds.items())
+        gated = f" ({self.skipped_steps} without drafting)" if self.skipped_steps else ""
         return (f"{self.output_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
-                f"{self.steps} steps, MAL {self.mean_accepted_length:.2f}, p_1..p_K [{acc}], {t}")
+                f"{self.steps} steps{gated}, MAL {self.mean_accepted_length:.2f}, p_1..p_K [{acc}], {t}")

@@ -9,6 +9,7 @@ measures and writes; the messages name the command-line flags, since that is whe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,13 +68,15 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
                      limit: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                      seed: int | None = 0, max_new_tokens: int = 128, num_draft_tokens: int = 4, batch_size: int = 8,
                      think: bool = False, policy: str = "full", cost_table: str | Path | None = None,
-                     compile: bool = False, json_out: str | Path | None = None, force: bool = False,
+                     compile: bool = False, spec_gate: bool = False, json_out: str | Path | None = None,
+                     force: bool = False,
                      progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
     """Decode the same prompts autoregressively and with `drafter` (a `--drafter` spec other than none) under
     the same settings (`angelspec.eval.speculative.evaluate`); write the numbers to `json_out` when given.
 
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
     limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec;
+    spec_gate: the speculative run skips drafting where plain steps are faster (`EngineConfig.spec_gate`);
     log: the cost-table profiler's progress.
     """
     from angelspec.decoding.policies.sts import CalibratedDrafter
@@ -103,17 +106,22 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)
     settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
-                            sampling=sampling, compile=compile)  # evaluate gives request i the seed S + i
+                            sampling=sampling, compile=compile,
+                            spec_gate=spec_gate)  # evaluate gives request i the seed S + i
     report = evaluate(model, draft, chosen, settings, name=drafter, progress=progress, depth_policy=depth_policy,
                       policy=policy)
     calibrated = isinstance(draft, CalibratedDrafter)
+    described = None
+    if calibrated:
+        note = draft.temperature_note(temperature)
+        described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json_path, {"target": str(target_dir), "prompts_file": str(prompts_path),
                                       "calibration": draft.calibration.to_json() if calibrated else None,
                                       **report.to_dict()})
     return EvalRun(report=report, target_dir=target_dir, prompts_path=prompts_path,
-                   calibration=draft.describe() if calibrated else None, json_out=json_path)
+                   calibration=described, json_out=json_path)
 
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
@@ -144,10 +152,11 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
 
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,
-              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, force: bool = False,
-              progress: bool = True) -> str:
+              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, temperature: float = 0.0,
+              force: bool = False, progress: bool = True) -> str:
     """Fit STS temperatures for the confidences of the saved drafter `drafter` (DIR or KIND:DIR) on the held-out
-    `prompts` (at most `limit`) and write calibration.json next to its checkpoint; returns the report."""
+    `prompts` (at most `limit`) decoded at sampling `temperature`, and store them as its fit at that temperature in
+    calibration.json next to its checkpoint; returns the report."""
     from angelspec.eval.sts_fit import calibrate_drafter, check_writable
     from angelspec.eval.sts_fit import drafter_folder as calibration_folder
 
@@ -155,8 +164,10 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
                         ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
         if value is not None:
             require_positive(flag, value)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
     folder = calibration_folder(drafter)
-    check_writable(folder, force)  # before anything is loaded or decoded
+    check_writable(folder, force, temperature)  # before anything is loaded or decoded
     records = load_prompts(prompts)[:limit]
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir)
@@ -165,17 +176,20 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return calibrate_drafter(model, draft, prompt_ids, folder, name=drafter, max_new_tokens=max_new_tokens,
-                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, force=force, progress=progress)
+                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, temperature=temperature,
+                             force=force, progress=progress)
 
 
 def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
               concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
               num_draft_tokens: int = 4, min_requests: int = 8, warmup_tokens: int = 8,
-              prompts: str | Path | None = None, breakeven: bool = False,
-              log: Callable[[str], None] | None = None) -> ServingReport:
+              prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
+              vllm: str | Path | None = None, log: Callable[[str], None] | None = None) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
-    folder `out`. Drafter folders are checked before the target is loaded."""
+    folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
+    (`eval.serving.vllm`; its log goes to `out`/vllm.log). Drafter folders and the vLLM venv are checked before
+    the target is loaded."""
     from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
 
@@ -186,7 +200,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     except (ServingError, PolicyError) as e:
         raise UsageError(str(e)) from None
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-draft-tokens", num_draft_tokens),
-                        ("--min-requests", min_requests)):
+                        ("--min-requests", min_requests), ("--limit", 1 if limit is None else limit)):
         require_positive(flag, value)
     if warmup_tokens < 0:
         raise UsageError(f"--warmup-tokens must be >= 0, got {warmup_tokens}")
@@ -200,7 +214,13 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     target_dir = resolve_target_dir(target)
+    column = None
+    if vllm is not None:
+        from angelspec.eval.serving.vllm import find_vllm_python, open_vllm_column
+
+        find_vllm_python(vllm)  # a missing venv fails at once, before the import check
+        column = open_vllm_column(vllm, target_dir, out_dir / "vllm.log", log=log)
     model, tokenizer = load_target_and_tokenizer(target_dir)
     return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
                  num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
-                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, log=log)
+                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log)

@@ -58,6 +58,7 @@ class EvalSettings:
     warmup_tokens: new tokens per request of the untimed warm-up batch (0 = no warm-up).
     compile: `EngineConfig(compile=True)` for both runs (AR and speculative): the target's forwards and the
     drafter's hot calls run compiled; the warm-up batch pays the compilation.
+    spec_gate: `EngineConfig(spec_gate=True)` for the speculative run (it learns during the warm-up too).
     """
 
     max_new_tokens: int = 128
@@ -66,6 +67,7 @@ class EvalSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     warmup_tokens: int = 16
     compile: bool = False
+    spec_gate: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("batch_size", 1), ("num_draft_tokens", 1), ("warmup_tokens", 0)):
@@ -81,7 +83,8 @@ class EvalSettings:
         s = self.sampling
         return {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size,
                 "num_draft_tokens": self.num_draft_tokens, "temperature": s.temperature, "top_k": s.top_k,
-                "top_p": s.top_p, "seed": s.seed, "warmup_tokens": self.warmup_tokens, "compile": self.compile}
+                "top_p": s.top_p, "seed": s.seed, "warmup_tokens": self.warmup_tokens, "compile": self.compile,
+                "spec_gate": self.spec_gate}
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ def run_decoding(target: Decoder, prompts: Sequence[EvalPrompt], settings: EvalS
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=settings.batch_size,
                                                       max_seq_len=_max_seq_len(target, prompts, settings),
                                                       num_draft_tokens=settings.num_draft_tokens,
-                                                      compile=settings.compile),
+                                                      compile=settings.compile,
+                                                      spec_gate=settings.spec_gate and drafter is not None),
                         depth_policy=depth_policy)
     requests = [_request(p, i, settings, context) for i, p in enumerate(prompts)]
     if settings.warmup_tokens:
@@ -256,8 +260,9 @@ def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], s
     runs, so a mismatched drafter costs nothing.
     """
     prompts = list(prompts)
-    # AR decoding does not depend on the draft depth, so one baseline serves drafters of any K.
-    if baseline is not None and (replace(baseline.settings, num_draft_tokens=settings.num_draft_tokens) != settings
+    # AR decoding does not depend on the draft depth or the gate, so one baseline serves drafters of any K.
+    if baseline is not None and (replace(baseline.settings, num_draft_tokens=settings.num_draft_tokens,
+                                         spec_gate=settings.spec_gate) != settings
                                  or baseline.num_prompts != len(prompts)):
         raise EvalError("the AR baseline was decoded with other settings or prompts than this evaluation")
     drafter.check_compatible(target.config, _max_seq_len(target, prompts, settings))
@@ -308,7 +313,8 @@ def format_comparison(baseline: DecodeRun, reports: Sequence[EvalReport]) -> str
 
 
 def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
-    """Aggregate runs of one mode: counts, histograms and seconds add up; rates follow from the sums."""
+    """Aggregate runs of one mode: counts, histograms and seconds add up (per-step seconds are pooled); rates
+    follow from the sums."""
     if not runs:
         raise EvalError("no runs to merge")
     k = runs[0].num_draft_tokens
@@ -316,13 +322,16 @@ def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
     for m in runs:
         if m.num_draft_tokens != k:
             raise EvalError(f"cannot merge metrics with K={m.num_draft_tokens} into K={k}")
-        for name in ("steps", "row_steps", "accepted_plus_one", "output_tokens", "prompt_tokens", "requests"):
+        for name in ("steps", "row_steps", "accepted_plus_one", "output_tokens", "prompt_tokens", "requests",
+                     "skipped_steps"):
             setattr(out, name, getattr(out, name) + getattr(m, name))
         out.wall_s += m.wall_s
         out.accept_hist = [a + b for a, b in zip(out.accept_hist, m.accept_hist, strict=True)]
         out.depth_hist = [a + b for a, b in zip(out.depth_hist, m.depth_hist, strict=True)]
         for phase, sec in m.seconds.items():
             out.seconds[phase] = out.seconds.get(phase, 0.0) + sec
+        for phase, per_step in m.step_seconds.items():
+            out.step_seconds.setdefault(phase, []).extend(per_step)
         for proto, n in m.protocols.items():
             out.protocols[proto] = out.protocols.get(proto, 0) + n
     return out

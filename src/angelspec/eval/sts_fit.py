@@ -3,9 +3,12 @@ prompts, record each draft position's confidence and whether it was accepted, fi
 (`fit_sts`, decoding/policies/sts.py, Uraion DSpark report §3.2), print the ECE per position before and after,
 and write calibration.json next to the drafter, where `CalibratedDrafter` applies it on load.
 
-The drafter decodes held-out prompts at full depth (every row verifies all K drafts, greedy, so the
-outcome of every position is observed). The engine's `on_verify` hook hands each step's proposal and
-accepted counts to a `ConfidenceRecorder`, which keeps per active row:
+The drafter decodes held-out prompts at full depth (every row verifies all K drafts, so the outcome of every
+position is observed) at one sampling temperature T (`--temperature`, default 0), with the protocol the
+confidence-driven policies use: argmax drafts, verified greedily at T = 0 and with the deterministic-draft protocol
+at T > 0 (accepted with probability p_T(draft)). The fit is stored as the drafter's fit at T, beside the fits at
+other temperatures (`StsCalibrationSet`); each request uses the nearest one. The engine's `on_verify` hook hands
+each step's proposal and accepted counts to a `ConfidenceRecorder`, which keeps per active row:
 
     logits [K]   z_k = log(c_k / (1 - c_k)) of the drafter's raw confidence, c clipped to [eps, 1 - eps]
     accepted [K] 1 for the accepted prefix (positions < num_accepted), 0 from the first rejection on
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,12 +33,15 @@ from torch import Tensor
 from angelspec.decoding.drafters.base import Drafter, full_depth_drafting
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.decoding.loading import drafter_path
+from angelspec.decoding.policies.base import FixedDepth
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
     CalibratedDrafter,
     CalibrationError,
     StsCalibration,
+    StsCalibrationSet,
     fit_sts,
+    load_calibration,
     survival_labels,
 )
 from angelspec.decoding.sampling import SamplingParams
@@ -95,19 +102,25 @@ def drafter_folder(spec: str) -> Path:
     return folder
 
 
-def check_writable(folder: Path, force: bool) -> Path:
-    """Where the calibration goes; refuses to overwrite one without `force` (before anything is decoded)."""
+def check_writable(folder: Path, force: bool, temperature: float = 0.0) -> Path:
+    """Where the calibration goes; refuses, before anything is decoded and without `force`, to overwrite a fit at
+    `temperature` (fits at other temperatures are kept and need no `force`) or a file it cannot read."""
     path = folder / CALIBRATION_FILE
     if path.exists() and not force:
-        raise FileExistsError(f"{path} already exists; pass --force to re-calibrate and overwrite it")
+        existing = load_calibration(folder)  # a broken file: a clear CalibrationError
+        if existing is not None and temperature in existing.sampling_temperatures:
+            raise FileExistsError(f"{path} already exists; pass --force to re-calibrate and overwrite its fit at "
+                                  f"temperature {temperature:g} (fits at other temperatures are kept)")
     return path
 
 
 def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Sequence[int]], *, name: str,
-                     max_new_tokens: int, num_draft_tokens: int, batch_size: int,
+                     max_new_tokens: int, num_draft_tokens: int, batch_size: int, temperature: float = 0.0,
                      progress: bool = False) -> ConfidenceRecorder:
-    """Decode the prompts greedily at full depth with the drafter's RAW confidences (a `CalibratedDrafter`
-    is unwrapped, so re-calibrating does not fit on top of an older calibration); returns the recorder.
+    """Decode the prompts at full depth and sampling `temperature` (request i with seed i) with the drafter's RAW
+    confidences (a `CalibratedDrafter` is unwrapped, so re-calibrating does not fit on top of an older
+    calibration), verifying argmax drafts as the confidence-driven policies make the engine do (a full-depth policy
+    that declares `uses_proposal`); returns the recorder.
     A drafter that ends proposals early on low confidence (the draft LM's `stop_below`) drafts all K here:
     a block it would have cut short and then seen fully accepted tells nothing about its later positions."""
     raw = drafter.inner if isinstance(drafter, CalibratedDrafter) else drafter
@@ -118,9 +131,11 @@ def collect_outcomes(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Seq
     recorder = ConfidenceRecorder(name)
     engine = SpecEngine(target, raw, EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens,
                                                   max_seq_len=max(2, min(context, longest + max_new_tokens))),
-                        on_verify=recorder)
+                        depth_policy=FixedDepth(uses_proposal=True), on_verify=recorder)
+    sampling = [SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, seed=i)
+                for i in range(len(prompt_ids))]
     requests = [Request(prompt_ids=list(ids), max_new_tokens=min(max_new_tokens, context - len(ids)),
-                        sampling=SamplingParams(), request_id=i) for i, ids in enumerate(prompt_ids)]
+                        sampling=sampling[i], request_id=i) for i, ids in enumerate(prompt_ids)]
     with full_depth_drafting(raw):
         engine.generate(requests, progress=progress)
     return recorder
@@ -130,7 +145,8 @@ def format_calibration(cal: StsCalibration, accepted: Tensor, *, name: str, drop
     """ECE of the prefix survival per position, before and after, with the fitted temperature.
     accepted [N, K]: the blocks the fit used."""
     rate = survival_labels(accepted).mean(dim=0).tolist()  # [K] share of blocks whose prefix 1..k survived
-    lines = [f"calibrated {name} on {accepted.shape[0]} draft blocks, K={accepted.shape[1]} "
+    lines = [f"calibrated {name} at sampling temperature {cal.sampling_temperature:g} on {accepted.shape[0]} draft "
+             f"blocks, K={accepted.shape[1]} "
              f"({dropped} with invalid confidences dropped, {unobserved} rows not fully observed skipped)",
              f"{'position':>8}{'ECE before':>12}{'ECE after':>11}{'T':>8}{'survival':>10}"]
     for k, (b, a, t) in enumerate(zip(cal.ece_before, cal.ece_after, cal.temperatures, strict=True)):
@@ -142,17 +158,26 @@ def format_calibration(cal: StsCalibration, accepted: Tensor, *, name: str, drop
 
 def calibrate_drafter(target: Decoder, drafter: Drafter, prompt_ids: Sequence[Sequence[int]], folder: Path, *,
                       name: str, max_new_tokens: int = 64, num_draft_tokens: int = 4, batch_size: int = 8,
-                      force: bool = False, progress: bool = False) -> str:
-    """Collect outcomes, fit STS, write `folder/calibration.json`; returns the printed report."""
-    path = check_writable(folder, force)
+                      temperature: float = 0.0, force: bool = False, progress: bool = False) -> str:
+    """Collect outcomes at sampling `temperature`, fit STS, store the fit as the one at that temperature in
+    `folder/calibration.json` (the fits at other temperatures are kept; an unreadable file is replaced under
+    `force`); returns the printed report."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise CalibrationError(f"--temperature must be a number >= 0, got {temperature}")
+    path = check_writable(folder, force, temperature)
     recorder = collect_outcomes(target, drafter, prompt_ids, name=name, max_new_tokens=max_new_tokens,
-                                num_draft_tokens=num_draft_tokens, batch_size=batch_size, progress=progress)
+                                num_draft_tokens=num_draft_tokens, batch_size=batch_size, temperature=temperature,
+                                progress=progress)
     logits, accepted = recorder.tensors()
     ok = torch.isfinite(logits).all(dim=-1)
     if not bool(ok.any()):
         raise CalibrationError(f"every confidence {name} reported was NaN or outside [0, 1]; nothing to fit")
-    cal = fit_sts(logits, accepted)  # drops the rows with a non-finite logit itself
-    cal.save(folder)
+    cal = replace(fit_sts(logits, accepted), sampling_temperature=float(temperature))  # drops non-finite rows itself
+    try:
+        existing = load_calibration(folder)
+    except CalibrationError:  # unreadable: only reached under --force (check_writable)
+        existing = None
+    (StsCalibrationSet((cal,)) if existing is None else existing.with_fit(cal)).save(folder)
     report = format_calibration(cal, accepted[ok], name=name, dropped=int((~ok).sum()),
                                 unobserved=recorder.unobserved)
     return f"{report}\nwrote {path}"

@@ -1,9 +1,9 @@
 """Exporters: an AngelSpec drafter folder -> the layout another serving engine loads (one module per format).
 
-`export_drafter(drafter_dir, out_dir, format="vllm")` is the one entry point (`angelspec export`). A drafter a
-format cannot represent is refused with `ExportRefused` naming what does not fit; every written folder is read back
-and checked against the target's config (`checks`) before the call returns. Tap ids are converted to the engine's
-counting here and nowhere else (docs/design.md trap 2).
+`export_drafter(drafter_dir, out_dir, format=...)` (one of FORMATS) is the one entry point (`angelspec export`). A
+drafter a format cannot represent is refused with `ExportRefused` naming what does not fit; every written folder is
+read back and checked against the target's config (`checks`) before the call returns. Tap ids are converted to the
+engine's counting here and nowhere else (docs/design.md trap 2).
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from angelspec.export.checks import ExportCheckError, ExportRefused, ExportResult
+from angelspec.export.sglang import export_sglang
 from angelspec.export.vllm import export_vllm
 
-FORMATS = ("vllm",)
+FORMATS = ("vllm", "sglang")
 
-__all__ = ["FORMATS", "ExportCheckError", "ExportRefused", "ExportResult", "export_drafter", "export_vllm"]
+__all__ = ["FORMATS", "ExportCheckError", "ExportRefused", "ExportResult", "export_drafter", "export_sglang",
+           "export_vllm"]
 
 
 def export_drafter(drafter_dir: str | Path, out_dir: str | Path, *, format: str = "vllm",
@@ -24,4 +26,5 @@ def export_drafter(drafter_dir: str | Path, out_dir: str | Path, *, format: str 
     (default: the embedded target)."""
     if format not in FORMATS:
         raise ExportRefused(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
-    return export_vllm(drafter_dir, out_dir, target=target, force=force)
+    exporter = export_sglang if format == "sglang" else export_vllm
+    return exporter(drafter_dir, out_dir, target=target, force=force)

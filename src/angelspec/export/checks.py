@@ -41,12 +41,17 @@ class ExportResult:
     kind: str
     speculative_config: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    engine: str = "vllm"  # "sglang": speculative_config holds SGLang's launch flags (flag -> value)
 
     def format(self) -> str:
         lines = [f"exported {self.kind} drafter to {self.out_dir}"]
         lines += [f"note: {n}" for n in self.notes]
-        lines.append("speculative_config (vllm serve TARGET --speculative-config '<this>'):")
-        lines.append(json.dumps(self.speculative_config))
+        if self.engine == "sglang":
+            lines.append("SGLang flags (python -m sglang.launch_server --model-path TARGET <these>):")
+            lines.append(" ".join(f"{k} {v}" for k, v in self.speculative_config.items()))
+        else:
+            lines.append("speculative_config (vllm serve TARGET --speculative-config '<this>'):")
+            lines.append(json.dumps(self.speculative_config))
         return "\n".join(lines)
 
 
@@ -116,11 +121,13 @@ def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple
     return out
 
 
-def check_vllm_folder(out: Path, target: DecoderConfig) -> None:
-    """Raise ExportCheckError unless `out` is a complete vLLM drafter folder for `target` (module docstring)."""
+def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | None = None) -> None:
+    """Raise ExportCheckError unless `out` is a complete vLLM drafter folder for `target` (module docstring); `spec`
+    is its vLLM speculative_config (default: read from speculative_config.json)."""
     problems: list[str] = []
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    spec = json.loads((out / SPEC_CONFIG).read_text(encoding="utf-8"))
+    if spec is None:
+        spec = json.loads((out / SPEC_CONFIG).read_text(encoding="utf-8"))
     if spec.get("method") == "draft_model":
         if cfg.get("vocab_size") != target.vocab_size:
             problems.append(f"draft model vocab_size {cfg.get('vocab_size')} != target's {target.vocab_size}")

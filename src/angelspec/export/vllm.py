@@ -5,10 +5,14 @@ Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up project
 
   EAGLE-3   fc.weight -> fc.weight; hidden_norm -> midlayer.hidden_norm; layer.* -> midlayer.* (attn -> self_attn);
             norm -> norm
-  DFlash    fc.weight -> fc.weight (fc.bias must be zero: vLLM's fc has none); hidden_norm -> hidden_norm;
+  DFlash    fc.weight -> fc.weight (no fc.bias, or a zero one: vLLM's fc has none; new DFlash / DSpark drafters
+            are built without it); hidden_norm -> hidden_norm;
             layers.N.* -> layers.N.* (attn -> self_attn); norm -> norm
   DSpark    DFlash + head.embed -> markov_head.markov_w1 [V, r]; head.out -> markov_head.markov_w2 [V', r];
-            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov)
+            confidence.proj -> confidence_head.proj (input [h; W1 x_prev]: confidence_head_with_markov); vLLM's head
+            has one output and no temperature input, so a "protocol" head (one output per sampling temperature) is
+            written as its output at T = 0, the greedy acceptance (a note says so). Only with
+            the shared fused context: Qwen3DSparkModel is DFlash's backbone, so same-layer injection is refused
 
 A draft vocabulary (`draft_vocab` buffer: draft index -> target id) becomes `lm_head.weight` = the target's LM-head
 rows [V', C] and `d2t` (int64, target id = draft id + d2t[draft id]); without one the head is the target's (vLLM
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from angelspec.export.checks import (
 )
 from angelspec.fileio import write_json_atomic
 from angelspec.models.block.config import DRAFTER_KINDS, BlockDrafterConfig
+from angelspec.models.block.heads import temperature_weights
 from angelspec.models.config import DecoderConfig
 from angelspec.models.hf_io import read_config, read_config_json, save_safetensors_atomic
 from angelspec.models.mtp_io import MTP_FAMILY
@@ -45,19 +51,32 @@ from angelspec.models.mtp_io import MTP_FAMILY
 DRAFT_LM_TOKENS = 4  # num_speculative_tokens written for a draft LM (the engine's default)
 
 
+# Our `DecoderLayer` tensor names -> vLLM's Qwen3 layer names: the fused projections (ours, vLLM's parts in row
+# order), then the tensors that are only renamed. `_split_layer` and its inverse `fuse_layer` both read these.
+FUSED = (("attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+         ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
+RENAMED = (("input_layernorm.weight", "input_layernorm.weight"),
+           ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+           ("mlp.down_proj.weight", "mlp.down_proj.weight"), ("attn.q_norm.weight", "self_attn.q_norm.weight"),
+           ("attn.k_norm.weight", "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight"))
+
+
 def _split_layer(state: dict[str, torch.Tensor], src: str, dst: str, cfg: Any) -> dict[str, torch.Tensor]:
     """One of our `DecoderLayer`s under `src` -> vLLM's Qwen3 layer names under `dst` (q/k/v and gate/up split)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    qkv = state.pop(f"{src}attn.qkv_proj.weight")
-    gate, up = state.pop(f"{src}mlp.gate_up_proj.weight").split(cfg.intermediate_size, dim=0)
-    out = {f"{dst}self_attn.q_proj.weight": qkv[:q], f"{dst}self_attn.k_proj.weight": qkv[q:q + kv],
-           f"{dst}self_attn.v_proj.weight": qkv[q + kv:], f"{dst}mlp.gate_proj.weight": gate,
-           f"{dst}mlp.up_proj.weight": up}
-    for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight"):
-        out[f"{dst}{name}"] = state.pop(f"{src}{name}")
-    for ours, theirs in (("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight",
-                         "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight")):
-        out[f"{dst}{theirs}"] = state.pop(f"{src}{ours}")
+    sizes = ([q, kv, kv], [cfg.intermediate_size] * 2)
+    out = {}
+    for (ours, parts), split in zip(FUSED, sizes, strict=True):
+        out.update(zip((dst + p for p in parts), state.pop(src + ours).split(split, dim=0), strict=True))
+    out.update({dst + theirs: state.pop(src + ours) for ours, theirs in RENAMED})
+    return out
+
+
+def fuse_layer(state: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
+    """The inverse of `_split_layer`: vLLM's Qwen3 layer names under `src` -> ours under `dst` (KeyError names a
+    missing tensor)."""
+    out = {dst + ours: torch.cat([state.pop(src + p) for p in parts], dim=0) for ours, parts in FUSED}
+    out.update({dst + ours: state.pop(src + theirs) for ours, theirs in RENAMED})
     return out
 
 
@@ -90,19 +109,27 @@ def _vocab_tensors(state: dict[str, torch.Tensor], cfg: Any, target_dir: Path, d
 
 
 def _target_lm_head(target_dir: Path) -> torch.Tensor:
-    """The target's LM head [V, C] read lazily from its safetensors (one tensor, not the model): `lm_head.weight`,
-    or the embedding when the head is tied."""
+    """The target's LM head [V, C]: `lm_head.weight`, or the embedding when the head is tied."""
+    head = target_tensor(target_dir, ("lm_head.weight", "model.embed_tokens.weight"))
+    if head is None:
+        raise ExportRefused(f"{target_dir} holds neither lm_head.weight nor model.embed_tokens.weight: the draft "
+                            "vocabulary's LM head cannot be written")
+    return head
+
+
+def target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The first of `names` the target folder's safetensors hold, read lazily (one tensor, not the model); None if
+    it holds none of them."""
     index = target_dir / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+    for name in names:
         file = target_dir / (weight_map.get(name, "") if weight_map is not None else WEIGHTS)
         if not file.is_file():
             continue
         with safe_open(str(file), framework="pt") as f:
             if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 return f.get_tensor(name)
-    raise ExportRefused(f"{target_dir} holds neither lm_head.weight nor model.embed_tokens.weight: the draft "
-                        "vocabulary's LM head cannot be written")
+    return None
 
 
 def _left(state: dict[str, torch.Tensor], kind: str) -> None:
@@ -140,6 +167,11 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
         raise ExportRefused(f"a {cfg.conditioning} drafter cannot be exported to vLLM: its per-layer tap fusion "
                             "(fusion_logits, context_norms) has no place in DFlash's single shared fc; only the "
                             "dflash conditioning (DFlash, DSpark) can")
+    if not cfg.has_fc:
+        raise ExportRefused("this dspark drafter injects each draft layer's own target tap (context_injection="
+                            "same_layer, Uraion §3.3); vLLM 0.32's Qwen3DSparkModel is DFlash's backbone with one "
+                            "shared fc context, so it cannot serve it. Train the drafter with context_injection=shared "
+                            "to export it")
     if cfg.head == "hidden":
         raise ExportRefused("the DFly hidden-correction head (head.*, Eq. 15) has no vLLM equivalent; export a drafter "
                             "with head none (DFlash) or markov (DSpark)")
@@ -149,8 +181,9 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
     bias = state.pop("fc.bias", None)
     if bias is not None and bool(bias.ne(0).any()):
         raise ExportRefused(f"the context projection has a non-zero bias fc.bias (max |b| = "
-                            f"{bias.abs().max().item():.3g}); vLLM's DFlash fc has no bias, so the drafter would "
-                            "change. Train it with the bias held at zero")
+                            f"{bias.abs().max().item():.3g}); vLLM's (and SGLang's) DFlash fc has no bias, so the "
+                            "drafter would change. Train it with fc_bias=false (the default for new dflash / dspark "
+                            "drafters)")
     dtype = state["norm.weight"].dtype
     tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("hidden_norm.weight")}
     for n in range(cfg.num_draft_layers):
@@ -169,8 +202,13 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
                       enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_head,
                       sample_from_anchor=False)
         if cfg.confidence_head:
-            tensors["confidence_head.proj.weight"] = state.pop("confidence.proj.weight")
-            tensors["confidence_head.proj.bias"] = state.pop("confidence.proj.bias")
+            weight, bias = state.pop("confidence.proj.weight"), state.pop("confidence.proj.bias")
+            if cfg.confidence_temperatures:  # a "protocol" head, read at T = 0 (module docstring)
+                mix = temperature_weights(torch.zeros(1), cfg.confidence_temperatures).to(weight.dtype)  # [1, n]
+                weight, bias = mix @ weight, mix @ bias
+                notes.append(f"the confidence head's T = 0 output was exported (it has one per sampling temperature "
+                             f"{list(cfg.confidence_temperatures)}; vLLM's has one)")
+            tensors["confidence_head.proj.weight"], tensors["confidence_head.proj.bias"] = weight, bias
         method = "dspark"
     else:
         config["architectures"] = ["DFlashDraftModel"]
@@ -186,16 +224,21 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
 
 
 def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
-                force: bool = False) -> ExportResult:
+                force: bool = False, screen: Callable[[str, dict[str, Any]], None] | None = None) -> ExportResult:
     """Write `out_dir` (config.json, model.safetensors, speculative_config.json) for vLLM 0.32 from the drafter
     folder `drafter_dir`, trained for `target` (default: the embedded target); refuse what vLLM cannot represent;
-    check the result against the target's config (`checks.check_vllm_folder`)."""
+    check the result against the target's config (`checks.check_vllm_folder`). `screen(kind, config)`, if given,
+    runs before anything is written and raises ExportRefused for what another engine reading the same layout
+    (SGLang, `export/sglang.py`) cannot load."""
     src, out = Path(drafter_dir), Path(out_dir)
     raw = read_config_json(src, "is it an AngelSpec drafter folder?", "drafter folder")
     target_dir = resolve_target_dir(target)
     target_cfg = read_config(target_dir)
     meta = raw.get("angelspec") or {}
     kind = meta.get("drafter")
+    is_lm = kind not in MTP_FAMILY and kind not in DRAFTER_KINDS and "model_type" in raw and "architectures" in raw
+    if screen is not None:
+        screen("draft-lm" if is_lm else kind, raw)
     if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
         if target_cfg.model_type != "qwen3":
             raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
@@ -209,15 +252,17 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         prepare_out_dir(src, out, force)
         save_safetensors_atomic(tensors, out / WEIGHTS, {"format": "pt"})
         write_json_atomic(out / "config.json", config)
-    elif "model_type" in raw and "architectures" in raw:  # a draft LM: vLLM serves the HF folder as it is
+    elif is_lm:  # a draft LM: vLLM serves the HF folder as it is
         kind = "draft-lm"
         if raw.get("vocab_size") != target_cfg.vocab_size:
             raise ExportRefused(f"the draft LM's vocab_size {raw.get('vocab_size')} differs from the target's "
                                 f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
         prepare_out_dir(src, out, force)
         shutil.copytree(src, out, dirs_exist_ok=True)
-        spec, notes = {"method": "draft_model", "model": str(out.resolve()),
-                       "num_speculative_tokens": DRAFT_LM_TOKENS}, []
+        spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
+        notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by the engine's draft-model path (vLLM's "
+                 "draft_model, SGLang's STANDALONE), which drafts from the whole vocabulary"
+                 ] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
     write_json_atomic(out / SPEC_CONFIG, spec)

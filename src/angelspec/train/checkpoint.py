@@ -19,7 +19,8 @@ either the previous checkpoint or the new one, never a mix: `latest/` is replace
 then removed; no folder is ever removed under a name a reader looks at. A reader that finds only `latest.old`
 (a kill between the first two renames) uses it. Each write first repairs what a killed one left: `latest.old`
 is renamed back when `latest` is missing (or dropped when `latest` is complete), and trash folders and the
-temp folders of writers that no longer run are removed.
+temp folders of writers that no longer run are removed. `replace_folder` is that swap for any folder (a drafter
+folder rewritten in place by `angelspec draft-vocab`, say), with its own test of what counts as complete.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from angelspec.models.block.config import DEFAULT_CONFIDENCE_TEMPERATURES
 from angelspec.models.hf_io import write_json_atomic
 from angelspec.train.distributed import has_dtensors
 
@@ -50,6 +52,12 @@ RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 # (the trainer checks that), which holds the very tensors the online forward computes; and whether activations
 # are recomputed in the backward, which changes memory only (the same graph again, bit-identical; tested).
 RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing")
+# Settings a checkpoint may predate, with the value that reproduces how such a run trained: a checkpoint whose
+# train_config lacks one reads as having that value, so a run started before the setting existed resumes when the
+# setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv).
+PREDATED_SETTINGS: dict[str, Any] = {"confidence_target": "tv",
+                                     "confidence_temperatures": list(DEFAULT_CONFIDENCE_TEMPERATURES),
+                                     "init_from": None, "only": None}
 OPTIMIZER_STATE = "optimizer.pt"
 
 
@@ -65,26 +73,40 @@ def write_checkpoint(
 ) -> Path:
     """Write a complete checkpoint atomically. `write_model(tmp_dir)` writes config + safetensors; `optimizer`
     is an optimizer (its `state_dict()` is saved), an already gathered state dict, or None (not resumable)."""
-    final = Path(ckpt_dir)
+    def write(tmp: Path) -> None:
+        write_model(tmp)
+        if optimizer is not None:
+            state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+            torch.save(state, tmp / OPTIMIZER_STATE)
+        write_json_atomic(tmp / TRAINER_STATE, trainer_state)
+
+    return replace_folder(ckpt_dir, write)
+
+
+def replace_folder(folder: str | Path, write: Callable[[Path], None],
+                   complete: Callable[[Path], bool] | None = None, old_suffix: str = ".old") -> Path:
+    """Write the folder `folder` atomically: `write(tmp)` fills `<folder>.tmp-<pid>`, which is then swapped in with
+    renames (module docstring), so a kill at any moment leaves the previous folder or the new one, never a mix.
+    `complete(f)` says whether a folder left under `folder`'s name or its `.old` twin is whole (default: a checkpoint,
+    whose trainer state is written last); `repair_folder` decides with it what a killed write's leftovers become.
+    `old_suffix` names the twin: a folder a user names gets one no user folder beside it is likely to have (the
+    repair removes the twin when `folder` is complete)."""
+    final = Path(folder)
     final.parent.mkdir(parents=True, exist_ok=True)
-    old = _old(final)
-    _repair(final)
+    old = _old(final, old_suffix)
+    repair_folder(final, complete, old_suffix)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir()
-    write_model(tmp)
-    if optimizer is not None:
-        state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        torch.save(state, tmp / OPTIMIZER_STATE)
-    write_json_atomic(tmp / TRAINER_STATE, trainer_state)
+    write(tmp)
     if final.exists():
-        os.replace(final, old)  # `_repair` left no `old`: this never replaces a checkpoint
+        os.replace(final, old)  # `repair_folder` left no `old`: this never replaces a whole folder
     os.replace(tmp, final)
     _discard(old, final)
     return final
 
 
-def _old(final: Path) -> Path:
-    return final.with_name(f"{final.name}.old")
+def _old(final: Path, suffix: str = ".old") -> Path:
+    return final.with_name(f"{final.name}{suffix}")
 
 
 def _complete(folder: Path) -> bool:
@@ -102,7 +124,8 @@ def _discard(folder: Path, final: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a temp folder's or a server's owner that may have been killed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -114,13 +137,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _repair(final: Path) -> None:
-    """Undo what a killed `write_checkpoint` left beside `final`: put a complete `final.old` back when `final` is not
+def repair_folder(final: Path, complete: Callable[[Path], bool] | None = None, old_suffix: str = ".old") -> None:
+    """Undo what a killed `replace_folder` left beside `final`: put a complete `final.old` back when `final` is not
     complete (a kill between the first two renames), drop it when `final` is (a kill after the swap), and remove
-    trash and temp folders that this process, or one that no longer runs, left behind."""
-    old = _old(final)
-    if _complete(old):
-        if not _complete(final):
+    trash and temp folders that this process, or one that no longer runs, left behind. `complete`, `old_suffix`: as
+    in `replace_folder`."""
+    complete = complete or _complete
+    old = _old(final, old_suffix)
+    if complete(old):
+        if not complete(final):
             _discard(final, final)  # only ever an incomplete leftover: a complete one has trainer_state.json
             os.replace(old, final)
         else:
@@ -131,7 +156,7 @@ def _repair(final: Path) -> None:
         kind, _, rest = sibling.name[len(final.name) + 1:].partition("-")  # tmp-<pid>, trash-<pid>-<random>
         pid = rest.partition("-")[0]
         if kind in ("tmp", "trash") and pid.isdigit() and sibling.is_dir() and (
-                int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                int(pid) == os.getpid() or not pid_alive(int(pid))):
             shutil.rmtree(sibling)
 
 
@@ -142,6 +167,18 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
         if _complete(cand):
             return cand
     return None
+
+
+def refuse_resume_over_model(out_dir: str | Path, ckpt_dir: str | Path) -> None:
+    """A resume (without --force) whose output `out_dir` holds a model (config.json) while `ckpt_dir` holds no
+    checkpoint has nothing to resume: it would train from scratch and overwrite the finished model, so refuse
+    (ResumeError) before anything is written. With no model there, a resume starts from scratch: a run killed before
+    its first checkpoint stays resumable."""
+    out_dir, ckpt_dir = Path(out_dir), Path(ckpt_dir)
+    if (out_dir / "config.json").exists() and find_checkpoint(ckpt_dir) is None:
+        raise ResumeError(f"cannot resume: {out_dir} holds a finished model but there is no checkpoint to resume "
+                          f"from ({ckpt_dir}/{TRAINER_STATE}), so there is nothing to resume; pass --force instead of "
+                          "--resume to start a new training run over it (it overwrites the model)")
 
 
 def _unreadable(file: Path, why: object) -> ResumeError:
@@ -216,11 +253,23 @@ def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+def _differences(saved: dict[str, Any], current: dict[str, Any], keys: Any, prefix: str = "") -> list[str]:
+    """`key: checkpoint A vs now B` for each of `keys` that differs, naming the settings inside a differing dict."""
+    out = []
+    for k in keys:
+        a, b = saved.get(k), current.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, dict.fromkeys([*a, *b]), f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: checkpoint {a!r} vs now {b!r}")
+    return out
+
+
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
     """Refuse to resume when a setting that changes the run differs from the checkpoint's."""
-    diffs = [
-        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
-    ]
+    diffs = _differences(saved, current, keys)
     if diffs:
         raise ResumeError("cannot resume: the run's settings differ from the checkpoint's (" + "; ".join(diffs)
                           + "). Use the original settings, or --force to start over.")
@@ -240,19 +289,23 @@ def resume_training(
     log: Callable[[str], None],
     *,
     model: nn.Module | None = None,
+    saved_defaults: dict[str, Any] | None = None,
 ) -> int:
     """The step a run starts from: 0 when not resuming (or nothing to resume), else the newest checkpoint's
     step after checking that `identity` (its `train_config` compared without the run-length keys) matches the
     checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state (`model`: the module
-    of the optimizer's parameters, for the named form; see `load_optimizer_state`)."""
+    of the optimizer's parameters, for the named form; see `load_optimizer_state`). `saved_defaults` fill the
+    settings a checkpoint written before they existed lacks (`DrafterRunConfig.checkpoint_defaults`)."""
     ckpt = find_checkpoint(ckpt_dir) if resume else None
     if ckpt is None:
         if resume:
             log(f"no checkpoint in {ckpt_dir}; starting from scratch")
         return 0
     state = read_trainer_state(ckpt)
-    saved = {**state, "train_config": {k: v for k, v in state.get("train_config", {}).items()
-                                       if k not in RESUME_FREE_KEYS}}
+    old, now = state.get("train_config", {}), identity.get("train_config", {})
+    predated = {k: v for k, v in PREDATED_SETTINGS.items() if k in now and k not in old}
+    saved_config = {**predated, **(saved_defaults or {}), **old}
+    saved = {**state, "train_config": {k: v for k, v in saved_config.items() if k not in RESUME_FREE_KEYS}}
     check_resume_compatible(saved, identity, tuple(identity))
     check_checkpoint_weights(ckpt)
     try:

@@ -80,6 +80,12 @@ class DrafterRunConfig(RunConfig):
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
 
+    def checkpoint_defaults(self) -> dict[str, Any]:
+        """Settings a checkpoint written before they existed lacks, with the value its run had (as far as this
+        run is concerned): `resume` fills them into the checkpoint's train_config before comparing it with this
+        run's, so an older run resumes under its old settings and is refused, naming them, under new ones."""
+        return {}
+
 
 # ----- the trainer entry point -----
 

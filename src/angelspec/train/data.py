@@ -10,6 +10,7 @@ replays the same batches and a feature cache made once serves every run on the s
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -159,11 +160,35 @@ def pad_token_id(cfg: DecoderConfig) -> int:
     return cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_ids or (0,))[0]
 
 
+def pack_conversations(tokenizer: Any, data: Path, seq_len: int, enable_thinking: bool, pad_id: int, seed: int
+                       ) -> tuple[PackedRows, dict[str, int]]:
+    """`data`'s conversations (`load_conversations`) packed into rows of `seq_len` tokens, served in the order of
+    `seed`, and their counts: the rows a drafter trainer reads, rebuilt the same by whoever computes its features."""
+    docs, stats = load_conversations(tokenizer, data, seq_len, enable_thinking)
+    return PackedRows(docs, seq_len, pad_id, seed), stats
+
+
 def packed_conversations(tokenizer: Any, data: Path, cfg: DrafterRunConfig, pad_id: int, log: Any
                          ) -> tuple[PackedRows, dict[str, int]]:
-    """`data`'s conversations (`load_conversations`) packed as the run's `cfg` says (seq_len, enable_thinking,
-    seed), and their counts; logs the packing report."""
-    docs, stats = load_conversations(tokenizer, data, cfg.seq_len, cfg.enable_thinking)
-    rows = PackedRows(docs, cfg.seq_len, pad_id, cfg.seed)
+    """`data`'s conversations packed as the run's `cfg` says (seq_len, enable_thinking, seed), and their counts;
+    logs the packing report."""
+    rows, stats = pack_conversations(tokenizer, data, cfg.seq_len, cfg.enable_thinking, pad_id, cfg.seed)
     log(packing_report(rows.packed).format())
     return rows, stats
+
+
+def packed_digest(batches: list[PackedBatch]) -> str:
+    """Digest of packed batches' tokens (ids, positions, document ids, loss mask, so also the chat template,
+    thinking mode and pad token that made them), to tell two datasets or packings apart."""
+    h = hashlib.sha256()
+    for b in batches:
+        for t in (b.input_ids, b.positions, b.document_ids, b.loss_mask):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def dataset_identity(packed: PackedBatch, **extra: Any) -> dict[str, Any]:
+    """What a set of features was made from: row count, seq_len and a digest of the packed tokens
+    (`packed_digest`), plus `extra` notes (e.g. `source`) that are shown in messages but not compared."""
+    return {"rows": packed.num_rows, "seq_len": packed.seq_len, "digest": packed_digest([packed]), **extra}

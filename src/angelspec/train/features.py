@@ -38,6 +38,11 @@ trainer recomputes them from the last layer's tap with the target's own final no
 ``lm_head(norm(h_{L-1}))``, the exact ops of the target's forward, so the batches equal the online ones while
 the cache stays at D (not V) values per token and layer.
 
+Training from a stream (config ``features=stream:DIR`` or ``features=ray:NAME``, :func:`open_stream`): feature
+servers, processes or machines of their own, run the target over each step's batch and stream the taps to the
+trainer as it trains (``train.stream``: the disaggregated pipeline, bounded and resumable); the same
+:class:`TargetFeatures` reads them in step order and recomputes the teacher logits the same way.
+
 It lives in ``train/``, not ``data/``, because it runs the target (``models``).
 
 Shape legend: B rows, T row length, D model dim, K teacher top-k, V vocab.
@@ -45,10 +50,9 @@ Shape legend: B rows, T row length, D model dim, K teacher top-k, V vocab.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,9 @@ from angelspec.data.fingerprint import file_sha256, model_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_safetensors_atomic, write_json_atomic
-from angelspec.train.data import PackedRows, load_conversations, pad_token_id
+from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
+from angelspec.train.distributed import DistInfo
+from angelspec.train.stream import FeatureStream, FileFeatureStream, StreamPlan
 
 CACHE_FORMAT = "angelspec-features/1"
 MANIFEST = "manifest.json"
@@ -208,16 +214,6 @@ class OnlineFeatures:
         return batch
 
 
-def _inputs_digest(batches: list[PackedBatch]) -> str:
-    """Digest of a shard's input tokens, so a resume cannot splice shards of two different datasets."""
-    h = hashlib.sha256()
-    for b in batches:
-        for t in (b.input_ids, b.positions, b.document_ids, b.loss_mask):
-            h.update(str(tuple(t.shape)).encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def _group(batches: Iterable[PackedBatch], rows_per_shard: int) -> Iterator[list[PackedBatch]]:
     """Whole batches into shards of at least ``rows_per_shard`` rows (the last shard may have fewer)."""
     group: list[PackedBatch] = []
@@ -275,7 +271,7 @@ class OfflineFeatureCache:
         num_batches = 0
         for k, group in enumerate(_group(batches, rows_per_shard)):
             name = f"shard-{k:05d}.safetensors"
-            digest = _inputs_digest(group)
+            digest = packed_digest(group)  # a resume cannot splice two datasets
             prev = old.get(name)
             if prev is not None and prev["inputs"] != digest:
                 raise FeatureCacheError(f"cannot resume {root}: the input batches of {name} differ from the "
@@ -467,13 +463,6 @@ class OfflineFeatureCache:
 _ROW_FIELDS = tuple(f.name for f in fields(FeatureBatch) if f.name != "hidden")  # stored as "{j}.{name}"
 
 
-def dataset_identity(packed: PackedBatch, **extra: Any) -> dict[str, Any]:
-    """What a training cache was made from: row count, seq_len and a digest of the packed tokens (ids,
-    positions, document ids, loss mask, so also the chat template, thinking mode and pad token), plus
-    ``extra`` notes (e.g. ``source``) that are shown in messages but not compared."""
-    return {"rows": packed.num_rows, "seq_len": packed.seq_len, "digest": _inputs_digest([packed]), **extra}
-
-
 def _compared(dataset: dict[str, Any] | None) -> dict[str, Any] | None:
     """The part of a :func:`dataset_identity` that must match: rows, seq_len and digest, not the notes."""
     return None if dataset is None else {k: dataset.get(k) for k in ("rows", "seq_len", "digest")}
@@ -516,37 +505,82 @@ def _shard_problem(root: Path, shard: dict[str, Any], *, verify: bool) -> str | 
 class TargetFeatures:
     """The frozen target's taps and teacher logits for a step's rows: `taps, logits = features(batch, rows)`.
 
-    Online (`cache` None): the target's forward under no_grad. Offline: the rows' hidden states read from an
-    `OfflineFeatureCache` made by `build_feature_cache` (`angelspec features`), and the teacher logits
-    recomputed from the last layer's tap as `lm_head(norm(h_{L-1})).float()`, the very ops of the target's
-    forward, while the cache stores D values per token and layer instead of V logits. The cache computes one
-    row per forward and the online path a whole batch: the same values wherever the kernels treat rows
-    independently (CPU: tested bit for bit, same losses and weights); elsewhere (e.g. GPU GEMMs picking tiles
-    by batch size) they agree up to float rounding. The offline path still needs the target's embedding, final
-    norm and LM head (the drafter shares them), not its layers' compute."""
+    Online (no `cache`, no `stream`): the target's forward under no_grad. Offline: the rows' hidden states read
+    from an `OfflineFeatureCache` made by `build_feature_cache` (`angelspec features`). Streamed: the hidden states
+    of the step's batch published by feature servers (`train.stream`, `features=stream:DIR` or `ray:NAME`), which
+    run the target over the very batch the online path would. In both of the last two the teacher logits are
+    recomputed from the last layer's tap as `lm_head(norm(h_{L-1})).float()`, the very ops of the target's forward,
+    so D values per token and layer travel instead of V logits. The cache computes one row per forward and the
+    online path a whole batch: the same values wherever the kernels treat rows independently (CPU: tested bit for
+    bit, same losses and weights); elsewhere (e.g. GPU GEMMs picking tiles by batch size) they agree up to float
+    rounding; a stream computes whole batches, like the online path. Cache and stream still need the target's
+    embedding, final norm and LM head (the drafter shares them), not its layers' compute.
+
+    A stream is read in step order: the trainer's loop calls `start` (its first step) before the first batch and
+    `finish` after the last (`train.loop.train_drafter_steps`)."""
 
     def __init__(self, target: Decoder, layer_ids: list[int] | tuple[int, ...],
-                 cache: OfflineFeatureCache | None = None) -> None:
-        self.target, self.layer_ids, self.cache = target, tuple(layer_ids), cache
+                 cache: OfflineFeatureCache | None = None, stream: FeatureStream | None = None,
+                 plan: dict[str, Any] | None = None) -> None:
+        self.target, self.layer_ids, self.cache, self.stream = target, tuple(layer_ids), cache, stream
         self.last = target.config.num_hidden_layers - 1
+        self._plan, self._step = plan, 0  # a stream's plan, less the batch split that `start` adds
 
     @property
     def source(self) -> str:
+        if self.stream is not None:
+            return self.stream.source
         return "online" if self.cache is None else str(self.cache.root)
+
+    def start(self, step: int, end: int, batch_size: int, info: DistInfo, log: Callable[[str], None]) -> None:
+        """The training loop begins at `step` (its checkpoint's) and runs to `end`: a stream learns the plan
+        (`StreamPlan`) and where this rank reads from. A no-op online or from a cache."""
+        if self.stream is not None:
+            assert self._plan is not None
+            plan = StreamPlan(**self._plan, batch_size=batch_size, world_size=info.world_size)
+            self.stream.attach(plan, info.rank, step, end, log)
+            self._step = step
+
+    def finish(self, step: int) -> None:
+        """The training loop stopped at `step` (its end, or a time budget): a stream's servers may stop."""
+        if self.stream is not None:
+            self.stream.finish(step)
 
     @torch.no_grad()
     def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32."""
         t = self.target
-        if self.cache is None:
+        if self.cache is None and self.stream is None:
             out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
                     hidden_layers=self.layer_ids)
             return list(out.hidden), out.logits
-        fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(batch.input_ids.device)
-        if not torch.equal(fb.input_ids, batch.input_ids):
-            raise FeatureCacheError(f"feature cache {self.cache.root}: rows {rows} hold other tokens than this run's "
-                                    "packed rows; remake the cache with `angelspec features`")
-        return [fb.hidden[i] for i in self.layer_ids], t.lm_head(t.norm(fb.hidden[self.last])).float()
+        dev = batch.input_ids.device
+        if self.cache is not None:
+            fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(dev)
+            hidden, input_ids, have_rows = fb.hidden, fb.input_ids, rows
+            where, fix = f"feature cache {self.cache.root}: rows {rows}", "remake the cache with `angelspec features`"
+        else:
+            item = self.stream.get(self._step)
+            hidden = {i: item[f"hidden.{i}"].to(dev) for i in {*self.layer_ids, self.last}}
+            input_ids, have_rows = item["input_ids"].to(dev), item["rows"].tolist()
+            where = f"feature stream {self.source}: the batch of step {self._step}"
+            fix = "start the feature server with the trainer's --target and --data"
+            self._step += 1
+        if have_rows != rows or not torch.equal(input_ids, batch.input_ids):
+            raise FeatureCacheError(f"{where} holds other rows or tokens than this run's packed rows {rows}; {fix}")
+        return [hidden[i] for i in self.layer_ids], t.lm_head(t.norm(hidden[self.last])).float()
+
+
+def open_stream(spec: str) -> FeatureStream | None:
+    """The feature stream a `features=` value names (`stream:DIR`: `train.stream.FileFeatureStream`; `ray:NAME`:
+    `train.stream_ray.RayFeatureStream`), None for anything else (an offline cache)."""
+    if spec.startswith("stream:"):
+        return FileFeatureStream(spec.removeprefix("stream:"))
+    if spec.startswith("ray:"):
+        from angelspec.train.stream_ray import RayFeatureStream
+
+        return RayFeatureStream(spec.removeprefix("ray:"))
+    return None
 
 
 def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: list[int], seq_len: int,
@@ -560,13 +594,20 @@ def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: l
 
 def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None, rows: PackedRows, *,
                     target_dir: Path, data: Path, enable_thinking: bool) -> TargetFeatures:
-    """The features of a training run: online when `cache_dir` is None, else the cache at `cache_dir` after
-    checking that it was made from this target (fingerprint), this packed dataset (rows, seq_len, tokens) and
-    holds `layer_ids` plus the last layer; FeatureCacheError (with the command that makes a matching cache)
-    otherwise."""
+    """The features of a training run: online when `cache_dir` is None, a feature stream when it is `stream:DIR`
+    or `ray:NAME` (`open_stream`; its servers check the target and data against the run's plan),
+    else the cache at `cache_dir` after checking that it was made from this target (fingerprint), this packed
+    dataset (rows, seq_len, tokens) and holds `layer_ids` plus the last layer; FeatureCacheError (with the
+    command that makes a matching cache) otherwise."""
     if cache_dir is None:
         return TargetFeatures(target, layer_ids)
     need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
+    stream = open_stream(cache_dir)
+    if stream is not None:
+        plan = {"target_fingerprint": model_fingerprint(target), "layer_ids": tuple(need),
+                "dataset": dataset_identity(rows.packed, source=str(data)), "enable_thinking": enable_thinking,
+                "seed": rows.seed}
+        return TargetFeatures(target, layer_ids, stream=stream, plan=plan)
     try:
         cache = OfflineFeatureCache.open(cache_dir, target=target)
         cache.require(need, dataset_identity(rows.packed))
@@ -582,7 +623,7 @@ def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Pat
                         log: Any = print) -> OfflineFeatureCache:
     """`angelspec features`: the offline feature cache that `features=DIR` trains from.
 
-    Tokenises and packs `data` exactly as the trainers do (`load_conversations`, `PackedRows` with
+    Tokenises and packs `data` exactly as the trainers do (`pack_conversations`: `PackedRows` with
     `seq_len` / `enable_thinking`), runs the target over every packed row (one row per forward, the row
     being the unit a trainer reads) and stores the hidden states of `layers` plus the last layer (its tap
     gives the teacher logits) in the target's dtype. Resumable (`resume=True`) after a kill."""
@@ -590,8 +631,8 @@ def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Pat
 
     target_dir, data = Path(target_dir), Path(data)
     target = load_target(target_dir)
-    docs, _ = load_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking)
-    rows = PackedRows(docs, seq_len, pad_token_id(target.config), seed=0)
+    rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,
+                                 pad_token_id(target.config), seed=0)
     ids = tuple(sorted({*layers, target.config.num_hidden_layers - 1}))
     spec = FeatureSpec(ids, with_logits=False, dtype=dtype_name(target.embed_tokens.weight.dtype))
     log(packing_report(rows.packed).format())

@@ -25,10 +25,8 @@ from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
-    TRAINER_STATE,
-    ResumeError,
-    find_checkpoint,
     make_checkpoint_saver,
+    refuse_resume_over_model,
     resume_training,
     run_identity,
 )
@@ -161,11 +159,7 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
         return
     if not resume:
         raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    ckpt = out_dir / "training" / "checkpoint"
-    if find_checkpoint(ckpt) is None:
-        raise ResumeError(f"cannot resume: {out_dir} holds a model but no checkpoint ({ckpt}/{TRAINER_STATE}), "
-                          "so there is nothing to resume; pass --force instead of --resume to start over (it "
-                          "overwrites the model)")
+    refuse_resume_over_model(out_dir, out_dir / "training" / "checkpoint")
 
 
 # ----- end-of-step bookkeeping -----
@@ -263,7 +257,7 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
     step = resume_training(run.ckpt_dir, run.job.resume, identity,
                            lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
-                           run.log, model=model)
+                           run.log, model=model, saved_defaults=cfg.checkpoint_defaults())
 
     def snapshot() -> Any:
         return whole_copy(model, rebuild)
@@ -275,13 +269,18 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
 
 def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, model: nn.Module,
                         wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
-                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0") -> int:
+                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0",
+                        features: TargetFeatures | None = None) -> int:
     """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
     batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
     DDP / FSDP2), the backward (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
     `log_every` steps a JSONL line with the loss, lr, gradient norm and per-depth α over all ranks; checkpoints
-    and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`."""
+    and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`.
+    `features` (the ones `step_loss` reads) is told where the loop starts and stops, which a feature stream needs
+    (`TargetFeatures.start` / `.finish`)."""
     info = run.info
+    if features is not None:
+        features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)
     log_path = run.work / "train_log.jsonl"
     trim_log(log_path, step, run.main)
@@ -320,5 +319,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
         if checkpoint_or_stop(step, cfg.steps, cfg.ckpt_every, save, deadline, run.log):
             break
     bar.close()
+    if features is not None:
+        features.finish(step)
     model.eval()
     return step

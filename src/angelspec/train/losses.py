@@ -67,7 +67,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -80,6 +80,10 @@ from torch.utils.checkpoint import checkpoint
 # ---------------------------------------------------------------------------------------------------------
 
 
+# DSpark's L_TV as a multiple of TV = ½‖p − q‖₁ = 1 − α: the report's full L1 distance, or TV itself.
+TV_NORMS: dict[str, float] = {"l1": 2.0, "half_l1": 1.0}
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Hyper-parameters of every loss in `LOSSES`; each loss reads only the fields it needs.
@@ -89,6 +93,8 @@ class LossConfig:
     `eta`: λ = exp(−η·sg[α]) of Eq. 6.  `eps`: ε of Eq. 7 and Eq. 18.
     `rho`: D-PACE smoothing ρ of Eq. 16.  `gamma`: DSpark decay γ of w_k = exp(−(k−1)/γ) (None = K).
     `ce_coef`, `tv_coef`, `conf_coef`: the DSpark coefficients 0.1 / 0.9 / 1.0.
+    `tv_norm`: DSpark's L_TV (TV_NORMS): "l1" = ‖p − q‖₁ as the DSpark report writes it (the default), "half_l1" =
+    ½‖p − q‖₁ = TV (half the weight against CE; what the DSpark loss used before this option existed).
     The report fixes none of η, ε, ρ; the defaults here are our choices.
     """
 
@@ -101,6 +107,7 @@ class LossConfig:
     ce_coef: float = 0.1
     tv_coef: float = 0.9
     conf_coef: float = 1.0
+    tv_norm: str = "l1"
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k < 1:
@@ -115,6 +122,9 @@ class LossConfig:
             raise ValueError(f"gamma must be > 0 or None, got {self.gamma}")
         if min(self.ce_coef, self.tv_coef, self.conf_coef) < 0:
             raise ValueError("DSpark coefficients must be >= 0")
+        if self.tv_norm not in TV_NORMS:
+            raise ValueError(f"unknown tv_norm {self.tv_norm!r}; choose one of {', '.join(TV_NORMS)} (the DSpark "
+                             "report's L_TV is the full L1 distance, l1)")
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,8 @@ class LossBatch:
     mask: Tensor  # [N, K] bool, True where (position, depth) has valid supervision
     teacher_logits: Tensor | None = None  # [N, K, V] frozen target logits aligned with the student
     labels: Tensor | None = None  # [N, K] int, ground-truth token ids (any value where mask is False)
-    confidence_logits: Tensor | None = None  # [N, K] DSpark confidence-head logits (pre-sigmoid)
+    confidence_logits: Tensor | None = None  # [N, K] DSpark confidence-head logits (pre-sigmoid), or [N, K, n]
+    confidence_targets: Tensor | None = None  # same shape: what the head is fitted to (None: α of each position)
 
 
 class LossOutput(NamedTuple):
@@ -465,35 +476,43 @@ def _dpace_lk_finish(sums: LossSums, eps: float) -> Tensor:
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
                 confidence_logits: Tensor | None = None, top_k: int | None = None, gamma: float | None = None,
-                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0) -> LossOutput:
+                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0, tv_norm: str = "l1",
+                confidence_targets: Tensor | None = None) -> LossOutput:
     """DSpark three-term loss: ce_coef·L_CE + tv_coef·L_TV + conf_coef·BCE(c, sg[1 − TV]).
 
     Every term is a position-weighted mean over valid (i, k) with w_k = exp(−(k−1)/γ), k = 1..K:
     Σ_{i,k valid} w_k ℓ_{i,k} / Σ_{i,k valid} w_k. The confidence head is trained on the analytic
     acceptance c* = 1 − TV = α of the same position (Eq. 5), detached, so it never pulls the drafter's
-    distribution; `confidence_logits` are pre-sigmoid (BCE-with-logits). TV is ½‖p − q‖₁ (see the report).
+    distribution; `confidence_logits` are pre-sigmoid (BCE-with-logits). L_TV is the report's ‖p_d − p_t‖₁ = 2·TV
+    with `tv_norm` "l1" (the default), TV = ½‖p − q‖₁ with "half_l1"; the confidence target is α = 1 − ½‖p − q‖₁
+    either way, as the report writes c*. The logged part "tv" is L_TV as weighted in the loss.
     [N, K, V] logits, labels [N, K], mask [N, K], confidence_logits [N, K] or None (no confidence term).
+    `confidence_targets` replaces c* (a "protocol" head's, `train.confidence`): [N, K], or [N, K, n] with
+    confidence_logits [N, K, n] (the BCE averaged over the n outputs).
     """
-    return _dspark_finish(_dspark_sums(student_logits, teacher_logits, labels, mask, confidence_logits, top_k, gamma),
-                          ce_coef, tv_coef, conf_coef)
+    return _dspark_finish(_dspark_sums(student_logits, teacher_logits, labels, mask, confidence_logits, top_k, gamma,
+                                       tv_norm, confidence_targets), ce_coef, tv_coef, conf_coef)
 
 
 def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
-                 confidence_logits: Tensor | None, top_k: int | None, gamma: float | None) -> LossSums:
-    """The DSpark terms' row sums: Σ w·CE, Σ w·TV (and Σ w·BCE with a confidence head) [2|3], and Σ w [1]."""
+                 confidence_logits: Tensor | None, top_k: int | None, gamma: float | None, tv_norm: str = "l1",
+                 confidence_targets: Tensor | None = None) -> LossSums:
+    """The DSpark terms' row sums: Σ w·CE, Σ w·L_TV (and Σ w·BCE with a confidence head) [2|3], and Σ w [1]."""
+    if tv_norm not in TV_NORMS:
+        raise ValueError(f"unknown tv_norm {tv_norm!r}; choose one of {', '.join(TV_NORMS)}")
     _check(student_logits, mask, teacher_logits, labels)
     n, depth, _ = student_logits.shape
-    if confidence_logits is not None and confidence_logits.shape != (n, depth):
+    if confidence_logits is not None and confidence_logits.shape[:2] != (n, depth):
         raise ValueError(f"confidence_logits must be [N, K] = [{n}, {depth}], got {tuple(confidence_logits.shape)}")
     rows_s = student_logits[mask]  # [M, V]
     ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
     alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
-    tv = (1.0 - alpha) * mask
+    tv = (TV_NORMS[tv_norm] * (1.0 - alpha)) * mask  # ‖p − q‖₁ = 2·TV ("l1") or TV ("half_l1")
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
     terms = [(w * ce).sum(), (w * tv).sum()]
     if confidence_logits is not None:
-        target = alpha[mask].detach()  # [M] c* = 1 − TV
-        bce = F.binary_cross_entropy_with_logits(confidence_logits[mask].to(target.dtype), target, reduction="none")
+        target = alpha[mask].detach() if confidence_targets is None else confidence_targets[mask]  # [M] c* = 1 − TV
+        bce = confidence_bce(confidence_logits[mask], target)  # [M]
         terms.append((w * _unrows(bce, mask)).sum())
     return LossSums(torch.stack(terms), w.sum()[None])
 
@@ -510,6 +529,17 @@ def _dspark_finish(sums: LossSums, ce_coef: float, tv_coef: float, conf_coef: fl
         loss = loss + conf_coef * conf_term
         parts["conf"] = conf_term.detach()
     return LossOutput(loss, parts)
+
+
+def confidence_bce(logits: Tensor, target: Tensor) -> Tensor:
+    """BCE-with-logits of confidence logits against a detached target, per row: [M] or [M, n] (a "protocol" head's
+    n sampling temperatures, averaged) -> [M]."""
+    if logits.shape != target.shape:
+        raise ValueError(f"confidence targets {tuple(target.shape)} must match the confidence logits "
+                         f"{tuple(logits.shape)}")
+    target = target.detach().to(_compute_dtype(target))
+    bce = F.binary_cross_entropy_with_logits(logits.to(target.dtype), target, reduction="none")
+    return bce if bce.dim() == 1 else bce.mean(-1)
 
 
 @torch.no_grad()
@@ -570,16 +600,26 @@ def _depth_objective(name: str, needs: tuple[str, ...], values: Callable[[LossBa
                      lambda s, c: LossOutput(_depth_finish(s, c.depth_weights), {}))
 
 
+# No drafter loss: `with_confidence_term(NO_LOSS, coef)` is the confidence term alone (a confidence-only run).
+NO_LOSS = Objective("none", (), lambda b, c: LossSums(b.student_logits.new_zeros(0), b.student_logits.new_zeros(0)),
+                    lambda s, c: LossOutput(s.num.sum(), {}))
+
+
 def with_confidence_term(objective: Objective, coef: float) -> Objective:
-    """`objective` + coef · Σ_valid BCE(c, sg[α]) / |valid| for a drafter's confidence head (its target is the
-    detached acceptance α of the same position, Eq. 5): one more numerator and count in the row sums, so the sum
-    chunks like any objective. Needs `confidence_logits` [N, K] and the teacher."""
+    """`objective` + coef · Σ_valid BCE(c, sg[target]) / |valid| for a drafter's confidence head: the batch's
+    `confidence_targets` when given (a "protocol" head's, [N, K, n] with logits [N, K, n], the BCE averaged over
+    the n outputs; `train.confidence`), else the detached acceptance α of the same position (Eq. 5). One more
+    numerator and count in the row sums, so the sum chunks like any objective. Needs `confidence_logits` and the
+    teacher."""
 
     def row_sums(b: LossBatch, c: LossConfig) -> LossSums:
         s = objective.sums(b, c)
-        with torch.no_grad():
-            alpha = token_alpha(b.student_logits[b.mask], b.teacher_logits[b.mask], c.top_k)  # [M]
-        bce = F.binary_cross_entropy_with_logits(b.confidence_logits[b.mask].to(alpha.dtype), alpha, reduction="sum")
+        if b.confidence_targets is not None:
+            target = b.confidence_targets[b.mask]  # [M] or [M, n]
+        else:
+            with torch.no_grad():
+                target = token_alpha(b.student_logits[b.mask], b.teacher_logits[b.mask], c.top_k)  # [M]
+        bce = confidence_bce(b.confidence_logits[b.mask], target).sum()
         return LossSums(torch.cat([s.num, bce[None].to(s.num.dtype)]),
                         torch.cat([s.den, b.mask.sum()[None].to(s.den.dtype)]))
 
@@ -613,7 +653,8 @@ LOSSES: dict[str, Objective] = {
                           lambda s, c: LossOutput(_dpace_lk_finish(s, c.eps), {})),
     "dspark": Objective("dspark", ("teacher_logits", "labels"),
                         lambda b, c: _dspark_sums(b.student_logits, b.teacher_logits, b.labels, b.mask,
-                                                  b.confidence_logits, c.top_k, c.gamma),
+                                                  b.confidence_logits, c.top_k, c.gamma, c.tv_norm,
+                                                  b.confidence_targets),
                         lambda s, c: _dspark_finish(s, c.ce_coef, c.tv_coef, c.conf_coef)),
 }
 
@@ -674,7 +715,10 @@ class ChunkedLossBatch:
     chunk_rows: int  # rows per chunk
     teacher: Callable[[slice], Tensor] | None = None  # the rows -> teacher logits [n, K, V]
     labels: Tensor | None = None  # [N, K]
-    confidence_logits: Tensor | None = None  # [N, K]
+    confidence_logits: Tensor | None = None  # [N, K], or [N, K, n] for a "protocol" head
+    # The confidence head's targets (None: α, see `LossBatch`): [N, K(, n)], or a chunk's `LossBatch` -> its targets
+    # (`train.confidence.confidence_targets` of the chunk's logits, which exist only inside the chunk).
+    confidence_targets: Tensor | Callable[[LossBatch], Tensor] | None = None
     checkpoint: bool = True  # False: keep every chunk's graph (same values; memory of the LossBatch path)
     track_alpha: bool = False  # also log the mean α per depth (parts["alpha_per_depth"], needs a teacher)
 
@@ -692,10 +736,16 @@ class ChunkedLossBatch:
     def chunk(self, rows: slice, states: Sequence[Tensor], confidence_logits: Tensor | None) -> LossBatch:
         """The `LossBatch` of `rows`: states K × [n, C] (slices of `hidden`) through the head."""
         logits = self.head(torch.stack(list(states), dim=1), rows)
-        return LossBatch(student_logits=logits, mask=self.mask[rows],
-                         teacher_logits=None if self.teacher is None else self.teacher(rows),
-                         labels=None if self.labels is None else self.labels[rows],
-                         confidence_logits=confidence_logits)
+        lb = LossBatch(student_logits=logits, mask=self.mask[rows],
+                       teacher_logits=None if self.teacher is None else self.teacher(rows),
+                       labels=None if self.labels is None else self.labels[rows],
+                       confidence_logits=confidence_logits)
+        targets = self.confidence_targets
+        if targets is None or confidence_logits is None:
+            return lb
+        with torch.no_grad():
+            targets = targets[rows] if isinstance(targets, Tensor) else targets(lb)
+        return replace(lb, confidence_targets=targets)
 
     def evaluate(self, objective: Objective, config: LossConfig) -> LossOutput:
         """`objective` over all rows, chunk by chunk (class docstring)."""

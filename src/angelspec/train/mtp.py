@@ -196,7 +196,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         return loss, alpha, {}
 
     step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind)
+                               step_loss=step_loss, save=save_ckpt, desc=kind, features=features)
     final = block_to_save()
     report = run.drafter_report({"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths},
                                 block, stats, rows, tcfg, features)

@@ -33,9 +33,9 @@ def parse_overrides(items: Sequence[str]) -> dict[str, str]:
 def with_overrides(cfg: C, overrides: dict[str, str]) -> C:
     """A copy of the dataclass `cfg` with `overrides` applied, each converted to its field's type.
 
-    Supported field types: bool, int, float, str, tuples of ints (comma-separated: `target_layer_ids=1,3,4`),
-    and `X | None` of those (the value `none` gives None). Other tuple-valued fields (e.g. domain weights)
-    cannot be set this way and say so.
+    Supported field types: bool, int, float, str, tuples of ints or floats (comma-separated:
+    `target_layer_ids=1,3,4`, `confidence_temperatures=0,0.5,1`), and `X | None` of those (the value `none` gives
+    None). Other tuple-valued fields (e.g. domain weights) cannot be set this way and say so.
     """
     if not is_dataclass(cfg) or isinstance(cfg, type):
         raise TypeError(f"with_overrides expects a dataclass instance, got {type(cfg).__name__}")
@@ -56,8 +56,8 @@ def _convert(key: str, raw: str, annotation: Any) -> Any:
     options = tuple(t for t in options if t is not type(None))
     if optional and raw.lower() in ("none", "null"):
         return None
-    if len(options) == 1 and _is_int_tuple(options[0]):
-        return _int_tuple(key, raw, options[0])
+    if len(options) == 1 and _is_number_tuple(options[0]):
+        return _number_tuple(key, raw, options[0])
     if len(options) != 1 or options[0] not in (bool, int, float, str):
         raise ValueError(f"setting {key!r} ({_type_name(annotation)}) cannot be set with key=value; "
                          "edit the preset instead")
@@ -75,20 +75,23 @@ def _convert(key: str, raw: str, annotation: Any) -> Any:
         raise ValueError(f"setting {key}={raw!r}: expected {expected}") from None
 
 
-def _is_int_tuple(annotation: Any) -> bool:
-    args = typing.get_args(annotation)
-    return typing.get_origin(annotation) is tuple and bool(args) and all(a in (int, Ellipsis) for a in args)
+def _is_number_tuple(annotation: Any) -> bool:
+    """tuple[int, ...], tuple[float, ...] or a fixed-size tuple of one of them."""
+    args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+    return typing.get_origin(annotation) is tuple and bool(args) and len(set(args)) == 1 and args[0] in (int, float)
 
 
-def _int_tuple(key: str, raw: str, annotation: Any) -> tuple[int, ...]:
-    """`1,3,4` -> (1, 3, 4), checking the length of a fixed-size tuple[int, int, int]."""
+def _number_tuple(key: str, raw: str, annotation: Any) -> tuple[int | float, ...]:
+    """`1,3,4` -> (1, 3, 4) (`0,0.5` -> (0.0, 0.5) for floats), checking the length of a fixed-size tuple."""
     args = typing.get_args(annotation)
+    kind = args[0]
+    noun = "integers, e.g. 1,3,4" if kind is int else "numbers, e.g. 0,0.5,1"
     try:
-        value = tuple(int(x) for x in raw.split(","))
+        value = tuple(kind(x) for x in raw.split(","))
     except ValueError:
-        raise ValueError(f"setting {key}={raw!r}: expected comma-separated integers, e.g. 1,3,4") from None
+        raise ValueError(f"setting {key}={raw!r}: expected comma-separated {noun}") from None
     if Ellipsis not in args and len(value) != len(args):
-        raise ValueError(f"setting {key}={raw!r}: expected {len(args)} comma-separated integers")
+        raise ValueError(f"setting {key}={raw!r}: expected {len(args)} comma-separated {noun.partition(',')[0]}")
     return value
 
 

@@ -3,8 +3,10 @@
 Why: a drafter is scored on how well it predicts the *deployed target*, so training on the target's own
 responses (its token choices and uncertainty) beats training on human or other-model references. The
 prompts are rendered with the target's chat template in the serving mode (think / no-think) and decoded
-in batches through :class:`~angelspec.decoding.engine.SpecEngine`. `angelspec rollout` (angelspec.cli.data)
-is the command line of :func:`rollout`.
+in batches through :class:`~angelspec.decoding.engine.SpecEngine`, or through vLLM's offline batch API with
+``engine="vllm"`` (:class:`~angelspec.decoding.vllm_engine.VllmEngine`: the same JSONL, bit-identical at T=0 on the
+embedded target, for targets served by vLLM workers; vLLM lives in its own venv, `make vllm-venv`). `angelspec
+rollout` (angelspec.cli.data) is the command line of :func:`rollout`.
 
 Input lines (the prompts format of :mod:`angelspec.data.prompts`): ``{"prompt": str}`` or
 ``{"messages": [...]}``. Every assistant turn is replaced by the target's response, turn by turn: the
@@ -26,7 +28,10 @@ moment leaves the sidecar describing a prefix of complete chunks; ``resume=True`
 to the recorded byte count (dropping a partially written chunk or line) and continues at ``lines_done``.
 Request seeds derive from (seed, line index, turn), and the engine draws the same tokens for a request
 in any batch, so a resumed file is byte-identical to an uninterrupted one. The sidecar's ``config``
-(target fingerprint, prompts hash, sampling settings) must match, or resuming is refused.
+(target fingerprint, prompts hash, sampling settings, and the engine when it is vLLM) must match, or resuming is
+refused. With vLLM the target is not loaded in this process, so its fingerprint is the folder's
+(:func:`~angelspec.data.fingerprint.checkpoint_fingerprint`); at T>0 vLLM draws other samples than our engine, so
+a file is continued only by the engine that started it.
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from angelspec.assets import resolve_target_dir
-from angelspec.data.fingerprint import file_sha256, model_fingerprint
+from angelspec.data.fingerprint import checkpoint_fingerprint, file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
 from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic
 
 PROGRESS_SUFFIX = ".progress.json"
 SIDECAR_VERSION = 1
 LINES_PER_CHUNK_PER_ROW = 8  # chunk = 8 x batch size: enough requests to keep the engine's rows busy
+ENGINES = ("ours", "vllm")  # our SpecEngine; vLLM's offline batch API (optional, its own venv)
 
 
 class RolloutError(ValueError):
@@ -221,22 +227,26 @@ def rollout(
     force: bool = False,
     progress: bool = False,
     chunk_lines: int | None = None,
+    engine: str = "ours",
 ) -> RolloutSummary:
     """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
     embedded target).
 
     ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
     chunks lose less work to a kill, larger ones keep more requests in flight between turns.
-    Returns the :class:`RolloutSummary` of the whole file.
+    ``engine``: "ours" (`SpecEngine`) or "vllm" (vLLM's `LLM.generate`; without vLLM installed this fails at once
+    with one line saying how to install it). Returns the :class:`RolloutSummary` of the whole file.
     """
-    import torch
-
     from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
     from angelspec.decoding.sampling import SamplingParams
-    from angelspec.models import load_target
 
     t0 = time.perf_counter()
+    if engine not in ENGINES:
+        raise RolloutError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "vllm":
+        from angelspec.decoding.vllm_engine import import_vllm
+
+        import_vllm("--engine vllm")  # before any file is read or written
     target_dir = resolve_target_dir(target_dir)
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -262,17 +272,54 @@ def rollout(
         conversations.append(_Conversation(index=i, line=p["line"], source=p["messages"], extras=extras))
 
     tokenizer = load_tokenizer(target_dir)
+    generator, target_id, context = _start_engine(engine, target_dir, batch_size)
+    try:
+        stop_ids = tuple(tokenizer.eos_token_ids)
+        config = {"target": target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
+                  "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                  "max_new_tokens": max_new_tokens}
+        if engine != "ours":  # absent for our engine, so sidecars written before engines existed still resume
+            config["engine"] = engine
+        state = _prepare_output(out, config, resume=resume, force=force)
+        summary = _run_chunks(conversations, state, out, generator, tokenizer, context=context, chunk=chunk,
+                              stop_ids=stop_ids, sampling=(temperature, top_k, top_p, seed),
+                              max_new_tokens=max_new_tokens, enable_thinking=enable_thinking, progress=progress)
+    finally:
+        close = getattr(generator, "close", None)
+        if close is not None:
+            close()
+    summary.wall_s = time.perf_counter() - t0
+    return summary
+
+
+def _start_engine(engine: str, target_dir: Path, batch_size: int) -> tuple[Any, str, int]:
+    """(the engine with a `generate(requests, progress=...)`, the target's fingerprint, its context length)."""
+    if engine == "vllm":
+        from angelspec.decoding.vllm_engine import VllmEngine
+
+        generator = VllmEngine(target_dir, max_batch_size=batch_size)
+        return generator, checkpoint_fingerprint(target_dir), generator.config.max_position_embeddings
+    import torch
+
+    from angelspec.decoding.engine import EngineConfig, SpecEngine
+    from angelspec.models import load_target
+
     target = load_target(target_dir, dtype=torch.float32)
-    context = target.config.max_position_embeddings
-    stop_ids = tuple(tokenizer.eos_token_ids)
-    config = {"target": model_fingerprint(target), "prompts": file_sha256(prompts_path),
-              "enable_thinking": enable_thinking, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-              "seed": seed, "max_new_tokens": max_new_tokens}
-    state = _prepare_output(out, config, resume=resume, force=force)
+    generator = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
+    return generator, model_fingerprint(target), target.config.max_position_embeddings
+
+
+def _run_chunks(conversations: list[_Conversation], state: dict[str, Any], out: Path, engine: Any, tokenizer: Any,
+                *, context: int, chunk: int, stop_ids: tuple[int, ...], sampling: tuple[float, int, float, int],
+                max_new_tokens: int, enable_thinking: bool, progress: bool) -> RolloutSummary:
+    """Generate and append the chunks from `state["lines_done"]` on; the summary of the whole file."""
+    from angelspec.decoding.engine import Request
+    from angelspec.decoding.sampling import SamplingParams
+
+    temperature, top_k, top_p, seed = sampling
     out.parent.mkdir(parents=True, exist_ok=True)
     progress_file = _progress_path(out)
     summary = RolloutSummary(lines=len(conversations), resumed_at=state["lines_done"])
-    engine = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
 
     start = state["lines_done"]
     if start == 0 and not out.exists():
@@ -315,7 +362,6 @@ def rollout(
         _write_progress(progress_file, state)
     for k in _COUNTERS:
         setattr(summary, k, state["counters"][k])
-    summary.wall_s = time.perf_counter() - t0
     return summary
 
 

@@ -1,6 +1,7 @@
 """The training commands as library calls with plain keyword arguments: `train_drafter` (`angelspec train`),
-`build_target_model` (`angelspec target build`) and `cache_features` (`angelspec features`), plus the preset
-handling they share (`preset_config`: a named preset with `key=value` overrides) and the summaries they print.
+`build_target_model` (`angelspec target build`), `cache_features` (`angelspec features`) and `serve_features`
+(`angelspec feature-server`), plus the preset handling they share (`preset_config`: a named preset with
+`key=value` overrides) and the summaries they print.
 
 Each checks its settings before any data or weights are read; the messages name the command-line flags,
 since that is where the values usually come from.
@@ -50,6 +51,49 @@ def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=")
                          f"max_position_embeddings in {target_dir}/config.json); pass {flag}{context} or less")
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def step_memory_floor(batch_size: int, seq_len: int, vocab_size: int, hidden_size: int, num_layers: int) -> int:
+    """Bytes one drafter-training step cannot do without on the host, whatever the drafter: the target's fp32
+    logits over the batch (the teacher distribution, [B, T, V]) and its per-layer hidden states ([L, B, T, C]).
+    A floor, not an estimate: the drafter's own activations and the loss come on top."""
+    tokens = batch_size * seq_len
+    return 4 * tokens * (vocab_size + num_layers * hidden_size)
+
+
+def check_memory(config: Any, target_dir: Path, available: int | None = None) -> None:
+    """Refuse, before any data or weights are read, a run whose step cannot fit in the memory this machine has
+    (`step_memory_floor` above 90% of MemAvailable), instead of being OOM-killed minutes later without a word.
+    Skipped where the memory cannot be read or the run may use a GPU."""
+    import torch
+
+    from angelspec.models.hf_io import read_config
+
+    seq_len, batch = getattr(config, "seq_len", None), getattr(config, "batch_size", None)
+    if not seq_len or not batch or torch.cuda.is_available():
+        return
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    target = read_config(target_dir)
+    need = step_memory_floor(batch, seq_len, target.vocab_size, target.hidden_size, target.num_hidden_layers)
+    if need > 0.9 * available:
+        gib = 1 << 30
+        raise UsageError(f"batch_size={batch} x seq_len={seq_len} needs at least {need / gib:.1f} GiB per step (the "
+                         f"target's fp32 logits over {target.vocab_size} tokens and its hidden states for "
+                         f"{batch * seq_len} tokens), but this machine has {available / gib:.1f} GiB available; lower "
+                         "batch_size or seq_len")
+
+
 @dataclass
 class TrainResult:
     """What `train_drafter` wrote: the trainer's report, the folder and the steps the run planned."""
@@ -78,13 +122,24 @@ class TrainResult:
 def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None = None,
                   preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
                   resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                  distributed: str = "auto", log: Callable[[str], None] = print) -> TrainResult:
+                  distributed: str = "auto", feature_workers: int | None = None, feature_backend: str = "files",
+                  init_from: str | Path | None = None, only: str | None = None,
+                  log: Callable[[str], None] = print) -> TrainResult:
     """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
     file or a corpus folder) and write a self-describing drafter folder to `out`.
 
     preset: the trainer's preset (None: the kind's default); head: a block drafter's sequential head (the same
-    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2.
+    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2;
+    feature_workers: run the target in that many feature servers of its own, separate processes that stream the
+    features to this trainer (`train.stream`; backend "files" or "ray"), instead of inside the training step.
+    init_from / only: a block drafter folder whose part `only` ("confidence") alone is trained, everything else
+    frozen (the overrides init_from=DIR, only=confidence; `train.block`; default preset then confidence_only).
     """
+    if feature_workers is not None:
+        return _train_with_feature_servers(kind, data, out, target=target, preset=preset, head=head,
+                                           overrides=overrides, resume=resume, force=force, progress=progress,
+                                           max_minutes=max_minutes, distributed=distributed, workers=feature_workers,
+                                           backend=feature_backend, log=log)
     if kind not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
                 if kind.partition(":")[0] == "ngram" else "")
@@ -94,6 +149,13 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
         if kind not in BLOCK_DRAFTERS:
             raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
         overrides = [*overrides, f"head={head}"]
+    for flag, value in (("--init-from", init_from), ("--only", only)):
+        if value is not None:
+            if kind not in BLOCK_DRAFTERS:
+                raise UsageError(f"{flag} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
+            overrides = [*overrides, f"{flag.strip('-').replace('-', '_')}={value}"]
+    if only is not None and preset is None:
+        preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
     config = preset_config(presets, preset, default_preset, overrides, max_minutes)
     data = Path(data)
@@ -102,6 +164,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(target)
     check_seq_len(getattr(config, "seq_len", None), target_dir)
+    check_memory(config, target_dir)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
@@ -114,6 +177,47 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     report = train_fn(target_dir, data, out, config=config, resume=resume, force=force, progress=progress,
                       max_minutes=max_minutes, log=log, **extra)
     return TrainResult(report=report, out=out, planned_steps=config.steps)
+
+
+def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None,
+                                overrides: Sequence[str], resume: bool, force: bool, workers: int, backend: str,
+                                log: Callable[[str], None], **rest: Any) -> TrainResult:
+    """`train_drafter(..., feature_workers=N)`: the run's feature servers (`train.stream.spawn_feature_servers`,
+    started by the main process only) beside the trainer, which reads them through `features=`; the servers exit
+    after the trainer has finished, and are stopped if it fails."""
+    import os
+
+    from angelspec.train.loop import check_out_dir
+    from angelspec.train.stream import run_feature_stream, spawn_feature_servers, stop_feature_servers
+
+    require_positive("--feature-workers", workers)
+    if backend not in ("files", "ray"):
+        raise UsageError(f"--feature-backend must be files or ray, got {backend!r}")
+    if any(o.startswith("features=") for o in overrides):
+        raise UsageError("--feature-workers starts the run's own feature servers; drop features=... (or drop "
+                         "--feature-workers to read features you serve yourself)")
+    check_out_dir(out, resume=resume, force=force)  # before the servers start beside it
+    target_dir = resolve_target_dir(target)
+    procs = []
+    if os.environ.get("RANK", "0") == "0":  # one set of servers per run, from the main process under torchrun
+        address = None
+        if backend == "ray":
+            from angelspec.train.stream_ray import connect
+
+            # The trainer joins RAY_ADDRESS, else starts a Ray cluster of its own, and hands the server its address.
+            address = connect(os.environ.get("RAY_ADDRESS") or "local")
+        spec, procs = spawn_feature_servers(out, target_dir, data, workers, backend=backend, address=address)
+        log(f"feature servers: pid {', '.join(str(p.pid) for p in procs)} ({backend}), read with features={spec}")
+    else:
+        spec = run_feature_stream(out, backend)
+    ok = False
+    try:
+        result = train_drafter(kind, data, out, target=target_dir, overrides=[*overrides, f"features={spec}"],
+                               resume=resume, force=force, log=log, **rest)
+        ok = True
+    finally:
+        stop_feature_servers(procs, timeout_s=60.0 if ok else 0.0)
+    return result
 
 
 @dataclass
@@ -182,3 +286,35 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     return build_feature_cache(target_dir, data, Path(out), layers=ids, seq_len=seq_len,
                                enable_thinking=think, rows_per_shard=rows_per_shard, resume=resume, force=force,
                                log=log)
+
+
+def serve_features(data: str | Path, *, stream: str | Path | None = None, ray: str | None = None,
+                   target: str | Path | None = None, worker: int = 0, workers: int = 1, buffer: int = 4,
+                   address: str | None = None, idle_timeout_s: float = 3600.0,
+                   log: Callable[[str], None] = print) -> int:
+    """`angelspec feature-server`: run the target over the batches of the trainer that reads `features=stream:DIR`
+    (`stream`, a folder both see; this process is producer `worker` of `workers`) or `features=ray:NAME` (`ray`,
+    `workers` target actors on the Ray cluster at `address`), `buffer` batches ahead of it, until it finishes;
+    returns the number of batches published (`train.stream`)."""
+    if (stream is None) == (ray is None):
+        raise UsageError("give the stream to serve: --stream DIR (files, read with features=stream:DIR) or --ray NAME "
+                         "(a Ray cluster, read with features=ray:NAME)")
+    require_positive("--workers", workers)
+    require_positive("--buffer", buffer)
+    data = Path(data)
+    if not data.exists():
+        raise FileNotFoundError(f"--data {data} does not exist; give the JSONL file or corpus folder the trainer "
+                                "reads")
+    target_dir = resolve_target_dir(target)
+    from angelspec.train.data import check_conversations
+
+    check_conversations(data)
+    if stream is not None:
+        from angelspec.train.stream import serve_files
+
+        return serve_files(stream, target_dir, data, worker=worker, workers=workers, buffer=buffer,
+                           idle_timeout_s=idle_timeout_s, log=log)
+    from angelspec.train.stream_ray import serve_ray
+
+    return serve_ray(str(ray), target_dir, data, workers=workers, buffer=buffer, address=address,
+                     idle_timeout_s=idle_timeout_s, log=log)

@@ -21,7 +21,7 @@ from angelspec.data.lm_data import PackedStream, TokenizedDomain, read_jsonl, to
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
-from angelspec.train.checkpoint import find_checkpoint
+from angelspec.train.checkpoint import find_checkpoint, refuse_resume_over_model
 from angelspec.train.config import LMRunConfig
 from angelspec.train.lm import heldout_loss, train_causal_lm
 
@@ -137,6 +137,8 @@ def build_target(
     if out_dir.exists() and any(out_dir.iterdir()) and not (force or resume):
         raise FileExistsError(f"{out_dir} already exists and is not empty; pass --force to overwrite it "
                               "or --resume to continue the build")
+    if resume and not force:  # the default `out_dir` is the shipped target: never retrain over it by accident
+        refuse_resume_over_model(out_dir, ckpt_dir)
     if find_checkpoint(ckpt_dir) is not None and not resume:
         if not force:
             raise FileExistsError(f"{work_dir} holds a previous build's checkpoint; pass --resume to continue it "

@@ -65,8 +65,14 @@ class Proposal:
         speculative sampling, None for deterministic drafts.
     confidences: [B, K] float in [0, 1] or None, the drafter's belief that each draft is right (for depth
         policies such as D-cut); per position, not cumulative.
-    lengths: [B] int64 or None, drafts per row worth verifying (the rest is padding). It must not depend
-        on the values of *sampled* drafts (docs/design.md trap 1); None = K.
+    lengths: [B] int64 or None, drafts per row worth verifying (the rest is padding); a row verifies at most
+        its length. None = K. A length chosen after sampling (e.g. an early stop on a sampled draft's
+        confidence) is correlated with the sampled tokens and would bias standard speculative sampling
+        (docs/design.md trap 1), and the engine cannot see when a length was fixed. So lengths are allowed only
+        where verification is exact for any depth: deterministic drafts, a depth policy with `uses_proposal`,
+        or all-greedy steps. With sampled drafts under standard speculative sampling the engine refuses them
+        (ValueError); propose argmax drafts when `DraftState.deterministic` / `all_greedy` ask for them, and
+        put caps known before sampling in the depth policy instead.
     deterministic: True when the drafts are a deterministic function of the committed prefix (an argmax or
         a lookup), which makes the deterministic-draft protocol exact under any depth policy.
     """
@@ -172,7 +178,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, state: DraftState) -> Proposal:
-        """Propose `state.num_draft_tokens` drafts for every row (see `Proposal`)."""
+        """Propose `state.num_draft_tokens` drafts for every row (see `Proposal`). A round of 0 drafts (the
+        speculation gate skipped drafting) may come between ordinary rounds: propose nothing and keep whatever
+        state the following `on_commit` (one committed token per active row) needs."""
 
     @abstractmethod
     def on_commit(self, commit: Commit) -> None:

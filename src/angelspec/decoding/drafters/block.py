@@ -15,7 +15,9 @@ Drafts are the argmax when the engine verifies deterministically or every row is
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
 (keyed by the draft's position, as every drafter does) and q is returned. Confidences are the model's
 (`BlockProposal.confidences`): the confidence head's σ(logit) per draft position (DSpark §3.2) when the drafter
-has one, else the head's own (temperature-1) probability of each draft.
+has one, else the head's own (temperature-1) probability of each draft. A "protocol" confidence head (trained on the
+acceptance of argmax drafts per sampling temperature, `models.block.heads`) reads each row's request temperature
+(`DraftState.sampling.temperature`; idle rows hold 0).
 
 Build it with `BlockDrafterAdapter.from_pretrained(dir, target=...)` (E and W_lm are the target's) or
 `BlockDrafterAdapter(model)`. It never loads the target.
@@ -141,7 +143,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 
         p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
-                               select=None if deterministic else select, num_drafts=k, with_logits=False)
+                               select=None if deterministic else select, num_drafts=k, with_logits=False,
+                               temperature=s.temperature)
         probs = None if deterministic else p.probs  # [B, K, V]
         return Proposal(tokens=p.tokens, probs=probs, confidences=p.confidences, deterministic=deterministic)
 
@@ -179,8 +182,8 @@ DFlareDrafter = _block_kind("dflare", "DFlareDrafter",
 DFlyDrafter = _block_kind("dfly", "DFlyDrafter",
                           "DFly (report Eq. 12, 14–15): hybrid conditioning with a Markov or hidden-correction head.")
 DSparkDrafter = _block_kind("dspark", "DSparkDrafter",
-                            "DSpark (DSpark report §3): the DFlash backbone, a Markov-family head and the confidence "
-                            "head.")
+                            "DSpark (DSpark report §3): the DFlash backbone (same-layer injection or the shared fused "
+                            "context), a Markov-family head and the confidence head.")
 
 
 @torch.no_grad()

@@ -150,9 +150,6 @@ class DraftLMDrafter(Drafter):
         b = state.seq_lens.shape[0]
         self._k = k
         deterministic = state.deterministic or state.all_greedy
-        if k == 0:
-            empty = torch.zeros(b, 0, dtype=torch.int64, device=state.seq_lens.device)
-            return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
         self._base = cache.lengths.clone()
         act = state.active.long()  # [B] idle rows append nothing
         last = state.last_tokens
@@ -160,6 +157,9 @@ class DraftLMDrafter(Drafter):
         pend = self._has_pending.long()
         # Cache length before = seq_len - 1 - pending, so kv_len = seq_len + 1 bounds every row.
         logits = self._first_fn(first_in, cache, (1 + pend) * act, state.seq_len_bound + 1, pend[:, None])  # [B, V]
+        if k == 0:  # a round without drafts (the speculation gate): the cache now holds every committed token
+            empty = torch.zeros(b, 0, dtype=torch.int64, device=state.seq_lens.device)
+            return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
         s = state.sampling
         tokens, probs, confs = [], [], []
         early = self.stop_below is not None and deterministic
@@ -201,7 +201,9 @@ class DraftLMDrafter(Drafter):
     def on_commit(self, commit: Commit) -> None:
         cache, k = self.cache, self._k
         assert cache is not None
-        if k == 0:
+        if k == 0:  # propose fed the row's last token and nothing else: all but the newest committed token cached
+            cache.truncate(torch.where(commit.active, commit.seq_lens - 1, self._base))
+            self._has_pending = torch.where(commit.active, False, self._has_pending)
             return
         # All of a row's drafts accepted: the last one is committed but may never have been fed (it was when the
         # row ended before the loop did; it is then fed again, harmlessly), so it becomes the pending token.

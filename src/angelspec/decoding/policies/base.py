@@ -29,6 +29,11 @@ class DepthPolicy(Protocol):
     does and the drafts were sampled, standard speculative sampling would be biased (docs/design.md trap 1), so
     the engine then verifies with the deterministic-draft protocol and asks the drafter for argmax drafts.
     A plain callable without the attribute is treated as `uses_proposal = True` (the safe choice).
+    `uses_proposal = False` is a promise the engine trusts and cannot check: such a policy must compute depths
+    from `DraftState` and earlier steps only. It may read `proposal.lengths`, which the engine refuses under
+    standard speculative sampling (see `Proposal`). The declaration is fixed at construction (a frozen field or
+    a read-only property: the engine reads it once), and a policy that reads this round's proposal refuses
+    `uses_proposal=False` (`DCut`, `PrefixScheduler`, `ProductionScheduler(allocation="current")`).
 
     `static_depth`: a host int when every row always gets the same depth (lets the engine skip a host sync
     for the verify width), else None. Adaptive policies (D-cut, DSpark's scheduler) plug in here.
@@ -89,6 +94,9 @@ class ConfidenceThreshold:
             raise ValueError(f"ConfidenceThreshold.threshold must be in [0, 1], got {self.threshold!r}")
         if self.min_depth < 0:
             raise ValueError(f"ConfidenceThreshold.min_depth must be >= 0, got {self.min_depth!r}")
+        if not self.uses_proposal:
+            raise ValueError("ConfidenceThreshold reads this round's confidences; it cannot declare "
+                             "uses_proposal=False (trap 1)")
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         if proposal.confidences is None:

@@ -98,6 +98,9 @@ class ProductionScheduler:
         confidences (reads the proposal: uses_proposal = True, deterministic-draft protocol).
     allocation="stale": they go to the best pairs of the stale confidences too, so the depth depends on
         earlier steps only: uses_proposal = False and standard speculative sampling stays exact (trap 1).
+    uses_proposal: None = as above; True forces the deterministic-draft protocol (safe with either allocation);
+        False with allocation="current" is refused, as DCut and PrefixScheduler refuse it. Read-only afterwards:
+        the engine reads the declaration once, when it is built.
 
     Rows without a record from exactly `lag` steps ago (new requests, the first steps) use the prior
     `cold_confidence` per draft. A record is matched by the row's `draft_round`, which the engine resets when
@@ -107,18 +110,27 @@ class ProductionScheduler:
     static_depth: int | None = None
 
     def __init__(self, cost: CostModel | None = None, *, allocation: Literal["current", "stale"] = "stale",
-                 lag: int = 2, cold_confidence: float = 0.5, eps: float = 1e-6) -> None:
+                 lag: int = 2, cold_confidence: float = 0.5, eps: float = 1e-6,
+                 uses_proposal: bool | None = None) -> None:
         if allocation not in ("current", "stale"):
             raise ValueError(f"ProductionScheduler.allocation must be 'current' or 'stale', got {allocation!r}")
+        if allocation == "current" and uses_proposal is False:
+            raise ValueError("ProductionScheduler(allocation='current') reads this round's confidences; it cannot "
+                             "declare uses_proposal=False (trap 1)")
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise ValueError(f"ProductionScheduler.lag must be an int >= 1 (earlier steps only), got {lag!r}")
         if not 0.0 <= cold_confidence <= 1.0:
             raise ValueError(f"cold_confidence must be in [0, 1], got {cold_confidence!r}")
         self.cost = cost or LinearCost()
         self.allocation, self.lag, self.cold_confidence, self.eps = allocation, lag, cold_confidence, eps
-        self.uses_proposal = allocation == "current"
+        self._uses_proposal = allocation == "current" if uses_proposal is None else bool(uses_proposal)
         self.guard = ConfidenceGuard()
         self._history: deque[tuple[Tensor, Tensor]] = deque(maxlen=lag)  # (conf [B, K], draft_round [B])
+
+    @property
+    def uses_proposal(self) -> bool:
+        """Whether the depth reads this round's proposal (fixed at construction; see the class docstring)."""
+        return self._uses_proposal
 
     def stale_confidences(self, state: DraftState, k: int) -> Tensor:
         """[B, K]: each row's confidences from `lag` steps ago, or the cold prior where there is none."""

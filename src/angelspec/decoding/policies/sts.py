@@ -19,6 +19,17 @@ Calibrated confidences for any drafter: `CalibratedDrafter` wraps a drafter whos
 `calibration.json` (written by `angelspec calibrate`) so every consumer of its proposals (depth policies,
 schedulers, reports) sees STS-calibrated confidences c_k^{1/T_k} without further plumbing.
 
+Per sampling temperature: a draft's acceptance depends on the request's temperature (the confidence-driven policies
+verify argmax drafts: at T = 0 greedily, at T > 0 with probability p_T(draft)), so one fit cannot serve every
+temperature. `angelspec calibrate --temperature T` fits STS on runs at T and adds that fit to the file
+(`StsCalibrationSet`, keyed by `sampling_temperature`; a fit at another temperature is kept). Each row of a step
+uses the fit of the NEAREST fitted sampling temperature (ties to the lower one); a request more than
+`MAX_FIT_DISTANCE` from every fit still uses the nearest fit, and the commands that know the request temperature
+(`generate`, `eval`) print a note saying so (`CalibratedDrafter.temperature_note`). File format: one fit is written
+as before (`{"method": "sts", "temperatures": [...], ..., "sampling_temperature": T}`), several as
+`{"method": "sts", "fits": [one such object per temperature]}`; a file without `sampling_temperature` (every file
+written before fits were keyed by temperature) is a fit at T = 0, where they were all made.
+
 Why a drafter wrapper rather than `CalibratedPolicy`: the temperatures belong to the drafter checkpoint,
 so loading the checkpoint is the one place that knows about them; `generate`, `eval` and any depth policy
 then get them for free. The confidences are also sanitised here with `drafter.sanitize_confidences`
@@ -41,12 +52,13 @@ import torch
 from torch import Tensor
 
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
-from angelspec.decoding.policies.base import sanitize_confidences
+from angelspec.decoding.policies.base import policy_static_depth, policy_uses_proposal, sanitize_confidences
 from angelspec.fileio import write_json_atomic
 from angelspec.models.config import DecoderConfig
 
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_NUM_BINS = 15  # the report's 15-bin ECE
+MAX_FIT_DISTANCE = 0.25  # a request temperature farther than this from every fit gets a note (module docstring)
 
 
 def temperature_grid(num: int = 100, lo: float = 0.1, hi: float = 10.0) -> Tensor:
@@ -116,6 +128,7 @@ class StsCalibration:
     ece_before: tuple[float, ...] = ()
     ece_after: tuple[float, ...] = ()
     num_bins: int = DEFAULT_NUM_BINS
+    sampling_temperature: float = 0.0  # the request temperature of the runs it was fitted on
     method: str = field(default="sts", init=False)
 
     def apply(self, logits: Tensor) -> Tensor:
@@ -127,13 +140,12 @@ class StsCalibration:
 
     def to_json(self) -> dict[str, object]:
         return {"method": self.method, "temperatures": list(self.temperatures), "num_bins": self.num_bins,
-                "ece_before": list(self.ece_before), "ece_after": list(self.ece_after)}
+                "ece_before": list(self.ece_before), "ece_after": list(self.ece_after),
+                "sampling_temperature": self.sampling_temperature}
 
     def save(self, checkpoint_dir: str | Path) -> Path:
-        """Write `calibration.json` into the drafter checkpoint directory; returns its path."""
-        path = Path(checkpoint_dir) / CALIBRATION_FILE
-        write_json_atomic(path, self.to_json())
-        return path
+        """Write `calibration.json` (this fit alone) into the drafter checkpoint directory; returns its path."""
+        return StsCalibrationSet((self,)).save(checkpoint_dir)
 
     @classmethod
     def from_json(cls, obj: dict[str, object]) -> StsCalibration:
@@ -142,9 +154,13 @@ class StsCalibration:
         temps = tuple(float(t) for t in obj["temperatures"])  # type: ignore[union-attr]
         if not temps or any(not (math.isfinite(t) and t > 0) for t in temps):
             raise ValueError(f"calibration temperatures must be finite and > 0, got {list(temps)}")
+        sampling = float(obj.get("sampling_temperature", 0.0))  # type: ignore[arg-type]  # absent: a T = 0 fit
+        if not (math.isfinite(sampling) and sampling >= 0):
+            raise ValueError(f"sampling_temperature must be finite and >= 0, got {sampling}")
         return cls(temperatures=temps, ece_before=tuple(obj.get("ece_before", ())),  # type: ignore[arg-type]
                    ece_after=tuple(obj.get("ece_after", ())),  # type: ignore[arg-type]
-                   num_bins=int(obj.get("num_bins", DEFAULT_NUM_BINS)))  # type: ignore[arg-type]
+                   num_bins=int(obj.get("num_bins", DEFAULT_NUM_BINS)),  # type: ignore[arg-type]
+                   sampling_temperature=sampling)
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path) -> StsCalibration | None:
@@ -153,6 +169,77 @@ class StsCalibration:
         if not path.exists():
             return None
         return cls.from_json(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class StsCalibrationSet:
+    """A drafter's STS fits, one per sampling temperature they were fitted at (ascending, distinct); each row of a
+    step uses the nearest one (module docstring)."""
+
+    fits: tuple[StsCalibration, ...]
+
+    def __post_init__(self) -> None:
+        fits = tuple(sorted(self.fits, key=lambda f: f.sampling_temperature))
+        temps = [f.sampling_temperature for f in fits]
+        if not fits or len(set(temps)) != len(temps):
+            raise ValueError(f"a calibration needs one fit per sampling temperature, got temperatures {temps}")
+        object.__setattr__(self, "fits", fits)
+
+    @property
+    def sampling_temperatures(self) -> tuple[float, ...]:
+        return tuple(f.sampling_temperature for f in self.fits)
+
+    def fit_for(self, temperature: float) -> StsCalibration:
+        """The fit of the nearest fitted sampling temperature (ties: the lower one)."""
+        return min(self.fits, key=lambda f: abs(f.sampling_temperature - temperature))
+
+    def with_fit(self, fit: StsCalibration) -> StsCalibrationSet:
+        """These fits with `fit` added, replacing the one at its sampling temperature."""
+        others = [f for f in self.fits if f.sampling_temperature != fit.sampling_temperature]
+        return StsCalibrationSet((*others, fit))
+
+    def temperature_note(self, temperature: float) -> str | None:
+        """A note when requests at `temperature` are served by a fit more than MAX_FIT_DISTANCE away, else None."""
+        nearest = self.fit_for(temperature).sampling_temperature
+        if abs(nearest - temperature) <= MAX_FIT_DISTANCE:
+            return None
+        fitted = ", ".join(f"{t:g}" for t in self.sampling_temperatures)
+        return (f"note: the drafter's confidences are calibrated at temperature {fitted}; requests at "
+                f"{temperature:g} use the fit at {nearest:g}. Fit one at {temperature:g} with `angelspec calibrate "
+                f"--temperature {temperature:g}`")
+
+    def row_temperatures(self, sampling_temperature: Tensor, k: int) -> Tensor:
+        """Per-row STS temperatures: the rows' request temperatures [B] -> [B, K] float32 on their device, each
+        row the K temperatures (`temperatures_for`) of its nearest fit. On the device: no host sync."""
+        dev = sampling_temperature.device
+        table = torch.tensor([temperatures_for(f, k) for f in self.fits], dtype=torch.float32, device=dev)  # [F, K]
+        fitted = torch.tensor(self.sampling_temperatures, dtype=torch.float32, device=dev)  # [F] ascending
+        nearest = (sampling_temperature.float()[:, None] - fitted).abs().argmin(dim=1)  # [B], first = lower on ties
+        return table[nearest]
+
+    def to_json(self) -> dict[str, object]:
+        """One fit in the single-fit form every reader knows; several under "fits"."""
+        if len(self.fits) == 1:
+            return self.fits[0].to_json()
+        return {"method": "sts", "fits": [f.to_json() for f in self.fits]}
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        """Write `calibration.json` into the drafter checkpoint directory; returns its path."""
+        path = Path(checkpoint_dir) / CALIBRATION_FILE
+        write_json_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_json(cls, obj: dict[str, object]) -> StsCalibrationSet:
+        if "fits" not in obj:
+            return cls((StsCalibration.from_json(obj),))
+        if obj.get("method") != "sts" or not isinstance(obj["fits"], list):
+            raise ValueError(f"expected {{'method': 'sts', 'fits': [...]}}, got method {obj.get('method')!r}")
+        return cls(tuple(StsCalibration.from_json(f) for f in obj["fits"]))
+
+    @classmethod
+    def of(cls, calibration: StsCalibration | StsCalibrationSet) -> StsCalibrationSet:
+        return calibration if isinstance(calibration, StsCalibrationSet) else cls((calibration,))
 
 
 def cumulative_ece(conf: Tensor, accepted: Tensor, num_bins: int = DEFAULT_NUM_BINS) -> list[float]:
@@ -200,8 +287,14 @@ class CalibratedPolicy:
 
     def __init__(self, policy: object, calibration: StsCalibration) -> None:
         self.policy, self.calibration = policy, calibration
-        self.uses_proposal = bool(getattr(policy, "uses_proposal", True))
-        self.static_depth = getattr(policy, "static_depth", None)
+
+    @property
+    def uses_proposal(self) -> bool:
+        return policy_uses_proposal(self.policy)  # type: ignore[arg-type]
+
+    @property
+    def static_depth(self) -> int | None:
+        return policy_static_depth(self.policy)  # type: ignore[arg-type]
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         c = proposal.confidences
@@ -219,11 +312,13 @@ class CalibrationError(ValueError):
     """A calibration file that cannot be used, or a drafter that cannot be calibrated."""
 
 
-def load_calibration(folder: str | Path) -> StsCalibration | None:
-    """The `calibration.json` in a drafter folder, None when there is none; a broken file is a clear error."""
+def load_calibration(folder: str | Path) -> StsCalibrationSet | None:
+    """The fits in a drafter folder's `calibration.json`, None when there is none; a broken file is a clear error."""
     path = Path(folder) / CALIBRATION_FILE
+    if not path.exists():
+        return None
     try:
-        return StsCalibration.load(folder)
+        return StsCalibrationSet.from_json(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise CalibrationError(f"{path} is not a usable calibration ({type(e).__name__}: {e}); re-run "
                                f"`angelspec calibrate --force` or delete it") from None
@@ -236,10 +331,12 @@ def temperatures_for(calibration: StsCalibration, k: int) -> list[float]:
 
 
 class CalibratedDrafter(Drafter):
-    """A drafter whose proposals carry calibrated, sanitised confidences; everything else is delegated."""
+    """A drafter whose proposals carry calibrated, sanitised confidences; everything else is delegated. Each row
+    uses the fit of the nearest fitted sampling temperature (`StsCalibrationSet`)."""
 
-    def __init__(self, inner: Drafter, calibration: StsCalibration, source: str | Path | None = None) -> None:
-        self.inner, self.calibration = inner, calibration
+    def __init__(self, inner: Drafter, calibration: StsCalibration | StsCalibrationSet,
+                 source: str | Path | None = None) -> None:
+        self.inner, self.calibration = inner, StsCalibrationSet.of(calibration)
         self.source = None if source is None else Path(source)
         self.target_layer_ids = inner.target_layer_ids
         self._bad: Tensor | None = None
@@ -283,8 +380,11 @@ class CalibratedDrafter(Drafter):
         # c^(1/T) in [0, 1], so the calibrated confidences are clean too.
         conf, bad = sanitize_confidences(p.confidences)  # [B, K] float32, 0-dim count
         self._bad = bad if self._bad is None or self._bad.device != bad.device else self._bad + bad
-        if conf.shape[-1] > 0:
-            conf = apply_temperatures_to_confidences(conf, temperatures_for(self.calibration, conf.shape[-1]))
+        fits, k = self.calibration.fits, conf.shape[-1]
+        if k > 0 and len(fits) == 1:
+            conf = apply_temperatures_to_confidences(conf, temperatures_for(fits[0], k))
+        elif k > 0:  # each row the fit of its request temperature
+            conf = conf ** (1.0 / self.calibration.row_temperatures(state.sampling.temperature, k).to(conf.device))
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf, lengths=p.lengths,
                         deterministic=p.deterministic)
 
@@ -302,10 +402,21 @@ class CalibratedDrafter(Drafter):
         """Confidences replaced so far (NaN, inf, outside [0, 1]). Host sync: read it once per interval."""
         return 0 if self._bad is None else int(self._bad)
 
-    def describe(self) -> str:
-        temps = ", ".join(f"{t:.2f}" for t in self.calibration.temperatures)
+    def describe(self, temperature: float | None = None) -> str:
+        """One line per fit; with the request `temperature`, the fit its rows use is marked."""
         where = f" from {self.source / CALIBRATION_FILE}" if self.source is not None else ""
-        return f"calibrated confidences (STS{where}): T_1..T_{len(self.calibration.temperatures)} = [{temps}]"
+        used = None if temperature is None else self.calibration.fit_for(temperature)
+        lines = []
+        for fit in self.calibration.fits:
+            temps = ", ".join(f"{t:.2f}" for t in fit.temperatures)
+            at = f" at sampling temperature {fit.sampling_temperature:g}" if len(self.calibration.fits) > 1 else ""
+            mark = f" (used at temperature {temperature:g})" if fit is used and len(self.calibration.fits) > 1 else ""
+            lines.append(f"calibrated confidences (STS{where}){at}: T_1..T_{len(fit.temperatures)} = [{temps}]{mark}")
+        return "\n".join(lines)
+
+    def temperature_note(self, temperature: float) -> str | None:
+        """`StsCalibrationSet.temperature_note`: a note when `temperature` is far from every fit."""
+        return self.calibration.temperature_note(temperature)
 
 
 def with_calibration(drafter: Drafter, folder: str | Path) -> Drafter:

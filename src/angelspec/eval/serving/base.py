@@ -15,7 +15,8 @@ class ServingError(ValueError):
 
 @dataclass(frozen=True)
 class ServingRow:
-    """One (configuration, concurrency) point. Seconds per step are per batched engine step."""
+    """One (configuration, concurrency) point. Seconds per step are per batched engine step, the median over the
+    point's steps (AngelSpec §5: typical-step latencies, not moved by an occasional slow step)."""
 
     config: str
     drafter: str  # the --drafter spec
@@ -31,15 +32,25 @@ class ServingRow:
     mal: float  # mean committed tokens per request-step (1.0 for AR)
     mean_depth: float  # verified drafts per request-step
     steps: int
-    exec_s_per_step: float  # target verify forward + verification (the report's execute_model)
-    sample_s_per_step: float  # drafting + depth selection (the report's sample_tokens)
+    exec_s_per_step: float  # target verify forward + verification (the report's execute_model), median
+    sample_s_per_step: float  # drafting (propose + on_commit) + depth selection (its sample_tokens), median
     seconds: dict[str, float] = field(default_factory=dict)  # whole run, per phase
     speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
+    # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent
+    vllm_tokens_per_s: float | None = None
+    vllm_mal: float | None = None  # vLLM's accepted drafts + 1 per verify step that had drafts
+    vllm_identical: int | None = None  # vLLM outputs equal to this configuration's
+
+    @property
+    def vs_vllm(self) -> float | None:
+        """Our tokens/s over vLLM's on the same requests (> 1: ours is faster)."""
+        return self.tokens_per_s / self.vllm_tokens_per_s if self.vllm_tokens_per_s else None
 
     @property
     def step_s(self) -> float:
-        """Eq. 25's decode-step latency proxy: T_exec + T_sample."""
+        """Eq. 25's decode-step latency proxy: T_exec + T_sample, the sum of the two medians (as in the report, not
+        the median of the steps' sums)."""
         return self.exec_s_per_step + self.sample_s_per_step
 
 

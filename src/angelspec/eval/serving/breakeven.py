@@ -2,8 +2,10 @@
 
     C_BE_m(b) = 3 (T_exec,m(b) + T_sample,m(b)) / (T_exec,ref(b) + T_sample,ref(b))
 
-T_exec is the target's verification per step (`verify`, the report's execute_model), T_sample drafting +
-depth selection (`draft` + `select`, its sample_tokens), both at concurrency b. The reference is an MTP
+T_exec is the target's verification per step (`verify`, the report's execute_model), T_sample drafting + depth
+selection (`draft` + `select` + the drafter's `on_commit`, which the engine bills to its commit phase: the report's
+sample_tokens covers all the proposer's work), both at concurrency b and both medians over the point's steps (the
+report's T-tilde: one slow step does not move them; sweep.py's `EXEC_PHASES` / `SAMPLE_PHASES`). The reference is an MTP
 configuration when one is present (the report's Hy3-MTP3, assumed to commit 3 tokens per step), else the
 first speculative configuration; we also give the variant that uses the reference's measured MAL instead of
 3. A method is predicted to beat the reference at concurrency b when its measured MAL exceeds C_BE_m(b).
@@ -74,8 +76,8 @@ def format_breakeven(rows: Sequence[ServingRow], reference: str | None = None) -
     w = max(15, *(len(n) + 3 for n in names))
     lines = [f"break-even committed length C_BE (Eq. 25): reference {be.reference!r} ({be.why}), assumed to "
              f"commit {REFERENCE_COMMIT:g} tokens per step as in the report; per cell: C_BE / measured MAL "
-             "(the method is predicted to beat the reference where MAL > C_BE). T_exec = verify, "
-             "T_sample = draft + select, per step.",
+             "(the method is predicted to beat the reference where MAL > C_BE). Medians per step: T_exec = verify, "
+             "T_sample = draft (propose + on_commit) + select.",
              f"{'C':>5}" + "".join(f"{n:>{w}}" for n in names)]
     for c in concurrency_levels(rows):
         cells = "".join(f"{_be_cell(be.values[n].get(c), be.mal[n].get(c)):>{w}}" for n in names)

@@ -1,6 +1,7 @@
 """PNG plots of a serving sweep: serving.png (AngelSpec report §4.4, Figure 4's two panels: throughput against
-per-user speed and against concurrency) and phases.png (per-step T_exec = verify and T_sample = draft + select,
-the two terms of Eq. 25). matplotlib is an optional dependency (the `bench` extra), imported only when plotting.
+per-user speed and against concurrency) and phases.png (median per-step T_exec = verify and T_sample =
+draft + select, the drafter's on_commit included: the two terms of Eq. 25). matplotlib is an optional dependency
+(the `bench` extra), imported only when plotting.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ BENCH_EXTRA_HINT = "pip install 'angelspec[bench]'"
 
 def plot_sweep(rows: Sequence[ServingRow], out_dir: str | Path,
                pair: tuple[str, str] | None = None) -> tuple[list[Path], str | None]:
-    """serving.png (Figure 4's two panels) and phases.png (per-step verify vs draft+select) in `out_dir`;
+    """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`;
     `pair` = (D-cut config, full config) labels the D-cut curve with its gain over full verification.
     Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
     try:
@@ -61,8 +62,9 @@ def plot_sweep(rows: Sequence[ServingRow], out_dir: str | Path,
         xs = [r.concurrency for r in series]
         ax_exec.plot(xs, [r.exec_s_per_step * 1e3 for r in series], marker="o", label=name)
         ax_sample.plot(xs, [r.sample_s_per_step * 1e3 for r in series], marker="o", label=name)
-    ax_exec.set(xlabel="concurrency (requests)", ylabel="ms per step", title="target verify (T_exec)")
-    ax_sample.set(xlabel="concurrency (requests)", ylabel="ms per step", title="draft + select (T_sample)")
+    ax_exec.set(xlabel="concurrency (requests)", ylabel="median ms per step", title="target verify (T_exec)")
+    ax_sample.set(xlabel="concurrency (requests)", ylabel="median ms per step",
+                  title="draft (propose + on_commit) + select (T_sample)")
     for ax in (ax_exec, ax_sample):
         _concurrency_axis(ax, concurrency)
         ax.grid(alpha=0.3)

@@ -5,7 +5,9 @@ Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of t
 the mean over requests of emitted tokens / (admission to last token); MAL; speed-up over the AR configuration
 at the same C; mean verified drafts per request-step; per-step seconds of target verification (`verify`, the
 report's execute_model) and of drafting + depth selection (`draft` + `select`, its sample_tokens); and at
-T=0 whether every output equals the AR configuration's (it must: lossless).
+T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM column (vllm.py) four
+more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with drafts, and how many of
+vLLM's outputs equal this configuration's.
 
 Goal (AngelSpec report §4.4): at the highest concurrency, D-cut gives at least +10% throughput over full
 verification of the same drafter and K while losing at most 3% MAL.
@@ -135,10 +137,17 @@ class ServingReport:
             "goal": None if g is None else {**asdict(g), "met": g.met, "line": self.goal_line()},
         }
 
+    @property
+    def has_vllm(self) -> bool:
+        return any(r.vllm_tokens_per_s is not None for r in self.rows)
+
     def format_table(self) -> str:
-        """A markdown table, readable as plain text too."""
+        """A markdown table, readable as plain text too (with the vLLM columns when a row has vLLM's numbers)."""
         head = ["config", "policy", "K", "C", "requests", "tok/s", "per-user tok/s", "speed-up", "MAL",
-                "depth", "verify ms/step", "draft+select ms/step", "lossless"]
+                "depth", "verify ms/step", "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
+        vllm = self.has_vllm
+        if vllm:
+            head += ["vLLM tok/s", "ours/vLLM", "vLLM MAL", "vLLM = ours"]
         body = []
         for name in self.configs:
             for c in self.concurrency:
@@ -152,6 +161,8 @@ class ServingReport:
                              f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
                              "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
                              f"{r.exec_s_per_step * 1e3:.2f}", f"{r.sample_s_per_step * 1e3:.2f}", lossless])
+                if vllm:
+                    body[-1] += _vllm_cells(r)
         widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
         fmt = lambda cells: "| " + " | ".join(f"{x:<{w}}" for x, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
         return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, body)])
@@ -160,14 +171,15 @@ class ServingReport:
         s = self.settings
         lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
                  f"N = max(2C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
-                 f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", self.goal_line()]
+                 f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._vllm_lines(),
+                 self.goal_line()]
         if breakeven:
             lines += ["", self.format_breakeven()]
         return "\n".join(lines)
 
     # ----- files (plots.py) ------------------------------------------------------------------
     def plot(self, out_dir: str | Path) -> tuple[list[Path], str | None]:
-        """serving.png (Figure 4's two panels) and phases.png (per-step verify vs draft+select) in `out_dir`.
+        """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`.
         Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
         return plot_sweep(self.rows, out_dir, self.goal_pair())
 
@@ -178,12 +190,26 @@ class ServingReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / "results.json", self.to_json())
         md = ["# Serving sweep", "", "```", *self._settings_lines(), "```", "", self.format_table(), "",
-              self.goal_line(), ""]
+              *self._vllm_lines(), self.goal_line(), ""]
         if breakeven:
             md += ["```", self.format_breakeven(), "```", ""]
         replace_atomic(out_dir / "results.md", lambda tmp: tmp.write_text("\n".join(md), encoding="utf-8"))
         plots, note = self.plot(out_dir)
         return [out_dir / "results.json", out_dir / "results.md", *plots], note
+
+    def _vllm_lines(self) -> list[str]:
+        """What the vLLM columns are (and a failed vLLM run), with a blank line after; [] without vLLM."""
+        v = self.settings.get("vllm")
+        if not isinstance(v, dict):
+            return []
+        lines = [f"vLLM columns: vLLM {v.get('version')} ({v.get('python')}), fp32, its default compilation, one "
+                 "engine per point with max_num_seqs = C, the same requests after one warm-up generate, timed the "
+                 "same way; ours/vLLM > 1: ours is faster; vLLM MAL counts only its steps with drafts; vLLM = ours: "
+                 "its outputs equal to this configuration's. Rows with '-': no vLLM equivalent (depth policy, gate, "
+                 "model drafter)."]
+        if v.get("error"):
+            lines.append(f"vLLM column FAILED: {v['error']}")
+        return [*lines, ""]
 
     def _settings_lines(self) -> list[str]:
         lines = []
@@ -195,6 +221,17 @@ class ServingReport:
             else:
                 lines.append(f"{k}: {v}")
         return lines
+
+
+def _vllm_cells(r: ServingRow) -> list[str]:
+    """vLLM tok/s, ours/vLLM, vLLM MAL, vLLM = ours; '-' where vLLM was not run for this row."""
+    if r.vllm_tokens_per_s is None:
+        return ["-"] * 4
+    same = "-" if r.vllm_identical is None else "yes" if r.vllm_identical == r.requests else (
+        f"NO ({r.requests - r.vllm_identical}/{r.requests} differ)")
+    ratio = r.vs_vllm
+    return [f"{r.vllm_tokens_per_s:.1f}", "-" if ratio is None else f"{ratio:.2f}x",
+            "-" if r.vllm_mal is None else f"{r.vllm_mal:.2f}", same]
 
 
 def lossless(report: ServingReport) -> bool | None:

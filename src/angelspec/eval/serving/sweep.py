@@ -10,8 +10,11 @@ Protocol, per configuration (name, drafter or None, policy spec) and concurrency
 * One `SpecEngine` with max_batch_size=C runs all N: continuous batching, so a finished request's row takes
   the next queued one at once, which is C closed-loop clients that each send their next request as soon as
   the last one returns.
-* Each configuration decodes one short untimed batch first (warm-up); cost tables for the budget policies
-  are loaded or profiled before anything is timed.
+* Each configuration decodes one short untimed batch first (warm-up); a compiled one (`+compile`) one per point, at
+  that point's batch size (a compiled step specialises on a batch of one). Cost tables for the budget policies are
+  loaded or profiled before anything is timed.
+* With a vLLM column (vllm.py, `angelspec bench --vllm`), vLLM then serves the same requests at each point for every
+  AR and full-depth n-gram configuration, timed the same way.
 
 Each point becomes a `ServingRow` (base.py); the rows, with speed-up and the lossless check against the AR
 configuration at the same C, make the `ServingReport` (report.py).
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from angelspec.assets import EVAL_PROMPTS
 from angelspec.eval.serving.base import ServingError, ServingRow
 from angelspec.eval.serving.report import ServingReport
+from angelspec.eval.serving.vllm import VllmColumn, VllmSetup, add_vllm
 
 if TYPE_CHECKING:
     from angelspec.decoding.drafters.base import Drafter
@@ -42,8 +46,12 @@ if TYPE_CHECKING:
 DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MIN_REQUESTS = 8
 MAX_CONCURRENCY = 4096
+GATE_SUFFIX = "+gate"  # NAME=SPEC[@POLICY]+gate: the speculation gate on
+COMPILE_SUFFIX = "+compile"  # NAME=SPEC[@POLICY]+compile: the engine's torch.compile on (EngineConfig.compile)
 DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
-EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
+# Eq. 25's two terms, as medians over decode steps (decoding/metrics.py `median_step_seconds`): T_exec the target's
+# verification, T_sample the drafter's work (propose and on_commit) and the depth selection.
+EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select", "on_commit")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,12 +61,15 @@ EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select")
 class ServingConfig:
     """One curve of the sweep: `drafter` as `--drafter` takes it ("none" = AR), `policy` a depth-policy spec,
     `num_draft_tokens` K (None = the sweep's default, DRAFTER_MAX_DEPTH = the drafter's `max_draft_tokens`;
-    ignored for AR)."""
+    ignored for AR), `spec_gate` the engine's speculation gate (`EngineConfig.spec_gate`), `compile` the engine's
+    torch.compile of the target's forwards and the drafter's hot calls (`EngineConfig.compile`)."""
 
     name: str
     drafter: str = "none"
     policy: str = "full"
     num_draft_tokens: int | None = None
+    spec_gate: bool = False
+    compile: bool = False
 
     @property
     def is_ar(self) -> bool:
@@ -66,11 +77,18 @@ class ServingConfig:
 
 
 def parse_config(text: str) -> ServingConfig:
-    """`NAME=SPEC[@POLICY]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY default full)."""
+    """`NAME=SPEC[@POLICY][+gate][+compile]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY
+    default full; trailing `+gate` turns the speculation gate on, `+compile` the engine's torch.compile, in either
+    order)."""
     from angelspec.decoding.policies.factory import parse_policy
 
     name, sep, rest = text.partition("=")
     name, rest = name.strip(), rest.strip()
+    suffixes = set()
+    while found := next((x for x in (GATE_SUFFIX, COMPILE_SUFFIX) if rest.endswith(x)), None):
+        suffixes.add(found)
+        rest = rest.removesuffix(found).strip()
+    gate = GATE_SUFFIX in suffixes
     if not sep or not name or not rest:
         raise ServingError(f"--config {text!r}: expected NAME=SPEC[@POLICY], e.g. AR=none, DFly=dfly:DIR or "
                            "DFly+D-cut=dfly:DIR@dcut")
@@ -80,7 +98,11 @@ def parse_config(text: str) -> ServingConfig:
     if not spec.strip():
         raise ServingError(f"--config {text!r}: the drafter SPEC before '@' is empty; expected NAME=SPEC[@POLICY]")
     parse_policy(policy)  # PolicyError names the valid forms
-    return ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip())
+    config = ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip(), spec_gate=gate,
+                           compile=COMPILE_SUFFIX in suffixes)
+    if gate and config.is_ar:
+        raise ServingError(f"--config {text!r}: +gate decides when to draft, but AR (drafter none) never drafts")
+    return config
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -124,6 +146,20 @@ class Contender:
     policy: DepthPolicy | None
     num_draft_tokens: int  # K (0 for AR)
     kind: str  # "ar" or the drafter's registry kind (mtp, dfly, ...)
+
+    def vllm_setup(self) -> VllmSetup | None:
+        """What vLLM runs for this configuration (vllm.py): AR, or n-gram prompt lookup at full depth without the
+        gate, with our K and n-gram sizes; None where vLLM has nothing equivalent (depth policies, the gate, model
+        drafters). Eager and compiled configurations map to the same setup."""
+        c = self.config
+        if c.spec_gate or c.policy != "full":
+            return None
+        if self.drafter is None:
+            return VllmSetup("ar")
+        inner = getattr(self.drafter, "inner", self.drafter)
+        if self.kind != "ngram" or not hasattr(inner, "max_ngram"):
+            return None
+        return VllmSetup("ngram", self.num_draft_tokens, int(inner.max_ngram), int(inner.min_ngram))
 
 
 def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[ServingConfig], *,
@@ -179,10 +215,10 @@ def _warm_drafter(target: Decoder, drafter: Drafter, k: int, tokens: int = 8) ->
 # Workload
 # --------------------------------------------------------------------------------------------------
 def serving_workload(tokenizer: Any, context: int, max_new_tokens: int, prompts_path: str | Path = EVAL_PROMPTS,
-                     think: bool = False) -> list[EvalPrompt]:
-    """Every prompt of `prompts_path` that leaves room for `max_new_tokens`, rendered with the chat template
-    and interleaved round-robin across domains (code, math, chat, code, ...), so any prefix of the list and
-    any window of it mixes the domains."""
+                     think: bool = False, limit: int | None = None) -> list[EvalPrompt]:
+    """Every prompt of `prompts_path` that leaves room for `max_new_tokens` (the first `limit` of each domain when
+    given), rendered with the chat template and interleaved round-robin across domains (code, math, chat, code,
+    ...), so any prefix of the list and any window of it mixes the domains."""
     from angelspec.data.prompts import load_prompts
     from angelspec.eval.speculative import ALL, EvalPrompt
 
@@ -195,6 +231,8 @@ def serving_workload(tokenizer: Any, context: int, max_new_tokens: int, prompts_
             continue
         domain = p["record"].get("domain", ALL)
         domain = domain if isinstance(domain, str) and domain else ALL
+        if limit is not None and sum(k.domain == domain for k in kept) >= limit:
+            continue
         kept.append(EvalPrompt(ids=list(ids), domain=domain, line=p["line"]))
     if not kept:
         raise ServingError(f"no prompt of {prompts_path} fits the target's context of {context} tokens with "
@@ -217,6 +255,11 @@ def interleave_domains(prompts: Sequence[EvalPrompt]) -> list[EvalPrompt]:
 # --------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------
+def point_requests(concurrency: int, min_requests: int) -> int:
+    """N, the requests of one point: max(2C, min_requests)."""
+    return max(2 * concurrency, min_requests)
+
+
 def _requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None) -> list[Any]:
     from angelspec.decoding.engine import Request
 
@@ -228,11 +271,10 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
               max_new_tokens: int, min_requests: int = DEFAULT_MIN_REQUESTS) -> tuple[ServingRow, list[list[int]]]:
     """N = max(2C, min_requests) requests through one engine with max_batch_size = C; -> (row without
     speed-up / lossless columns, the emitted tokens per request)."""
-    n = max(2 * concurrency, min_requests)
+    n = point_requests(concurrency, min_requests)
     engine, requests = _engine(target, contender, workload, concurrency, n, max_new_tokens)
     results = engine.generate(requests)
     m = engine.metrics
-    steps = max(m.steps, 1)
     per_user = statistics.fmean(len(r.token_ids) / r.latency_s if r.latency_s > 0 else 0.0 for r in results)
     depth = sum(d * c for d, c in enumerate(m.depth_hist)) / m.row_steps if m.row_steps else 0.0
     c = contender.config
@@ -240,8 +282,8 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
                      num_draft_tokens=contender.num_draft_tokens, concurrency=concurrency, requests=n,
                      output_tokens=m.output_tokens, wall_s=m.wall_s, tokens_per_s=m.tokens_per_s,
                      per_user_tokens_per_s=per_user, mal=m.mean_accepted_length, mean_depth=depth, steps=m.steps,
-                     exec_s_per_step=sum(m.seconds.get(p, 0.0) for p in EXEC_PHASES) / steps,
-                     sample_s_per_step=sum(m.seconds.get(p, 0.0) for p in SAMPLE_PHASES) / steps,
+                     exec_s_per_step=m.median_step_seconds(EXEC_PHASES),
+                     sample_s_per_step=m.median_step_seconds(SAMPLE_PHASES),
                      seconds=dict(m.seconds))
     return row, [list(map(int, r.token_ids)) for r in results]
 
@@ -264,7 +306,8 @@ def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
     max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
     engine = SpecEngine(target, contender.drafter,
                         EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
-                                     num_draft_tokens=contender.num_draft_tokens),
+                                     num_draft_tokens=contender.num_draft_tokens,
+                                     spec_gate=contender.config.spec_gate, compile=contender.config.compile),
                         depth_policy=contender.policy)
     return engine, requests
 
@@ -272,9 +315,11 @@ def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
 def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequence[EvalPrompt], *,
               concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64,
               min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
-              log: Callable[[str], None] | None = print, settings: dict[str, Any] | None = None) -> ServingReport:
-    """Every contender at every concurrency (contender-major, each warmed up once); speed-up and the
-    lossless check against the first AR contender at the same concurrency."""
+              log: Callable[[str], None] | None = print, settings: dict[str, Any] | None = None,
+              vllm: VllmColumn | None = None) -> ServingReport:
+    """Every contender at every concurrency (contender-major, each warmed up once, a compiled one at every
+    point); speed-up and the lossless check against the first AR contender at the same concurrency; with `vllm`,
+    vLLM on the same requests for every contender it has a setup for (vllm.py)."""
     if max_new_tokens < 1 or min_requests < 1 or warmup_tokens < 0:
         raise ServingError(f"need max_new_tokens >= 1, min_requests >= 1, warmup_tokens >= 0; got {max_new_tokens}, "
                            f"{min_requests}, {warmup_tokens}")
@@ -283,8 +328,11 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
     concurrency = sorted(set(concurrency))
     raw: list[tuple[ServingRow, list[list[int]]]] = []
     for ct in contenders:
-        warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
+        if not ct.config.compile:
+            warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
         for c in concurrency:
+            if ct.config.compile:  # compiled graphs specialise on a batch of one: warm each point's own shapes
+                warm_up(target, ct, workload, batch=c, tokens=warmup_tokens)
             t0 = time.perf_counter()
             row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens, min_requests=min_requests)
             raw.append((row, outputs))
@@ -302,6 +350,11 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
         speedup = row.tokens_per_s / ref[0].tokens_per_s if ref[0].tokens_per_s > 0 else None
         identical = sum(a == b for a, b in zip(ref[1], out, strict=True))
         rows.append(replace(row, speedup=speedup, identical=identical))
+    extra: dict[str, Any] = {}
+    if vllm is not None:
+        rows, extra["vllm"] = _vllm_column(vllm, contenders, workload, rows, [out for _, out in raw],
+                                           concurrency=concurrency, max_new_tokens=max_new_tokens,
+                                           min_requests=min_requests, warmup_tokens=warmup_tokens, log=log)
     domains: dict[str, int] = {}
     for p in workload:
         domains[p.domain] = domains.get(p.domain, 0) + 1
@@ -309,9 +362,33 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             "concurrency": list(concurrency), "temperature": 0.0, "workload_prompts": len(workload),
             "workload_domains": ", ".join(f"{d} {n}" for d, n in domains.items()),
             "configs": [{"name": ct.config.name, "drafter": ct.config.drafter, "policy": ct.config.policy,
-                         "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind} for ct in contenders],
-            "torch_threads": _torch_threads()}
+                         "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind,
+                         "spec_gate": ct.config.spec_gate, "compile": ct.config.compile} for ct in contenders],
+            "torch_threads": _torch_threads(), **extra}
     return ServingReport(settings={**base, **(settings or {})}, rows=rows)
+
+
+def _vllm_column(vllm: VllmColumn, contenders: Sequence[Contender], workload: Sequence[EvalPrompt],
+                 rows: list[ServingRow], outputs: list[list[list[int]]], *, concurrency: Sequence[int],
+                 max_new_tokens: int, min_requests: int, warmup_tokens: int,
+                 log: Callable[[str], None] | None) -> tuple[list[ServingRow], dict[str, Any]]:
+    """vLLM on each point's requests for every setup the contenders map to; -> (rows with the vLLM cells, what the
+    settings record)."""
+    setups = {ct.config.name: ct.vllm_setup() for ct in contenders}
+    wanted = list(dict.fromkeys(s for s in setups.values() if s is not None))
+    points = [(c, [list(r.prompt_ids) for r in _requests(workload, point_requests(c, min_requests), max_new_tokens)])
+              for c in concurrency]
+    if not wanted and log is not None:
+        log("vLLM column: no AR or full-depth n-gram configuration in this sweep, so nothing for vLLM to run")
+    measured, error = vllm.measure(wanted, points, max_new_tokens=max_new_tokens, warmup_tokens=warmup_tokens,
+                                   log=log)
+    info = {**vllm.info, "setups": {name: s.label for name, s in setups.items() if s is not None},
+            "engine_s": {f"{s.label} C={c}": round(p.engine_s, 1) for (s, c), p in measured.items()}}
+    if error is not None:
+        info["error"] = error
+        if log is not None:
+            log(f"vLLM column: {error}; the points measured before it are kept")
+    return add_vllm(rows, outputs, setups, measured), info
 
 
 def _torch_threads() -> int:
@@ -325,17 +402,20 @@ def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[Se
           min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8, out_dir: str | Path | None = None,
           breakeven: bool = False, prompts_path: str | Path = EVAL_PROMPTS,
           workload: Sequence[EvalPrompt] | None = None, cost_table_path: str | Path | None = None,
+          limit: int | None = None, vllm: VllmColumn | None = None,
           log: Callable[[str], None] | None = print, out: Callable[[str], None] = print) -> ServingReport:
     """The whole benchmark on a loaded target: check the configs, build the workload (`workload` when given,
-    else every prompt of `prompts_path` that fits), load drafters and policies, sweep, print the table (and
-    Eq. 25 with `breakeven`), write results into `out_dir`."""
+    else every prompt of `prompts_path` that fits, the first `limit` per domain when given), load drafters and
+    policies, sweep (with vLLM on the same requests when `vllm` is given), print the table (and Eq. 25 with
+    `breakeven`), write results into `out_dir`."""
     check_configs(configs)
     if any(c < 1 for c in concurrency) or not concurrency:
         raise ServingError(f"concurrency values must be positive integers, got {list(concurrency)}")
     if max_new_tokens < 1:
         raise ServingError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if workload is None:
-        workload = serving_workload(tokenizer, model.config.max_position_embeddings, max_new_tokens, prompts_path)
+        workload = serving_workload(tokenizer, model.config.max_position_embeddings, max_new_tokens, prompts_path,
+                                    limit=limit)
     else:
         workload = interleave_domains(workload)
         prompts_path = "(given workload)"
@@ -343,8 +423,8 @@ def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[Se
                                   num_draft_tokens=num_draft_tokens, cost_table_path=cost_table_path, log=log)
     t0 = time.perf_counter()
     report = run_sweep(model, contenders, workload, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                       min_requests=min_requests, warmup_tokens=warmup_tokens, log=log,
-                       settings={"target": str(target_dir), "prompts": str(prompts_path)})
+                       min_requests=min_requests, warmup_tokens=warmup_tokens, log=log, vllm=vllm,
+                       settings={"target": str(target_dir), "prompts": str(prompts_path), "limit": limit})
     report.settings["sweep_s"] = round(time.perf_counter() - t0, 2)
     out(report.format(breakeven=breakeven))
     if out_dir is not None:

@@ -14,11 +14,15 @@ where g^(i)_s is draft layer i's view of the target taps at committed position s
 `target_layer_ids`; id j = output of target decoder layer j, docs/design.md trap 2):
 
     dflash  Eq. 10   g^(i)_s = RMSNorm(c_s),  c_s = W_fc [h_s^(1); …; h_s^(n)] + b_fc     (shared by all layers)
+    dspark  Uraion §3.3  the same shared context (context_injection "shared"), or, the default for new DSpark
+                     drafters ("same_layer"), g^(i)_s = RMSNorm_i(h_s^(j(i))): draft layer i reads its own tap,
+                     j(i) = `config.same_layer_taps` (layers and taps matched by relative depth)
     dflare  Eq. 11   g^(i)_s = RMSNorm_i(f^(i)_s),  f^(i)_s = Σ_j softmax(W_fuse[i])_j h_s^(j)
     dfly    Eq. 12   g^(i)_s = RMSNorm_i(c_s + f^(i)_s)
 
-(DFlash's `hidden_norm` after fc is kept; DFlare gets a per-layer RMSNorm too, because the raw taps of
-different target layers differ in scale by orders of magnitude and W_K was sized for normalised input.)
+(DFlash's `hidden_norm` after fc is kept; DFlare and same-layer DSpark get a per-layer RMSNorm too, because the
+raw taps of different target layers differ in scale by orders of magnitude and W_K was sized for normalised input:
+the report injects W_K h unnormalised. b_fc exists only with `config.fc_bias`.)
 W_fuse starts from a distance prior (§6.2, `config.distance_prior`): draft layer i first looks at the taps of
 matching relative depth and learns to deviate. After the backbone, a head (`heads`, Eq. 13–15) runs left to right
 over the B−1 draft positions.
@@ -137,7 +141,8 @@ class BlockTrainOutput:
     """`forward_train`'s result; flatten (R, N) with `.flatten(0, 1)` for the losses' [N, K, V] layout."""
 
     logits: Tensor | None  # [R, N, K, V] fp32 (None with compute_logits=False: use `head_logits` in chunks)
-    confidence_logits: Tensor | None  # [R, N, K] pre-sigmoid, None without a confidence head
+    confidence_logits: Tensor | None  # [R, N, K] pre-sigmoid ([R, N, K, n] for a "protocol" head: one per grid
+    #                                   temperature), None without a confidence head
     hidden: Tensor  # [R, N, K, C] backbone output at the draft positions (pre-norm)
     targets: BlockTargets
 
@@ -152,7 +157,8 @@ class BlockProposal:
     #                        may be None when `propose(with_logits=False)` (the engine's greedy steps)
     probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
     confidences: Tensor  # [B, K] in [0, 1], per position (not cumulative): σ(confidence logits) with a confidence
-    #                      head, else each draft's own probability under the head's temperature-1 logits
+    #                      head (a "protocol" head's at each row's sampling temperature), else each draft's own
+    #                      probability under the head's temperature-1 logits
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
@@ -170,13 +176,15 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
         C, L, n, eps = cfg.hidden_size, cfg.num_draft_layers, cfg.num_taps, cfg.rms_norm_eps
-        if cfg.conditioning in ("dflash", "dfly"):
-            self.fc = nn.Linear(n * C, C, bias=True)  # W_fc, b_fc of Eq. 10
-        if cfg.conditioning == "dflash":
+        if cfg.has_fc:
+            self.fc = nn.Linear(n * C, C, bias=cfg.fc_bias)  # W_fc, b_fc of Eq. 10
+        if cfg.conditioning == "dflash" and cfg.has_fc:
             self.hidden_norm = RMSNorm(C, eps)
         else:
-            self.fusion_logits = nn.Parameter(torch.zeros(L, n))  # W_fuse of Eq. 11, distance-prior init
-            self.context_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(L))  # RMSNorm of Eq. 12, per layer
+            if cfg.conditioning != "dflash":
+                self.fusion_logits = nn.Parameter(torch.zeros(L, n))  # W_fuse of Eq. 11, distance-prior init
+            # RMSNorm of Eq. 12 (and of the same-layer taps), per layer
+            self.context_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(L))
         layer_cfg = cfg.layer_config()
         self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i) for i in range(L))
         self.norm = RMSNorm(C, eps)  # before W_lm
@@ -186,7 +194,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         elif cfg.head == "hidden":
             self.head = HiddenCorrectionHead(C, cfg.head_intermediate_size or C, eps)
         if cfg.confidence_head:
-            self.confidence = ConfidenceHead(C, cfg.markov_rank)
+            self.confidence = ConfidenceHead(C, cfg.markov_rank, cfg.confidence_temperatures)
             if cfg.head not in MARKOV_HEADS:
                 self.confidence_embed = nn.Embedding(cfg.vocab_size, cfg.markov_rank)  # its own W1
         dh = cfg.head_dim
@@ -337,16 +345,19 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def context_features(self, taps: Tensor) -> list[Tensor]:
-        """Eq. 10–12: taps [B, T, n·C] (`concat_taps` of `target_layer_ids`) -> g^(i) [B, T, C] for each layer i."""
+        """Eq. 10–12 and same-layer injection (Uraion §3.3): taps [B, T, n·C] (`concat_taps` of `target_layer_ids`)
+        -> g^(i) [B, T, C] for each layer i."""
         cfg = self.config
         if taps.dim() != 3 or taps.shape[-1] != cfg.num_taps * cfg.hidden_size:
             raise ValueError(f"taps must be [B, T, n·C] = [B, T, {cfg.num_taps * cfg.hidden_size}] (the "
                              f"{cfg.num_taps} taps {list(cfg.target_layer_ids)} joined), got {tuple(taps.shape)}")
-        if cfg.conditioning == "dflash":
+        if cfg.conditioning == "dflash" and cfg.has_fc:
             g = self.hidden_norm(self.fc(taps))  # Eq. 10, shared
             return [g] * cfg.num_draft_layers
         B, T, _ = taps.shape
         per_tap = taps.view(B, T, cfg.num_taps, cfg.hidden_size)  # [B, T, n, C]
+        if cfg.conditioning == "dflash":  # same-layer injection (Uraion §3.3): layer i reads tap j(i)
+            return [norm(per_tap[:, :, j]) for norm, j in zip(self.context_norms, cfg.context_taps, strict=True)]
         alpha = self.fusion_weights().to(taps.dtype)  # [L, n]
         c = self.fc(taps) if cfg.conditioning == "dfly" else None
         out = []
@@ -407,9 +418,9 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
-        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] or None; None too with
-        confidence=False). Position-wise except the RNN (which runs along K only), so a trainer may call it on
-        chunks of anchors to bound the [.., V] memory."""
+        predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] ([..., K, n], one per grid temperature,
+        for a "protocol" head) or None; None too with confidence=False). Position-wise except the RNN (which runs
+        along K only), so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
             logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
@@ -417,12 +428,14 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits = self.lm_logits(h)
             if isinstance(self.head, MarkovHead):
                 logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
-        conf = self.confidence(h, self.markov_embed(prev)) if confidence and self.config.confidence_head else None
+        conf = (self.confidence.training_logits(h, self.markov_embed(prev))
+                if confidence and self.config.confidence_head else None)
         return logits, conf
 
-    def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """One draft position at inference: z [B, C], prev [B] -> (logits [B, V'] over the draft vocabulary,
-        confidence logit [B] or None, next head state)."""
+    def head_step(self, z: Tensor, prev: Tensor, state: Tensor | None, temperature: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One draft position at inference: z [B, C], prev [B], temperature [B] the rows' sampling temperatures
+        (None = 0) -> (logits [B, V'] over the draft vocabulary, confidence logit [B] or None, next head state)."""
         h = self.norm(z)
         if isinstance(self.head, HiddenCorrectionHead):
             logits = self.draft_logits(self.norm(self.head(z, self.embed(prev))))
@@ -431,7 +444,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             if isinstance(self.head, MarkovHead):
                 u, state = self.head.features(h, prev, state)
                 logits = logits + self.draft_bias(u).float()
-        conf = self.confidence(h, self.markov_embed(prev)) if self.config.confidence_head else None
+        conf = self.confidence(h, self.markov_embed(prev), temperature) if self.config.confidence_head else None
         return logits, conf, state
 
     # ----- training: many anchors per packed row -----
@@ -509,7 +522,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         if compute_logits:
             logits, conf = self.head_logits(z, targets.prev_tokens)
         elif self.config.confidence_head:
-            conf = self.confidence(self.norm(z), self.markov_embed(targets.prev_tokens))
+            conf = self.confidence.training_logits(self.norm(z), self.markov_embed(targets.prev_tokens))
         return BlockTrainOutput(logits=logits, confidence_logits=conf, hidden=z, targets=targets)
 
     # ----- inference: context K/V in a static cache, one backbone pass per step, then the head -----
@@ -558,8 +571,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True
-                ) -> BlockProposal:
+                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True,
+                temperature: Tensor | None = None) -> BlockProposal:
         """One backbone pass over the whole block, then the head (Eq. 13) over its first `num_drafts` positions
         (default and at most K = B−1): -> that many drafts per row.
 
@@ -567,26 +580,28 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
         `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1.
         `with_logits=False` lets a greedy step skip forming logits it does not need (the factored head's, when a
-        confidence head gives the confidences): `logits` may then be None."""
+        confidence head gives the confidences): `logits` may then be None. `temperature` [B]: each row's sampling
+        temperature, which a "protocol" confidence head reads (None = 0, greedy)."""
         if select is None:
             self.refresh_inference_tables()  # outside any compiled graph
-            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits)
+            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits,
+                                                              temperature)
             return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select)
+        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select, temperature=temperature)
         return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
 
     def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None,
-                       num_drafts: int | None = None, with_logits: bool = True
+                       num_drafts: int | None = None, with_logits: bool = True, temperature: Tensor | None = None
                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'] (or None: see
         `propose`), index [B, K], confidences [B, K]) for K = `num_drafts` (default B−1)."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits)
+        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits, temperature)
         return tokens, logits, index, conf
 
-    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True
-                  ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
+    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True,
+                  temperature: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
         """The head over backbone outputs z [B, K, C], left to right in its predecessors -> (tokens [B, K],
         logits [B, K, V'] (None only when not `with_logits` and not needed), index [B, K], probs [B, K, V] or None,
         confidences [B, K]).
@@ -596,8 +611,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         rank-r bias to them per position), and the hidden-correction head's W_z RMSNorm(z) half (its W_e half, the
         final norm and the LM head over the draft vocabulary run per position: the predecessor goes through them,
         Eq. 15; greedy steps of few rows on CPU run it factored instead, `_factored_hidden`). Confidences: the
-        confidence head's σ(logit) when the drafter has one, else each draft's own probability under the head's
-        (temperature-1) logits."""
+        confidence head's σ(logit) when the drafter has one (at the rows' sampling temperatures `temperature` [B], for
+        a "protocol" head), else each draft's own probability under the head's (temperature-1) logits."""
         head = self.head
         h = self.norm(z)  # [B, K, C]
         if head is None:
@@ -632,7 +647,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             probs = None if any(c[3] is None for c in cols) else torch.stack([c[3] for c in cols], dim=1)
         if self.config.confidence_head:
             prev_all = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K]
-            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all)).float())
+            temps = None if temperature is None else temperature[:, None]  # [B, 1]: one per row, every position
+            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all), temps).float())
         else:
             conf = torch.softmax(logits, dim=-1).gather(-1, index[..., None])[..., 0]
         return tokens, logits, index, probs, conf
@@ -660,7 +676,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     @torch.no_grad()
     def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                          select: Select | None = None) -> BlockProposal:
+                          select: Select | None = None, temperature: Tensor | None = None) -> BlockProposal:
         """Slow reference for `propose`: the whole head strictly left to right, one position (one LM-head call,
         `head_step`) at a time, as Eq. 13 reads."""
         z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
@@ -668,7 +684,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         prev = anchor_tokens
         index, tokens, logits_out, probs, confs = [], [], [], [], []
         for k in range(self.config.num_drafts):
-            logits, conf, state = self.head_step(z[:, k], prev, state)
+            logits, conf, state = self.head_step(z[:, k], prev, state, temperature)
             idx, tok, p = self._pick(logits[:, None], select, k)
             index.append(idx[:, 0])
             tokens.append(tok[:, 0])

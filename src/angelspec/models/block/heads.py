@@ -11,14 +11,22 @@ predecessor (the anchor for k = 1, then the previous draft; the clean token in t
                       q_k = softmax(U_k + W2 tanh(W_o ζ_k)),  s_0 = 0
     hidden   Eq. 15   ẑ_k = z_k + SwiGLU([RMSNorm(z_k); RMSNorm(E(x_{k−1}))]),  q_k = softmax(W_lm RMSNorm(ẑ_k))
 
-and the optional confidence head (DSpark §3.2) `c_k = σ(w·[h_k; W1[x_{k−1}]] + b)` predicts the acceptance
-1 − TV(p_k, q_k); it shares W1 with a Markov-family head and owns a rank-r W1 otherwise. W2 and the SwiGLU's
-down projection start at zero (`BlockDrafter` zeroes them), so every head starts as the plain backbone.
+and the optional confidence head (DSpark §3.2) `c_k = σ(w·[h_k; W1[x_{k−1}]] + b)` predicts the acceptance of draft
+k; it shares W1 with a Markov-family head and owns a rank-r W1 otherwise. With `confidence_target` "tv" (DSpark's
+recipe, and every folder written before the option existed) it has one output, trained on α = 1 − TV(p_k, q_k).
+With "protocol" it has one output per sampling temperature T_j of a small grid (w_j, b_j: `proj` has n outputs),
+trained on the acceptance of the argmax draft that the confidence-driven policies verify (1[argmax q = argmax p]
+at T = 0, p_T(argmax q) at T > 0), and a row decoding at temperature T reads the piecewise-linear interpolation of
+the logits of the two grid points around T (`temperature_weights`; outside the grid, the nearest end point's).
+W2 and the SwiGLU's down projection start at zero (`BlockDrafter` zeroes them), so every head starts as the plain
+backbone.
 
 Shape legend: C model dim, V vocab, r rank, I the hidden-correction SwiGLU width, K = B−1 draft positions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,16 +144,48 @@ class HiddenCorrectionHead(nn.Module):
         return self.step(z, self.z_part(z), e_prev)
 
 
+def temperature_weights(temperature: Tensor, grid: Sequence[float]) -> Tensor:
+    """Piecewise-linear interpolation weights over a strictly increasing temperature `grid` (n points): sampling
+    temperatures [...] -> [..., n] float32, summing to 1. A temperature between two grid points splits the weight
+    between them linearly; one outside the grid is clamped to it (all weight on the nearest end point). Elementwise
+    only, so it compiles into the greedy draft step."""
+    g = torch.tensor([float(t) for t in grid], dtype=torch.float32, device=temperature.device)  # [n]
+    t = temperature.float()[..., None].clamp(float(grid[0]), float(grid[-1]))  # [..., 1]
+    if g.numel() == 1:
+        return torch.ones_like(t)
+    left = torch.cat([g[:1] - 1.0, g[:-1]])  # the previous grid point (a dummy one below the first)
+    right = torch.cat([g[1:], g[-1:] + 1.0])  # the next grid point (a dummy one above the last)
+    return torch.minimum((t - left) / (g - left), (right - t) / (right - g)).clamp(0.0, 1.0)  # hat functions
+
+
 class ConfidenceHead(nn.Module):
-    """DSpark §3.2: confidence logit w·[h_k; W1[x_{k−1}]] + b (sigmoid -> c_k), trained on 1 − TV."""
+    """DSpark §3.2: confidence logit w·[h_k; W1[x_{k−1}]] + b (sigmoid -> c_k). `temperatures` empty: one output,
+    trained on α = 1 − TV ("tv"); else one output per sampling temperature of the grid ("protocol", module
+    docstring)."""
 
-    def __init__(self, hidden_size: int, rank: int) -> None:
+    def __init__(self, hidden_size: int, rank: int, temperatures: Sequence[float] = ()) -> None:
         super().__init__()
-        self.proj = nn.Linear(hidden_size + rank, 1)
+        self.temperatures = tuple(float(t) for t in temperatures)
+        self.proj = nn.Linear(hidden_size + rank, max(1, len(self.temperatures)))
 
-    def forward(self, h: Tensor, e: Tensor) -> Tensor:
-        """h [..., C], e = W1[x_prev] [..., r] -> logits [...] (pre-sigmoid)."""
-        return self.proj(torch.cat([h, e.to(h.dtype)], dim=-1))[..., 0]
+    def all_logits(self, h: Tensor, e: Tensor) -> Tensor:
+        """h [..., C], e = W1[x_prev] [..., r] -> logits [..., n] (pre-sigmoid), one per grid temperature."""
+        return self.proj(torch.cat([h, e.to(h.dtype)], dim=-1))
+
+    def training_logits(self, h: Tensor, e: Tensor) -> Tensor:
+        """What the trainer fits: logits [...] of the "tv" head, [..., n] (one per grid temperature) of a
+        "protocol" head."""
+        out = self.all_logits(h, e)
+        return out if self.temperatures else out[..., 0]
+
+    def forward(self, h: Tensor, e: Tensor, temperature: Tensor | None = None) -> Tensor:
+        """h [..., C], e = W1[x_prev] [..., r], temperature: the rows' sampling temperatures, broadcastable to
+        [...] (None = 0, greedy; the "tv" head ignores it) -> logits [...] (pre-sigmoid)."""
+        out = self.all_logits(h, e)
+        if len(self.temperatures) <= 1:
+            return out[..., 0]
+        t = torch.zeros((), device=out.device) if temperature is None else temperature
+        return (out.float() * temperature_weights(t, self.temperatures)).sum(-1)
 
 
 HEAD_CLASSES: dict[str, type[MarkovHead]] = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}

@@ -54,8 +54,8 @@ def qwen3_8b_dfly(target: DecoderConfig | None = None, *, mask_token_id: int = Q
 
 def qwen3_8b_dspark(target: DecoderConfig | None = None, *, mask_token_id: int = QWEN3_MASK_TOKEN_ID
                     ) -> BlockDrafterConfig:
-    """DSpark (DSpark report §3): the DFlash backbone (shared fc context), L5-B8, a rank-256 Markov head and the
-    confidence head sharing its W1."""
+    """DSpark (DSpark report §3): the DFlash backbone with same-layer injection (Uraion §3.3: draft layer i reads
+    tap i), L5-B8, a rank-256 Markov head and the confidence head sharing its W1."""
     return BlockDrafterConfig.for_target(target or qwen3_8b_shape(), mask_token_id=mask_token_id, block_size=8,
                                          num_draft_layers=5, conditioning="dflash", head="markov", markov_rank=256,
                                          confidence_head=True)

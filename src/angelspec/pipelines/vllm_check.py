@@ -1,0 +1,407 @@
+"""`make vllm-check`: serve the embedded target in vLLM 0.32 with every drafter our exporter writes, and compare with
+our engine on the same held-out prompts. A layer-id, norm or name mistake in an export shows up here as lost
+acceptance (vLLM stays lossless whatever the drafter), so the comparison is per position, not only on outputs.
+
+Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then one vLLM engine at a time
+(`decoding.vllm_engine`, in-process, eager, fp32). Checks, each printed as a row of one table:
+
+1. Rollouts: the first `rollout_prompts` shipped training prompts rolled out greedily by `angelspec rollout` with
+   our engine and with `--engine vllm`: the two JSONL files must be byte-identical.
+2. Each drafter vLLM can serve on CPU: the shipped EAGLE-3, the shipped draft LM, and a DFlash trained here for
+   about a minute (`angelspec train --drafter dflash`, no shipped one exists). Exported with `export_drafter`,
+   served by vLLM at T=0: every vLLM output must equal our AR output, our speculative outputs too, vLLM's tap ids
+   must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify step; vLLM's
+   `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM runs
+   without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
+3. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
+   shipped one has a context bias the exporter refuses) is exported, built as vLLM's `Qwen3DSparkForCausalLM` from
+   the export's config and loaded with its `load_weights`, without an engine; every vLLM parameter must hold
+   exactly the exported tensor meant for it (the CPU runner's refusal of DSpark is skipped for this build only).
+
+Results land in `<out_dir>/vllm_check.json`; `VllmCheckReport.format` is the table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_DRAFTERS, DEFAULT_TARGET, EVAL_PROMPTS, TRAIN_PROMPTS
+from angelspec.fileio import write_json_atomic
+
+TOLERANCE = 0.05
+DEFAULT_OUT = Path("runs/vllm-check")
+# A DFlash small enough to learn something in a couple of CPU minutes: one draft layer, K = 4, no confidence head
+# (vLLM's DFlash has none); the whole cosine schedule runs within `dflash_steps`.
+DFLASH_OVERRIDES = ("draft_layers=1", "intermediate_size=512", "block_size=5", "switch_step=40",
+                    "confidence_head=false")
+
+
+@dataclass(frozen=True)
+class VllmCheckSettings:
+    """What the check decodes and trains. dflash_data None: `make drafters`' rollouts when present, else the
+    rollouts the check itself writes (step 1)."""
+
+    out_dir: Path = DEFAULT_OUT
+    per_domain: int = 4  # held-out prompts per domain (code, math, chat)
+    max_new_tokens: int = 64
+    rollout_prompts: int = 32
+    rollout_tokens: int = 96
+    dflash_data: Path | None = None
+    dflash_minutes: float = 2.5
+    dflash_steps: int = 160
+    tolerance: float = TOLERANCE
+
+
+@dataclass
+class DrafterCheck:
+    """One drafter served by both engines on the same prompts at T=0."""
+
+    name: str
+    method: str  # vLLM's speculative method
+    k: int
+    prompts: int
+    ours_equal_ar: int  # our speculative outputs equal to our AR outputs
+    vllm_equal_ar: int  # vLLM's outputs equal to our AR outputs
+    ours: list[float]  # p_1..p_K
+    vllm: list[float]
+    ours_steps: int  # verify steps of one row (vLLM: drafts)
+    vllm_steps: int
+    taps: list[int] | None = None  # ours; vLLM's must be each + 1
+    vllm_taps: list[int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_delta(self) -> float:
+        """Largest |p_j(ours) − p_j(vLLM)| over the positions both report."""
+        return max((abs(a - b) for a, b in zip(self.ours, self.vllm, strict=False)), default=0.0)
+
+    def passed(self, tolerance: float) -> bool:
+        taps_ok = self.taps is None or self.vllm_taps == [t + 1 for t in self.taps]
+        return (self.ours_equal_ar == self.vllm_equal_ar == self.prompts and len(self.ours) == len(self.vllm) == self.k
+                and self.max_delta <= tolerance and taps_ok)
+
+
+@dataclass
+class VllmCheckReport:
+    settings: VllmCheckSettings
+    drafters: list[DrafterCheck]
+    rollout: dict[str, Any]
+    dspark: dict[str, Any]
+    vllm_version: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        tol = self.settings.tolerance
+        return bool(self.rollout.get("identical")) and bool(self.dspark.get("passed")) and all(
+            d.passed(tol) for d in self.drafters)
+
+    def format(self) -> str:
+        tol = self.settings.tolerance
+        p = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        n = self.drafters[0].prompts if self.drafters else 0
+        lines = [f"vLLM {self.vllm_version} vs AngelSpec on the embedded target, fp32, T=0, {n} held-out prompts x "
+                 f"{self.settings.max_new_tokens} new tokens, tolerance {tol} on p_j",
+                 "| drafter | vLLM method | K | vLLM taps (ours + 1) | outputs = AR: ours / vLLM | p_1..p_K ours | "
+                 "p_1..p_K vLLM | max abs diff | verify steps ours / vLLM | result |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in self.drafters:
+            taps = "-" if d.taps is None else f"{d.vllm_taps} ({d.taps})"
+            lines.append(f"| {d.name} | {d.method} | {d.k} | {taps} | {d.ours_equal_ar}/{d.prompts} / "
+                         f"{d.vllm_equal_ar}/{d.prompts} | {p(d.ours)} | {p(d.vllm)} | {d.max_delta:.3f} | "
+                         f"{d.ours_steps} / {d.vllm_steps} | {'pass' if d.passed(tol) else 'FAIL'} |")
+        r, s = self.rollout, self.dspark
+        lines.append(f"| rollout (AR) | - | - | - | JSONL byte-identical: {'yes' if r.get('identical') else 'NO'} "
+                     f"({r.get('conversations')} conversations, {r.get('tokens')} tokens) | - | - | - | - | "
+                     f"{'pass' if r.get('identical') else 'FAIL'} |")
+        lines.append(f"| dspark (load only) | dspark | {s.get('k', '-')} | {s.get('vllm_taps')} ({s.get('taps')}) | "
+                     f"vLLM parameters equal to the export: {s.get('equal')}/{s.get('parameters')} | - | - | - | - | "
+                     f"{'pass' if s.get('passed') else 'FAIL'} |")
+        notes = [(d.name, n) for d in self.drafters for n in d.notes] + [("dspark", n) for n in s.get("notes", [])]
+        lines += [f"note: {name}: {n}" for name, n in notes]
+        lines.append(f"{'PASS' if self.passed else 'FAIL'} in {self.wall_s:.0f} s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "vllm_version": self.vllm_version, "wall_s": self.wall_s,
+                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.settings).items()},
+                "drafters": [{**asdict(d), "max_delta": d.max_delta, "passed": d.passed(self.settings.tolerance)}
+                             for d in self.drafters],
+                "rollout": self.rollout, "dspark": self.dspark}
+
+
+@dataclass
+class _Served:
+    """One drafter prepared on our side: its export and our engine's results."""
+
+    name: str
+    export: Path
+    k: int
+    outputs: list[list[int]]
+    metrics: Any
+    taps: list[int] | None
+    notes: list[str]
+
+
+def run_vllm_check(settings: VllmCheckSettings = VllmCheckSettings(), log: Callable[[str], None] = print
+                   ) -> VllmCheckReport:
+    """Run the whole check (module docstring); writes `<out_dir>/vllm_check.json` and returns the report."""
+    from angelspec.decoding.vllm_engine import import_vllm
+
+    vllm = import_vllm("make vllm-check")
+    t0 = time.perf_counter()
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rollout_file = _rollout_prompts(out / "rollout_prompts.jsonl", settings.rollout_prompts)
+    rollout = _rollout("ours", rollout_file, out / "rollout_ours.jsonl", settings, log)
+    ours = _our_side(settings, out, log)
+    rollout_vllm = _rollout("vllm", rollout_file, out / "rollout_vllm.jsonl", settings, log)
+    same = (out / "rollout_ours.jsonl").read_bytes() == (out / "rollout_vllm.jsonl").read_bytes()
+    rollout_report = {"conversations": rollout.written, "tokens": rollout.tokens, "identical": same,
+                      "ours_s": round(rollout.wall_s, 1), "vllm_s": round(rollout_vllm.wall_s, 1)}
+    prompts, ar, served = ours
+    drafters = [_serve_in_vllm(s, prompts, ar, settings, log) for s in served]
+    log("dspark: building a small bias-free DSpark, exporting it, loading it through vLLM's model class")
+    dspark = dspark_load_check(_random_dspark(out / "dspark"), DEFAULT_TARGET)
+    report = VllmCheckReport(settings, drafters, rollout_report, dspark, vllm.__version__,
+                             time.perf_counter() - t0)
+    write_json_atomic(out / "vllm_check.json", report.to_dict())
+    return report
+
+
+def _rollout_prompts(path: Path, n: int) -> Path:
+    lines = TRAIN_PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def _rollout(engine: str, prompts: Path, out: Path, settings: VllmCheckSettings, log: Callable[[str], None]) -> Any:
+    from angelspec.train.rollout import rollout
+
+    summary = rollout(DEFAULT_TARGET, prompts, out, max_new_tokens=settings.rollout_tokens, batch_size=16,
+                      force=True, engine=engine)
+    log(f"rollout --engine {engine}: {summary.format()}")
+    return summary
+
+
+def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
+              ) -> tuple[list[list[int]], list[list[int]], list[_Served]]:
+    """Held-out prompts, our AR outputs, and each drafter exported and decoded by our engine."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.drafters import DraftLMDrafter
+    from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter, run_engine
+    from angelspec.decoding.sampling import SamplingParams
+    from angelspec.eval.prompts import eval_prompts
+    from angelspec.export import export_drafter
+    from angelspec.models import load_target
+
+    model, tokenizer = load_target_and_tokenizer(DEFAULT_TARGET)
+    prompts = [p.ids for p in eval_prompts(tokenizer, load_prompts(EVAL_PROMPTS), source=str(EVAL_PROMPTS),
+                                           context=model.config.max_position_embeddings, limit=settings.per_domain)]
+    n = len(prompts)
+
+    def decode(drafter: Any, k: int) -> tuple[list[list[int]], Any]:
+        results, metrics = run_engine(model, prompts, max_new_tokens=settings.max_new_tokens,
+                                      sampling=[SamplingParams()] * n, batch_size=n, drafter=drafter,
+                                      num_draft_tokens=k, progress=False)
+        return [list(r.token_ids) for r in results], metrics
+
+    ar, _ = decode(None, 1)
+    dflash_dir, dflash_notes = _train_dflash(settings, out, log)
+    served = []
+    for name, src, notes in (("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []),
+                             ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
+                             ("dflash (trained here)", dflash_dir, dflash_notes)):
+        export = out / "exports" / name.split()[0]
+        result = export_drafter(src, export, force=True)
+        k = int(result.speculative_config["num_speculative_tokens"])
+        if result.kind == "draft-lm":  # vLLM's draft_model: all K drafts, from the whole vocabulary
+            drafter = DraftLMDrafter(load_target(src, dtype=torch.float32), stop_below=None, draft_vocab=None)
+            notes = [*notes, "ours decodes it without its draft vocabulary and early stop, as vLLM's draft_model"]
+        else:
+            drafter = resolve_drafter(str(src), model, DEFAULT_TARGET)
+        outputs, metrics = decode(drafter, k)
+        taps = list(drafter.target_layer_ids) or None
+        log(f"ours, {name}: K={k}, {metrics.format()}")
+        served.append(_Served(name, export, k, outputs, metrics, taps, notes + result.notes))
+    return prompts, ar, served
+
+
+def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> tuple[Path, list[str]]:
+    """A small DFlash trained for about `dflash_minutes` (no DFlash ships); its fc bias held at zero (vLLM's
+    DFlash fc has none): `fc_bias=false` where the trainer has that option, else zeroed after training (noted)."""
+    from angelspec.export.checks import WEIGHTS, read_tensors
+    from angelspec.models.hf_io import save_safetensors_atomic
+    from angelspec.pipelines.shipped import DEFAULT_WORK, ROLLOUT_FILE
+    from angelspec.train.block import BlockDrafterTrainConfig
+    from angelspec.train.runs import train_drafter
+
+    data = settings.dflash_data
+    if data is None:
+        shipped = DEFAULT_WORK / ROLLOUT_FILE
+        data = shipped if shipped.is_file() else out / "rollout_ours.jsonl"
+    overrides = [*DFLASH_OVERRIDES, f"steps={settings.dflash_steps}"]
+    bias_option = "fc_bias" in {f.name for f in fields(BlockDrafterTrainConfig)}
+    if bias_option:
+        overrides.append("fc_bias=false")
+    folder = out / "dflash"
+    log(f"training a DFlash on {data} for up to {settings.dflash_minutes} min ({' '.join(overrides)})")
+    result = train_drafter("dflash", data, folder, preset="dflash_embedded", overrides=overrides, force=True,
+                           progress=False, max_minutes=settings.dflash_minutes, log=lambda *_: None)
+    log(result.format())
+    notes = [f"trained here for {result.report.get('steps')} steps ({result.report.get('train_seconds', 0):.0f} s) on "
+             f"{data}"]
+    state = read_tensors(folder / WEIGHTS)
+    bias = state.get("fc.bias")
+    if bias is not None and bool(bias.ne(0).any()):
+        state["fc.bias"] = torch.zeros_like(bias)
+        save_safetensors_atomic(state, folder / WEIGHTS, {"format": "pt"})
+        notes.append(f"this trainer has no fc_bias option: its trained fc.bias (max |b| {bias.abs().max():.3g}) was "
+                     "set to zero before both engines ran it")
+    return folder, notes
+
+
+def _serve_in_vllm(served: _Served, prompts: list[list[int]], ar: list[list[int]], settings: VllmCheckSettings,
+                   log: Callable[[str], None]) -> DrafterCheck:
+    from angelspec.decoding.engine import Request
+    from angelspec.decoding.vllm_engine import VllmEngine
+
+    spec = json.loads((served.export / "speculative_config.json").read_text(encoding="utf-8"))
+    log(f"vLLM, {served.name}: starting an engine with {spec}")
+    engine = VllmEngine(DEFAULT_TARGET, max_batch_size=len(prompts), speculative_config=spec)
+    try:
+        before = engine.spec_counters()
+        results = engine.generate([Request(prompt_ids=p, max_new_tokens=settings.max_new_tokens) for p in prompts])
+        counters = engine.spec_counters() - before
+        vllm_taps = vllm_aux_layers(engine.llm.llm_engine.vllm_config)
+    finally:
+        engine.close()
+    outputs = [r.token_ids for r in results]
+    m = served.metrics
+    check = DrafterCheck(served.name, spec["method"], served.k, len(prompts),
+                         sum(a == b for a, b in zip(served.outputs, ar, strict=True)),
+                         sum(a == b for a, b in zip(outputs, ar, strict=True)), list(m.acceptance),
+                         counters.acceptance, m.row_steps, counters.drafts, served.taps,
+                         None if vllm_taps is None else list(vllm_taps), served.notes)
+    log(f"vLLM, {served.name}: p_1..p_K {[round(x, 3) for x in counters.acceptance]} (ours "
+        f"{[round(x, 3) for x in m.acceptance]}), outputs = AR {check.vllm_equal_ar}/{len(prompts)}")
+    return check
+
+
+def vllm_aux_layers(vllm_config: Any) -> tuple[int, ...] | None:
+    """The target layers vLLM taps for this speculative config, read with its V1 runner's own rule
+    (`GPUModelRunner._get_eagle3_aux_layers_from_config`, which the CPU runner inherits); None for a draft LM."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method == "draft_model":
+        return None
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner._get_eagle3_aux_layers_from_config(types.SimpleNamespace(speculative_config=spec))
+
+
+def _random_dspark(folder: Path) -> Path:
+    """Export a small DSpark (plain Markov head, confidence head, draft vocabulary, no fc bias) with random weights,
+    every tensor distinct, for the embedded target; returns the export folder."""
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.export import export_drafter
+    from angelspec.models import read_config
+    from angelspec.models.block.config import BlockDrafterConfig
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+    from angelspec.train.block import EMBEDDED_TAPS, resolve_mask_token
+
+    target = read_config(DEFAULT_TARGET)
+    mask = resolve_mask_token(load_tokenizer(DEFAULT_TARGET), None, target.vocab_size)
+    cfg = BlockDrafterConfig.for_target(target, mask_token_id=mask, block_size=8, num_draft_layers=2,
+                                        target_layer_ids=EMBEDDED_TAPS, conditioning="dflash", head="markov",
+                                        markov_rank=16, confidence_head=True)
+    cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": 512})
+    shared = (torch.nn.Embedding(target.vocab_size, target.hidden_size, device="meta"),
+              torch.nn.Linear(target.hidden_size, target.vocab_size, bias=False, device="meta"))
+    model = BlockDrafter(cfg, *shared)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (1.0 if "norm" in name else 0.0))
+        if getattr(model, "fc", None) is not None and model.fc.bias is not None:
+            model.fc.bias.zero_()
+    model.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:512])
+    save_block_drafter(model, folder / "src")
+    export_drafter(folder / "src", folder / "export", force=True)
+    return folder / "export"
+
+
+@contextmanager
+def _dspark_config_allowed() -> Any:
+    """vLLM 0.32 refuses DSpark when it validates a config for its V1 (CPU) model runner; for a build without an
+    engine that one check is skipped, and restored afterwards."""
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._get_v1_model_runner_unsupported_features
+    VllmConfig._get_v1_model_runner_unsupported_features = lambda self: [  # type: ignore[method-assign]
+        f for f in original(self) if "dspark" not in f]
+    try:
+        yield
+    finally:
+        VllmConfig._get_v1_model_runner_unsupported_features = original  # type: ignore[method-assign]
+
+
+def dspark_load_check(export: Path, target_dir: Path) -> dict[str, Any]:
+    """Build vLLM's `Qwen3DSparkForCausalLM` from the export's config and load the export with its `load_weights`,
+    without an engine; compare every vLLM parameter with the exported tensor(s) meant for it (q/k/v and gate/up
+    joined by rows, `d2t` as `draft_id_to_target_id`). The embedding (shared from the target at run time) and the
+    unused separate mask embedding are not in an export."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    from angelspec.export.vllm import FUSED
+
+    spec = json.loads((export / "speculative_config.json").read_text(encoding="utf-8"))
+    with _dspark_config_allowed():
+        vllm_config = EngineArgs(model=str(target_dir), dtype="float32", enforce_eager=True,
+                                 speculative_config=spec).create_engine_config()
+    tensors = load_file(str(export / "model.safetensors"))
+    with set_current_vllm_config(vllm_config):
+        if not torch.distributed.is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{(export / 'dist_init').resolve()}")
+        ensure_model_parallel_initialized(1, 1)
+        model = Qwen3DSparkForCausalLM(vllm_config=vllm_config)
+        model.load_weights(iter(tensors.items()))
+    want: dict[str, list[torch.Tensor]] = {}
+    part_of = {part: ("self_" + ours if ours.startswith("attn.") else ours, i)
+               for ours, parts in FUSED for i, part in enumerate(parts)}
+    for name, t in tensors.items():
+        vname = "draft_id_to_target_id" if name == "d2t" else name if name.startswith("lm_head") else f"model.{name}"
+        for part, (fused, i) in part_of.items():
+            if vname.endswith(part):
+                vname = vname.removesuffix(part) + fused
+                want.setdefault(vname, []).append((i, t))  # type: ignore[arg-type]
+                break
+        else:
+            want[vname] = [(0, t)]  # type: ignore[list-item]
+    shared = ("model.embed_tokens.weight", "model.mask_embedding")
+    params = {n: p for n, p in model.named_parameters() if n not in shared}
+    equal = [n for n, p in params.items() if n in want and torch.equal(
+        p.detach(), torch.cat([t for _, t in sorted(want[n], key=lambda x: x[0])], dim=0).to(p.dtype))]
+    taps = json.loads((export / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    vllm_taps = vllm_aux_layers(vllm_config)
+    result = {"k": spec["num_speculative_tokens"], "parameters": len(params), "equal": len(equal),
+              "not_equal": sorted(set(params) & set(want) - set(equal)), "not_loaded": sorted(set(params) - set(want)),
+              "not_used": sorted(set(want) - set(params)), "taps": taps,
+              "vllm_taps": None if vllm_taps is None else list(vllm_taps),
+              "notes": ["built and loaded without an engine: vLLM 0.32 serves DSpark only on its GPU model runner"]}
+    result["passed"] = (len(equal) == len(params) == len(want) and result["vllm_taps"] == [t + 1 for t in taps])
+    return result

@@ -1,0 +1,134 @@
+"""What the block drafters' confidence head is trained on, and the drafter a confidence-only run starts from.
+
+Targets (`confidence_targets`). The depth policies that read confidences (D-cut, Algorithm 1, the threshold) make the
+engine verify the drafter's ARGMAX drafts with the deterministic-draft protocol (`decoding.sampling.
+verify_deterministic`, docs/design.md trap 1), so the acceptance of draft k given an accepted prefix is
+
+    T = 0   1[x = argmax p]          (greedy verification)
+    T > 0   p_T(x) = softmax(p_logits / T)[x]                    with x = argmax q over the draft vocabulary
+
+where p is the target's distribution at that position and q the drafter's. A "protocol" head
+(`BlockDrafterConfig.confidence_target`) has one output per temperature T_j of its grid and is fitted to these
+targets at every T_j on every anchor (the targets of all T_j come from the same teacher logits, so no temperature
+needs to be drawn). A "tv" head (DSpark §3.2, and every folder written before the option) is fitted to
+α = 1 − TV(p, q), the acceptance of STANDARD speculative sampling of a draft sampled from q at T = 1 — which is not
+what any confidence-driven policy verifies.
+
+x is the draft inference would propose: the argmax over the drafter's draft vocabulary when it has one (training
+scores the whole vocabulary; inference only the draft vocabulary's rows), mapped back to target ids. The student
+logits are the teacher-forced ones (the predecessor is the clean token), as for α. Top-k / top-p sampling is not
+modelled: with top-p < 1 the target's p_T(x) after truncation is somewhat larger than the head predicts.
+
+Confidence-only runs (`confidence_only_drafter`): the drafter of an existing block-drafter folder, its backbone and
+head frozen, the confidence head (and the confidence head's own W1, when it has one) trainable. A "tv" head or a
+protocol head of another grid warm-starts every output from the old head's confidence at that output's temperature;
+a folder without a confidence head gets a fresh one.
+
+Shape legend: M valid (anchor, position) rows, V vocab, n grid temperatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from angelspec.models.block.config import BlockDrafterConfig
+from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.heads import temperature_weights
+from angelspec.models.block.io import load_block_drafter, read_block_config
+from angelspec.models.config import ConfigError
+from angelspec.models.decoder import Decoder
+from angelspec.train.losses import token_alpha
+
+# Parameters a confidence-only run trains: the head's projection and, for heads without a Markov W1, its own W1.
+CONFIDENCE_PARAMETERS = ("confidence.", "confidence_embed.")
+
+
+def argmax_drafts(student_logits: Tensor, draft_vocab: Tensor | None = None) -> Tensor:
+    """The drafts inference proposes: student logits [M, V] over the whole vocabulary -> target ids [M], the argmax
+    over the draft vocabulary `draft_vocab` [V'] (target ids) when given, else over all of V."""
+    if draft_vocab is None:
+        return student_logits.argmax(dim=-1)
+    return draft_vocab[student_logits.index_select(-1, draft_vocab).argmax(dim=-1)]
+
+
+@torch.no_grad()
+def protocol_acceptance(student_logits: Tensor, teacher_logits: Tensor, temperatures: Sequence[float],
+                        draft_vocab: Tensor | None = None) -> Tensor:
+    """The acceptance of the argmax draft x under the deterministic-draft protocol, per temperature (module
+    docstring): student / teacher logits [M, V] -> [M, n] float32 (float64 for float64 logits), column j =
+    1[x = argmax p] for T_j = 0, p_{T_j}(x) for T_j > 0."""
+    x = argmax_drafts(student_logits, draft_vocab)[:, None]  # [M, 1]
+    p = teacher_logits.detach().to(torch.promote_types(teacher_logits.dtype, torch.float32))
+    cols = []
+    for t in temperatures:
+        if t == 0:
+            cols.append((p.argmax(dim=-1, keepdim=True) == x).to(p.dtype))
+        else:
+            cols.append(F.log_softmax(p / t, dim=-1).gather(-1, x).exp())
+    return torch.cat(cols, dim=-1)
+
+
+@torch.no_grad()
+def confidence_targets(config: BlockDrafterConfig, student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
+                       top_k: int | None = None, draft_vocab: Tensor | None = None) -> Tensor:
+    """What `config`'s confidence head is fitted to at every (anchor, position): logits [N, K, V], mask [N, K] ->
+    [N, K] α = 1 − TV on the teacher's top-`top_k` support ("tv") or [N, K, n] (`protocol_acceptance`,
+    "protocol"); 0 where the mask is False."""
+    s, t = student_logits[mask], teacher_logits[mask]  # [M, V]
+    if config.confidence_target == "tv":
+        rows = token_alpha(s, t, top_k)  # [M]
+    else:
+        rows = protocol_acceptance(s, t, config.confidence_temperatures, draft_vocab)  # [M, n]
+    out = rows.new_zeros(*mask.shape, *rows.shape[1:])
+    out[mask] = rows
+    return out
+
+
+def is_confidence_parameter(name: str) -> bool:
+    """Whether the drafter parameter `name` belongs to the confidence head (what a confidence-only run trains)."""
+    return name.startswith(CONFIDENCE_PARAMETERS)
+
+
+def warm_start_outputs(weight: Tensor, old: Sequence[float], new: Sequence[float]) -> Tensor:
+    """A confidence projection's rows (weight [n_old, W] or bias [n_old]) for a head with grid `new`, each new row
+    the old head's logit at its temperature: the one "tv" row (`old` empty) copied, else interpolated over `old`
+    as the head does at inference. A "tv" head (`new` empty) reads the old head at T = 1."""
+    if not old:
+        return weight[:1].expand(max(1, len(new)), *weight.shape[1:]).clone()
+    points = torch.tensor(list(new) or [1.0], device=weight.device)
+    mix = temperature_weights(points, old).to(weight.dtype)  # [n_new, n_old]
+    return mix @ weight
+
+
+def confidence_only_drafter(folder: str | Path, target: Decoder, *, kind: str, confidence_target: str,
+                            temperatures: Sequence[float], seed: int, init_std: float) -> BlockDrafter:
+    """The drafter in `folder` (a block drafter of `kind` trained for `target`) with a confidence head of
+    `confidence_target` / `temperatures`, on the target's device and dtype, everything but the confidence head
+    frozen (`requires_grad` False). Raises ConfigError for a folder of another kind or target (the loaders'
+    CheckpointError for a folder that is not a block drafter)."""
+    source_cfg, _ = read_block_config(folder)
+    if source_cfg.drafter != kind:
+        raise ConfigError(f"init_from={folder} holds a {source_cfg.drafter} drafter, not {kind}: pass --drafter "
+                          f"{source_cfg.drafter}")
+    source = load_block_drafter(folder, target, drafter=kind)
+    cfg = replace(source_cfg, confidence_head=True, confidence_target=confidence_target,
+                  confidence_temperatures=tuple(temperatures) if confidence_target == "protocol" else ())
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))  # a fresh head if none
+    model.to(dtype=target.embed_tokens.weight.dtype)
+    state = source.state_dict()
+    for name in ("confidence.proj.weight", "confidence.proj.bias"):
+        if name in state:
+            state[name] = warm_start_outputs(state[name], source_cfg.confidence_temperatures,
+                                             cfg.confidence_temperatures)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(is_confidence_parameter(n) for n in missing), (missing, unexpected)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_confidence_parameter(name))
+    return model

@@ -1,0 +1,196 @@
+"""The speculation gate (`decoding/policies/gate.py`): its draft/skip rule, and that an engine whose gate skips
+drafting stays exact — token for token at T=0, and at T=1 a skipped step samples exactly what plain decoding
+samples — while the drafter's context stays complete across skipped steps (every later proposal equals a
+from-scratch recompute)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+from conftest import RecordingMixin, mtp_reference_drafts, tiny_decoder
+
+from angelspec.decoding.drafters import DraftLMDrafter
+from angelspec.decoding.drafters.block import BlockDrafterAdapter, reference_drafts
+from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
+from angelspec.decoding.policies.gate import SpecGate, batch_bucket
+from angelspec.decoding.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class ScriptedGate(SpecGate):
+    """Drafts on the steps `pattern` marks True (cycled), whatever was measured; records every observation."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        super().__init__()
+        self.pattern, self.calls, self.seen = pattern, 0, []
+
+    def should_draft(self, num_active: int) -> bool:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+    def observe(self, num_active, drafted, tokens_per_row, seconds):
+        self.seen.append((num_active, drafted, tokens_per_row))
+        super().observe(num_active, drafted, tokens_per_row, seconds)
+
+
+def perfect_draft_lm(target) -> DraftLMDrafter:
+    """A draft LM equal to the target, drafting all K every step: every draft is accepted while its cache is exact."""
+    return DraftLMDrafter(copy.deepcopy(target), stop_below=None)
+
+
+def gated_engine(target, drafter, gate: SpecGate, **config) -> SpecEngine:
+    engine = SpecEngine(target, drafter, EngineConfig(spec_gate=True, **config))
+    assert engine.gate is not None
+    engine.gate = gate
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_buckets_group_batch_sizes_by_powers_of_two():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+    with pytest.raises(ValueError, match="at least one active row"):
+        batch_bucket(0)
+
+
+def test_gate_warms_up_measures_a_plain_step_then_runs_the_faster_and_probes():
+    gate = SpecGate(warmup=2, probe_every=3, decay=0.0)
+    assert gate.should_draft(16)
+    gate.observe(16, True, 2.0, 0.04)  # speculation: 2 tokens per row in 40 ms = 50 tokens/row/s
+    assert gate.should_draft(16)
+    gate.observe(16, True, 2.0, 0.04)
+    assert not gate.should_draft(16)  # warmed up, no plain step measured yet: measure one
+    gate.observe(16, False, 1.0, 0.01)  # plain: 100 tokens/row/s, faster
+    assert not gate.should_draft(16)
+    gate.observe(16, False, 1.0, 0.01)
+    gate.observe(16, False, 1.0, 0.01)
+    assert gate.should_draft(16)  # three skipped in a row: a drafted probe
+    gate.observe(16, True, 6.0, 0.04)  # acceptance went up: 150 tokens/row/s
+    assert gate.should_draft(16)
+    assert gate.should_draft(1)  # another bucket warms up on its own
+    assert gate.summary()["rows 9-16"] == {"drafted": 3, "skipped": 3, "spec_rate": 150.0, "plain_rate": 100.0}
+
+
+def test_gate_margin_keeps_plain_steps_unless_speculation_clearly_wins():
+    gate = SpecGate(warmup=1, margin=0.5, decay=0.0)
+    gate.observe(1, True, 1.2, 0.01)
+    gate.observe(1, False, 1.0, 0.01)
+    assert not gate.should_draft(1)  # 120 vs 100 tokens/s: not 1.5x
+    gate.observe(1, True, 1.6, 0.01)
+    assert gate.should_draft(1)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"warmup": 0}, "warmup"), ({"decay": 1.0}, "decay"),
+                                           ({"margin": -0.1}, "margin")])
+def test_gate_refuses_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpecGate(**kwargs)
+
+
+def test_the_engine_builds_a_gate_only_when_asked_and_only_with_a_drafter():
+    target = tiny_decoder(64, layers=2, heads=2, kv=1)
+    assert SpecEngine(target, perfect_draft_lm(target)).gate is None
+    assert SpecEngine(target, config=EngineConfig(spec_gate=True)).gate is None
+    assert isinstance(SpecEngine(target, perfect_draft_lm(target),
+                                 EngineConfig(spec_gate=True)).gate, SpecGate)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exactness with skipped steps
+# ---------------------------------------------------------------------------------------------------------
+
+
+def requests(vocab: int, n: int, new: int, seed: int, sampling=None) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(2, 12))], max_new_tokens=new, stop_ids=(),
+                    sampling=sampling(i) if sampling else SamplingParams()) for i in range(n)]
+
+
+def test_skipped_steps_are_exact_at_t0_and_a_perfect_draft_lm_stays_in_sync():
+    """A draft LM equal to the target accepts every draft only if its own cache followed the skipped steps."""
+    target = tiny_decoder(64, layers=2, heads=2, kv=1)
+    gate = ScriptedGate([True, False, False, True, False])
+    engine = gated_engine(target, perfect_draft_lm(target), gate, max_batch_size=3, num_draft_tokens=3)
+    reqs = requests(64, 5, 30, seed=0)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    m = engine.metrics
+    assert m.skipped_steps > 0 and m.summary()["skipped_steps"] == m.skipped_steps
+    drafted = [t for _, d, t in gate.seen if d]
+    assert drafted and min(drafted) > 3.0  # K + 1 = 4 per row, fewer only where a row ran out of tokens
+    assert all(t == 1.0 for _, d, t in gate.seen if not d)
+
+
+class RecordingBlock(RecordingMixin, BlockDrafterAdapter):
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.start_recording()
+
+
+def block_case():
+    from test_block_engine import tiny_block_drafter, tiny_target
+
+    target = tiny_target()
+    drafter = RecordingBlock(tiny_block_drafter(target, "dfly"))
+    return target, drafter, 16, lambda seq: reference_drafts(drafter.model, target, seq, 3)
+
+
+def mtp_case():
+    from test_mtp import RecordingMTP, tiny_model
+
+    target = tiny_decoder(12, heads=2, kv=1)
+    drafter = RecordingMTP(tiny_model(target, depths=3))
+    return target, drafter, 12, lambda seq: mtp_reference_drafts(drafter.model, target, seq, 3)
+
+
+def eagle3_case():
+    from test_eagle3 import RecordingEagle3, tiny_model, tiny_target
+
+    target = tiny_target(vocab=12)
+    drafter = RecordingEagle3(tiny_model(target, depths=3))
+    return target, drafter, 12, lambda seq: mtp_reference_drafts(drafter.model, target, seq, 3)
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+def test_a_drafters_context_is_complete_after_skipped_steps(case):
+    """Rows refill, drafts get partially accepted, and steps without drafts come in runs: every later proposal
+    still equals the drafter's from-scratch recompute on the committed sequence."""
+    target, drafter, vocab, recompute = case()
+    engine = gated_engine(target, drafter, ScriptedGate([False, True, False, False, True]), max_batch_size=4,
+                          num_draft_tokens=3)
+    reqs = requests(vocab, 8, 40, seed=1)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert sum(engine.metrics.accept_hist[1:]) > 0
+    drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]  # skipped steps propose 0 drafts
+    assert engine.metrics.skipped_steps > 0 and drafted and len(drafted) < len(drafter.proposals)
+    for seq, drafts in drafted[::3]:
+        assert recompute(seq) == drafts
+
+
+def test_at_t1_a_gate_that_never_drafts_samples_exactly_what_plain_decoding_samples():
+    """Skipped steps draw the target's token with the same counter-based noise as plain decoding, so with the same
+    seeds the outputs are identical token for token (not only in distribution)."""
+    target = tiny_decoder(64, layers=2, heads=2, kv=1, std=0.1)
+    reqs = requests(64, 6, 24, seed=2, sampling=lambda i: SamplingParams(temperature=1.0, seed=40 + i))
+    plain = SpecEngine(target, config=EngineConfig(max_batch_size=4)).generate(reqs)
+    engine = gated_engine(target, perfect_draft_lm(target), ScriptedGate([False]), max_batch_size=4)
+    gated = engine.generate(reqs)
+    assert [r.token_ids for r in gated] == [r.token_ids for r in plain]
+    assert engine.metrics.skipped_steps == engine.metrics.steps > 0
+    assert len({t for r in plain for t in r.token_ids}) > 10  # really sampled, not a near-greedy target
+
+
+def test_merged_metrics_keep_the_skipped_steps():
+    from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.eval.speculative import merge_metrics
+
+    a, b = DecodeMetrics(num_draft_tokens=3), DecodeMetrics(num_draft_tokens=3)
+    a.skipped_steps, b.skipped_steps = 2, 5
+    assert merge_metrics([a, b]).skipped_steps == 7

@@ -1,0 +1,77 @@
+"""The parts of `make vllm-check` that need no vLLM: how vLLM's acceptance counters become p_1..p_K in our
+definition, and when a drafter's row passes (`pipelines.vllm_check`, `decoding.vllm_engine`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from angelspec.decoding.metrics import DecodeMetrics
+from angelspec.decoding.vllm_engine import SpecCounters
+from angelspec.pipelines.vllm_check import DrafterCheck, VllmCheckReport, VllmCheckSettings
+
+
+def test_vllm_counters_give_our_p_k():
+    """vLLM counts, per verify step of one request, the drafts whose first j tokens were accepted; our metrics
+    count the same steps in a histogram of accepted drafts: both must give the same p_1..p_K."""
+    accepted = [0, 0, 1, 3, 2, 0, 1, 3, 3, 0]  # drafts accepted per verify step, K = 3
+    ours = DecodeMetrics(num_draft_tokens=3)
+    ours.record_verify(accepted, [3] * len(accepted), "greedy")
+    before = SpecCounters(5, 15, (4, 2, 1))  # an earlier run on the same engine
+    after = SpecCounters(5 + len(accepted), 15 + 3 * len(accepted),
+                         tuple(b + sum(a >= j for a in accepted) for j, b in zip((1, 2, 3), (4, 2, 1), strict=True)))
+    run = after - before
+    assert run.drafts == ours.row_steps == 10 and run.draft_tokens == 30
+    assert run.acceptance == pytest.approx(ours.acceptance)
+    assert run.mean_accepted_length == pytest.approx(ours.mean_accepted_length)
+    assert SpecCounters().acceptance == [] and SpecCounters().mean_accepted_length == 0.0
+
+
+def _row(**changes) -> DrafterCheck:
+    row = dict(name="eagle3", method="eagle3", k=3, prompts=12, ours_equal_ar=12, vllm_equal_ar=12,
+               ours=[0.3, 0.1, 0.02], vllm=[0.31, 0.1, 0.06], ours_steps=400, vllm_steps=400, taps=[1, 3, 4],
+               vllm_taps=[2, 4, 5])
+    return DrafterCheck(**{**row, **changes})
+
+
+@pytest.mark.parametrize(("changes", "passes"), [
+    ({}, True),
+    ({"vllm": [0.31, 0.1, 0.08]}, False),  # p_3 differs by 0.06 > 0.05
+    ({"vllm_equal_ar": 11}, False),  # one vLLM output differs from AR
+    ({"ours_equal_ar": 11}, False),
+    ({"vllm_taps": [1, 3, 4]}, False),  # vLLM tapped our ids unshifted (trap 2)
+    ({"vllm": [0.3, 0.1]}, False),  # vLLM reported another K
+    ({"taps": None, "vllm_taps": None}, True),  # a draft LM taps nothing
+])
+def test_a_drafter_row_passes_only_when_every_condition_holds(changes, passes):
+    row = _row(**changes)
+    assert row.passed(0.05) is passes
+    report = VllmCheckReport(VllmCheckSettings(), [row], {"identical": True}, {"passed": True}, "0.32.0", 1.0)
+    assert report.passed is passes
+    assert ("| pass |" if passes else "| FAIL |") in report.format().splitlines()[3]
+    assert VllmCheckReport(VllmCheckSettings(), [row], {"identical": False}, {"passed": True}).passed is False
+
+
+def test_vllm_engine_module_imports_neither_torch_nor_vllm():
+    """`benchmarks/vllm_check.py` and the serving benchmark's vLLM column read `CPU_ENV` from this module before
+    torch starts (one compute thread only takes effect that way), so importing it must not start torch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import angelspec
+
+    code = ("import sys; from angelspec.decoding.vllm_engine import CPU_ENV; "
+            "print(CPU_ENV['OMP_NUM_THREADS'], [m for m in ('torch', 'vllm') if m in sys.modules])")
+    src = str(Path(angelspec.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": src})
+    assert out.stdout.split() == ["1", "[]"], out
+
+
+def test_vllm_runs_with_one_numba_thread():
+    """vLLM's n-gram proposer runs in numba; with numba's default pool (one worker per core) vLLM's n-gram speculation
+    ran 45x slower on this 2-core machine, so every vLLM process here gets one numba thread."""
+    from angelspec.decoding.vllm_engine import CPU_ENV
+
+    assert CPU_ENV["NUMBA_NUM_THREADS"] == "1" and CPU_ENV["OMP_NUM_THREADS"] == "1"
