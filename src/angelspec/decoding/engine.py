@@ -447,18 +447,17 @@ class SpecEngine:
                            deterministic=self._policy_uses_proposal, all_greedy=self._all_greedy,
                            seq_len_bound=bound)
         drafting = self.gate is None or self.gate.should_draft(len(rows))
-        if drafting:
-            proposal = self.drafter.propose(state)
-            proposal.check(b, k, self.vocab_size)
-            protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
-            t1 = time.perf_counter()
-            depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
-        else:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts and its commit
-            proposal = self.drafter.propose(replace(state, num_draft_tokens=0))
-            proposal.check(b, 0, self.vocab_size)
+        if not drafting:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts
+            state = replace(state, num_draft_tokens=0)
+        proposal = self.drafter.propose(state)
+        proposal.check(b, state.num_draft_tokens, self.vocab_size)
+        if not drafting:
             proposal = replace(proposal, deterministic=True, lengths=None)  # nothing drafted: a plain sample
-            protocol = self._protocol(proposal)
-            t1 = time.perf_counter()
+        protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
+        t1 = time.perf_counter()
+        if drafting:
+            depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+        else:
             depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
         t2 = time.perf_counter()
 
