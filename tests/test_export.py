@@ -84,6 +84,19 @@ def _split_layer(ours: dict, src: str, dst: str, q: int, kv: int, inter: int) ->
             f"{dst}mlp.down_proj.weight": ours[f"{src}mlp.down_proj.weight"]}
 
 
+def _dflash_tensors(model) -> dict:
+    """What a DFlash export must hold for our block drafter `model`: fc, hidden_norm, norm and each layer split into
+    vLLM's / SGLang's q/k/v and gate/up tensors."""
+    c = model.config
+    ours = dict(model.state_dict())
+    want = {"fc.weight": ours["fc.weight"], "hidden_norm.weight": ours["hidden_norm.weight"],
+            "norm.weight": ours["norm.weight"]}
+    for n in range(c.num_draft_layers):
+        want.update(_split_layer(ours, f"layers.{n}.", f"layers.{n}.", c.num_attention_heads * c.head_dim,
+                                 c.num_key_value_heads * c.head_dim, c.intermediate_size))
+    return want
+
+
 def _assert_same(got: dict, want: dict) -> None:
     assert set(got) == set(want), (sorted(set(got) ^ set(want)))
     for k in want:
@@ -144,12 +157,7 @@ def test_dflash_and_dspark_export(target_dir, tmp_path, head, confidence, draft_
     assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": list(c.target_layer_ids)}
     assert cfg["num_hidden_layers"] == 2 and cfg["rope_theta"] == c.rope_theta
     assert cfg["rope_parameters"]["rope_theta"] == c.rope_theta
-    ours = dict(model.state_dict())
-    want = {"fc.weight": ours["fc.weight"], "hidden_norm.weight": ours["hidden_norm.weight"],
-            "norm.weight": ours["norm.weight"]}
-    for n in range(2):
-        want.update(_split_layer(ours, f"layers.{n}.", f"layers.{n}.", c.num_attention_heads * c.head_dim,
-                                 c.num_key_value_heads * c.head_dim, c.intermediate_size))
+    ours, want = dict(model.state_dict()), _dflash_tensors(model)
     assert want["fc.weight"].shape == (c.hidden_size, c.num_taps * c.hidden_size)
     ids = torch.tensor(draft_vocab) if draft_vocab else None
     if head == "markov":

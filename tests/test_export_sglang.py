@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import tiny_decoder
-from test_export import LAYERS, MASK, VOCAB, _assert_same, _block, _eagle3, _init, _split_layer
+from test_export import LAYERS, MASK, VOCAB, _assert_same, _block, _dflash_tensors, _eagle3, _init
 
 from angelspec.cli import main
 from angelspec.export import ExportCheckError, ExportRefused, export_drafter
@@ -44,12 +44,7 @@ def test_dflash_exports_every_tensor_taps_and_flags(target_dir, tmp_path):
     # SGLang reads dflash_config.target_layer_ids 0-based ("after layer i", HF style) and adds one itself: ours as is
     assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": list(c.target_layer_ids)}
     assert cfg["rope_theta"] == c.rope_theta and cfg.get("draft_vocab_size", VOCAB) == VOCAB
-    ours = dict(model.state_dict())
-    want = {"fc.weight": ours["fc.weight"], "hidden_norm.weight": ours["hidden_norm.weight"],
-            "norm.weight": ours["norm.weight"]}
-    for n in range(2):
-        want.update(_split_layer(ours, f"layers.{n}.", f"layers.{n}.", c.num_attention_heads * c.head_dim,
-                                 c.num_key_value_heads * c.head_dim, c.intermediate_size))
+    want = _dflash_tensors(model)
     got = read_tensors(out / "model.safetensors")
     _assert_same(got, want)  # names, dtypes and values; no lm_head / d2t (SGLang's DFlash has none)
     assert got["fc.weight"].shape == (c.hidden_size, len(c.target_layer_ids) * c.hidden_size)
