@@ -689,3 +689,27 @@ def test_compiled_verify_and_draft_lm_steps_stay_exact(target, greedy_case):
                             EngineConfig(max_batch_size=3, num_draft_tokens=3, compile=True))
         out = engine.generate(requests[:4])
     assert [r.token_ids for r in out] == ar_tokens[:4]
+
+
+def test_compiled_packed_verify_forward_stays_exact(target, greedy_case, monkeypatch):
+    """With compile=True, ragged depths (the n-gram drafter's usual case) run the packed verify forward compiled as
+    well: the target's keep= forward is only ever entered while being traced, never eagerly step by step, and the
+    output is still AR's, token for token, without a fallback to eager."""
+    import warnings
+
+    requests, ar_tokens, continuations = greedy_case
+    forward = target.forward
+
+    def spy(*args, **kwargs):  # no side effect under tracing (is_compiling() is a constant there): no guards
+        if kwargs.get("keep") is not None and not torch.compiler.is_compiling():
+            raise AssertionError("the packed verify forward ran eagerly")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        engine = SpecEngine(target, OracleDrafter(continuations, error=0.3, seed=5, ragged=True),
+                            EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
+                            depth_policy=PositionHashDepth())
+        out = engine.generate(requests[:10])
+    assert [r.token_ids for r in out] == ar_tokens[:10]

@@ -123,7 +123,7 @@ class EngineConfig:
     per row per step (ignored without a drafter). dtype: the dtype the target must already have (None = any;
     the engine never casts the caller's model). seed: seeds requests whose SamplingParams.seed is None
     (None = fresh randomness per call). compile: torch.compile the AR decode step, or with a drafter the
-    unpacked verify forward and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
+    verify forward (padded and packed) and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
     compilation, about 5-60 s on CPU; falls back to eager if compilation fails. The
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
     engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
@@ -219,11 +219,13 @@ class SpecEngine:
         self._cache: StaticKVCache | None = None
         self._decode_fn: Callable[..., Tensor] = self._decode_logits
         self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
+        self._packed_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._packed_verify_forward
         if config.compile:
             if drafter is None:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
             else:
                 self._verify_fn = try_compile(self._verify_forward, "verify forward")
+                self._packed_fn = try_compile(self._packed_verify_forward, "packed verify forward")
                 drafter.ensure_compiled()
 
     # ------------------------------------------------------------------------------------------------
@@ -411,6 +413,15 @@ class SpecEngine:
         out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps)
         return out.logits, out.hidden
 
+    def _packed_verify_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor, active: Tensor,
+                               num_keep: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """`_verify_forward` over only the positions a row verifies (its first depth + 1, none for idle rows),
+        packed densely (`Decoder.forward(keep=...)`); num_keep = their host-side count. Logits and taps of the
+        other positions come back as zeros; the cache grows by n+1 per row (roll back to the kept length)."""
+        keep = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= depth[:, None]) & active[:, None]
+        out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps, keep=keep, num_keep=num_keep)
+        return out.logits, out.hidden
+
     def _ar_step(self) -> None:
         t0 = time.perf_counter()
         rows, slots, cache = self._active_rows, self._slots, self._cache
@@ -465,10 +476,7 @@ class SpecEngine:
         old_len = cache.lengths.clone()  # [B]
         tokens = torch.cat([self._last[:, None], drafts], dim=1)  # [B, n+1]
         if self.config.dense_verify and num_keep < b * (width + 1):  # ragged or idle rows: pack the kept ones
-            keep = (torch.arange(width + 1, device=self.device)[None, :] <= depth[:, None]) & self._active[:, None]
-            out = self.target(tokens, cache=cache, kv_len=bound + width, hidden_layers=self._taps, keep=keep,
-                              num_keep=num_keep)
-            logits, hidden = out.logits, out.hidden
+            logits, hidden = self._packed_fn(tokens, cache, bound + width, depth, self._active, num_keep)
         else:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
         v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
