@@ -184,3 +184,34 @@ def test_fp32_and_bf16_run(target):
             ref = reference_generate(model, reqs)
             agree = sum(a.token_ids == b.token_ids for a, b in zip(out, ref, strict=True))
             assert agree >= 5  # fp32 batched vs single-row sums may flip a rare near-tie
+
+
+@pytest.mark.parametrize("all_rows", [True, False])
+def test_ragged_prefill_runs_no_padding_and_equals_each_prompt_alone(target, all_rows):
+    """`prefill_rows` with ragged prompts: the MLPs see only the real tokens (sum of lengths, not n x P_max), and each
+    row's last-token logits, taps and cached keys / values equal those of its prompt run alone; the cache lengths are
+    the prompt lengths. Both the whole-cache admission and the temporary-cache one (some rows join)."""
+    from angelspec.decoding.batching import prefill_rows
+
+    prompts = [[5, 9, 11, 2, 7, 7, 1], [4], [8, 8, 3, 6]]
+    cache = target.new_cache(4 if not all_rows else 3, 16)
+    rows = [0, 1, 2] if all_rows else [3, 0, 2]
+    seen = []
+    hook = target.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].numel() // 32))
+    try:
+        out = prefill_rows(target, cache, rows, prompts, hidden_layers=[0, 1])
+    finally:
+        hook.remove()
+    assert seen == [sum(map(len, prompts))]
+    for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+        alone_cache = target.new_cache(1, 16)
+        alone = target(torch.tensor([p]), cache=alone_cache, hidden_layers=[0, 1])
+        torch.testing.assert_close(out.logits[i, 0], alone.logits[0, -1], rtol=1e-10, atol=1e-10)
+        for tap, ref in zip(out.hidden, alone.hidden, strict=True):
+            torch.testing.assert_close(tap[i, : len(p)], ref[0], rtol=1e-10, atol=1e-10)
+        for layer in range(target.config.num_hidden_layers):
+            torch.testing.assert_close(cache.k[layer][r, :, : len(p)], alone_cache.k[layer][0, :, : len(p)],
+                                       rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(cache.v[layer][r, :, : len(p)], alone_cache.v[layer][0, :, : len(p)],
+                                       rtol=1e-10, atol=1e-10)
+        assert int(cache.lengths[r]) == len(p)

@@ -34,25 +34,36 @@ def prefill_rows(
     compute_logits: bool = True,
 ) -> DecoderOutput:
     """Prefill `prompts` into cache `rows` (replacing whatever they held); logits only at each prompt's last
-    position: -> DecoderOutput(logits [n, 1, V], hidden one [n, P_max, D] per tap id).
+    position: -> DecoderOutput(logits [n, 1, V], hidden one [n, P_max, D] per tap id; zeros past a prompt's end
+    when the prompts are ragged).
 
-    When all B rows join at once (the first admission) the forward runs on the cache itself. Otherwise it
-    runs on a temporary n-row cache and the keys/values are copied into the rows: the model only runs on
-    full caches, and computing all B rows to fill n of them would cost B/n times more.
+    Ragged prompts run packed (`Decoder.forward(keep=...)`): projections and MLPs see only the real tokens, not
+    the padding up to the longest prompt (a batch of one long and many short prompts would otherwise cost
+    n x P_max tokens). When all B rows join at once (the first admission) the forward runs on the cache itself.
+    Otherwise it runs on a temporary n-row cache and the keys/values are copied into the rows: the model only
+    runs on full caches, and computing all B rows to fill n of them would cost B/n times more.
     """
     ids, lengths = pad_prompts(prompts, cache.device)  # [n, P_max], [n]
     n, p_max = ids.shape
-    logits_index = (lengths - 1)[:, None]  # [n, 1]
-    kw = dict(num_new=lengths, kv_len=p_max, hidden_layers=hidden_layers, logits_index=logits_index,
-              compute_logits=compute_logits)
+    num_keep = sum(len(p) for p in prompts)
+    kw: dict = dict(num_new=lengths, kv_len=p_max, hidden_layers=hidden_layers)
+    if num_keep < n * p_max:  # ragged: no padding through the projections and MLPs
+        keep = torch.arange(p_max, device=cache.device)[None, :] < lengths[:, None]  # [n, P_max]
+        kw.update(keep=keep, num_keep=num_keep, compute_logits=False)
+    else:
+        kw.update(logits_index=(lengths - 1)[:, None], compute_logits=compute_logits)  # [n, 1]
     if list(rows) == list(range(cache.batch_size)):
         cache.reset()
-        return model(ids, cache=cache, **kw)
-    tmp = model.new_cache(n, p_max, slack=0, dtype=cache.dtype)
-    out = model(ids, cache=tmp, **kw)
-    idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
-    for layer in range(model.config.num_hidden_layers):
-        cache.k[layer][idx, :, :p_max] = tmp.k[layer]  # [n, Hkv, P_max, Dh]
-        cache.v[layer][idx, :, :p_max] = tmp.v[layer]
-    cache.lengths[idx] = lengths
+        out = model(ids, cache=cache, **kw)
+    else:
+        tmp = model.new_cache(n, p_max, slack=0, dtype=cache.dtype)
+        out = model(ids, cache=tmp, **kw)
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
+        for layer in range(model.config.num_hidden_layers):
+            cache.k[layer][idx, :, :p_max] = tmp.k[layer]  # [n, Hkv, P_max, Dh]
+            cache.v[layer][idx, :, :p_max] = tmp.v[layer]
+        cache.lengths[idx] = lengths
+    if compute_logits and out.logits is None:  # packed: the head only at each prompt's last token
+        h = out.last_hidden  # [n, P_max, D]
+        out.logits = model.head_logits(h.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, h.shape[-1])))
     return out

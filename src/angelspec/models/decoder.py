@@ -216,6 +216,10 @@ class Decoder(nn.Module):
         return StaticKVCache(self.config, batch_size, max_len, slack=slack,
                              dtype=dtype or self.embed_tokens.weight.dtype, device=dev)
 
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm states [..., D] -> fp32 logits [..., V]: the LM head exactly as `forward` applies it."""
+        return self.lm_head(h).float()
+
     # ----- forward -----
     def forward(
         self,
@@ -299,7 +303,7 @@ class Decoder(nn.Module):
         logits = None
         if compute_logits:
             hl = h if logits_index is None else h.gather(1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
-            logits = self.lm_head(hl).float()
+            logits = self.head_logits(hl)
         return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers), last_hidden=h)
 
     def _forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
@@ -332,6 +336,6 @@ class Decoder(nn.Module):
                 taps[i] = packed.scatter(x)
         cache.lengths += T if num_new is None else num_new
         h = self.norm(x)  # [N, D]
-        logits = packed.scatter(self.lm_head(h).float()) if compute_logits else None
+        logits = packed.scatter(self.head_logits(h)) if compute_logits else None
         return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers),
                              last_hidden=packed.scatter(h))
