@@ -587,3 +587,19 @@ def test_seeded_and_independent_of_batch_composition() -> None:
     assert (base != sample(probs, seeds + 1, ctr, NoiseStream.TARGET)).float().mean() > 0.7
     assert (base != sample(probs, seeds, ctr + 1, NoiseStream.TARGET)).float().mean() > 0.7
     assert (base != sample(probs, seeds, ctr, NoiseStream.DRAFT)).float().mean() > 0.7
+
+
+def test_greedy_argmax_is_torch_argmax_including_ties_nan_and_strides():
+    """The fast greedy argmax (max(-1).indices) picks exactly torch.argmax's index: ties -> the lowest id, a NaN wins,
+    all -inf rows -> 0, also for non-contiguous [B, K+1, V] inputs."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        x = torch.randint(0, 3, (6, 4, 257), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[1, :, 100] = float("nan")
+        if trial % 4 == 0:
+            x[2] = float("-inf")
+        if trial % 5 == 0:
+            x = x.transpose(0, 1)
+        assert torch.equal(S.greedy_argmax(x), x.argmax(dim=-1))
+        assert torch.equal(S.greedy_argmax(x[:, 0]), x[:, 0].argmax(dim=-1))

@@ -65,6 +65,7 @@ from angelspec.decoding.sampling import (
     NoiseStream,
     SamplingParams,
     VerifyOutput,
+    greedy_argmax,
     process_logits,
     sample,
     verify_deterministic,
@@ -397,7 +398,7 @@ class SpecEngine:
     def _choose(self, logits: Tensor, s: BatchSampling, counters: Tensor, greedy: bool) -> Tensor:
         """logits [B, V] -> token ids [B]; counters [B] = absolute positions of the produced tokens."""
         if greedy:
-            return logits.argmax(dim=-1)  # same as process_logits' one-hot (ties -> lowest id), minus the sort
+            return greedy_argmax(logits)  # same as process_logits' one-hot (ties -> lowest id), minus the sort
         probs = process_logits(logits, s.temperature, s.top_k, s.top_p)
         return sample(probs, s.seeds, counters, NoiseStream.TARGET)
 
