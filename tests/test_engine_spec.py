@@ -190,7 +190,7 @@ def test_dense_packed_verification_is_used_for_ragged_depths_and_stays_exact(tar
     packed_calls, forward = [], target.forward
 
     def spy(*args, **kwargs):
-        if kwargs.get("keep") is not None:
+        if kwargs.get("keep") is not None and kwargs.get("num_new") is None:  # a (packed) prefill passes num_new
             packed_calls.append(int(kwargs["keep"].sum()))
         return forward(*args, **kwargs)
 
@@ -691,25 +691,46 @@ def test_compiled_verify_and_draft_lm_steps_stay_exact(target, greedy_case):
     assert [r.token_ids for r in out] == ar_tokens[:4]
 
 
-def test_compiled_packed_verify_forward_stays_exact(target, greedy_case, monkeypatch):
+class SometimesSilentOracle(OracleDrafter):
+    """The oracle with ragged lengths; once `silent` is set, every other round drafts nothing for any row."""
+
+    silent = False
+    silent_rounds = 0
+
+    def propose(self, state: DraftState) -> Proposal:
+        p = super().propose(state)
+        if self.silent and int(state.draft_round.max()) % 2:
+            self.silent_rounds += 1
+            return replace(p, lengths=torch.zeros_like(p.lengths))
+        return p
+
+
+def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run(target, greedy_case, monkeypatch):
     """With compile=True, ragged depths (the n-gram drafter's usual case) run the packed verify forward compiled as
     well: the target's keep= forward is only ever entered while being traced, never eagerly step by step, and the
-    output is still AR's, token for token, without a fallback to eager."""
+    output is still AR's, token for token, without a fallback to eager. Steps where no row has a draft (a width of
+    0) then reuse the graphs already compiled: none is compiled in the middle of serving (torch.compile specialises
+    a size of 1, which used to cost a fresh compilation, about 20 s on a CPU, the first time it happened)."""
     import warnings
 
     requests, ar_tokens, continuations = greedy_case
     forward = target.forward
 
     def spy(*args, **kwargs):  # no side effect under tracing (is_compiling() is a constant there): no guards
-        if kwargs.get("keep") is not None and not torch.compiler.is_compiling():
+        verify = kwargs.get("keep") is not None and kwargs.get("num_new") is None  # a packed prefill passes num_new
+        if verify and kwargs["num_keep"] > 1 and not torch.compiler.is_compiling():  # one kept token runs eagerly
             raise AssertionError("the packed verify forward ran eagerly")
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", spy)
+    drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        engine = SpecEngine(target, OracleDrafter(continuations, error=0.3, seed=5, ragged=True),
-                            EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
+        engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
                             depth_policy=PositionHashDepth())
         out = engine.generate(requests[:10])
-    assert [r.token_ids for r in out] == ar_tokens[:10]
+        drafter.silent = True
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out += engine.generate(requests[10:16])
+    assert [r.token_ids for r in out] == ar_tokens[:16]
+    assert drafter.silent_rounds > 5

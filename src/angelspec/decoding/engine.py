@@ -476,8 +476,16 @@ class SpecEngine:
         drafts = proposal.tokens[:, :width]  # [B, n]
         old_len = cache.lengths.clone()  # [B]
         tokens = torch.cat([self._last[:, None], drafts], dim=1)  # [B, n+1]
-        if self.config.dense_verify and num_keep < b * (width + 1):  # ragged or idle rows: pack the kept ones
-            logits, hidden = self._packed_fn(tokens, cache, bound + width, depth, self._active, num_keep)
+        if self.config.dense_verify and (num_keep < b * (width + 1) or width == 0):
+            # Ragged or idle rows: pack the kept positions. A step without drafts gets a second, never-kept column,
+            # so a compiled graph never sees a width of one token (torch.compile specialises sizes 0 and 1: that
+            # graph would be compiled in the middle of serving, the first time no row has a draft); one kept
+            # token (a single idle-free row without drafts) runs eagerly for the same reason.
+            cols = tokens if width else tokens.repeat(1, 2)
+            packed = self._packed_fn if num_keep >= 2 else self._packed_verify_forward
+            logits, hidden = packed(cols, cache, bound + width, depth, self._active, num_keep)
+            if not width:
+                logits, hidden = logits[:, :1], tuple(h[:, :1] for h in hidden)
         else:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
         v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
