@@ -26,9 +26,9 @@ from angelspec.fileio import write_json_atomic
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """Serve one job (module docstring) -> {"concurrency", "requests", "output_tokens", "wall_s", "engine_s",
-    "drafts", "accepted_per_pos", "outputs"}: vLLM's wall time of the timed generate, its engine start-up,
-    its speculative counters over the timed run, and each request's emitted token ids."""
+    """Serve one job (module docstring) -> {"concurrency", "requests", "output_tokens", "wall_s", "cpu_s", "engine_s",
+    "drafts", "accepted_per_pos", "outputs"}: vLLM's wall and process CPU time of the timed generate, its engine
+    start-up, its speculative counters over the timed run, and each request's emitted token ids."""
     from angelspec.decoding.engine import Request
     from angelspec.decoding.vllm_engine import VllmEngine
 
@@ -44,15 +44,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                              for p in prompts[:concurrency]])
         requests = [Request(prompt_ids=p, max_new_tokens=new, stop_ids=(), request_id=i) for i, p in enumerate(prompts)]
         before = engine.spec_counters()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         results = engine.generate(requests)
-        wall_s = time.perf_counter() - t0
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         counters = engine.spec_counters() - before
     finally:
         engine.close()
     outputs = [list(map(int, r.token_ids)) for r in results]
     return {"concurrency": concurrency, "requests": len(requests), "output_tokens": sum(map(len, outputs)),
-            "wall_s": wall_s, "engine_s": engine_s, "drafts": counters.drafts,
+            "wall_s": wall_s, "cpu_s": cpu_s, "engine_s": engine_s, "drafts": counters.drafts,
             "accepted_per_pos": list(counters.accepted_per_pos), "outputs": outputs}
 
 
