@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (`train.sequence_parallel`, `angelspec train ... --sp N`) trains the single-process
 drafter: on packed rows where a document crosses the boundary between the two ranks' shards, the loss and every
-parameter gradient of one step equal one process's (fp32, 1e-5), for MTP with TTT (D = 3) and for a DFly block
+parameter gradient of one step equal one process's (fp32, 1e-5), for MTP with TTT (D = 3), EAGLE-3 and a DFly block
 drafter (anchors whose blocks run past the shard end, kv heads fewer than the SP ranks); the all-to-all's autograd
 function moves exactly the right pieces both ways; and `--sp 2` composes with FSDP2 (and DDP) end to end.
 
@@ -94,23 +94,28 @@ def _check_exchange(sp) -> None:
     assert torch.equal(sp.to_heads(kv, H), sp.to_heads(kv.repeat_interleave(H, dim=1)))
 
 
-def _check_mtp(sp) -> None:
-    """One MTP-TTT step (D = 3, e2e TV and LK^α), chunked head + loss and checkpointed depths as the trainer runs
-    it: SP shares add up to the one-process loss and gradients."""
+def _check_mtp(sp, kind: str) -> None:
+    """One MTP-TTT step (D = 3; MTP: e2e TV and LK^α, EAGLE-3: e2e TV), chunked head + loss and checkpointed depths
+    as the trainer runs it: SP shares add up to the one-process loss and gradients."""
     from conftest import tiny_decoder
 
+    from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from angelspec.models.mtp import MTPConfig, MTPDraftModel
     from angelspec.train.distributed import global_sum
     from angelspec.train.losses import LOSSES, LossConfig, global_denominators
     from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
 
     vocab, T = 64, 24
-    target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2)
-    model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=D), target.embed_tokens, target.lm_head)
+    target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2, layers=3)
+    if kind == "mtp":
+        model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=D), target.embed_tokens, target.lm_head)
+    else:
+        cfg = Eagle3Config.for_target(target.config, num_depths=D, target_layer_ids=(0, 1, 2))
+        model = Eagle3DraftModel(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
     packed = _packed(vocab, T, T // 2)
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(*packed.input_ids.shape, 32, generator=g)
+    hidden = torch.randn(*packed.input_ids.shape, 32 * len(model.config.target_layer_ids), generator=g)
     teacher = torch.randn(*packed.input_ids.shape, vocab, generator=g) * 3
     config = LossConfig(depth_weights=(0.5, 0.3, 0.2))
 
@@ -125,10 +130,10 @@ def _check_mtp(sp) -> None:
         loss.backward()
         return loss.detach(), _grads(model)
 
-    for name in ("e2e_tv", "lk_alpha"):
+    for name in ("e2e_tv", "lk_alpha") if kind == "mtp" else ("e2e_tv",):
         ref_loss, ref_grads = step(name)
         share, grads = step(name, sp)
-        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"mtp {name}")
+        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"{kind} {name}")
 
 
 def _check_block(sp) -> None:
@@ -191,7 +196,8 @@ def _worker() -> None:
     sp = init_sequence_parallel(2, info, "ddp")
     assert sp.size == 2 and sp.rank == info.rank and sp.dp.world_size == 1
     _check_exchange(sp)
-    _check_mtp(sp)
+    _check_mtp(sp, "mtp")
+    _check_mtp(sp, "eagle3")
     _check_block(sp)
     print(f"rank {info.rank}: ok", flush=True)
     shutdown(info)

@@ -27,6 +27,10 @@ reduction order; tested). The frozen target is not wrapped: every rank runs its 
 writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer state whole and keyed by
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
+Sequence parallelism (`train.sequence_parallel`, `--sp N`): each rank of an SP group rolls out its T/N tokens of
+every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the teacher and
+labels come from the shard plus a halo of D + 1 tokens. Same model as one process (tested).
+
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.
 

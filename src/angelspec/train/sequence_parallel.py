@@ -90,30 +90,18 @@ def _heads_to_seq(y: Tensor, n: int, group: Any) -> Tensor:
     return got.transpose(0, 1).reshape(B, n * Hn, T // n, Dh)
 
 
-class _ToHeads(torch.autograd.Function):
-    """Sequence-sharded -> head-sharded; the backward sends the gradient back the inverse way."""
+class _Exchange(torch.autograd.Function):
+    """One Ulysses exchange: sequence-sharded -> head-sharded (`heads` True) or back; the backward sends the gradient
+    the inverse way (an all-to-all is a permutation of the pieces over the ranks, so its adjoint is its inverse)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, n: int, group: Any) -> Tensor:
-        ctx.n, ctx.group = n, group
-        return _seq_to_heads(x, n, group)
+    def forward(ctx, x: Tensor, n: int, group: Any, heads: bool) -> Tensor:
+        ctx.n, ctx.group, ctx.heads = n, group, heads
+        return (_seq_to_heads if heads else _heads_to_seq)(x, n, group)
 
     @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
-        return _heads_to_seq(g, ctx.n, ctx.group), None, None
-
-
-class _ToSequence(torch.autograd.Function):
-    """Head-sharded -> sequence-sharded; the backward is `_ToHeads`' forward."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, n: int, group: Any) -> Tensor:
-        ctx.n, ctx.group = n, group
-        return _heads_to_seq(y, n, group)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
-        return _seq_to_heads(g, ctx.n, ctx.group), None, None
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None, None]:
+        return (_heads_to_seq if ctx.heads else _seq_to_heads)(g, ctx.n, ctx.group), None, None, None
 
 
 @dataclass(frozen=True)
@@ -150,7 +138,8 @@ class SequenceParallel:
         return t.narrow(dim, start, stop - start).contiguous()
 
     def window(self, batch: PackedBatch, halo: int) -> PackedBatch:
-        """The columns of `batch` that this rank's supervision reads: its shard plus `halo` tokens after it."""
+        """The columns of `batch` that this rank's supervision reads: its shard plus `halo` tokens after it (the
+        [B, T] tensors cut; counts such as `num_tokens` and `row_docs` stay the whole rows')."""
         cols = self.columns(batch.seq_len, halo)
         parts = {f.name: getattr(batch, f.name) for f in fields(batch)}
         return PackedBatch(**{k: v[:, cols] if isinstance(v, Tensor) and v.dim() == 2 else v
@@ -176,11 +165,11 @@ class SequenceParallel:
         if query_heads is not None and x.shape[1] % self.size:
             x = x.repeat_interleave(query_heads // x.shape[1], dim=1)
         self.check_heads(x.shape[1])
-        return _ToHeads.apply(x, self.size, self.group)
+        return _Exchange.apply(x, self.size, self.group, True)
 
     def to_sequence(self, y: Tensor) -> Tensor:
         """[B, H/N, T, Dh] head-sharded -> [B, H, S, Dh] sequence-sharded (identity for size 1)."""
-        return _ToSequence.apply(y, self.size, self.group) if self.enabled else y
+        return _Exchange.apply(y, self.size, self.group, False) if self.enabled else y
 
 
 # ----- block drafters: anchors by owner -----
