@@ -306,6 +306,10 @@ def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedB
     dev = out.states[0].device
     if sp is not None and sp.enabled:
         packed = sp.window(packed, D + 1)
+        if target_logits is not None and target_logits.shape[1] != packed.seq_len:
+            raise ValueError(f"under sequence parallelism the teacher covers the shard and its halo, "
+                             f"{packed.seq_len} positions (SequenceParallel.columns(T, {D + 1})), got "
+                             f"{target_logits.shape[1]}")
     lab, mask = depth_labels(packed, D, dev, length=S)
     return ChunkedLossBatch(
         hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: block.logits(h), mask=mask,
