@@ -124,7 +124,7 @@ class MTPDraftModel(DraftVocabulary, nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (inference only)
+        self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (`draft_head`)
 
     def build_fusion(self) -> None:
         """The modules that join the depth input (h, x̃) before F_θ; MTP: Eq. 1's norms and W_proj."""

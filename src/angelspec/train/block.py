@@ -165,6 +165,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             raise ConfigError(f"unknown context_injection {self.context_injection!r}; choose one of "
                               f"{', '.join(CONTEXT_INJECTIONS)} (or none: the kind's default)")
         self.loss_config()  # validates top_k, gamma and the coefficients
+        self.check_train_vocab(ConfigError, name_only=self.init_from is not None)  # init_from: the folder's vocabulary
         try:
             check_confidence_target(self.confidence_target, self.protocol_temperatures)
         except ConfigError as e:
@@ -427,24 +428,29 @@ def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor,
 
 def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher_logits: Tensor, *,
                              max_logits: int = 1 << 23, track_alpha: bool = False,
-                             confidence_targets: ConfidenceTargets | None = None) -> ChunkedLossBatch:
+                             confidence_targets: ConfidenceTargets | None = None,
+                             train_vocab: str = "full") -> ChunkedLossBatch:
     """`block_loss_batch` without the [R·N, K, V] logits: a `forward_train(compute_logits=False)` run's backbone
     states go through `model.head_logits` a chunk of anchors at a time (whole blocks, so the RNN head sees its K
     positions together), at most `max_logits` logits per chunk (`train.losses.ChunkedLossBatch`); the confidence
-    targets, too, come from each chunk's logits."""
+    targets, too, come from each chunk's logits. `train_vocab` "draft": the head scores the draft vocabulary only
+    and the losses run in the draft space (`train.losses.to_draft_space`); chunks stay sized by the teacher's
+    whole vocabulary."""
     t = out.targets
     R, N, K, _ = out.hidden.shape
     T, V = teacher_logits.shape[1:]
     prev = t.prev_tokens.flatten(0, 1)  # [R·N, K]
     src = (t.source_index + T * torch.arange(R, device=prev.device)[:, None, None]).flatten(0, 1)  # [R·N, K] flat
     flat_teacher = teacher_logits.reshape(R * T, V)
+    draft = train_vocab == "draft" and bool(model.config.draft_vocab_size)
     return ChunkedLossBatch(
         hidden=tuple(out.hidden.flatten(0, 1).unbind(1)),
-        head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False)[0],
+        head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False, draft_vocab=draft)[0],
         mask=t.valid.flatten(0, 1), chunk_rows=ChunkedLossBatch.rows_for(max_logits, K, V),
         teacher=lambda rows: flat_teacher[src[rows]], labels=t.labels.flatten(0, 1),
         confidence_logits=None if out.confidence_logits is None else out.confidence_logits.flatten(0, 1),
-        confidence_targets=confidence_targets, track_alpha=track_alpha)
+        confidence_targets=confidence_targets, track_alpha=track_alpha,
+        draft_vocab=model.draft_vocab if draft else None)
 
 
 def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
@@ -511,6 +517,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
     sp.check_heads(mcfg.layer_config().num_attention_heads)
+    cfg.check_train_vocab(ConfigError, draft_vocab_size=mcfg.draft_vocab_size)  # init_from: the folder's vocabulary
     run.clear_out_dir()
     rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
@@ -520,7 +527,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
         model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
         model.to(dtype=target.embed_tokens.weight.dtype)
-    if mcfg.draft_vocab_size and cfg.init_from is None:  # inference only: training still scores the whole vocabulary
+    if mcfg.draft_vocab_size and cfg.init_from is None:  # inference drafts from it; training too under "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         model.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
@@ -533,7 +540,8 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     def chunk_targets(m: BlockDrafter, lb: LossBatch) -> Tensor:
         """What the confidence head is fitted to (`train.confidence`), from a chunk's logits, detached."""
         return confidence_targets(mcfg, lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k,
-                                  m.draft_vocab if mcfg.draft_vocab_size else None)
+                                  m.draft_vocab if mcfg.draft_vocab_size else None,
+                                  draft_columns=lb.draft_vocab is not None)
 
     def forward_loss(m: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
                      teacher: Tensor, step: int, log_alpha: bool) -> tuple[Tensor, Tensor]:
@@ -542,7 +550,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         parameters gathered. -> (this rank's share of the loss, α per block position or [])."""
         o = block_forward_train(m, taps, batch, anchors, valid, sp, checkpoint_layers=cfg.activation_checkpointing)
         clb = block_chunked_loss_batch(m, o, teacher, track_alpha=log_alpha,
-                                       confidence_targets=lambda lb: chunk_targets(m, lb))
+                                       confidence_targets=lambda lb: chunk_targets(m, lb), train_vocab=cfg.train_vocab)
         lo = scheduled_loss(schedule, step, clb, info, objective_at(step))
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 

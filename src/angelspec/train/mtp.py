@@ -85,6 +85,7 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
         if self.cold_start_loss is not None:
             get_loss(self.cold_start_loss)
         self.require_positive(("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"))
+        self.check_train_vocab()
 
     def model_config(self, target: DecoderConfig) -> MTPFamilyConfig:
         """The block's config for `target`."""
@@ -170,7 +171,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     kind = mcfg.drafter
     block = build_mtp_model(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
-    if mcfg.draft_vocab_size:  # inference only: training still scores the whole vocabulary
+    if mcfg.draft_vocab_size:  # inference drafts from it; training too under train_vocab "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
@@ -180,9 +181,10 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
-                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing, sp=sp)
-        lo = scheduled_loss(schedule, step,
-                            mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha, sp=sp), run.info)
+                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing, sp=sp,
+                          train_vocab=cfg.train_vocab)
+        clb = mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha, sp=sp, train_vocab=cfg.train_vocab)
+        lo = scheduled_loss(schedule, step, clb, run.info)
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 
     # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,

@@ -11,7 +11,8 @@ At sequence position i and zero-based depth k the block predicts token x_{i+k+2}
 * depth 0 fuses the target tap h_i (EAGLE-3: fc over three taps) with E(x_{i+1}) (Eq. 1) — the same input
   as at inference;
 * depth k >= 1 fuses the block's own h^(k-1)_i with E(x̂), where x̂ = argmax q_{k-1}(·|i) is depth k-1's
-  prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1});
+  prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1}); under
+  train_vocab "draft" q covers the block's draft vocabulary only, so x̂ is a token inference could propose;
 * the teacher of depth k at i is the frozen target's distribution at position i+k+1 (which predicts
   x_{i+k+2}), and the label/validity come from `mtp_labels(packed, k)`: valid only if x_{i+k+2} is in the
   same document as i and trained on (the depth-shift document gate, docs/design.md trap 3).
@@ -154,7 +155,7 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
                 document_ids: Tensor | None, num_depths: int, *, pad_id: int = 0,
                 attention: AttentionImpl = "fast", keep_logits: bool = True,
                 checkpoint_depths: bool = False, query_chunk: int = 256, key_chunk: int = 1024,
-                sp: SequenceParallel | None = None) -> TTTOutput:
+                sp: SequenceParallel | None = None, train_vocab: str = "full") -> TTTOutput:
     """Unroll the shared block for `num_depths` depths over packed rows (module docstring).
 
     hidden [B, T, n·Ct] target taps joined by `concat_taps` (detached here: the target is frozen; the block's
@@ -171,8 +172,17 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     `sp` (sequence parallelism, `train.sequence_parallel`): `hidden` holds only this rank's shard of the rows
     ([B, T/N, C]; input_ids, positions, document_ids stay whole rows), every per-position step runs on the shard,
     and each depth's attention runs head-sharded over the whole rows between two all-to-alls; the output covers
-    the shard."""
+    the shard.
+    `train_vocab` "draft": the head scores the block's draft vocabulary only (`block.draft_head`): kept logits are
+    [B, T, D, V'] and each depth's argmax is taken over V' and mapped back to target ids (`block.to_target_ids`)."""
     sp = sp if sp is not None and sp.enabled else None
+    draft = train_vocab == "draft"
+    head = block.draft_head if draft else block.logits
+
+    def to_ids(index: Tensor) -> Tensor:
+        """An argmax along the head's logits -> target token ids."""
+        return block.to_target_ids(index) if draft else index
+
     B, T = input_ids.shape
     cols = slice(0, T) if sp is None else sp.columns(T)
     if hidden.dim() != 3 or hidden.shape[:2] != (B, cols.stop - cols.start) or positions.shape != input_ids.shape:
@@ -209,8 +219,8 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     values: list[Tensor] = []
     inputs, states = [], []
     # Written depth by depth into one buffer: stacking a list would hold two copies of D×T×V at the end.
-    logits = hidden.new_empty(*hidden.shape[:2], num_depths, block.config.vocab_size, dtype=torch.float32) \
-        if keep_logits else None
+    width = (block.config.draft_vocab_size or block.config.vocab_size) if draft else block.config.vocab_size
+    logits = hidden.new_empty(*hidden.shape[:2], num_depths, width, dtype=torch.float32) if keep_logits else None
     for k in range(num_depths):
         if checkpoint_depths and torch.is_grad_enabled():  # two pieces: the backward rebuilds one at a time
             x, kk, vv = checkpoint(attention_step, h_prev, tok, k, list(keys), list(values), use_reentrant=False)
@@ -222,12 +232,12 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
         values.append(vv)
         nxt = tok
         if logits is not None:
-            lg = block.logits(h)  # [B, T, V]
+            lg = head(h)  # [B, T, V] (V')
             logits[:, :, k] = lg
-            nxt = lg.detach().argmax(dim=-1)
+            nxt = to_ids(lg.detach().argmax(dim=-1))
         elif k < num_depths - 1:
             with torch.no_grad():  # chunked: never a whole [B, T, V] just for an argmax
-                nxt = torch.cat([block.logits(hc).argmax(dim=-1) for hc in h.split(query_chunk, dim=1)], dim=1)
+                nxt = to_ids(torch.cat([head(hc).argmax(dim=-1) for hc in h.split(query_chunk, dim=1)], dim=1))
         inputs.append(tok)
         states.append(h)
         h_prev, tok = h, nxt  # depth k+1 consumes depth k's argmax (TTT)
@@ -258,15 +268,19 @@ def depth_labels(packed: PackedBatch, num_depths: int, device: torch.device | No
     return lab.flatten(0, 1), mask.flatten(0, 1)
 
 
-def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None) -> LossBatch:
+def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
+                   draft_vocab: Tensor | None = None) -> LossBatch:
     """Flatten a rollout into the `[N, D, V]` layout of `train.losses` with the depth-shift gate (the reference
-    for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits)."""
+    for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits). `draft_vocab` [V']:
+    the rollout ran with train_vocab "draft" (its logits are over these target ids)."""
     if out.logits is None:
         raise ValueError("mtp_loss_batch needs a rollout run with keep_logits=True")
     B, T, D, V = out.logits.shape
     lab, mask = depth_labels(packed, D, out.logits.device)
-    teacher = None if target_logits is None else teacher_for_depths(target_logits, D).reshape(B * T, D, V)
-    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab)
+    teacher = None if target_logits is None else \
+        teacher_for_depths(target_logits, D).reshape(B * T, D, target_logits.shape[-1])
+    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab,
+                     draft_vocab=draft_vocab)
 
 
 def depth_teacher_rows(target_logits: Tensor, num_depths: int, length: int | None = None
@@ -293,14 +307,17 @@ def depth_teacher_rows(target_logits: Tensor, num_depths: int, length: int | Non
 
 def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
                            *, max_logits: int = DEFAULT_MAX_LOGITS, track_alpha: bool = False,
-                           sp: SequenceParallel | None = None) -> ChunkedLossBatch:
+                           sp: SequenceParallel | None = None, train_vocab: str = "full") -> ChunkedLossBatch:
     """`mtp_loss_batch` without the [N, D, V] logits: the rollout's states (run it with keep_logits=False) go
     through `block.logits` a chunk of rows at a time, at most `max_logits` logits per chunk
     (`train.losses.ChunkedLossBatch`). Same losses and gradients (tested).
 
     `sp`: the rollout ran on this rank's shard (`ttt_rollout(sp=...)`); `packed` holds whole rows and
     `target_logits` the teacher of the shard plus its halo of D + 1 positions (`SequenceParallel.columns(T, D + 1)`):
-    labels and teacher come from that window, so depth shifts past the shard's end stay rank-local."""
+    labels and teacher come from that window, so depth shifts past the shard's end stay rank-local.
+
+    `train_vocab` "draft": the head scores the draft vocabulary only (`block.draft_head`) and the losses run in the
+    draft space (`train.losses.to_draft_space`); chunks stay sized by the whole vocabulary, the teacher's width."""
     D = len(out.states)
     B, S = out.states[0].shape[:2]
     dev = out.states[0].device
@@ -311,8 +328,10 @@ def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedB
                              f"{packed.seq_len} positions (SequenceParallel.columns(T, {D + 1})), got "
                              f"{target_logits.shape[1]}")
     lab, mask = depth_labels(packed, D, dev, length=S)
+    draft = train_vocab == "draft" and bool(block.config.draft_vocab_size)
+    head = block.draft_head if draft else block.logits
     return ChunkedLossBatch(
-        hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: block.logits(h), mask=mask,
+        hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: head(h), mask=mask,
         chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.vocab_size),
         teacher=None if target_logits is None else depth_teacher_rows(target_logits, D, S), labels=lab,
-        track_alpha=track_alpha)
+        track_alpha=track_alpha, draft_vocab=block.draft_vocab if draft else None)

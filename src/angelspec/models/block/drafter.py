@@ -422,18 +422,27 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         table = self.head.embed if isinstance(self.head, MarkovHead) else self.confidence_embed
         return table(prev)
 
-    def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True) -> tuple[Tensor, Tensor | None]:
+    def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True, draft_vocab: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
         predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] ([..., K, n], one per grid temperature,
         for a "protocol" head) or None; None too with confidence=False). Position-wise except the RNN (which runs
-        along K only), so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
+        along K only), so a trainer may call it on chunks of anchors to bound the [.., V] memory.
+        `draft_vocab`: logits [..., K, V'] over the draft vocabulary only (its order; the whole vocabulary without
+        one), a Markov-family head's W2 rows cut with the LM head's but still trained (train_vocab "draft")."""
         h = self.norm(z)
+        lm = self.draft_logits if draft_vocab else self.lm_logits
         if isinstance(self.head, HiddenCorrectionHead):
-            logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
+            logits = lm(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
         else:
-            logits = self.lm_logits(h)
+            logits = lm(h)
             if isinstance(self.head, MarkovHead):
-                logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
+                if draft_vocab and self.config.draft_vocab_size:  # W2's V' rows, with their gradient
+                    w2 = self.head.out.weight.index_select(0, self.draft_vocab)
+                    bias = F.linear(self.head.sequence_features(h, prev), w2)
+                else:
+                    bias = self.head.sequence(h, prev)
+                logits = logits + bias.float()  # Eq. 14 / DSpark §3.1
         conf = (self.confidence.training_logits(h, self.markov_embed(prev))
                 if confidence and self.config.confidence_head else None)
         return logits, conf
