@@ -300,6 +300,14 @@ def dfly_shipped() -> BlockDrafterTrainConfig:
                    ckpt_every=200, log_every=20, confidence_target="tv")
 
 
+def dfly_shipped_dv() -> BlockDrafterTrainConfig:
+    """`dfly_shipped` for a fresh run: trained on its 1024-token draft vocabulary (train_vocab "draft",
+    `train.losses` "Draft vocabulary": the head scores 1024 rows instead of 8192, the objective is the acceptance of
+    the drafter inference runs) and with a new run's "protocol" confidence head (`dfly_shipped` keeps "full" and
+    "tv", so that its run resumes unchanged)."""
+    return replace(dfly_shipped(), train_vocab="draft", confidence_target="protocol")
+
+
 def dflash_embedded() -> BlockDrafterTrainConfig:
     """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
     return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
@@ -370,6 +378,7 @@ def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
 
 
 PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dfly_shipped": dfly_shipped,
+           "dfly_shipped_dv": dfly_shipped_dv,
            "dspark_shipped": dspark_shipped, "confidence_only": confidence_only, "dflash_embedded": dflash_embedded,
            "dflare_embedded": dflare_embedded, "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug,
            "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}

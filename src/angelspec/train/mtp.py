@@ -135,6 +135,14 @@ def mtp_shipped() -> MTPTrainConfig:
     return replace(mtp_demo(), batch_size=4, steps=4800, switch_step=800, warmup=50, ckpt_every=200, log_every=20)
 
 
+def mtp_shipped_dv() -> MTPTrainConfig:
+    """`mtp_shipped` trained on its draft vocabulary (train_vocab "draft", `train.losses` "Draft vocabulary"): the
+    head scores the 1024 draft rows instead of 8192 in every step, the objective is the acceptance of the drafter
+    inference runs, and TTT feeds each depth a token inference could propose. For a fresh run (`mtp_shipped` keeps
+    "full", so that its run resumes unchanged)."""
+    return replace(mtp_shipped(), train_vocab="draft")
+
+
 def mtp_base() -> MTPTrainConfig:
     """The base-MTP comparison point of Table 2: teacher-forced, one depth, hard-label CE."""
     return MTPTrainConfig(ttt=False, num_depths=1, loss="ce", cold_start_loss=None)
@@ -146,8 +154,8 @@ def tiny_debug() -> MTPTrainConfig:
                           ckpt_every=2, log_every=1)
 
 
-PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mtp_shipped, "mtp_base": mtp_base,
-           "tiny_debug": tiny_debug}
+PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mtp_shipped,
+           "mtp_shipped_dv": mtp_shipped_dv, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
 
 
 # ----- training -----
