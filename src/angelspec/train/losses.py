@@ -820,6 +820,10 @@ class ChunkedLossBatch:
     confidence_targets: Tensor | Callable[[LossBatch], Tensor] | None = None
     checkpoint: bool = True  # False: keep every chunk's graph (same values; memory of the LossBatch path)
     draft_vocab: Tensor | None = None  # [V']: `head` scores only these target ids (`LossBatch.draft_vocab`)
+    # With draft_vocab: `teacher` gives the draft space's teacher [n, K, V' + 1] (`draft_space_teacher`, computed by
+    # the caller once per position rather than per chunk, depth and recompute), so each chunk's batch is built in the
+    # draft space directly (the confidence targets, if any, then see that batch).
+    draft_teacher: bool = False
     track_alpha: bool = False  # also log the mean α per depth (parts["alpha_per_depth"], needs a teacher)
 
     def __post_init__(self) -> None:
@@ -827,6 +831,8 @@ class ChunkedLossBatch:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if len(self.hidden) != self.mask.shape[1]:
             raise ValueError(f"{len(self.hidden)} state tensors for a mask of {self.mask.shape[1]} depths")
+        if self.draft_teacher and self.draft_vocab is None:
+            raise ValueError("draft_teacher needs the draft_vocab the teacher was restricted to")
 
     @staticmethod
     def rows_for(max_logits: int, depths: int, vocab: int) -> int:
@@ -836,10 +842,13 @@ class ChunkedLossBatch:
     def chunk(self, rows: slice, states: Sequence[Tensor], confidence_logits: Tensor | None) -> LossBatch:
         """The `LossBatch` of `rows`: states K × [n, C] (slices of `hidden`) through the head."""
         logits = self.head(torch.stack(list(states), dim=1), rows)
+        labels = None if self.labels is None else self.labels[rows]
         lb = LossBatch(student_logits=logits, mask=self.mask[rows],
-                       teacher_logits=None if self.teacher is None else self.teacher(rows),
-                       labels=None if self.labels is None else self.labels[rows],
+                       teacher_logits=None if self.teacher is None else self.teacher(rows), labels=labels,
                        confidence_logits=confidence_logits, draft_vocab=self.draft_vocab)
+        if self.draft_teacher and self.draft_vocab is not None:  # the teacher is in the draft space already
+            lb = replace(lb, student_logits=draft_space_student(logits), draft_vocab=None, in_draft_space=True,
+                         labels=None if labels is None else draft_space_labels(labels, self.draft_vocab))
         targets = self.confidence_targets
         if targets is None or confidence_logits is None:
             return lb

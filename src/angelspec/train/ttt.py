@@ -64,7 +64,7 @@ from torch.utils.checkpoint import checkpoint
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
 from angelspec.models.attention import document_first_index, document_prefix_attention, merge_extra_keys
 from angelspec.models.mtp import MTPDraftModel
-from angelspec.train.losses import ChunkedLossBatch, LossBatch
+from angelspec.train.losses import ChunkedLossBatch, LossBatch, draft_space_teacher
 from angelspec.train.sequence_parallel import SequenceParallel
 
 # Logits per chunk of the chunked LM head + loss: 32 MiB of fp32 (1,024 rows × 8,192 vocab; 53 rows at 150k).
@@ -317,7 +317,9 @@ def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedB
     labels and teacher come from that window, so depth shifts past the shard's end stay rank-local.
 
     `train_vocab` "draft": the head scores the draft vocabulary only (`block.draft_head`) and the losses run in the
-    draft space (`train.losses.to_draft_space`); chunks stay sized by the whole vocabulary, the teacher's width."""
+    draft space (`train.losses.to_draft_space`), the teacher moved there once per position (`draft_space_teacher`
+    of `target_logits`) instead of once per chunk, depth and recompute; a chunk then holds V' + 1 wide rows only, and
+    takes that many more rows."""
     D = len(out.states)
     B, S = out.states[0].shape[:2]
     dev = out.states[0].device
@@ -330,8 +332,11 @@ def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedB
     lab, mask = depth_labels(packed, D, dev, length=S)
     draft = train_vocab == "draft" and bool(block.config.draft_vocab_size)
     head = block.draft_head if draft else block.logits
+    if draft and target_logits is not None:
+        target_logits = draft_space_teacher(target_logits, block.draft_vocab)  # [B, T, V' + 1] log-probs
     return ChunkedLossBatch(
         hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: head(h), mask=mask,
-        chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.vocab_size),
+        chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.draft_vocab_size + 1 if draft
+                                             else block.config.vocab_size),
         teacher=None if target_logits is None else depth_teacher_rows(target_logits, D, S), labels=lab,
-        track_alpha=track_alpha, draft_vocab=block.draft_vocab if draft else None)
+        track_alpha=track_alpha, draft_vocab=block.draft_vocab if draft else None, draft_teacher=draft)
