@@ -239,7 +239,7 @@ class _Support(NamedTuple):
 
 def _support(student_logits: Tensor, teacher_logits: Tensor, top_k: int | None, outside: bool = False) -> _Support:
     """Teacher and student log-probs on the teacher's top-K support (module docstring); rows [M, V]. `outside`: the
-    last column is the draft space's outside bucket (`draft_space`)."""
+    last column is the draft space's outside bucket (`to_draft_space`)."""
     dtype = _compute_dtype(student_logits, teacher_logits)
     teacher_logits = teacher_logits.detach()
     if top_k is None:
