@@ -39,6 +39,37 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class DraftRope:
+    """RoPE of the draft models (an `nn.Module` mixin whose `inv_freq` buffer holds the inverse frequencies; fp32
+    angles, no scaling): computed per call for training (`rope`), gathered from a cached table at inference
+    (`rope_at`): at batch 1 the table saves a handful of kernel calls per draft step, with the same values."""
+
+    inv_freq: torch.Tensor
+    _rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # `rope_table`'s (a plain attribute, never saved)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, Dh] (fp32 angles, like `rope_inv_freq`)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rope_table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, Dh] (n >= size) of positions 0..n-1, exactly `rope`'s values (it is elementwise), cached
+        until a larger size, another dtype or device is asked for. Build it eagerly before a compiled call uses it
+        (`rope_at` with the same size)."""
+        table = self._rope_cache
+        dev = self.inv_freq.device
+        if table is None or table[0].shape[0] < size or table[0].dtype != dtype or table[0].device != dev:
+            cos, sin = self.rope(torch.arange(size, device=dev)[None], dtype)
+            table = self._rope_cache = (cos[0, 0], sin[0, 0])
+        return table
+
+    def rope_at(self, positions: torch.Tensor, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope(positions, dtype)` for positions [B, T] below `size`, gathered from `rope_table(size, dtype)`."""
+        cos, sin = self.rope_table(size, dtype)
+        return F.embedding(positions, cos)[:, None], F.embedding(positions, sin)[:, None]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

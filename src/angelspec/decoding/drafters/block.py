@@ -121,6 +121,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             self.cache = self.model.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
         self.cache.reset()
         self._pending.clear()
+        self.model.rope_table(self.model.rope_size(self.cache), self.cache.dtype)  # eagerly, outside compiled calls
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:

@@ -103,6 +103,7 @@ class MTPDrafter(ModelConfigDrafter):
         self._h_last = torch.zeros(batch_size, self.model.config.hidden_size, dtype=w.dtype, device=device)  # [B, C]
         self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] committed entries
         self._pending.clear()
+        self.model.rope_table(self.cache.capacity, self.cache.dtype)  # eagerly, outside compiled calls
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
