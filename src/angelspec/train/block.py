@@ -40,6 +40,9 @@ no dropout, and the checkpoint holds the drafter's weights and the optimizer sta
 Data parallelism as in `train.mtp`: DDP (default under torchrun) or FSDP2 over the drafter only; anchors are
 drawn per global row, so N processes see the single-process batch; losses normalise over the global batch
 (checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
+Sequence parallelism (`--sp N`, `block_forward_train`): each rank holds T/N context tokens of every row and the
+anchors among them; attention runs head-sharded over whole rows, the blocks' labels and teacher come from the shard
+plus a halo of B − 1 tokens (tested equal to one process).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
 `model.safetensors` with the drafter's own weights (`models.block.io`).
@@ -71,7 +74,7 @@ from angelspec.models.block.config import (
 from angelspec.models.block.drafter import BlockDrafter, BlockTrainOutput
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
-from angelspec.models.block.targets import sample_anchors
+from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.mtp import concat_taps
 from angelspec.train.confidence import confidence_only_drafter, confidence_targets
@@ -92,6 +95,7 @@ from angelspec.train.losses import (
     with_confidence_term,
 )
 from angelspec.train.optim import build_adamw
+from angelspec.train.sequence_parallel import SequenceParallel, block_attention, shard_anchors
 
 # kind -> (default head, backbone conditioning, default objective)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -443,6 +447,31 @@ def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher
         confidence_targets=confidence_targets, track_alpha=track_alpha)
 
 
+def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
+                        sp: SequenceParallel | None = None, *, checkpoint_layers: bool = False) -> BlockTrainOutput:
+    """`model.forward_train` of a training step without logits (the trainer's head runs in chunks): taps [R, T, n·C]
+    of `batch`'s rows, anchors and valid [R, N] drawn on the whole rows (`row_anchors`).
+
+    Under sequence parallelism (`sp`, `train.sequence_parallel`) taps hold only this rank's shard [R, T/N, n·C]: the
+    backbone runs for the valid anchors inside the shard (`shard_anchors`, padded to the same count on every rank)
+    with the Ulysses attention over all ranks' anchors and the whole rows' context, and their labels, predecessors
+    and teacher positions come from the shard plus its halo of B − 1 tokens (`SequenceParallel.window`; index the
+    teacher logits of `sp.columns(T, B − 1)` with them)."""
+    if sp is None or not sp.enabled:
+        return model.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
+                                   loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
+                                   checkpoint_layers=checkpoint_layers)
+    Bk = model.config.block_size
+    mine = shard_anchors(anchors, valid, sp, batch.seq_len)
+    win = sp.window(batch, Bk - 1)
+    targets = block_targets(win.input_ids, mine.local, Bk, document_ids=win.document_ids, loss_mask=win.loss_mask,
+                            anchor_valid=mine.local_valid)
+    return model.forward_train(taps, sp.shard(batch.input_ids), sp.shard(batch.positions), mine.local,
+                               anchor_valid=mine.local_valid, compute_logits=False,
+                               checkpoint_layers=checkpoint_layers, targets=targets,
+                               block_attention=block_attention(sp, mine, Bk, batch.document_ids))
+
+
 def confidence_loss(confidence_logits: Tensor, targets: Tensor, mask: Tensor, denominator: Tensor) -> Tensor:
     """Σ_valid BCE(c, sg[target]) / denominator: confidence logits and their targets (`train.confidence.
     confidence_targets`) [M, K] or [M, K, n] (averaged over a "protocol" head's n temperatures), mask [M, K] -> [].
@@ -469,8 +498,8 @@ def check_init_from(cfg: BlockDrafterTrainConfig, out_dir: Path) -> None:
 def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, Any]:
     """Train the block-parallel drafter of `cfg` (kind `cfg.drafter`) for `job` (the `Trainer` arguments)."""
     check_init_from(cfg, job.out_dir)
-    run = start_run(job, batch_size=cfg.batch_size, error=ConfigError)
-    info = run.info
+    run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len, error=ConfigError)
+    info, sp = run.info, run.sp
     target, tok = run.frozen_target()
     tcfg = target.config
     # Everything about the design is checked before anything is written.
@@ -481,6 +510,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     else:
         mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
+    sp.check_heads(mcfg.layer_config().num_attention_heads)
     run.clear_out_dir()
     rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
@@ -510,9 +540,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         """Backbone, head and loss in one forward, in memory linear in T: no mask, no [R·N, K, V] logits
         (`anchored_block_attention`, `block_chunked_loss_batch`); inside the wrapped forward, where FSDP2 has the
         parameters gathered. -> (this rank's share of the loss, α per block position or [])."""
-        o = m.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
-                            loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
-                            checkpoint_layers=cfg.activation_checkpointing)
+        o = block_forward_train(m, taps, batch, anchors, valid, sp, checkpoint_layers=cfg.activation_checkpointing)
         clb = block_chunked_loss_batch(m, o, teacher, track_alpha=log_alpha,
                                        confidence_targets=lambda lb: chunk_targets(m, lb))
         lo = scheduled_loss(schedule, step, clb, info, objective_at(step))
@@ -524,18 +552,22 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective,
             "confidence_target": mcfg.confidence_target}
     global_rows = list(range(cfg.batch_size))
-    if info.enabled:
-        global_rows = shard_rows(global_rows, info)
+    if sp.dp.enabled:
+        global_rows = shard_rows(global_rows, sp.dp)  # an SP group's ranks draw the same anchors
     step, model_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head),
         lambda m, p: save_block_drafter(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        taps, teacher_logits = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
+        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
+        # teacher of its shard and halo (train.sequence_parallel).
+        taps, teacher_logits = features(batch, idx, sp.columns(cfg.seq_len, mcfg.block_size - 1) if sp.enabled
+                                        else None)
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
-        loss, alpha = wrapped(concat_taps(taps), batch, anchors, anchor_valid, teacher_logits, step,
-                              logs_after(step + 1, cfg))
+        hidden = concat_taps(taps)
+        loss, alpha = wrapped(sp.shard(hidden) if sp.enabled else hidden, batch, anchors, anchor_valid,
+                              teacher_logits, step, logs_after(step + 1, cfg))
         extra: dict[str, Any] = {"valid_anchors": anchor_valid.sum()}
         if objective == "confidence":  # the confidence head alone: no drafter loss
             extra["objective"] = objective

@@ -98,11 +98,13 @@ class Trainer(Protocol):
     `config` None takes the trainer's default preset; `resume` continues from the newest checkpoint, `force`
     overwrites an existing model; `max_minutes` stops at a checkpoint when the time runs out; `log` receives
     the progress lines (rank 0 only); `distributed`: "auto"/None (DDP under a multi-process torchrun, else one
-    process), "none", "ddp" or "fsdp2" (`train.distributed`)."""
+    process), "none", "ddp" or "fsdp2" (`train.distributed`); `sp`: the sequence-parallel group size (1 = none;
+    `train.sequence_parallel`; the drafter trainers of the MTP family and the block drafters)."""
 
     def __call__(self, target_dir: str | Path, data: str | Path, out_dir: str | Path, *, config: Any = None,
                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                 log: Callable[[str], None] = print, distributed: str | None = None) -> dict[str, Any]: ...
+                 log: Callable[[str], None] = print, distributed: str | None = None, sp: int = 1
+                 ) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class TrainJob:
     max_minutes: float | None = None
     log: Callable[[str], None] = print
     distributed: str | None = None
+    sp: int = 1  # sequence-parallel group size
 
 
 def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[], C], name: str,
@@ -125,9 +128,9 @@ def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[],
     """The `Trainer` called `name` (docstring `doc`) that runs `body(job, config or default())`."""
 
     def train(target_dir, data, out_dir, *, config=None, resume=False, force=False, progress=True,
-              max_minutes=None, log=print, distributed=None) -> dict[str, Any]:
+              max_minutes=None, log=print, distributed=None, sp=1) -> dict[str, Any]:
         job = TrainJob(Path(target_dir), Path(data), Path(out_dir), resume, force, progress, max_minutes, log,
-                       distributed)
+                       distributed, sp)
         return body(job, default() if config is None else config)
 
     train.__name__ = train.__qualname__ = name

@@ -547,13 +547,17 @@ class TargetFeatures:
             self.stream.finish(step)
 
     @torch.no_grad()
-    def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32."""
+    def __call__(self, batch: PackedBatch, rows: list[int], columns: slice | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32.
+        `columns`: the teacher logits of these positions only ([B, len, V]; the LM head runs on them alone), e.g. a
+        sequence-parallel rank's shard and halo; the taps still cover every position."""
         t = self.target
+        cols = slice(None) if columns is None else columns
         if self.cache is None and self.stream is None:
             out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                    hidden_layers=self.layer_ids)
-            return list(out.hidden), out.logits
+                    hidden_layers=self.layer_ids, compute_logits=columns is None)
+            return list(out.hidden), out.logits if columns is None else t.lm_head(out.last_hidden[:, cols]).float()
         dev = batch.input_ids.device
         if self.cache is not None:
             fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(dev)
@@ -568,7 +572,7 @@ class TargetFeatures:
             self._step += 1
         if have_rows != rows or not torch.equal(input_ids, batch.input_ids):
             raise FeatureCacheError(f"{where} holds other rows or tokens than this run's packed rows {rows}; {fix}")
-        return [hidden[i] for i in self.layer_ids], t.lm_head(t.norm(hidden[self.last])).float()
+        return [hidden[i] for i in self.layer_ids], t.lm_head(t.norm(hidden[self.last][:, cols])).float()
 
 
 def open_stream(spec: str) -> FeatureStream | None:

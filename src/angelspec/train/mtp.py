@@ -27,6 +27,10 @@ reduction order; tested). The frozen target is not wrapped: every rank runs its 
 writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer state whole and keyed by
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
+Sequence parallelism (`train.sequence_parallel`, `--sp N`): each rank of an SP group rolls out its T/N tokens of
+every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the teacher and
+labels come from the shard plus a halo of D + 1 tokens. Same model as one process (tested).
+
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.
 
@@ -151,14 +155,16 @@ PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mt
 def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     """Train the MTP-family drafter of `cfg` for `job` (the `Trainer` arguments): the kind follows the config,
     `MTPTrainConfig` trains MTP, `Eagle3TrainConfig` EAGLE-3. Data parallelism: module docstring."""
-    run = start_run(job, batch_size=cfg.batch_size)
+    run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    sp = run.sp
     run.clear_out_dir()
     target, tok = run.frozen_target()
     tcfg = target.config
     pad_id = pad_token_id(tcfg)
+    mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
+    sp.check_heads(mcfg.layer_config().num_attention_heads)
     rows, stats = packed_conversations(tok, job.data, cfg, pad_id, run.log)
 
-    mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
                                data=job.data, enable_thinking=cfg.enable_thinking)
     kind = mcfg.drafter
@@ -174,9 +180,9 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
-                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing)
-        lo = scheduled_loss(schedule, step, mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha),
-                            run.info)
+                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing, sp=sp)
+        lo = scheduled_loss(schedule, step,
+                            mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha, sp=sp), run.info)
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 
     # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,
@@ -191,8 +197,12 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        taps, teacher = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
-        loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
+        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
+        # teacher of its shard and halo (train.sequence_parallel).
+        taps, teacher = features(batch, idx, sp.columns(cfg.seq_len, cfg.train_depths + 1) if sp.enabled else None)
+        hidden = concat_taps(taps)
+        loss, alpha = wrapped(sp.shard(hidden) if sp.enabled else hidden, batch, teacher, step,
+                              logs_after(step + 1, cfg))
         return loss, alpha, {}
 
     step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,

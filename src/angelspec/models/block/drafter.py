@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -72,6 +73,10 @@ from angelspec.models.vocab import DraftVocabulary
 FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
 FACTORED_HEAD_MAX_ROWS = 2  # and the most rows a step may have to run it (beyond, FLOPs, not bytes, bound a step)
 
+
+# A training attention over block entries and context (`BlockDrafter.forward_backbone(block_attention=...)`):
+# (q [R, H, Q, Dh], own k, v [R, Hkv, Q, Dh], ctx_k, ctx_v [R, Hkv, T, Dh]) -> [R, H, Q, Dh].
+ContextAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 # Selection rule for `propose`: (logits [B, V] fp32, draft index k) -> (tokens [B] int64, probs [B, V] or None).
 Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
@@ -382,18 +387,19 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
 
     def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
                       mask: Tensor | None, *, ctx_valid: Tensor | None = None,
-                      anchor_index: AnchorIndex | None = None) -> Tensor:
+                      attend: ContextAttention | None = None) -> Tensor:
         """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
         [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C].
 
         Inference passes `ctx_valid` [B, S] instead of `mask` (one block per row: it sees the valid context
         slots and all of its own entries): `context_block_attention`, which never copies the context K/V.
-        Training passes `anchor_index` instead (`anchored_block_attention`: no mask, memory linear in T)."""
+        Training passes `attend` instead (`anchored_block_attention` over the anchors' index: no mask, memory
+        linear in T; or a caller's `ContextAttention`, e.g. sequence parallelism's)."""
         layer = self.layers[i]
         attn = layer.attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
-        if anchor_index is not None:
-            out = anchored_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), anchor_index)
+        if attend is not None:
+            out = attend(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype))
         elif ctx_valid is not None:
             out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid)
         else:
@@ -465,14 +471,16 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
 
     def forward_backbone(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor,
                          document_ids: Tensor | None = None, *, attention: Literal["linear", "dense"] = "linear",
-                         checkpoint_layers: bool = False) -> Tensor:
+                         checkpoint_layers: bool = False, block_attention: ContextAttention | None = None) -> Tensor:
         """The parallel backbone for N anchors per row: -> z [R, N, B, C] (block entry 0 is the anchor).
 
         taps [R, T, n·C] target taps at every position; input_ids [R, T]; positions [R, T] document-local;
         anchors [R, N] indices into T; document_ids [R, T] (None: one document per row).
         attention "linear": `anchored_block_attention`, memory O(N·B + T) per layer; "dense": one SDPA call under
         the index-built `training_mask` [R, 1, N·B, T + N·B] (the reference). checkpoint_layers: recompute each
-        draft layer in the backward (activation checkpointing)."""
+        draft layer in the backward (activation checkpointing). `block_attention` replaces the attention of
+        every layer (the caller then owns which keys each entry sees; `attention` and document_ids are unused):
+        the hook sequence parallelism uses (`train.sequence_parallel.block_attention`)."""
         if input_ids.dim() != 2 or anchors.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids/positions must be [R, T] and anchors [R, N], got {tuple(input_ids.shape)}, "
                              f"{tuple(positions.shape)}, {tuple(anchors.shape)}")
@@ -486,18 +494,18 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         ctx_cos, ctx_sin = self.rope(positions, dtype)  # [R, 1, T, Dh]
         blk_pos = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)
         cos, sin = self.rope(blk_pos, dtype)  # [R, 1, N·B, Dh]
-        mask = index = None
-        if attention == "dense":
-            mask = self.training_mask(anchors, T, document_ids)
-        elif attention == "linear":
-            index = AnchorIndex.build(anchors, Bk, document_ids)
-        else:
+        if attention not in ("linear", "dense"):
             raise ValueError(f"attention must be 'linear' or 'dense', got {attention!r}")
+        mask, attend = None, block_attention
+        if attend is None and attention == "dense":
+            mask = self.training_mask(anchors, T, document_ids)
+        elif attend is None:
+            attend = partial(anchored_block_attention, index=AnchorIndex.build(anchors, Bk, document_ids))
         x = self.embed(self.block_inputs(input_ids.gather(1, anchors))).to(dtype).view(R, N * Bk, C)
 
         def layer(i: int, x: Tensor, g: Tensor) -> Tensor:
             ctx_k, ctx_v = self.context_kv(i, g, ctx_cos, ctx_sin)
-            return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, anchor_index=index)
+            return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, attend=attend)
 
         for i, g in enumerate(self.context_features(taps)):
             if checkpoint_layers and torch.is_grad_enabled():
@@ -509,15 +517,20 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
     def forward_train(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor, *,
                       document_ids: Tensor | None = None, loss_mask: Tensor | None = None,
                       anchor_valid: Tensor | None = None, compute_logits: bool = True,
-                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False
+                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False,
+                      block_attention: ContextAttention | None = None, targets: BlockTargets | None = None
                       ) -> BlockTrainOutput:
         """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`;
         loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`). compute_logits=False leaves the
-        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits)."""
+        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits). `targets`: the anchors'
+        labels and predecessors when the caller builds them from other columns than `input_ids` (a sequence-parallel
+        shard's, from its shard plus halo); None: `block_targets` of these inputs."""
         z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids, attention=attention,
-                                  checkpoint_layers=checkpoint_layers)[:, :, 1:]  # [R, N, K, C]
-        targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
-                                loss_mask=loss_mask, anchor_valid=anchor_valid)
+                                  checkpoint_layers=checkpoint_layers,
+                                  block_attention=block_attention)[:, :, 1:]  # [R, N, K, C]
+        if targets is None:
+            targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
+                                    loss_mask=loss_mask, anchor_valid=anchor_valid)
         logits = conf = None
         if compute_logits:
             logits, conf = self.head_logits(z, targets.prev_tokens)

@@ -1,0 +1,323 @@
+"""Ulysses sequence parallelism (`train.sequence_parallel`, `angelspec train ... --sp N`) trains the single-process
+drafter: on packed rows where a document crosses the boundary between the two ranks' shards, the loss and every
+parameter gradient of one step equal one process's (fp32, 1e-5), for MTP with TTT (D = 3), EAGLE-3 and a DFly block
+drafter (anchors whose blocks run past the shard end, kv heads fewer than the SP ranks); the all-to-all's autograd
+function moves exactly the right pieces both ways; and `--sp 2` composes with FSDP2 (and DDP) end to end.
+
+Two gloo processes on CPU: one launch of this file as a script runs the step and exchange checks on both ranks (each
+rank also computes the single-process reference itself, on the whole rows, with the same weights); the end-to-end
+runs launch the CLI. The tolerance: SP adds the same per-token terms in another order (two shards plus an
+all-reduce, other chunks), about 1e-7 relative in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+D = 3  # TTT depths
+RTOL = 1e-5
+
+
+# ----- the checks one rank runs (under torchrun: `python -m torch.distributed.run ... test_sequence_parallel.py`) -----
+
+
+def _packed(vocab: int, seq_len: int, half: int):
+    """Packed rows whose first row holds a document running across position `half` (the shard boundary), with
+    an untrained prompt part, plus padding in the last row."""
+    from angelspec.data.packing import Doc, pack_documents
+
+    g = torch.Generator().manual_seed(4)
+    docs = [Doc(torch.randint(6, vocab, (n,), generator=g), (torch.rand(n, generator=g) > 0.2).long())
+            for n in (10, 9, 5, 8, 7, 3)]
+    packed = pack_documents(docs, seq_len, pad_id=0)
+    doc = packed.document_ids
+    crossing = (doc[:, half - 1] == doc[:, half]) & (doc[:, half] >= 0)
+    assert bool(crossing.any()) and bool((doc < 0).any()), doc  # a document crosses the shards; some padding
+    return packed
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _summed(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each rank's gradient, summed over ranks (what DDP / FSDP2 do, up to their 1/world scale)."""
+    import torch.distributed as dist
+
+    for g in grads.values():
+        dist.all_reduce(g)
+    return grads
+
+
+def _same(loss, grads, ref_loss, ref_grads, what: str) -> None:
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=1e-7, msg=lambda m: f"{what} loss: {m}")
+    assert grads.keys() == ref_grads.keys() and len(ref_grads) > 5, what
+    for n, g in ref_grads.items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
+                                   msg=lambda m, n=n: f"{what} {n}: {m}")
+
+
+def _check_exchange(sp) -> None:
+    """to_heads / to_sequence against the gathered whole tensor, their round trip, and their gradients."""
+    import torch.distributed as dist
+
+    B, H, S, Dh = 2, 4, 3, 5
+    x = torch.randn(B, H, S, Dh, generator=torch.Generator().manual_seed(10 + sp.rank), requires_grad=True)
+    parts = [torch.empty_like(x) for _ in range(sp.size)]
+    dist.all_gather(parts, x.detach())
+    whole = torch.cat(parts, dim=2)  # [B, H, T, Dh], every rank's tokens in order
+    n = H // sp.size
+    y = sp.to_heads(x)
+    assert torch.equal(y, whole[:, sp.rank * n:(sp.rank + 1) * n]), "to_heads"
+    assert torch.equal(sp.to_sequence(y), x), "round trip"
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(20 + sp.rank))
+    (y * w).sum().backward()  # d/dx of Σ_ranks <to_heads(x), w> = the w's of my tokens, from every head group
+    ws = [torch.empty_like(w) for _ in range(sp.size)]
+    dist.all_gather(ws, w)
+    want = torch.cat(ws, dim=1)[:, :, sp.rank * S:(sp.rank + 1) * S]  # [B, H, S, Dh]
+    assert torch.equal(x.grad, want), "to_heads backward"
+    z = torch.randn(B, n, sp.size * S, Dh, generator=torch.Generator().manual_seed(30 + sp.rank), requires_grad=True)
+    (sp.to_sequence(z) * w.new_ones(B, H, S, Dh)).sum().backward()
+    assert torch.equal(z.grad, torch.ones_like(z)), "to_sequence backward"
+    kv = torch.randn(B, 1, S, Dh)  # one kv head for 4 query heads over 2 ranks: repeated per query head first
+    assert torch.equal(sp.to_heads(kv, H), sp.to_heads(kv.repeat_interleave(H, dim=1)))
+
+
+def _check_mtp(sp, kind: str) -> None:
+    """One MTP-TTT step (D = 3; MTP: e2e TV and LK^α, EAGLE-3: e2e TV), chunked head + loss and checkpointed depths
+    as the trainer runs it: SP shares add up to the one-process loss and gradients."""
+    from conftest import tiny_decoder
+
+    from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
+    from angelspec.models.mtp import MTPConfig, MTPDraftModel
+    from angelspec.train.distributed import global_sum
+    from angelspec.train.losses import LOSSES, LossConfig, global_denominators
+    from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+
+    vocab, T = 64, 24
+    target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2, layers=3)
+    if kind == "mtp":
+        model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=D), target.embed_tokens, target.lm_head)
+    else:
+        cfg = Eagle3Config.for_target(target.config, num_depths=D, target_layer_ids=(0, 1, 2))
+        model = Eagle3DraftModel(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
+    packed = _packed(vocab, T, T // 2)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(*packed.input_ids.shape, 32 * len(model.config.target_layer_ids), generator=g)
+    teacher = torch.randn(*packed.input_ids.shape, vocab, generator=g) * 3
+    config = LossConfig(depth_weights=(0.5, 0.3, 0.2))
+
+    def step(name, sp_=None):
+        h = hidden if sp_ is None else sp_.shard(hidden)
+        t = teacher if sp_ is None else teacher[:, sp_.columns(T, D + 1)]
+        out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
+                          checkpoint_depths=True, query_chunk=5, key_chunk=8, sp=sp_)
+        clb = mtp_chunked_loss_batch(model, out, packed, t, max_logits=5 * D * vocab, sp=sp_)
+        with global_denominators(global_sum) if sp_ is not None else nullcontext():
+            loss = LOSSES[name](clb, config).loss
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    for name in ("e2e_tv", "lk_alpha") if kind == "mtp" else ("e2e_tv",):
+        ref_loss, ref_grads = step(name)
+        share, grads = step(name, sp)
+        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"{kind} {name}")
+
+
+def _check_block(sp) -> None:
+    """One DFly step (hidden-correction head, confidence head, D-PACE LK + the confidence term), anchors whose blocks
+    cross the shard boundary and invalid ones, one kv head for two query heads: SP equals one process."""
+    from conftest import tiny_decoder
+
+    from angelspec.models.block.config import BlockDrafterConfig
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.train.block import block_chunked_loss_batch, block_forward_train
+    from angelspec.train.distributed import global_sum
+    from angelspec.train.losses import LOSSES, LossConfig, global_denominators, with_confidence_term
+
+    vocab, T, Bk = 64, 24, 4
+    target = tiny_decoder(vocab=vocab, dtype=torch.float32, layers=4, heads=4, kv=2)
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=5, block_size=Bk, num_draft_layers=2,
+                                        target_layer_ids=(0, 2, 3), conditioning="dfly", head="hidden", markov_rank=8,
+                                        confidence_head=True, num_attention_heads=2, num_key_value_heads=1)
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the zero-initialised correction would hide the head
+        model.head.down_proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    packed = _packed(vocab, T, T // 2)
+    R = packed.num_rows
+    # Anchors: blocks ending past the boundary (10, 11), at the boundary (12), near both ends, and two invalid.
+    anchors = torch.tensor([[1, 4, 10, 11, 12, 15, 19, 2]] * R)
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[:, -1] = False
+    valid[-1, 2] = False
+    g = torch.Generator().manual_seed(6)
+    taps = torch.randn(*packed.input_ids.shape, 3 * 32, generator=g)
+    teacher = torch.randn(*packed.input_ids.shape, vocab, generator=g) * 3
+    objective = with_confidence_term(LOSSES["dpace_lk"], 1.0)
+    config = LossConfig()
+
+    def step(sp_=None):
+        h = taps if sp_ is None else sp_.shard(taps)
+        t = teacher if sp_ is None else teacher[:, sp_.columns(T, Bk - 1)]
+        out = block_forward_train(model, h, packed, anchors, valid, sp_, checkpoint_layers=True)
+        clb = block_chunked_loss_batch(model, out, t, max_logits=3 * (Bk - 1) * vocab)
+        with global_denominators(global_sum) if sp_ is not None else nullcontext():
+            loss = objective(clb, config).loss
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    ref_loss, ref_grads = step()
+    share, grads = step(sp)
+    assert any(n.startswith("confidence") for n in ref_grads) and any("fusion" in n for n in ref_grads)
+    _same(global_sum(share), _summed(grads), ref_loss, ref_grads, "dfly")
+    assert model.layers[0].attn.n_kv % sp.size  # the kv-head repeat path ran
+
+
+def _worker() -> None:
+    """Entry point of each rank of the launch in `test_one_step_equals_one_process_and_the_exchange_is_exact`."""
+    from angelspec.train.distributed import init_distributed, shutdown
+    from angelspec.train.sequence_parallel import init_sequence_parallel
+
+    torch.set_num_threads(1)
+    info = init_distributed()
+    sp = init_sequence_parallel(2, info, "ddp")
+    assert sp.size == 2 and sp.rank == info.rank and sp.dp.world_size == 1
+    _check_exchange(sp)
+    _check_mtp(sp, "mtp")
+    _check_mtp(sp, "eagle3")
+    _check_block(sp)
+    print(f"rank {info.rank}: ok", flush=True)
+    shutdown(info)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    _worker()
+    sys.exit(0)
+
+
+# ----- the tests -----
+
+from test_distributed import _check, _free_port, needs_gloo  # noqa: E402
+
+
+def _launch(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2` with this interpreter, one thread per rank, a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), *args]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@needs_gloo
+def test_one_step_equals_one_process_and_the_exchange_is_exact(tmp_path):
+    proc = _launch([__file__])
+    _check(proc, tmp_path)
+    assert proc.stdout.count(": ok") == 2, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    from conftest import write_conversations
+
+    return write_conversations(tmp_path_factory.mktemp("sp_data") / "conv.jsonl", 60, seed=7)
+
+
+def _cli_train(drafter: str, strategy: str, target, data, out, *extra: str) -> subprocess.CompletedProcess:
+    return _launch(["-m", "angelspec.cli", "train", "--drafter", drafter, "--target", str(target), "--data",
+                    str(data), "--out", str(out), "--preset", "tiny_debug", "--quiet", "--distributed", strategy,
+                    "--sp", "2", *extra])
+
+
+@needs_gloo
+@pytest.mark.parametrize(("drafter", "strategy"), [("mtp", "fsdp2"), ("dfly", "ddp")])
+def test_sp2_run_trains_the_single_process_drafter(drafter, strategy, tmp_path, tiny_target_dir, conversations,
+                                                    one_thread):
+    """`torchrun --nproc_per_node 2 ... train --sp 2` (every row split over both processes, the drafter sharded by
+    FSDP2 or replicated by DDP over the same two) ends the tiny 3-step preset at the single-process weights, with the
+    same logged losses; the report records the SP size."""
+    from safetensors.torch import load_file
+
+    from angelspec.train.registry import get_trainer
+
+    train_fn, presets, _ = get_trainer(drafter)
+    ref = tmp_path / "ref"
+    train_fn(tiny_target_dir, conversations, ref, config=presets["tiny_debug"](), progress=False, log=lambda *_: None)
+    out = tmp_path / "sp"
+    _check(_cli_train(drafter, strategy, tiny_target_dir, conversations, out), tmp_path)
+    a, b = load_file(str(ref / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["sequence_parallel"] == 2 and report["distributed"] == strategy and report["world_size"] == 2
+    logs = [[json.loads(x) for x in (d / "training" / "train_log.jsonl").read_text().splitlines()] for d in (ref, out)]
+    assert len(logs[0]) == len(logs[1]) == 3
+    for x, y in zip(*logs, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=RTOL)
+
+
+# ----- errors, no process group -----
+
+
+def test_bad_sp_settings_are_one_line_errors(capsys, tiny_target_dir, conversations, tmp_path):
+    """Not under torchrun, a world size or seq_len or head count that --sp does not divide, a drafter without SP:
+    one line naming the problem and the fix (exit 2 from the CLI)."""
+    from conftest import assert_bad_input, run_cli
+
+    from angelspec.errors import UsageError
+    from angelspec.train.distributed import DistInfo
+    from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
+
+    def train(drafter: str, sp: str, out: str) -> tuple[int, str]:
+        code, _, err = run_cli(capsys, "train", "--target", tiny_target_dir, "--data", conversations, "--preset",
+                               "tiny_debug", "--quiet", "--drafter", drafter, "--out", tmp_path / out, "--sp", sp)
+        return code, err
+
+    assert_bad_input(*train("mtp", "2", "a"), "--sp 2", "torchrun --nproc_per_node 2")
+    assert not (tmp_path / "a").exists()
+    assert_bad_input(*train("draft-lm", "2", "b"), "draft-lm", "drop --sp")
+    assert_bad_input(*train("mtp", "0", "c"), "--sp")
+    with pytest.raises(UsageError, match="3 processes"):
+        init_sequence_parallel(2, DistInfo(rank=0, world_size=3, launched=True), "ddp")
+    with pytest.raises(UsageError, match="ddp or fsdp2"):
+        init_sequence_parallel(2, DistInfo(rank=0, world_size=2, launched=True), "none")
+    sp = SequenceParallel(size=2, rank=1)
+    with pytest.raises(UsageError, match="seq_len=25 .* multiple of 2"):
+        sp.bounds(25)
+    with pytest.raises(UsageError, match="3 attention heads .* --sp 2"):
+        sp.check_heads(3)
+    assert sp.bounds(24) == (12, 24) and sp.columns(24, 4) == slice(12, 24) and sp.columns(24, 0) == slice(12, 24)
+    assert SequenceParallel(size=2, rank=0).columns(24, 4) == slice(0, 16)
+    one = init_sequence_parallel(1, DistInfo(), "none")
+    x = torch.randn(2, 3, 4, 5)
+    assert not one.enabled and one.to_heads(x) is x and one.to_sequence(x) is x
+
+
+def test_anchors_go_to_the_rank_holding_them_padded_to_one_count():
+    """Valid anchors split by position over the shards (invalid ones dropped), every rank's list padded to the same
+    length with invalid entries, the exchanged layout rank after rank in whole-row positions."""
+    from angelspec.train.sequence_parallel import SequenceParallel, shard_anchors
+
+    anchors = torch.tensor([[1, 5, 7, 9], [2, 3, 4, 0]])
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    parts = [shard_anchors(anchors, valid, SequenceParallel(size=2, rank=r), 12) for r in range(2)]
+    assert parts[0].local.tolist() == [[1, 5, 0], [2, 3, 4]]
+    assert parts[0].local_valid.tolist() == [[True, True, False], [True, True, True]]
+    assert parts[1].local.tolist() == [[1, 3, 0], [0, 0, 0]]  # positions 7, 9 of row 0 are 1, 3 of shard 1
+    assert parts[1].local_valid.tolist() == [[True, True, False], [False, False, False]]
+    assert torch.equal(parts[0].layout, parts[1].layout)
+    assert parts[0].layout.tolist() == [[1, 5, 0, 7, 9, 6], [2, 3, 4, 6, 6, 6]]
