@@ -42,7 +42,8 @@ drawn per global row, so N processes see the single-process batch; losses normal
 (checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
 Sequence parallelism (`--sp N`, `block_forward_train`): each rank holds T/N context tokens of every row and the
 anchors among them; attention runs head-sharded over whole rows, the blocks' labels and teacher come from the shard
-plus a halo of B − 1 tokens (tested equal to one process).
+plus a halo of B − 1 tokens (the target runs sequence-parallel too, the halo's teacher states come from the next
+rank; tested equal to one process).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
 `model.safetensors` with the drafter's own weights (`models.block.io`).

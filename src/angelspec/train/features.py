@@ -556,7 +556,8 @@ class TargetFeatures:
         the teacher logits of the shard plus its `halo` [B, T/N + h, V] (h = `halo`, 0 on the last rank). Online,
         the target runs on the shard only (`target_forward`: Ulysses attention over the whole row); from a cache the
         shard is read out of the whole rows. Either way the halo's final-norm states come from the next rank
-        (`SequenceParallel.halo_from_next`: D values a position, not V logits) and the LM head runs on shard + halo."""
+        (`SequenceParallel.halo_from_next`: the hidden size a position, not V logits) and the LM head runs on
+        shard + halo."""
         t, sp = self.target, self.sp
         if self.cache is None and self.stream is None:
             if sp.enabled:

@@ -28,8 +28,10 @@ writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer st
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
 Sequence parallelism (`train.sequence_parallel`, `--sp N`): each rank of an SP group rolls out its T/N tokens of
-every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the teacher and
-labels come from the shard plus a halo of D + 1 tokens. Same model as one process (tested).
+every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the labels come
+from the shard plus a halo of D + 1 tokens, and so does the teacher: the frozen target runs sequence-parallel too
+(its taps and teacher of the shard; the halo's final-norm states from the next rank). Same model as one process
+(tested).
 
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.

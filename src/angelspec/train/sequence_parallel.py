@@ -22,12 +22,19 @@ the row end on the last rank, stays invalid, whichever rank the document started
 those positions. No drafter state is computed for the halo: it is supervision, not work. The TTT diagonal (depth
 j's key at the same position i) and the causal prefix are reached through the all-to-all, so they need no halo.
 
-Where the halo comes from. Every rank holds the whole packed row of token ids (the data loader's, 8 bytes a
-token) and runs the frozen target over the whole row under no_grad (it is small and frozen; exact and simple),
-then keeps the taps of its shard and the teacher logits of shard + halo only (the LM head runs on those
-positions alone, `train.features.TargetFeatures(columns=...)`). So the halo is a slice of data the rank already
-has, not a message. A long-context run would also shard the target (its own Ulysses layers) and then pass each
-halo's teacher rows from the next rank; not implemented.
+The frozen target is sequence-parallel too (`target_forward`, through `train.features.TargetFeatures`): each rank
+embeds only its shard's tokens and runs them through the target's layers with their document-local positions; the
+target's attention is the same Ulysses exchange around the tiled document-masked kernel (`target_attention`, under
+no_grad), so no rank holds a whole row's activations, a [T, T] mask or the whole row's teacher logits. The taps the
+drafter reads are the shard's (no drafter state is computed for the halo). The halo's teacher logits come from the
+next rank: it sends the final-norm states of its first h positions (the hidden size a position, not V logits) by
+one point-to-point exchange (`SequenceParallel.halo_from_next`: every rank but the first sends to its predecessor,
+every rank but the last receives; the last rank's halo is empty, the row ends there), and each rank runs the LM
+head on shard + halo. A shard must be at least h long (`check_halo`): the halo comes from the next rank alone. From an
+offline cache (`features=DIR`) no target runs: each rank reads its rows, keeps the shard's taps and takes the halo
+the same way. Every rank still holds the whole rows' token ids, positions, document ids and loss mask (the data
+loader's, about 33 bytes a token): the depth-shift and document gates read the halo's ids, and the attention's
+tile masks and the block anchors' index read the whole row's document ids.
 
 Block anchors are drawn per whole row, as without SP (`train.block.row_anchors`), and each valid anchor belongs to
 the rank whose shard holds it (`shard_anchors`); every rank pads its anchors to the same count M (the most any
