@@ -8,13 +8,17 @@ Hidden-state tap ids (docs/design.md trap 2): id `i` (0-based) is the OUTPUT of 
 HF `hidden_states[i + 1]`; the last id `L-1` is the final layer's output before the final norm.
 vLLM/SGLang count "before layer i" and are converted in the exporters, never here.
 
+`Decoder.forward(attend=...)` swaps the attention itself (q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> [B, H, T, Dh]) for
+a caller's pattern, e.g. sequence-parallel training's Ulysses attention over the whole row while the call holds a
+shard of it (`train.sequence_parallel.target_attention`); the model stays free of distributed code.
+
 For speed on small models (where per-op overhead dominates) q/k/v and gate/up are fused into one
 matmul each; the HF adapter (`models/hf_io.py`) splits and joins the weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +117,7 @@ class Attention(nn.Module):
         write_idx: tuple[torch.Tensor, torch.Tensor] | None,  # ([B, 1], [B, T]) row / slot indices
         kv_len: int | None,
         packed: Packing | None = None,
+        attend: Attend | None = None,
     ) -> torch.Tensor:
         if packed is not None:
             return self._forward_packed(x, cos, sin, mask, cache, write_idx, kv_len, packed)
@@ -127,6 +132,8 @@ class Attention(nn.Module):
             vc[rows, :, slots] = v.transpose(1, 2).to(vc.dtype)
             k, v = kc[:, :, :kv_len], vc[:, :, :kv_len]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        elif attend is not None:
+            out = attend(q, k, v)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
@@ -152,6 +159,10 @@ class Attention(nn.Module):
                                              enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim).index_select(0, packed.index)
         return self.o_proj(out)
+
+
+# A custom attention (`Decoder.forward(attend=...)`): q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> out [B, H, T, Dh].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -187,8 +198,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed)
+    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None, attend=None):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -262,6 +273,7 @@ class Decoder(nn.Module):
         compute_logits: bool = True,
         keep: torch.Tensor | None = None,  # [B, T] bool, a prefix per row: only these tokens run (with a cache)
         num_keep: int | None = None,  # host-side keep.sum(), if the caller knows it (saves a host sync)
+        attend: Attend | None = None,  # no cache: this attention instead of the causal / document-masked one
     ) -> DecoderOutput:
         """One forward pass.
 
@@ -273,6 +285,9 @@ class Decoder(nn.Module):
         and LM head run on the kept tokens only, dropped tokens write no cache slot, and their logits / taps
         come back as zeros. Each row's kept tokens must be a prefix of it (a dropped token is never attended to
         by a kept one only because it comes after them); roll the cache back to at most the kept length.
+
+        `attend` (no cache, no `keep`, no `document_ids`: the callable brings its own mask) replaces every layer's
+        attention of the projected, rotated q, k, v (module docstring).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -282,6 +297,9 @@ class Decoder(nn.Module):
             if not 0 <= i < L:
                 raise ValueError(f"hidden layer id {i} out of range: ids are 0..{L - 1} "
                                  "(id i = output of decoder layer i)")
+        if attend is not None and (cache is not None or keep is not None or document_ids is not None):
+            raise ValueError("attend= replaces the attention of a cache-free forward and brings its own mask; do not "
+                             "pass cache=, keep= or document_ids= with it")
         dev = input_ids.device
         explicit_positions = positions is not None
         mask: torch.Tensor | None = None
@@ -321,7 +339,7 @@ class Decoder(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         wanted = set(hidden_layers)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, write_idx, kv_len)
+            x = layer(x, cos, sin, mask, cache, write_idx, kv_len, attend=attend)
             if i in wanted:
                 taps[i] = x
         if cache is not None:
