@@ -42,7 +42,8 @@ drawn per global row, so N processes see the single-process batch; losses normal
 (checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
 Sequence parallelism (`--sp N`, `block_forward_train`): each rank holds T/N context tokens of every row and the
 anchors among them; attention runs head-sharded over whole rows, the blocks' labels and teacher come from the shard
-plus a halo of B − 1 tokens (tested equal to one process).
+plus a halo of B − 1 tokens (the target runs sequence-parallel too, the halo's teacher states come from the next
+rank; tested equal to one process).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
 `model.safetensors` with the drafter's own weights (`models.block.io`).
@@ -530,7 +531,8 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     run.clear_out_dir()
     rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
-                               data=job.data, enable_thinking=cfg.enable_thinking)
+                               data=job.data, enable_thinking=cfg.enable_thinking, sp=sp, halo=mcfg.block_size - 1,
+                               halo_what=f"B - 1 for blocks of {mcfg.block_size}")
 
     if cfg.init_from is None:
         model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
@@ -578,13 +580,11 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
-        # teacher of its shard and halo (train.sequence_parallel).
-        taps, teacher_logits = features(batch, idx, sp.columns(cfg.seq_len, mcfg.block_size - 1) if sp.enabled
-                                        else None)
+        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        taps, teacher_logits = features(batch, idx)
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
-        hidden = concat_taps(taps)
-        loss, alpha = wrapped(sp.shard(hidden) if sp.enabled else hidden, batch, anchors, anchor_valid,
-                              teacher_logits, step, logs_after(step + 1, cfg))
+        loss, alpha = wrapped(concat_taps(taps), batch, anchors, anchor_valid, teacher_logits, step,
+                              logs_after(step + 1, cfg))
         extra: dict[str, Any] = {"valid_anchors": anchor_valid.sum()}
         if objective == "confidence":  # the confidence head alone: no drafter loss
             extra["objective"] = objective

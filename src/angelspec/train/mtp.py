@@ -28,8 +28,10 @@ writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer st
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
 Sequence parallelism (`train.sequence_parallel`, `--sp N`): each rank of an SP group rolls out its T/N tokens of
-every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the teacher and
-labels come from the shard plus a halo of D + 1 tokens. Same model as one process (tested).
+every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the labels come
+from the shard plus a halo of D + 1 tokens, and so does the teacher: the frozen target runs sequence-parallel too
+(its taps and teacher of the shard; the halo's final-norm states from the next rank). Same model as one process
+(tested).
 
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.
@@ -175,7 +177,8 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     rows, stats = packed_conversations(tok, job.data, cfg, pad_id, run.log)
 
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
-                               data=job.data, enable_thinking=cfg.enable_thinking)
+                               data=job.data, enable_thinking=cfg.enable_thinking, sp=sp, halo=cfg.train_depths + 1,
+                               halo_what=f"D + 1 for the {cfg.train_depths} TTT depths")
     kind = mcfg.drafter
     block = build_mtp_model(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
@@ -208,11 +211,9 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
-        # teacher of its shard and halo (train.sequence_parallel).
-        taps, teacher = features(batch, idx, sp.columns(cfg.seq_len, cfg.train_depths + 1) if sp.enabled else None)
-        hidden = concat_taps(taps)
-        loss, alpha = wrapped(sp.shard(hidden) if sp.enabled else hidden, batch, teacher, step,
-                              logs_after(step + 1, cfg))
+        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        taps, teacher = features(batch, idx)
+        loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
         return loss, alpha, {}
 
     step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,

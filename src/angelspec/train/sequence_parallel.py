@@ -22,12 +22,19 @@ the row end on the last rank, stays invalid, whichever rank the document started
 those positions. No drafter state is computed for the halo: it is supervision, not work. The TTT diagonal (depth
 j's key at the same position i) and the causal prefix are reached through the all-to-all, so they need no halo.
 
-Where the halo comes from. Every rank holds the whole packed row of token ids (the data loader's, 8 bytes a
-token) and runs the frozen target over the whole row under no_grad (it is small and frozen; exact and simple),
-then keeps the taps of its shard and the teacher logits of shard + halo only (the LM head runs on those
-positions alone, `train.features.TargetFeatures(columns=...)`). So the halo is a slice of data the rank already
-has, not a message. A long-context run would also shard the target (its own Ulysses layers) and then pass each
-halo's teacher rows from the next rank; not implemented.
+The frozen target is sequence-parallel too (`target_forward`, through `train.features.TargetFeatures`): each rank
+embeds only its shard's tokens and runs them through the target's layers with their document-local positions; the
+target's attention is the same Ulysses exchange around the tiled document-masked kernel (`target_attention`, under
+no_grad), so no rank holds a whole row's activations, a [T, T] mask or the whole row's teacher logits. The taps the
+drafter reads are the shard's (no drafter state is computed for the halo). The halo's teacher logits come from the
+next rank: it sends the final-norm states of its first h positions (the hidden size a position, not V logits) by
+one point-to-point exchange (`SequenceParallel.halo_from_next`: every rank but the first sends to its predecessor,
+every rank but the last receives; the last rank's halo is empty, the row ends there), and each rank runs the LM
+head on shard + halo. A shard must be at least h long (`check_halo`): the halo comes from the next rank alone. From an
+offline cache (`features=DIR`) no target runs: each rank reads its rows, keeps the shard's taps and takes the halo
+the same way. Every rank still holds the whole rows' token ids, positions, document ids and loss mask (the data
+loader's, about 33 bytes a token): the depth-shift and document gates read the halo's ids, and the attention's
+tile masks and the block anchors' index read the whole row's document ids.
 
 Block anchors are drawn per whole row, as without SP (`train.block.row_anchors`), and each valid anchor belongs to
 the rank whose shard holds it (`shard_anchors`); every rank pads its anchors to the same count M (the most any
@@ -62,7 +69,9 @@ from torch import Tensor
 
 from angelspec.data.packing import PackedBatch
 from angelspec.errors import UsageError
+from angelspec.models.attention import document_first_index, document_prefix_attention
 from angelspec.models.block.drafter import AnchorIndex, anchored_block_attention
+from angelspec.models.decoder import Attend, Decoder, DecoderOutput
 from angelspec.train.distributed import DistInfo
 
 
@@ -150,12 +159,21 @@ class SequenceParallel:
         return int((self.shard(batch.document_ids) >= 0).sum()) if self.enabled else batch.num_tokens
 
     # ----- the Ulysses exchange -----
-    def check_heads(self, heads: int) -> None:
-        """Refuse a drafter whose attention heads do not divide over the SP ranks."""
+    def check_heads(self, heads: int, whose: str = "drafter") -> None:
+        """Refuse a drafter (or target: `whose`) whose attention heads do not divide over the SP ranks."""
         if heads % self.size:
-            raise UsageError(f"the drafter's {heads} attention heads do not divide over --sp {self.size} ranks "
-                             "(Ulysses gives each rank heads/N heads); pick --sp dividing the head count or "
-                             "num_attention_heads=<a multiple of the SP size>")
+            fix = "num_attention_heads=<a multiple of the SP size>" if whose == "drafter" else "another target"
+            raise UsageError(f"the {whose}'s {heads} attention heads do not divide over --sp {self.size} ranks "
+                             f"(Ulysses gives each rank heads/N heads); pick --sp dividing the head count or {fix}")
+
+    def check_halo(self, T: int, halo: int, what: str) -> None:
+        """Refuse shards shorter than the halo (`what` names where it comes from): a rank's halo must come from
+        the next rank's shard alone (`halo_from_next`)."""
+        S = self.bounds(T)[1] - self.bounds(T)[0]
+        if self.enabled and halo > S:
+            raise UsageError(f"seq_len={T} over --sp {self.size} ranks gives shards of {S} tokens, fewer than the "
+                             f"{halo} tokens each rank reads past its shard ({what}); use a seq_len of at least "
+                             f"{halo * self.size} or a smaller --sp")
 
     def to_heads(self, x: Tensor, query_heads: int | None = None) -> Tensor:
         """[B, H, S, Dh] sequence-sharded -> [B, H/N, T, Dh] head-sharded (identity for size 1). For kv heads, pass
@@ -170,6 +188,63 @@ class SequenceParallel:
     def to_sequence(self, y: Tensor) -> Tensor:
         """[B, H/N, T, Dh] head-sharded -> [B, H, S, Dh] sequence-sharded (identity for size 1)."""
         return _Exchange.apply(y, self.size, self.group, False) if self.enabled else y
+
+    # ----- the halo: point to point from the next rank -----
+    def halo_from_next(self, x: Tensor, halo: int) -> Tensor:
+        """x [B, S, ...] (this rank's shard) -> [B, h, ...]: the first h = `halo` positions of the next rank's shard
+        (h = 0 on the last rank: the row ends there). One point-to-point exchange along the group: every rank but
+        the first sends its first `halo` positions to the rank before it, every rank but the last receives its
+        successor's. No autograd (the halo carries the frozen target's outputs). `halo` <= S (`check_halo`)."""
+        if not self.enabled or halo == 0:
+            return x[:, :0]
+        if halo > x.shape[1]:
+            raise ValueError(f"a halo of {halo} positions is longer than the shard's {x.shape[1]} (check_halo)")
+        got = x.new_empty(x.shape[0], halo if self.rank < self.size - 1 else 0, *x.shape[2:])
+        ops = []
+        if self.rank > 0:
+            ops.append(dist.P2POp(dist.isend, x[:, :halo].contiguous(), group=self.group, group_peer=self.rank - 1))
+        if self.rank < self.size - 1:
+            ops.append(dist.P2POp(dist.irecv, got, group=self.group, group_peer=self.rank + 1))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return got
+
+
+NO_SP = SequenceParallel()  # no sequence parallelism: one rank holds the whole row
+
+
+# ----- the frozen target on the shard -----
+
+
+def target_attention(sp: SequenceParallel, document_ids: Tensor) -> Attend:
+    """The frozen target's attention on this rank's shard (`Decoder.forward(attend=...)`): q [B, H, S, Dh], k, v
+    [B, Hkv, S, Dh] of the shard's tokens go head-sharded over the whole row (`to_heads`), attend causally within
+    their document (document_ids [B, T], the whole row's: -1 padding attends to earlier padding, as the target's
+    own document mask does) through the tiled `document_prefix_attention` (no [T, T] mask or scores), and come back
+    as [B, H, S, Dh] (`to_sequence`). Under no_grad the exchange is a plain all-to-all (no graph is recorded)."""
+    T = document_ids.shape[1]
+    last = torch.arange(T, device=document_ids.device)[None]  # causal: query i sees keys j <= i
+    first = document_first_index(document_ids)  # tiles below a document's start are skipped
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        H = q.shape[1]
+        out, _ = document_prefix_attention(sp.to_heads(q), sp.to_heads(k, H), sp.to_heads(v, H), last, document_ids,
+                                           document_ids, first)
+        return sp.to_sequence(out)
+
+    return attend
+
+
+@torch.no_grad()
+def target_forward(sp: SequenceParallel, target: Decoder, batch: PackedBatch, layer_ids: tuple[int, ...]
+                   ) -> DecoderOutput:
+    """The frozen target's forward of this rank's shard of `batch` (whole rows): embedding, projections, MLPs and
+    final norm on the shard's T/N tokens only, their document-local positions; attention Ulysses over the whole row
+    (`target_attention`). -> the taps of `layer_ids` and the final-norm output `last_hidden`, [B, S, D] each, no
+    logits (the caller runs the LM head on the shard and its halo). At size 1 the whole row, through the same tiled
+    attention."""
+    return target(sp.shard(batch.input_ids), positions=sp.shard(batch.positions), hidden_layers=layer_ids,
+                  compute_logits=False, attend=target_attention(sp, batch.document_ids))
 
 
 # ----- block drafters: anchors by owner -----

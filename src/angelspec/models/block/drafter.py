@@ -65,7 +65,7 @@ from angelspec.models.block.config import MARKOV_HEADS, BlockDrafterConfig, dist
 from angelspec.models.block.heads import HEAD_CLASSES, ConfidenceHead, HiddenCorrectionHead, MarkovHead
 from angelspec.models.block.targets import BlockTargets, block_targets
 from angelspec.models.config import ConfigError
-from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
+from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
 from angelspec.models.vocab import DraftVocabulary
@@ -167,7 +167,7 @@ class BlockProposal:
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
-class BlockDrafter(DraftVocabulary, nn.Module):
+class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
     """A DFlash / DFlare / DFly / DSpark drafter around the target's frozen embedding and LM head."""
 
     def __init__(self, cfg: BlockDrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -271,10 +271,11 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         w = head.down_proj.weight
         cfg = self.config
         v_draft = cfg.draft_vocab_size or cfg.vocab_size
-        elements = v_draft * (head.hidden + head.inter) + cfg.vocab_size * 2 * head.inter  # W', Mᵀ; T_e
+        # W', Mᵀ; T_e and, with a draft vocabulary, its rows T_e'
+        elements = v_draft * (head.hidden + head.inter) + (cfg.vocab_size + cfg.draft_vocab_size) * 2 * head.inter
         return w.device.type == "cpu" and elements * w.element_size() <= FACTORED_HEAD_MAX_BYTES
 
-    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The hidden-correction head's inference tables, over the draft vocabulary V' (the whole vocabulary
         without one) and, for T_e, over the whole vocabulary (the anchor, a predecessor too, may lie outside V'),
         cached until a weight or the vocabulary changes (taken as they are inside a compiled graph, like the
@@ -282,18 +283,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
             W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
             Mᵀ = (W' W_down)ᵀ             [I, V']
-            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token"""
+            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token
+            T_e' = T_e[V']                [V', 2I]  the same rows by draft index (T_e itself without a vocabulary),
+                                                    so a draft's argmax index picks its successor's row directly"""
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
         lm, emb = self._shared[1].weight, self._shared[0].weight
         vocab = (self.draft_vocab,) if self.config.draft_vocab_size else ()
 
-        def build() -> tuple[Tensor, Tensor, Tensor]:
+        def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
             rows = self._vocab_weights()[0] if vocab else lm.detach()
             w_lm = (rows * self.norm.weight).contiguous()
             m_t = (w_lm @ head.down_proj.weight).t().contiguous()
             t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
-            return w_lm, m_t, t_e
+            return w_lm, m_t, t_e, t_e[self.draft_vocab] if vocab else t_e
 
         return self.derived("factored head", (lm, emb, *vocab, self.norm.weight, head.e_norm.weight,
                                               head.gate_up_proj.weight, head.down_proj.weight), build)
@@ -314,24 +317,27 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
 
         W' z_k runs for the whole block at once; per position only the predecessor's row of T_e, the SwiGLU and
-        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm. r_k and the logits are formed
-        after the loop. The same maths as `head_step`, rounded differently."""
+        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm: six kernel calls per position,
+        the draft's own index picking the next row (T_e', no mapping to target ids inside the loop). r_k and the
+        logits are formed after the loop. The same maths as `head_step`, rounded differently."""
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
-        w_lm, m_t, t_e = self._factored_tables()
+        w_lm, m_t, t_e, t_e_draft = self._factored_tables()
         z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
-        zg = head.z_part(z)  # [B, K, 2I]
-        base = F.linear(z, w_lm)  # [B, K, V'] W' z_k
-        prev = anchor_tokens
+        K = z.shape[1]
+        zg = head.z_part(z).unbind(1)  # K x [B, 2I]
+        base = F.linear(z, w_lm).unbind(1)  # K x [B, V'] W' z_k
+        row = t_e.index_select(0, anchor_tokens)  # [B, 2I] the predecessor's T_e row: the anchor's, then a draft's
         acts, scores, picks = [], [], []
-        for k in range(z.shape[1]):
-            gate, up = (zg[:, k] + t_e[prev]).split(head.inter, dim=-1)  # [B, I] each
+        for k in range(K):
+            gate, up = (zg[k] + row).split(head.inter, dim=-1)  # [B, I] each
             a = F.silu(gate) * up  # [B, I]
-            s = torch.addmm(base[:, k], a, m_t)  # [B, V'] = W' ẑ_k
+            s = torch.addmm(base[k], a, m_t)  # [B, V'] = W' ẑ_k
             acts.append(a)
             scores.append(s)
-            picks.append(s.argmax(dim=-1))
-            prev = self.to_target_ids(picks[-1])
+            picks.append(s.argmax(dim=-1))  # [B] along V'
+            if k + 1 < K:
+                row = t_e_draft.index_select(0, picks[-1])
         if not with_logits:
             return None, torch.stack(picks, dim=1)
         z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
@@ -342,12 +348,6 @@ class BlockDrafter(DraftVocabulary, nn.Module):
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
         return torch.softmax(self.fusion_logits, dim=-1)
-
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, Dh]."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def context_features(self, taps: Tensor) -> list[Tensor]:
         """Eq. 10–12 and same-layer injection (Uraion §3.3): taps [B, T, n·C] (`concat_taps` of `target_layer_ids`)
@@ -563,15 +563,23 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         step needs no rollback; `cache.truncate` still rolls back anything."""
         n, T, _ = taps.shape
         dev = taps.device
-        rows = torch.arange(n, device=dev) if rows is None else rows
-        slots = cache.lengths[rows][:, None] + torch.arange(T, device=dev)  # [n, T]
-        cos, sin = self.rope(slots, cache.dtype)
-        write = slots.clamp(max=cache.capacity - 1)
+        lengths = cache.lengths if rows is None else cache.lengths[rows]
+        at = (torch.arange(n, device=dev) if rows is None else rows)[:, None]  # [n, 1]
+        # Slots past the end hold only entries beyond num_new (invisible), whatever their position.
+        write = (lengths[:, None] + torch.arange(T, device=dev)).clamp(max=cache.capacity - 1)  # [n, T]
+        cos, sin = self.rope_at(write, self.rope_size(cache), cache.dtype)
         for i, g in enumerate(self.context_features(taps.to(cache.dtype))):
             k, v = self.context_kv(i, g, cos, sin)  # [n, Hkv, T, Dh]
-            cache.k[i][rows[:, None], :, write] = k.transpose(1, 2)
-            cache.v[i][rows[:, None], :, write] = v.transpose(1, 2)
-        cache.lengths[rows] += T if num_new is None else num_new
+            cache.k[i][at, :, write] = k.transpose(1, 2)
+            cache.v[i][at, :, write] = v.transpose(1, 2)
+        if rows is None:
+            cache.lengths += T if num_new is None else num_new
+        else:
+            cache.lengths[rows] += T if num_new is None else num_new
+
+    def rope_size(self, cache: StaticKVCache) -> int:
+        """Positions inference may rope with `cache`: its slots and a block past the last one."""
+        return cache.capacity + self.config.block_size
 
     def backbone_step(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None) -> Tensor:
         """ONE backbone pass: anchor_tokens [B] (the newest committed token of each row, at position
@@ -584,7 +592,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         Bk = cfg.block_size
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
         pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
-        cos, sin = self.rope(pos, cache.dtype)
+        cos, sin = self.rope_at(pos, self.rope_size(cache), cache.dtype)
         ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
         for i in range(cfg.num_draft_layers):
