@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,9 @@ def _check_exchange(sp) -> None:
 
 
 def _check_mtp(sp, kind: str) -> None:
-    """One MTP-TTT step (D = 3; MTP: e2e TV and LK^α, EAGLE-3: e2e TV), chunked head + loss and checkpointed depths
-    as the trainer runs it: SP shares add up to the one-process loss and gradients."""
+    """One MTP-TTT step (D = 3; MTP: e2e TV and LK^α, and e2e TV on a 16-token draft vocabulary, train_vocab "draft";
+    EAGLE-3: e2e TV), chunked head + loss and checkpointed depths as the trainer runs it: SP shares add up to the
+    one-process loss and gradients."""
     from conftest import tiny_decoder
 
     from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
@@ -162,35 +164,40 @@ def _check_mtp(sp, kind: str) -> None:
     vocab, T = 64, 24
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2, layers=3)
     if kind == "mtp":
-        model = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=D), target.embed_tokens, target.lm_head)
+        cfg = replace(MTPConfig.for_target(target.config, num_depths=D), draft_vocab_size=16)
+        model = MTPDraftModel(cfg, target.embed_tokens, target.lm_head)
     else:
         cfg = Eagle3Config.for_target(target.config, num_depths=D, target_layer_ids=(0, 1, 2))
         model = Eagle3DraftModel(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
+    if kind == "mtp":
+        model.set_draft_vocab(torch.arange(0, vocab, 4))
     packed = _packed(vocab, T, T // 2)
     layers = model.config.target_layer_ids
     whole, sharded = _features(target, layers, packed), _features(target, layers, packed, sp, D + 1)
     config = LossConfig(depth_weights=(0.5, 0.3, 0.2))
 
-    def step(name, sp_=None):
+    def step(name, vocab_, sp_=None):
         h, t = whole if sp_ is None else sharded  # the target's taps and teacher: whole rows, or SP's shard + halo
         out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
-                          checkpoint_depths=True, query_chunk=5, key_chunk=8, sp=sp_)
-        clb = mtp_chunked_loss_batch(model, out, packed, t, max_logits=5 * D * vocab, sp=sp_)
+                          checkpoint_depths=True, query_chunk=5, key_chunk=8, sp=sp_, train_vocab=vocab_)
+        clb = mtp_chunked_loss_batch(model, out, packed, t, max_logits=5 * D * vocab, sp=sp_, train_vocab=vocab_)
         with global_denominators(global_sum) if sp_ is not None else nullcontext():
             loss = LOSSES[name](clb, config).loss
         loss.backward()
         return loss.detach(), _grads(model)
 
-    for name in ("e2e_tv", "lk_alpha") if kind == "mtp" else ("e2e_tv",):
-        ref_loss, ref_grads = step(name)
-        share, grads = step(name, sp)
-        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"{kind} {name}")
+    cases = (("e2e_tv", "full"), ("lk_alpha", "full"), ("e2e_tv", "draft")) if kind == "mtp" else (("e2e_tv", "full"),)
+    for name, vocab_ in cases:
+        ref_loss, ref_grads = step(name, vocab_)
+        share, grads = step(name, vocab_, sp)
+        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"{kind} {name} {vocab_}")
 
 
 def _check_block(sp) -> None:
     """One DFly step (hidden-correction head, confidence head, D-PACE LK + the confidence term), anchors whose blocks
-    cross the shard boundary and invalid ones, one kv head for two query heads: SP equals one process."""
+    cross the shard boundary and invalid ones, one kv head for two query heads, on the whole vocabulary and on a
+    16-token draft vocabulary (train_vocab "draft"): SP equals one process."""
     from conftest import tiny_decoder
 
     from angelspec.models.block.config import BlockDrafterConfig
@@ -203,9 +210,11 @@ def _check_block(sp) -> None:
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, layers=4, heads=4, kv=2)
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=5, block_size=Bk, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning="dfly", head="hidden", markov_rank=8,
-                                        confidence_head=True, num_attention_heads=2, num_key_value_heads=1)
+                                        confidence_head=True, num_attention_heads=2, num_key_value_heads=1,
+                                        draft_vocab_size=16)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
+    model.set_draft_vocab(torch.arange(1, vocab, 4))
     with torch.no_grad():  # the zero-initialised correction would hide the head
         model.head.down_proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
         # Equal fusion weights make their gradient a near-cancelling difference of the taps, where the taps' fp32
@@ -223,19 +232,20 @@ def _check_block(sp) -> None:
     objective = with_confidence_term(LOSSES["dpace_lk"], 1.0)
     config = LossConfig()
 
-    def step(sp_=None):
+    def step(vocab_, sp_=None):
         h, t = whole if sp_ is None else sharded  # the target's taps and teacher: whole rows, or SP's shard + halo
         out = block_forward_train(model, h, packed, anchors, valid, sp_, checkpoint_layers=True)
-        clb = block_chunked_loss_batch(model, out, t, max_logits=3 * (Bk - 1) * vocab)
+        clb = block_chunked_loss_batch(model, out, t, max_logits=3 * (Bk - 1) * vocab, train_vocab=vocab_)
         with global_denominators(global_sum) if sp_ is not None else nullcontext():
             loss = objective(clb, config).loss
         loss.backward()
         return loss.detach(), _grads(model)
 
-    ref_loss, ref_grads = step()
-    share, grads = step(sp)
-    assert any(n.startswith("confidence") for n in ref_grads) and any("fusion" in n for n in ref_grads)
-    _same(global_sum(share), _summed(grads), ref_loss, ref_grads, "dfly")
+    for vocab_ in ("full", "draft"):
+        ref_loss, ref_grads = step(vocab_)
+        share, grads = step(vocab_, sp)
+        assert any(n.startswith("confidence") for n in ref_grads) and any("fusion" in n for n in ref_grads)
+        _same(global_sum(share), _summed(grads), ref_loss, ref_grads, f"dfly {vocab_}")
     assert model.layers[0].attn.n_kv % sp.size  # the kv-head repeat path ran
 
 

@@ -7,8 +7,8 @@ scores only V', the losses see the teacher on V' plus one outside bucket and a d
   (and e2e TV / LK^α follow from them; KL is against p renormalised on V'); every loss and gradient is finite,
   labels outside V' included.
 - TTT's next-depth tokens are argmaxes over V', so always draft-vocabulary ids.
-- The trainers run it; a checkpoint refuses a resume that switches the key, and one written before the key
-  existed resumes only as "full".
+- The trainers run it (under sequence parallelism: tests/test_sequence_parallel.py); a checkpoint refuses a resume
+  that switches the key, and one written before the key existed resumes only as "full".
 """
 
 from __future__ import annotations
