@@ -289,6 +289,19 @@ def test_train_vocab_is_checked():
     replace(block_debug(), train_vocab="draft", draft_vocab_size=16)
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "dfly"])
+def test_the_cli_refuses_train_vocab_draft_without_a_draft_vocabulary(capsys, tmp_path, tiny_target_dir,
+                                                                      conversations, drafter):
+    from conftest import assert_bad_input, run_cli
+
+    common = ["--target", tiny_target_dir, "--data", conversations, "--quiet", "--preset", "tiny_debug"]
+    code, _, err = run_cli(capsys, "train", "--drafter", drafter, "--out", tmp_path / "x", *common, "train_vocab=draft")
+    assert_bad_input(code, err, "train_vocab=draft", "draft_vocab_size=N")
+    code, _, err = run_cli(capsys, "train", "--drafter", drafter, "--out", tmp_path / "x", *common, "train_vocab=top")
+    assert_bad_input(code, err, "unknown train_vocab 'top'")
+    assert not (tmp_path / "x").exists()
+
+
 def test_trainers_train_on_the_draft_vocabulary_and_a_resume_cannot_switch_it(tmp_path, tiny_target_dir,
                                                                              conversations):
     from angelspec.train.block import tiny_debug as block_debug
