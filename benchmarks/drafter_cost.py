@@ -7,8 +7,10 @@ What is measured, per drafter kind and batch size (1 and 16):
             over [last, m, ..., m], then the sequential head; `--block-k 4` drafts 4, as `make demo` does: the
             backbone still runs over the whole block, the head over 4 positions), MTP and the draft LM K = 4 (K
             recurrent steps)
-    commit  one `Drafter.on_commit` (model drafters / MTP: append the newly committed positions' target taps to
-            the draft context; draft LM: roll its cache back); reported separately, not part of the goal
+    commit  one `Drafter.on_commit`, reported separately, not part of the goal. The block and MTP drafters only
+            keep the commit there: appending the newly committed positions' target taps to the draft context runs at
+            the start of the next drafting `propose` (in "draft"), so draft + commit is what a step pays either way;
+            the draft LM rolls its cache back
     verify  one target verify forward over [last, d_1..d_K] (K + 1 tokens) against the KV cache, with the taps
             the drafter asks for, plus the greedy verification
 
@@ -23,6 +25,11 @@ weights cost the same).
 
 `--draft-vocab 1024 --draft-layers 1 --draft-intermediate 512 --head-intermediate 128` is the shape of the
 `dfly_demo` preset `make demo` trains.
+
+`--skip-pattern DSSS` also runs every drafter under a scripted speculation gate (D: draft, S: skip, cycled) and
+reports what the drafter costs per gate-skipped step (`propose` of 0 drafts + `on_commit`: ideally nothing over a
+plain AR step) and per drafted step (which then catches up on the skipped steps' context), both over the verify
+step of the ungated run.
 
 How: each drafter runs inside a real `SpecEngine` on greedy requests (EOS disabled) whose prompts are
 `--context` random tokens, so the caches hold ~256 tokens when decoding starts (and ~256 + new tokens at the
@@ -57,6 +64,7 @@ from angelspec.decoding.drafters.block import BlockDrafterAdapter
 from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.policies.gate import SpecGate
 from angelspec.models import Decoder, load_target
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.presets import dfly_embedded
@@ -134,6 +142,46 @@ class CommitTimer:
         drafter.on_commit = timed  # type: ignore[method-assign]
 
 
+class ScriptedGate(SpecGate):
+    """Drafts on the steps `pattern` marks "D" and skips on "S" (cycled), whatever was measured."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern, self.calls = pattern, 0
+
+    def should_draft(self, num_active: int) -> bool:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)] == "D"
+
+
+class DrafterClock:
+    """Sums a drafter's `propose` + following `on_commit` wall time, split into drafted and skipped (0-draft) steps."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.seconds = {"drafted": 0.0, "skipped": 0.0}
+        self.steps = {"drafted": 0, "skipped": 0}
+        self._kind = "drafted"
+        propose, on_commit = drafter.propose, drafter.on_commit
+
+        def timed_propose(state):  # noqa: ANN001, ANN202 - same signature as Drafter.propose
+            self._kind = "drafted" if state.num_draft_tokens else "skipped"
+            self.steps[self._kind] += 1
+            t0 = time.perf_counter()
+            out = propose(state)
+            self.seconds[self._kind] += time.perf_counter() - t0
+            return out
+
+        def timed_commit(commit):  # noqa: ANN001, ANN202
+            t0 = time.perf_counter()
+            on_commit(commit)
+            self.seconds[self._kind] += time.perf_counter() - t0
+
+        drafter.propose, drafter.on_commit = timed_propose, timed_commit  # type: ignore[method-assign]
+
+    def per_step(self, kind: str) -> float:
+        return self.seconds[kind] / max(self.steps[kind], 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF-layout target folder (default: the embedded target)")
@@ -165,8 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="EngineConfig(compile=True): the verify forward and each drafter's hot calls compiled "
                         "(the untimed warm-up run pays the compilation)")
+    p.add_argument("--skip-pattern", default="", metavar="DS..",
+                   help="also run each drafter under a scripted speculation gate (D: draft, S: skip, cycled, e.g. "
+                        "DSSS) and report its cost per skipped and per drafted step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.skip_pattern and (set(args.skip_pattern) - {"D", "S"} or "D" not in args.skip_pattern):
+        p.error(f"--skip-pattern takes D (draft) and S (skip) with at least one D, got {args.skip_pattern!r}")
     bad = sorted(set(args.drafters) - set(DRAFTERS + EXTRA))
     if bad:
         p.error(f"unknown drafters {bad}; choose from {', '.join(DRAFTERS + EXTRA)}")
@@ -186,6 +239,28 @@ def main(argv: list[str] | None = None) -> int:
                for kind, (d, k) in drafters.items() for b in args.batch_sizes}
     prompts = {b: make_prompts(b, args.context, cfg.vocab_size, avoid, seed=4321) for b in args.batch_sizes}
     cells = {key: Cell(k=drafters[key[0]][1]) for key in engines}
+    gated: dict[tuple[str, int], tuple[SpecEngine, DrafterClock]] = {}
+    if args.skip_pattern:  # a second drafter of each kind (same weights: build_drafter is seeded) behind a gate
+        for kind in args.drafters:
+            d, k = build_drafter(kind, target, dtype, args.draft_lm, args.draft_vocab, args.draft_layers, args.block_k,
+                                 args.draft_intermediate, args.head_intermediate)
+            clock = DrafterClock(d)
+            for b in args.batch_sizes:
+                engine = SpecEngine(target, d, EngineConfig(max_batch_size=b, num_draft_tokens=k, seed=0,
+                                                            compile=args.compile, spec_gate=True))
+                engine.gate = ScriptedGate(args.skip_pattern)
+                gated[(kind, b)] = (engine, clock)
+    skip_best: dict[tuple[str, int], list[float]] = {key: [float("inf")] * 2 for key in gated}
+
+    def run_gated(key: tuple[str, int]) -> None:
+        engine, clock = gated[key]
+        clock.seconds = dict.fromkeys(clock.seconds, 0.0)
+        clock.steps = dict.fromkeys(clock.steps, 0)
+        engine.gate.calls = 0  # type: ignore[union-attr]
+        engine.generate([Request(pr, max_new_tokens=args.new_tokens, stop_ids=()) for pr in prompts[key[1]]])
+        best = skip_best[key]
+        best[0] = min(best[0], clock.per_step("skipped"))
+        best[1] = min(best[1], clock.per_step("drafted"))
 
     def run(key: tuple[str, int]) -> None:
         kind, b = key
@@ -202,12 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for key in engines:  # warm-up outside the timed runs
         run(key)
+    for key in gated:
+        run_gated(key)
     for cell in cells.values():
         cell.draft_s = cell.commit_s = cell.verify_s = float("inf")
         cell.steps.clear()
+    for best in skip_best.values():
+        best[:] = [float("inf")] * 2
     for r in range(args.repeats):
         for key in engines:  # interleaved: drafters and batch sizes share the machine's state evenly
             run(key)
+            if key in gated:
+                run_gated(key)
         print(f"  repeat {r + 1}/{args.repeats} done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr,
               flush=True)
 
@@ -226,6 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind:9} {b:>5} {c.k:>2} {c.draft_s * 1e3:>9.2f} {c.draft_s * 1e3 / c.k:>9.3f} "
               f"{c.commit_s * 1e3:>10.2f} {c.verify_s * 1e3:>10.2f} {c.ratio():>12.1%} "
               f"{(c.draft_s + c.commit_s) / c.verify_s:>21.1%} {c.mal:>5.2f}")
+    if gated:
+        print(f"\nunder a scripted speculation gate ({args.skip_pattern}, cycled): the drafter's propose + on_commit "
+              "per step, over the verify step above")
+        head2 = (f"{'drafter':9} {'batch':>5} {'skipped ms':>11} {'skipped/verify':>15} {'drafted ms':>11} "
+                 f"{'drafted/verify':>15}")
+        print(head2)
+        print("-" * len(head2))
+        for key, (skipped, drafted) in skip_best.items():
+            v = cells[key].verify_s
+            print(f"{key[0]:9} {key[1]:>5} {skipped * 1e3:>11.3f} {skipped / v:>14.1%} {drafted * 1e3:>11.3f} "
+                  f"{drafted / v:>14.1%}")
     print(f"\ngoal: one propose <= {GOAL:.0%} of one verify step at batch 1")
     for kind in args.drafters:
         c = cells.get((kind, 1))
@@ -240,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             "target": desc, "args": {k: str(v) for k, v in vars(args).items()},
             "rows": [{"drafter": kind, "batch": b, "k": c.k, "draft_ms": c.draft_s * 1e3,
                       "commit_ms": c.commit_s * 1e3, "verify_ms": c.verify_s * 1e3, "ratio": c.ratio(),
-                      "mal": c.mal, "steps": c.steps} for (kind, b), c in cells.items()]}, indent=2))
+                      "mal": c.mal, "steps": c.steps} for (kind, b), c in cells.items()],
+            "gated": [{"drafter": kind, "batch": b, "pattern": args.skip_pattern, "skipped_ms": sk * 1e3,
+                       "drafted_ms": dr * 1e3} for (kind, b), (sk, dr) in skip_best.items()]}, indent=2))
     return 0
 
 

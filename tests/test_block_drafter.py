@@ -827,3 +827,19 @@ def test_greedy_propose_without_logits_gives_the_same_drafts_and_confidences(con
     assert torch.equal(full.tokens, lean.tokens) and torch.equal(full.token_index, lean.token_index)
     torch.testing.assert_close(full.confidences, lean.confidences)
     assert (lean.logits is None) == confidence
+
+
+def test_inference_gathers_rope_from_a_table_with_the_per_call_values() -> None:
+    """Inference reads RoPE from a cached table (`DraftRope.rope_at`, block and MTP drafters): exactly the values
+    `rope` computes per call; the table grows for larger sizes and is rebuilt for another dtype."""
+    from angelspec.models.mtp import MTPConfig, MTPDraftModel
+
+    target = tiny_target()
+    mtp = MTPDraftModel(MTPConfig.for_target(target.config, num_depths=1), target.embed_tokens, target.lm_head)
+    for model in (tiny_drafter(target), mtp):
+        pos = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(13))
+        for size, dtype in ((50, torch.float64), (80, torch.float64), (60, torch.float32)):
+            got, want = model.rope_at(pos + size - 50, size, dtype), model.rope(pos + size - 50, dtype)
+            assert all(g.dtype == dtype and g.shape == w.shape and torch.equal(g, w)
+                       for g, w in zip(got, want, strict=True))
+        assert model.rope_table(10, torch.float32)[0].shape[0] == 60  # a longer table serves smaller sizes

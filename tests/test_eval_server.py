@@ -116,6 +116,54 @@ def test_a_missing_run_folder_is_a_clear_error(tmp_path) -> None:
         run_eval_server(tmp_path / "nope")
 
 
+def test_a_resumed_run_keeps_its_server_until_the_trainer_exits(tmp_path, tiny_target_dir, data,
+                                                                target_and_prompts) -> None:
+    """A run stopped by --max-minutes wrote train_report.json; when it is resumed, the server started beside the
+    resumed trainer must not take that report for the end of the run: it watches until the trainer exits and
+    evaluates the checkpoints written meanwhile."""
+    import subprocess
+    import sys
+
+    model, prompts = target_and_prompts
+    run = tmp_path / "dfly"
+    _train(tiny_target_dir, data, run, steps=2)  # the first segment: its report and checkpoint are there
+    assert watch(run, model, tiny_target_dir, prompts, SETTINGS, once=True, log=lambda *_: None) == 1
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    looks: list[int] = []
+
+    def sleep(_: float) -> None:  # the resumed trainer makes progress between the server's looks, then exits
+        looks.append(1)
+        if len(looks) == 1:
+            _train(tiny_target_dir, data, run, steps=4, resume=True)
+        elif len(looks) == 2:
+            trainer.kill()
+            trainer.wait()
+
+    try:
+        n = watch(run, model, tiny_target_dir, prompts, SETTINGS, trainer_pid=trainer.pid, log=lambda *_: None,
+                  sleep=sleep)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert n == 1 and [r["step"] for r in read_eval_log(run)] == [2, 4]
+
+
+def test_process_alive_sees_an_unreaped_child_as_gone() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from angelspec.eval.server import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while process_alive(child.pid) and time.time() < deadline:  # exited but not reaped: a zombie
+        time.sleep(0.05)
+    assert not process_alive(child.pid)
+    child.wait()
+    assert not process_alive(child.pid)
+
+
 def test_one_server_per_run(tmp_path, tiny_target_dir, data, target_and_prompts) -> None:
     """A second server on the same run does nothing while the first holds the lock; a stale lock is taken over."""
     import os

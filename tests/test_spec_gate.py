@@ -174,6 +174,63 @@ def test_a_drafters_context_is_complete_after_skipped_steps(case):
         assert recompute(seq) == drafts
 
 
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+def test_skipped_rounds_cost_the_drafter_no_model_call_and_are_caught_up_in_one(case):
+    """Context upkeep waits for the next drafted round (`PendingCommits`): `on_commit` and a round of 0 drafts run
+    no drafter model call, and a drafted round appends every waiting commit's positions in one call (block drafters:
+    one `append_context`; the MTP family: one `forward_cached`, then its K - 1 draft-chain steps)."""
+    target, drafter, vocab, _ = case()
+    block = isinstance(drafter, BlockDrafterAdapter)
+    name = "append_context" if block else "forward_cached"
+    model_call = getattr(drafter.model, name)
+    rounds: list[list] = [["prefill", 0]]  # per drafter call: [phase, model calls]
+
+    def counted(*args, **kwargs):
+        rounds[-1][1] += 1
+        return model_call(*args, **kwargs)
+
+    def phase(label, method):
+        def call(arg):
+            rounds.append([label(arg), 0])
+            out = method(arg)
+            rounds.append(["other", 0])
+            return out
+        return call
+
+    setattr(drafter.model, name, counted)
+    drafter.propose = phase(lambda state: f"propose {state.num_draft_tokens}", drafter.propose)
+    drafter.on_commit = phase(lambda commit: "on_commit", drafter.on_commit)
+    engine = gated_engine(target, drafter, ScriptedGate([True, False, False, True, False]), max_batch_size=1,
+                          num_draft_tokens=3)
+    reqs = requests(vocab, 2, 30, seed=3)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert engine.metrics.skipped_steps > 0
+    assert all(n == 0 for label, n in rounds if label in ("on_commit", "propose 0"))
+    drafted = [n for label, n in rounds if label == "propose 3"]
+    chain = 0 if block else 3 - 1  # the MTP family's draft-chain calls of one round
+    assert drafted and all(n <= 1 + chain for n in drafted)
+    assert sum(n == 1 + chain for n in drafted) >= len(drafted) - len(reqs)  # all but a request's first round
+
+
+def test_waiting_commits_join_each_rows_new_entries_first_in_order():
+    import torch
+
+    from angelspec.decoding.drafters.base import PendingCommits
+
+    pending = PendingCommits()
+    assert pending.take() is None
+    a = torch.tensor([[10, 11, 12], [20, 21, 22]])  # row 0 keeps 2 entries, row 1 keeps 1
+    pending.add((a, a[..., None].float()), torch.tensor([2, 1]))
+    one = pending.take()
+    assert one is not None and one[0][0] is a and not pending  # a single commit comes back as it was added
+    pending.add((a, a[..., None].float()), torch.tensor([2, 1]))
+    pending.add((a[:, :1] + 5, a[:, :1, None] + 5.0), torch.tensor([1, 0]))  # a skipped round: row 1 idle
+    (ids, feats), count = pending.take()
+    assert count.tolist() == [3, 1]
+    assert ids[0, :3].tolist() == [10, 11, 15] and ids[1, :1].tolist() == [20]
+    assert torch.equal(feats[..., 0], ids.float()) and not pending
+
+
 def test_at_t1_a_gate_that_never_drafts_samples_exactly_what_plain_decoding_samples():
     """Skipped steps draw the target's token with the same counter-based noise as plain decoding, so with the same
     seeds the outputs are identical token for token (not only in distribution)."""

@@ -213,6 +213,10 @@ def add_eval_server(sub: Subparsers) -> None:
     p.add_argument("--once", action="store_true", help="evaluate what is there now and stop")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for RUN_DIR to appear (default: 0)")
+    p.add_argument("--trainer-pid", type=int, default=None, metavar="PID",
+                   help="stop once process PID (the trainer) has exited and its last checkpoint is evaluated, "
+                        "whatever RUN_DIR/train_report.json says (a resumed run keeps its previous segment's "
+                        "report); default: stop when train_report.json exists")
     p.set_defaults(func=cmd_eval_server)
 
 
@@ -228,6 +232,6 @@ def cmd_eval_server(args: argparse.Namespace) -> int:
                                   num_draft_tokens=args.num_draft_tokens, temperatures=temps, poll_s=args.poll,
                                   idle_timeout_s=args.idle_timeout)
     n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once,
-                        wait_s=args.wait)
+                        wait_s=args.wait, trainer_pid=args.trainer_pid)
     print(f"evaluated {n} checkpoint(s); log: {args.watch}/training/eval_log.jsonl")
     return 0

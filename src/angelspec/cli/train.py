@@ -55,6 +55,11 @@ def add_train(sub: Subparsers) -> None:
                    help="data parallelism under `torchrun --nproc_per_node N -m angelspec.cli train ...` "
                         "(every trainable kind): auto = DDP when torchrun starts several processes, else one process; "
                         "batch_size is the global batch")
+    p.add_argument("--sp", type=int, default=1, metavar="N",
+                   help="sequence parallelism: split every packed row over N processes of the torchrun launch "
+                        "(Ulysses attention, a halo of the next tokens for the shifted supervision); the other "
+                        "factor of the process count is data parallelism (mtp, eagle3 and the block drafters; "
+                        "default: 1, off)")
     p.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="checkpoint every N steps and start `angelspec eval-server` beside the run, which evaluates "
                         "each checkpoint into --out/training/eval_log.jsonl (its output: OUT.eval-server.log)")
@@ -94,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                            overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
                            max_minutes=args.max_minutes, distributed=args.distributed,
                            feature_workers=args.feature_workers, feature_backend=args.feature_backend,
-                           init_from=args.init_from, only=args.only, log=print)
+                           init_from=args.init_from, only=args.only, sp=args.sp, log=print)
     print(result.format())
     return 0
 

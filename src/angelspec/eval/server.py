@@ -226,6 +226,21 @@ def _claim(run_dir: Path) -> bool:
     return False
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (an exited one not yet reaped by its parent, a zombie, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # it exists but belongs to someone else
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill's answer stands
+    return state != "Z"
+
+
 def _release(run_dir: Path) -> None:
     lock = work_dir(run_dir) / LOCK
     try:
@@ -243,23 +258,27 @@ def _nice() -> None:
 
 
 def watch(run_dir: str | Path, target: Any, target_dir: Path, prompts: Sequence[EvalPrompt],
-          settings: EvalServerSettings = EvalServerSettings(), *, once: bool = False,
+          settings: EvalServerSettings = EvalServerSettings(), *, once: bool = False, trainer_pid: int | None = None,
           log: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> int:
     """Evaluate every new checkpoint of `run_dir` until the run finishes (or once, with `once`); returns the
-    number of checkpoints evaluated. Records go to `<run>/training/eval_log.jsonl` (see the module docstring)."""
+    number of checkpoints evaluated. Records go to `<run>/training/eval_log.jsonl` (see the module docstring).
+    The run has finished when `train_report.json` exists, or, given `trainer_pid` (a server started beside its
+    trainer), when that process has exited: a resumed run still holds the report its previous segment wrote
+    (`--max-minutes`), which must not stop the server before the resumed trainer's checkpoints."""
     run_dir = Path(run_dir)
     work_dir(run_dir).mkdir(parents=True, exist_ok=True)
     if not _claim(run_dir):
         log(f"eval-server: another server already watches {run_dir} ({work_dir(run_dir) / LOCK}); not starting")
         return 0
     try:
-        return _watch(run_dir, target, target_dir, prompts, settings, once=once, log=log, sleep=sleep)
+        return _watch(run_dir, target, target_dir, prompts, settings, once=once, trainer_pid=trainer_pid, log=log,
+                      sleep=sleep)
     finally:
         _release(run_dir)
 
 
 def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalPrompt],
-           settings: EvalServerSettings, *, once: bool, log: Callable[[str], None],
+           settings: EvalServerSettings, *, once: bool, trainer_pid: int | None, log: Callable[[str], None],
            sleep: Callable[[float], None]) -> int:
     snapshots = work_dir(run_dir) / "eval_snapshots"
     snapshots.mkdir(exist_ok=True)
@@ -268,7 +287,8 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
     while True:
         # The log is the record of what was evaluated (re-read each time: `train --force` may have cleared it).
         done_steps = {r["step"] for r in read_eval_log(run_dir) if isinstance(r.get("step"), int)}
-        finished = (run_dir / TRAIN_REPORT).is_file()  # read before the checkpoint: the final one is then visible
+        # Read before the checkpoint, so the final one is then visible.
+        finished = (run_dir / TRAIN_REPORT).is_file() if trainer_pid is None else not process_alive(trainer_pid)
         found = latest_checkpoint(run_dir)
         if found is not None and found[1]["step"] not in done_steps:
             src, state = found
@@ -299,10 +319,11 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
 
 def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *,
                     prompts_path: str | Path | None = None, settings: EvalServerSettings = EvalServerSettings(),
-                    once: bool = False, nice: bool = True, wait_s: float = 0.0,
+                    once: bool = False, nice: bool = True, wait_s: float = 0.0, trainer_pid: int | None = None,
                     log: Callable[[str], None] = print) -> int:
     """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`.
-    wait_s: how long to wait for RUN_DIR to appear (a server started beside a trainer that creates it)."""
+    wait_s: how long to wait for RUN_DIR to appear (a server started beside a trainer that creates it);
+    trainer_pid: stop once that process has exited (`watch`)."""
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.decoding.loading import load_target_and_tokenizer
@@ -322,7 +343,7 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
     source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
     prompts = eval_prompts(tokenizer, load_prompts(source), context=model.config.max_position_embeddings,
                            source=str(source), limit=settings.limit)
-    return watch(run_dir, model, tdir, prompts, settings, once=once, log=log)
+    return watch(run_dir, model, tdir, prompts, settings, once=once, trainer_pid=trainer_pid, log=log)
 
 
 def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temperature: float = 0.0) -> Path:
@@ -357,14 +378,15 @@ def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None,
                       prompts_path: str | Path | None = None, log_path: str | Path | None = None,
                       idle_timeout_s: float = 3600.0) -> subprocess.Popen:
     """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
-    it waits for the run folder, evaluates each checkpoint and exits after the final one (or after
-    `idle_timeout_s` without a new checkpoint: a trainer that died). Its output goes to
+    it waits for the run folder, evaluates each checkpoint and exits once this process (the trainer) has exited
+    and its final checkpoint is evaluated (or after `idle_timeout_s` without a new checkpoint). Its output goes to
     `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
     cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
            "--limit", str(limit), "--max-new-tokens", str(max_new_tokens),
-           "--temperatures", ",".join(f"{t:g}" for t in temperatures), "--idle-timeout", f"{idle_timeout_s:g}"]
+           "--temperatures", ",".join(f"{t:g}" for t in temperatures), "--idle-timeout", f"{idle_timeout_s:g}",
+           "--trainer-pid", str(os.getpid())]
     if target_dir is not None:
         cmd += ["--target", str(target_dir)]
     if prompts_path is not None:

@@ -8,13 +8,17 @@ Hidden-state tap ids (docs/design.md trap 2): id `i` (0-based) is the OUTPUT of 
 HF `hidden_states[i + 1]`; the last id `L-1` is the final layer's output before the final norm.
 vLLM/SGLang count "before layer i" and are converted in the exporters, never here.
 
+`Decoder.forward(attend=...)` swaps the attention itself (q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> [B, H, T, Dh]) for
+a caller's pattern, e.g. sequence-parallel training's Ulysses attention over the whole row while the call holds a
+shard of it (`train.sequence_parallel.target_attention`); the model stays free of distributed code.
+
 For speed on small models (where per-op overhead dominates) q/k/v and gate/up are fused into one
 matmul each; the HF adapter (`models/hf_io.py`) splits and joins the weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,37 @@ class RMSNorm(nn.Module):
         if wide == x.dtype == self.weight.dtype:  # fp32: one fused kernel with the weight (same values, fewer ops)
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class DraftRope:
+    """RoPE of the draft models (an `nn.Module` mixin whose `inv_freq` buffer holds the inverse frequencies; fp32
+    angles, no scaling): computed per call for training (`rope`), gathered from a cached table at inference
+    (`rope_at`): at batch 1 the table saves a handful of kernel calls per draft step, with the same values."""
+
+    inv_freq: torch.Tensor
+    _rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # `rope_table`'s (a plain attribute, never saved)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, Dh] (fp32 angles, like `rope_inv_freq`)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rope_table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, Dh] (n >= size) of positions 0..n-1, exactly `rope`'s values (it is elementwise), cached
+        until a larger size, another dtype or device is asked for. Build it eagerly before a compiled call uses it
+        (`rope_at` with the same size)."""
+        table = self._rope_cache
+        dev = self.inv_freq.device
+        if table is None or table[0].shape[0] < size or table[0].dtype != dtype or table[0].device != dev:
+            cos, sin = self.rope(torch.arange(size, device=dev)[None], dtype)
+            table = self._rope_cache = (cos[0, 0], sin[0, 0])
+        return table
+
+    def rope_at(self, positions: torch.Tensor, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope(positions, dtype)` for positions [B, T] below `size`, gathered from `rope_table(size, dtype)`."""
+        cos, sin = self.rope_table(size, dtype)
+        return F.embedding(positions, cos)[:, None], F.embedding(positions, sin)[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +117,7 @@ class Attention(nn.Module):
         write_idx: tuple[torch.Tensor, torch.Tensor] | None,  # ([B, 1], [B, T]) row / slot indices
         kv_len: int | None,
         packed: Packing | None = None,
+        attend: Attend | None = None,
     ) -> torch.Tensor:
         if packed is not None:
             return self._forward_packed(x, cos, sin, mask, cache, write_idx, kv_len, packed)
@@ -96,6 +132,8 @@ class Attention(nn.Module):
             vc[rows, :, slots] = v.transpose(1, 2).to(vc.dtype)
             k, v = kc[:, :, :kv_len], vc[:, :, :kv_len]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        elif attend is not None:
+            out = attend(q, k, v)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
@@ -121,6 +159,10 @@ class Attention(nn.Module):
                                              enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim).index_select(0, packed.index)
         return self.o_proj(out)
+
+
+# A custom attention (`Decoder.forward(attend=...)`): q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> out [B, H, T, Dh].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -156,8 +198,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed)
+    def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None, attend=None):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,6 +277,7 @@ class Decoder(nn.Module):
         compute_logits: bool = True,
         keep: torch.Tensor | None = None,  # [B, T] bool, a prefix per row: only these tokens run (with a cache)
         num_keep: int | None = None,  # host-side keep.sum(), if the caller knows it (saves a host sync)
+        attend: Attend | None = None,  # no cache: this attention instead of the causal / document-masked one
     ) -> DecoderOutput:
         """One forward pass.
 
@@ -246,6 +289,9 @@ class Decoder(nn.Module):
         and LM head run on the kept tokens only, dropped tokens write no cache slot, and their logits / taps
         come back as zeros. Each row's kept tokens must be a prefix of it (a dropped token is never attended to
         by a kept one only because it comes after them); roll the cache back to at most the kept length.
+
+        `attend` (no cache, no `keep`, no `document_ids`: the callable brings its own mask) replaces every layer's
+        attention of the projected, rotated q, k, v (module docstring).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -255,6 +301,9 @@ class Decoder(nn.Module):
             if not 0 <= i < L:
                 raise ValueError(f"hidden layer id {i} out of range: ids are 0..{L - 1} "
                                  "(id i = output of decoder layer i)")
+        if attend is not None and (cache is not None or keep is not None or document_ids is not None):
+            raise ValueError("attend= replaces the attention of a cache-free forward and brings its own mask; do not "
+                             "pass cache=, keep= or document_ids= with it")
         dev = input_ids.device
         explicit_positions = positions is not None
         mask: torch.Tensor | None = None
@@ -294,7 +343,7 @@ class Decoder(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         wanted = set(hidden_layers)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, write_idx, kv_len)
+            x = layer(x, cos, sin, mask, cache, write_idx, kv_len, attend=attend)
             if i in wanted:
                 taps[i] = x
         if cache is not None:

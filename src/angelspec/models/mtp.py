@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
-from angelspec.models.decoder import DecoderLayer, RMSNorm
+from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
@@ -100,7 +100,7 @@ def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:
     return taps[0] if len(taps) == 1 else torch.cat(list(taps), dim=-1)
 
 
-class MTPDraftModel(DraftVocabulary, nn.Module):
+class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
     """Eq. 1–2 with the target's embedding and LM head passed in by reference (frozen, never saved).
 
     The base of the MTP family: a subclass (`models.eagle3.Eagle3DraftModel`) changes only how the depth input
@@ -124,7 +124,7 @@ class MTPDraftModel(DraftVocabulary, nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (inference only)
+        self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (`draft_head`)
 
     def build_fusion(self) -> None:
         """The modules that join the depth input (h, x̃) before F_θ; MTP: Eq. 1's norms and W_proj."""
@@ -182,12 +182,6 @@ class MTPDraftModel(DraftVocabulary, nn.Module):
         without one; index along it with `to_target_ids`)."""
         return self.draft_logits(self.norm(hidden))
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, Dh] (fp32 angles, like `rope_inv_freq`)."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def attention_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """`DecoderLayer.forward`'s attention residual: x [B, T, C], attn_out [B, H, T, Dh] -> [B, T, C]."""
         B, H, T, Dh = attn_out.shape
@@ -240,8 +234,9 @@ class MTPDraftModel(DraftVocabulary, nn.Module):
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
         key_pos = torch.arange(kv_len, device=dev)
         mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
-        write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
-        cos, sin = self.rope(slots, hidden.dtype)
+        write = slots.clamp(max=cache.capacity - 1)  # slots past the end hold only entries beyond num_new
+        write_idx = (torch.arange(B, device=dev)[:, None], write)
+        cos, sin = self.rope_at(write, cache.capacity, hidden.dtype)
         out = self.layer_forward(hidden, token_ids, cos, sin, mask, cache, write_idx, kv_len)
         cache.lengths += T if num_new is None else num_new
         return out

@@ -39,8 +39,9 @@ class DraftVocabulary:
     whose `config` has `vocab_size` and `draft_vocab_size` (0: the whole vocabulary).
 
     With one, the module holds a `draft_vocab` buffer of target ids (saved with its weights), and inference
-    multiplies only those LM-head rows: the head's cost falls by V / V'. Training always scores the whole
-    vocabulary. Call `_init_draft_vocab()` in `__init__` after `config` is set."""
+    multiplies only those LM-head rows: the head's cost falls by V / V'. Training scores the whole vocabulary, or
+    under train_vocab "draft" the same rows (`draft_logits`, whose gradient reaches h). Call `_init_draft_vocab()`
+    in `__init__` after `config` is set."""
 
     config: Any
     _shared: tuple[Any, ...]

@@ -40,6 +40,10 @@ no dropout, and the checkpoint holds the drafter's weights and the optimizer sta
 Data parallelism as in `train.mtp`: DDP (default under torchrun) or FSDP2 over the drafter only; anchors are
 drawn per global row, so N processes see the single-process batch; losses normalise over the global batch
 (checkpoints hold the optimizer state whole, keyed by parameter name: DDP and FSDP2 runs resume exactly).
+Sequence parallelism (`--sp N`, `block_forward_train`): each rank holds T/N context tokens of every row and the
+anchors among them; attention runs head-sharded over whole rows, the blocks' labels and teacher come from the shard
+plus a halo of B − 1 tokens (the target runs sequence-parallel too, the halo's teacher states come from the next
+rank; tested equal to one process).
 
 Output folder: `config.json` (`"angelspec": {"drafter": kind, "target_fingerprint": ..., "head": ...}`) and
 `model.safetensors` with the drafter's own weights (`models.block.io`).
@@ -71,7 +75,7 @@ from angelspec.models.block.config import (
 from angelspec.models.block.drafter import BlockDrafter, BlockTrainOutput
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
-from angelspec.models.block.targets import sample_anchors
+from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.mtp import concat_taps
 from angelspec.train.confidence import confidence_only_drafter, confidence_targets
@@ -92,6 +96,7 @@ from angelspec.train.losses import (
     with_confidence_term,
 )
 from angelspec.train.optim import build_adamw
+from angelspec.train.sequence_parallel import SequenceParallel, block_attention, shard_anchors
 
 # kind -> (default head, backbone conditioning, default objective)
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -161,6 +166,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             raise ConfigError(f"unknown context_injection {self.context_injection!r}; choose one of "
                               f"{', '.join(CONTEXT_INJECTIONS)} (or none: the kind's default)")
         self.loss_config()  # validates top_k, gamma and the coefficients
+        self.check_train_vocab(ConfigError, name_only=self.init_from is not None)  # init_from: the folder's vocabulary
         try:
             check_confidence_target(self.confidence_target, self.protocol_temperatures)
         except ConfigError as e:
@@ -295,6 +301,14 @@ def dfly_shipped() -> BlockDrafterTrainConfig:
                    ckpt_every=200, log_every=20, confidence_target="tv")
 
 
+def dfly_shipped_dv() -> BlockDrafterTrainConfig:
+    """`dfly_shipped` for a fresh run: trained on its 1024-token draft vocabulary (train_vocab "draft",
+    `train.losses` "Draft vocabulary": the head scores 1024 rows instead of 8192, the objective is the acceptance of
+    the drafter inference runs) and with a new run's "protocol" confidence head (`dfly_shipped` keeps "full" and
+    "tv", so that its run resumes unchanged)."""
+    return replace(dfly_shipped(), train_vocab="draft", confidence_target="protocol")
+
+
 def dflash_embedded() -> BlockDrafterTrainConfig:
     """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
     return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
@@ -365,6 +379,7 @@ def qwen3_8b_dspark() -> BlockDrafterTrainConfig:
 
 
 PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dfly_shipped": dfly_shipped,
+           "dfly_shipped_dv": dfly_shipped_dv,
            "dspark_shipped": dspark_shipped, "confidence_only": confidence_only, "dflash_embedded": dflash_embedded,
            "dflare_embedded": dflare_embedded, "dspark_embedded": dspark_embedded, "tiny_debug": tiny_debug,
            "qwen3_8b_dfly": qwen3_8b_dfly, "qwen3_8b_dspark": qwen3_8b_dspark}
@@ -423,24 +438,54 @@ def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor,
 
 def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher_logits: Tensor, *,
                              max_logits: int = 1 << 23, track_alpha: bool = False,
-                             confidence_targets: ConfidenceTargets | None = None) -> ChunkedLossBatch:
+                             confidence_targets: ConfidenceTargets | None = None,
+                             train_vocab: str = "full") -> ChunkedLossBatch:
     """`block_loss_batch` without the [R·N, K, V] logits: a `forward_train(compute_logits=False)` run's backbone
     states go through `model.head_logits` a chunk of anchors at a time (whole blocks, so the RNN head sees its K
     positions together), at most `max_logits` logits per chunk (`train.losses.ChunkedLossBatch`); the confidence
-    targets, too, come from each chunk's logits."""
+    targets, too, come from each chunk's logits. `train_vocab` "draft": the head scores the draft vocabulary only
+    and the losses run in the draft space (`train.losses.to_draft_space`); chunks stay sized by the teacher's
+    whole vocabulary."""
     t = out.targets
     R, N, K, _ = out.hidden.shape
     T, V = teacher_logits.shape[1:]
     prev = t.prev_tokens.flatten(0, 1)  # [R·N, K]
     src = (t.source_index + T * torch.arange(R, device=prev.device)[:, None, None]).flatten(0, 1)  # [R·N, K] flat
     flat_teacher = teacher_logits.reshape(R * T, V)
+    draft = train_vocab == "draft" and bool(model.config.draft_vocab_size)
     return ChunkedLossBatch(
         hidden=tuple(out.hidden.flatten(0, 1).unbind(1)),
-        head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False)[0],
+        head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False, draft_vocab=draft)[0],
         mask=t.valid.flatten(0, 1), chunk_rows=ChunkedLossBatch.rows_for(max_logits, K, V),
         teacher=lambda rows: flat_teacher[src[rows]], labels=t.labels.flatten(0, 1),
         confidence_logits=None if out.confidence_logits is None else out.confidence_logits.flatten(0, 1),
-        confidence_targets=confidence_targets, track_alpha=track_alpha)
+        confidence_targets=confidence_targets, track_alpha=track_alpha,
+        draft_vocab=model.draft_vocab if draft else None)
+
+
+def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
+                        sp: SequenceParallel | None = None, *, checkpoint_layers: bool = False) -> BlockTrainOutput:
+    """`model.forward_train` of a training step without logits (the trainer's head runs in chunks): taps [R, T, n·C]
+    of `batch`'s rows, anchors and valid [R, N] drawn on the whole rows (`row_anchors`).
+
+    Under sequence parallelism (`sp`, `train.sequence_parallel`) taps hold only this rank's shard [R, T/N, n·C]: the
+    backbone runs for the valid anchors inside the shard (`shard_anchors`, padded to the same count on every rank)
+    with the Ulysses attention over all ranks' anchors and the whole rows' context, and their labels, predecessors
+    and teacher positions come from the shard plus its halo of B − 1 tokens (`SequenceParallel.window`; index the
+    teacher logits of `sp.columns(T, B − 1)` with them)."""
+    if sp is None or not sp.enabled:
+        return model.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
+                                   loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
+                                   checkpoint_layers=checkpoint_layers)
+    Bk = model.config.block_size
+    mine = shard_anchors(anchors, valid, sp, batch.seq_len)
+    win = sp.window(batch, Bk - 1)
+    targets = block_targets(win.input_ids, mine.local, Bk, document_ids=win.document_ids, loss_mask=win.loss_mask,
+                            anchor_valid=mine.local_valid)
+    return model.forward_train(taps, sp.shard(batch.input_ids), sp.shard(batch.positions), mine.local,
+                               anchor_valid=mine.local_valid, compute_logits=False,
+                               checkpoint_layers=checkpoint_layers, targets=targets,
+                               block_attention=block_attention(sp, mine, Bk, batch.document_ids))
 
 
 def confidence_loss(confidence_logits: Tensor, targets: Tensor, mask: Tensor, denominator: Tensor) -> Tensor:
@@ -469,8 +514,8 @@ def check_init_from(cfg: BlockDrafterTrainConfig, out_dir: Path) -> None:
 def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, Any]:
     """Train the block-parallel drafter of `cfg` (kind `cfg.drafter`) for `job` (the `Trainer` arguments)."""
     check_init_from(cfg, job.out_dir)
-    run = start_run(job, batch_size=cfg.batch_size, error=ConfigError)
-    info = run.info
+    run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len, error=ConfigError)
+    info, sp = run.info, run.sp
     target, tok = run.frozen_target()
     tcfg = target.config
     # Everything about the design is checked before anything is written.
@@ -481,16 +526,19 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     else:
         mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
+    sp.check_heads(mcfg.layer_config().num_attention_heads)
+    cfg.check_train_vocab(ConfigError, draft_vocab_size=mcfg.draft_vocab_size)  # init_from: the folder's vocabulary
     run.clear_out_dir()
     rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
-                               data=job.data, enable_thinking=cfg.enable_thinking)
+                               data=job.data, enable_thinking=cfg.enable_thinking, sp=sp, halo=mcfg.block_size - 1,
+                               halo_what=f"B - 1 for blocks of {mcfg.block_size}")
 
     if cfg.init_from is None:
         model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
         model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
         model.to(dtype=target.embed_tokens.weight.dtype)
-    if mcfg.draft_vocab_size and cfg.init_from is None:  # inference only: training still scores the whole vocabulary
+    if mcfg.draft_vocab_size and cfg.init_from is None:  # inference drafts from it; training too under "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         model.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
@@ -503,18 +551,17 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     def chunk_targets(m: BlockDrafter, lb: LossBatch) -> Tensor:
         """What the confidence head is fitted to (`train.confidence`), from a chunk's logits, detached."""
         return confidence_targets(mcfg, lb.student_logits.detach(), lb.teacher_logits, lb.mask, cfg.top_k,
-                                  m.draft_vocab if mcfg.draft_vocab_size else None)
+                                  m.draft_vocab if mcfg.draft_vocab_size else None,
+                                  draft_columns=lb.draft_vocab is not None)
 
     def forward_loss(m: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
                      teacher: Tensor, step: int, log_alpha: bool) -> tuple[Tensor, Tensor]:
         """Backbone, head and loss in one forward, in memory linear in T: no mask, no [R·N, K, V] logits
         (`anchored_block_attention`, `block_chunked_loss_batch`); inside the wrapped forward, where FSDP2 has the
         parameters gathered. -> (this rank's share of the loss, α per block position or [])."""
-        o = m.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
-                            loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
-                            checkpoint_layers=cfg.activation_checkpointing)
+        o = block_forward_train(m, taps, batch, anchors, valid, sp, checkpoint_layers=cfg.activation_checkpointing)
         clb = block_chunked_loss_batch(m, o, teacher, track_alpha=log_alpha,
-                                       confidence_targets=lambda lb: chunk_targets(m, lb))
+                                       confidence_targets=lambda lb: chunk_targets(m, lb), train_vocab=cfg.train_vocab)
         lo = scheduled_loss(schedule, step, clb, info, objective_at(step))
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 
@@ -524,15 +571,17 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective,
             "confidence_target": mcfg.confidence_target}
     global_rows = list(range(cfg.batch_size))
-    if info.enabled:
-        global_rows = shard_rows(global_rows, info)
+    if sp.dp.enabled:
+        global_rows = shard_rows(global_rows, sp.dp)  # an SP group's ranks draw the same anchors
     step, model_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head),
         lambda m, p: save_block_drafter(m, p, meta), opt)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        taps, teacher_logits = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
+        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
+        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        taps, teacher_logits = features(batch, idx)
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
         loss, alpha = wrapped(concat_taps(taps), batch, anchors, anchor_valid, teacher_logits, step,
                               logs_after(step + 1, cfg))

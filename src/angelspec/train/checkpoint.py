@@ -54,10 +54,11 @@ RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing")
 # Settings a checkpoint may predate, with the value that reproduces how such a run trained: a checkpoint whose
 # train_config lacks one reads as having that value, so a run started before the setting existed resumes when the
-# setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv).
+# setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv; a drafter
+# begun before `train_vocab` scored the whole vocabulary: train_vocab=full, and is refused under train_vocab=draft).
 PREDATED_SETTINGS: dict[str, Any] = {"confidence_target": "tv",
                                      "confidence_temperatures": list(DEFAULT_CONFIDENCE_TEMPERATURES),
-                                     "init_from": None, "only": None}
+                                     "init_from": None, "only": None, "train_vocab": "full"}
 OPTIMIZER_STATE = "optimizer.pt"
 
 

@@ -14,10 +14,13 @@ needs to be drawn). A "tv" head (DSpark §3.2, and every folder written before t
 α = 1 − TV(p, q), the acceptance of STANDARD speculative sampling of a draft sampled from q at T = 1 — which is not
 what any confidence-driven policy verifies.
 
-x is the draft inference would propose: the argmax over the drafter's draft vocabulary when it has one (training
-scores the whole vocabulary; inference only the draft vocabulary's rows), mapped back to target ids. The student
-logits are the teacher-forced ones (the predecessor is the clean token), as for α. Top-k / top-p sampling is not
-modelled: with top-p < 1 the target's p_T(x) after truncation is somewhat larger than the head predicts.
+x is the draft inference would propose: the argmax over the drafter's draft vocabulary when it has one (under
+train_vocab "full" training scores the whole vocabulary, inference only the draft vocabulary's rows; under "draft"
+the student logits cover only those rows, `draft_columns`), mapped back to target ids. A "tv" head's α under
+train_vocab "draft" is the draft space's (`train.losses.to_draft_space`): q is zero outside the draft vocabulary.
+The student logits are the teacher-forced ones (the predecessor is the clean token), as for α. Top-k / top-p
+sampling is not modelled: with top-p < 1 the target's p_T(x) after truncation is somewhat larger than the head
+predicts.
 
 Confidence-only runs (`confidence_only_drafter`): the drafter of an existing block-drafter folder, its backbone and
 head frozen, the confidence head (and the confidence head's own W1, when it has one) trainable. A "tv" head or a
@@ -43,27 +46,30 @@ from angelspec.models.block.heads import temperature_weights
 from angelspec.models.block.io import load_block_drafter, read_block_config
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import Decoder
-from angelspec.train.losses import token_alpha
+from angelspec.train.losses import draft_space_student, draft_space_teacher, token_alpha
 
 # Parameters a confidence-only run trains: the head's projection and, for heads without a Markov W1, its own W1.
 CONFIDENCE_PARAMETERS = ("confidence.", "confidence_embed.")
 
 
-def argmax_drafts(student_logits: Tensor, draft_vocab: Tensor | None = None) -> Tensor:
+def argmax_drafts(student_logits: Tensor, draft_vocab: Tensor | None = None, *, draft_columns: bool = False) -> Tensor:
     """The drafts inference proposes: student logits [M, V] over the whole vocabulary -> target ids [M], the argmax
-    over the draft vocabulary `draft_vocab` [V'] (target ids) when given, else over all of V."""
+    over the draft vocabulary `draft_vocab` [V'] (target ids) when given, else over all of V. `draft_columns`: the
+    logits are [M, V'] over `draft_vocab`'s ids already (train_vocab "draft")."""
     if draft_vocab is None:
         return student_logits.argmax(dim=-1)
+    if draft_columns:
+        return draft_vocab[student_logits.argmax(dim=-1)]
     return draft_vocab[student_logits.index_select(-1, draft_vocab).argmax(dim=-1)]
 
 
 @torch.no_grad()
 def protocol_acceptance(student_logits: Tensor, teacher_logits: Tensor, temperatures: Sequence[float],
-                        draft_vocab: Tensor | None = None) -> Tensor:
+                        draft_vocab: Tensor | None = None, *, draft_columns: bool = False) -> Tensor:
     """The acceptance of the argmax draft x under the deterministic-draft protocol, per temperature (module
     docstring): student / teacher logits [M, V] -> [M, n] float32 (float64 for float64 logits), column j =
-    1[x = argmax p] for T_j = 0, p_{T_j}(x) for T_j > 0."""
-    x = argmax_drafts(student_logits, draft_vocab)[:, None]  # [M, 1]
+    1[x = argmax p] for T_j = 0, p_{T_j}(x) for T_j > 0. `draft_columns`: as `argmax_drafts`."""
+    x = argmax_drafts(student_logits, draft_vocab, draft_columns=draft_columns)[:, None]  # [M, 1]
     p = teacher_logits.detach().to(torch.promote_types(teacher_logits.dtype, torch.float32))
     cols = []
     for t in temperatures:
@@ -76,15 +82,20 @@ def protocol_acceptance(student_logits: Tensor, teacher_logits: Tensor, temperat
 
 @torch.no_grad()
 def confidence_targets(config: BlockDrafterConfig, student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
-                       top_k: int | None = None, draft_vocab: Tensor | None = None) -> Tensor:
+                       top_k: int | None = None, draft_vocab: Tensor | None = None, *,
+                       draft_columns: bool = False) -> Tensor:
     """What `config`'s confidence head is fitted to at every (anchor, position): logits [N, K, V], mask [N, K] ->
     [N, K] α = 1 − TV on the teacher's top-`top_k` support ("tv") or [N, K, n] (`protocol_acceptance`,
-    "protocol"); 0 where the mask is False."""
+    "protocol"); 0 where the mask is False. `draft_columns` (train_vocab "draft"): the student logits are
+    [N, K, V'] over `draft_vocab`'s ids, and α is the draft space's."""
     s, t = student_logits[mask], teacher_logits[mask]  # [M, V]
     if config.confidence_target == "tv":
+        if draft_columns:
+            s, t = draft_space_student(s), draft_space_teacher(t, draft_vocab)
         rows = token_alpha(s, t, top_k)  # [M]
     else:
-        rows = protocol_acceptance(s, t, config.confidence_temperatures, draft_vocab)  # [M, n]
+        rows = protocol_acceptance(s, t, config.confidence_temperatures, draft_vocab,
+                                   draft_columns=draft_columns)  # [M, n]
     out = rows.new_zeros(*mask.shape, *rows.shape[1:])
     out[mask] = rows
     return out

@@ -20,6 +20,9 @@ from typing import Any, Protocol, TypeVar
 
 C = TypeVar("C")
 
+# What a drafter with a draft vocabulary is trained to score (`DrafterRunConfig.train_vocab`).
+TRAIN_VOCABS = ("full", "draft")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -74,11 +77,27 @@ class DrafterRunConfig(RunConfig):
     init_std: float = 0.02
     features: str | None = None  # an offline feature cache (`angelspec features`) instead of the target forward
     draft_vocab_size: int = 0  # >0: inference drafts from the N most frequent trained-on tokens (data.vocab)
+    # "full": training scores the whole vocabulary (the draft vocabulary is applied at inference only); "draft" (needs
+    # draft_vocab_size): the drafter's head scores only the draft vocabulary, and the losses see the teacher on it
+    # plus one bucket for the mass outside it (train.losses "Draft vocabulary"): the acceptance of the drafter
+    # inference runs, and an LM head draft_vocab_size / vocab_size as large in every training step.
+    train_vocab: str = "full"
 
     def layer_shape(self) -> dict[str, int | None]:
         """The draft layers' shape overrides, as the keyword arguments of the models' `for_target`."""
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
+
+    def check_train_vocab(self, error: type[Exception] = ValueError, *, draft_vocab_size: int | None = None,
+                          name_only: bool = False) -> None:
+        """Raise `error` for an unknown `train_vocab`, or "draft" without a draft vocabulary (`draft_vocab_size`:
+        the drafter's, when it does not come from this config; `name_only`: not known yet, check the name only)."""
+        if self.train_vocab not in TRAIN_VOCABS:
+            raise error(f"unknown train_vocab {self.train_vocab!r}; choose one of {', '.join(TRAIN_VOCABS)}")
+        size = self.draft_vocab_size if draft_vocab_size is None else draft_vocab_size
+        if self.train_vocab == "draft" and not size and not name_only:
+            raise error("train_vocab=draft trains the drafter on its draft vocabulary, and this drafter has none: set "
+                        "draft_vocab_size=N (e.g. 1024) or train_vocab=full")
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         """Settings a checkpoint written before they existed lacks, with the value its run had (as far as this
@@ -98,11 +117,13 @@ class Trainer(Protocol):
     `config` None takes the trainer's default preset; `resume` continues from the newest checkpoint, `force`
     overwrites an existing model; `max_minutes` stops at a checkpoint when the time runs out; `log` receives
     the progress lines (rank 0 only); `distributed`: "auto"/None (DDP under a multi-process torchrun, else one
-    process), "none", "ddp" or "fsdp2" (`train.distributed`)."""
+    process), "none", "ddp" or "fsdp2" (`train.distributed`); `sp`: the sequence-parallel group size (1 = none;
+    `train.sequence_parallel`; the drafter trainers of the MTP family and the block drafters)."""
 
     def __call__(self, target_dir: str | Path, data: str | Path, out_dir: str | Path, *, config: Any = None,
                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                 log: Callable[[str], None] = print, distributed: str | None = None) -> dict[str, Any]: ...
+                 log: Callable[[str], None] = print, distributed: str | None = None, sp: int = 1
+                 ) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,7 @@ class TrainJob:
     max_minutes: float | None = None
     log: Callable[[str], None] = print
     distributed: str | None = None
+    sp: int = 1  # sequence-parallel group size
 
 
 def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[], C], name: str,
@@ -125,9 +147,9 @@ def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[],
     """The `Trainer` called `name` (docstring `doc`) that runs `body(job, config or default())`."""
 
     def train(target_dir, data, out_dir, *, config=None, resume=False, force=False, progress=True,
-              max_minutes=None, log=print, distributed=None) -> dict[str, Any]:
+              max_minutes=None, log=print, distributed=None, sp=1) -> dict[str, Any]:
         job = TrainJob(Path(target_dir), Path(data), Path(out_dir), resume, force, progress, max_minutes, log,
-                       distributed)
+                       distributed, sp)
         return body(job, default() if config is None else config)
 
     train.__name__ = train.__qualname__ = name

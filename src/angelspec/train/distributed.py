@@ -22,6 +22,9 @@ The torchtitan habit: a trainer builds its model first and applies parallelism a
 7. Resuming: every rank reads the checkpoint's whole weights and keeps its part (`load_full_state_dict`); the
    optimizer state is saved whole, keyed by parameter name, and re-sharded the same way
    (`train.checkpoint.optimizer_state` / `load_optimizer_state` with `model=`), so an FSDP2 run resumes exactly.
+
+Sequence parallelism (`train.sequence_parallel`) sits on top: groups of N ranks share rows and split their tokens;
+DDP / FSDP2 still span all ranks and the row slices go to the groups (`SequenceParallel.dp`).
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_safetensors_atomic, write_json_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
 from angelspec.train.distributed import DistInfo
+from angelspec.train.sequence_parallel import NO_SP, SequenceParallel, target_forward
 from angelspec.train.stream import FeatureStream, FileFeatureStream, StreamPlan
 
 CACHE_FORMAT = "angelspec-features/1"
@@ -521,10 +522,11 @@ class TargetFeatures:
 
     def __init__(self, target: Decoder, layer_ids: list[int] | tuple[int, ...],
                  cache: OfflineFeatureCache | None = None, stream: FeatureStream | None = None,
-                 plan: dict[str, Any] | None = None) -> None:
+                 plan: dict[str, Any] | None = None, sp: SequenceParallel = NO_SP, halo: int = 0) -> None:
         self.target, self.layer_ids, self.cache, self.stream = target, tuple(layer_ids), cache, stream
         self.last = target.config.num_hidden_layers - 1
         self._plan, self._step = plan, 0  # a stream's plan, less the batch split that `start` adds
+        self.sp, self.halo = sp, halo  # sequence parallelism: this rank's shard, the teacher's halo after it
 
     @property
     def source(self) -> str:
@@ -548,12 +550,32 @@ class TargetFeatures:
 
     @torch.no_grad()
     def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32."""
-        t = self.target
+        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32.
+
+        Under sequence parallelism (`sp`, `train.sequence_parallel`): the taps of this rank's shard [B, T/N, D] and
+        the teacher logits of the shard plus its `halo` [B, T/N + h, V] (h = `halo`, 0 on the last rank). Online,
+        the target runs on the shard only (`target_forward`: Ulysses attention over the whole row); from a cache the
+        shard is read out of the whole rows. Either way the halo's final-norm states come from the next rank
+        (`SequenceParallel.halo_from_next`: the hidden size a position, not V logits) and the LM head runs on
+        shard + halo."""
+        t, sp = self.target, self.sp
         if self.cache is None and self.stream is None:
-            out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                    hidden_layers=self.layer_ids)
-            return list(out.hidden), out.logits
+            if sp.enabled:
+                out = target_forward(sp, t, batch, self.layer_ids)
+            else:
+                out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
+                        hidden_layers=self.layer_ids, compute_logits=False)
+            taps, last = list(out.hidden), out.last_hidden
+        else:
+            taps, last = self._stored(batch, rows)
+        if sp.enabled:
+            last = torch.cat([last, sp.halo_from_next(last, self.halo)], dim=1)
+        return taps, t.lm_head(last).float()
+
+    def _stored(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The taps and the final-norm states of `batch` from the cache or the stream (this rank's shard of them
+        under sequence parallelism), after checking they hold these rows and tokens."""
+        t, sp = self.target, self.sp
         dev = batch.input_ids.device
         if self.cache is not None:
             fb = self.cache.rows(rows, sorted({*self.layer_ids, self.last})).to(dev)
@@ -568,7 +590,9 @@ class TargetFeatures:
             self._step += 1
         if have_rows != rows or not torch.equal(input_ids, batch.input_ids):
             raise FeatureCacheError(f"{where} holds other rows or tokens than this run's packed rows {rows}; {fix}")
-        return [hidden[i] for i in self.layer_ids], t.lm_head(t.norm(hidden[self.last])).float()
+        if sp.enabled:
+            hidden = {i: sp.shard(h) for i, h in hidden.items()}
+        return [hidden[i] for i in self.layer_ids], t.norm(hidden[self.last])
 
 
 def open_stream(spec: str) -> FeatureStream | None:
@@ -593,28 +617,35 @@ def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: l
 
 
 def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None, rows: PackedRows, *,
-                    target_dir: Path, data: Path, enable_thinking: bool) -> TargetFeatures:
+                    target_dir: Path, data: Path, enable_thinking: bool, sp: SequenceParallel = NO_SP,
+                    halo: int = 0, halo_what: str = "") -> TargetFeatures:
     """The features of a training run: online when `cache_dir` is None, a feature stream when it is `stream:DIR`
     or `ray:NAME` (`open_stream`; its servers check the target and data against the run's plan),
     else the cache at `cache_dir` after checking that it was made from this target (fingerprint), this packed
     dataset (rows, seq_len, tokens) and holds `layer_ids` plus the last layer; FeatureCacheError (with the
-    command that makes a matching cache) otherwise."""
+    command that makes a matching cache) otherwise. Sequence parallelism: this rank's shard and the teacher's `halo`
+    after it (`halo_what` says why that many, for the error when a shard is shorter); online, the target's query
+    heads must divide over the SP ranks (UsageError otherwise)."""
+    if sp.enabled:
+        sp.check_halo(rows.packed.seq_len, halo, halo_what)
     if cache_dir is None:
-        return TargetFeatures(target, layer_ids)
+        if sp.enabled:
+            sp.check_heads(target.config.num_attention_heads, "target")
+        return TargetFeatures(target, layer_ids, sp=sp, halo=halo)
     need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
     stream = open_stream(cache_dir)
     if stream is not None:
         plan = {"target_fingerprint": model_fingerprint(target), "layer_ids": tuple(need),
                 "dataset": dataset_identity(rows.packed, source=str(data)), "enable_thinking": enable_thinking,
                 "seed": rows.seed}
-        return TargetFeatures(target, layer_ids, stream=stream, plan=plan)
+        return TargetFeatures(target, layer_ids, stream=stream, plan=plan, sp=sp, halo=halo)
     try:
         cache = OfflineFeatureCache.open(cache_dir, target=target)
         cache.require(need, dataset_identity(rows.packed))
     except FeatureCacheError as e:
         fix = features_command(target_dir, data, cache_dir, need, rows.packed.seq_len, enable_thinking)
         raise FeatureCacheError(f"features={cache_dir}: {e}. Make a matching cache with: {fix}") from None
-    return TargetFeatures(target, layer_ids, cache)
+    return TargetFeatures(target, layer_ids, cache, sp=sp, halo=halo)
 
 
 def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
+from angelspec.errors import UsageError
 from angelspec.fileio import replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
@@ -55,6 +56,7 @@ from angelspec.train.losses import (
     global_denominators,
 )
 from angelspec.train.optim import cosine_lr, set_lr
+from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 if TYPE_CHECKING:
     from angelspec.train.features import TargetFeatures
@@ -77,6 +79,7 @@ class TrainRun:
     strategy: Strategy
     log: Callable[[str], None]  # `silent` on ranks other than 0
     t0: float
+    sp: SequenceParallel = SequenceParallel()  # the sequence-parallel group (size 1: none)
 
     @property
     def main(self) -> bool:
@@ -128,6 +131,8 @@ class TrainRun:
         all ranks meet. The caller drops its DDP / FSDP2 wrapper and calls `shutdown` after this."""
         if self.info.enabled:
             report.update(distributed=self.strategy, world_size=self.info.world_size)
+        if self.sp.enabled:
+            report.update(sequence_parallel=self.sp.size)
         if self.main:
             if write_model is not None:
                 write_model()
@@ -136,16 +141,24 @@ class TrainRun:
         return report
 
 
-def start_run(job: TrainJob, *, batch_size: int, error: type[Exception] = ValueError) -> TrainRun:
+def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
+              error: type[Exception] = ValueError) -> TrainRun:
     """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
-    the global `batch_size` divides over the processes (else `error`) and that `job.out_dir` may be written
-    (`check_out_dir`)."""
+    the global `batch_size` divides over the data-parallel ranks (else `error`) and that `job.out_dir` may be
+    written (`check_out_dir`). `seq_len`: the row length a sequence-parallel run (`job.sp` > 1) shards, which must
+    divide by `job.sp`; None: the trainer has no sequence parallelism and refuses `job.sp` > 1."""
+    if job.sp != 1 and seq_len is None:
+        raise UsageError(f"--sp {job.sp}: sequence parallelism trains the MTP family and the block drafters, not "
+                         "this model; drop --sp")
     info = init_distributed()
     strategy = resolve_strategy(job.distributed, info)
-    if batch_size % info.world_size:
-        raise error(f"batch_size={batch_size} is the global batch and must divide over {info.world_size} "
-                    "processes")
-    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time())
+    sp = init_sequence_parallel(job.sp, info, strategy)
+    if seq_len is not None and sp.enabled:
+        sp.bounds(seq_len)
+    dp = sp.dp.world_size
+    if batch_size % dp:
+        raise error(f"batch_size={batch_size} is the global batch and must divide over {dp} data-parallel ranks")
+    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time(), sp)
     check_out_dir(run.out_dir, resume=job.resume, force=job.force)
     return run
 
@@ -279,6 +292,9 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     `features` (the ones `step_loss` reads) is told where the loop starts and stops, which a feature stream needs
     (`TargetFeatures.start` / `.finish`)."""
     info = run.info
+    if features is not None and features.stream is not None and run.sp.enabled:
+        raise UsageError(f"--sp {run.sp.size} does not read a feature stream yet (features={features.source}); train "
+                         "with the target in the step or from an offline cache (features=DIR)")
     if features is not None:
         features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)
@@ -291,7 +307,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     losses: list[float] = []
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
-        idx = rows.local_rows(step, cfg.batch_size, info)
+        idx = rows.local_rows(step, cfg.batch_size, run.sp.dp)  # an SP group's ranks read the same rows
         batch = rows.take(idx)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
@@ -301,7 +317,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
         gnorm = clip_gradients(model.parameters(), cfg.grad_clip, run.strategy)
         opt.step()
         step += 1
-        tok_seen += batch.num_tokens
+        tok_seen += run.sp.shard_tokens(batch)
         losses.append(loss.item())  # host sync: once per step, for the log
         bar.update(1)
         if logs_after(step, cfg):

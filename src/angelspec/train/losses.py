@@ -44,6 +44,27 @@ vocabulary and KL_S is the full KL. TV and α use the same pair (p̃, q):
 
 the exact TV between p̃ and the full student, computed without materialising q off S.
 
+Draft vocabulary (train_vocab "draft")
+--------------------------------------
+A drafter with a draft vocabulary V' (`models.vocab.DraftVocabulary`) proposes only tokens of V'. Trained under
+train_vocab "draft", its head scores only V' (`LossBatch.draft_vocab`: the student logits are [N, K, V'], the
+teacher logits stay [N, K, V]), and every objective runs in the draft space of V' + 1 atoms (`to_draft_space`): the
+teacher is p on V' plus one "outside" atom holding 1 − Σ_{V'} p (`draft_space_teacher`, computed once, detached),
+the student is q on V' with zero mass outside (a −inf logit). Then
+
+    α = Σ_{v∈V'} min(p(v), q(v)),    TV = ½ (Σ_{v∈V'} |p(v) − q(v)| + p(outside)) = 1 − α
+
+are exactly α and TV over the whole vocabulary with q = 0 outside V': the acceptance of the drafter inference
+runs. LK^α, e2e TV, the TV part of LK^λ, D-PACE's products and DSpark's L_TV and confidence target follow from α.
+What has no finite value with q = 0 outside V' is defined instead:
+- KL (Eq. 3, and LK^λ's KL part) is taken against p renormalised on V' (the outside atom left out), so it pulls
+  q towards the teacher's shape inside V'; how much mass falls outside is what TV / α see.
+- hard-label CE ("ce", DSpark's CE term) leaves out rows whose label lies outside V' (they count for α / TV);
+  "ce" averages over the rows it keeps, DSpark's CE shares the position-weight denominator of its other terms.
+- D-PACE's confidence s = q(y) is 0 for a label outside V' (what the drafter gives it), so s̃ = ρ there.
+With top_k the support is the teacher's top-K of the V' + 1 atoms (the outside atom may be among them). With V'
+the whole vocabulary every loss equals the full-vocabulary one (tested).
+
 Data parallelism
 ----------------
 Every loss is Σ (per-token terms) / (a detached count or weight sum over the batch). Under DDP / FSDP2 each
@@ -137,6 +158,11 @@ class LossBatch:
     labels: Tensor | None = None  # [N, K] int, ground-truth token ids (any value where mask is False)
     confidence_logits: Tensor | None = None  # [N, K] DSpark confidence-head logits (pre-sigmoid), or [N, K, n]
     confidence_targets: Tensor | None = None  # same shape: what the head is fitted to (None: α of each position)
+    # train_vocab "draft": the target ids [V'] of student_logits' columns, the drafter's draft vocabulary (q = 0 at
+    # every other id); teacher_logits and labels stay over / in the whole vocabulary. Every objective then runs in
+    # the draft space (`to_draft_space`; "Draft vocabulary" in the module docstring).
+    draft_vocab: Tensor | None = None
+    in_draft_space: bool = False  # the vocabulary axis is V' plus the outside column (`to_draft_space`'s output)
 
 
 class LossOutput(NamedTuple):
@@ -207,25 +233,34 @@ def _unrows(values: Tensor, mask: Tensor) -> Tensor:
 class _Support(NamedTuple):
     log_p: Tensor  # [M, S] teacher log-probs renormalised on the support (detached)
     log_q: Tensor  # [M, S] student log-probs over the full vocabulary, gathered on the support
+    kl_log_p: Tensor  # [M, S] the teacher KL compares against: log_p, or in the draft space log_p without the
+    #                   outside column, renormalised ("Draft vocabulary" in the module docstring)
 
 
-def _support(student_logits: Tensor, teacher_logits: Tensor, top_k: int | None) -> _Support:
-    """Teacher and student log-probs on the teacher's top-K support (module docstring); rows [M, V]."""
+def _support(student_logits: Tensor, teacher_logits: Tensor, top_k: int | None, outside: bool = False) -> _Support:
+    """Teacher and student log-probs on the teacher's top-K support (module docstring); rows [M, V]. `outside`: the
+    last column is the draft space's outside bucket (`to_draft_space`)."""
     dtype = _compute_dtype(student_logits, teacher_logits)
     teacher_logits = teacher_logits.detach()
     if top_k is None:
-        return _Support(F.log_softmax(teacher_logits.to(dtype), -1), F.log_softmax(student_logits.to(dtype), -1))
-    top_logits, ids = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1, sorted=False)  # [M, S]
-    log_p = F.log_softmax(top_logits.to(dtype), -1)
-    log_z = torch.logsumexp(student_logits.to(dtype), -1, keepdim=True)  # [M, 1], the one full-V fp32 pass
-    log_q = student_logits.gather(-1, ids).to(dtype) - log_z
-    return _Support(log_p, log_q)
+        log_p, log_q = F.log_softmax(teacher_logits.to(dtype), -1), F.log_softmax(student_logits.to(dtype), -1)
+        bucket = None if not outside else torch.arange(log_p.shape[-1], device=log_p.device) == log_p.shape[-1] - 1
+    else:
+        top_logits, ids = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1, sorted=False)  # [M, S]
+        log_p = F.log_softmax(top_logits.to(dtype), -1)
+        log_z = torch.logsumexp(student_logits.to(dtype), -1, keepdim=True)  # [M, 1], the one full-V fp32 pass
+        log_q = student_logits.gather(-1, ids).to(dtype) - log_z
+        bucket = None if not outside else ids == teacher_logits.shape[-1] - 1
+    if bucket is None:
+        return _Support(log_p, log_q, log_p)
+    kl_log_p = F.log_softmax(log_p.masked_fill(bucket, float("-inf")), -1)
+    return _Support(log_p, log_q, kl_log_p.masked_fill(kl_log_p.isnan(), float("-inf")))  # NaN: nothing but bucket
 
 
 def _kl(s: _Support) -> Tensor:
-    """[M] Σ p̃ (log p̃ − log q); entries with p̃ = 0 contribute 0 even where a log-prob is −inf."""
-    p = s.log_p.exp()
-    return torch.where(p > 0, p * (s.log_p - s.log_q), 0.0).sum(-1)
+    """[M] Σ p̃ (log p̃ − log q) with p̃ = `kl_log_p`; entries with p̃ = 0 contribute 0 even where a log-prob is −inf."""
+    p = s.kl_log_p.exp()
+    return torch.where(p > 0, p * (s.kl_log_p - s.log_q), 0.0).sum(-1)
 
 
 def _alpha(s: _Support) -> Tensor:
@@ -329,7 +364,8 @@ def cross_entropy(student_logits: Tensor, labels: Tensor, mask: Tensor,
 
 
 def _ce_values(student_logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
-    """Per-(row, depth) CE [N, K], 0 where masked."""
+    """Per-(row, depth) CE [N, K], 0 where masked (in the draft space, pass `_label_mask`: a label outside the draft
+    vocabulary has q = 0, so no finite CE)."""
     _check(student_logits, mask, labels=labels)
     return _unrows(token_ce(student_logits[mask], labels[mask]), mask)
 
@@ -343,10 +379,11 @@ def forward_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
     return _depth_mean(_kl_values(student_logits, teacher_logits, mask, top_k), mask, depth_weights)
 
 
-def _kl_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None) -> Tensor:
-    """Per-(row, depth) KL_S [N, K], 0 where masked."""
+def _kl_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None,
+               outside: bool = False) -> Tensor:
+    """Per-(row, depth) KL_S [N, K], 0 where masked (`outside`: the draft space's, `_support`)."""
     _check(student_logits, mask, teacher_logits)
-    return _unrows(_kl(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)
+    return _unrows(_kl(_support(student_logits[mask], teacher_logits[mask], top_k, outside)), mask)
 
 
 def tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -379,10 +416,10 @@ def lk_lambda_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
 
 
 def _lk_lambda_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None,
-                      eta: float) -> Tensor:
-    """Per-(row, depth) LK^λ [N, K], 0 where masked."""
+                      eta: float, outside: bool = False) -> Tensor:
+    """Per-(row, depth) LK^λ [N, K], 0 where masked (`outside`: the draft space's, `_support`)."""
     _check(student_logits, mask, teacher_logits)
-    return _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k), eta), mask)
+    return _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k, outside), eta), mask)
 
 
 def lk_alpha_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -461,11 +498,12 @@ def dpace_lk_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor
 
 
 def _dpace_lk_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
-                   top_k: int | None, eta: float, rho: float) -> LossSums:
-    """Eq. 18's row sums: Σ sg[w̄]·L^λ_LK [1] and Σ sg[w̄] [1] (w̄ is per row, over its depths only)."""
+                   top_k: int | None, eta: float, rho: float, outside: bool = False) -> LossSums:
+    """Eq. 18's row sums: Σ sg[w̄]·L^λ_LK [1] and Σ sg[w̄] [1] (w̄ is per row, over its depths only). In the draft
+    space (`outside`) a label outside the draft vocabulary has s = q(y) = 0, so s̃ = ρ there."""
     _check(student_logits, mask, teacher_logits, labels)
     w = dpace_weights(student_logits, labels, mask, rho)  # [N, K], detached
-    lk = _lk_lambda_values(student_logits, teacher_logits, mask, top_k, eta)
+    lk = _lk_lambda_values(student_logits, teacher_logits, mask, top_k, eta, outside)
     w = w.to(lk.dtype)
     return LossSums((w * lk).sum()[None], w.sum()[None])
 
@@ -496,8 +534,9 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
 
 def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
                  confidence_logits: Tensor | None, top_k: int | None, gamma: float | None, tv_norm: str = "l1",
-                 confidence_targets: Tensor | None = None) -> LossSums:
-    """The DSpark terms' row sums: Σ w·CE, Σ w·L_TV (and Σ w·BCE with a confidence head) [2|3], and Σ w [1]."""
+                 confidence_targets: Tensor | None = None, ce_mask: Tensor | None = None) -> LossSums:
+    """The DSpark terms' row sums: Σ w·CE, Σ w·L_TV (and Σ w·BCE with a confidence head) [2|3], and Σ w [1].
+    `ce_mask` (default `mask`): the rows the CE term covers (`_label_mask`)."""
     if tv_norm not in TV_NORMS:
         raise ValueError(f"unknown tv_norm {tv_norm!r}; choose one of {', '.join(TV_NORMS)}")
     _check(student_logits, mask, teacher_logits, labels)
@@ -505,7 +544,10 @@ def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
     if confidence_logits is not None and confidence_logits.shape[:2] != (n, depth):
         raise ValueError(f"confidence_logits must be [N, K] = [{n}, {depth}], got {tuple(confidence_logits.shape)}")
     rows_s = student_logits[mask]  # [M, V]
-    ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
+    if ce_mask is None:
+        ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
+    else:
+        ce = _unrows(token_ce(student_logits[ce_mask], labels[ce_mask]), ce_mask)
     alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
     tv = (TV_NORMS[tv_norm] * (1.0 - alpha)) * mask  # ‖p − q‖₁ = 2·TV ("l1") or TV ("half_l1")
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
@@ -560,6 +602,59 @@ def _acceptance_sums(student_logits: Tensor, teacher_logits: Tensor, mask: Tenso
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Draft vocabulary: losses over V' columns plus one outside column (module docstring)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def draft_space_teacher(teacher_logits: Tensor, draft_vocab: Tensor) -> Tensor:
+    """The teacher in the draft space, detached: logits [..., V] -> log-probs [..., V' + 1]: log p at the ids of
+    `draft_vocab` [V'] in its order, then the log of the mass outside them, 1 − Σ_{V'} p (≈ 0 for V' = V)."""
+    t = teacher_logits.detach().to(_compute_dtype(teacher_logits))
+    inside = t.index_select(-1, draft_vocab) - t.logsumexp(-1, keepdim=True)
+    outside = torch.log((-torch.expm1(inside.logsumexp(-1, keepdim=True))).clamp_min(0))
+    return torch.cat([inside, outside], -1)
+
+
+def draft_space_student(student_logits: Tensor) -> Tensor:
+    """The drafter in the draft space: logits over V' [..., V'] -> [..., V' + 1], −inf in the outside column."""
+    return torch.cat([student_logits, student_logits.new_full((*student_logits.shape[:-1], 1), float("-inf"))], -1)
+
+
+def draft_space_labels(labels: Tensor, draft_vocab: Tensor) -> Tensor:
+    """Target ids [...] -> their index along `draft_vocab` [V'], V' (the outside column) for an id outside it."""
+    ordered, order = draft_vocab.sort()
+    at = torch.searchsorted(ordered, labels.contiguous()).clamp_max(ordered.numel() - 1)
+    return torch.where(ordered[at] == labels, order[at], ordered.numel())
+
+
+def to_draft_space(batch: LossBatch) -> LossBatch:
+    """A batch whose student covers a draft vocabulary only (`LossBatch.draft_vocab`) in the draft space: student
+    [N, K, V' + 1] (`draft_space_student`), teacher log-probs [N, K, V' + 1] on the valid rows (zeros elsewhere;
+    `draft_space_teacher`), labels as indices along it (`draft_space_labels`). Any other batch as it is."""
+    v = batch.draft_vocab
+    if v is None:
+        return batch
+    if batch.student_logits.shape[-1] != v.numel():
+        raise ValueError(f"student logits over {batch.student_logits.shape[-1]} ids for a draft vocabulary of "
+                         f"{v.numel()}")
+    teacher = batch.teacher_logits
+    if teacher is not None:
+        rows = draft_space_teacher(teacher[batch.mask], v)  # [M, V' + 1]
+        teacher = rows.new_zeros(*batch.mask.shape, v.numel() + 1).masked_scatter(batch.mask[..., None], rows)
+    return replace(batch, student_logits=draft_space_student(batch.student_logits), teacher_logits=teacher,
+                   labels=None if batch.labels is None else draft_space_labels(batch.labels, v),
+                   draft_vocab=None, in_draft_space=True)
+
+
+def _label_mask(batch: LossBatch) -> Tensor:
+    """The rows a hard-label term (CE) covers: the valid ones, and in the draft space only those whose label lies
+    in the draft vocabulary (q = 0 outside it: no finite CE)."""
+    if not batch.in_draft_space:
+        return batch.mask
+    return batch.mask & (batch.labels != batch.student_logits.shape[-1] - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Registry: one signature, selected by config
 # ---------------------------------------------------------------------------------------------------------
 
@@ -585,7 +680,7 @@ class Objective:
 
     def sums(self, batch: LossBatch, config: LossConfig) -> LossSums:
         _need(batch, self.name, *self.needs)
-        return self.row_sums(batch, config)
+        return self.row_sums(to_draft_space(batch), config)
 
     def __call__(self, batch: LossBatch | ChunkedLossBatch, config: LossConfig) -> LossOutput:
         if isinstance(batch, ChunkedLossBatch):
@@ -593,10 +688,10 @@ class Objective:
         return self.finish(self.sums(batch, config), config)
 
 
-def _depth_objective(name: str, needs: tuple[str, ...], values: Callable[[LossBatch, LossConfig], Tensor]
-                     ) -> Objective:
-    """A loss of Eq. 3's form: per-(row, depth) `values` [N, K] reduced by `_depth_mean`."""
-    return Objective(name, needs, lambda b, c: _depth_sums(values(b, c), b.mask),
+def _depth_objective(name: str, needs: tuple[str, ...], values: Callable[[LossBatch, LossConfig], Tensor],
+                     rows: Callable[[LossBatch], Tensor] = lambda b: b.mask) -> Objective:
+    """A loss of Eq. 3's form: per-(row, depth) `values` [N, K] reduced by `_depth_mean` over the `rows` [N, K]."""
+    return Objective(name, needs, lambda b, c: _depth_sums(values(b, c), rows(b)),
                      lambda s, c: LossOutput(_depth_finish(s, c.depth_weights), {}))
 
 
@@ -633,14 +728,17 @@ def with_confidence_term(objective: Objective, coef: float) -> Objective:
 
 
 LOSSES: dict[str, Objective] = {
-    "ce": _depth_objective("ce", ("labels",), lambda b, c: _ce_values(b.student_logits, b.labels, b.mask)),
+    "ce": _depth_objective("ce", ("labels",), lambda b, c: _ce_values(b.student_logits, b.labels, _label_mask(b)),
+                           _label_mask),
     "kl": _depth_objective("kl", ("teacher_logits",),
-                           lambda b, c: _kl_values(b.student_logits, b.teacher_logits, b.mask, c.top_k)),
+                           lambda b, c: _kl_values(b.student_logits, b.teacher_logits, b.mask, c.top_k,
+                                                   b.in_draft_space)),
     "tv": _depth_objective("tv", ("teacher_logits",),
                            lambda b, c: _tv_values(b.student_logits, b.teacher_logits, b.mask, c.top_k)),
     "lk_lambda": _depth_objective(
         "lk_lambda", ("teacher_logits",),
-        lambda b, c: _lk_lambda_values(b.student_logits, b.teacher_logits, b.mask, c.top_k, c.eta)),
+        lambda b, c: _lk_lambda_values(b.student_logits, b.teacher_logits, b.mask, c.top_k, c.eta,
+                                       b.in_draft_space)),
     "lk_alpha": _depth_objective(
         "lk_alpha", ("teacher_logits",),
         lambda b, c: _lk_alpha_values(b.student_logits, b.teacher_logits, b.mask, c.top_k, c.eps)),
@@ -649,12 +747,13 @@ LOSSES: dict[str, Objective] = {
                         lambda s, c: LossOutput(_e2e_tv_finish(s), {})),
     "dpace_lk": Objective("dpace_lk", ("teacher_logits", "labels"),
                           lambda b, c: _dpace_lk_sums(b.student_logits, b.teacher_logits, b.labels, b.mask, c.top_k,
-                                                      c.eta, c.rho),
+                                                      c.eta, c.rho, b.in_draft_space),
                           lambda s, c: LossOutput(_dpace_lk_finish(s, c.eps), {})),
     "dspark": Objective("dspark", ("teacher_logits", "labels"),
                         lambda b, c: _dspark_sums(b.student_logits, b.teacher_logits, b.labels, b.mask,
                                                   b.confidence_logits, c.top_k, c.gamma, c.tv_norm,
-                                                  b.confidence_targets),
+                                                  b.confidence_targets,
+                                                  _label_mask(b) if b.in_draft_space else None),
                         lambda s, c: _dspark_finish(s, c.ce_coef, c.tv_coef, c.conf_coef)),
 }
 
@@ -710,7 +809,7 @@ class ChunkedLossBatch:
     and the loss's buffers of the same size, in the forward and again in the backward."""
 
     hidden: tuple[Tensor, ...]  # K × [N, C] (views are fine), the student's states at each depth / block position
-    head: Callable[[Tensor, slice], Tensor]  # (states [n, K, C], the rows) -> fp32 logits [n, K, V]
+    head: Callable[[Tensor, slice], Tensor]  # (states [n, K, C], the rows) -> fp32 logits [n, K, V] ([.., V'])
     mask: Tensor  # [N, K] bool
     chunk_rows: int  # rows per chunk
     teacher: Callable[[slice], Tensor] | None = None  # the rows -> teacher logits [n, K, V]
@@ -720,6 +819,11 @@ class ChunkedLossBatch:
     # (`train.confidence.confidence_targets` of the chunk's logits, which exist only inside the chunk).
     confidence_targets: Tensor | Callable[[LossBatch], Tensor] | None = None
     checkpoint: bool = True  # False: keep every chunk's graph (same values; memory of the LossBatch path)
+    draft_vocab: Tensor | None = None  # [V']: `head` scores only these target ids (`LossBatch.draft_vocab`)
+    # With draft_vocab: `teacher` gives the draft space's teacher [n, K, V' + 1] (`draft_space_teacher`, computed by
+    # the caller once per position rather than per chunk, depth and recompute), so each chunk's batch is built in the
+    # draft space directly (the confidence targets, if any, then see that batch).
+    draft_teacher: bool = False
     track_alpha: bool = False  # also log the mean α per depth (parts["alpha_per_depth"], needs a teacher)
 
     def __post_init__(self) -> None:
@@ -727,6 +831,8 @@ class ChunkedLossBatch:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if len(self.hidden) != self.mask.shape[1]:
             raise ValueError(f"{len(self.hidden)} state tensors for a mask of {self.mask.shape[1]} depths")
+        if self.draft_teacher and self.draft_vocab is None:
+            raise ValueError("draft_teacher needs the draft_vocab the teacher was restricted to")
 
     @staticmethod
     def rows_for(max_logits: int, depths: int, vocab: int) -> int:
@@ -736,10 +842,13 @@ class ChunkedLossBatch:
     def chunk(self, rows: slice, states: Sequence[Tensor], confidence_logits: Tensor | None) -> LossBatch:
         """The `LossBatch` of `rows`: states K × [n, C] (slices of `hidden`) through the head."""
         logits = self.head(torch.stack(list(states), dim=1), rows)
+        labels = None if self.labels is None else self.labels[rows]
         lb = LossBatch(student_logits=logits, mask=self.mask[rows],
-                       teacher_logits=None if self.teacher is None else self.teacher(rows),
-                       labels=None if self.labels is None else self.labels[rows],
-                       confidence_logits=confidence_logits)
+                       teacher_logits=None if self.teacher is None else self.teacher(rows), labels=labels,
+                       confidence_logits=confidence_logits, draft_vocab=self.draft_vocab)
+        if self.draft_teacher and self.draft_vocab is not None:  # the teacher is in the draft space already
+            lb = replace(lb, student_logits=draft_space_student(logits), draft_vocab=None, in_draft_space=True,
+                         labels=None if labels is None else draft_space_labels(labels, self.draft_vocab))
         targets = self.confidence_targets
         if targets is None or confidence_logits is None:
             return lb
@@ -753,7 +862,7 @@ class ChunkedLossBatch:
         alpha: list[tuple[Tensor, Tensor]] = []
 
         def run(r0: int, r1: int, confidence_logits: Tensor | None, *states: Tensor) -> tuple[Tensor, Tensor]:
-            lb = self.chunk(slice(r0, r1), states, confidence_logits)
+            lb = to_draft_space(self.chunk(slice(r0, r1), states, confidence_logits))
             if record[0]:
                 alpha.append(_acceptance_sums(lb.student_logits.detach(), lb.teacher_logits, lb.mask, config.top_k))
             s = objective.sums(lb, config)

@@ -27,6 +27,12 @@ reduction order; tested). The frozen target is not wrapped: every rank runs its 
 writes checkpoints, logs and the progress bar. Checkpoints hold the optimizer state whole and keyed by
 parameter name (`train.checkpoint`), so DDP and FSDP2 runs resume exactly, under any strategy.
 
+Sequence parallelism (`train.sequence_parallel`, `--sp N`): each rank of an SP group rolls out its T/N tokens of
+every row, with the attention of each depth head-sharded over whole rows between two all-to-alls; the labels come
+from the shard plus a halo of D + 1 tokens, and so does the teacher: the frozen target runs sequence-parallel too
+(its taps and teacher of the shard; the halo's final-norm states from the next rank). Same model as one process
+(tested).
+
 EAGLE-3 (`train.eagle3`) is trained by this same loop: only the block (`Eagle3DraftModel`, three target taps joined
 by `concat_taps`) and the presets differ.
 
@@ -81,6 +87,7 @@ class MTPFamilyTrainConfig(DrafterRunConfig):
         if self.cold_start_loss is not None:
             get_loss(self.cold_start_loss)
         self.require_positive(("num_depths", "seq_len", "batch_size", "steps", "ckpt_every", "log_every"))
+        self.check_train_vocab()
 
     def model_config(self, target: DecoderConfig) -> MTPFamilyConfig:
         """The block's config for `target`."""
@@ -130,6 +137,14 @@ def mtp_shipped() -> MTPTrainConfig:
     return replace(mtp_demo(), batch_size=4, steps=4800, switch_step=800, warmup=50, ckpt_every=200, log_every=20)
 
 
+def mtp_shipped_dv() -> MTPTrainConfig:
+    """`mtp_shipped` trained on its draft vocabulary (train_vocab "draft", `train.losses` "Draft vocabulary"): the
+    head scores the 1024 draft rows instead of 8192 in every step, the objective is the acceptance of the drafter
+    inference runs, and TTT feeds each depth a token inference could propose. For a fresh run (`mtp_shipped` keeps
+    "full", so that its run resumes unchanged)."""
+    return replace(mtp_shipped(), train_vocab="draft")
+
+
 def mtp_base() -> MTPTrainConfig:
     """The base-MTP comparison point of Table 2: teacher-forced, one depth, hard-label CE."""
     return MTPTrainConfig(ttt=False, num_depths=1, loss="ce", cold_start_loss=None)
@@ -141,8 +156,8 @@ def tiny_debug() -> MTPTrainConfig:
                           ckpt_every=2, log_every=1)
 
 
-PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mtp_shipped, "mtp_base": mtp_base,
-           "tiny_debug": tiny_debug}
+PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mtp_shipped,
+           "mtp_shipped_dv": mtp_shipped_dv, "mtp_base": mtp_base, "tiny_debug": tiny_debug}
 
 
 # ----- training -----
@@ -151,20 +166,23 @@ PRESETS = {"mtp_embedded": mtp_embedded, "mtp_demo": mtp_demo, "mtp_shipped": mt
 def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     """Train the MTP-family drafter of `cfg` for `job` (the `Trainer` arguments): the kind follows the config,
     `MTPTrainConfig` trains MTP, `Eagle3TrainConfig` EAGLE-3. Data parallelism: module docstring."""
-    run = start_run(job, batch_size=cfg.batch_size)
+    run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    sp = run.sp
     run.clear_out_dir()
     target, tok = run.frozen_target()
     tcfg = target.config
     pad_id = pad_token_id(tcfg)
+    mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
+    sp.check_heads(mcfg.layer_config().num_attention_heads)
     rows, stats = packed_conversations(tok, job.data, cfg, pad_id, run.log)
 
-    mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
     features = target_features(target, list(mcfg.target_layer_ids), cfg.features, rows, target_dir=run.target_dir,
-                               data=job.data, enable_thinking=cfg.enable_thinking)
+                               data=job.data, enable_thinking=cfg.enable_thinking, sp=sp, halo=cfg.train_depths + 1,
+                               halo_what=f"D + 1 for the {cfg.train_depths} TTT depths")
     kind = mcfg.drafter
     block = build_mtp_model(mcfg, target.embed_tokens, target.lm_head)
     block.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
-    if mcfg.draft_vocab_size:  # inference only: training still scores the whole vocabulary
+    if mcfg.draft_vocab_size:  # inference drafts from it; training too under train_vocab "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
 
@@ -174,9 +192,10 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
-                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing)
-        lo = scheduled_loss(schedule, step, mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha),
-                            run.info)
+                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing, sp=sp,
+                          train_vocab=cfg.train_vocab)
+        clb = mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha, sp=sp, train_vocab=cfg.train_vocab)
+        lo = scheduled_loss(schedule, step, clb, run.info)
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
 
     # Parallelism is applied to the built block (the target stays unwrapped); the optimizer comes after,
@@ -191,7 +210,9 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        taps, teacher = features(batch, idx)  # the frozen target's taps and teacher logits, no grad
+        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
+        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        taps, teacher = features(batch, idx)
         loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
         return loss, alpha, {}
 

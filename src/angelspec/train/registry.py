@@ -22,6 +22,7 @@ TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm
             "dspark": ("angelspec.train.block", "train_dspark", "dspark_embedded")}
 TRAINABLE_DRAFTERS = tuple(TRAINERS)
 BLOCK_DRAFTERS = ("dflash", "dflare", "dfly", "dspark")  # the kinds that take --head
+SP_DRAFTERS = ("mtp", "eagle3", *BLOCK_DRAFTERS)  # the kinds that train with --sp (train.sequence_parallel)
 
 
 def get_trainer(kind: str) -> tuple[Trainer, dict[str, Any], str]:

@@ -18,7 +18,7 @@ from typing import Any
 from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
 from angelspec.errors import UsageError, require_positive
-from angelspec.train.registry import BLOCK_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
+from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
 
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json
 
@@ -123,7 +123,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                   preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
                   resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
                   distributed: str = "auto", feature_workers: int | None = None, feature_backend: str = "files",
-                  init_from: str | Path | None = None, only: str | None = None,
+                  init_from: str | Path | None = None, only: str | None = None, sp: int = 1,
                   log: Callable[[str], None] = print) -> TrainResult:
     """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
     file or a corpus folder) and write a self-describing drafter folder to `out`.
@@ -134,7 +134,15 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     features to this trainer (`train.stream`; backend "files" or "ray"), instead of inside the training step.
     init_from / only: a block drafter folder whose part `only` ("confidence") alone is trained, everything else
     frozen (the overrides init_from=DIR, only=confidence; `train.block`; default preset then confidence_only).
+    sp: split every packed row over sp processes of a torchrun launch (Ulysses sequence parallelism,
+    `train.sequence_parallel`; MTP family and block drafters; 1 = off).
     """
+    require_positive("--sp", sp)
+    if sp > 1 and kind not in SP_DRAFTERS:
+        raise UsageError(f"--sp {sp}: sequence parallelism trains {', '.join(SP_DRAFTERS)}, not {kind}; drop --sp")
+    if sp > 1 and feature_workers is not None:
+        raise UsageError(f"--sp {sp} does not read a feature stream yet; drop --feature-workers (the target then "
+                         "runs in the step)")
     if feature_workers is not None:
         return _train_with_feature_servers(kind, data, out, target=target, preset=preset, head=head,
                                            overrides=overrides, resume=resume, force=force, progress=progress,
@@ -169,7 +177,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
 
     check_conversations(data)
     out = Path(out)
-    extra = {}
+    extra: dict[str, Any] = {"sp": sp} if sp != 1 else {}
     if distributed != "auto":
         if "distributed" not in inspect.signature(train_fn).parameters:
             raise UsageError(f"--distributed is not supported by the {kind} trainer yet")

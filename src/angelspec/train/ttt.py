@@ -11,7 +11,8 @@ At sequence position i and zero-based depth k the block predicts token x_{i+k+2}
 * depth 0 fuses the target tap h_i (EAGLE-3: fc over three taps) with E(x_{i+1}) (Eq. 1) — the same input
   as at inference;
 * depth k >= 1 fuses the block's own h^(k-1)_i with E(x̂), where x̂ = argmax q_{k-1}(·|i) is depth k-1's
-  prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1});
+  prediction of x_{i+k+1} (the TTT self-conditioned input; teacher forcing would feed x_{i+k+1}); under
+  train_vocab "draft" q covers the block's draft vocabulary only, so x̂ is a token inference could propose;
 * the teacher of depth k at i is the frozen target's distribution at position i+k+1 (which predicts
   x_{i+k+2}), and the label/validity come from `mtp_labels(packed, k)`: valid only if x_{i+k+2} is in the
   same document as i and trained on (the depth-shift document gate, docs/design.md trap 3).
@@ -63,7 +64,8 @@ from torch.utils.checkpoint import checkpoint
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
 from angelspec.models.attention import document_first_index, document_prefix_attention, merge_extra_keys
 from angelspec.models.mtp import MTPDraftModel
-from angelspec.train.losses import ChunkedLossBatch, LossBatch
+from angelspec.train.losses import ChunkedLossBatch, LossBatch, draft_space_teacher
+from angelspec.train.sequence_parallel import SequenceParallel
 
 # Logits per chunk of the chunked LM head + loss: 32 MiB of fp32 (1,024 rows × 8,192 vocab; 53 rows at 150k).
 DEFAULT_MAX_LOGITS = 1 << 23
@@ -152,7 +154,8 @@ def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor],
 def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positions: Tensor,
                 document_ids: Tensor | None, num_depths: int, *, pad_id: int = 0,
                 attention: AttentionImpl = "fast", keep_logits: bool = True,
-                checkpoint_depths: bool = False, query_chunk: int = 256, key_chunk: int = 1024) -> TTTOutput:
+                checkpoint_depths: bool = False, query_chunk: int = 256, key_chunk: int = 1024,
+                sp: SequenceParallel | None = None, train_vocab: str = "full") -> TTTOutput:
     """Unroll the shared block for `num_depths` depths over packed rows (module docstring).
 
     hidden [B, T, n·Ct] target taps joined by `concat_taps` (detached here: the target is frozen; the block's
@@ -165,39 +168,59 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     checkpointing per depth, in two pieces: fusion + attention, then the MLP): autograd then keeps only each
     depth's inputs, its attention residual, output and k/v, so training memory of the block stays near half a
     depth's activations instead of growing D-fold; costs one more block forward per depth. `query_chunk` ×
-    `key_chunk` bounds the transient attention scores, `query_chunk` positions the argmax logits."""
-    if hidden.dim() != 3 or input_ids.shape != hidden.shape[:2] or positions.shape != input_ids.shape:
-        raise ValueError(f"hidden must be [B, T, C] with input_ids/positions [B, T], got {tuple(hidden.shape)}, "
-                         f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")
+    `key_chunk` bounds the transient attention scores, `query_chunk` positions the argmax logits.
+    `sp` (sequence parallelism, `train.sequence_parallel`): `hidden` holds only this rank's shard of the rows
+    ([B, T/N, C]; input_ids, positions, document_ids stay whole rows), every per-position step runs on the shard,
+    and each depth's attention runs head-sharded over the whole rows between two all-to-alls; the output covers
+    the shard.
+    `train_vocab` "draft": the head scores the block's draft vocabulary only (`block.draft_head`): kept logits are
+    [B, T, D, V'] and each depth's argmax is taken over V' and mapped back to target ids (`block.to_target_ids`)."""
+    sp = sp if sp is not None and sp.enabled else None
+    draft = train_vocab == "draft"
+    head = block.draft_head if draft else block.logits
+
+    def to_ids(index: Tensor) -> Tensor:
+        """An argmax along the head's logits -> target token ids."""
+        return block.to_target_ids(index) if draft else index
+
+    B, T = input_ids.shape
+    cols = slice(0, T) if sp is None else sp.columns(T)
+    if hidden.dim() != 3 or hidden.shape[:2] != (B, cols.stop - cols.start) or positions.shape != input_ids.shape:
+        raise ValueError(f"hidden must be [B, T, C] (the shard's [B, T/N, C] under sequence parallelism) with "
+                         f"input_ids/positions [B, T], got {tuple(hidden.shape)}, {tuple(input_ids.shape)}, "
+                         f"{tuple(positions.shape)}")
     if num_depths < 1:
         raise ValueError(f"num_depths must be >= 1, got {num_depths}")
-    B, T, _ = hidden.shape
     first = None if document_ids is None else document_first_index(document_ids)  # [B, T] document starts
     full_mask = ttt_reference_mask(document_ids, B, T, num_depths, hidden.device) if attention == "reference" \
         else None
     attn = block.layer.attn
+    own_positions = positions[:, cols]
 
     def attention_step(h_prev: Tensor, tok: Tensor, k: int, prev_k: list[Tensor], prev_v: list[Tensor]
                        ) -> tuple[Tensor, Tensor, Tensor]:
         """Depth k up to its attention residual: the block's fusion, attention over depth-0 prefix + diagonal
         keys -> (x [B, T, C], k, v); `block.mlp_residual(x)` completes Eq. 2."""
         x, attn_in = block.layer_inputs(h_prev, tok)  # residual [B, T, C], attention input [B, T, C_in]
-        cos, sin = block.rope(positions + k, x.dtype)
+        cos, sin = block.rope(own_positions + k, x.dtype)
         q, kk, vv = attn.project(attn_in, cos, sin)
+        if sp is not None:  # Ulysses: every token of the rows, this rank's heads (the keys are kept that way)
+            H = q.shape[1]
+            q, kk, vv = sp.to_heads(q), sp.to_heads(kk, H), sp.to_heads(vv, H)
         ks, vs = [*prev_k, kk], [*prev_v, vv]
         if full_mask is None:
             a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], document_ids, first, query_chunk, key_chunk)
         else:
             a = ttt_attention_reference(q, ks, vs, full_mask, k)
-        return block.attention_residual(x, a), kk, vv
+        return block.attention_residual(x, a if sp is None else sp.to_sequence(a)), kk, vv
 
-    h_prev, tok = block.condition(hidden.detach()), depth0_inputs(input_ids, document_ids, pad_id)
+    h_prev, tok = block.condition(hidden.detach()), depth0_inputs(input_ids, document_ids, pad_id)[:, cols]
     keys: list[Tensor] = []
     values: list[Tensor] = []
     inputs, states = [], []
     # Written depth by depth into one buffer: stacking a list would hold two copies of D×T×V at the end.
-    logits = hidden.new_empty(B, T, num_depths, block.config.vocab_size, dtype=torch.float32) if keep_logits \
-        else None
+    width = (block.config.draft_vocab_size or block.config.vocab_size) if draft else block.config.vocab_size
+    logits = hidden.new_empty(*hidden.shape[:2], num_depths, width, dtype=torch.float32) if keep_logits else None
     for k in range(num_depths):
         if checkpoint_depths and torch.is_grad_enabled():  # two pieces: the backward rebuilds one at a time
             x, kk, vv = checkpoint(attention_step, h_prev, tok, k, list(keys), list(values), use_reentrant=False)
@@ -209,12 +232,12 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
         values.append(vv)
         nxt = tok
         if logits is not None:
-            lg = block.logits(h)  # [B, T, V]
+            lg = head(h)  # [B, T, V] (V')
             logits[:, :, k] = lg
-            nxt = lg.detach().argmax(dim=-1)
+            nxt = to_ids(lg.detach().argmax(dim=-1))
         elif k < num_depths - 1:
             with torch.no_grad():  # chunked: never a whole [B, T, V] just for an argmax
-                nxt = torch.cat([block.logits(hc).argmax(dim=-1) for hc in h.split(query_chunk, dim=1)], dim=1)
+                nxt = to_ids(torch.cat([head(hc).argmax(dim=-1) for hc in h.split(query_chunk, dim=1)], dim=1))
         inputs.append(tok)
         states.append(h)
         h_prev, tok = h, nxt  # depth k+1 consumes depth k's argmax (TTT)
@@ -234,53 +257,86 @@ def teacher_for_depths(target_logits: Tensor, num_depths: int) -> Tensor:
     return out
 
 
-def depth_labels(packed: PackedBatch, num_depths: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+def depth_labels(packed: PackedBatch, num_depths: int, device: torch.device | None = None,
+                 length: int | None = None) -> tuple[Tensor, Tensor]:
     """Labels and the depth-shift gate of every depth, flattened: (labels [B·T, D] (0 where invalid), valid
-    [B·T, D] bool)."""
+    [B·T, D] bool). `length`: keep only the first `length` positions of each row (a sequence-parallel shard, when
+    `packed` is its window: shard + halo, `SequenceParallel.window`)."""
     labels, valid = zip(*(mtp_labels(packed, k) for k in range(num_depths)), strict=True)
-    lab = torch.stack(labels, dim=-1).to(device).clamp_min(0)  # [B, T, D]
-    mask = torch.stack(valid, dim=-1).to(device)  # [B, T, D]
+    lab = torch.stack(labels, dim=-1).to(device).clamp_min(0)[:, :length]  # [B, T, D]
+    mask = torch.stack(valid, dim=-1).to(device)[:, :length]  # [B, T, D]
     return lab.flatten(0, 1), mask.flatten(0, 1)
 
 
-def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None) -> LossBatch:
+def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
+                   draft_vocab: Tensor | None = None) -> LossBatch:
     """Flatten a rollout into the `[N, D, V]` layout of `train.losses` with the depth-shift gate (the reference
-    for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits)."""
+    for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits). `draft_vocab` [V']:
+    the rollout ran with train_vocab "draft" (its logits are over these target ids)."""
     if out.logits is None:
         raise ValueError("mtp_loss_batch needs a rollout run with keep_logits=True")
     B, T, D, V = out.logits.shape
     lab, mask = depth_labels(packed, D, out.logits.device)
-    teacher = None if target_logits is None else teacher_for_depths(target_logits, D).reshape(B * T, D, V)
-    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab)
+    teacher = None if target_logits is None else \
+        teacher_for_depths(target_logits, D).reshape(B * T, D, target_logits.shape[-1])
+    return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab,
+                     draft_vocab=draft_vocab)
 
 
-def depth_teacher_rows(target_logits: Tensor, num_depths: int) -> Callable[[slice], Tensor]:
-    """`teacher_for_depths` for a slice of the flattened rows only: rows -> [n, D, V] (zeros past a row end)."""
+def depth_teacher_rows(target_logits: Tensor, num_depths: int, length: int | None = None
+                       ) -> Callable[[slice], Tensor]:
+    """`teacher_for_depths` for a slice of the flattened rows only: rows -> [n, D, V] (zeros past a row end).
+    `length`: the loss covers the first `length` positions of each of target_logits' rows [B, T, V] (a
+    sequence-parallel shard, whose halo follows it in `target_logits`); default T."""
     B, T, V = target_logits.shape
+    L = T if length is None else length
     flat = target_logits.reshape(B * T, V)
 
     def rows(r: slice) -> Tensor:
         n = torch.arange(r.start, r.stop, device=flat.device)
+        i = n % L
+        src = (n // L) * T + i
         out = flat.new_zeros(len(n), num_depths, V)
         for k in range(num_depths):
-            ok = (n % T) + k + 1 < T
-            out[ok, k] = flat[n[ok] + k + 1]
+            ok = i + k + 1 < T
+            out[ok, k] = flat[src[ok] + k + 1]
         return out
 
     return rows
 
 
 def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
-                           *, max_logits: int = DEFAULT_MAX_LOGITS, track_alpha: bool = False) -> ChunkedLossBatch:
+                           *, max_logits: int = DEFAULT_MAX_LOGITS, track_alpha: bool = False,
+                           sp: SequenceParallel | None = None, train_vocab: str = "full") -> ChunkedLossBatch:
     """`mtp_loss_batch` without the [N, D, V] logits: the rollout's states (run it with keep_logits=False) go
     through `block.logits` a chunk of rows at a time, at most `max_logits` logits per chunk
-    (`train.losses.ChunkedLossBatch`). Same losses and gradients (tested)."""
+    (`train.losses.ChunkedLossBatch`). Same losses and gradients (tested).
+
+    `sp`: the rollout ran on this rank's shard (`ttt_rollout(sp=...)`); `packed` holds whole rows and
+    `target_logits` the teacher of the shard plus its halo of D + 1 positions (`SequenceParallel.columns(T, D + 1)`):
+    labels and teacher come from that window, so depth shifts past the shard's end stay rank-local.
+
+    `train_vocab` "draft": the head scores the draft vocabulary only (`block.draft_head`) and the losses run in the
+    draft space (`train.losses.to_draft_space`), the teacher moved there once per position (`draft_space_teacher`
+    of `target_logits`) instead of once per chunk, depth and recompute; a chunk then holds V' + 1 wide rows only, and
+    takes that many more rows."""
     D = len(out.states)
-    B, T = packed.input_ids.shape
+    B, S = out.states[0].shape[:2]
     dev = out.states[0].device
-    lab, mask = depth_labels(packed, D, dev)
+    if sp is not None and sp.enabled:
+        packed = sp.window(packed, D + 1)
+        if target_logits is not None and target_logits.shape[1] != packed.seq_len:
+            raise ValueError(f"under sequence parallelism the teacher covers the shard and its halo, "
+                             f"{packed.seq_len} positions (SequenceParallel.columns(T, {D + 1})), got "
+                             f"{target_logits.shape[1]}")
+    lab, mask = depth_labels(packed, D, dev, length=S)
+    draft = train_vocab == "draft" and bool(block.config.draft_vocab_size)
+    head = block.draft_head if draft else block.logits
+    if draft and target_logits is not None:
+        target_logits = draft_space_teacher(target_logits, block.draft_vocab)  # [B, T, V' + 1] log-probs
     return ChunkedLossBatch(
-        hidden=tuple(h.reshape(B * T, -1) for h in out.states), head=lambda h, rows: block.logits(h), mask=mask,
-        chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.vocab_size),
-        teacher=None if target_logits is None else depth_teacher_rows(target_logits, D), labels=lab,
-        track_alpha=track_alpha)
+        hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: head(h), mask=mask,
+        chunk_rows=ChunkedLossBatch.rows_for(max_logits, D, block.config.draft_vocab_size + 1 if draft
+                                             else block.config.vocab_size),
+        teacher=None if target_logits is None else depth_teacher_rows(target_logits, D, S), labels=lab,
+        track_alpha=track_alpha, draft_vocab=block.draft_vocab if draft else None, draft_teacher=draft)

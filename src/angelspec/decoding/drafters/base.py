@@ -9,6 +9,11 @@ owns the target. What flows between the engine and a drafter, once per speculati
     target verify forward, verification
     Commit (tokens, num_accepted, ...)    -> on_commit()   (roll the drafter's own cache back: docs/design.md trap 4)
 
+A model drafter's context upkeep (the newly committed positions' taps into its own cache) is needed only by the
+next round that drafts, so `on_commit` may just keep the commit (`PendingCommits`) and `propose` catch up first:
+a round the speculation gate skips (K = 0) then costs the drafter nothing, and a run of skipped rounds is caught up
+in one batched pass.
+
 Rows are KV-cache slots. A request joins a free row (`prefill`) and leaves it (`reset_rows`) between steps.
 A drafter that wants target hidden states lists tap ids in `target_layer_ids` (id i = output of target
 decoder layer i, docs/design.md trap 2); the engine hands the taps of the prefill and verify forwards over.
@@ -108,6 +113,9 @@ class Commit:
     active: Tensor  # [B] bool, rows that took part
     host_tokens: tuple[tuple[int, ...], ...]  # per row, the committed tokens on the host (() if inactive)
     target_hidden: tuple[Tensor, ...]  # one [B, T, D] per id in target_layer_ids, from the verify forward
+    # tokens, num_accepted and target_hidden are this step's own tensors, never written again: a drafter may keep
+    # them past `on_commit` (`PendingCommits`). seq_lens and active are the engine's buffers, which it updates in
+    # place when rows join or leave: copy what you keep of them.
 
 
 class Drafter(ABC):
@@ -184,7 +192,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def on_commit(self, commit: Commit) -> None:
-        """The target committed `commit`; roll back any draft state past the committed tokens."""
+        """The target committed `commit`; roll back any draft state past the committed tokens. Work on the new
+        positions may wait for the next `propose` that drafts (`PendingCommits`): until then the drafter holds the
+        commits, and it must catch up before rows change (`prefill`, `reset_rows`) and drop them in `allocate`."""
 
     def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027
         """Requests left `rows`; their state may be dropped."""
@@ -217,6 +227,50 @@ class ModelConfigDrafter(Drafter):
     @property
     def max_positions(self) -> int:
         return self.model.config.max_position_embeddings
+
+
+class PendingCommits:
+    """Committed positions a drafter was told about (`on_commit`) but has not yet added to its context.
+
+    Why: appending a commit's taps to a drafter's cache is only needed by the next round that drafts. Kept here
+    instead, `on_commit` returns at once, a round the speculation gate skipped (K = 0) costs the drafter nothing,
+    and the next drafted round catches up on every waiting commit in ONE batched append (per-call overhead, not
+    arithmetic, bounds these small appends on a CPU).
+
+    Each commit adds per-row tensors [B, T_j, ...] (time on dim 1) whose first `count_j[b]` entries are new (the
+    rest: rejected drafts or idle rows). `take` returns them joined: [B, ΣT_j, ...] with each row's new entries
+    first, in commit order, then padding, and the total counts [B]; one commit comes back as it was added."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[tuple[Tensor, ...], Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, tensors: Sequence[Tensor], count: Tensor) -> None:
+        """One commit: tensors [B, T, ...] (the same T), count [B] int64 new entries per row (0: none)."""
+        self._items.append((tuple(tensors), count))
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def take(self) -> tuple[tuple[Tensor, ...], Tensor] | None:
+        """Every waiting commit, joined (class docstring), and forget them; None when nothing waits."""
+        items, self._items = self._items, []
+        if len(items) <= 1:
+            return items[0] if items else None
+        counts = torch.stack([c for _, c in items], dim=1)  # [B, J]
+        dev = counts.device
+        valid = torch.cat([torch.arange(t[0].shape[1], device=dev)[None, :] < c[:, None] for t, c in items],
+                          dim=1)  # [B, ΣT]
+        total = valid.shape[1]
+        # New entries first, each group in its original order: sort by (padding?, time), keys all distinct.
+        order = torch.argsort((~valid).long() * total + torch.arange(total, device=dev), dim=1)  # [B, ΣT]
+        joined = []
+        for i in range(len(items[0][0])):
+            x = torch.cat([t[i] for t, _ in items], dim=1)  # [B, ΣT, ...]
+            joined.append(x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x)))
+        return tuple(joined), counts.sum(dim=1)
 
 
 @contextmanager

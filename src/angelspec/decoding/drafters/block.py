@@ -5,11 +5,13 @@ the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step 
 the block `[last, m, …, m]` and then the small sequential head left to right over the first K ≤ B−1 positions
 only (`BlockDrafter.propose`), and returns those K drafts.
 
-Draft context cache convention, per row, after every commit: the cache holds the injected K/V of every
+Draft context cache convention, per row, whenever a round drafts: the cache holds the injected K/V of every
 committed position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's
-anchor, at position `seq_lens − 1`. Block entries are never cached, so a step needs no rollback: `on_commit` just
-appends the a+1 newly committed positions (the old anchor and the a accepted drafts) from the verify forward's
-taps, whose hidden states the target has now computed.
+anchor, at position `seq_lens − 1`. Block entries are never cached, so a step needs no rollback: the a+1 newly
+committed positions of a step (the old anchor and the a accepted drafts) are appended from the verify forward's
+taps, whose hidden states the target has now computed. `on_commit` only keeps those taps (`PendingCommits`); the
+next round that drafts appends them first, so a round the speculation gate skips costs nothing here, and a run of
+skipped rounds is appended in one call. Before rows change (`prefill`, `reset_rows`) the cache catches up.
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
@@ -39,6 +41,7 @@ from angelspec.decoding.drafters.base import (
     DrafterMismatchError,
     DraftState,
     ModelConfigDrafter,
+    PendingCommits,
     Proposal,
     register_drafter,
 )
@@ -63,6 +66,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self.kind = model.config.drafter
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
+        self._pending = PendingCommits()  # commits whose taps are not in the cache yet
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
@@ -116,11 +120,14 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             self.cache = None  # free the old buffers before allocating the new ones
             self.cache = self.model.new_cache(batch_size, max_len, slack=slack, dtype=w.dtype, device=device)
         self.cache.reset()
+        self._pending.clear()
+        self.model.rope_table(self.model.rope_size(self.cache), self.cache.dtype)  # eagerly, outside compiled calls
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None, "allocate() before prefill()"
+        self._catch_up()  # the rows' waiting commits belong to the requests that left them
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)  # [n]
         lengths = torch.as_tensor([len(p) for p in prompts], dtype=torch.int64, device=cache.device)  # [n]
         cache.lengths[idx] = 0
@@ -134,6 +141,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         if k == 0:
             empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
             return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
+        self._catch_up()
         deterministic = state.deterministic or state.all_greedy
         s = state.sampling
 
@@ -149,20 +157,27 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         return Proposal(tokens=p.tokens, probs=probs, confidences=p.confidences, deterministic=deterministic)
 
     def on_commit(self, commit: Commit) -> None:
-        cache = self.cache
-        assert cache is not None
-        # The verify forward's taps at [last, d_1..d_n]: the old anchor and the accepted drafts become context.
-        count = torch.where(commit.active, commit.num_accepted + 1, 0)  # [B]
-        self.model.append_context(concat_taps(commit.target_hidden), cache, num_new=count)
+        # The verify forward's taps at [last, d_1..d_n]: the old anchor and the accepted drafts become context, at
+        # the next round that drafts (`_catch_up`).
+        self._pending.add(commit.target_hidden, torch.where(commit.active, commit.num_accepted + 1, 0))
+
+    def _catch_up(self) -> None:
+        """Append every waiting commit's new positions to the context cache, in one call."""
+        waiting = self._pending.take()
+        if waiting is not None:
+            assert self.cache is not None
+            hidden, count = waiting
+            self.model.append_context(concat_taps(hidden), self.cache, num_new=count)
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
+        self._catch_up()
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:
         """The whole greedy step (backbone pass and head) as one graph, the backbone pass alone for sampled
-        drafts (whose head runs eagerly around `select`), and the context append of prefill and `on_commit`
-        (instance attributes shadow the methods, so the adapter picks them up)."""
+        drafts (whose head runs eagerly around `select`), and the context append of prefill and of the commits'
+        catch-up (instance attributes shadow the methods, so the adapter picks them up)."""
         m = self.model
         m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]

@@ -4,13 +4,16 @@ The model needs the target's tap hidden state at committed positions (it declare
 and shares the target's embedding and LM head: build it with `MTPDrafter.from_pretrained(dir, target=...)`
 (or `MTPDrafter(model)` around a model built on the target's modules). It never loads the target.
 
-Draft KV cache convention, per row, after every commit (docs/design.md trap 4): the cache holds exactly the
+Draft KV cache convention, per row, whenever a round drafts (docs/design.md trap 4): the cache holds exactly the
 depth-0 entries of the committed positions 0..s-2 (s = committed length), entry j being Eq. 1–2 applied to
 (target tap h_j, E(x_{j+1})) at RoPE position j, and `_h_last` holds the model's output h^(0) at entry s-2,
 whose head predicts x_s (the first draft). A drafting round then appends draft-chain entries for depths
 1..K-1 at slots s-1.. (positions s-2+k), which is exactly the TTT pattern of training (causal prefix of
-depth-0 keys + the round's diagonal keys). `on_commit` truncates the chain away and appends the new
-depth-0 entries of the a+1 newly committed positions from the verify forward's taps: one ragged forward.
+depth-0 keys + the round's diagonal keys). `on_commit` truncates the chain away and keeps the commit
+(`PendingCommits`); the next round that drafts first appends the new depth-0 entries of the newly committed
+positions (a+1 per step) from the verify forwards' taps in one ragged forward, so rounds the speculation gate
+skips cost nothing here and are caught up together. Before rows change (`prefill`, `reset_rows`) the cache
+catches up.
 
 K may exceed the trained depth D: the model is simply invoked again (recurrently).
 
@@ -42,6 +45,7 @@ from angelspec.decoding.drafters.base import (
     DrafterMismatchError,
     DraftState,
     ModelConfigDrafter,
+    PendingCommits,
     Proposal,
     register_drafter,
 )
@@ -67,6 +71,8 @@ class MTPDrafter(ModelConfigDrafter):
         self._one_row_chain = self.greedy_chain  # a one-row greedy round (`compile`: one graph)
         self._k = 0
         self._bound = 1
+        self._pending = PendingCommits()  # commits whose depth-0 entries are not in the cache yet
+        self._pending_bound = 1  # `_bound` when the oldest of them was proposed
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder) -> MTPDrafter:
@@ -96,11 +102,14 @@ class MTPDrafter(ModelConfigDrafter):
         self.cache.reset()
         self._h_last = torch.zeros(batch_size, self.model.config.hidden_size, dtype=w.dtype, device=device)  # [B, C]
         self._base = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B] committed entries
+        self._pending.clear()
+        self.model.rope_table(self.cache.capacity, self.cache.dtype)  # eagerly, outside compiled calls
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None
+        self._catch_up()  # the rows' waiting commits belong to the requests that left them
         taps = self.model.condition(concat_taps(target_hidden).to(cache.dtype))  # [n, P_max, C]
         # Entry j fuses h_j with x_{j+1}: the prompt shifted by one, then the first emitted token.
         ids, lengths = pad_prompts([list(p[1:]) + [f] for p, f in zip(prompts, first_tokens, strict=True)],
@@ -117,11 +126,13 @@ class MTPDrafter(ModelConfigDrafter):
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
         assert cache is not None
-        self._k, self._bound = k, state.seq_len_bound
-        self._base = cache.lengths.clone()
         if k == 0:
+            self._k, self._bound = k, state.seq_len_bound
             empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
             return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
+        self._catch_up()
+        self._k, self._bound = k, state.seq_len_bound
+        self._base = cache.lengths.clone()
         deterministic = state.deterministic or state.all_greedy
         act = state.active.long()
         s = state.sampling
@@ -184,18 +195,32 @@ class MTPDrafter(ModelConfigDrafter):
     def on_commit(self, commit: Commit) -> None:
         cache = self.cache
         assert cache is not None
-        cache.truncate(self._base)  # drop this round's draft chain: trap 4
-        # [B, n+1, C]: last, d_1..d_n as the target saw them, conditioned (EAGLE-3: fc over the three taps)
-        taps = self.model.condition(concat_taps(commit.target_hidden).to(cache.dtype))
+        if self._k:
+            cache.truncate(self._base)  # drop this round's draft chain: trap 4
+        if not self._pending:
+            self._pending_bound = self._bound
+        # last, d_1..d_n as the target saw them, and the committed tokens: depth-0 entries at the next drafted round
+        count = torch.where(commit.active, commit.num_accepted + 1, 0)  # [B] new committed positions per row
+        self._pending.add((*commit.target_hidden, commit.tokens), count)
+
+    def _catch_up(self) -> None:
+        """Append the depth-0 entries of every waiting commit's new positions (one ragged forward) and set `_h_last`
+        of the rows that had any."""
+        waiting = self._pending.take()
+        if waiting is None:
+            return
+        cache = self.cache
+        assert cache is not None
+        (*hidden, tokens), count = waiting  # count [B]: new committed positions per row
+        # [B, T, C]: the verify forwards' inputs as the target saw them, conditioned (EAGLE-3: fc over three taps)
+        taps = self.model.condition(concat_taps(hidden).to(cache.dtype))
         width = taps.shape[1]
-        acc = commit.num_accepted  # [B]
-        count = torch.where(commit.active, acc + 1, 0)  # [B] new committed positions per row
-        keep = torch.arange(width, device=acc.device)[None, :] < count[:, None]  # [B, n+1]
-        tok = torch.where(keep, commit.tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
+        keep = torch.arange(width, device=count.device)[None, :] < count[:, None]  # [B, T]
+        tok = torch.where(keep, tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
         out = self.model.forward_cached(taps, tok, cache, num_new=count,
-                                        kv_len=self._bound + width)  # [B, n+1, C]
-        newest = out.gather(1, acc.clamp(max=width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
-        self._h_last = torch.where(commit.active[:, None], newest, self._h_last)
+                                        kv_len=self._pending_bound + width)  # [B, T, C]
+        newest = out.gather(1, (count - 1).clamp(0, width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        self._h_last = torch.where((count > 0)[:, None], newest, self._h_last)
 
     def compile(self) -> None:
         """A one-row greedy round as one graph, each depth of a larger greedy round as one graph (head, argmax
@@ -209,4 +234,5 @@ class MTPDrafter(ModelConfigDrafter):
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
+        self._catch_up()
         self.cache.reset_rows(list(rows))

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -64,7 +65,7 @@ from angelspec.models.block.config import MARKOV_HEADS, BlockDrafterConfig, dist
 from angelspec.models.block.heads import HEAD_CLASSES, ConfidenceHead, HiddenCorrectionHead, MarkovHead
 from angelspec.models.block.targets import BlockTargets, block_targets
 from angelspec.models.config import ConfigError
-from angelspec.models.decoder import DecoderLayer, RMSNorm, rotate_half
+from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
 from angelspec.models.vocab import DraftVocabulary
@@ -72,6 +73,10 @@ from angelspec.models.vocab import DraftVocabulary
 FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
 FACTORED_HEAD_MAX_ROWS = 2  # and the most rows a step may have to run it (beyond, FLOPs, not bytes, bound a step)
 
+
+# A training attention over block entries and context (`BlockDrafter.forward_backbone(block_attention=...)`):
+# (q [R, H, Q, Dh], own k, v [R, Hkv, Q, Dh], ctx_k, ctx_v [R, Hkv, T, Dh]) -> [R, H, Q, Dh].
+ContextAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 # Selection rule for `propose`: (logits [B, V] fp32, draft index k) -> (tokens [B] int64, probs [B, V] or None).
 Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
@@ -162,7 +167,7 @@ class BlockProposal:
     token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
-class BlockDrafter(DraftVocabulary, nn.Module):
+class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
     """A DFlash / DFlare / DFly / DSpark drafter around the target's frozen embedding and LM head."""
 
     def __init__(self, cfg: BlockDrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -266,10 +271,11 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         w = head.down_proj.weight
         cfg = self.config
         v_draft = cfg.draft_vocab_size or cfg.vocab_size
-        elements = v_draft * (head.hidden + head.inter) + cfg.vocab_size * 2 * head.inter  # W', Mᵀ; T_e
+        # W', Mᵀ; T_e and, with a draft vocabulary, its rows T_e'
+        elements = v_draft * (head.hidden + head.inter) + (cfg.vocab_size + cfg.draft_vocab_size) * 2 * head.inter
         return w.device.type == "cpu" and elements * w.element_size() <= FACTORED_HEAD_MAX_BYTES
 
-    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The hidden-correction head's inference tables, over the draft vocabulary V' (the whole vocabulary
         without one) and, for T_e, over the whole vocabulary (the anchor, a predecessor too, may lie outside V'),
         cached until a weight or the vocabulary changes (taken as they are inside a compiled graph, like the
@@ -277,18 +283,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
             W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
             Mᵀ = (W' W_down)ᵀ             [I, V']
-            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token"""
+            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token
+            T_e' = T_e[V']                [V', 2I]  the same rows by draft index (T_e itself without a vocabulary),
+                                                    so a draft's argmax index picks its successor's row directly"""
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
         lm, emb = self._shared[1].weight, self._shared[0].weight
         vocab = (self.draft_vocab,) if self.config.draft_vocab_size else ()
 
-        def build() -> tuple[Tensor, Tensor, Tensor]:
+        def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
             rows = self._vocab_weights()[0] if vocab else lm.detach()
             w_lm = (rows * self.norm.weight).contiguous()
             m_t = (w_lm @ head.down_proj.weight).t().contiguous()
             t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
-            return w_lm, m_t, t_e
+            return w_lm, m_t, t_e, t_e[self.draft_vocab] if vocab else t_e
 
         return self.derived("factored head", (lm, emb, *vocab, self.norm.weight, head.e_norm.weight,
                                               head.gate_up_proj.weight, head.down_proj.weight), build)
@@ -309,24 +317,27 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
 
         W' z_k runs for the whole block at once; per position only the predecessor's row of T_e, the SwiGLU and
-        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm. r_k and the logits are formed
-        after the loop. The same maths as `head_step`, rounded differently."""
+        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm: six kernel calls per position,
+        the draft's own index picking the next row (T_e', no mapping to target ids inside the loop). r_k and the
+        logits are formed after the loop. The same maths as `head_step`, rounded differently."""
         head = self.head
         assert isinstance(head, HiddenCorrectionHead)
-        w_lm, m_t, t_e = self._factored_tables()
+        w_lm, m_t, t_e, t_e_draft = self._factored_tables()
         z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
-        zg = head.z_part(z)  # [B, K, 2I]
-        base = F.linear(z, w_lm)  # [B, K, V'] W' z_k
-        prev = anchor_tokens
+        K = z.shape[1]
+        zg = head.z_part(z).unbind(1)  # K x [B, 2I]
+        base = F.linear(z, w_lm).unbind(1)  # K x [B, V'] W' z_k
+        row = t_e.index_select(0, anchor_tokens)  # [B, 2I] the predecessor's T_e row: the anchor's, then a draft's
         acts, scores, picks = [], [], []
-        for k in range(z.shape[1]):
-            gate, up = (zg[:, k] + t_e[prev]).split(head.inter, dim=-1)  # [B, I] each
+        for k in range(K):
+            gate, up = (zg[k] + row).split(head.inter, dim=-1)  # [B, I] each
             a = F.silu(gate) * up  # [B, I]
-            s = torch.addmm(base[:, k], a, m_t)  # [B, V'] = W' ẑ_k
+            s = torch.addmm(base[k], a, m_t)  # [B, V'] = W' ẑ_k
             acts.append(a)
             scores.append(s)
-            picks.append(s.argmax(dim=-1))
-            prev = self.to_target_ids(picks[-1])
+            picks.append(s.argmax(dim=-1))  # [B] along V'
+            if k + 1 < K:
+                row = t_e_draft.index_select(0, picks[-1])
         if not with_logits:
             return None, torch.stack(picks, dim=1)
         z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
@@ -337,12 +348,6 @@ class BlockDrafter(DraftVocabulary, nn.Module):
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
         return torch.softmax(self.fusion_logits, dim=-1)
-
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, Dh]."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def context_features(self, taps: Tensor) -> list[Tensor]:
         """Eq. 10–12 and same-layer injection (Uraion §3.3): taps [B, T, n·C] (`concat_taps` of `target_layer_ids`)
@@ -382,18 +387,19 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
                       mask: Tensor | None, *, ctx_valid: Tensor | None = None,
-                      anchor_index: AnchorIndex | None = None) -> Tensor:
+                      attend: ContextAttention | None = None) -> Tensor:
         """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
         [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C].
 
         Inference passes `ctx_valid` [B, S] instead of `mask` (one block per row: it sees the valid context
         slots and all of its own entries): `context_block_attention`, which never copies the context K/V.
-        Training passes `anchor_index` instead (`anchored_block_attention`: no mask, memory linear in T)."""
+        Training passes `attend` instead (`anchored_block_attention` over the anchors' index: no mask, memory
+        linear in T; or a caller's `ContextAttention`, e.g. sequence parallelism's)."""
         layer = self.layers[i]
         attn = layer.attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
-        if anchor_index is not None:
-            out = anchored_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), anchor_index)
+        if attend is not None:
+            out = attend(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype))
         elif ctx_valid is not None:
             out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid)
         else:
@@ -416,18 +422,27 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         table = self.head.embed if isinstance(self.head, MarkovHead) else self.confidence_embed
         return table(prev)
 
-    def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True) -> tuple[Tensor, Tensor | None]:
+    def head_logits(self, z: Tensor, prev: Tensor, *, confidence: bool = True, draft_vocab: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced heads over the draft positions: z [..., K, C] backbone output (pre-norm), prev [..., K]
         predecessors -> (logits [..., K, V] fp32, confidence logits [..., K] ([..., K, n], one per grid temperature,
         for a "protocol" head) or None; None too with confidence=False). Position-wise except the RNN (which runs
-        along K only), so a trainer may call it on chunks of anchors to bound the [.., V] memory."""
+        along K only), so a trainer may call it on chunks of anchors to bound the [.., V] memory.
+        `draft_vocab`: logits [..., K, V'] over the draft vocabulary only (its order; the whole vocabulary without
+        one), a Markov-family head's W2 rows cut with the LM head's but still trained (train_vocab "draft")."""
         h = self.norm(z)
+        lm = self.draft_logits if draft_vocab else self.lm_logits
         if isinstance(self.head, HiddenCorrectionHead):
-            logits = self.lm_logits(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
+            logits = lm(self.norm(self.head(z, self.embed(prev))))  # Eq. 15
         else:
-            logits = self.lm_logits(h)
+            logits = lm(h)
             if isinstance(self.head, MarkovHead):
-                logits = logits + self.head.sequence(h, prev).float()  # Eq. 14 / DSpark §3.1
+                if draft_vocab and self.config.draft_vocab_size:  # W2's V' rows, with their gradient
+                    w2 = self.head.out.weight.index_select(0, self.draft_vocab)
+                    bias = F.linear(self.head.sequence_features(h, prev), w2)
+                else:
+                    bias = self.head.sequence(h, prev)
+                logits = logits + bias.float()  # Eq. 14 / DSpark §3.1
         conf = (self.confidence.training_logits(h, self.markov_embed(prev))
                 if confidence and self.config.confidence_head else None)
         return logits, conf
@@ -465,14 +480,16 @@ class BlockDrafter(DraftVocabulary, nn.Module):
 
     def forward_backbone(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor,
                          document_ids: Tensor | None = None, *, attention: Literal["linear", "dense"] = "linear",
-                         checkpoint_layers: bool = False) -> Tensor:
+                         checkpoint_layers: bool = False, block_attention: ContextAttention | None = None) -> Tensor:
         """The parallel backbone for N anchors per row: -> z [R, N, B, C] (block entry 0 is the anchor).
 
         taps [R, T, n·C] target taps at every position; input_ids [R, T]; positions [R, T] document-local;
         anchors [R, N] indices into T; document_ids [R, T] (None: one document per row).
         attention "linear": `anchored_block_attention`, memory O(N·B + T) per layer; "dense": one SDPA call under
         the index-built `training_mask` [R, 1, N·B, T + N·B] (the reference). checkpoint_layers: recompute each
-        draft layer in the backward (activation checkpointing)."""
+        draft layer in the backward (activation checkpointing). `block_attention` replaces the attention of
+        every layer (the caller then owns which keys each entry sees; `attention` and document_ids are unused):
+        the hook sequence parallelism uses (`train.sequence_parallel.block_attention`)."""
         if input_ids.dim() != 2 or anchors.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids/positions must be [R, T] and anchors [R, N], got {tuple(input_ids.shape)}, "
                              f"{tuple(positions.shape)}, {tuple(anchors.shape)}")
@@ -486,18 +503,18 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         ctx_cos, ctx_sin = self.rope(positions, dtype)  # [R, 1, T, Dh]
         blk_pos = (positions.gather(1, anchors)[..., None] + torch.arange(Bk, device=anchors.device)).flatten(1)
         cos, sin = self.rope(blk_pos, dtype)  # [R, 1, N·B, Dh]
-        mask = index = None
-        if attention == "dense":
-            mask = self.training_mask(anchors, T, document_ids)
-        elif attention == "linear":
-            index = AnchorIndex.build(anchors, Bk, document_ids)
-        else:
+        if attention not in ("linear", "dense"):
             raise ValueError(f"attention must be 'linear' or 'dense', got {attention!r}")
+        mask, attend = None, block_attention
+        if attend is None and attention == "dense":
+            mask = self.training_mask(anchors, T, document_ids)
+        elif attend is None:
+            attend = partial(anchored_block_attention, index=AnchorIndex.build(anchors, Bk, document_ids))
         x = self.embed(self.block_inputs(input_ids.gather(1, anchors))).to(dtype).view(R, N * Bk, C)
 
         def layer(i: int, x: Tensor, g: Tensor) -> Tensor:
             ctx_k, ctx_v = self.context_kv(i, g, ctx_cos, ctx_sin)
-            return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, anchor_index=index)
+            return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, attend=attend)
 
         for i, g in enumerate(self.context_features(taps)):
             if checkpoint_layers and torch.is_grad_enabled():
@@ -509,15 +526,20 @@ class BlockDrafter(DraftVocabulary, nn.Module):
     def forward_train(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor, *,
                       document_ids: Tensor | None = None, loss_mask: Tensor | None = None,
                       anchor_valid: Tensor | None = None, compute_logits: bool = True,
-                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False
+                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False,
+                      block_attention: ContextAttention | None = None, targets: BlockTargets | None = None
                       ) -> BlockTrainOutput:
         """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`;
         loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`). compute_logits=False leaves the
-        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits)."""
+        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits). `targets`: the anchors'
+        labels and predecessors when the caller builds them from other columns than `input_ids` (a sequence-parallel
+        shard's, from its shard plus halo); None: `block_targets` of these inputs."""
         z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids, attention=attention,
-                                  checkpoint_layers=checkpoint_layers)[:, :, 1:]  # [R, N, K, C]
-        targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
-                                loss_mask=loss_mask, anchor_valid=anchor_valid)
+                                  checkpoint_layers=checkpoint_layers,
+                                  block_attention=block_attention)[:, :, 1:]  # [R, N, K, C]
+        if targets is None:
+            targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
+                                    loss_mask=loss_mask, anchor_valid=anchor_valid)
         logits = conf = None
         if compute_logits:
             logits, conf = self.head_logits(z, targets.prev_tokens)
@@ -541,15 +563,23 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         step needs no rollback; `cache.truncate` still rolls back anything."""
         n, T, _ = taps.shape
         dev = taps.device
-        rows = torch.arange(n, device=dev) if rows is None else rows
-        slots = cache.lengths[rows][:, None] + torch.arange(T, device=dev)  # [n, T]
-        cos, sin = self.rope(slots, cache.dtype)
-        write = slots.clamp(max=cache.capacity - 1)
+        lengths = cache.lengths if rows is None else cache.lengths[rows]
+        at = (torch.arange(n, device=dev) if rows is None else rows)[:, None]  # [n, 1]
+        # Slots past the end hold only entries beyond num_new (invisible), whatever their position.
+        write = (lengths[:, None] + torch.arange(T, device=dev)).clamp(max=cache.capacity - 1)  # [n, T]
+        cos, sin = self.rope_at(write, self.rope_size(cache), cache.dtype)
         for i, g in enumerate(self.context_features(taps.to(cache.dtype))):
             k, v = self.context_kv(i, g, cos, sin)  # [n, Hkv, T, Dh]
-            cache.k[i][rows[:, None], :, write] = k.transpose(1, 2)
-            cache.v[i][rows[:, None], :, write] = v.transpose(1, 2)
-        cache.lengths[rows] += T if num_new is None else num_new
+            cache.k[i][at, :, write] = k.transpose(1, 2)
+            cache.v[i][at, :, write] = v.transpose(1, 2)
+        if rows is None:
+            cache.lengths += T if num_new is None else num_new
+        else:
+            cache.lengths[rows] += T if num_new is None else num_new
+
+    def rope_size(self, cache: StaticKVCache) -> int:
+        """Positions inference may rope with `cache`: its slots and a block past the last one."""
+        return cache.capacity + self.config.block_size
 
     def backbone_step(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None) -> Tensor:
         """ONE backbone pass: anchor_tokens [B] (the newest committed token of each row, at position
@@ -562,7 +592,7 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         Bk = cfg.block_size
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
         pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
-        cos, sin = self.rope(pos, cache.dtype)
+        cos, sin = self.rope_at(pos, self.rope_size(cache), cache.dtype)
         ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
         for i in range(cfg.num_draft_layers):
