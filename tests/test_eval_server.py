@@ -148,20 +148,20 @@ def test_a_resumed_run_keeps_its_server_until_the_trainer_exits(tmp_path, tiny_t
     assert n == 1 and [r["step"] for r in read_eval_log(run)] == [2, 4]
 
 
-def test_process_alive_sees_an_unreaped_child_as_gone() -> None:
+def test_pid_alive_sees_an_unreaped_child_as_gone() -> None:
     import subprocess
     import sys
     import time
 
-    from angelspec.eval.server import process_alive
+    from angelspec.fileio import pid_alive
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.time() + 30
-    while process_alive(child.pid) and time.time() < deadline:  # exited but not reaped: a zombie
+    while pid_alive(child.pid) and time.time() < deadline:  # exited but not reaped: a zombie
         time.sleep(0.05)
-    assert not process_alive(child.pid)
+    assert not pid_alive(child.pid)
     child.wait()
-    assert not process_alive(child.pid)
+    assert not pid_alive(child.pid)
 
 
 def test_one_server_per_run(tmp_path, tiny_target_dir, data, target_and_prompts) -> None:

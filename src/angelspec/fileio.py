@@ -23,6 +23,24 @@ from typing import IO, Any
 from angelspec.errors import UsageError
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine: the owner of a lock, a temp folder or a run that may have been
+    killed. An exited process its parent has not reaped yet (a zombie) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    except OSError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill's answer stands
+    return state != "Z"
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

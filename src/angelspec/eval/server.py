@@ -43,7 +43,7 @@ from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
-from angelspec.fileio import read_json_object
+from angelspec.fileio import pid_alive, read_json_object
 
 EVAL_LOG = "eval_log.jsonl"
 LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
@@ -226,21 +226,6 @@ def _claim(run_dir: Path) -> bool:
     return False
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` still runs (an exited one not yet reaped by its parent, a zombie, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # it exists but belongs to someone else
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): os.kill's answer stands
-    return state != "Z"
-
-
 def _release(run_dir: Path) -> None:
     lock = work_dir(run_dir) / LOCK
     try:
@@ -288,7 +273,7 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
         # The log is the record of what was evaluated (re-read each time: `train --force` may have cleared it).
         done_steps = {r["step"] for r in read_eval_log(run_dir) if isinstance(r.get("step"), int)}
         # Read before the checkpoint, so the final one is then visible.
-        finished = (run_dir / TRAIN_REPORT).is_file() if trainer_pid is None else not process_alive(trainer_pid)
+        finished = (run_dir / TRAIN_REPORT).is_file() if trainer_pid is None else not pid_alive(trainer_pid)
         found = latest_checkpoint(run_dir)
         if found is not None and found[1]["step"] not in done_steps:
             src, state = found

@@ -40,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from angelspec.fileio import pid_alive
 from angelspec.models.block.config import DEFAULT_CONFIDENCE_TEMPERATURES
 from angelspec.models.hf_io import write_json_atomic
 from angelspec.train.distributed import has_dtensors
@@ -123,19 +124,6 @@ def _discard(folder: Path, final: Path) -> None:
     trash = final.with_name(f"{final.name}.trash-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.replace(folder, trash)
     shutil.rmtree(trash)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this machine (a temp folder's or a server's owner that may have been killed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def repair_folder(final: Path, complete: Callable[[Path], bool] | None = None, old_suffix: str = ".old") -> None:

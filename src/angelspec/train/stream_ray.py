@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from angelspec.train.checkpoint import pid_alive
+from angelspec.fileio import pid_alive
 from angelspec.train.stream import (
     DEFAULT_BUFFER,
     Cursor,
