@@ -227,3 +227,37 @@ def test_a_resumed_run_logs_each_step_once(tmp_path: Path, tiny_target_dir: Path
         f.write('{"step": 4, "loss": 1.')  # and a line the kill cut short
     _train(kind, tiny_target_dir, data, out, resume=True)
     assert [r["step"] for r in train_log(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_run_reports_the_training_time_of_all_its_segments(tmp_path: Path, tiny_target_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_report.json's train_seconds covers every segment of a resumed run, not only the last: each checkpoint
+    records the time so far and a resumed run carries on from it (the shipped drafters' reports say how long they
+    trained)."""
+    import json
+
+    import angelspec.train.loop as loop
+    from conftest import write_conversations
+
+    data = write_conversations(tmp_path / "conv.jsonl", 40, seed=3)
+    out = tmp_path / "run"
+    append_log = loop.append_log
+
+    def killed_after_step_3(path: Path, record: dict, is_main: bool) -> None:
+        append_log(path, record, is_main)
+        if record["step"] == 3:
+            raise Killed
+
+    monkeypatch.setattr(loop, "append_log", killed_after_step_3)
+    with pytest.raises(Killed):
+        _train("mtp", tiny_target_dir, data, out)
+    monkeypatch.setattr(loop, "append_log", append_log)
+    ckpt = find_checkpoint(out / "training" / "checkpoint")
+    state = read_trainer_state(ckpt)
+    assert state["step"] == 2 and 0 < state["train_seconds"] < 600
+    state["train_seconds"] = 5000.0  # as if the first segment had trained for 83 minutes
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    _train("mtp", tiny_target_dir, data, out, resume=True)
+    seconds = json.loads((out / "train_report.json").read_text())["train_seconds"]
+    assert 5000.0 < seconds < 5600.0

@@ -317,18 +317,23 @@ def make_checkpoint_saver(
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     model: nn.Module | None = None,
+    seconds: Callable[[], float] | None = None,
 ) -> Callable[[int], None]:
     """`save(step)` for a training loop: every rank calls `snapshot()` (whole weights; a collective under
     FSDP2) and gathers the optimizer state (`optimizer_state(optimizer, model)`: with `model`, the named full
     form, which FSDP2 needs; None: not resumable), the main rank writes an atomic checkpoint with
-    `write_model(snapshot, dir)`, the trainer state (`step` + `identity`) and that state, then all ranks meet
-    at `barrier()`."""
+    `write_model(snapshot, dir)`, the trainer state (`step` + `identity`, and `train_seconds` from `seconds()`: the
+    run's training time so far, which a resumed run carries on from) and that state, then all ranks meet at
+    `barrier()`."""
 
     def save(step: int) -> None:
         whole = snapshot()
         opt_state = None if optimizer is None else optimizer_state(optimizer, model)
         if is_main:
-            write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), {"step": step, **identity}, opt_state)
+            state = {"step": step, **identity}
+            if seconds is not None:
+                state["train_seconds"] = round(seconds(), 1)
+            write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), state, opt_state)
         barrier()
 
     return save

@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,9 @@ from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
+    find_checkpoint,
     make_checkpoint_saver,
+    read_trainer_state,
     refuse_resume_over_model,
     resume_training,
     run_identity,
@@ -80,6 +82,13 @@ class TrainRun:
     log: Callable[[str], None]  # `silent` on ranks other than 0
     t0: float
     sp: SequenceParallel = SequenceParallel()  # the sequence-parallel group (size 1: none)
+    # Training seconds of the segments before this one (a resumed run: what its checkpoint recorded).
+    seconds_before: list[float] = field(default_factory=lambda: [0.0])
+
+    def train_seconds(self) -> float:
+        """The run's training wall time so far, across resumed segments: the checkpoint's record plus this
+        process's time since `t0`."""
+        return self.seconds_before[0] + time.time() - self.t0
 
     @property
     def main(self) -> bool:
@@ -123,7 +132,7 @@ class TrainRun:
         and packing, the training time, the target and where the features came from."""
         return {**head, "parameters": sum(p.numel() for p in model.parameters()), **stats,
                 "packing_efficiency": round(rows.packed.efficiency, 4),
-                "train_seconds": round(time.time() - self.t0, 1), "target": str(self.target_dir),
+                "train_seconds": round(self.train_seconds(), 1), "target": str(self.target_dir),
                 "target_fingerprint": tcfg.fingerprint(), "features": features.source}
 
     def finish(self, report: dict[str, Any], write_model: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -271,12 +280,15 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     step = resume_training(run.ckpt_dir, run.job.resume, identity,
                            lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
                            run.log, model=model, saved_defaults=cfg.checkpoint_defaults())
+    if step:  # the resumed checkpoint's training time (0 for one written before it was recorded)
+        found = find_checkpoint(run.ckpt_dir)
+        run.seconds_before[0] = float(read_trainer_state(found).get("train_seconds", 0.0)) if found else 0.0
 
     def snapshot() -> Any:
         return whole_copy(model, rebuild)
 
     save = make_checkpoint_saver(run.ckpt_dir, snapshot, write_model, identity, opt, is_main=run.main,
-                                 barrier=barrier, model=model)
+                                 barrier=barrier, model=model, seconds=run.train_seconds)
     return step, snapshot, save
 
 
