@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,6 +198,22 @@ def _train(kind: str, tiny_target_dir: Path, data: Path, out: Path, **kw: object
         train_draft_lm(tiny_target_dir, data, out, config=replace(draft_lm_tiny_debug(), steps=4), **quiet, **kw)
 
 
+def _train_killed_after_step_3(loop: Any, kind: str, tiny_target_dir: Path, data: Path, out: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train `kind` for 4 steps (a checkpoint every 2) and kill it right after `loop` logs step 3."""
+    append_log = loop.append_log
+
+    def killed_after_step_3(path: Path, record: dict, is_main: bool) -> None:
+        append_log(path, record, is_main)
+        if record["step"] == 3:
+            raise Killed
+
+    monkeypatch.setattr(loop, "append_log", killed_after_step_3)
+    with pytest.raises(Killed):
+        _train(kind, tiny_target_dir, data, out)
+    monkeypatch.setattr(loop, "append_log", append_log)
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("kind", "module"), [("mtp", "angelspec.train.loop"), ("draft-lm", "angelspec.train.lm")])
 def test_a_resumed_run_logs_each_step_once(tmp_path: Path, tiny_target_dir: Path, kind: str, module: str,
@@ -209,18 +226,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path: Path, tiny_target_dir: Path
 
     data = write_conversations(tmp_path / "conv.jsonl", 40, seed=3)
     out = tmp_path / "run"
-    loop = importlib.import_module(module)
-    append_log = loop.append_log
-
-    def killed_after_step_3(path: Path, record: dict, is_main: bool) -> None:
-        append_log(path, record, is_main)
-        if record["step"] == 3:
-            raise Killed
-
-    monkeypatch.setattr(loop, "append_log", killed_after_step_3)
-    with pytest.raises(Killed):
-        _train(kind, tiny_target_dir, data, out)
-    monkeypatch.setattr(loop, "append_log", append_log)
+    _train_killed_after_step_3(importlib.import_module(module), kind, tiny_target_dir, data, out, monkeypatch)
     assert read_trainer_state(find_checkpoint(out / "training" / "checkpoint"))["step"] == 2
     assert [r["step"] for r in train_log(out)] == [1, 2, 3]
     with (out / "training" / "train_log.jsonl").open("a") as f:
@@ -235,24 +241,13 @@ def test_a_resumed_run_reports_the_training_time_of_all_its_segments(tmp_path: P
     """train_report.json's train_seconds covers every segment of a resumed run, not only the last: each checkpoint
     records the time so far and a resumed run carries on from it (the shipped drafters' reports say how long they
     trained)."""
-    import json
+    from conftest import write_conversations
 
     import angelspec.train.loop as loop
-    from conftest import write_conversations
 
     data = write_conversations(tmp_path / "conv.jsonl", 40, seed=3)
     out = tmp_path / "run"
-    append_log = loop.append_log
-
-    def killed_after_step_3(path: Path, record: dict, is_main: bool) -> None:
-        append_log(path, record, is_main)
-        if record["step"] == 3:
-            raise Killed
-
-    monkeypatch.setattr(loop, "append_log", killed_after_step_3)
-    with pytest.raises(Killed):
-        _train("mtp", tiny_target_dir, data, out)
-    monkeypatch.setattr(loop, "append_log", append_log)
+    _train_killed_after_step_3(loop, "mtp", tiny_target_dir, data, out, monkeypatch)
     ckpt = find_checkpoint(out / "training" / "checkpoint")
     state = read_trainer_state(ckpt)
     assert state["step"] == 2 and 0 < state["train_seconds"] < 600
