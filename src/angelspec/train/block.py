@@ -328,12 +328,13 @@ def dspark_embedded() -> BlockDrafterTrainConfig:
 
 def dspark_shipped() -> BlockDrafterTrainConfig:
     """The DSpark that ships with the embedded target: `dspark_embedded`'s recipe (Markov head, confidence head,
-    three-term loss) in `dfly_shipped`'s shape and data, for a third of its budget (2,300 steps, 4.7M tokens).
+    three-term loss) in `dfly_shipped`'s shape and data, for a third of the flagships' 10M-token budget (1,650
+    steps, 3.4M tokens; its first 520 steps ran on a 2,300-step cosine, then the run was resumed with steps=1650).
     It was trained before the DSpark defaults changed, so the preset keeps what it was trained with (and `make
     drafters` keeps resuming its run): DFlash's shared fused context with an fc bias, L_TV = ½‖p − q‖₁ and the
     "tv" confidence head."""
     return replace(dspark_embedded(), draft_layers=1, intermediate_size=512, draft_vocab_size=1024, batch_size=4,
-                   num_anchors=32, steps=2300, warmup=50, ckpt_every=200, log_every=20,
+                   num_anchors=32, steps=1650, warmup=50, ckpt_every=200, log_every=20,
                    context_injection="shared", fc_bias=True, tv_norm="half_l1", confidence_target="tv")
 
 
