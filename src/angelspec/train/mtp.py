@@ -132,11 +132,9 @@ def mtp_demo() -> MTPTrainConfig:
 
 def mtp_shipped() -> MTPTrainConfig:
     """The MTP-3 (TTT) that ships with the embedded target (`assets/drafters/mtp`, `make drafters`): `mtp_demo`'s
-    shape (1024-token draft vocabulary) on the 20k-prompt pool's rollouts, 3,000 steps of 4 × 512 tokens (6.1M
-    tokens), LK^alpha cold start for the first 800 steps, then e2e TV. (Planned as 4,800 steps, 9.8M tokens; the
-    evaluation server's MAL stopped rising from about 1,600 steps (3.3M tokens), so at step 2,400 the run was
-    resumed with steps=3000 to let its cosine rate decay to the floor.)"""
-    return replace(mtp_demo(), batch_size=4, steps=3000, switch_step=800, warmup=50, ckpt_every=200, log_every=20)
+    shape (1024-token draft vocabulary) on the 20k-prompt pool's rollouts, 4,800 steps of 4 × 512 tokens (9.8M
+    tokens), LK^alpha cold start for the first 800 steps, then e2e TV."""
+    return replace(mtp_demo(), batch_size=4, steps=4800, switch_step=800, warmup=50, ckpt_every=200, log_every=20)
 
 
 def mtp_shipped_dv() -> MTPTrainConfig:
