@@ -13,7 +13,15 @@ and depth K, and the step is split into phases:
 
 Printed per (B, K): the oracle's speed-up over AR, its efficiency (speed-up / MAL: 1.0 would mean a step of
 K + 1 verified tokens costs exactly one AR step), the reject twin's step time over AR's step time (the pure
-overhead of a speculative step that gains nothing), and the phase split in ms per step.
+overhead of a speculative step that gains nothing), and the phase split in ms per step. Two more columns say
+what bounds the speed-up on the machine at hand:
+
+    ceiling   the oracle's speed-up if a step cost nothing but its target forward: AR's wall time over
+              (the oracle run's prefill + its steps x its measured forward per step). Engine work (verify,
+              policy, commit, drafter, host reads) is the gap between "oracle x" and this; what is left below
+              the goal is the forward itself (K + 1 tokens per row cost more than one on a compute-bound CPU).
+    fwd/AR    the verify forward over K + 1 tokens per row, in AR decode forwards (1.0: verifying is free)
+    prefill   prefill's share of the oracle run's wall time (the same prompts are prefilled on both sides)
 
     .venv/bin/python benchmarks/step_cost.py                         # embedded target, fp32, eager
     .venv/bin/python benchmarks/step_cost.py --compile --batch-sizes 1 --ks 4,7
@@ -92,6 +100,7 @@ def run(target, prompts, k, batch_size, drafter, sampling, compile_, policy=None
         if drafter is None:
             split = {"forward": m.seconds["verify"] / steps, "commit": m.seconds["commit"] / steps}
         res = {"tokens_per_s": tokens / wall, "steps": steps, "wall_s": wall, "mal": m.mean_accepted_length,
+               "prefill_s": m.seconds["prefill"], "tokens": tokens,
                "ms_per_step": 1000 * wall / steps, "split_ms": {p: 1000 * s for p, s in split.items()},
                "outputs": [r.token_ids for r in out]}
         if rep > 0 and (best is None or res["tokens_per_s"] > best["tokens_per_s"]):
@@ -142,6 +151,7 @@ def main() -> None:
     print(f"target {target_dir}, {len(prompts)} prompts x {NEW_TOKENS} new tokens, T={args.temperature:g}, "
           f"policy {args.policy}, {'compiled' if args.compile else 'eager'}, {args.threads} thread(s)\n")
     head = (f"{'B':>3}{'K':>3}{'AR ms/step':>11}{'oracle x':>9}{'MAL':>6}{'eff':>6}{'reject/AR':>10}  "
+            + f"{'ceiling':>8}{'fwd/AR':>7}{'prefill':>8}  "
             + "  ".join(f"{p:>8}" for p in PHASES) + "   (oracle ms/step)")
     print(head)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -164,9 +174,15 @@ def main() -> None:
                    "oracle_split_ms": acc["split_ms"], "reject_split_ms": rej["split_ms"],
                    "ar_split_ms": ar["split_ms"]}
             results.append(row)
+            fwd_ar = ar["split_ms"]["forward"]
+            fwd_oracle = acc["split_ms"]["forward"]
+            ceiling = ar["wall_s"] / (acc["prefill_s"] + acc["steps"] * fwd_oracle / 1000)
+            row.update(ceiling_speedup=ceiling, forward_over_ar_forward=fwd_oracle / fwd_ar,
+                       oracle_prefill_share=acc["prefill_s"] / acc["wall_s"])
             eff = speedup / acc["mal"]
             print(f"{b:>3}{k:>3}{ar['ms_per_step']:>11.2f}{speedup:>8.2f}x{acc['mal']:>6.2f}{eff:>6.2f}"
-                  f"{row['reject_step_over_ar_step']:>9.2f}x  "
+                  f"{row['reject_step_over_ar_step']:>9.2f}x{ceiling:>7.2f}x{fwd_oracle / fwd_ar:>7.2f}"
+                  f"{100 * row['oracle_prefill_share']:>7.0f}%  "
                   + "  ".join(f"{acc['split_ms'].get(p, 0.0):>8.3f}" for p in PHASES))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
