@@ -74,6 +74,7 @@ from angelspec.decoding.sampling import (
 )
 from angelspec.models.decoder import Decoder
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import transpose_weights
 
 FinishReason = Literal["stop", "length"]
 VerifyProtocol = Literal["greedy", "deterministic", "speculative"]
@@ -201,6 +202,8 @@ class SpecEngine:
             raise ValueError(f"the target is {self.dtype} but EngineConfig.dtype is {config.dtype}; load it in that "
                              f"dtype (load_target(dir, dtype={config.dtype}))")
         self.device = target.embed_tokens.weight.device
+        if self.device.type == "cpu":
+            self._lay_out_weights()
         self.k = config.num_draft_tokens if drafter is not None else 0
         if drafter is None and depth_policy is not None:
             raise ValueError("a depth_policy needs a drafter")
@@ -228,6 +231,15 @@ class SpecEngine:
                 self._verify_fn = try_compile(self._verify_forward, "verify forward")
                 self._packed_fn = try_compile(self._packed_verify_forward, "packed verify forward")
                 drafter.ensure_compiled()
+
+    def _lay_out_weights(self) -> None:
+        """CPU only: few-row fp32 GEMMs (a verify forward over K + 1 tokens, a block of drafts, a batch of rows) run
+        much faster on weights stored as [in, out] (`models.linear`, `benchmarks/weight_layout.py`). Same values,
+        in place, once per model; a tied LM head gets its own copy, so the target counts as frozen from here on
+        (as `compile`'s frozen graphs already assume)."""
+        transpose_weights(self.target)
+        if self.drafter is not None:
+            self.drafter.transpose_weights()
 
     # ------------------------------------------------------------------------------------------------
     # Public entry point

@@ -42,6 +42,7 @@ from torch import nn
 
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import RMSNorm
+from angelspec.models.linear import Linear
 from angelspec.models.mtp import MTPDraftModel, MTPFamilyConfig
 
 NUM_TAPS = 3
@@ -95,11 +96,11 @@ class Eagle3DraftModel(MTPDraftModel):
         super().__init__(cfg, embed_tokens, lm_head)
         attn = self.layer.attn
         # q/k/v read [RMSNorm(E(x̃)); RMSNorm(h)]: twice the model dim (replaces the C-wide projection).
-        attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.qkv_proj.out_features, bias=attn.qkv_proj.bias is not None)
+        attn.qkv_proj = Linear(2 * cfg.hidden_size, attn.qkv_proj.out_features, bias=attn.qkv_proj.bias is not None)
 
     def build_fusion(self) -> None:
         d, eps = self.config.hidden_size, self.config.rms_norm_eps
-        self.fc = nn.Linear(NUM_TAPS * d, d, bias=False)  # [h_low; h_mid; h_high] -> g
+        self.fc = Linear(NUM_TAPS * d, d, bias=False)  # [h_low; h_mid; h_high] -> g
         self.hidden_norm = RMSNorm(d, eps)  # RMSNorm_h(h); the embedding's norm is layer.input_layernorm
 
     def condition(self, taps: torch.Tensor) -> torch.Tensor:

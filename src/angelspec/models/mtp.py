@@ -44,6 +44,7 @@ from torch import nn
 from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import Linear
 from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
@@ -131,7 +132,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         d, eps = self.config.hidden_size, self.config.rms_norm_eps
         self.hidden_norm = RMSNorm(d, eps)  # RMSNorm(h^(k-1)) of Eq. 1
         self.embed_norm = RMSNorm(d, eps)  # RMSNorm(E(x̃_k)) of Eq. 1
-        self.proj = nn.Linear(2 * d, d, bias=False)  # W_proj of Eq. 1
+        self.proj = Linear(2 * d, d, bias=False)  # W_proj of Eq. 1
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from angelspec.decoding.sampling import BatchSampling
 from angelspec.models.config import DecoderConfig
+from angelspec.models.linear import transpose_weights as transpose_linear_weights
 
 
 class DrafterMismatchError(ValueError):
@@ -203,6 +204,10 @@ class Drafter(ABC):
         """`EngineConfig(compile=True)`: compile the drafter's hot calls (`spec.compiled.try_compile`); its
         weights are frozen from then on. Default: nothing to compile."""
 
+    def transpose_weights(self) -> None:  # noqa: B027
+        """Lay the draft model's linear weights out for few-row GEMMs on a CPU (`models.linear.transpose_weights`;
+        the engine calls it on CPU, before any compile). Default: no model weights."""
+
     def ensure_compiled(self) -> None:
         """`compile()` once per drafter: engines may share one."""
         if not self.__dict__.get("_compiled", False):
@@ -219,6 +224,9 @@ class ModelConfigDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def transpose_weights(self) -> None:
+        transpose_linear_weights(self.model)
 
     @property
     def target_fingerprint(self) -> str | None:

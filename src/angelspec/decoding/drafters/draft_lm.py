@@ -42,6 +42,7 @@ from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, proces
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import transpose_weights as transpose_linear_weights
 from angelspec.models.vocab import expand_logits
 
 
@@ -90,6 +91,9 @@ class DraftLMDrafter(Drafter):
         if self.draft_vocab is None:
             return logits
         return expand_logits(logits, self.draft_vocab, self.model.config.vocab_size)
+
+    def transpose_weights(self) -> None:
+        transpose_linear_weights(self.model)
 
     def compile(self) -> None:
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")

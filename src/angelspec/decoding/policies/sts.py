@@ -394,6 +394,9 @@ class CalibratedDrafter(Drafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         self.inner.reset_rows(rows)
 
+    def transpose_weights(self) -> None:
+        self.inner.transpose_weights()
+
     def compile(self) -> None:
         self.inner.ensure_compiled()  # the wrapped drafter's hot calls; the calibration itself is a few ops
 

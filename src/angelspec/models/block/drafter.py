@@ -67,6 +67,7 @@ from angelspec.models.block.targets import BlockTargets, block_targets
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import Linear
 from angelspec.models.mtp import concat_taps
 from angelspec.models.vocab import DraftVocabulary
 
@@ -182,7 +183,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
         C, L, n, eps = cfg.hidden_size, cfg.num_draft_layers, cfg.num_taps, cfg.rms_norm_eps
         if cfg.has_fc:
-            self.fc = nn.Linear(n * C, C, bias=cfg.fc_bias)  # W_fc, b_fc of Eq. 10
+            self.fc = Linear(n * C, C, bias=cfg.fc_bias)  # W_fc, b_fc of Eq. 10
         if cfg.conditioning == "dflash" and cfg.has_fc:
             self.hidden_norm = RMSNorm(C, eps)
         else:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from angelspec.models.decoder import RMSNorm
+from angelspec.models.linear import Linear
 
 
 class MarkovHead(nn.Module):
@@ -43,7 +44,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, rank)  # W1 [V, r]
-        self.out = nn.Linear(rank, vocab_size, bias=False)  # W2 [r, V] (stored transposed, as nn.Linear does)
+        self.out = Linear(rank, vocab_size, bias=False)  # W2 [r, V] (stored transposed, as nn.Linear does)
 
     def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         return None
@@ -79,7 +80,7 @@ class GatedMarkovHead(MarkovHead):
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
         super().__init__(vocab_size, hidden_size, rank)
-        self.gate = nn.Linear(hidden_size + rank, rank)  # W_g
+        self.gate = Linear(hidden_size + rank, rank)  # W_g
 
     def features(self, h: Tensor, prev: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
         e = self.embed(prev).to(h.dtype)  # [..., r]
@@ -97,9 +98,9 @@ class RNNHead(MarkovHead):
         super().__init__(vocab_size, hidden_size, rank)
         self.rank = rank
         width = 2 * rank + hidden_size
-        self.gate = nn.Linear(width, rank)  # W_g
-        self.cand = nn.Linear(width, rank)  # W_c
-        self.proj = nn.Linear(width, rank)  # W_o
+        self.gate = Linear(width, rank)  # W_g
+        self.cand = Linear(width, rank)  # W_c
+        self.proj = Linear(width, rank)  # W_o
 
     def init_state(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         return like.new_zeros(*shape, self.rank)
@@ -126,8 +127,8 @@ class HiddenCorrectionHead(nn.Module):
         self.inter = intermediate_size
         self.z_norm = RMSNorm(hidden_size, eps)
         self.e_norm = RMSNorm(hidden_size, eps)
-        self.gate_up_proj = nn.Linear(2 * hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(2 * hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def z_part(self, z: Tensor) -> Tensor:
         """W_z RMSNorm(z): z [..., C] backbone output (pre-norm) -> [..., 2I]."""
@@ -166,7 +167,7 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden_size: int, rank: int, temperatures: Sequence[float] = ()) -> None:
         super().__init__()
         self.temperatures = tuple(float(t) for t in temperatures)
-        self.proj = nn.Linear(hidden_size + rank, max(1, len(self.temperatures)))
+        self.proj = Linear(hidden_size + rank, max(1, len(self.temperatures)))
 
     def all_logits(self, h: Tensor, e: Tensor) -> Tensor:
         """h [..., C], e = W1[x_prev] [..., r] -> logits [..., n] (pre-sigmoid), one per grid temperature."""
