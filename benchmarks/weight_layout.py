@@ -38,9 +38,7 @@ def row_major():
         SpecEngine._lay_out_weights = saved
 
 
-def run(target, drafter, prompts, k, batch_size, compile_, new_tokens):
-    cfg = EngineConfig(max_batch_size=batch_size, num_draft_tokens=k, compile=compile_)
-    engine = SpecEngine(target, drafter, cfg)
+def run(engine, prompts, new_tokens):
     t0 = time.perf_counter()
     out = engine.generate([Request(p, max_new_tokens=new_tokens) for p in prompts])
     wall = time.perf_counter() - t0
@@ -87,14 +85,14 @@ def main() -> None:
         configs = [("AR", None, None, 1)] + [(n, dr, dc, k) for k in map(int, args.ks.split(","))
                                                for n, dr, dc in drafters(k)]
         for name, d_rows, d_cols, k in configs:
+            cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile)
+            with row_major():
+                engines = {"rows": SpecEngine(rows, d_rows, cfg)}
+            engines["cols"] = SpecEngine(cols, d_cols, cfg)
             best: dict[str, dict] = {}
-            for rep in range(args.repeats + 1):  # the first round warms up (and compiles)
-                for layout in ("rows", "cols"):
-                    if layout == "rows":
-                        with row_major():
-                            r = run(rows, d_rows, prompts, k, b, args.compile, args.new_tokens)
-                    else:
-                        r = run(cols, d_cols, prompts, k, b, args.compile, args.new_tokens)
+            for rep in range(args.repeats + 1):  # the first round warms up (and compiles); one engine per layout
+                for layout, engine in engines.items():
+                    r = run(engine, prompts, args.new_tokens)
                     if rep and (layout not in best or r["wall"] < best[layout]["wall"]):
                         best[layout] = r
             a, c = best["rows"], best["cols"]

@@ -21,19 +21,31 @@ from torch import Tensor, nn
 
 
 def is_transposed(weight: Tensor) -> bool:
-    """True when `weight` [out, in] is stored as a contiguous [in, out] matrix (a view of its transpose)."""
-    return weight.dim() == 2 and not weight.is_contiguous() and weight.t().is_contiguous()
+    """True when `weight` [out, in] is stored column by column: a view of a row-major [in, out'] matrix (out' >=
+    out, so row slices of a transposed weight count), which a GEMM reads as its transpose without a copy."""
+    return (weight.dim() == 2 and weight.shape[0] > 1 and weight.shape[1] > 1 and weight.stride(0) == 1
+            and weight.stride(1) >= weight.shape[0])
+
+
+def transposed_copy(weight: Tensor) -> Tensor:
+    """The same [out, in] values, stored transposed (`is_transposed`)."""
+    return weight.t().contiguous().t()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)`, as x @ Wᵀ straight from the stored transpose when `weight` is laid out that way
+    (the fast few-row GEMM on CPU), else `F.linear` itself."""
+    if not is_transposed(weight):
+        return F.linear(x, weight, bias)
+    y = torch.matmul(x, weight.t())
+    return y if bias is None else y + bias
 
 
 class Linear(nn.Linear):
     """`nn.Linear` that multiplies by the stored transpose when its weight was laid out by `transpose_weights`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        if not is_transposed(w):
-            return F.linear(x, w, self.bias)
-        y = torch.matmul(x, w.t())
-        return y if self.bias is None else y + self.bias
+        return linear(x, self.weight, self.bias)
 
 
 # A Linear whose weight is tied to an embedding (a tied LM head) gets its own transposed copy: the embedding must
@@ -62,8 +74,8 @@ def transpose_weights(module: nn.Module) -> int:
         if id(w) in shared_elsewhere:
             if w.numel() * w.element_size() > TIED_COPY_MAX_BYTES:
                 continue
-            m.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+            m.weight = nn.Parameter(transposed_copy(w.detach()), requires_grad=w.requires_grad)
         else:
-            w.data = w.data.t().contiguous().t()
+            w.data = transposed_copy(w.data)
         moved += 1
     return moved

@@ -44,7 +44,7 @@ from torch import nn
 from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.linear import Linear
+from angelspec.models.linear import Linear, linear
 from angelspec.models.vocab import DraftVocabulary, check_draft_vocab_size
 
 
@@ -176,7 +176,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 2's head: h^(k) [..., C] -> fp32 logits [..., V] (W_lm frozen)."""
-        return F.linear(self.norm(hidden), self._shared[1].weight.detach()).float()
+        return linear(self.norm(hidden), self._shared[1].weight.detach()).float()
 
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 2's head at inference, over the draft vocabulary: h^(k) [..., C] -> fp32 logits [..., V'] (V' = V

@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from angelspec.models.config import ConfigError
+from angelspec.models.linear import linear, transposed_copy
 
 T = TypeVar("T")
 
@@ -88,7 +88,8 @@ class DraftVocabulary:
     def _vocab_weights(self) -> tuple[Tensor, ...]:
         """The draft-vocabulary rows of `_vocab_sources()`, cached until a weight or the vocabulary changes."""
         sources, v = self._vocab_sources(), self.draft_vocab
-        return self.derived("vocab rows", (*sources, v), lambda: tuple(w.detach()[v] for w in sources))
+        # Stored transposed (`models.linear`): inference multiplies them by a few rows at a time.
+        return self.derived("vocab rows", (*sources, v), lambda: tuple(transposed_copy(w.detach()[v]) for w in sources))
 
     def refresh_draft_vocab(self) -> None:
         """Bring the draft vocabulary's weight rows up to date, outside any compiled graph."""
@@ -98,8 +99,8 @@ class DraftVocabulary:
     def draft_logits(self, h: Tensor) -> Tensor:
         """Inference logits over the draft vocabulary: h [..., C] (normalised) -> [..., V'] fp32."""
         if not self.config.draft_vocab_size:
-            return F.linear(h, self._shared[1].weight.detach()).float()
-        return F.linear(h, self._vocab_weights()[0]).float()
+            return linear(h, self._shared[1].weight.detach()).float()
+        return linear(h, self._vocab_weights()[0]).float()
 
     def to_target_ids(self, index: Tensor) -> Tensor:
         """Indices along the draft vocabulary -> target token ids (identity without one)."""

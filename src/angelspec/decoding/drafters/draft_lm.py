@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from angelspec.decoding.batching import prefill_rows
@@ -42,6 +41,7 @@ from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, proces
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import linear
 from angelspec.models.linear import transpose_weights as transpose_linear_weights
 from angelspec.models.vocab import expand_logits
 
@@ -79,12 +79,12 @@ class DraftLMDrafter(Drafter):
         """tokens [B, 2] = [pending or last, last] -> the logits [B, V'] (draft vocabulary) at position index
         [B, 1]."""
         h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
-        return F.linear(h.gather(1, index[..., None].expand(-1, -1, h.shape[-1]))[:, 0], self._head).float()
+        return linear(h.gather(1, index[..., None].expand(-1, -1, h.shape[-1]))[:, 0], self._head).float()
 
     def _step_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
         """tokens [B, 1] -> next-token logits [B, V'] (draft vocabulary)."""
         h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
-        return F.linear(h[:, 0], self._head).float()
+        return linear(h[:, 0], self._head).float()
 
     def _full(self, logits: Tensor) -> Tensor:
         """[B, V'] -> [B, V], −inf outside the draft vocabulary."""

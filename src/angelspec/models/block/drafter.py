@@ -67,7 +67,7 @@ from angelspec.models.block.targets import BlockTargets, block_targets
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.linear import Linear
+from angelspec.models.linear import Linear, linear, transposed_copy
 from angelspec.models.mtp import concat_taps
 from angelspec.models.vocab import DraftVocabulary
 
@@ -243,7 +243,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
 
     def lm_logits(self, h: Tensor) -> Tensor:
         """W_lm h -> fp32 logits [..., V] (h already normalised; W_lm frozen)."""
-        return F.linear(h, self._shared[1].weight.detach()).float()
+        return linear(h, self._shared[1].weight.detach()).float()
 
     # ----- the draft vocabulary (`DraftVocabulary`): a Markov-family head's W2 rows are cut with the LM head's -----
     def _vocab_sources(self) -> tuple[Tensor, ...]:
@@ -255,7 +255,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         assert isinstance(self.head, MarkovHead)
         if not self.config.draft_vocab_size:
             return self.head.out(u)
-        return F.linear(u, self._vocab_weights()[1])
+        return linear(u, self._vocab_weights()[1])
 
     # ----- the hidden-correction head, factored for greedy drafting -----
     def factored_head(self, rows: int = 1) -> bool:
@@ -294,9 +294,9 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
 
         def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
             rows = self._vocab_weights()[0] if vocab else lm.detach()
-            w_lm = (rows * self.norm.weight).contiguous()
+            w_lm = transposed_copy(rows * self.norm.weight)  # multiplied by a block of rows (`models.linear`)
             m_t = (w_lm @ head.down_proj.weight).t().contiguous()
-            t_e = F.linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
+            t_e = linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
             return w_lm, m_t, t_e, t_e[self.draft_vocab] if vocab else t_e
 
         return self.derived("factored head", (lm, emb, *vocab, self.norm.weight, head.e_norm.weight,
@@ -327,7 +327,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
         K = z.shape[1]
         zg = head.z_part(z).unbind(1)  # K x [B, 2I]
-        base = F.linear(z, w_lm).unbind(1)  # K x [B, V'] W' z_k
+        base = linear(z, w_lm).unbind(1)  # K x [B, V'] W' z_k
         row = t_e.index_select(0, anchor_tokens)  # [B, 2I] the predecessor's T_e row: the anchor's, then a draft's
         acts, scores, picks = [], [], []
         for k in range(K):
@@ -379,7 +379,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         B, T, _ = g.shape
         lo = attn.n_heads * attn.head_dim
         bias = attn.qkv_proj.bias
-        kv = F.linear(g, attn.qkv_proj.weight[lo:], None if bias is None else bias[lo:])
+        kv = linear(g, attn.qkv_proj.weight[lo:], None if bias is None else bias[lo:])
         k, v = kv.view(B, T, 2 * attn.n_kv, attn.head_dim).split(attn.n_kv, dim=2)  # [B, T, Hkv, Dh]
         if attn.qk_norm:
             k = attn.k_norm(k)
@@ -440,7 +440,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             if isinstance(self.head, MarkovHead):
                 if draft_vocab and self.config.draft_vocab_size:  # W2's V' rows, with their gradient
                     w2 = self.head.out.weight.index_select(0, self.draft_vocab)
-                    bias = F.linear(self.head.sequence_features(h, prev), w2)
+                    bias = linear(self.head.sequence_features(h, prev), w2)
                 else:
                     bias = self.head.sequence(h, prev)
                 logits = logits + bias.float()  # Eq. 14 / DSpark §3.1

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from angelspec.models.decoder import RMSNorm
-from angelspec.models.linear import Linear
+from angelspec.models.linear import Linear, linear
 
 
 class MarkovHead(nn.Module):
@@ -132,11 +132,11 @@ class HiddenCorrectionHead(nn.Module):
 
     def z_part(self, z: Tensor) -> Tensor:
         """W_z RMSNorm(z): z [..., C] backbone output (pre-norm) -> [..., 2I]."""
-        return F.linear(self.z_norm(z), self.gate_up_proj.weight[:, : self.hidden])
+        return linear(self.z_norm(z), self.gate_up_proj.weight[:, : self.hidden])
 
     def step(self, z: Tensor, z_part: Tensor, e_prev: Tensor) -> Tensor:
         """ẑ from z [..., C], its `z_part` [..., 2I] and e_prev [..., C] -> [..., C]."""
-        gate_up = z_part + F.linear(self.e_norm(e_prev.to(z.dtype)), self.gate_up_proj.weight[:, self.hidden:])
+        gate_up = z_part + linear(self.e_norm(e_prev.to(z.dtype)), self.gate_up_proj.weight[:, self.hidden:])
         gate, up = gate_up.split(self.inter, dim=-1)
         return z + self.down_proj(F.silu(gate) * up)
 
