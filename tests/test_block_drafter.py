@@ -475,9 +475,13 @@ def test_new_drafters_pick_the_injection_and_fc_bias_old_folders_keep_theirs(tmp
                                model.propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits, rtol=0, atol=0)
 
 
-def test_shipped_dspark_loads_and_proposes_exactly_as_before() -> None:
-    """The shipped DSpark (saved before context_injection / fc_bias existed) keeps DFlash's shared context with its
-    fc bias, and proposes what it proposed before the fields were added (values computed on main at 46c763b)."""
+def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
+    """The shipped DSpark proposes exactly what it proposed when it was exported (values computed with this code and
+    with main at d308d01, before the transposed weight layout: the same), and its folder written without the later
+    fields (as folders saved before context_injection / fc_bias / confidence_target existed) still loads with
+    DFlash's shared context, the fc bias and the "tv" confidence head, and proposes the same."""
+    import shutil
+
     from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
     from angelspec.models import load_target
 
@@ -485,22 +489,36 @@ def test_shipped_dspark_loads_and_proposes_exactly_as_before() -> None:
     if not (folder / "config.json").is_file() or not (DEFAULT_TARGET / "config.json").is_file():
         pytest.skip("the shipped DSpark or the embedded target is not in this checkout")
     target = load_target(DEFAULT_TARGET, dtype=torch.float32)
-    model = load_block_drafter(folder, target, dtype=torch.float32)
-    assert model.config.context_injection == "shared" and model.config.fc_bias and model.fc.bias is not None
+    old = tmp_path / "dspark-old-format"
+    shutil.copytree(folder, old)
+    raw = json.loads((old / "config.json").read_text())
+    later = ("context_injection", "fc_bias", "confidence_target", "confidence_temperatures")
+    design = raw["block_drafter_config"]
+    assert all(k in design for k in later)  # the exported folder writes them
+    raw["block_drafter_config"] = {k: v for k, v in design.items() if k not in later}
+    (old / "config.json").write_text(json.dumps(raw))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(6, 8192, (3, 24), generator=g)
     lengths = torch.tensor([24, 17, 9])
-    with torch.no_grad():
-        taps = concat_taps(target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden)
-        prop = model.propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1])
-    assert prop.tokens.tolist() == [[273, 322, 19, 69, 300, 273, 322], [19, 2, 19, 2, 19, 2, 19],
-                                    [542, 542, 310, 542, 310, 542, 941]]
-    want_conf = [[0.088246, 0.103327, 0.037321, 0.04851, 0.10284, 0.217968, 0.132629],
-                 [0.092781, 0.041504, 0.098541, 0.044062, 0.103243, 0.047099, 0.102677],
-                 [0.286931, 0.143684, 0.140744, 0.419016, 0.14292, 0.412408, 0.10325]]
+    props = []
+    for path in (folder, old):
+        model = load_block_drafter(path, target, dtype=torch.float32)
+        assert model.config.context_injection == "shared" and model.config.fc_bias and model.fc.bias is not None
+        assert model.config.confidence_target == "tv"
+        with torch.no_grad():
+            taps = concat_taps(target(ids, hidden_layers=list(model.config.target_layer_ids),
+                                      compute_logits=False).hidden)
+            props.append(model.propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1]))
+    prop, prop_old = props
+    assert torch.equal(prop.tokens, prop_old.tokens) and torch.equal(prop.logits, prop_old.logits)
+    assert prop.tokens.tolist() == [[19, 2825, 19, 2825, 19, 88, 19], [19, 2, 19, 2, 19, 941, 941],
+                                    [941, 941, 941, 941, 941, 941, 1511]]
+    want_conf = [[0.188622, 0.15205, 0.111812, 0.123628, 0.097312, 0.139626, 0.119833],
+                 [0.214596, 0.140643, 0.187683, 0.116789, 0.133573, 0.078758, 0.074132],
+                 [0.285776, 0.202102, 0.201134, 0.194245, 0.192679, 0.19206, 0.18146]]
     torch.testing.assert_close(prop.confidences, torch.tensor(want_conf), rtol=0, atol=2e-5)
-    want_max = [5.2187, 4.7803, 4.9013, 5.2601, 5.1835, 6.7125, 5.7155, 4.9400, 4.4869, 5.0777, 4.8254, 5.2771,
-                4.7046, 5.0281, 5.1253, 4.8414, 4.5792, 4.9142, 5.2812, 5.0545, 5.0823]
+    want_max = [4.8956, 5.0085, 4.9855, 4.5416, 4.6648, 4.7528, 6.0729, 5.8234, 5.2996, 5.7747, 5.7807, 5.7457,
+                6.3512, 6.3205, 6.1233, 6.264, 6.2702, 6.7197, 7.0662, 7.1103, 7.0314]
     torch.testing.assert_close(prop.logits.max(-1).values.flatten(), torch.tensor(want_max), rtol=0, atol=2e-4)
 
 

@@ -80,4 +80,6 @@ def test_every_shipped_preset_exists_and_is_sized_as_promised() -> None:
         tokens[d.name] = cfg.steps * cfg.batch_size * cfg.seq_len
         assert cfg.draft_vocab_size == 1024  # CPU-cheap drafting from the 1024 most frequent answer tokens
     assert tokens["dfly"] >= 9_500_000 and tokens["mtp"] >= 9_500_000  # the flagships: ~10M tokens
-    assert tokens["eagle3"] >= tokens["dfly"] / 3 - 1 and tokens["dspark"] >= tokens["dfly"] / 3 - 1
+    # Issue 13: the flagships on at least 10M tokens, "EAGLE-3 and DSpark on at least a third of that". (This
+    # compared with a third of DFly's preset, 13.9M since its warm restart, which is more than the issue asks.)
+    assert tokens["eagle3"] >= 10_000_000 / 3 and tokens["dspark"] >= 10_000_000 / 3
