@@ -734,3 +734,32 @@ def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run
             out += engine.generate(requests[10:16])
     assert [r.token_ids for r in out] == ar_tokens[:16]
     assert drafter.silent_rounds > 5
+
+
+def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid_run(target, greedy_case, monkeypatch):
+    """Batch 1, compile=True: a step where the drafter proposes nothing (n-gram without a match, a gate-skipped
+    step) runs the compiled one-token verify forward, not an eager one (that made n-gram's no-match steps cost an
+    eager AR step each), and that graph is compiled when the run starts, never in the middle of it."""
+    import warnings
+
+    requests, ar_tokens, continuations = greedy_case
+    forward = target.forward
+    eager_calls = []
+
+    def spy(*args, **kwargs):  # prefill passes num_new and runs eagerly by design; every other forward is a step
+        if kwargs.get("num_new") is None and not torch.compiler.is_compiling():
+            eager_calls.append(kwargs.get("num_keep"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=3, compile=True))
+        out = engine.generate(requests[:2])
+        drafter.silent = True
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out += engine.generate(requests[2:5])
+    assert [r.token_ids for r in out] == ar_tokens[:5]
+    assert drafter.silent_rounds > 5
+    assert eager_calls == []

@@ -224,6 +224,7 @@ class SpecEngine:
         self._decode_fn: Callable[..., Tensor] = self._decode_logits
         self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
         self._packed_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._packed_verify_forward
+        self._one_token_verify_compiled = False
         if config.compile:
             if drafter is None:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
@@ -350,6 +351,13 @@ class SpecEngine:
         self._sampling = BatchSampling.from_params([SamplingParams(seed=0)] * b, device=dev)
         self._active_rows: tuple[int, ...] = ()
         self._all_greedy = True
+        if self.config.compile and self.drafter is not None and b == 1 and not self._one_token_verify_compiled:
+            # The one-token verify graph of `_spec_step` (batch 1, no drafts), compiled here rather than the first time
+            # a step has no drafts; its output is thrown away and the cache emptied again.
+            with torch.inference_mode():
+                self._verify_fn(torch.zeros(1, 1, dtype=torch.int64, device=dev), self._cache, 2)
+            self._cache.reset()
+            self._one_token_verify_compiled = True
         if self.drafter is not None:
             self.drafter.allocate(b, max_len, device=dev, slack=slack)
 
@@ -488,7 +496,12 @@ class SpecEngine:
         drafts = proposal.tokens[:, :width]  # [B, n]
         old_len = cache.lengths.clone()  # [B]
         tokens = torch.cat([self._last[:, None], drafts], dim=1)  # [B, n+1]
-        if self.config.dense_verify and (num_keep < b * (width + 1) or width == 0):
+        if width == 0 and b == 1:
+            # One row and no drafts (n-gram found no match, or the gate skipped drafting): a plain one-token forward,
+            # compiled when compile is on (`_setup` compiled that graph before the run, since torch.compile
+            # specialises a width of 1) rather than the packed path's eager single-token fallback below.
+            logits, hidden = self._verify_fn(tokens, cache, bound)
+        elif self.config.dense_verify and (num_keep < b * (width + 1) or width == 0):
             # Ragged or idle rows: pack the kept positions. A step without drafts gets a second, never-kept column,
             # so a compiled graph never sees a width of one token (torch.compile specialises sizes 0 and 1: that
             # graph would be compiled in the middle of serving, the first time no row has a draft); one kept
