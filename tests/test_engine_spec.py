@@ -705,13 +705,26 @@ class SometimesSilentOracle(OracleDrafter):
         return p
 
 
+def _compiled_run_then_silent_run_without_recompiles(engine, drafter, first, second) -> list:
+    """`first` with the drafter as it is, then `second` with it silent every other round, under
+    fail_on_recompile; any fallback of try_compile to eager (a UserWarning) fails too. Both runs' results."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        out = engine.generate(first)
+        drafter.silent = True
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out += engine.generate(second)
+    return out
+
+
 def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run(target, greedy_case, monkeypatch):
     """With compile=True, ragged depths (the n-gram drafter's usual case) run the packed verify forward compiled as
     well: the target's keep= forward is only ever entered while being traced, never eagerly step by step, and the
     output is still AR's, token for token, without a fallback to eager. Steps where no row has a draft (a width of
     0) then reuse the graphs already compiled: none is compiled in the middle of serving (torch.compile specialises
     a size of 1, which used to cost a fresh compilation, about 20 s on a CPU, the first time it happened)."""
-    import warnings
 
     requests, ar_tokens, continuations = greedy_case
     forward = target.forward
@@ -724,14 +737,9 @@ def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run
 
     monkeypatch.setattr(target, "forward", spy)
     drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
-                            depth_policy=PositionHashDepth())
-        out = engine.generate(requests[:10])
-        drafter.silent = True
-        with torch.compiler.set_stance("fail_on_recompile"):
-            out += engine.generate(requests[10:16])
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
+                        depth_policy=PositionHashDepth())
+    out = _compiled_run_then_silent_run_without_recompiles(engine, drafter, requests[:10], requests[10:16])
     assert [r.token_ids for r in out] == ar_tokens[:16]
     assert drafter.silent_rounds > 5
 
@@ -740,7 +748,6 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
     """Batch 1, compile=True: a step where the drafter proposes nothing (n-gram without a match, a gate-skipped
     step) runs the compiled one-token verify forward, not an eager one (that made n-gram's no-match steps cost an
     eager AR step each), and that graph is compiled when the run starts, never in the middle of it."""
-    import warnings
 
     requests, ar_tokens, continuations = greedy_case
     forward = target.forward
@@ -753,13 +760,8 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
 
     monkeypatch.setattr(target, "forward", spy)
     drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=3, compile=True))
-        out = engine.generate(requests[:2])
-        drafter.silent = True
-        with torch.compiler.set_stance("fail_on_recompile"):
-            out += engine.generate(requests[2:5])
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=3, compile=True))
+    out = _compiled_run_then_silent_run_without_recompiles(engine, drafter, requests[:2], requests[2:5])
     assert [r.token_ids for r in out] == ar_tokens[:5]
     assert drafter.silent_rounds > 5
     assert eager_calls == []
