@@ -279,17 +279,19 @@ def resume_training(
     *,
     model: nn.Module | None = None,
     saved_defaults: dict[str, Any] | None = None,
-) -> int:
-    """The step a run starts from: 0 when not resuming (or nothing to resume), else the newest checkpoint's
-    step after checking that `identity` (its `train_config` compared without the run-length keys) matches the
-    checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer state (`model`: the module
-    of the optimizer's parameters, for the named form; see `load_optimizer_state`). `saved_defaults` fill the
-    settings a checkpoint written before they existed lacks (`DrafterRunConfig.checkpoint_defaults`)."""
+) -> tuple[int, float]:
+    """The step a run starts from and the training seconds its earlier segments took: (0, 0.0) when not resuming
+    (or nothing to resume), else the newest checkpoint's step and recorded `train_seconds` (0.0 for a checkpoint
+    written before that was recorded) after checking that `identity` (its `train_config` compared without the
+    run-length keys) matches the checkpoint's and restoring the weights (`load_weights(ckpt)`) and the optimizer
+    state (`model`: the module of the optimizer's parameters, for the named form; see `load_optimizer_state`).
+    `saved_defaults` fill the settings a checkpoint written before they existed lacks
+    (`DrafterRunConfig.checkpoint_defaults`)."""
     ckpt = find_checkpoint(ckpt_dir) if resume else None
     if ckpt is None:
         if resume:
             log(f"no checkpoint in {ckpt_dir}; starting from scratch")
-        return 0
+        return 0, 0.0
     state = read_trainer_state(ckpt)
     old, now = state.get("train_config", {}), identity.get("train_config", {})
     predated = {k: v for k, v in PREDATED_SETTINGS.items() if k in now and k not in old}
@@ -304,7 +306,7 @@ def resume_training(
     load_optimizer_state(ckpt, optimizer, model)
     step = int(state["step"])
     log(f"resuming from step {step}")
-    return step
+    return step, float(state.get("train_seconds", 0.0))
 
 
 def make_checkpoint_saver(

@@ -71,9 +71,9 @@ def train_causal_lm(
     wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     settings = {"train_config": run_identity(cfg)}
-    step = resume_training(ckpt_dir, resume, settings,
-                           lambda c: load_full_state_dict(model, load_target(c).state_dict()),
-                           opt, log, model=model)
+    step, _ = resume_training(ckpt_dir, resume, settings,
+                              lambda c: load_full_state_dict(model, load_target(c).state_dict()),
+                              opt, log, model=model)
     trim_log(log_path, step, main)
 
     save = make_checkpoint_saver(ckpt_dir, lambda: whole_copy(model, lambda: Decoder(model.config)), save_model,

@@ -26,9 +26,7 @@ from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
-    find_checkpoint,
     make_checkpoint_saver,
-    read_trainer_state,
     refuse_resume_over_model,
     resume_training,
     run_identity,
@@ -277,12 +275,10 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     target, restoring `model.safetensors` and the optimizer state), the whole-weights snapshot (a collective
     under FSDP2: every rank calls it, rank 0 writes; `rebuild()` makes an empty model) and the checkpoint saver."""
     identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
-    step = resume_training(run.ckpt_dir, run.job.resume, identity,
-                           lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt,
-                           run.log, model=model, saved_defaults=cfg.checkpoint_defaults())
-    if step:  # the resumed checkpoint's training time (0 for one written before it was recorded)
-        found = find_checkpoint(run.ckpt_dir)
-        run.seconds_before[0] = float(read_trainer_state(found).get("train_seconds", 0.0)) if found else 0.0
+    step, run.seconds_before[0] = resume_training(
+        run.ckpt_dir, run.job.resume, identity,
+        lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt, run.log, model=model,
+        saved_defaults=cfg.checkpoint_defaults())
 
     def snapshot() -> Any:
         return whole_copy(model, rebuild)
