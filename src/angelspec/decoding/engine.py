@@ -505,7 +505,8 @@ class SpecEngine:
             # Ragged or idle rows: pack the kept positions. A step without drafts gets a second, never-kept column,
             # so a compiled graph never sees a width of one token (torch.compile specialises sizes 0 and 1: that
             # graph would be compiled in the middle of serving, the first time no row has a draft); one kept
-            # token (a single idle-free row without drafts) runs eagerly for the same reason.
+            # token (one active row of several, without drafts; batch 1 takes the branch above) runs eagerly for the
+            # same reason.
             cols = tokens if width else tokens.repeat(1, 2)
             packed = self._packed_fn if num_keep >= 2 else self._packed_verify_forward
             logits, hidden = packed(cols, cache, bound + width, depth, self._active, num_keep)
