@@ -71,6 +71,7 @@ def one_thread() -> Iterator[None]:
 # ----- helpers shared by the drafter test files (tiny targets, engine checks, trainer data and outputs) -----
 
 DOMAIN_PROMPTS = [("code", "def add(x, y):"), ("math", "What is 7 + 8?"), ("chat", "Hello there.")]
+QUIET = dict(progress=False, log=lambda *_: None)  # keyword arguments that silence a trainer or tool
 
 
 def tiny_decoder(vocab: int = 64, layers: int = 2, heads: int = 4, kv: int = 2, seed: int = 0, std: float = 0.3,

@@ -15,7 +15,7 @@ from dataclasses import replace
 import conftest
 import pytest
 import torch
-from conftest import RecordingMixin, check_lossless_and_recorded, tiny_decoder
+from conftest import QUIET, RecordingMixin, check_lossless_and_recorded, tiny_decoder
 from test_distributed import _torchrun, needs_gloo
 from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
     WRONG_SAMPLERS,
@@ -181,7 +181,6 @@ def conversations(tmp_path_factory):
     return conftest.write_conversations(tmp_path_factory.mktemp("block_data") / "conv.jsonl", 40, seed=7)
 
 
-QUIET = dict(progress=False, log=lambda *_: None)
 
 
 def test_train_two_steps_and_exact_resume(tmp_path, tiny_target_dir, conversations):

@@ -12,7 +12,7 @@ from dataclasses import replace
 import conftest
 import pytest
 import torch
-from conftest import tiny_decoder
+from conftest import QUIET, tiny_decoder
 from test_calibrate_cli import FixedConfidences
 
 from angelspec.decoding.drafters.block import BlockDrafterAdapter, DFlyDrafter
@@ -39,7 +39,6 @@ from angelspec.train.losses import dspark_loss, dspark_position_weights
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, MASK = 16, 1
-QUIET = dict(progress=False, log=lambda *_: None)
 
 
 def tiny_target():

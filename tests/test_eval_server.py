@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import write_conversations, write_domain_prompts
+from conftest import QUIET, write_conversations, write_domain_prompts
 
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.loading import load_target_and_tokenizer
@@ -26,7 +26,6 @@ from angelspec.eval.server import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUIET = dict(progress=False, log=lambda *_: None)
 SETTINGS = EvalServerSettings(limit=1, max_new_tokens=12, poll_s=0.0)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import same_weights, train_log, write_conversations
+from conftest import QUIET, same_weights, train_log, write_conversations
 
 import angelspec
 from angelspec.data.fingerprint import model_fingerprint
@@ -45,7 +45,6 @@ from angelspec.train.stream import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUIET = dict(progress=False, log=lambda *_: None)
 FORK = multiprocessing.get_context("fork")
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_decoder
 
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.models.linear import Linear, is_transposed, transpose_weights
-from tests.conftest import tiny_decoder
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import synthetic_sentences
+from conftest import QUIET, synthetic_sentences
 from safetensors.torch import load_file
 
 from angelspec.train.features import FeatureCacheError, OfflineFeatureCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUIET = dict(progress=False, log=lambda *_: None)
 
 
 def _conversations(path: Path, seed: int) -> Path:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_decoder, write_conversations
+from conftest import QUIET, tiny_decoder, write_conversations
 from test_block_drafter import tiny_drafter
 from test_block_drafter import tiny_target as block_target
 from test_block_memory import _forward, _protocol
@@ -45,7 +45,6 @@ from angelspec.train.ttt import mtp_chunked_loss_batch, mtp_loss_batch, ttt_roll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-QUIET = dict(progress=False, log=lambda *_: None)
 TOL = dict(rtol=1e-6, atol=1e-9)
 
 
