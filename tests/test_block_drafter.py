@@ -8,6 +8,7 @@ Models are tiny and run in float64, so fast paths and references agree far below
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,11 +51,12 @@ def tiny_target(layers: int = 4, seed: int = 0) -> Decoder:
 
 def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hidden", block_size: int = 4,
                  seed: int = 1, confidence: bool = True, nonzero_heads: bool = True,
-                 context_injection: str | None = None, fc_bias: bool | None = None) -> BlockDrafter:
+                 context_injection: str | None = None, fc_bias: bool | None = None,
+                 anchor_fusion: bool = False) -> BlockDrafter:
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning=conditioning, head=head,
                                         markov_rank=8, confidence_head=confidence, context_injection=context_injection,
-                                        fc_bias=fc_bias)
+                                        fc_bias=fc_bias, anchor_fusion=anchor_fusion)
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     if nonzero_heads:  # the zero-initialised projections would hide every head's effect
@@ -63,6 +65,8 @@ def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hi
                 model.head.out.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed + 1))
             elif isinstance(model.head, HiddenCorrectionHead):
                 model.head.down_proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed + 1))
+            if anchor_fusion:
+                model.anchor_fuse.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed + 2))
     return model.double().eval()
 
 
@@ -520,6 +524,72 @@ def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
     want_max = [4.8956, 5.0085, 4.9855, 4.5416, 4.6648, 4.7528, 6.0729, 5.8234, 5.2996, 5.7747, 5.7807, 5.7457,
                 6.3512, 6.3205, 6.1233, 6.264, 6.2702, 6.7197, 7.0662, 7.1103, 7.0314]
     torch.testing.assert_close(prop.logits.max(-1).values.flatten(), torch.tensor(want_max), rtol=0, atol=2e-4)
+
+
+# ----- the fused anchor input (anchor_fusion) -----
+
+
+@pytest.mark.parametrize("conditioning", ["dfly", "dflash"])
+def test_anchor_fusion_training_matches_reference_and_inference(conditioning: str) -> None:
+    """The fused anchor input reads the context feature of the position before the anchor, in its own document:
+    the batched training backbone equals the per-anchor reference (anchors 0 and 7 start a document: no
+    predecessor), and a proposal from the cache equals the teacher-forced training path on its own drafts."""
+    target = tiny_target()
+    model = tiny_drafter(target, conditioning=conditioning, anchor_fusion=True)
+    ids, pos, docs = packed_batch()
+    taps = taps_of(target, model, ids, pos, docs)
+    anchors = torch.tensor([[0, 3, 7, 12], [1, 4, 10, 11]])
+    for attention in ("linear", "dense"):
+        fast = model.forward_backbone(taps, ids, pos, anchors, docs, attention=attention)
+        torch.testing.assert_close(fast, reference_forward_backbone(model, taps, ids, pos, anchors, docs),
+                                   rtol=1e-10, atol=1e-10)
+    # A document's first anchor gets nothing from the previous document: equal to the document alone.
+    alone_ids = ids[:1, 7:]
+    alone = model.forward_backbone(taps_of(target, model, alone_ids), alone_ids, pos[:1, 7:], torch.tensor([[0]]))
+    torch.testing.assert_close(fast[0, 2], alone[0, 0], rtol=1e-9, atol=1e-9)
+
+    g = torch.Generator().manual_seed(7)
+    seq = torch.randint(6, VOCAB, (2, 14), generator=g)
+    lengths = torch.tensor([6, 9])
+    seq_taps = taps_of(target, model, seq)
+    prop = model.propose_from_taps(seq_taps, lengths, seq[torch.arange(2), lengths])
+    for r in range(2):
+        a = int(lengths[r])
+        filled = seq[r: r + 1].clone()
+        filled[0, a + 1: a + 4] = prop.tokens[r]
+        out = model.forward_train(seq_taps[r: r + 1], filled, torch.arange(14)[None], torch.tensor([[a]]))
+        torch.testing.assert_close(out.logits[0, 0], prop.logits[r], rtol=1e-9, atol=1e-9)
+
+
+def test_anchor_fusion_cache_rolls_back_resets_rows_and_starts_as_the_plain_drafter() -> None:
+    target = tiny_target()
+    model = tiny_drafter(target, anchor_fusion=True)
+    ids = torch.randint(6, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    taps = taps_of(target, model, ids)
+    whole = model.propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
+    cache = model.new_cache(2, 12, slack=4, dtype=torch.float64, device="cpu")
+    model.append_context(taps[:, :5].expand(2, -1, -1), cache)
+    model.append_context(taps[:, 5:11].expand(2, -1, -1), cache, num_new=torch.tensor([6, 6]))
+    cache.truncate(torch.tensor([8, 8]))  # the newest committed feature is slot 7's again, not slot 10's
+    torch.testing.assert_close(model.propose(ids[:, 8].expand(2), cache, kv_len=11).logits[0], whole.logits[0],
+                               rtol=1e-10, atol=1e-10)
+    cache.reset_rows([1])  # a new request with an empty context: no predecessor feature
+    empty = model.propose(ids[:, 8].expand(2), cache, kv_len=11)
+    fresh = model.propose(ids[:, 8], model.new_cache(1, 12, slack=4, dtype=torch.float64, device="cpu"), kv_len=11)
+    torch.testing.assert_close(empty.logits[1], fresh.logits[0], rtol=1e-10, atol=1e-10)
+
+    # W_a starts at zero: before training, the drafter proposes exactly what the same weights without it do, so a
+    # trained drafter can be warm-started with the input added.
+    plain = tiny_drafter(target)
+    fused = BlockDrafter(replace(plain.config, anchor_fusion=True), target.embed_tokens, target.lm_head).double()
+    fused.init_weights()
+    missing, unexpected = fused.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == ["anchor_fuse.weight", "anchor_norm.weight"] and not unexpected
+    a = plain.propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
+    b = fused.eval().propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
+    torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="anchor_fusion must be true or false"):
+        replace(plain.config, anchor_fusion="yes")
 
 
 # ----- folder IO -----

@@ -51,15 +51,15 @@ def _eagle3(target, draft_vocab: list[int] | None = None) -> Eagle3DraftModel:
 
 
 def _block(target, head: str = "none", conditioning: str = "dflash", confidence: bool = False,
-           draft_vocab: list[int] | None = None, bias: str = "none", context_injection: str | None = "shared"
-           ) -> BlockDrafter:
+           draft_vocab: list[int] | None = None, bias: str = "none", context_injection: str | None = "shared",
+           anchor_fusion: bool = False) -> BlockDrafter:
     """A block drafter with every tensor non-zero except as `bias` says: "none" = an fc without bias (new DFlash /
     DSpark drafters), "zero" / "trained" = an fc bias (folders saved before fc_bias existed) held at zero / moved.
     `context_injection` None takes the new drafters' default (same-layer for a DSpark)."""
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=4, num_draft_layers=2,
                                         conditioning=conditioning, head=head, markov_rank=8,
                                         confidence_head=confidence, context_injection=context_injection,
-                                        fc_bias=None if bias == "none" else True)
+                                        fc_bias=None if bias == "none" else True, anchor_fusion=anchor_fusion)
     if draft_vocab:
         cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
     model = _init(BlockDrafter(cfg, target.embed_tokens, target.lm_head))
@@ -227,6 +227,7 @@ def test_draft_lm_with_a_draft_vocabulary_is_copied_with_a_note(target_dir, tmp_
     (lambda t: _block(t, conditioning="dflare", head="none", confidence=False), "dflare"),
     (lambda t: _block(t, bias="trained"), r"fc\.bias.*fc_bias=false"),
     (lambda t: _block(t, head="markov", context_injection=None), "same_layer.*context_injection=shared"),
+    (lambda t: _block(t, anchor_fusion=True), "fused anchor input.*anchor_fusion=false"),
 ])
 def test_refusals_name_what_does_not_fit(target_dir, tmp_path, build, words):
     path, target = target_dir

@@ -77,6 +77,7 @@ def _mtp(target):
     (lambda t: _block(t, head="hidden"), save_block_drafter, "head hidden"),
     (lambda t: _block(t, conditioning="dfly", head="markov"), save_block_drafter, "DSpark|dfly"),
     (lambda t: _block(t, bias="trained"), save_block_drafter, r"fc\.bias.*SGLang"),
+    (lambda t: _block(t, anchor_fusion=True), save_block_drafter, "fused anchor input.*SGLang.*anchor_fusion=false"),
 ])
 def test_refusals_name_why_in_one_line(target_dir, tmp_path, build, save, words):
     path, target = target_dir

@@ -23,7 +23,7 @@ from typing import Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.export.checks import SPEC_CONFIG, ExportCheckError, ExportRefused, ExportResult, check_vllm_folder
-from angelspec.export.vllm import export_vllm
+from angelspec.export.vllm import ANCHOR_FUSION_REFUSED, export_vllm
 from angelspec.fileio import write_json_atomic
 from angelspec.models.block.config import BlockDrafterConfig
 from angelspec.models.config import DecoderConfig
@@ -50,6 +50,8 @@ def _screen(kind: str, raw: dict[str, Any]) -> None:
     if kind == "draft-lm" or "block_drafter_config" not in raw:
         return
     cfg = BlockDrafterConfig.from_dict(raw["block_drafter_config"])
+    if cfg.anchor_fusion:
+        raise ExportRefused(ANCHOR_FUSION_REFUSED.format(engine="SGLang's DFlashDraftModel"))
     if cfg.conditioning != "dflash" or cfg.head != "none" or not cfg.has_fc:
         what = "a DSpark Markov head" if cfg.head == "markov" else (
             f"head {cfg.head}" if cfg.head != "none" else f"conditioning {cfg.conditioning} / context_injection "

@@ -159,6 +159,11 @@ def _mtp_family(raw: dict[str, Any], kind: str, state: dict[str, torch.Tensor], 
     return config, tensors, spec, []
 
 
+ANCHOR_FUSION_REFUSED = ("the fused anchor input (anchor_fuse, anchor_norm: anchor_fusion=true) has no place in "
+                         "{engine}, which embeds a block's anchor alone; train the drafter with anchor_fusion=false "
+                         "to export it")
+
+
 def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderConfig, target_dir: Path,
            out: Path) -> tuple[dict, dict, dict, list[str]]:
     cfg = BlockDrafterConfig.from_dict(raw["block_drafter_config"])
@@ -175,6 +180,8 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
     if cfg.head == "hidden":
         raise ExportRefused("the DFly hidden-correction head (head.*, Eq. 15) has no vLLM equivalent; export a drafter "
                             "with head none (DFlash) or markov (DSpark)")
+    if cfg.anchor_fusion:
+        raise ExportRefused(ANCHOR_FUSION_REFUSED.format(engine="vLLM's DFlash / DSpark draft model"))
     if cfg.head in ("gated", "rnn"):
         raise ExportRefused(f"the {cfg.head} Markov head cannot be exported: vLLM 0.32's Qwen3DSparkModel serves the "
                             "plain Markov head only (head markov)")

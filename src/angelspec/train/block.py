@@ -142,6 +142,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
     fc_bias: bool | None = None  # None: a bias only for dfly (vLLM's DFlash / DSpark fc has none)
     confidence_target: str = "protocol"  # "protocol" | "tv" (`train.confidence`)
     confidence_temperatures: tuple[float, ...] = DEFAULT_CONFIDENCE_TEMPERATURES  # the "protocol" head's grid
+    anchor_fusion: bool = False  # the fused anchor input (`BlockDrafter.anchor_input`)
     init_from: str | None = None  # an existing drafter folder (with only=confidence)
     only: str | None = None  # "confidence": train the confidence head alone, everything else frozen
     batch_size: int = 2
@@ -239,7 +240,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
             context_injection=self.context_injection, fc_bias=self.fc_bias,
             confidence_target=self.confidence_target, confidence_temperatures=self.protocol_temperatures,
-            **self.layer_shape())
+            anchor_fusion=self.anchor_fusion, **self.layer_shape())
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         """What a checkpoint written before `tv_norm`, `context_injection` and `fc_bias` existed ran with, for
@@ -478,6 +479,10 @@ def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, a
         return model.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
                                    loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
                                    checkpoint_layers=checkpoint_layers)
+    if model.config.anchor_fusion:
+        raise ConfigError("anchor_fusion needs each anchor's previous position, which a sequence-parallel shard "
+                          "lacks for its first anchor: train it without sequence parallelism (sp=1), or with "
+                          "anchor_fusion=false")
     Bk = model.config.block_size
     mine = shard_anchors(anchors, valid, sp, batch.seq_len)
     win = sp.window(batch, Bk - 1)

@@ -124,6 +124,10 @@ class BlockDrafterConfig(DraftModelConfig):
     # The confidence head's target (CONFIDENCE_TARGETS). Folders written before these fields existed are "tv".
     confidence_target: str = "tv"
     confidence_temperatures: tuple[float, ...] = ()  # "protocol": the sampling temperatures it has outputs for
+    # Fused anchor input (`BlockDrafter.anchor_input`): every block entry also gets W_a [g_{t−1}; RMSNorm(E(x_t))],
+    # the newest context feature beside the anchor's embedding, as MTP's first depth sees them. False for folders
+    # written before the field existed.
+    anchor_fusion: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))  # JSON list
@@ -150,6 +154,8 @@ class BlockDrafterConfig(DraftModelConfig):
             raise ConfigError(f"target_layer_ids must be strictly increasing, got {list(self.target_layer_ids)}")
         self.check_layer_ids(self.target_num_layers)
         check_confidence_target(self.confidence_target, self.confidence_temperatures)
+        if not isinstance(self.anchor_fusion, bool):
+            raise ConfigError(f"anchor_fusion must be true or false, got {self.anchor_fusion!r}")
         if self.mask_token_id is None:
             raise ConfigError("mask_token_id is required: block drafters fill the draft positions with the "
                               "embedding of a reserved token (pass mask_token_id=<an unused special token id>)")
@@ -220,8 +226,7 @@ class BlockDrafterConfig(DraftModelConfig):
         = "same_layer" for a DSpark (the dflash conditioning with a Markov-family head, Uraion §3.3), else "shared";
         `fc_bias` None = a bias only for DFly (Eq. 12): the DFlash backbone's fc is built without one, as vLLM's
         DFlash / DSpark fc has none (`export.vllm`). `design` takes the remaining fields (head_intermediate_size,
-        fusion_prior_temperature, confidence_target,
-        confidence_temperatures)."""
+        fusion_prior_temperature, confidence_target, confidence_temperatures, anchor_fusion)."""
         if target_layer_ids is None:
             taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
             target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)

@@ -199,6 +199,9 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             self.head = HEAD_CLASSES[cfg.head](cfg.vocab_size, C, cfg.markov_rank)
         elif cfg.head == "hidden":
             self.head = HiddenCorrectionHead(C, cfg.head_intermediate_size or C, eps)
+        if cfg.anchor_fusion:  # `anchor_input`
+            self.anchor_norm = RMSNorm(C, eps)
+            self.anchor_fuse = Linear(2 * C, C, bias=False)  # W_a, zero at init
         if cfg.confidence_head:
             self.confidence = ConfidenceHead(C, cfg.markov_rank, cfg.confidence_temperatures)
             if cfg.head not in MARKOV_HEADS:
@@ -213,9 +216,12 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         self.factor_hidden_head = True
 
     def _special_init(self) -> None:
-        """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone."""
+        """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone; zero
+        W_a, so a drafter with the fused anchor input starts as the same drafter without it."""
         cfg = self.config
         with torch.no_grad():
+            if cfg.anchor_fusion:
+                self.anchor_fuse.weight.zero_()
             if cfg.conditioning != "dflash":
                 self.fusion_logits.copy_(distance_prior(cfg.num_draft_layers, cfg.target_layer_ids,
                                                         cfg.fusion_prior_temperature))
@@ -417,6 +423,19 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         mask = anchor_tokens.new_full((*anchor_tokens.shape, cfg.block_size - 1), cfg.mask_token_id)
         return torch.cat([anchor_tokens[..., None], mask], dim=-1)
 
+    def anchor_input(self, g_last: Tensor, anchor_tokens: Tensor, has_context: Tensor) -> Tensor:
+        """The fused anchor input (`config.anchor_fusion`), added to every entry of a block:
+
+            u = W_a [g^(0)_{t−1} ; RMSNorm_a(E(x_t))]     (0 where the anchor has no context: t = 0 in its document)
+
+        g_last [..., C] draft layer 0's context feature of the newest context position t−1 (`context_features`,
+        normalised), anchor_tokens [...] x_t, has_context [...] bool -> u [..., C]. Without it, the mask entries'
+        queries are the same for every context, so one draft layer can only average the context keys; with it, the
+        first draft position sees what MTP's first depth does (the last target state and the anchor, fused)."""
+        e = self.anchor_norm(self.embed(anchor_tokens).to(g_last.dtype))
+        u = self.anchor_fuse(torch.cat([g_last, e], dim=-1))
+        return u * has_context[..., None].to(u.dtype)
+
     # ----- the heads, teacher-forced (training) and one position at a time (inference) -----
     def markov_embed(self, prev: Tensor) -> Tensor:
         """W1[x_prev] [..., r] as the confidence head sees it (the Markov-family head's, else its own)."""
@@ -511,13 +530,21 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             mask = self.training_mask(anchors, T, document_ids)
         elif attend is None:
             attend = partial(anchored_block_attention, index=AnchorIndex.build(anchors, Bk, document_ids))
-        x = self.embed(self.block_inputs(input_ids.gather(1, anchors))).to(dtype).view(R, N * Bk, C)
+        anchor_ids = input_ids.gather(1, anchors)  # [R, N]
+        x = self.embed(self.block_inputs(anchor_ids)).to(dtype)  # [R, N, B, C]
+        feats = self.context_features(taps)
+        if self.config.anchor_fusion:
+            # t−1 is in the anchor's document iff the anchor is not its document's first token (positions are
+            # document-local; a packed document's tokens are contiguous)
+            last = feats[0].gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, C))  # [R, N, C]
+            x = x + self.anchor_input(last, anchor_ids, positions.gather(1, anchors) > 0)[:, :, None]
+        x = x.view(R, N * Bk, C)
 
         def layer(i: int, x: Tensor, g: Tensor) -> Tensor:
             ctx_k, ctx_v = self.context_kv(i, g, ctx_cos, ctx_sin)
             return self.layer_forward(i, x, cos, sin, ctx_k, ctx_v, mask, attend=attend)
 
-        for i, g in enumerate(self.context_features(taps)):
+        for i, g in enumerate(feats):
             if checkpoint_layers and torch.is_grad_enabled():
                 x = checkpoint(layer, i, x, g, use_reentrant=False)
             else:
@@ -551,9 +578,16 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
     # ----- inference: context K/V in a static cache, one backbone pass per step, then the head -----
     def new_cache(self, batch_size: int, max_len: int, *, slack: int, dtype: torch.dtype,
                   device: torch.device | str) -> StaticKVCache:
-        """Per-layer context K/V of committed positions (slot == position). Block entries are never cached."""
-        return StaticKVCache(self.config.layer_config(), batch_size, max_len, slack=slack, dtype=dtype,
-                             device=device)
+        """Per-layer context K/V of committed positions (slot == position). Block entries are never cached. With the
+        fused anchor input, the cache also holds draft layer 0's context feature per slot (`anchor_features`
+        [B, S, C]: the anchor reads its predecessor's; slot-indexed like the K/V, so rollback and row resets need
+        nothing more)."""
+        cache = StaticKVCache(self.config.layer_config(), batch_size, max_len, slack=slack, dtype=dtype,
+                              device=device)
+        if self.config.anchor_fusion:
+            cache.anchor_features = torch.zeros(batch_size, cache.capacity, self.config.hidden_size, dtype=dtype,
+                                                device=device)
+        return cache
 
     def append_context(self, taps: Tensor, cache: StaticKVCache, num_new: Tensor | None = None,
                        rows: Tensor | None = None) -> None:
@@ -569,10 +603,13 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         # Slots past the end hold only entries beyond num_new (invisible), whatever their position.
         write = (lengths[:, None] + torch.arange(T, device=dev)).clamp(max=cache.capacity - 1)  # [n, T]
         cos, sin = self.rope_at(write, self.rope_size(cache), cache.dtype)
-        for i, g in enumerate(self.context_features(taps.to(cache.dtype))):
+        feats = self.context_features(taps.to(cache.dtype))
+        for i, g in enumerate(feats):
             k, v = self.context_kv(i, g, cos, sin)  # [n, Hkv, T, Dh]
             cache.k[i][at, :, write] = k.transpose(1, 2)
             cache.v[i][at, :, write] = v.transpose(1, 2)
+        if self.config.anchor_fusion:
+            cache.anchor_features[at, write] = feats[0]
         if rows is None:
             cache.lengths += T if num_new is None else num_new
         else:
@@ -596,6 +633,10 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         cos, sin = self.rope_at(pos, self.rope_size(cache), cache.dtype)
         ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
+        if cfg.anchor_fusion:
+            rows = torch.arange(anchor_tokens.shape[0], device=dev)
+            last = cache.anchor_features[rows, (cache.lengths - 1).clamp(min=0)]  # [B, C]
+            x = x + self.anchor_input(last, anchor_tokens, cache.lengths > 0)[:, None]
         for i in range(cfg.num_draft_layers):
             x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], None,
                                    ctx_valid=ctx)
@@ -751,6 +792,8 @@ def reference_forward_backbone(model: BlockDrafter, taps: Tensor, input_ids: Ten
     N, Bk = anchors.shape[1], model.config.block_size
     feats = model.context_features(taps)
     out = torch.empty(R, N, Bk, model.config.hidden_size, dtype=taps.dtype, device=taps.device)
+    with_context = [[a > 0 and (document_ids is None or int(document_ids[r, a - 1]) == int(document_ids[r, a]))
+                     for a in anchors[r].tolist()] for r in range(R)]
     for r in range(R):
         ctx_cos, ctx_sin = model.rope(positions[r: r + 1], taps.dtype)
         for n in range(N):
@@ -761,6 +804,9 @@ def reference_forward_backbone(model: BlockDrafter, taps: Tensor, input_ids: Ten
             pos = int(positions[r, a]) + torch.arange(Bk, device=taps.device)[None]
             cos, sin = model.rope(pos, taps.dtype)
             x = model.embed(model.block_inputs(input_ids[r: r + 1, a])).to(taps.dtype)  # [1, B, C]
+            if model.config.anchor_fusion:
+                has = torch.tensor([with_context[r][n]], device=taps.device)
+                x = x + model.anchor_input(feats[0][r: r + 1, max(a - 1, 0)], input_ids[r: r + 1, a], has)[:, None]
             for i, g in enumerate(feats):
                 k, v = model.context_kv(i, g[r: r + 1], ctx_cos, ctx_sin)
                 x = model.layer_forward(i, x, cos, sin, k, v, mask)
