@@ -209,8 +209,6 @@ def test_bad_confidence_settings_are_clear_errors():
         BlockDrafterTrainConfig(confidence_temperatures=())
     with pytest.raises(ConfigError, match="needs init_from"):
         BlockDrafterTrainConfig(only="confidence")
-    with pytest.raises(ConfigError, match="needs only=confidence"):
-        BlockDrafterTrainConfig(init_from="somewhere")
     with pytest.raises(ConfigError, match="train these parts alone"):
         BlockDrafterTrainConfig(only="backbone", init_from="x")
     assert BlockDrafterTrainConfig().confidence_target == "protocol"  # the default for new runs
@@ -279,6 +277,40 @@ def test_confidence_only_training_changes_only_the_confidence_head(capsys, tmp_p
     code, _, err = conftest.run_cli(capsys, *[a if a != str(out) else str(again) for a in args], "--resume")
     assert code == 0, err
     conftest.same_weights(out, again)
+
+
+def test_init_from_without_only_warm_starts_the_whole_drafter(capsys, tmp_path, tiny_target_dir, conversations):
+    """`--init-from DIR` alone trains all of the folder's drafter on from its weights; anchor_fusion=true adds the
+    fused anchor input at zero, so before any update the new drafter is the folder's."""
+    from safetensors.torch import load_file
+
+    base = tmp_path / "base"
+    train_dfly(tiny_target_dir, conversations, base, config=replace(tiny_debug(), steps=1, confidence_target="tv"),
+               **QUIET)
+    common = ["train", "--drafter", "dfly", "--target", str(tiny_target_dir), "--data", str(conversations),
+              "--init-from", str(base), "--preset", "tiny_debug", "--quiet"]
+    design = ["anchor_fusion=true", "block_size=3"]
+    code, _, err = conftest.run_cli(capsys, *common, "--out", str(tmp_path / "still"), *design, "steps=1", "lr=0")
+    assert code == 0, err
+    before, still = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "still" / "model.safetensors"))
+    assert set(still) - set(before) == {"anchor_fuse.weight", "anchor_norm.weight"}
+    assert all(torch.equal(before[k], still[k]) for k in before) and not still["anchor_fuse.weight"].any()
+    target = load_target(tiny_target_dir)
+    old = DFlyDrafter.from_pretrained(base, target=target).model
+    new = DFlyDrafter.from_pretrained(tmp_path / "still", target=target).model
+    assert new.config.anchor_fusion and new.config.block_size == old.config.block_size != 3  # the folder's design
+    taps = torch.randn(1, 6, old.config.num_taps * old.config.hidden_size)
+    anchor = torch.tensor([5])
+    torch.testing.assert_close(new.propose_from_taps(taps, torch.tensor([6]), anchor).logits,
+                               old.propose_from_taps(taps, torch.tensor([6]), anchor).logits, rtol=0, atol=0)
+
+    code, _, err = conftest.run_cli(capsys, *common, "--out", str(tmp_path / "moved"), *design, "steps=2")
+    assert code == 0, err
+    moved = load_file(str(tmp_path / "moved" / "model.safetensors"))
+    assert moved["anchor_fuse.weight"].any()
+    assert not torch.equal(moved["layers.0.attn.qkv_proj.weight"], before["layers.0.attn.qkv_proj.weight"])
+    raw = json.loads((tmp_path / "moved" / "config.json").read_text())
+    assert raw["angelspec"]["train_config"]["init_from"] == str(base) and raw["angelspec"]["objective"] == "dfly"
 
 
 def test_confidence_only_refusals(capsys, tmp_path, tiny_target_dir, conversations):

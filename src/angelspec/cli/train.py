@@ -43,7 +43,9 @@ def add_train(sub: Subparsers) -> None:
                    help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
                         "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="a trained block-drafter folder to start from, with --only (same as init_from=DIR)")
+                   help="a trained block-drafter folder to start from (same as init_from=DIR): with --only, that part "
+                        "alone trains; without, all of it trains on from its weights, with its design and draft "
+                        "vocabulary (anchor_fusion=true adds the fused anchor input, which starts at zero)")
     p.add_argument("--only", choices=("confidence",), default=None,
                    help="train only this part of the --init-from drafter, everything else frozen: `confidence` "
                         "re-fits its confidence head (confidence_target=protocol by default; default preset "

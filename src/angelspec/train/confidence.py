@@ -117,17 +117,24 @@ def warm_start_outputs(weight: Tensor, old: Sequence[float], new: Sequence[float
     return mix @ weight
 
 
+def init_from_drafter(folder: str | Path, target: Decoder, *, kind: str) -> BlockDrafter:
+    """The block drafter an `init_from` run starts from, loaded for `target`; ConfigError (naming the --drafter to
+    pass) for a folder of another kind, the loaders' errors for one of another target or not a block drafter."""
+    source_cfg, _ = read_block_config(folder)
+    if source_cfg.drafter != kind:
+        raise ConfigError(f"init_from={folder} holds a {source_cfg.drafter} drafter, not {kind}: pass --drafter "
+                          f"{source_cfg.drafter}")
+    return load_block_drafter(folder, target, drafter=kind)
+
+
 def confidence_only_drafter(folder: str | Path, target: Decoder, *, kind: str, confidence_target: str,
                             temperatures: Sequence[float], seed: int, init_std: float) -> BlockDrafter:
     """The drafter in `folder` (a block drafter of `kind` trained for `target`) with a confidence head of
     `confidence_target` / `temperatures`, on the target's device and dtype, everything but the confidence head
     frozen (`requires_grad` False). Raises ConfigError for a folder of another kind or target (the loaders'
     CheckpointError for a folder that is not a block drafter)."""
-    source_cfg, _ = read_block_config(folder)
-    if source_cfg.drafter != kind:
-        raise ConfigError(f"init_from={folder} holds a {source_cfg.drafter} drafter, not {kind}: pass --drafter "
-                          f"{source_cfg.drafter}")
-    source = load_block_drafter(folder, target, drafter=kind)
+    source = init_from_drafter(folder, target, kind=kind)
+    source_cfg = source.config
     cfg = replace(source_cfg, confidence_head=True, confidence_target=confidence_target,
                   confidence_temperatures=tuple(temperatures) if confidence_target == "protocol" else ())
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)

@@ -132,8 +132,9 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2;
     feature_workers: run the target in that many feature servers of its own, separate processes that stream the
     features to this trainer (`train.stream`; backend "files" or "ray"), instead of inside the training step.
-    init_from / only: a block drafter folder whose part `only` ("confidence") alone is trained, everything else
-    frozen (the overrides init_from=DIR, only=confidence; `train.block`; default preset then confidence_only).
+    init_from / only: a block drafter folder to start from (the override init_from=DIR; `train.block`): its part
+    `only` ("confidence") alone is trained, everything else frozen (default preset then confidence_only); without
+    `only`, all of it trains on from its weights (a warm start, on the preset's schedule).
     sp: split every packed row over sp processes of a torchrun launch (Ulysses sequence parallelism,
     `train.sequence_parallel`; MTP family and block drafters; 1 = off).
     """
