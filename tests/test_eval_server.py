@@ -68,6 +68,7 @@ def test_each_checkpoint_is_evaluated_once_across_a_resumed_run(tmp_path, tiny_t
         assert rec["mal"] >= 1.0 and len(rec["acceptance"]) == rec["num_draft_tokens"] == 4
         assert rec["tokens"] == rec["step"] * 2 * 64  # step x batch x seq_len of tiny_debug
         assert set(rec["domains"]) == {"code", "math", "chat"} and rec["speedup"] > 0
+        assert rec["speedup_cpu"] > 0 and all(d["speedup_cpu"] > 0 for d in rec["domains"].values())
     # Snapshots are removed after evaluation; the trainer's own checkpoint is untouched.
     assert not any((run / "training" / "eval_snapshots").iterdir())
     assert latest_checkpoint(run)[1]["step"] == 4
@@ -105,6 +106,26 @@ def test_a_torn_log_line_is_skipped_and_the_curve_is_drawn(tmp_path) -> None:
         assert [r["step"] for r in read_eval_log(tmp_path / name)] == [10, 20]
     out = plot_learning_curves({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "curve.png")
     assert out.is_file() and out.stat().st_size > 1000
+
+
+def test_the_cpu_time_speedup_counts_tokens_per_cpu_second_and_merges() -> None:
+    """A trainer sharing the cores stretches the wall clock of one run more than the other; the CPU-time speed-up
+    compares tokens per CPU-second of the decoding process instead."""
+    from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.eval.server import EvalServerSettings
+    from angelspec.eval.speculative import DomainResult, merge_metrics
+
+    ar = DecodeMetrics(num_draft_tokens=4, output_tokens=100, wall_s=10.0, cpu_s=1.0)
+    spec = merge_metrics([DecodeMetrics(num_draft_tokens=4, output_tokens=50, wall_s=0.5, cpu_s=0.25),
+                          DecodeMetrics(num_draft_tokens=4, output_tokens=50, wall_s=0.5, cpu_s=0.25)])
+    r = DomainResult(prompts=2, ar=ar, spec=spec, identical=2)
+    assert spec.cpu_s == 0.5 and r.cpu_speedup == pytest.approx(2.0) and r.speedup == pytest.approx(10.0)
+    assert DomainResult(prompts=1, ar=DecodeMetrics(), spec=spec, identical=1).cpu_speedup == 0.0
+    assert EvalServerSettings().threads == 1
+    from angelspec.errors import UsageError
+
+    with pytest.raises(UsageError, match="threads must be at least 1"):
+        EvalServerSettings(threads=0)
 
 
 def test_a_missing_run_folder_is_a_clear_error(tmp_path) -> None:

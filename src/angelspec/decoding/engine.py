@@ -254,7 +254,7 @@ class SpecEngine:
                                      prompt_tokens=sum(len(r.prompt_ids) for r in requests))
         if not requests:
             return []
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         seeds = self._resolve_seeds(requests)
         n_rows = min(self.config.max_batch_size, len(requests))
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -294,6 +294,7 @@ class SpecEngine:
                 bar.update(len(done))
         bar.close()
         self.metrics.wall_s = time.perf_counter() - t_start
+        self.metrics.cpu_s = time.process_time() - cpu_start
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 

@@ -39,6 +39,7 @@ class DecodeMetrics:
     prompt_tokens: int = 0
     requests: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time over the run, every thread (a measure a busy machine distorts less)
     accept_hist: list[int] = field(default_factory=list)  # [K+1]
     depth_hist: list[int] = field(default_factory=list)  # [K+1]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -120,6 +121,7 @@ class DecodeMetrics:
             "protocols": dict(self.protocols),
             "skipped_steps": self.skipped_steps,
             "wall_s": self.wall_s,
+            "cpu_s": self.cpu_s,
             "tokens_per_s": self.tokens_per_s,
         }
 

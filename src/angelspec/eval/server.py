@@ -6,8 +6,11 @@ one, and is checked against the step it announced), loads it as a drafter and de
 real engine, AR and speculative side by side in one process. It appends one JSON line per (checkpoint,
 temperature) to `<run>/training/eval_log.jsonl`:
 
-    {"step", "tokens", "temperature", "mal", "acceptance" (p_1..p_K), "speedup", "lossless", "domains": {...},
-     "num_draft_tokens", "prompts", "max_new_tokens", "seconds", "time"}
+    {"step", "tokens", "temperature", "mal", "acceptance" (p_1..p_K), "speedup", "speedup_cpu", "lossless",
+     "domains": {...}, "num_draft_tokens", "prompts", "max_new_tokens", "seconds", "time"}
+
+("speedup" is tokens per wall-second over AR's, "speedup_cpu" per CPU-second of the server: beside a busy
+trainer the second is the one to read.)
 
 and, when `torch.utils.tensorboard` imports (the optional `tensorboard` package), the same scalars to
 `<run>/training/tensorboard/`. The log is keyed by step: a server restarted after a kill, or a trainer that
@@ -64,10 +67,16 @@ class EvalServerSettings:
     seed: int = 0
     poll_s: float = 10.0
     idle_timeout_s: float | None = None  # stop after this long without a new checkpoint (None: wait for the run)
+    # torch threads of the server (None: torch's default). One by default: beside a trainer, a niced server's
+    # several threads wait on each other whenever the trainer holds a core, which stretched its decoding runs
+    # up to 15-fold at random and made the wall-clock speed-up meaningless.
+    threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.limit < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise UsageError("eval-server: limit, max_new_tokens and batch_size must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"eval-server: threads must be at least 1, got {self.threads}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise UsageError(f"eval-server: temperatures must be >= 0, got {self.temperatures}")
 
@@ -154,8 +163,10 @@ def record_from_report(report: EvalReport, *, step: int, tokens: int | None, tem
         "mal": round(overall.spec.mean_accepted_length, 4),
         "acceptance": [round(p, 4) for p in overall.spec.acceptance],
         "speedup": round(overall.speedup, 4),
+        "speedup_cpu": round(overall.cpu_speedup, 4),
         "lossless": report.lossless,
-        "domains": {d: {"mal": round(r.spec.mean_accepted_length, 4), "speedup": round(r.speedup, 4)}
+        "domains": {d: {"mal": round(r.spec.mean_accepted_length, 4), "speedup": round(r.speedup, 4),
+                        "speedup_cpu": round(r.cpu_speedup, 4)}
                     for d, r in report.domains.items() if d != ALL},
         "num_draft_tokens": report.settings.num_draft_tokens, "prompts": overall.prompts,
         "max_new_tokens": report.settings.max_new_tokens, "seconds": round(seconds, 2), "time": time.time(),
@@ -289,7 +300,8 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
                     board.add(rec)
                     log(f"eval-server: step {step} ({rec['tokens'] or '?'} tokens) T={rec['temperature']:g}: "
                         f"MAL {rec['mal']:.2f}, p {' '.join(f'{p:.2f}' for p in rec['acceptance'])}, "
-                        f"speed-up {rec['speedup']:.2f}x, lossless {rec['lossless']}")
+                        f"speed-up {rec['speedup']:.2f}x ({rec['speedup_cpu']:.2f}x per CPU-second), "
+                        f"lossless {rec['lossless']}")
                 shutil.rmtree(snap, ignore_errors=True)
                 evaluated += 1
                 last_new = time.time()
@@ -323,6 +335,10 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
                          "`angelspec train`")
     if nice:
         _nice()
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     tdir = resolve_target_dir(target_dir)
     model, tokenizer = load_target_and_tokenizer(tdir)
     source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
