@@ -7,7 +7,9 @@ drafter."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import conftest
 import pytest
@@ -287,10 +289,13 @@ def test_init_from_without_only_warm_starts_the_whole_drafter(capsys, tmp_path, 
     base = tmp_path / "base"
     train_dfly(tiny_target_dir, conversations, base, config=replace(tiny_debug(), steps=1, confidence_target="tv"),
                **QUIET)
-    common = ["train", "--drafter", "dfly", "--target", str(tiny_target_dir), "--data", str(conversations),
-              "--init-from", str(base), "--preset", "tiny_debug", "--quiet"]
-    design = ["anchor_fusion=true", "block_size=3"]
-    code, _, err = conftest.run_cli(capsys, *common, "--out", str(tmp_path / "still"), *design, "steps=1", "lr=0")
+    def args(start: Path, out: str, *settings: str) -> list[str]:
+        return ["train", "--drafter", "dfly", "--target", str(tiny_target_dir), "--data", str(conversations),
+                "--init-from", str(start), "--preset", "tiny_debug", "--quiet", "--out", str(tmp_path / out),
+                "anchor_fusion=true", "block_size=3", *settings]
+
+
+    code, _, err = conftest.run_cli(capsys, *args(base, "still", "steps=1", "lr=0"))
     assert code == 0, err
     before, still = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "still" / "model.safetensors"))
     assert set(still) - set(before) == {"anchor_fuse.weight", "anchor_norm.weight"}
@@ -304,13 +309,21 @@ def test_init_from_without_only_warm_starts_the_whole_drafter(capsys, tmp_path, 
     torch.testing.assert_close(new.propose_from_taps(taps, torch.tensor([6]), anchor).logits,
                                old.propose_from_taps(taps, torch.tensor([6]), anchor).logits, rtol=0, atol=0)
 
-    code, _, err = conftest.run_cli(capsys, *common, "--out", str(tmp_path / "moved"), *design, "steps=2")
+    code, _, err = conftest.run_cli(capsys, *args(base, "moved", "steps=2"))
     assert code == 0, err
     moved = load_file(str(tmp_path / "moved" / "model.safetensors"))
     assert moved["anchor_fuse.weight"].any()
     assert not torch.equal(moved["layers.0.attn.qkv_proj.weight"], before["layers.0.attn.qkv_proj.weight"])
     raw = json.loads((tmp_path / "moved" / "config.json").read_text())
     assert raw["angelspec"]["train_config"]["init_from"] == str(base) and raw["angelspec"]["objective"] == "dfly"
+    # Stopped and resumed with the start folder named by another path: the same run, bit for bit.
+    shutil.copytree(base, tmp_path / "base-copy")
+    again = args(tmp_path / "base-copy", "again", "steps=2", "ckpt_every=1")
+    code, _, err = conftest.run_cli(capsys, *again, "--max-minutes", "0.0001")
+    assert code == 0, err
+    code, _, err = conftest.run_cli(capsys, *again, "--resume")
+    assert code == 0, err
+    conftest.same_weights(tmp_path / "moved", tmp_path / "again")
 
 
 def test_confidence_only_refusals(capsys, tmp_path, tiny_target_dir, conversations):

@@ -51,6 +51,32 @@ def test_export_is_bf16_and_still_lossless(tmp_path, tiny_target_dir) -> None:
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
 
 
+def test_a_second_stage_trains_on_from_the_first_and_exports_as_one_curve(tmp_path, tiny_target_dir) -> None:
+    """A drafter shipped in two stages: the second starts from the first's weights (`init_from`), and the export's
+    report and evaluation log count the tokens of both, the log as one curve across the stages."""
+    from angelspec.train.block import tiny_debug, train_dfly
+
+    data = write_conversations(tmp_path / "conv.jsonl", 40, seed=3)
+    first, second = tmp_path / "dfly", tmp_path / "dfly_af"
+    train_dfly(tiny_target_dir, data, first, config=replace(tiny_debug(), steps=2), progress=False,
+               log=lambda *_: None)
+    train_dfly(tiny_target_dir, data, second, config=replace(tiny_debug(), steps=3, anchor_fusion=True,
+                                                             init_from=str(first)), progress=False, log=lambda *_: None)
+    for run, steps in ((first, 2), (second, 3)):
+        (run / "training" / "eval_log.jsonl").write_text(
+            json.dumps({"step": steps, "tokens": steps * 128, "mal": 1.0 + steps, "temperature": 0.0}) + "\n")
+    dest = export_shipped(second, tmp_path / "assets" / "dfly", data=data, earlier=[first])
+    report = json.loads((dest / "train_report.json").read_text())
+    assert report["shipped"]["train_tokens"] == (2 + 3) * 2 * 64
+    assert [s["steps"] for s in report["shipped"]["stages"]] == [2, 3]
+    assert report["shipped"]["stages"][1]["init_from"] == str(first)
+    log = [json.loads(line) for line in (dest / "eval_log.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"], r["tokens"], r["stage_tokens"]) for r in log] == [(0, 2, 256, 256),
+                                                                                       (1, 3, 256 + 384, 384)]
+    assert json.loads((dest / "config.json").read_text())["block_drafter_config"]["anchor_fusion"] is True
+    assert SHIPPED["dfly"].stages(tmp_path)[1] == ("dfly_shipped_af", second)
+
+
 def test_an_unfinished_run_is_not_exported_twice_over(tmp_path) -> None:
     assert not run_finished(tmp_path / "nope", 10)
     (tmp_path / "run").mkdir()

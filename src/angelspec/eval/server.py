@@ -347,8 +347,10 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
     return watch(run_dir, model, tdir, prompts, settings, once=once, trainer_pid=trainer_pid, log=log)
 
 
-def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temperature: float = 0.0) -> Path:
-    """MAL against training tokens, one line per run (drafter), from the runs' eval logs; a PNG at `out`."""
+def plot_learning_curves(runs: dict[str, str | Path | list[dict[str, Any]]], out: str | Path, *,
+                         temperature: float = 0.0) -> Path:
+    """MAL against training tokens, one line per run (drafter), from the runs' eval logs (a run folder, or the
+    records themselves: a drafter trained in stages); a PNG at `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,8 +358,11 @@ def plot_learning_curves(runs: dict[str, str | Path], out: str | Path, *, temper
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, run in runs.items():
-        recs = [r for r in read_eval_log(run) if r.get("temperature") == temperature]
-        recs.sort(key=lambda r: r["step"])
+        if isinstance(run, list):  # in training order already (a staged run's steps restart)
+            recs = [r for r in run if r.get("temperature") == temperature]
+        else:
+            recs = sorted((r for r in read_eval_log(run) if r.get("temperature") == temperature),
+                          key=lambda r: r["step"])
         if not recs:
             continue
         xs = [(r["tokens"] if r.get("tokens") is not None else r["step"]) / 1e6 for r in recs]

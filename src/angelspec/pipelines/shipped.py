@@ -6,7 +6,9 @@ Stages, each skipped when its output is complete and resumed when it was interru
 2. greedy target rollouts of the pool (`train.rollout`, `angelspec rollout`);
 3. each drafter trained on the rollouts with its `*_shipped` preset (`train.runs.train_drafter`, `angelspec train
    --eval-every`), an evaluation server beside it logging MAL and speed-up per checkpoint
-   (`eval.server`), time-boxed with `max_minutes` per call (run it again to continue);
+   (`eval.server`), time-boxed with `max_minutes` per call (run it again to continue); a drafter with a second
+   stage (DFly, DSpark: `*_shipped_af`, the fused anchor input) then trains on from the first stage's weights
+   in `<name>_af/` (`init_from`);
 4. the export: config.json, bf16 safetensors, the tokenizer, `train_report.json` (data, tokens, minutes) and
    the evaluation log into `assets/drafters/<name>/`, and the learning curves (MAL against training tokens)
    as `assets/drafters/learning_curves.png`.
@@ -16,6 +18,7 @@ Everything lives under `work_dir` (default `.cache/shipped/`); the export folder
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -39,11 +42,20 @@ FOLDER_FILES = ("config.json", "generation_config.json", "special_tokens_map.jso
 
 @dataclass(frozen=True)
 class ShippedDrafter:
-    """One shipped drafter: its kind (`angelspec train --drafter`) and training preset."""
+    """One shipped drafter: its kind (`angelspec train --drafter`), training preset and, optionally, the preset of
+    a second stage that trains on from the first stage's drafter (`init_from`)."""
 
     name: str
     kind: str
     preset: str
+    then: str | None = None
+
+    def stages(self, work_dir: Path) -> list[tuple[str, Path]]:
+        """(preset, run folder) of each stage, in order; the last one is what ships."""
+        out = [(self.preset, work_dir / self.name)]
+        if self.then is not None:
+            out.append((self.then, work_dir / f"{self.name}_af"))
+        return out
 
     def config(self) -> Any:
         """The preset's training config."""
@@ -52,10 +64,10 @@ class ShippedDrafter:
         return get_trainer(self.kind)[1][self.preset]()
 
 
-SHIPPED = {d.name: d for d in (ShippedDrafter("dfly", "dfly", "dfly_shipped"),
+SHIPPED = {d.name: d for d in (ShippedDrafter("dfly", "dfly", "dfly_shipped", then="dfly_shipped_af"),
                                ShippedDrafter("mtp", "mtp", "mtp_shipped"),
                                ShippedDrafter("eagle3", "eagle3", "eagle3_shipped"),
-                               ShippedDrafter("dspark", "dspark", "dspark_shipped"))}
+                               ShippedDrafter("dspark", "dspark", "dspark_shipped", then="dspark_shipped_af"))}
 
 
 def ensure_pool(work_dir: Path, *, log: Callable[[str], None] = print, progress: bool = True) -> Path:
@@ -108,21 +120,29 @@ def run_finished(run: Path, planned_steps: int) -> bool:
 def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes: float | None,
                   eval_every: int | None = None, progress: bool = True,
                   log: Callable[[str], None] = print) -> Path:
-    """Train (or continue) one shipped drafter; an evaluation server process watches the run."""
+    """Train (or continue) one shipped drafter, stage by stage; an evaluation server process watches each run.
+    Returns the last stage's run folder (unfinished when `max_minutes` ran out: run it again to continue)."""
     from angelspec.eval.server import spawn_eval_server
+    from angelspec.train.registry import get_trainer
     from angelspec.train.runs import train_drafter
 
-    run = work_dir / d.name
-    if run_finished(run, d.config().steps):
-        return run
-    resume = (run / "training").is_dir()
-    overrides = [] if eval_every is None else [f"ckpt_every={eval_every}"]
-    server = spawn_eval_server(run, limit=3, max_new_tokens=64)
-    log(f"{d.name}: {'resuming' if resume else 'training'} {d.kind} ({d.preset}) in {run}; eval-server pid "
-        f"{server.pid} -> {run}/training/eval_log.jsonl")
-    result = train_drafter(d.kind, data, run, preset=d.preset, overrides=overrides, resume=resume,
-                           progress=progress, max_minutes=max_minutes, log=log)
-    log(result.format())
+    presets = get_trainer(d.kind)[1]
+    start: Path | None = None
+    for preset, run in d.stages(work_dir):
+        if not run_finished(run, presets[preset]().steps):
+            resume = (run / "training").is_dir()
+            overrides = [] if eval_every is None else [f"ckpt_every={eval_every}"]
+            server = spawn_eval_server(run, limit=3, max_new_tokens=64)
+            log(f"{d.name}: {'resuming' if resume else 'training'} {d.kind} ({preset}) in {run}"
+                f"{'' if start is None else f' from {start}'}; eval-server pid {server.pid} -> "
+                f"{run}/training/eval_log.jsonl")
+            result = train_drafter(d.kind, data, run, preset=preset, overrides=overrides, resume=resume,
+                                   progress=progress, max_minutes=max_minutes, log=log,
+                                   init_from=None if start is None else str(start))
+            log(result.format())
+            if not run_finished(run, presets[preset]().steps):
+                return run  # time is up: the next stage waits for this one
+        start = run
     return run
 
 
@@ -137,9 +157,33 @@ def _bf16_weights(src: Path, dest: Path) -> None:
                             dest, {"format": "pt"})
 
 
-def export_shipped(run: Path, dest: Path, *, data: Path | None = None) -> Path:
+def run_tokens(run: Path) -> int:
+    """Training tokens a finished (or stopped) run saw: its steps x batch size x sequence length."""
+    cfg = train_config(run)
+    return (read_json_object(run / "train_report.json") or {}).get("steps", 0) * cfg.get("batch_size", 0) * cfg.get(
+        "seq_len", 0)
+
+
+def stages_eval_log(runs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The evaluation logs of a drafter's stages as one curve: each record tagged with its `stage` (0, 1, ...), its
+    `tokens` counted from the first stage's start (`stage_tokens`: within its own stage)."""
+    from angelspec.eval.server import read_eval_log
+
+    out, before = [], 0
+    for i, run in enumerate(runs):
+        for rec in read_eval_log(run):
+            tokens = rec.get("tokens")
+            out.append({**rec, "stage": i, "stage_tokens": tokens,
+                        "tokens": None if tokens is None else tokens + before})
+        before += run_tokens(run)
+    return out
+
+
+def export_shipped(run: Path, dest: Path, *, data: Path | None = None, earlier: Sequence[Path] = ()) -> Path:
     """Copy a trained drafter into the package: config + bf16 weights + tokenizer + train report (with the data
-    and tokens it saw) + the evaluation log. Written to a temporary folder and swapped in."""
+    and tokens it saw) + the evaluation log. `earlier`: the run folders of the stages before `run`, whose tokens,
+    seconds and evaluation records the report and log include (`stages_eval_log`). Written to a temporary folder
+    and swapped in."""
     if not (run / "config.json").is_file() or not (run / "model.safetensors").is_file():
         raise UsageError(f"{run} holds no trained drafter yet (no config.json + model.safetensors); train it first")
     tmp = dest.with_name(f".{dest.name}.tmp")
@@ -150,14 +194,21 @@ def export_shipped(run: Path, dest: Path, *, data: Path | None = None) -> Path:
             shutil.copy2(run / name, tmp / name)
     _bf16_weights(run / "model.safetensors", tmp / "model.safetensors")
     report = read_json_object(run / "train_report.json") or {}
-    cfg = train_config(run)
+    stages = [*earlier, run]
     report["shipped"] = {"weights_dtype": "bfloat16", "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                         "train_tokens": report.get("steps", 0) * cfg.get("batch_size", 0) * cfg.get("seq_len", 0),
-                         "data": str(data) if data else report.get("data"), "train_config": cfg}
+                         "train_tokens": sum(run_tokens(r) for r in stages),
+                         "data": str(data) if data else report.get("data"), "train_config": train_config(run)}
+    if earlier:
+        report["shipped"]["stages"] = [
+            {"run": str(r), "steps": (read_json_object(r / "train_report.json") or {}).get("steps"),
+             "train_tokens": run_tokens(r),
+             "train_seconds": (read_json_object(r / "train_report.json") or {}).get("train_seconds"),
+             "init_from": ((read_json_object(r / "config.json") or {}).get("angelspec", {}).get("train_config", {})
+                           .get("init_from"))} for r in stages]
     write_json_atomic(tmp / "train_report.json", report)
-    log = run / "training" / "eval_log.jsonl"
-    if log.is_file():
-        shutil.copy2(log, tmp / "eval_log.jsonl")
+    records = stages_eval_log(stages)
+    if records:
+        (tmp / "eval_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
@@ -182,15 +233,20 @@ def build_shipped_drafters(names: Sequence[str] = tuple(SHIPPED), *, work_dir: s
         data = work_dir / ROLLOUT_FILE
     done: dict[str, Path] = {}
     for name in names:
-        run = work_dir / name
+        d = SHIPPED[name]
+        runs = [run for _, run in d.stages(work_dir)]
         if train:
-            run = train_shipped(SHIPPED[name], data, work_dir, max_minutes=max_minutes, eval_every=eval_every,
-                                progress=progress, log=log)
-        done[name] = export_shipped(run, out_root / name, data=data) if export else run
+            train_shipped(d, data, work_dir, max_minutes=max_minutes, eval_every=eval_every, progress=progress,
+                          log=log)
+        # the last stage that has a drafter ships (an unfinished second stage: the first stage's drafter)
+        last = max((i for i, r in enumerate(runs) if (r / "model.safetensors").is_file()), default=len(runs) - 1)
+        done[name] = (export_shipped(runs[last], out_root / name, data=data, earlier=runs[:last]) if export
+                      else runs[last])
     if export:
         from angelspec.eval.server import plot_learning_curves
 
-        runs = {n: work_dir / n for n in SHIPPED if (work_dir / n / "training" / "eval_log.jsonl").is_file()}
-        if runs:
-            plot_learning_curves(runs, out_root / "learning_curves.png")
+        curves = {n: stages_eval_log([r for _, r in d.stages(work_dir)]) for n, d in SHIPPED.items()}
+        curves = {n: recs for n, recs in curves.items() if recs}
+        if curves:
+            plot_learning_curves(curves, out_root / "learning_curves.png")
     return done

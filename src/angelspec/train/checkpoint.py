@@ -51,8 +51,11 @@ TRAINER_STATE = "trainer_state.json"
 RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 # ... and so may where the target features come from: online, or an offline cache of the same target and data
 # (the trainer checks that), which holds the very tensors the online forward computes; and whether activations
-# are recomputed in the backward, which changes memory only (the same graph again, bit-identical; tested).
-RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing")
+# are recomputed in the backward, which changes memory only (the same graph again, bit-identical; tested); and
+# the path of the folder an `init_from` run started from, which a resumed run no longer reads (its weights come
+# from the checkpoint, checked against the model built): the work folder may have moved, or been named
+# relatively once and absolutely the next time.
+RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing", "init_from")
 # Settings a checkpoint may predate, with the value that reproduces how such a run trained: a checkpoint whose
 # train_config lacks one reads as having that value, so a run started before the setting existed resumes when the
 # setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv; a drafter
