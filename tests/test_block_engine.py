@@ -53,6 +53,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, MASK = 16, 1
 DESIGNS = {"dflash": ("dflash", "none"), "dfly": ("dfly", "hidden"), "dspark": ("dflash", "markov")}
+FUSED = "+anchor_fusion"  # a kind with this suffix: the drafter with the fused anchor input
 
 
 def tiny_target(layers: int = 3, vocab: int = VOCAB) -> Decoder:
@@ -61,10 +62,10 @@ def tiny_target(layers: int = 3, vocab: int = VOCAB) -> Decoder:
 
 def tiny_block_drafter(target: Decoder, kind: str, block_size: int = 4, layer_ids: tuple[int, ...] = (0, 2)
                        ) -> BlockDrafter:
-    conditioning, head = DESIGNS[kind]
+    conditioning, head = DESIGNS[kind.removesuffix(FUSED)]
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=MASK, block_size=block_size,
                                         num_draft_layers=1, target_layer_ids=layer_ids, conditioning=conditioning,
-                                        head=head, markov_rank=8)
+                                        head=head, markov_rank=8, anchor_fusion=kind.endswith(FUSED))
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.3, generator=torch.Generator().manual_seed(1))
     for p in model.parameters():  # W2 / the SwiGLU down projection start at zero: make every head matter
@@ -86,11 +87,12 @@ class RecordingDrafter(RecordingMixin, BlockDrafterAdapter):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "k"), [("dflash", 3), ("dfly", 3), ("dspark", 3), ("dfly", 2)])
+@pytest.mark.parametrize(("kind", "k"), [("dflash", 3), ("dfly", 3), ("dspark", 3), ("dfly", 2),
+                                         ("dfly" + FUSED, 3), ("dspark" + FUSED, 2)])
 def test_greedy_spec_decoding_is_lossless_and_drafts_match_a_fresh_recompute(kind, k):
     target = tiny_target()
     drafter = RecordingDrafter(tiny_block_drafter(target, kind))
-    assert drafter.kind == kind
+    assert drafter.kind == kind.removesuffix(FUSED)
     rng = random.Random(len(kind) + k)
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))], max_new_tokens=48, stop_ids=())
             for _ in range(10)]
@@ -406,11 +408,11 @@ def test_two_processes_train_the_single_process_model(tmp_path, tiny_target_dir,
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dfly"])
-def test_compiled_block_drafter_stays_lossless_and_matches_eager(kind):
-    """EngineConfig(compile=True) compiles the verify forward, the drafter's whole greedy step (backbone and head)
-    and its context append (prefill and on_commit, in place on the cache); outputs equal AR and the drafts equal
-    the eager drafter's."""
+@pytest.mark.parametrize(("kind", "batch"), [("dspark", 2), ("dfly", 2), ("dfly", 1), ("dfly" + FUSED, 1)])
+def test_compiled_block_drafter_stays_lossless_and_matches_eager(kind, batch):
+    """EngineConfig(compile=True) compiles the verify forward and the drafter's greedy round: the waiting commits'
+    context append and the drafting pass (backbone and head) as one graph, in place on the cache; outputs equal AR
+    and the drafts equal the eager drafter's."""
     import warnings
 
     target = tiny_target()
@@ -419,11 +421,11 @@ def test_compiled_block_drafter_stays_lossless_and_matches_eager(kind):
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))], max_new_tokens=20, stop_ids=())
             for _ in range(4)]
     eager = RecordingDrafter(model)
-    SpecEngine(target, eager, EngineConfig(max_batch_size=2, num_draft_tokens=3)).generate(reqs)
+    SpecEngine(target, eager, EngineConfig(max_batch_size=batch, num_draft_tokens=3)).generate(reqs)
     compiled = RecordingDrafter(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        got = SpecEngine(target, compiled, EngineConfig(max_batch_size=2, num_draft_tokens=3, compile=True)
+        got = SpecEngine(target, compiled, EngineConfig(max_batch_size=batch, num_draft_tokens=3, compile=True)
                          ).generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
     assert compiled.proposals == eager.proposals

@@ -67,6 +67,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
+        # The model's own (uncompiled) calls that `caught_up_step` chains: `compile` replaces the model's methods by
+        # compiled graphs, and the joined step is compiled as one graph of its own.
+        self._append, self._greedy = model.append_context, model.greedy_propose
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
@@ -141,8 +144,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         if k == 0:
             empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
             return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
-        self._catch_up()
         deterministic = state.deterministic or state.all_greedy
+        if deterministic:
+            return self._greedy_round(state)
+        self._catch_up()
         s = state.sampling
 
         def select(logits: Tensor, j: int) -> tuple[Tensor, Tensor]:
@@ -150,11 +155,34 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             counter = draft_noise_counter(state.seq_lens + j, state.draft_round)
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 
-        p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound,
-                               select=None if deterministic else select, num_drafts=k, with_logits=False,
-                               temperature=s.temperature)
-        probs = None if deterministic else p.probs  # [B, K, V]
-        return Proposal(tokens=p.tokens, probs=probs, confidences=p.confidences, deterministic=deterministic)
+        p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound, select=select, num_drafts=k,
+                               with_logits=False, temperature=s.temperature)
+        return Proposal(tokens=p.tokens, probs=p.probs, confidences=p.confidences, deterministic=False)
+
+    def _greedy_round(self, state: DraftState) -> Proposal:
+        """Argmax drafts: the waiting commits' context append and the drafting pass as ONE call (`caught_up_step`,
+        one compiled graph under `compile`: at batch 1 on a CPU a call's fixed cost is a good share of the step),
+        or the drafting pass alone when nothing waits."""
+        cache, m = self.cache, self.model
+        assert cache is not None
+        m.refresh_inference_tables()  # outside any compiled graph
+        waiting = self._pending.take()
+        args = (state.last_tokens, cache, state.seq_len_bound, state.num_draft_tokens, False,
+                state.sampling.temperature)
+        if waiting is None:
+            tokens, _, _, conf = m.greedy_propose(*args)
+        else:
+            hidden, count = waiting
+            tokens, conf = self.caught_up_step(concat_taps(hidden), count, *args)
+        return Proposal(tokens=tokens, confidences=conf, deterministic=True)
+
+    def caught_up_step(self, taps: Tensor, count: Tensor, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int,
+                       num_drafts: int, with_logits: bool, temperature: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the waiting commits' taps [B, T, n·C] (`count` [B] new positions per row) to the context, then
+        draft greedily from it -> (tokens [B, K], confidences [B, K]); tensors only."""
+        self._append(taps, cache, num_new=count)
+        tokens, _, _, conf = self._greedy(anchor_tokens, cache, kv_len, num_drafts, with_logits, temperature)
+        return tokens, conf
 
     def on_commit(self, commit: Commit) -> None:
         # The verify forward's taps at [last, d_1..d_n]: the old anchor and the accepted drafts become context, at
@@ -182,6 +210,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
         m.append_context = try_compile(m.append_context, f"{self.kind} context append")  # type: ignore[method-assign]
+        self.caught_up_step = try_compile(self.caught_up_step,  # type: ignore[method-assign]
+                                          f"{self.kind} context append + greedy step")
 
 
 def _block_kind(kind: str, class_name: str, doc: str) -> type[BlockDrafterAdapter]:
