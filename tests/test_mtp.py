@@ -219,8 +219,9 @@ class RecordingMTP(RecordingMixin, MTPDrafter):
         self.start_recording()
 
 
-@pytest.mark.parametrize(("vocab", "k"), [(64, 3), (8, 5)])
-def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
+@pytest.mark.parametrize(("vocab", "k", "batch"), [(64, 3, 6), (8, 5, 6), (8, 3, 1)])
+def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k, batch):
+    """Batch 1 runs a round's catch-up and its depths as one call (`caught_up_round`), larger batches apart."""
     target = tiny_target(vocab=vocab, heads=2, kv=1)
     drafter = RecordingMTP(tiny_model(target, depths=3))  # k=5 > D=3: the model is reused recurrently
     rng = random.Random(vocab)
@@ -228,7 +229,7 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k):
             for _ in range(20)]
     # Some drafts are accepted, so rollback after partial accepts runs; it is exact iff every proposal equals the
     # from-scratch training rollout on the committed prefix.
-    check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=6, num_draft_tokens=k), 5,
+    check_lossless_and_recorded(target, drafter, reqs, EngineConfig(max_batch_size=batch, num_draft_tokens=k), 5,
                                 lambda seq: mtp_reference_drafts(drafter.model, target, seq, k))
 
 

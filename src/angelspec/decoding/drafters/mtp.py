@@ -69,6 +69,7 @@ class MTPDrafter(ModelConfigDrafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._one_row_chain = self.greedy_chain  # a one-row greedy round (`compile`: one graph)
+        self._one_row_round = self.caught_up_round  # the same with its catch-up (`compile`: one graph)
         self._k = 0
         self._bound = 1
         self._pending = PendingCommits()  # commits whose depth-0 entries are not in the cache yet
@@ -130,14 +131,23 @@ class MTPDrafter(ModelConfigDrafter):
             self._k, self._bound = k, state.seq_len_bound
             empty = torch.zeros(state.seq_lens.shape[0], 0, dtype=torch.int64, device=state.seq_lens.device)
             return Proposal(tokens=empty, confidences=empty.float(), deterministic=True)
-        self._catch_up()
-        self._k, self._bound = k, state.seq_len_bound
-        self._base = cache.lengths.clone()
         deterministic = state.deterministic or state.all_greedy
         act = state.active.long()
         s = state.sampling
         model = self.model
         model.refresh_draft_vocab()  # outside any compiled call
+        if deterministic and cache.batch_size == 1 and self._pending:
+            # one row: the waiting commits' depth-0 entries and the round's K depths as ONE call (one graph)
+            (*hidden, committed), count = self._pending.take()
+            self._base = cache.lengths + count
+            self._k, self._bound = k, state.seq_len_bound
+            tokens_t, conf_t, self._h_last = self._one_row_round(concat_taps(hidden), committed, count,
+                                                                 self._pending_bound, self._h_last, cache, act,
+                                                                 state.seq_len_bound, k)
+            return Proposal(tokens=tokens_t, confidences=conf_t, deterministic=True)
+        self._catch_up()
+        self._k, self._bound = k, state.seq_len_bound
+        self._base = cache.lengths.clone()
         if deterministic:
             chain = self._one_row_chain if cache.batch_size == 1 else self.greedy_chain
             tokens_t, conf_t = chain(self._h_last, cache, act, state.seq_len_bound, k)
@@ -209,24 +219,40 @@ class MTPDrafter(ModelConfigDrafter):
         waiting = self._pending.take()
         if waiting is None:
             return
-        cache = self.cache
-        assert cache is not None
+        assert self.cache is not None
         (*hidden, tokens), count = waiting  # count [B]: new committed positions per row
-        # [B, T, C]: the verify forwards' inputs as the target saw them, conditioned (EAGLE-3: fc over three taps)
-        taps = self.model.condition(concat_taps(hidden).to(cache.dtype))
+        self._h_last = self.append_commits(concat_taps(hidden), tokens, count, self._pending_bound, self._h_last,
+                                           self.cache)
+
+    def append_commits(self, taps: Tensor, tokens: Tensor, count: Tensor, bound: int, h_last: Tensor,
+                       cache: StaticKVCache) -> Tensor:
+        """The depth-0 entries of committed positions: taps [B, T, n·C] of the verify forwards' inputs as the target
+        saw them, with the committed tokens [B, T] and `count` [B] new positions per row, appended to `cache`
+        (`bound`: the longest row's length before them) -> h^(0) [B, C], the newest entry of each row that had
+        any (`h_last` for the others); tensors only."""
+        # [B, T, C]: conditioned (EAGLE-3: fc over three taps)
+        taps = self.model.condition(taps.to(cache.dtype))
         width = taps.shape[1]
         keep = torch.arange(width, device=count.device)[None, :] < count[:, None]  # [B, T]
         tok = torch.where(keep, tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
-        out = self.model.forward_cached(taps, tok, cache, num_new=count,
-                                        kv_len=self._pending_bound + width)  # [B, T, C]
+        out = self.model.forward_cached(taps, tok, cache, num_new=count, kv_len=bound + width)  # [B, T, C]
         newest = out.gather(1, (count - 1).clamp(0, width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
-        self._h_last = torch.where((count > 0)[:, None], newest, self._h_last)
+        return torch.where((count > 0)[:, None], newest, h_last)
+
+    def caught_up_round(self, taps: Tensor, tokens: Tensor, count: Tensor, pending_bound: int, h_last: Tensor,
+                        cache: StaticKVCache, act: Tensor, bound: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """`append_commits` then `greedy_chain`: a one-row round with its catch-up -> (tokens [B, K], confidences
+        [B, K], the new h^(0) [B, C]); tensors only, one graph under `compile`."""
+        h = self.append_commits(taps, tokens, count, pending_bound, h_last, cache)
+        drafts, conf = self.greedy_chain(h, cache, act, bound, k)
+        return drafts, conf, h
 
     def compile(self) -> None:
         """A one-row greedy round as one graph, each depth of a larger greedy round as one graph (head, argmax
         and the next depth's cached forward; `greedy_chain` says why), and the model's cached forward (commit,
         sampled rounds) and its LM head (instance attributes shadow the methods)."""
         self._one_row_chain = try_compile(self.greedy_chain, f"{self.kind} greedy round")
+        self._one_row_round = try_compile(self.caught_up_round, f"{self.kind} catch-up + greedy round")
         self.greedy_depth = try_compile(self.greedy_depth, f"{self.kind} greedy depth")  # type: ignore[method-assign]
         m = self.model
         m.forward_cached = try_compile(m.forward_cached, f"{self.kind} cached forward")  # type: ignore[method-assign]
