@@ -217,6 +217,9 @@ def add_eval_server(sub: Subparsers) -> None:
                    help="stop once process PID (the trainer) has exited and its last checkpoint is evaluated, "
                         "whatever RUN_DIR/train_report.json says (a resumed run keeps its previous segment's "
                         "report); default: stop when train_report.json exists")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads of the server (default: 1: beside a trainer, more threads wait on each other "
+                        "and stretch its runs at random; the log's speedup_cpu stays comparable either way)")
     p.set_defaults(func=cmd_eval_server)
 
 
@@ -230,7 +233,7 @@ def cmd_eval_server(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperatures: expected numbers separated by commas, got {args.temperatures!r}") from None
     settings = EvalServerSettings(limit=args.limit, max_new_tokens=args.max_new_tokens,
                                   num_draft_tokens=args.num_draft_tokens, temperatures=temps, poll_s=args.poll,
-                                  idle_timeout_s=args.idle_timeout)
+                                  idle_timeout_s=args.idle_timeout, threads=args.threads)
     n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once,
                         wait_s=args.wait, trainer_pid=args.trainer_pid)
     print(f"evaluated {n} checkpoint(s); log: {args.watch}/training/eval_log.jsonl")
