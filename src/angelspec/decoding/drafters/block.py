@@ -67,9 +67,6 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
-        # The model's own (uncompiled) calls that `caught_up_step` chains: `compile` replaces the model's methods by
-        # compiled graphs, and the joined step is compiled as one graph of its own.
-        self._append, self._greedy = model.append_context, model.greedy_propose
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
@@ -180,8 +177,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                        num_drafts: int, with_logits: bool, temperature: Tensor) -> tuple[Tensor, Tensor]:
         """Append the waiting commits' taps [B, T, n·C] (`count` [B] new positions per row) to the context, then
         draft greedily from it -> (tokens [B, K], confidences [B, K]); tensors only."""
-        self._append(taps, cache, num_new=count)
-        tokens, _, _, conf = self._greedy(anchor_tokens, cache, kv_len, num_drafts, with_logits, temperature)
+        m = self.model  # under `compile` its calls are compiled too; traced into this graph, they run as one
+        m.append_context(taps, cache, num_new=count)
+        tokens, _, _, conf = m.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits, temperature)
         return tokens, conf
 
     def on_commit(self, commit: Commit) -> None:
