@@ -484,10 +484,10 @@ def test_new_drafters_pick_the_injection_and_fc_bias_old_folders_keep_theirs(tmp
 
 
 def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
-    """The shipped DSpark proposes exactly what it proposed when it was exported (values computed with this code and
-    with main at d308d01, before the transposed weight layout: the same), and its folder written without the later
-    fields (as folders saved before context_injection / fc_bias / confidence_target existed) still loads with
-    DFlash's shared context, the fc bias and the "tv" confidence head, and proposes the same."""
+    """The shipped DSpark proposes exactly what it proposed when it was exported (values computed when its second
+    stage, with the fused anchor input, was exported), and its folder written without the later fields (as folders
+    saved before context_injection / fc_bias / confidence_target existed) still loads with DFlash's shared context,
+    the fc bias and the "tv" confidence head, and proposes the same."""
     import shutil
 
     from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
@@ -519,14 +519,15 @@ def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
             props.append(model.propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1]))
     prop, prop_old = props
     assert torch.equal(prop.tokens, prop_old.tokens) and torch.equal(prop.logits, prop_old.logits)
-    assert prop.tokens.tolist() == [[19, 2825, 19, 2825, 19, 88, 19], [19, 2, 19, 2, 19, 941, 941],
-                                    [941, 941, 941, 941, 941, 941, 1511]]
-    want_conf = [[0.188622, 0.15205, 0.111812, 0.123628, 0.097312, 0.139626, 0.119833],
-                 [0.214596, 0.140643, 0.187683, 0.116789, 0.133573, 0.078758, 0.074132],
-                 [0.285776, 0.202102, 0.201134, 0.194245, 0.192679, 0.19206, 0.18146]]
+    assert model.config.anchor_fusion
+    assert prop.tokens.tolist() == [[383, 472, 672, 273, 322, 88, 19], [204, 280, 385, 273, 542, 941, 19],
+                                    [941, 941, 941, 1511, 1511, 1511, 1511]]
+    want_conf = [[0.229314, 0.279677, 0.226544, 0.394743, 0.205586, 0.219188, 0.110328],
+                 [0.497164, 0.754346, 0.736607, 0.585626, 0.49651, 0.226481, 0.341907],
+                 [0.68541, 0.615716, 0.627994, 0.635602, 0.703595, 0.70266, 0.669011]]
     torch.testing.assert_close(prop.confidences, torch.tensor(want_conf), rtol=0, atol=2e-5)
-    want_max = [4.8956, 5.0085, 4.9855, 4.5416, 4.6648, 4.7528, 6.0729, 5.8234, 5.2996, 5.7747, 5.7807, 5.7457,
-                6.3512, 6.3205, 6.1233, 6.264, 6.2702, 6.7197, 7.0662, 7.1103, 7.0314]
+    want_max = [5.2204, 6.6465, 6.2837, 8.2338, 8.343, 7.2556, 7.2376, 5.208, 6.0652, 6.2287, 6.1881, 5.903, 6.4859,
+                5.4259, 6.0194, 6.2067, 6.1555, 6.3571, 6.8679, 7.1605, 6.7797]
     torch.testing.assert_close(prop.logits.max(-1).values.flatten(), torch.tensor(want_max), rtol=0, atol=2e-4)
 
 
