@@ -41,6 +41,7 @@ from angelspec.models.block.io import save_block_drafter
 from angelspec.train.block import (
     BlockDrafterTrainConfig,
     dspark_shipped,
+    dspark_shipped_af,
     qwen3_8b_dfly,
     qwen3_8b_dspark,
     resolve_mask_token,
@@ -245,8 +246,9 @@ def test_new_dspark_trains_with_the_reports_defaults_and_records_them(tmp_path, 
 
 
 def test_dspark_shipped_preset_still_builds_the_shipped_drafter():
-    """The shipped DSpark predates the new defaults; its preset keeps what it was trained with, so that `make
-    drafters` rebuilds (and resumes) that drafter: its config equals the shipped folder's."""
+    """The shipped DSpark predates the new defaults; its presets keep what it was trained with, so that `make
+    drafters` rebuilds (and resumes) that drafter: the second stage's config equals the shipped folder's, and the
+    first stage's differs only by the fused anchor input the second stage adds."""
     from angelspec.assets import DEFAULT_DRAFTERS
     from angelspec.models.block.presets import EMBEDDED_MASK_TOKEN_ID, embedded_target_shape
 
@@ -254,9 +256,11 @@ def test_dspark_shipped_preset_still_builds_the_shipped_drafter():
     if not folder.is_file():
         pytest.skip("the shipped DSpark is not in this checkout")
     shipped = BlockDrafterConfig.from_dict(json.loads(folder.read_text())["block_drafter_config"])
-    cfg = dspark_shipped()
-    assert cfg.model_config(embedded_target_shape(), EMBEDDED_MASK_TOKEN_ID) == shipped
+    cfg = dspark_shipped_af()
+    assert cfg.model_config(embedded_target_shape(), EMBEDDED_MASK_TOKEN_ID) == shipped and shipped.anchor_fusion
     assert (cfg.tv_norm, shipped.context_injection, shipped.fc_bias) == ("half_l1", "shared", True)
+    first = dspark_shipped().model_config(embedded_target_shape(), EMBEDDED_MASK_TOKEN_ID)
+    assert first == replace(shipped, anchor_fusion=False)
 
 
 def test_a_run_checkpointed_before_the_new_settings_resumes_only_with_its_old_ones(tmp_path, tiny_target_dir,
