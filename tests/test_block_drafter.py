@@ -585,6 +585,20 @@ def test_anchor_fusion_cache_rolls_back_resets_rows_and_starts_as_the_plain_draf
         replace(plain.config, anchor_fusion="yes")
 
 
+def test_sequence_parallel_training_refuses_the_fused_anchor_input() -> None:
+    """A shard's first anchor lacks its predecessor's feature, so sequence parallelism refuses the design up front
+    (the trainer checks it before anything is written, and the SP forward again)."""
+    from types import SimpleNamespace
+
+    from angelspec.train.block import check_sp_design
+
+    fused = tiny_drafter(tiny_target(), anchor_fusion=True).config
+    with pytest.raises(ConfigError, match=r"anchor_fusion.*--sp 1"):
+        check_sp_design(fused, SimpleNamespace(enabled=True))
+    check_sp_design(fused, SimpleNamespace(enabled=False))
+    check_sp_design(replace(fused, anchor_fusion=False), SimpleNamespace(enabled=True))
+
+
 # ----- folder IO -----
 
 

@@ -487,6 +487,15 @@ def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher
         draft_vocab=model.draft_vocab if draft else None)
 
 
+def check_sp_design(cfg: BlockDrafterConfig, sp: SequenceParallel) -> None:
+    """Raise ConfigError for a design sequence parallelism cannot train: the fused anchor input reads each anchor's
+    previous position, which a shard lacks for its first anchor."""
+    if sp.enabled and cfg.anchor_fusion:
+        raise ConfigError("anchor_fusion needs each anchor's previous position, which a sequence-parallel shard "
+                          "lacks for its first anchor: train it without sequence parallelism (--sp 1), or with "
+                          "anchor_fusion=false")
+
+
 def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
                         sp: SequenceParallel | None = None, *, checkpoint_layers: bool = False) -> BlockTrainOutput:
     """`model.forward_train` of a training step without logits (the trainer's head runs in chunks): taps [R, T, n·C]
@@ -501,10 +510,7 @@ def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, a
         return model.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
                                    loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
                                    checkpoint_layers=checkpoint_layers)
-    if model.config.anchor_fusion:
-        raise ConfigError("anchor_fusion needs each anchor's previous position, which a sequence-parallel shard "
-                          "lacks for its first anchor: train it without sequence parallelism (sp=1), or with "
-                          "anchor_fusion=false")
+    check_sp_design(model.config, sp)
     Bk = model.config.block_size
     mine = shard_anchors(anchors, valid, sp, batch.seq_len)
     win = sp.window(batch, Bk - 1)
@@ -575,6 +581,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
     kind = mcfg.drafter
     sp.check_heads(mcfg.layer_config().num_attention_heads)
+    check_sp_design(mcfg, sp)
     cfg.check_train_vocab(ConfigError, draft_vocab_size=mcfg.draft_vocab_size)  # init_from: the folder's vocabulary
     run.clear_out_dir()
     rows, stats = packed_conversations(tok, job.data, cfg, pad_token_id(tcfg), run.log)
