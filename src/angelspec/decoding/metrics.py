@@ -106,6 +106,10 @@ class DecodeMetrics:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_s if self.cpu_s > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
         return {
             "requests": self.requests,

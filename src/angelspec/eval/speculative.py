@@ -134,10 +134,8 @@ class DomainResult:
         """The speed-up in tokens per CPU-second of the decoding process: what the wall-clock one would be on a
         machine of its own, when other work (a trainer) shares the cores and stretches one run more than the
         other. Equal to `speedup` on a quiet machine with one thread."""
-        ar, spec = self.ar, self.spec
-        if min(ar.cpu_s, spec.cpu_s, ar.output_tokens) <= 0:
-            return 0.0
-        return (spec.output_tokens / spec.cpu_s) / (ar.output_tokens / ar.cpu_s)
+        ar = self.ar.tokens_per_cpu_s
+        return self.spec.tokens_per_cpu_s / ar if ar > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": self.prompts, "speedup": self.speedup, "identical": self.identical,
@@ -333,10 +331,8 @@ def merge_metrics(runs: Sequence[DecodeMetrics]) -> DecodeMetrics:
         if m.num_draft_tokens != k:
             raise EvalError(f"cannot merge metrics with K={m.num_draft_tokens} into K={k}")
         for name in ("steps", "row_steps", "accepted_plus_one", "output_tokens", "prompt_tokens", "requests",
-                     "skipped_steps"):
+                     "skipped_steps", "wall_s", "cpu_s"):
             setattr(out, name, getattr(out, name) + getattr(m, name))
-        out.wall_s += m.wall_s
-        out.cpu_s += m.cpu_s
         out.accept_hist = [a + b for a, b in zip(out.accept_hist, m.accept_hist, strict=True)]
         out.depth_hist = [a + b for a, b in zip(out.depth_hist, m.depth_hist, strict=True)]
         for phase, sec in m.seconds.items():

@@ -129,7 +129,8 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
     presets = get_trainer(d.kind)[1]
     start: Path | None = None
     for preset, run in d.stages(work_dir):
-        if not run_finished(run, presets[preset]().steps):
+        steps = presets[preset]().steps
+        if not run_finished(run, steps):
             resume = (run / "training").is_dir()
             overrides = [] if eval_every is None else [f"ckpt_every={eval_every}"]
             server = spawn_eval_server(run, limit=3, max_new_tokens=64)
@@ -140,7 +141,7 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
                                    progress=progress, max_minutes=max_minutes, log=log,
                                    init_from=None if start is None else str(start))
             log(result.format())
-            if not run_finished(run, presets[preset]().steps):
+            if not run_finished(run, steps):
                 return run  # time is up: the next stage waits for this one
         start = run
     return run
@@ -179,6 +180,14 @@ def stages_eval_log(runs: Sequence[Path]) -> list[dict[str, Any]]:
     return out
 
 
+def _stage_summary(run: Path) -> dict[str, Any]:
+    """One stage of a staged drafter for its train report: run folder, steps, tokens, seconds and start folder."""
+    report = read_json_object(run / "train_report.json") or {}
+    meta = (read_json_object(run / "config.json") or {}).get("angelspec", {})
+    return {"run": str(run), "steps": report.get("steps"), "train_tokens": run_tokens(run),
+            "train_seconds": report.get("train_seconds"), "init_from": meta.get("train_config", {}).get("init_from")}
+
+
 def export_shipped(run: Path, dest: Path, *, data: Path | None = None, earlier: Sequence[Path] = ()) -> Path:
     """Copy a trained drafter into the package: config + bf16 weights + tokenizer + train report (with the data
     and tokens it saw) + the evaluation log. `earlier`: the run folders of the stages before `run`, whose tokens,
@@ -199,12 +208,7 @@ def export_shipped(run: Path, dest: Path, *, data: Path | None = None, earlier: 
                          "train_tokens": sum(run_tokens(r) for r in stages),
                          "data": str(data) if data else report.get("data"), "train_config": train_config(run)}
     if earlier:
-        report["shipped"]["stages"] = [
-            {"run": str(r), "steps": (read_json_object(r / "train_report.json") or {}).get("steps"),
-             "train_tokens": run_tokens(r),
-             "train_seconds": (read_json_object(r / "train_report.json") or {}).get("train_seconds"),
-             "init_from": ((read_json_object(r / "config.json") or {}).get("angelspec", {}).get("train_config", {})
-                           .get("init_from"))} for r in stages]
+        report["shipped"]["stages"] = [_stage_summary(r) for r in stages]
     write_json_atomic(tmp / "train_report.json", report)
     records = stages_eval_log(stages)
     if records:

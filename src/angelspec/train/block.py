@@ -79,7 +79,12 @@ from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.mtp import concat_taps
-from angelspec.train.confidence import confidence_only_drafter, confidence_targets, init_from_drafter
+from angelspec.train.confidence import (
+    confidence_only_drafter,
+    confidence_targets,
+    init_from_drafter,
+    new_block_drafter,
+)
 from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shard_rows, shutdown, wrap_model
@@ -550,9 +555,7 @@ def warm_start_drafter(folder: str | Path, target: Decoder, *, kind: str, anchor
     Raises ConfigError for a folder of another kind or target."""
     source = init_from_drafter(folder, target, kind=kind)
     cfg = replace(source.config, anchor_fusion=source.config.anchor_fusion or anchor_fusion)
-    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
-    model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))
-    model.to(dtype=target.embed_tokens.weight.dtype)
+    model = new_block_drafter(cfg, target, seed=seed, init_std=init_std)
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"anchor_fuse.weight", "anchor_norm.weight"}, (missing, unexpected)
     return model
@@ -590,9 +593,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
                                halo_what=f"B - 1 for blocks of {mcfg.block_size}")
 
     if cfg.init_from is None:
-        model = BlockDrafter(mcfg, target.embed_tokens, target.lm_head)
-        model.init_weights(std=cfg.init_std, generator=torch.Generator().manual_seed(cfg.seed))
-        model.to(dtype=target.embed_tokens.weight.dtype)
+        model = new_block_drafter(mcfg, target, seed=cfg.seed, init_std=cfg.init_std)
     if mcfg.draft_vocab_size and cfg.init_from is None:  # inference drafts from it; training too under "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         model.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))

@@ -117,6 +117,14 @@ def warm_start_outputs(weight: Tensor, old: Sequence[float], new: Sequence[float
     return mix @ weight
 
 
+def new_block_drafter(cfg: BlockDrafterConfig, target: Decoder, *, seed: int, init_std: float) -> BlockDrafter:
+    """A block drafter of `cfg` around `target`'s embedding and LM head, initialised (`init_weights` with `seed`),
+    in the target's dtype: what a run trains from scratch, and what a run from a folder loads its weights into."""
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))
+    return model.to(dtype=target.embed_tokens.weight.dtype)
+
+
 def init_from_drafter(folder: str | Path, target: Decoder, *, kind: str) -> BlockDrafter:
     """The block drafter an `init_from` run starts from, loaded for `target`; ConfigError (naming the --drafter to
     pass) for a folder of another kind, the loaders' errors for one of another target or not a block drafter."""
@@ -137,9 +145,7 @@ def confidence_only_drafter(folder: str | Path, target: Decoder, *, kind: str, c
     source_cfg = source.config
     cfg = replace(source_cfg, confidence_head=True, confidence_target=confidence_target,
                   confidence_temperatures=tuple(temperatures) if confidence_target == "protocol" else ())
-    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
-    model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))  # a fresh head if none
-    model.to(dtype=target.embed_tokens.weight.dtype)
+    model = new_block_drafter(cfg, target, seed=seed, init_std=init_std)  # a fresh head if none
     state = source.state_dict()
     for name in ("confidence.proj.weight", "confidence.proj.bias"):
         if name in state:

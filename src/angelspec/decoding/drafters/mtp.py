@@ -136,17 +136,16 @@ class MTPDrafter(ModelConfigDrafter):
         s = state.sampling
         model = self.model
         model.refresh_draft_vocab()  # outside any compiled call
+        self._k, self._bound = k, state.seq_len_bound
         if deterministic and cache.batch_size == 1 and self._pending:
             # one row: the waiting commits' depth-0 entries and the round's K depths as ONE call (one graph)
             (*hidden, committed), count = self._pending.take()
-            self._base = cache.lengths + count
-            self._k, self._bound = k, state.seq_len_bound
+            self._base = cache.lengths + count  # where this round's draft chain starts, after the catch-up
             tokens_t, conf_t, self._h_last = self._one_row_round(concat_taps(hidden), committed, count,
                                                                  self._pending_bound, self._h_last, cache, act,
                                                                  state.seq_len_bound, k)
             return Proposal(tokens=tokens_t, confidences=conf_t, deterministic=True)
         self._catch_up()
-        self._k, self._bound = k, state.seq_len_bound
         self._base = cache.lengths.clone()
         if deterministic:
             chain = self._one_row_chain if cache.batch_size == 1 else self.greedy_chain
