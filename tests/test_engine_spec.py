@@ -705,6 +705,12 @@ class SometimesSilentOracle(OracleDrafter):
         return p
 
 
+def is_step_forward(kwargs) -> bool:
+    """Whether a target forward is a decoding step's (verify, packed verify or one-token): prefill, which runs
+    eagerly by design, always passes logits_index or compute_logits (`decoding.batching.prefill_rows`)."""
+    return "logits_index" not in kwargs and "compute_logits" not in kwargs
+
+
 def _compiled_run_then_silent_run_without_recompiles(engine, drafter, first, second) -> list:
     """`first` with the drafter as it is, then `second` with it silent every other round, under
     fail_on_recompile; any fallback of try_compile to eager (a UserWarning) fails too. Both runs' results."""
@@ -721,18 +727,18 @@ def _compiled_run_then_silent_run_without_recompiles(engine, drafter, first, sec
 
 def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run(target, greedy_case, monkeypatch):
     """With compile=True, ragged depths (the n-gram drafter's usual case) run the packed verify forward compiled as
-    well: the target's keep= forward is only ever entered while being traced, never eagerly step by step, and the
-    output is still AR's, token for token, without a fallback to eager. Steps where no row has a draft (a width of
-    0) then reuse the graphs already compiled: none is compiled in the middle of serving (torch.compile specialises
-    a size of 1, which used to cost a fresh compilation, about 20 s on a CPU, the first time it happened)."""
+    well: no step's forward (packed, padded or one-token) ever runs eagerly, and the output is still AR's, token for
+    token, without a fallback to eager. Steps where no row has a draft (a width of 0) run the one-token forward, whose
+    graph the engine compiles when a run starts: none is compiled in the middle of serving (torch.compile
+    specialises a size of 1, which used to cost a fresh compilation, about 20 s on a CPU, the first time it
+    happened)."""
 
     requests, ar_tokens, continuations = greedy_case
     forward = target.forward
 
     def spy(*args, **kwargs):  # no side effect under tracing (is_compiling() is a constant there): no guards
-        verify = kwargs.get("keep") is not None and kwargs.get("num_new") is None  # a packed prefill passes num_new
-        if verify and kwargs["num_keep"] > 1 and not torch.compiler.is_compiling():  # one kept token runs eagerly
-            raise AssertionError("the packed verify forward ran eagerly")
+        if is_step_forward(kwargs) and not torch.compiler.is_compiling():
+            raise AssertionError(f"a step's forward ran eagerly (keep={kwargs.get('keep') is not None})")
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", spy)
@@ -753,8 +759,8 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
     forward = target.forward
     eager_calls = []
 
-    def spy(*args, **kwargs):  # prefill passes num_new and runs eagerly by design; every other forward is a step
-        if kwargs.get("num_new") is None and not torch.compiler.is_compiling():
+    def spy(*args, **kwargs):
+        if is_step_forward(kwargs) and not torch.compiler.is_compiling():
             eager_calls.append(kwargs.get("num_keep"))
         return forward(*args, **kwargs)
 

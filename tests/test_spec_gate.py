@@ -74,7 +74,33 @@ def test_gate_warms_up_measures_a_plain_step_then_runs_the_faster_and_probes():
     gate.observe(16, True, 6.0, 0.04)  # acceptance went up: 150 tokens/row/s
     assert gate.should_draft(16)
     assert gate.should_draft(1)  # another bucket warms up on its own
-    assert gate.summary()["rows 9-16"] == {"drafted": 3, "skipped": 3, "spec_rate": 150.0, "plain_rate": 100.0}
+    assert gate.summary()["rows 9-16"] == {"drafted": 3, "skipped": 3, "probe_gap": 3, "spec_rate": 150.0,
+                                          "plain_rate": 100.0}
+
+
+def test_gate_backs_off_probing_while_speculation_keeps_losing_and_resets_when_it_wins():
+    gate = SpecGate(warmup=1, probe_every=2, max_probe_every=8, decay=0.0)
+
+    def run(spec_tokens: float) -> list[bool]:
+        """Steps until the gate drafts (a probe), observing plain steps at 100 tokens/s and the probe at
+        spec_tokens per 40 ms; -> the decisions."""
+        decisions = []
+        while True:
+            d = gate.should_draft(16)
+            decisions.append(d)
+            gate.observe(16, d, spec_tokens if d else 1.0, 0.04 if d else 0.01)
+            if d:
+                return decisions
+
+    gate.observe(16, True, 2.0, 0.04)  # warm-up: 50 tokens/row/s
+    assert run(2.0) == [False] * 2 + [True]  # first plain step measured, one more, then a probe at gap 2
+    assert run(2.0) == [False] * 4 + [True]  # lost: the gap doubles
+    assert run(2.0) == [False] * 8 + [True]
+    assert run(2.0) == [False] * 8 + [True]  # capped at max_probe_every
+    assert gate.summary()["rows 9-16"]["probe_gap"] == 8
+    assert run(8.0) == [False] * 8 + [True]  # this probe wins (200 tokens/row/s): draft on, gap back to 2
+    assert gate.summary()["rows 9-16"]["probe_gap"] == 2
+    assert gate.should_draft(16)
 
 
 def test_gate_margin_keeps_plain_steps_unless_speculation_clearly_wins():
@@ -87,7 +113,8 @@ def test_gate_margin_keeps_plain_steps_unless_speculation_clearly_wins():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"warmup": 0}, "warmup"), ({"decay": 1.0}, "decay"),
-                                           ({"margin": -0.1}, "margin")])
+                                           ({"margin": -0.1}, "margin"),
+                                           ({"probe_every": 8, "max_probe_every": 4}, "max_probe_every")])
 def test_gate_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpecGate(**kwargs)

@@ -225,7 +225,7 @@ class SpecEngine:
         self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
         self._packed_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._packed_verify_forward
         self._one_token_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._one_token_forward
-        self._one_token_verify_compiled = False
+        self._one_token_compiled: set[int] = set()  # batch kinds (1, 2 = larger) whose graph is compiled
         if config.compile:
             if drafter is None:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
@@ -354,13 +354,15 @@ class SpecEngine:
         self._sampling = BatchSampling.from_params([SamplingParams(seed=0)] * b, device=dev)
         self._active_rows: tuple[int, ...] = ()
         self._all_greedy = True
-        if self.config.compile and self.drafter is not None and b == 1 and not self._one_token_verify_compiled:
-            # The one-token verify graph of `_spec_step` (batch 1, no drafts), compiled here rather than the first time
-            # a step has no drafts; its output is thrown away and the cache emptied again.
+        if self.config.compile and self.drafter is not None and min(b, 2) not in self._one_token_compiled:
+            # The graph of `_spec_step`'s steps without drafts, compiled here rather than the first time a step has no
+            # drafts (mid-serving); torch.compile specialises a batch of 1, so batch 1 and larger batches get a graph
+            # each. The output is thrown away and the cache emptied again.
             with torch.inference_mode():
-                self._one_token_fn(torch.zeros(1, 1, dtype=torch.int64, device=dev), self._cache, 2)
+                self._one_token_fn(torch.zeros(b, 1, dtype=torch.int64, device=dev), self._cache, 2,
+                                   torch.ones(b, dtype=torch.int64, device=dev))
             self._cache.reset()
-            self._one_token_verify_compiled = True
+            self._one_token_compiled.add(min(b, 2))
         if self.drafter is not None:
             self.drafter.allocate(b, max_len, device=dev, slack=slack)
 
@@ -437,14 +439,18 @@ class SpecEngine:
         out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps)
         return out.logits, out.hidden
 
-    def _one_token_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int
+    def _one_token_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, num_new: Tensor
                            ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """`_verify_forward` of a batch-1 step without drafts (tokens [1, 1]). A function of its own so that under
-        compile its graph sits in a guard cache of its own: dynamo keeps one list of graphs per function and
-        checks their guards in turn on every call, and a verify call that first failed the one-token graph's
-        guards cost ~70 us more (a profile of compiled n-gram decoding: 161 us per cache lookup against 88 us for
-        a drafter that always verifies K + 1 tokens)."""
-        return self._verify_forward(tokens, cache, kv_len)
+        """A step without drafts (tokens [B, 1] = the newest committed token per row): the AR step's forward plus the
+        drafter's taps, so it costs what a plain decode step costs; the cache grows by num_new [B] (1 for active
+        rows, 0 for idle ones). A function of its own, not the verify forward at width 0 nor the packed one with one
+        kept column per row: under compile its graph sits in a guard cache of its own (dynamo keeps one list of
+        graphs per function and checks their guards in turn on every call, and a verify call that first failed the
+        one-token graph's guards cost ~70 us more: a profile of compiled n-gram decoding gave 161 us per cache lookup
+        against 88 us for a drafter that always verifies K + 1 tokens), and at batch 16 on two cores the packed
+        path's gather and scatter made a skipped step cost 1.15x a plain one (docs/design.md section 9)."""
+        out = self.target(tokens, cache=cache, num_new=num_new, kv_len=kv_len, hidden_layers=self._taps)
+        return out.logits, out.hidden
 
     def _packed_verify_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor, active: Tensor,
                                num_keep: int) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -508,22 +514,14 @@ class SpecEngine:
         drafts = proposal.tokens[:, :width]  # [B, n]
         old_len = cache.lengths.clone()  # [B]
         tokens = torch.cat([self._last[:, None], drafts], dim=1)  # [B, n+1]
-        if width == 0 and b == 1:
-            # One row and no drafts (n-gram found no match, or the gate skipped drafting): a plain one-token forward,
-            # compiled when compile is on (`_setup` compiled that graph before the run, since torch.compile
-            # specialises a width of 1) rather than the packed path's eager single-token fallback below.
-            logits, hidden = self._one_token_fn(tokens, cache, bound)
-        elif self.config.dense_verify and (num_keep < b * (width + 1) or width == 0):
-            # Ragged or idle rows: pack the kept positions. A step without drafts gets a second, never-kept column,
-            # so a compiled graph never sees a width of one token (torch.compile specialises sizes 0 and 1: that
-            # graph would be compiled in the middle of serving, the first time no row has a draft); one kept
-            # token (one active row of several, without drafts; batch 1 takes the branch above) runs eagerly for the
-            # same reason.
-            cols = tokens if width else tokens.repeat(1, 2)
-            packed = self._packed_fn if num_keep >= 2 else self._packed_verify_forward
-            logits, hidden = packed(cols, cache, bound + width, depth, self._active, num_keep)
-            if not width:
-                logits, hidden = logits[:, :1], tuple(h[:, :1] for h in hidden)
+        if width == 0:
+            # No row verifies a draft (n-gram found no match, the gate skipped drafting, the policy chose depth 0):
+            # the plain decode step's forward with the drafter's taps, compiled when compile is on (`_setup` compiled
+            # that graph before the run).
+            logits, hidden = self._one_token_fn(tokens, cache, bound, self._active_long)
+        elif self.config.dense_verify and num_keep < b * (width + 1):
+            # Ragged or idle rows: pack the kept positions (at least two, since width >= 1).
+            logits, hidden = self._packed_fn(tokens, cache, bound + width, depth, self._active, num_keep)
         else:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
         v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
