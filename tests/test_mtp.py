@@ -233,6 +233,23 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k, ba
                                 lambda seq: mtp_reference_drafts(drafter.model, target, seq, k))
 
 
+def test_a_one_row_round_as_two_calls_drafts_what_the_joined_call_drafts():
+    """`join_catch_up = False` (a one-row round's catch-up and its K depths as two calls: the other side of
+    `benchmarks/joined_calls.py`) proposes exactly the joined round's drafts, and stays lossless."""
+    target = tiny_target(heads=2, kv=1)
+    model = tiny_model(target, depths=2)
+    rng = random.Random(9)
+    reqs = [Request([rng.randrange(64) for _ in range(rng.randint(1, 12))], max_new_tokens=16, stop_ids=())
+            for _ in range(3)]
+    joined = RecordingMTP(model)
+    SpecEngine(target, joined, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
+    split = RecordingMTP(model)
+    split.join_catch_up = False
+    got = SpecEngine(target, split, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert split.proposals == joined.proposals and len(joined.proposals) > 10
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_compiled_mtp_is_lossless_and_drafts_as_eager(batch):
     """EngineConfig(compile=True): a one-row engine runs each greedy round as one graph (several cache writes and

@@ -156,6 +156,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                                with_logits=False, temperature=s.temperature)
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=p.confidences, deterministic=False)
 
+    # False: a greedy round's catch-up and its drafting pass run as two calls, as they did before the joined call
+    # (`benchmarks/joined_calls.py` measures one against the other; same drafts either way).
+    join_catch_up = True
+
     def _greedy_round(self, state: DraftState) -> Proposal:
         """Argmax drafts: the waiting commits' context append and the drafting pass as ONE call (`caught_up_step`,
         one compiled graph under `compile`: at batch 1 on a CPU a call's fixed cost is a good share of the step),
@@ -166,6 +170,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         waiting = self._pending.take()
         args = (state.last_tokens, cache, state.seq_len_bound, state.num_draft_tokens, False,
                 state.sampling.temperature)
+        if waiting is not None and not self.join_catch_up:  # two calls: the append, then the drafting pass
+            m.append_context(concat_taps(waiting[0]), cache, num_new=waiting[1])
+            waiting = None
         if waiting is None:
             tokens, _, _, conf = m.greedy_propose(*args)
         else:

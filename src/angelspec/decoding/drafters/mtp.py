@@ -63,6 +63,9 @@ class MTPDrafter(ModelConfigDrafter):
     loads (`Eagle3Drafter` only changes it)."""
 
     kind = "mtp"
+    # False: a one-row greedy round's catch-up and its K depths run as two calls, as they did before the joined call
+    # (`benchmarks/joined_calls.py` measures one against the other; same drafts either way).
+    join_catch_up = True
 
     def __init__(self, model: MTPDraftModel) -> None:
         self.model = model.eval()
@@ -137,7 +140,7 @@ class MTPDrafter(ModelConfigDrafter):
         model = self.model
         model.refresh_draft_vocab()  # outside any compiled call
         self._k, self._bound = k, state.seq_len_bound
-        if deterministic and cache.batch_size == 1 and self._pending:
+        if deterministic and cache.batch_size == 1 and self._pending and self.join_catch_up:
             # one row: the waiting commits' depth-0 entries and the round's K depths as ONE call (one graph)
             (*hidden, committed), count = self._pending.take()
             self._base = cache.lengths + count  # where this round's draft chain starts, after the catch-up
