@@ -91,6 +91,31 @@ def tiny_decoder(vocab: int = 64, layers: int = 2, heads: int = 4, kv: int = 2, 
     return model.to(torch.float64 if dtype is None else dtype).eval()
 
 
+def random_requests(vocab: int, n: int, new: int, seed: int) -> list:
+    """n greedy requests of 1..12 random prompt tokens and `new` new tokens each, without stop tokens."""
+    from angelspec.decoding.engine import Request
+
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(1, 12))], max_new_tokens=new, stop_ids=())
+            for _ in range(n)]
+
+
+def assert_two_calls_draft_as_joined(target, make_recording, reqs, k: int = 3) -> None:
+    """A batch-1 engine whose drafter runs a round's catch-up and drafting as two calls (`join_catch_up = False`,
+    the other side of `benchmarks/joined_calls.py`) proposes exactly what the joined call proposes and stays
+    lossless; `make_recording()` builds a fresh recording drafter (`RecordingMixin`) on the same model."""
+    from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
+
+    config = EngineConfig(max_batch_size=1, num_draft_tokens=k)
+    joined = make_recording()
+    SpecEngine(target, joined, config).generate(reqs)
+    split = make_recording()
+    split.join_catch_up = False
+    got = SpecEngine(target, split, config).generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert split.proposals == joined.proposals and len(joined.proposals) > 10
+
+
 class RecordingMixin:
     """Mixed in before a drafter class: remembers each row's committed sequence and every greedy proposal made
     from it (`proposals`: (committed sequence, drafts)), to recompute each proposal from scratch. Call

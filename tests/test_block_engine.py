@@ -15,7 +15,14 @@ from dataclasses import replace
 import conftest
 import pytest
 import torch
-from conftest import QUIET, RecordingMixin, check_lossless_and_recorded, tiny_decoder
+from conftest import (
+    QUIET,
+    RecordingMixin,
+    assert_two_calls_draft_as_joined,
+    check_lossless_and_recorded,
+    random_requests,
+    tiny_decoder,
+)
 from test_distributed import _torchrun, needs_gloo
 from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
     WRONG_SAMPLERS,
@@ -414,20 +421,10 @@ def test_two_processes_train_the_single_process_model(tmp_path, tiny_target_dir,
 
 @pytest.mark.parametrize("kind", ["dfly", "dfly" + FUSED])
 def test_a_greedy_round_as_two_calls_drafts_what_the_joined_call_drafts(kind):
-    """`join_catch_up = False` (the waiting commits' context append and the drafting pass as two calls: the other
-    side of `benchmarks/joined_calls.py`) proposes exactly the joined round's drafts, and stays lossless."""
+    """`join_catch_up = False`: the waiting commits' context append and the drafting pass as two calls."""
     target = tiny_target()
     model = tiny_block_drafter(target, kind)
-    rng = random.Random(5)
-    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))], max_new_tokens=20, stop_ids=())
-            for _ in range(3)]
-    joined = RecordingDrafter(model)
-    SpecEngine(target, joined, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
-    split = RecordingDrafter(model)
-    split.join_catch_up = False
-    got = SpecEngine(target, split, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
-    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
-    assert split.proposals == joined.proposals and len(joined.proposals) > 10
+    assert_two_calls_draft_as_joined(target, lambda: RecordingDrafter(model), random_requests(VOCAB, 3, 20, seed=5))
 
 
 @pytest.mark.parametrize(("kind", "batch"), [("dspark", 2), ("dfly", 2), ("dfly", 1), ("dfly" + FUSED, 1)])

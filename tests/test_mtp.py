@@ -15,8 +15,10 @@ import pytest
 import torch
 from conftest import (
     RecordingMixin,
+    assert_two_calls_draft_as_joined,
     check_lossless_and_recorded,
     mtp_reference_drafts,
+    random_requests,
     same_weights,
     train_log,
     write_conversations,
@@ -234,20 +236,10 @@ def test_greedy_spec_decoding_is_lossless_and_drafts_match_training(vocab, k, ba
 
 
 def test_a_one_row_round_as_two_calls_drafts_what_the_joined_call_drafts():
-    """`join_catch_up = False` (a one-row round's catch-up and its K depths as two calls: the other side of
-    `benchmarks/joined_calls.py`) proposes exactly the joined round's drafts, and stays lossless."""
+    """`join_catch_up = False`: a one-row round's catch-up and its K depths as two calls."""
     target = tiny_target(heads=2, kv=1)
     model = tiny_model(target, depths=2)
-    rng = random.Random(9)
-    reqs = [Request([rng.randrange(64) for _ in range(rng.randint(1, 12))], max_new_tokens=16, stop_ids=())
-            for _ in range(3)]
-    joined = RecordingMTP(model)
-    SpecEngine(target, joined, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
-    split = RecordingMTP(model)
-    split.join_catch_up = False
-    got = SpecEngine(target, split, EngineConfig(max_batch_size=1, num_draft_tokens=3)).generate(reqs)
-    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
-    assert split.proposals == joined.proposals and len(joined.proposals) > 10
+    assert_two_calls_draft_as_joined(target, lambda: RecordingMTP(model), random_requests(64, 3, 16, seed=9))
 
 
 @pytest.mark.parametrize("batch", [1, 2])
