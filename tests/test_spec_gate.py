@@ -103,6 +103,25 @@ def test_gate_backs_off_probing_while_speculation_keeps_losing_and_resets_when_i
     assert gate.should_draft(16)
 
 
+def test_gate_leaves_one_off_slow_steps_out_of_its_rates():
+    """A step that recompiled a graph takes seconds, not milliseconds: it must not become the rate of its kind."""
+    gate = SpecGate(warmup=2, decay=0.5)
+    gate.observe(16, True, 2.0, 5.0)  # the first drafted step compiled: 0.4 tokens/row/s
+    gate.observe(16, True, 2.0, 0.02)  # 100x faster than that EMA: it replaces it
+    assert gate.summary()["rows 9-16"]["spec_rate"] == 100.0
+    assert not gate.should_draft(16)  # warmed up: measure a plain step
+    gate.observe(16, False, 1.0, 3.0)  # ... which compiled too: left out (0.33 tokens/row/s would end speculation)
+    assert not gate.should_draft(16)  # no plain measurement yet: another plain step
+    gate.observe(16, False, 1.0, 0.005)  # 200 tokens/row/s
+    assert gate.summary()["rows 9-16"]["plain_rate"] == 200.0
+    for _ in range(3):  # three slow steps in a row are left out ...
+        gate.observe(16, False, 1.0, 0.5)
+    assert gate.summary()["rows 9-16"]["plain_rate"] == 200.0
+    gate.observe(16, False, 1.0, 0.5)  # ... a fourth means plain steps really are that slow now
+    assert gate.summary()["rows 9-16"]["plain_rate"] == 2.0
+    assert gate.should_draft(16)
+
+
 def test_gate_margin_keeps_plain_steps_unless_speculation_clearly_wins():
     gate = SpecGate(warmup=1, margin=0.5, decay=0.0)
     gate.observe(1, True, 1.2, 0.01)
@@ -114,7 +133,8 @@ def test_gate_margin_keeps_plain_steps_unless_speculation_clearly_wins():
 
 @pytest.mark.parametrize("kwargs, match", [({"warmup": 0}, "warmup"), ({"decay": 1.0}, "decay"),
                                            ({"margin": -0.1}, "margin"),
-                                           ({"probe_every": 8, "max_probe_every": 4}, "max_probe_every")])
+                                           ({"probe_every": 8, "max_probe_every": 4}, "max_probe_every"),
+                                           ({"outlier": 1.0}, "outlier")])
 def test_gate_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpecGate(**kwargs)
@@ -256,6 +276,11 @@ def test_waiting_commits_join_each_rows_new_entries_first_in_order():
     assert count.tolist() == [3, 1]
     assert ids[0, :3].tolist() == [10, 11, 15] and ids[1, :1].tolist() == [20]
     assert torch.equal(feats[..., 0], ids.float()) and not pending
+    # One waiting commit of one position (a gate-skipped step): padded to two columns, so that a compiled catch-up
+    # never meets a width of 1 (torch.compile specialises it: a fresh compilation mid-run); the count is unchanged.
+    pending.add((a[:, :1], a[:, :1, None].float()), torch.tensor([1, 0]))
+    (ids, feats), count = pending.take()
+    assert ids.tolist() == [[10, 0], [20, 0]] and feats.shape == (2, 2, 1) and count.tolist() == [1, 0]
 
 
 def test_at_t1_a_gate_that_never_drafts_samples_exactly_what_plain_decoding_samples():

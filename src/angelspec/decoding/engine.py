@@ -357,7 +357,11 @@ class SpecEngine:
         if self.config.compile and self.drafter is not None and min(b, 2) not in self._one_token_compiled:
             # The graph of `_spec_step`'s steps without drafts, compiled here rather than the first time a step has no
             # drafts (mid-serving); torch.compile specialises a batch of 1, so batch 1 and larger batches get a graph
-            # each. The output is thrown away and the cache emptied again.
+            # each. The output is thrown away and the cache emptied again. The target's RoPE table is built first,
+            # eagerly: a graph traced before it existed guards on its absence and was compiled again at the first real
+            # step without drafts (at batch 1 under the gate that step's seconds then included the compilation, and
+            # the gate took plain steps to be ~1000x slower than they are).
+            self.target.rope_table(self._cache.capacity, dev)
             with torch.inference_mode():
                 self._one_token_fn(torch.zeros(b, 1, dtype=torch.int64, device=dev), self._cache, 2,
                                    torch.ones(b, dtype=torch.int64, device=dev))

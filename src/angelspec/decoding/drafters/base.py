@@ -247,7 +247,8 @@ class PendingCommits:
 
     Each commit adds per-row tensors [B, T_j, ...] (time on dim 1) whose first `count_j[b]` entries are new (the
     rest: rejected drafts or idle rows). `take` returns them joined: [B, ΣT_j, ...] with each row's new entries
-    first, in commit order, then padding, and the total counts [B]; one commit comes back as it was added."""
+    first, in commit order, then padding, and the total counts [B]; one commit comes back as it was added (padded to
+    two columns when it has one: `take`)."""
 
     def __init__(self) -> None:
         self._items: list[tuple[tuple[Tensor, ...], Tensor]] = []
@@ -263,10 +264,18 @@ class PendingCommits:
         self._items.clear()
 
     def take(self) -> tuple[tuple[Tensor, ...], Tensor] | None:
-        """Every waiting commit, joined (class docstring), and forget them; None when nothing waits."""
+        """Every waiting commit, joined (class docstring), and forget them; None when nothing waits. A width of one
+        comes back padded to two (a placeholder column, counts unchanged): torch.compile specialises a size of 1, so
+        a catch-up of one position (one gate-skipped step, or a step that verified no draft) would otherwise compile
+        a graph of its own the first time it happens, in the middle of a run (seconds, at batch 1)."""
         items, self._items = self._items, []
-        if len(items) <= 1:
-            return items[0] if items else None
+        if not items:
+            return None
+        if len(items) == 1:
+            tensors, count = items[0]
+            if tensors[0].shape[1] == 1:
+                tensors = tuple(torch.cat([t, torch.zeros_like(t)], dim=1) for t in tensors)
+            return tensors, count
         counts = torch.stack([c for _, c in items], dim=1)  # [B, J]
         dev = counts.device
         valid = torch.cat([torch.arange(t[0].shape[1], device=dev)[None, :] < c[:, None] for t, c in items],

@@ -17,6 +17,13 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
                 skipped in a row (a drafted probe keeps rate_spec current: acceptance changes with the prompts, so
                 the EMAs weigh the newest step by half: with a slower EMA the gate kept skipping on the demo's
                 maths prompts, where DFly wins, after learning on its code prompts, where it loses).
+    outliers    a step more than `outlier` (10) times slower than its kind's EMA of step seconds is left out of the
+                EMAs (up to three in a row), and one more than 10 times faster replaces them: a compiled engine
+                recompiles a graph mid-run now and then (a new shape), and such a step takes seconds where its kind
+                takes milliseconds. Taken as a measurement, one of them made the gate believe plain steps (or
+                drafted ones) ~1000x slower than they are, and it then kept the wrong kind of step for the rest of
+                the run (compiled EAGLE-3 at batch 1 with the gate: 0.25x of AR on the maths prompts). A bucket
+                measures plain steps until one of them counts.
     probe gap   `probe_every` at first; doubled (up to `max_probe_every`) by each probe after which speculation
                 still loses, back to `probe_every` when speculation wins. Where drafting never pays (a batch of 16
                 on two cores, where a drafted step costs about twice a plain one) a fixed gap of 8 made every
@@ -43,9 +50,19 @@ def batch_bucket(num_active: int) -> int:
 
 
 @dataclass
+class _Kind:
+    """The measurements of one kind of step (drafted or skipped) in one bucket."""
+
+    rate: float = 0.0  # EMA of committed tokens per row per second
+    seconds: float = 0.0  # EMA of the step's seconds (what outliers are judged against)
+    samples: int = 0  # steps measured into the EMAs
+    outliers: int = 0  # slow outliers in a row, left out of the EMAs
+
+
+@dataclass
 class _Bucket:
-    spec_rate: float = 0.0  # EMA of committed tokens per row per second, drafted steps
-    plain_rate: float = 0.0  # EMA of tokens per row per second (= 1 / seconds), skipped steps
+    spec: _Kind = field(default_factory=_Kind)  # drafted steps
+    plain: _Kind = field(default_factory=_Kind)  # skipped steps
     drafted: int = 0
     skipped: int = 0
     skip_run: int = 0  # skipped steps since the last drafted one
@@ -65,6 +82,7 @@ class SpecGate:
     max_probe_every: int = 64
     margin: float = 0.0
     decay: float = 0.5
+    outlier: float = 10.0  # a step this many times slower than its kind's EMA is not a measurement of it
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +95,8 @@ class SpecGate:
             raise ValueError(f"SpecGate.decay must lie in [0, 1), got {self.decay}")
         if self.margin < 0.0:
             raise ValueError(f"SpecGate.margin must be >= 0, got {self.margin}")
+        if self.outlier <= 1.0:
+            raise ValueError(f"SpecGate.outlier must be > 1, got {self.outlier}")
 
     def reset(self) -> None:
         """Forget every measurement (a new machine load, another drafter)."""
@@ -87,8 +107,8 @@ class SpecGate:
         b.probing = False
         if b.drafted < self.warmup:
             return True
-        if b.skipped == 0:
-            return False  # measure a plain step once
+        if b.plain.samples == 0:
+            return False  # measure a plain step (again, if the first one was an outlier)
         if self._spec_wins(b):
             return True
         b.probing = b.skip_run >= b.gap
@@ -100,7 +120,23 @@ class SpecGate:
         return b
 
     def _spec_wins(self, b: _Bucket) -> bool:
-        return b.spec_rate > (1.0 + self.margin) * b.plain_rate
+        return b.spec.rate > (1.0 + self.margin) * b.plain.rate
+
+    def _measure(self, k: _Kind, other: _Kind, rate: float, seconds: float) -> None:
+        """Fold one step into its kind's EMAs, robust to one-off slow steps: a step more than `outlier` times slower
+        than the EMA (a torch.compile recompilation mid-run takes seconds against milliseconds; for a kind's first
+        step, than the other kind's EMA) is left out, up to three in a row (then the kind really got slower: start
+        again from it); and a step more than `outlier` times faster than the EMA replaces it (the earlier samples were
+        such outliers, e.g. a first drafted step that compiled)."""
+        ref = k.seconds if k.samples else other.seconds if other.samples else 0.0
+        if ref and seconds > self.outlier * ref and k.outliers < 3:
+            k.outliers += 1
+            return
+        fresh = k.samples == 0 or k.outliers >= 3 or seconds * self.outlier < k.seconds
+        k.rate = rate if fresh else self.decay * k.rate + (1 - self.decay) * rate
+        k.seconds = seconds if fresh else self.decay * k.seconds + (1 - self.decay) * seconds
+        k.samples += 1
+        k.outliers = 0
 
     def observe(self, num_active: int, drafted: bool, tokens_per_row: float, seconds: float) -> None:
         """Record one step: whether it drafted, the mean committed tokens per active row, and its seconds."""
@@ -108,8 +144,8 @@ class SpecGate:
             return
         b = self._bucket(num_active)
         rate = tokens_per_row / seconds
+        self._measure(*((b.spec, b.plain) if drafted else (b.plain, b.spec)), rate, seconds)
         if drafted:
-            b.spec_rate = rate if b.drafted == 0 else self.decay * b.spec_rate + (1 - self.decay) * rate
             b.drafted += 1
             b.skip_run = 0
             if b.probing:  # a lost probe waits twice as long for the next; a won one resets the wait
@@ -118,7 +154,6 @@ class SpecGate:
                 b.gap = self.probe_every
             b.probing = False
         else:
-            b.plain_rate = rate if b.skipped == 0 else self.decay * b.plain_rate + (1 - self.decay) * rate
             b.skipped += 1
             b.skip_run += 1
 
@@ -129,5 +164,5 @@ class SpecGate:
             b = self._buckets[k]
             lo, hi = (1, 1) if k == 0 else (2 ** (k - 1) + 1, 2 ** k)
             out[f"rows {lo}-{hi}"] = {"drafted": b.drafted, "skipped": b.skipped, "probe_gap": b.gap,
-                                      "spec_rate": round(b.spec_rate, 2), "plain_rate": round(b.plain_rate, 2)}
+                                      "spec_rate": round(b.spec.rate, 2), "plain_rate": round(b.plain.rate, 2)}
         return out
