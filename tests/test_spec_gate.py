@@ -101,6 +101,9 @@ def test_gate_backs_off_probing_while_speculation_keeps_losing_and_resets_when_i
     assert run(8.0) == [False] * 8 + [True]  # this probe wins (200 tokens/row/s): draft on, gap back to 2
     assert gate.summary()["rows 9-16"]["probe_gap"] == 2
     assert gate.should_draft(16)
+    gate.observe(16, True, 3.6, 0.04)  # 90 tokens/row/s: speculation loses, but by less than backoff_below
+    assert run(3.6) == [False] * 2 + [True]
+    assert run(3.6) == [False] * 2 + [True]  # near-even losses keep the gap
 
 
 def test_gate_leaves_one_off_slow_steps_out_of_its_rates():

@@ -25,7 +25,10 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
                 the run (compiled EAGLE-3 at batch 1 with the gate: 0.25x of AR on the maths prompts). A bucket
                 measures plain steps until one of them counts.
     probe gap   `probe_every` at first; doubled (up to `max_probe_every`) by each probe after which speculation
-                still loses, back to `probe_every` when speculation wins. Where drafting never pays (a batch of 16
+                still runs below `backoff_below` (0.75) of the plain rate, back to `probe_every` when speculation wins.
+                A near-even loss keeps the gap: a probe also pays the drafter's catch-up on every skipped step, which
+                grows with the gap, so at batch 1, where a drafter and AR are about even, doubling on any loss made
+                probes ever dearer and the gate skip ever more (the demo's DFly + D-cut + gate went 1.10x -> 0.96x). Where drafting never pays (a batch of 16
                 on two cores, where a drafted step costs about twice a plain one) a fixed gap of 8 made every
                 ninth step a slow one, ~12% of the throughput; the doubling brings that to a few per cent
                 within a few probes, while a bucket where speculation wins keeps probing at the short gap.
@@ -83,6 +86,7 @@ class SpecGate:
     margin: float = 0.0
     decay: float = 0.5
     outlier: float = 10.0  # a step this many times slower than its kind's EMA is not a measurement of it
+    backoff_below: float = 0.75  # a probe doubles the gap only if speculation runs below this share of plain steps
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -148,8 +152,11 @@ class SpecGate:
         if drafted:
             b.drafted += 1
             b.skip_run = 0
-            if b.probing:  # a lost probe waits twice as long for the next; a won one resets the wait
-                b.gap = self.probe_every if self._spec_wins(b) else min(2 * b.gap, self.max_probe_every)
+            if b.probing:  # a clearly lost probe waits twice as long for the next; a won one resets the wait
+                if self._spec_wins(b):
+                    b.gap = self.probe_every
+                elif b.spec.rate < self.backoff_below * b.plain.rate:
+                    b.gap = min(2 * b.gap, self.max_probe_every)
             elif self._spec_wins(b):
                 b.gap = self.probe_every
             b.probing = False
