@@ -27,11 +27,11 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
     probe gap   `probe_every` at first; doubled (up to `max_probe_every`) by each probe after which speculation
                 still runs below `backoff_below` (0.75) of the plain rate, back to `probe_every` when speculation wins.
                 A near-even loss keeps the gap: a probe also pays the drafter's catch-up on every skipped step, which
-                grows with the gap, so at batch 1, where a drafter and AR are about even, doubling on any loss made
-                probes ever dearer and the gate skip ever more (the demo's DFly + D-cut + gate went 1.10x -> 0.96x). Where drafting never pays (a batch of 16
-                on two cores, where a drafted step costs about twice a plain one) a fixed gap of 8 made every
-                ninth step a slow one, ~12% of the throughput; the doubling brings that to a few per cent
-                within a few probes, while a bucket where speculation wins keeps probing at the short gap.
+                grows with the gap, so where a drafter and AR are about even (batch 1), doubling on any loss would
+                make probes ever dearer and the gate skip ever more. Where drafting never pays (a batch of 16 on two
+                cores, where a drafted step costs about twice a plain one) a fixed gap of 8 made every ninth step a
+                slow one, ~12% of the throughput; the doubling brings that to a few per cent within a few probes,
+                while a bucket where speculation wins keeps probing at the short gap.
 
 Exactness: the decision reads only what earlier steps measured (timings and committed counts), never this
 step's drafts or randomness, so every step is still an exact sampler of its tokens (T = 0: identical to AR; T > 0:
