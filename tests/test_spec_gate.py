@@ -106,6 +106,20 @@ def test_gate_backs_off_probing_while_speculation_keeps_losing_and_resets_when_i
     assert run(3.6) == [False] * 2 + [True]  # near-even losses keep the gap
 
 
+def test_the_default_gate_probes_at_a_fixed_gap():
+    """Backoff is opt-in (max_probe_every): a probe pays the catch-up of every skipped step, so it understates
+    speculation, and doubling the gap made batch-1 decoding skip where drafting wins."""
+    gate = SpecGate(warmup=1, decay=0.0)
+    gate.observe(1, True, 2.0, 0.04)
+    for _ in range(3):
+        decisions = []
+        while not decisions or not decisions[-1]:
+            decisions.append(gate.should_draft(1))
+            gate.observe(1, decisions[-1], 2.0 if decisions[-1] else 1.0, 0.04 if decisions[-1] else 0.01)
+        assert decisions.count(False) in (8, 9)  # the first round also measures its first plain step
+    assert gate.summary()["rows 1-1"]["probe_gap"] == 8
+
+
 def test_gate_leaves_one_off_slow_steps_out_of_its_rates():
     """A step that recompiled a graph takes seconds, not milliseconds: it must not become the rate of its kind."""
     gate = SpecGate(warmup=2, decay=0.5)

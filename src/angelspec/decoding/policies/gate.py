@@ -24,14 +24,13 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
                 drafted ones) ~1000x slower than they are, and it then kept the wrong kind of step for the rest of
                 the run (compiled EAGLE-3 at batch 1 with the gate: 0.25x of AR on the maths prompts). A bucket
                 measures plain steps until one of them counts.
-    probe gap   `probe_every` at first; doubled (up to `max_probe_every`) by each probe after which speculation
-                still runs below `backoff_below` (0.75) of the plain rate, back to `probe_every` when speculation wins.
-                A near-even loss keeps the gap: a probe also pays the drafter's catch-up on every skipped step, which
-                grows with the gap, so where a drafter and AR are about even (batch 1), doubling on any loss would
-                make probes ever dearer and the gate skip ever more. Where drafting never pays (a batch of 16 on two
-                cores, where a drafted step costs about twice a plain one) a fixed gap of 8 made every ninth step a
-                slow one, ~12% of the throughput; the doubling brings that to a few per cent within a few probes,
-                while a bucket where speculation wins keeps probing at the short gap.
+    probe gap   `probe_every`; with `max_probe_every` set (off by default), doubled up to it by each probe after
+                which speculation still runs below `backoff_below` (0.75) of the plain rate, back to `probe_every`
+                when speculation wins. Meant for where drafting never pays (a batch of 16 on two cores: a fixed gap of
+                8 makes every ninth step a slow drafted one), but off by default: a probe also pays the drafter's
+                catch-up on every skipped step, which grows with the gap, so a probe's rate understates speculation.
+                At batch 1 (shipped DFly, K = 7, eager, 6 prompts a domain) backoff to 64 took maths from 1.26x to
+                1.00x of AR and code from 1.08x to 0.91x, while at C = 16 its gain was within the run-to-run noise.
 
 Exactness: the decision reads only what earlier steps measured (timings and committed counts), never this
 step's drafts or randomness, so every step is still an exact sampler of its tokens (T = 0: identical to AR; T > 0:
@@ -82,7 +81,7 @@ class SpecGate:
 
     warmup: int = 4
     probe_every: int = 8
-    max_probe_every: int = 64
+    max_probe_every: int | None = None  # None: probe_every (no backoff, the default: see the module docstring)
     margin: float = 0.0
     decay: float = 0.5
     outlier: float = 10.0  # a step this many times slower than its kind's EMA is not a measurement of it
@@ -92,7 +91,7 @@ class SpecGate:
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.probe_every < 1:
             raise ValueError(f"SpecGate needs warmup >= 1 and probe_every >= 1, got {self.warmup}, {self.probe_every}")
-        if self.max_probe_every < self.probe_every:
+        if self.max_probe_every is not None and self.max_probe_every < self.probe_every:
             raise ValueError(f"SpecGate.max_probe_every ({self.max_probe_every}) must be >= probe_every "
                              f"({self.probe_every})")
         if not 0.0 <= self.decay < 1.0:
@@ -156,7 +155,7 @@ class SpecGate:
                 if self._spec_wins(b):
                     b.gap = self.probe_every
                 elif b.spec.rate < self.backoff_below * b.plain.rate:
-                    b.gap = min(2 * b.gap, self.max_probe_every)
+                    b.gap = min(2 * b.gap, self.max_probe_every or self.probe_every)
             elif self._spec_wins(b):
                 b.gap = self.probe_every
             b.probing = False
