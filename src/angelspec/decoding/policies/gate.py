@@ -76,8 +76,8 @@ class _Bucket:
 class SpecGate:
     """Online draft/skip decision (module docstring). warmup: drafted steps per bucket before it may skip;
     probe_every: a drafted probe after this many skipped steps in a row; max_probe_every (None: no backoff, the
-    default): doubled up to it after each probe that loses by more than backoff_below; margin: required relative advantage of speculation; decay: EMA weight of the history (0 = only
-    the newest step)."""
+    default): the gap doubles up to it after each probe that loses by more than backoff_below; margin: required
+    relative advantage of speculation; decay: EMA weight of the history (0 = only the newest step)."""
 
     warmup: int = 4
     probe_every: int = 8
