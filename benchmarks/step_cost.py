@@ -11,10 +11,12 @@ and depth K, and the step is split into phases:
     commit    rollback, host read of the committed tokens, bookkeeping (engine side)
     drafter   propose + on_commit (≈ 0 for the oracle; the same split applies to a real drafter)
 
-Printed per (B, K): the oracle's speed-up over AR, its efficiency (speed-up / MAL: 1.0 would mean a step of
-K + 1 verified tokens costs exactly one AR step), the reject twin's step time over AR's step time (the pure
-overhead of a speculative step that gains nothing), and the phase split in ms per step. Two more columns say
-what bounds the speed-up on the machine at hand:
+Printed per batch size first: what a step without drafts costs over an AR step ("skip/AR": the engine's speculative
+step with the speculation gate skipping every round, as it does where drafting does not pay; 1.0 means a skipped
+step costs exactly a plain decode step). Then per (B, K): the oracle's speed-up over AR, its efficiency (speed-up /
+MAL: 1.0 would mean a step of K + 1 verified tokens costs exactly one AR step), the reject twin's step time over AR's
+step time (the pure overhead of a speculative step that gains nothing), and the phase split in ms per step. Two more
+columns say what bounds the speed-up on the machine at hand:
 
     ceiling   the oracle's speed-up if a step cost nothing but its target forward: AR's wall time over
               (the oracle run's prefill + its steps x its measured forward per step). Engine work (verify,
@@ -43,9 +45,17 @@ from angelspec.data.prompts import load_prompts
 from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer
+from angelspec.decoding.policies.gate import SpecGate
 from angelspec.decoding.sampling import SamplingParams
 
 PHASES = ("forward", "verify", "policy", "commit", "drafter")
+
+
+class NeverDraft(SpecGate):
+    """The speculation gate, skipping drafting on every step (a round of 0 drafts)."""
+
+    def should_draft(self, num_active: int) -> bool:
+        return False
 
 
 class PhaseClock:
@@ -82,12 +92,15 @@ class PhaseClock:
                 "drafter": self.seconds["drafter"]}
 
 
-def run(target, prompts, k, batch_size, drafter, sampling, compile_, policy=None, repeats=2):
-    """Best-of-`repeats` run (after a warm-up): (tokens/s, steps, MAL, phase seconds per step, outputs)."""
+def run(target, prompts, k, batch_size, drafter, sampling, compile_, policy=None, repeats=2, skip_all=False):
+    """Best-of-`repeats` run (after a warm-up): (tokens/s, steps, MAL, phase seconds per step, outputs).
+    skip_all: the speculation gate skips drafting on every step."""
     best = None
     for rep in range(repeats + 1):
         engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=batch_size, num_draft_tokens=k,
-                                                          compile=compile_), depth_policy=policy)
+                                                          compile=compile_, spec_gate=skip_all), depth_policy=policy)
+        if skip_all:
+            engine.gate = NeverDraft()
         clock = PhaseClock(engine) if drafter is not None else None
         reqs = [Request(p, max_new_tokens=NEW_TOKENS, sampling=sampling(i)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
@@ -147,7 +160,7 @@ def main() -> None:
     vocab = target.config.vocab_size
 
     policy_obj = None
-    results = []
+    results, skipped = [], []
     print(f"target {target_dir}, {len(prompts)} prompts x {NEW_TOKENS} new tokens, T={args.temperature:g}, "
           f"policy {args.policy}, {'compiled' if args.compile else 'eager'}, {args.threads} thread(s)\n")
     head = (f"{'B':>3}{'K':>3}{'AR ms/step':>11}{'oracle x':>9}{'MAL':>6}{'eff':>6}{'reject/AR':>10}  "
@@ -156,6 +169,15 @@ def main() -> None:
     print(head)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         ar = run(target, prompts, 1, b, None, sampling, args.compile, repeats=args.repeats)
+        skip = run(target, prompts, 4, b, OracleDrafter(table), sampling, args.compile, repeats=args.repeats,
+                   skip_all=True)
+        if greedy:
+            assert skip["outputs"] == ar["outputs"], "gate-skipped output differs from AR"
+        skipped.append({"batch_size": b, "skip_step_over_ar_step": skip["ms_per_step"] / ar["ms_per_step"],
+                        "skip_split_ms": skip["split_ms"], "ar_split_ms": ar["split_ms"]})
+        print(f"{b:>3}  skip/AR {skip['ms_per_step'] / ar['ms_per_step']:.2f}x  (AR {ar['ms_per_step']:.3f}, "
+              f"skipped {skip['ms_per_step']:.3f} ms/step: "
+              + ", ".join(f"{p} {v:.3f}" for p, v in skip["split_ms"].items()) + ")")
         for k in [int(x) for x in args.ks.split(",")]:
             if args.policy != "full":
                 from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
@@ -185,7 +207,8 @@ def main() -> None:
                   f"{100 * row['oracle_prefill_share']:>7.0f}%  "
                   + "  ".join(f"{acc['split_ms'].get(p, 0.0):>8.3f}" for p in PHASES))
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
+        report = {"settings": vars(args), "results": results, "skipped": skipped}
+        Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.json}")
 
 
