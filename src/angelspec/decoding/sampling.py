@@ -412,7 +412,14 @@ def verify_greedy(draft_tokens: Tensor, target: Tensor, depth: Tensor | None = N
     """
     b, k = _check_drafts(draft_tokens)
     _check_shape("target", target, "B, K+1, V", (b, k + 1, None))
-    depth = _resolve_depth(depth, b, k, draft_tokens.device)
+    return greedy_accept(draft_tokens, target, _resolve_depth(depth, b, k, draft_tokens.device))
+
+
+def greedy_accept(draft_tokens: Tensor, target: Tensor, depth: Tensor) -> VerifyOutput:
+    """`verify_greedy` without its argument checks, for a caller that built the arguments itself: draft_tokens
+    [B, K] int, target [B, K+1, V], depth [B] int64 already in [0, K]. Only tensor ops, so it traces into one
+    compiled graph with the verify forward that produced `target` (the engine's greedy verify step)."""
+    k = draft_tokens.shape[1]
     best = greedy_argmax(target)  # [B, K+1]
     num_accepted = _accepted_prefix(draft_tokens == best[:, :k], depth)
     final = best.gather(1, num_accepted[:, None])[:, 0]  # [B]
