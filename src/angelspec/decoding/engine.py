@@ -73,7 +73,7 @@ from angelspec.decoding.sampling import (
     verify_greedy,
     verify_speculative,
 )
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import Decoder, DecoderOutput
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.linear import transpose_weights
 
@@ -226,6 +226,8 @@ class SpecEngine:
         self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
         self._greedy_verify_fn: Callable[..., tuple[Tensor, Tensor, tuple[Tensor, ...]]] = self._greedy_verify_forward
         self._packed_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._packed_verify_forward
+        self._greedy_packed_fn: Callable[..., tuple[Tensor, Tensor, tuple[Tensor, ...]]] = (
+            self._greedy_packed_verify_forward)
         self._one_token_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._one_token_forward
         self._one_token_compiled: set[int] = set()  # batch kinds (1, 2 = larger) whose graph is compiled
         if config.compile:
@@ -235,6 +237,7 @@ class SpecEngine:
                 self._verify_fn = try_compile(self._verify_forward, "verify forward")
                 self._greedy_verify_fn = try_compile(self._greedy_verify_forward, "greedy verify step")
                 self._packed_fn = try_compile(self._packed_verify_forward, "packed verify forward")
+                self._greedy_packed_fn = try_compile(self._greedy_packed_verify_forward, "packed greedy verify step")
                 self._one_token_fn = try_compile(self._one_token_forward, "one-token verify forward")
                 drafter.ensure_compiled()
 
@@ -474,9 +477,21 @@ class SpecEngine:
         """`_verify_forward` over only the positions a row verifies (its first depth + 1, none for idle rows),
         packed densely (`Decoder.forward(keep=...)`); num_keep = their host-side count. Logits and taps of the
         other positions come back as zeros; the cache grows by n+1 per row (roll back to the kept length)."""
-        keep = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= depth[:, None]) & active[:, None]
-        out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps, keep=keep, num_keep=num_keep)
+        out = self._packed_target(tokens, cache, kv_len, depth, active, num_keep)
         return out.logits, out.hidden
+
+    def _greedy_packed_verify_forward(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor,
+                                      active: Tensor, num_keep: int) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """`_packed_verify_forward` and greedy acceptance in one call, as `_greedy_verify_forward` is for the dense
+        forward (positions past a row's depth are never compared, so their zero logits do not matter)."""
+        out = self._packed_target(tokens, cache, kv_len, depth, active, num_keep)
+        v = greedy_accept(tokens[:, 1:], out.logits, depth)
+        return v.tokens, v.num_accepted, out.hidden
+
+    def _packed_target(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor, active: Tensor,
+                       num_keep: int) -> DecoderOutput:
+        keep = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= depth[:, None]) & active[:, None]
+        return self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps, keep=keep, num_keep=num_keep)
 
     def _ar_step(self) -> None:
         t0 = time.perf_counter()
@@ -544,11 +559,18 @@ class SpecEngine:
             old_len = None
         else:
             old_len = cache.lengths.clone()  # [B]
+            # Greedy steps verify inside the forward's call (one compiled graph); v: tokens [B, n+1], accepted [B].
+            greedy = protocol == "greedy"
             if self.config.dense_verify and num_keep < b * (width + 1):
                 # Ragged or idle rows: pack the kept positions (at least two, since width >= 1).
-                logits, hidden = self._packed_fn(tokens, cache, bound + width, depth, self._active, num_keep)
-                v = self._verify(protocol, drafts, proposal, logits, depth, width)  # tokens [B, n+1], accepted [B]
-            elif protocol == "greedy":
+                fwd_args = (tokens, cache, bound + width, depth, self._active, num_keep)
+                if greedy:
+                    v_tokens, v_accepted, hidden = self._greedy_packed_fn(*fwd_args)
+                    v = VerifyOutput(v_tokens, v_accepted)
+                else:
+                    logits, hidden = self._packed_fn(*fwd_args)
+                    v = self._verify(protocol, drafts, proposal, logits, depth, width)
+            elif greedy:
                 v_tokens, v_accepted, hidden = self._greedy_verify_fn(tokens, cache, bound + width, depth)
                 v = VerifyOutput(v_tokens, v_accepted)
             else:
