@@ -320,3 +320,17 @@ def test_merged_metrics_keep_the_skipped_steps():
     a, b = DecodeMetrics(num_draft_tokens=3), DecodeMetrics(num_draft_tokens=3)
     a.skipped_steps, b.skipped_steps = 2, 5
     assert merge_metrics([a, b]).skipped_steps == 7
+
+
+def test_skipped_steps_in_a_mixed_batch_sample_what_plain_decoding_samples():
+    """Greedy rows beside sampled rows with top-k and top-p (the "deterministic" protocol, not greedy): a step without
+    drafts chooses each row's token as the AR step does, with the same noise key, so with the same seeds the
+    outputs equal plain decoding's token for token."""
+    target = tiny_decoder(64, layers=2, heads=2, kv=1, std=0.1)
+    kinds = [SamplingParams(), SamplingParams(temperature=0.7, top_k=20, seed=7),
+             SamplingParams(temperature=1.2, top_p=0.9, seed=8)]
+    reqs = requests(64, 9, 20, seed=4, sampling=lambda i: kinds[i % 3])
+    plain = SpecEngine(target, config=EngineConfig(max_batch_size=3)).generate(reqs)
+    engine = gated_engine(target, perfect_draft_lm(target), ScriptedGate([False]), max_batch_size=3)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in plain]
+    assert engine.metrics.skipped_steps == engine.metrics.steps > 0

@@ -549,13 +549,12 @@ class SpecEngine:
             # No row verifies a draft (n-gram found no match, the gate skipped drafting, the policy chose depth 0):
             # the plain decode step's forward with the drafter's taps, compiled when compile is on (`_setup` compiled
             # that graph before the run). It grows each active row's cache by exactly one token, so nothing is rolled
-            # back; at T=0 the token is the AR step's argmax, without the verification sampler's checks and
-            # prefix scan over zero drafts (0.17 against 0.035 ms a step at batch 1, docs/design.md section 9).
+            # back; the token is chosen as an AR step chooses it (the same noise key as verifying zero drafts: the
+            # target stream at the row's position), without the verification sampler's checks and scans over zero
+            # drafts (0.17 against 0.035 ms a step at batch 1, T=0, docs/design.md section 9).
             logits, hidden = self._one_token_fn(tokens, cache, bound, self._active_long)
-            if protocol == "greedy":
-                v = VerifyOutput(greedy_argmax(logits), torch.zeros_like(self._seq_lens))
-            else:
-                v = self._verify(protocol, drafts, proposal, logits, depth, width)
+            chosen = self._choose(logits[:, 0], self._sampling, self._seq_lens, protocol == "greedy")  # [B]
+            v = VerifyOutput(chosen[:, None], torch.zeros_like(self._seq_lens))
             old_len = None
         else:
             old_len = cache.lengths.clone()  # [B]
