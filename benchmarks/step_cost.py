@@ -6,7 +6,8 @@ position (MAL = 1). Both run through the real engine beside plain AR decoding in
 and depth K, and the step is split into phases:
 
     forward   the target's verify forward over K + 1 tokens per row
-    verify    the verification sampler (greedy / speculative / deterministic acceptance)
+    verify    the verification sampler (speculative / deterministic acceptance); at T=0 the greedy acceptance runs
+              inside the forward's call (one compiled graph), so it counts in "forward" and this reads 0
     policy    the depth policy and the verify-width read
     commit    rollback, host read of the committed tokens, bookkeeping (engine side)
     drafter   propose + on_commit (≈ 0 for the oracle; the same split applies to a real drafter)
@@ -62,7 +63,8 @@ class PhaseClock:
     """Splits an engine's step phases further with host timers around the verification sampler (`_verify`) and
     the drafter's `propose` / `on_commit`. The engine's own "verify" phase is the target forward plus the
     sampler, so forward = verify - sampler (it also holds two small tensor ops: the token concat and a length
-    copy). On CPU every op is synchronous, so host time is compute time."""
+    copy; at T=0 also the greedy acceptance, which runs inside the forward's call and never calls `_verify`). On
+    CPU every op is synchronous, so host time is compute time."""
 
     def __init__(self, engine: SpecEngine) -> None:
         self.seconds = {"verify": 0.0, "drafter": 0.0}
