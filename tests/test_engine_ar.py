@@ -215,3 +215,26 @@ def test_ragged_prefill_runs_no_padding_and_equals_each_prompt_alone(target, all
             torch.testing.assert_close(cache.v[layer][r, :, : len(p)], alone_cache.v[layer][0, :, : len(p)],
                                        rtol=1e-10, atol=1e-10)
         assert int(cache.lengths[r]) == len(p)
+
+
+def test_the_sort_free_sampling_path_runs_only_when_no_active_sampled_row_filters(target, monkeypatch):
+    """`process_logits(filtering=False)` promises that no sampled row has top-k or top-p on; the engine keeps
+    `BatchSampling.filtering` in step with the rows that join and leave, and takes the sort-free path whenever it
+    may (outputs equal the single-row loop, which always sorts)."""
+    import angelspec.decoding.engine as engine_module
+
+    seen = []
+    real = engine_module.process_logits
+
+    def spy(logits, temperature, top_k, top_p, *, filtering=True):
+        sampled = temperature >= 1e-5
+        filters = bool((sampled & ((top_k > 0) | (top_p < 1))).any())
+        assert filtering or not filters, "the sort-free path ran for a row that filters"
+        seen.append(filtering)
+        return real(logits, temperature, top_k, top_p, filtering=filtering)
+
+    monkeypatch.setattr(engine_module, "process_logits", spy)
+    requests = random_requests(18, seed=5, sampled_every=1, max_new=12)  # every row sampled; a third filter
+    out = SpecEngine(target, config=EngineConfig(max_batch_size=2)).generate(requests)
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference_generate(target, requests)]
+    assert True in seen and False in seen

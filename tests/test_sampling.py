@@ -135,6 +135,29 @@ def test_process_logits_matches_reference(k: int | None) -> None:
     torch.testing.assert_close(fast.sum(-1), torch.ones(shape[:-1]))
 
 
+@pytest.mark.parametrize("k", [None, 3])
+def test_process_logits_without_filters_skips_the_sort_and_returns_the_same_probs(k: int | None) -> None:
+    """filtering=False (no sampled row has top-k or top-p on) is the sort-free path: bitwise the full path's
+    result, for greedy rows (ties, NaN-free), every temperature and masked vocabulary entries; greedy rows may
+    keep any top-k / top-p, which never applies to them."""
+    gen = torch.Generator().manual_seed(2)
+    b, v = 40, 12
+    shape = (b, v) if k is None else (b, k, v)
+    logits = (torch.randn(*shape, generator=gen) * 2).round(decimals=1)  # rounded: ties occur
+    logits[::5, ..., 4] = -math.inf
+    temperature = torch.tensor([0.0, 1e-6, 0.3, 1.0, 2.5])[torch.randint(5, (b,), generator=gen)]
+    greedy = temperature < S.GREEDY_TEMPERATURE_EPS
+    top_k = torch.where(greedy, 3, 0)
+    top_p = torch.where(greedy, 0.5, 1.0)
+    fast = process_logits(logits, temperature, top_k, top_p, filtering=False)
+    assert torch.equal(fast, process_logits(logits, temperature, top_k, top_p))
+    batch = BatchSampling.from_params([SamplingParams(temperature=1.0), SamplingParams(top_k=5),
+                                       SamplingParams(temperature=0.5, top_p=1.0)])
+    assert not batch.filtering and not batch.to("cpu").filtering
+    for filt in (SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.7, top_p=0.9)):
+        assert BatchSampling.from_params([SamplingParams(temperature=1.0), filt]).filtering
+
+
 def _process_one(logits: list[float], t: float = 1.0, k: int = 0, p: float = 1.0) -> list[float]:
     out = process_logits(torch.tensor([logits]), torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))
     return out[0].tolist()

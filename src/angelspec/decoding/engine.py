@@ -426,6 +426,11 @@ class SpecEngine:
         self._active_rows = tuple(r for r, s in enumerate(self._slots) if s is not None and s.finish is None)
         self._all_greedy = all(self._slots[r].request.sampling.is_greedy  # type: ignore[union-attr]
                                for r in self._active_rows)
+        # `process_logits(filtering=False)` skips the sort when no row's sampling parameters filter. Freed rows decode
+        # greedily; a row that finished at admission keeps its parameters until it is freed, so it counts.
+        filtering = any(s.request.sampling.filters for s in self._slots if s is not None)
+        if filtering != self._sampling.filtering:
+            self._sampling = replace(self._sampling, filtering=filtering)
 
     # ------------------------------------------------------------------------------------------------
     # Token choice shared by prefill and AR steps
@@ -434,7 +439,7 @@ class SpecEngine:
         """logits [B, V] -> token ids [B]; counters [B] = absolute positions of the produced tokens."""
         if greedy:
             return greedy_argmax(logits)  # same as process_logits' one-hot (ties -> lowest id), minus the sort
-        probs = process_logits(logits, s.temperature, s.top_k, s.top_p)
+        probs = process_logits(logits, s.temperature, s.top_k, s.top_p, filtering=s.filtering)
         return sample(probs, s.seeds, counters, NoiseStream.TARGET)
 
     # ------------------------------------------------------------------------------------------------
@@ -545,36 +550,8 @@ class SpecEngine:
 
         drafts = proposal.tokens[:, :width]  # [B, n]
         tokens = torch.cat([self._last[:, None], drafts], dim=1) if width else self._last[:, None]  # [B, n+1]
-        if width == 0:
-            # No row verifies a draft (n-gram found no match, the gate skipped drafting, the policy chose depth 0):
-            # the plain decode step's forward with the drafter's taps, compiled when compile is on (`_setup` compiled
-            # that graph before the run). It grows each active row's cache by exactly one token, so nothing is rolled
-            # back; the token is chosen as an AR step chooses it (the same noise key as verifying zero drafts: the
-            # target stream at the row's position), without the verification sampler's checks and scans over zero
-            # drafts (0.17 against 0.035 ms a step at batch 1, T=0, docs/design.md section 9).
-            logits, hidden = self._one_token_fn(tokens, cache, bound, self._active_long)
-            chosen = self._choose(logits[:, 0], self._sampling, self._seq_lens, protocol == "greedy")  # [B]
-            v = VerifyOutput(chosen[:, None], torch.zeros_like(self._seq_lens))
-            old_len = None
-        else:
-            old_len = cache.lengths.clone()  # [B]
-            # Greedy steps verify inside the forward's call (one compiled graph); v: tokens [B, n+1], accepted [B].
-            greedy = protocol == "greedy"
-            if self.config.dense_verify and num_keep < b * (width + 1):
-                # Ragged or idle rows: pack the kept positions (at least two, since width >= 1).
-                fwd_args = (tokens, cache, bound + width, depth, self._active, num_keep)
-                if greedy:
-                    v_tokens, v_accepted, hidden = self._greedy_packed_fn(*fwd_args)
-                    v = VerifyOutput(v_tokens, v_accepted)
-                else:
-                    logits, hidden = self._packed_fn(*fwd_args)
-                    v = self._verify(protocol, drafts, proposal, logits, depth, width)
-            elif greedy:
-                v_tokens, v_accepted, hidden = self._greedy_verify_fn(tokens, cache, bound + width, depth)
-                v = VerifyOutput(v_tokens, v_accepted)
-            else:
-                logits, hidden = self._verify_fn(tokens, cache, bound + width)
-                v = self._verify(protocol, drafts, proposal, logits, depth, width)
+        old_len = cache.lengths.clone() if width else None  # [B]; width 0 grows each active row by one: no rollback
+        v, hidden = self._forward_and_verify(protocol, proposal, tokens, depth, width, num_keep, bound)
         t3 = time.perf_counter()
 
         acc = v.num_accepted
@@ -621,6 +598,40 @@ class SpecEngine:
             self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, t4 - t0)
         self.metrics.record_step_seconds(draft=t1 - t0, select=t2 - t1, verify=t3 - t2, commit=t4 - t3,
                                          on_commit=on_commit)
+
+    def _forward_and_verify(self, protocol: VerifyProtocol, proposal: Proposal, tokens: Tensor, depth: Tensor,
+                            width: int, num_keep: int, bound: int) -> tuple[VerifyOutput, tuple[Tensor, ...]]:
+        """The target forward over tokens [B, n+1] = [last, drafts] and the verification of its drafts ->
+        (VerifyOutput: tokens [B, n+1], num_accepted [B]; the drafter's taps). Greedy steps verify inside the
+        forward's call (one compiled graph)."""
+        cache = self._cache
+        assert cache is not None
+        b = cache.batch_size
+        drafts = tokens[:, 1:]
+        if width == 0:
+            # No row verifies a draft (n-gram found no match, the gate skipped drafting, the policy chose depth 0):
+            # the plain decode step's forward with the drafter's taps, compiled when compile is on (`_setup` compiled
+            # that graph before the run). It grows each active row's cache by exactly one token; the token is chosen
+            # as an AR step chooses it (the same noise key as verifying zero drafts: the target stream at the row's
+            # position), without the verification sampler's checks and scans over zero drafts (0.17 against
+            # 0.035 ms a step at batch 1, T=0, docs/design.md section 9).
+            logits, hidden = self._one_token_fn(tokens, cache, bound, self._active_long)
+            chosen = self._choose(logits[:, 0], self._sampling, self._seq_lens, protocol == "greedy")  # [B]
+            return VerifyOutput(chosen[:, None], torch.zeros_like(self._seq_lens)), hidden
+        greedy = protocol == "greedy"
+        if self.config.dense_verify and num_keep < b * (width + 1):
+            # Ragged or idle rows: pack the kept positions (at least two, since width >= 1).
+            args = (tokens, cache, bound + width, depth, self._active, num_keep)
+            if greedy:
+                v_tokens, v_accepted, hidden = self._greedy_packed_fn(*args)
+                return VerifyOutput(v_tokens, v_accepted), hidden
+            logits, hidden = self._packed_fn(*args)
+        elif greedy:
+            v_tokens, v_accepted, hidden = self._greedy_verify_fn(tokens, cache, bound + width, depth)
+            return VerifyOutput(v_tokens, v_accepted), hidden
+        else:
+            logits, hidden = self._verify_fn(tokens, cache, bound + width)
+        return self._verify(protocol, drafts, proposal, logits, depth, width), hidden
 
     def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
@@ -676,7 +687,7 @@ class SpecEngine:
         if protocol == "greedy":
             return verify_greedy(drafts, logits, depth)
         s = self._sampling
-        probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, n+1, V]
+        probs = process_logits(logits, s.temperature, s.top_k, s.top_p, filtering=s.filtering)  # [B, n+1, V]
         if protocol == "deterministic":
             return verify_deterministic(drafts, probs, depth, s.seeds, self._seq_lens)
         assert proposal.probs is not None  # _protocol checked it

@@ -148,7 +148,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         s = state.sampling
 
         def select(logits: Tensor, j: int) -> tuple[Tensor, Tensor]:
-            q = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [B, V]
+            q = process_logits(logits, s.temperature, s.top_k, s.top_p, filtering=s.filtering)  # [B, V]
             counter = draft_noise_counter(state.seq_lens + j, state.draft_round)
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 

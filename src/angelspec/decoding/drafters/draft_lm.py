@@ -176,7 +176,8 @@ class DraftLMDrafter(Drafter):
                 d = i if vocab is None else vocab[i]
                 conf = torch.softmax(logits, dim=-1).gather(1, i[:, None])[:, 0]
             else:
-                q = process_logits(self._full(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
+                q = process_logits(self._full(logits), s.temperature, s.top_k, s.top_p,  # [B, V]
+                                   filtering=s.filtering)
                 counters = draft_noise_counter(state.seq_lens + j, state.draft_round)  # draft j at seq_len + j
                 d = sample(q, s.seeds, counters, NoiseStream.DRAFT)
                 probs.append(q)

@@ -158,7 +158,8 @@ class MTPDrafter(ModelConfigDrafter):
         logits = model.draft_head(h)  # [B, V'], depth 0 (V' = V without a draft vocabulary)
         tokens, probs, confs = [], [], []
         for j in range(k):
-            q = process_logits(model.full_logits(logits), s.temperature, s.top_k, s.top_p)  # [B, V]
+            q = process_logits(model.full_logits(logits), s.temperature, s.top_k, s.top_p,  # [B, V]
+                               filtering=s.filtering)
             d = sample(q, s.seeds, draft_noise_counter(state.seq_lens + j, state.draft_round), NoiseStream.DRAFT)
             idx = model.to_draft_index(d)  # q is 0 outside the draft vocabulary
             probs.append(q)
