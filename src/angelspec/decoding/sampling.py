@@ -380,7 +380,8 @@ def sample(probs: Tensor, seeds: Tensor, counters: Tensor, stream: int) -> Tenso
 def _sample_from_uniforms(weights: Tensor, u: Tensor) -> Tensor:
     # Exponential race: with E_i = -log(u_i) ~ Exp(1) i.i.d., P(argmax_i w_i / E_i = j) = w_j / sum(w), the
     # Gumbel-max trick without taking logs of the weights (gpt-fast). Needs no normalisation and no sync.
-    return torch.argmax(weights / torch.log(u).neg(), dim=-1)
+    # Overwrites u (the caller's fresh noise) instead of allocating two more [B, V] float64 temporaries.
+    return torch.argmax(weights / u.log_().neg_(), dim=-1)
 
 
 def _reference_sample_row(weights: Tensor, u: Tensor) -> int:
