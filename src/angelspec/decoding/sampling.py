@@ -176,9 +176,9 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     top_p: [B] float in (0, 1]; keeps the smallest set of most likely tokens whose mass reaches top_p (again
         keeping ties with the last one kept); the argmax always survives. 1 disables it.
 
-    filtering: False promises that no row below the greedy threshold filters (top_k 0 or >= V, top_p 1; the
-        caller knows it on the host: `BatchSampling.filtering`); the result is the same, without the sort. Not
-        checked (that would read the parameters back: a device sync).
+    filtering: False promises that no sampled row (temperature at or above the greedy threshold) filters: each has
+        top_k 0 or >= V and top_p 1 (the caller knows it on the host: `BatchSampling.filtering`); the result is
+        the same, without the sort. Not checked (that would read the parameters back: a device sync).
 
     Rows must have at least one finite logit. One descending sort per row serves both filters; that
     O(V log V) sort is the main cost (at V = 8,192 on one CPU core, 2.7 of 2.8 ms for [1, 5, V] and 43 ms for
