@@ -23,7 +23,8 @@ produced token, stream): a request draws the same tokens alone or in any batch a
 a depth-0 speculative step draw the same token for the same request (see `sampling`'s docstring).
 
 Verification protocol (docs/design.md trap 1), chosen per step on the host:
-* every active row greedy             -> `verify_greedy` on raw logits (exact by construction);
+* every active row greedy             -> greedy acceptance on raw logits (exact by construction), inside the
+  verify forward's call (`sampling.greedy_accept`, the rule `verify_greedy` checks its arguments for);
 * drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
   (exact for any depth choice);
 * otherwise                           -> `verify_speculative` with the drafter's probabilities; a proposal
