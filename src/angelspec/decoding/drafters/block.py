@@ -67,6 +67,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
+        # Prefill's context append stays eager under `compile`: its row count is the number of requests admitted
+        # at once (all rows at the start, then 1, 2, ... as requests finish), and each new count compiled another
+        # graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR).
+        self._prefill_append = self.model.append_context
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
@@ -132,7 +136,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         lengths = torch.as_tensor([len(p) for p in prompts], dtype=torch.int64, device=cache.device)  # [n]
         cache.lengths[idx] = 0
         # Context = the P prompt positions; the first emitted token (position P) is the first anchor.
-        self.model.append_context(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
+        self._prefill_append(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
 
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
@@ -209,8 +213,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
 
     def compile(self) -> None:
         """The whole greedy step (backbone pass and head) as one graph, the backbone pass alone for sampled
-        drafts (whose head runs eagerly around `select`), and the context append of prefill and of the commits'
-        catch-up (instance attributes shadow the methods, so the adapter picks them up)."""
+        drafts (whose head runs eagerly around `select`), and the context append of the commits' catch-up (instance
+        attributes shadow the methods, so the adapter picks them up). Prefill's append stays eager (`__init__`)."""
         m = self.model
         m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
