@@ -106,6 +106,24 @@ def test_gate_backs_off_probing_while_speculation_keeps_losing_and_resets_when_i
     assert run(3.6) == [False] * 2 + [True]  # near-even losses keep the gap
 
 
+def test_while_speculation_wins_a_plain_probe_keeps_the_plain_rate_current():
+    """One slow plain step must not keep the gate drafting for the rest of a run: after probe_every drafted steps in
+    a row a plain step is run, and once plain steps are measured faster the gate skips."""
+    gate = SpecGate(warmup=1, probe_every=4, decay=0.0)
+    gate.observe(16, True, 2.0, 0.04)  # 50 tokens/row/s
+    assert not gate.should_draft(16)
+    gate.observe(16, False, 1.0, 0.05)  # an unlucky plain step: 20 tokens/row/s
+    decisions = []
+    for _ in range(10):
+        decisions.append(gate.should_draft(16))
+        plain_ms = 0.05 if len(decisions) < 6 else 0.01  # plain steps get fast (100 tokens/row/s)
+        gate.observe(16, decisions[-1], 2.0 if decisions[-1] else 1.0, 0.04 if decisions[-1] else plain_ms)
+    assert decisions[:5] == [True] * 4 + [False]  # speculation wins: a plain probe after 4 drafted steps
+    assert decisions[5:] == [True] * 4 + [False]  # still winning against the slow probe; the next one is fast
+    assert not gate.should_draft(16)  # plain steps now win
+    assert gate.summary()["rows 9-16"]["plain_rate"] == 100.0
+
+
 def test_the_default_gate_probes_at_a_fixed_gap():
     """Backoff is opt-in (max_probe_every): a probe pays the catch-up of every skipped step, so it understates
     speculation, and doubling the gap made batch-1 decoding skip where drafting wins."""

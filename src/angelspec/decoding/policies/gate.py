@@ -13,10 +13,13 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
     rate_spec = EMA over drafted steps of (committed tokens per active row) / (step seconds)
     rate_plain = EMA over skipped steps of 1 / (step seconds)
     draft  iff  fewer than `warmup` drafted steps were seen in the bucket, or no skipped step yet (one is run
-                to measure it), or rate_spec > (1 + margin) * rate_plain, or the bucket's probe gap of steps was
-                skipped in a row (a drafted probe keeps rate_spec current: acceptance changes with the prompts, so
-                the EMAs weigh the newest step by half: with a slower EMA the gate kept skipping on the demo's
-                maths prompts, where DFly wins, after learning on its code prompts, where it loses).
+                to measure it), or rate_spec > (1 + margin) * rate_plain and fewer than `probe_every` steps were
+                drafted in a row, or the bucket's probe gap of steps was skipped in a row. Probes both ways keep
+                both rates current: acceptance changes with the prompts (so the EMAs also weigh the newest step by
+                half: with a slower EMA the gate kept skipping on the demo's maths prompts, where DFly wins, after
+                learning on its code prompts, where it loses), and a plain step's cost changes with the machine's
+                load (without plain probes one slow plain step early in a run, e.g. the first at a shape, kept a
+                batch of 16 drafting for the rest of the run: 0.54x of AR where plain steps win).
     outliers    a step more than `outlier` (10) times slower than its kind's EMA of step seconds is left out of the
                 EMAs (up to three in a row), and one more than 10 times faster replaces them: a compiled engine
                 recompiles a graph mid-run now and then (a new shape), and such a step takes seconds where its kind
@@ -68,6 +71,7 @@ class _Bucket:
     drafted: int = 0
     skipped: int = 0
     skip_run: int = 0  # skipped steps since the last drafted one
+    draft_run: int = 0  # drafted steps since the last skipped one
     gap: int = 0  # skipped steps in a row before a probe (set to probe_every on first use)
     probing: bool = False  # the last decision was a probe
 
@@ -113,7 +117,7 @@ class SpecGate:
         if b.plain.samples == 0:
             return False  # measure a plain step (again, if the first one was an outlier)
         if self._spec_wins(b):
-            return True
+            return b.draft_run < self.probe_every  # else a plain probe (module docstring)
         b.probing = b.skip_run >= b.gap
         return b.probing
 
@@ -150,6 +154,7 @@ class SpecGate:
         self._measure(*((b.spec, b.plain) if drafted else (b.plain, b.spec)), rate, seconds)
         if drafted:
             b.drafted += 1
+            b.draft_run += 1
             b.skip_run = 0
             if b.probing:  # a clearly lost probe waits twice as long for the next; a won one resets the wait
                 if self._spec_wins(b):
@@ -162,6 +167,7 @@ class SpecGate:
         else:
             b.skipped += 1
             b.skip_run += 1
+            b.draft_run = 0
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per bucket (label "rows a-b"): drafted and skipped step counts and the two rates (tokens/row/s)."""
