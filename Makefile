@@ -7,12 +7,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.stamp-dev
 DATA_STAMP := $(VENV)/.stamp-data
-DEMO_ARGS ?= --compile  # the decoding stages compiled, both sides (`make demo DEMO_ARGS=`: eager)
 
 .PHONY: demo test lint data-sources drafters clean-venv vllm-venv vllm-check
 
 demo: $(DEV_STAMP)
-	$(PY) -m angelspec.demo $(DEMO_ARGS)
+	$(PY) -m angelspec.demo
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest

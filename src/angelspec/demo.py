@@ -43,7 +43,6 @@ class DemoState:
     per_domain: int = 6
     batch_size: int = 1
     num_draft_tokens: int = 4
-    compile: bool = False  # torch.compile both sides of every decoding stage (`make demo` passes --compile)
     draft_lm: Path = DEFAULT_DRAFT_LM
     drafters: Path = DEFAULT_DRAFTERS  # the shipped drafters, one folder each (dfly, mtp, eagle3, dspark)
     train_minutes: float = 2.0  # the short DFly training stage; 0 skips it
@@ -107,7 +106,7 @@ def stage_ar_baseline(state: DemoState) -> dict[str, str]:
 
     state.prompts, state.questions = select_prompts(state)
     state.settings = EvalSettings(max_new_tokens=state.max_new_tokens, batch_size=state.batch_size,
-                                  num_draft_tokens=state.num_draft_tokens, compile=state.compile)
+                                  num_draft_tokens=state.num_draft_tokens)
     state.baseline = run_decoding(state.model, state.prompts, state.settings, desc="AR")
     shown: set[str] = set()
     for prompt, question, out in zip(state.prompts, state.questions, state.baseline.outputs, strict=True):
@@ -120,7 +119,7 @@ def stage_ar_baseline(state: DemoState) -> dict[str, str]:
     m = state.baseline.overall
     counts = ", ".join(f"{d} {sum(p.domain == d for p in state.prompts)}" for d in state.baseline.domains)
     return {"prompts": f"{len(state.prompts)} held-out ({counts}), greedy, {state.max_new_tokens} new tokens, "
-                       f"batch {state.batch_size}, {'compiled' if state.compile else 'eager'}",
+                       f"batch {state.batch_size}",
             "AR": f"{m.output_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tokens/s"}
 
 
@@ -363,10 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, metavar="B",
                         help="concurrent requests (default: 1, the latency setting speculative decoding is for; "
                              "on CPU, batched AR is already cheap per token)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the target and the drafter in every decoding stage, AR included (as "
-                             "`angelspec eval --compile`: about half a minute of compilation per row, paid in its "
-                             "untimed warm-up; the serving sweep stays eager). `make demo` passes it")
     parser.add_argument("--drafters", default=str(DEFAULT_DRAFTERS), metavar="DIR",
                         help="the shipped drafters, one folder each (default: the package's assets/drafters)")
     parser.add_argument("--train-minutes", type=float, default=2.0, metavar="M",
@@ -383,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
-                      batch_size=args.batch_size, compile=args.compile, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
+                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
                       drafters=Path(args.drafters),
                       work_dir=Path(args.work_dir), train_prompts=Path(args.train_prompts))
     try:
