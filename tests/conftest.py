@@ -100,6 +100,28 @@ def random_requests(vocab: int, n: int, new: int, seed: int) -> list:
             for _ in range(n)]
 
 
+def assert_admissions_compile_nothing_mid_run(target: Any, drafter: Any, vocab: int) -> None:
+    """A compiled engine with 4 rows serves 4 requests admitted at once, then 8 more admitted one or two at a time as
+    rows free up (new admission counts, new longest prompts) under `fail_on_recompile`, with try_compile's eager
+    fallback an error too; every output equals AR's."""
+    import warnings
+
+    import torch
+
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
+
+    rng = random.Random(11)
+    reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(2, 12))], max_new_tokens=rng.randint(6, 24),
+                    stop_ids=()) for _ in range(12)]
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=4, num_draft_tokens=3, compile=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        got = engine.generate(reqs[:4])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got += engine.generate(reqs[4:])
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+
+
 def assert_two_calls_draft_as_joined(target, make_recording, reqs, k: int = 3) -> None:
     """A batch-1 engine whose drafter runs a round's catch-up and drafting as two calls (`join_catch_up = False`,
     the other side of `benchmarks/joined_calls.py`) proposes exactly what the joined call proposes and stays

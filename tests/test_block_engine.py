@@ -18,6 +18,7 @@ import torch
 from conftest import (
     QUIET,
     RecordingMixin,
+    assert_admissions_compile_nothing_mid_run,
     assert_two_calls_draft_as_joined,
     check_lossless_and_recorded,
     random_requests,
@@ -455,17 +456,5 @@ def test_compiled_block_drafter_admits_any_number_of_requests_without_compiling_
     a count the run before never saw. Compiled, each new count cost a fresh graph (about 20 s on 2 cores: a compiled
     serving point at C=16 ran at 0.05x of AR); prefill's append now runs eagerly, so a second run with other
     admission counts compiles nothing, and its outputs are still AR's."""
-    import warnings
-
     target = tiny_target()
-    drafter = RecordingDrafter(tiny_block_drafter(target, "dfly"))
-    rng = random.Random(11)
-    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))], max_new_tokens=rng.randint(6, 24),
-                    stop_ids=()) for _ in range(12)]
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=4, num_draft_tokens=3, compile=True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        got = engine.generate(reqs[:4])  # all four rows admitted at once
-        with torch.compiler.set_stance("fail_on_recompile"):
-            got += engine.generate(reqs[4:])  # then one or two at a time, as rows free up
-    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert_admissions_compile_nothing_mid_run(target, RecordingDrafter(tiny_block_drafter(target, "dfly")), VOCAB)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     RecordingMixin,
+    assert_admissions_compile_nothing_mid_run,
     assert_two_calls_draft_as_joined,
     check_lossless_and_recorded,
     mtp_reference_drafts,
@@ -269,20 +270,8 @@ def test_compiled_mtp_admits_any_number_of_requests_without_compiling_mid_run():
     and their longest prompt, shapes the run before never saw. Compiled, each cost a fresh graph mid-run (a compiled
     serving point at C=16 ran at 0.07x of AR); prefill now runs eagerly, so a second run with other admissions
     compiles nothing, and its outputs are still AR's. (EAGLE-3's adapter is this one.)"""
-    import warnings
-
     target = tiny_target(heads=2, kv=1)
-    drafter = MTPDrafter(tiny_model(target, depths=2))
-    rng = random.Random(11)
-    reqs = [Request([rng.randrange(64) for _ in range(rng.randint(2, 12))], max_new_tokens=rng.randint(6, 24),
-                    stop_ids=()) for _ in range(12)]
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=4, num_draft_tokens=3, compile=True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        got = engine.generate(reqs[:4])  # all four rows admitted at once
-        with torch.compiler.set_stance("fail_on_recompile"):
-            got += engine.generate(reqs[4:])  # then one or two at a time, as rows free up
-    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert_admissions_compile_nothing_mid_run(target, MTPDrafter(tiny_model(target, depths=2)), 64)
 
 
 def test_sampling_smoke_t1():
