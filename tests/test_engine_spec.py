@@ -750,6 +750,28 @@ def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run
     assert drafter.silent_rounds > 5
 
 
+def test_a_compiled_engine_with_a_length_bound_compiles_nothing_when_a_longer_call_follows_a_short_one():
+    """`angelspec eval --compile` warms up with a few tokens per prompt, then decodes the full length with the same
+    engine. Its caches were sized per call, so the timed run brought new cache shapes and the draft LM's graphs
+    recompiled inside it. With EngineConfig.max_seq_len set, every call gets caches of that size: a short call
+    compiles what a long one uses, and the long one's outputs are still AR's."""
+    import warnings
+
+    target = tiny_decoder()
+    drafter = DraftLMDrafter(tiny_decoder(layers=1, seed=2), stop_below=None)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(3, 10))] for _ in range(3)]
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, max_seq_len=48, num_draft_tokens=3,
+                                                      compile=True))
+    long = [Request(p, max_new_tokens=30, stop_ids=()) for p in prompts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        engine.generate([Request(p, max_new_tokens=4, stop_ids=()) for p in prompts])  # the warm-up
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = engine.generate(long)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, long)]
+
+
 def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid_run(target, greedy_case, monkeypatch):
     """Batch 1, compile=True: a step where the drafter proposes nothing (n-gram without a match, a gate-skipped
     step) runs the compiled one-token verify forward, not an eager one (that made n-gram's no-match steps cost an

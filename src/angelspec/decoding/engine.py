@@ -128,7 +128,8 @@ class EngineConfig:
     the engine never casts the caller's model). seed: seeds requests whose SamplingParams.seed is None
     (None = fresh randomness per call). compile: torch.compile the AR decode step, or with a drafter the
     verify forward (padded and packed) and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
-    compilation, about 5-60 s on CPU; falls back to eager if compilation fails. The
+    compilation, about 5-60 s on CPU; falls back to eager if compilation fails. With compile, an explicit
+    max_seq_len also sizes every call's caches (one shape for all calls: a warm-up compiles what later calls use). The
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
     engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
     faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay exact in
@@ -267,6 +268,12 @@ class SpecEngine:
         seeds = self._resolve_seeds(requests)
         n_rows = min(self.config.max_batch_size, len(requests))
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        if self.config.compile and self.config.max_seq_len is not None:
+            # Compiled graphs guard on cache shapes: with an explicit bound, every call gets caches of that one size,
+            # so a short call (a warm-up) and a longer one later share their graphs. Sized per call, the draft LM's
+            # graphs recompiled inside a timed run of `angelspec eval --compile` (capacity 64 in the warm-up, its
+            # head_dim too, which duck sizing tied to it; 80 in the run).
+            max_len = self.config.max_seq_len
         self._setup(n_rows, max_len)
 
         queue = deque(range(len(requests)))
