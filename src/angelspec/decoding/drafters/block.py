@@ -69,8 +69,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
         # Prefill's context append stays eager under `compile`: its row count is the number of requests admitted
         # at once (all rows at the start, then 1, 2, ... as requests finish), and each new count compiled another
-        # graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR).
-        self._prefill_append = self.model.append_context
+        # graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR). Bound from the
+        # class, so a model another adapter already compiled (its methods shadowed) still prefills eagerly here.
+        self._prefill_append = type(self.model).append_context.__get__(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:

@@ -79,8 +79,9 @@ class MTPDrafter(ModelConfigDrafter):
         self._pending_bound = 1  # `_bound` when the oldest of them was proposed
         # Prefill's cached forward stays eager under `compile`: its shapes are the admitted rows and their longest
         # prompt, new at almost every admission, and each compiled another graph mid-run (a compiled serving point
-        # at C=16 ran at 0.07x of AR).
-        self._prefill_forward = self.model.forward_cached
+        # at C=16 ran at 0.07x of AR). Bound from the class, so a model another adapter already compiled still
+        # prefills eagerly here.
+        self._prefill_forward = type(self.model).forward_cached.__get__(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder) -> MTPDrafter:
