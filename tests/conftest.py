@@ -100,25 +100,35 @@ def random_requests(vocab: int, n: int, new: int, seed: int) -> list:
             for _ in range(n)]
 
 
-def assert_admissions_compile_nothing_mid_run(target: Any, drafter: Any, vocab: int) -> None:
-    """A compiled engine with 4 rows serves 4 requests admitted at once, then 8 more admitted one or two at a time as
-    rows free up (new admission counts, new longest prompts) under `fail_on_recompile`, with try_compile's eager
-    fallback an error too; every output equals AR's."""
+def generate_twice_without_recompiles(engine: Any, first: list, second: list,
+                                     between: Any = None) -> list:
+    """`first` through a compiled engine, then (after `between()`, when given) `second` under `fail_on_recompile`;
+    try_compile's fallback to eager (a UserWarning) fails either run. Both runs' results, in order."""
     import warnings
 
     import torch
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
+        out = engine.generate(first)
+        if between is not None:
+            between()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out += engine.generate(second)
+    return out
+
+
+def assert_admissions_compile_nothing_mid_run(target: Any, drafter: Any, vocab: int) -> None:
+    """A compiled engine with 4 rows serves 4 requests admitted at once, then 8 more admitted one or two at a time as
+    rows free up (new admission counts, new longest prompts) without compiling anything
+    (`generate_twice_without_recompiles`); every output equals AR's."""
     from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 
     rng = random.Random(11)
     reqs = [Request([rng.randrange(vocab) for _ in range(rng.randint(2, 12))], max_new_tokens=rng.randint(6, 24),
                     stop_ids=()) for _ in range(12)]
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=4, num_draft_tokens=3, compile=True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        got = engine.generate(reqs[:4])
-        with torch.compiler.set_stance("fail_on_recompile"):
-            got += engine.generate(reqs[4:])
+    got = generate_twice_without_recompiles(engine, reqs[:4], reqs[4:])
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from conftest import generate_twice_without_recompiles
 from torch import Tensor
 
 from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter, get_drafter, registered_drafters
@@ -714,15 +715,7 @@ def is_step_forward(kwargs) -> bool:
 def _compiled_run_then_silent_run_without_recompiles(engine, drafter, first, second) -> list:
     """`first` with the drafter as it is, then `second` with it silent every other round, under
     fail_on_recompile; any fallback of try_compile to eager (a UserWarning) fails too. Both runs' results."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        out = engine.generate(first)
-        drafter.silent = True
-        with torch.compiler.set_stance("fail_on_recompile"):
-            out += engine.generate(second)
-    return out
+    return generate_twice_without_recompiles(engine, first, second, between=lambda: setattr(drafter, "silent", True))
 
 
 def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run(target, greedy_case, monkeypatch):
@@ -755,8 +748,6 @@ def test_a_compiled_engine_with_a_length_bound_compiles_nothing_when_a_longer_ca
     engine. Its caches were sized per call, so the timed run brought new cache shapes and the draft LM's graphs
     recompiled inside it. With EngineConfig.max_seq_len set, every call gets caches of that size: a short call
     compiles what a long one uses, and the long one's outputs are still AR's."""
-    import warnings
-
     target = tiny_decoder()
     drafter = DraftLMDrafter(tiny_decoder(layers=1, seed=2), stop_below=None)
     rng = random.Random(4)
@@ -764,11 +755,8 @@ def test_a_compiled_engine_with_a_length_bound_compiles_nothing_when_a_longer_ca
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, max_seq_len=48, num_draft_tokens=3,
                                                       compile=True))
     long = [Request(p, max_new_tokens=30, stop_ids=()) for p in prompts]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
-        engine.generate([Request(p, max_new_tokens=4, stop_ids=()) for p in prompts])  # the warm-up
-        with torch.compiler.set_stance("fail_on_recompile"):
-            got = engine.generate(long)
+    warm_up = [Request(p, max_new_tokens=4, stop_ids=()) for p in prompts]
+    got = generate_twice_without_recompiles(engine, warm_up, long)[len(warm_up):]
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, long)]
 
 
