@@ -157,13 +157,15 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
 
 
 MTP_DEPTHS = 3  # MTP-3 / EAGLE-3 unroll three depths in training
-# The shipped drafters the headline table measures: (folder name, table name, depth policy, speculation gate),
-# each at the depth it was trained for. The gated rows show what `--spec-gate` makes of a drafter that loses to AR
-# (MTP-3) and of the best one (DFly + D-cut).
-SHIPPED_ROWS = (("mtp", "MTP-3 (shipped)", "full", False), ("eagle3", "EAGLE-3 (shipped)", "full", False),
-                ("dfly", "DFly (shipped)", "full", False), ("dspark", "DSpark (shipped)", "full", False),
-                ("dfly", "DFly+D-cut (shipped)", "dcut", False), ("mtp", "MTP-3+gate (shipped)", "full", True),
-                ("dfly", "DFly+D-cut+gate (shipped)", "dcut", True))
+# The shipped drafters the headline table measures: (folder name, `--drafter` suffix, table name, depth policy,
+# speculation gate), each at the depth it was trained for. The gated rows show what `--spec-gate` makes of a drafter
+# that loses to AR (MTP-3) and of the best one (DFly + D-cut); "+ngram" puts n-gram lookup in front of DFly.
+SHIPPED_ROWS = (("mtp", "", "MTP-3 (shipped)", "full", False), ("eagle3", "", "EAGLE-3 (shipped)", "full", False),
+                ("dfly", "", "DFly (shipped)", "full", False), ("dspark", "", "DSpark (shipped)", "full", False),
+                ("dfly", "", "DFly+D-cut (shipped)", "dcut", False),
+                ("dfly", "+ngram", "DFly+n-gram lookup (shipped)", "full", False),
+                ("mtp", "", "MTP-3+gate (shipped)", "full", True),
+                ("dfly", "", "DFly+D-cut+gate (shipped)", "dcut", True))
 
 
 def shipped_folder(state: DemoState, name: str) -> Path | None:
@@ -178,7 +180,7 @@ def stage_shipped(state: DemoState) -> dict[str, str]:
     from angelspec.decoding.drafters.base import DrafterMismatchError
 
     facts: dict[str, str] = {}
-    for folder_name, name, policy, gate in SHIPPED_ROWS:
+    for folder_name, suffix, name, policy, gate in SHIPPED_ROWS:
         folder = shipped_folder(state, folder_name)
         if folder is None:
             facts[name] = f"skipped: no drafter in {state.drafters / folder_name} (`make drafters` builds it)"
@@ -186,7 +188,8 @@ def stage_shipped(state: DemoState) -> dict[str, str]:
             continue
         print(f"\n--- {name} ---")
         try:
-            facts.update(_speculative_stage(state, str(folder), name, k="natural", policy=policy, spec_gate=gate))
+            facts.update(_speculative_stage(state, f"{folder}{suffix}", name, k="natural", policy=policy,
+                                            spec_gate=gate))
         except DrafterMismatchError as e:
             facts[name] = f"skipped: {e}"
             print(facts[name])

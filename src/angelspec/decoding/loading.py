@@ -104,6 +104,9 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
+    base, lookup = split_hybrid_spec(spec)
+    if lookup is not None:
+        return _hybrid(spec, resolve_drafter(base, target, target_dir, dtype), lookup)
     kind, sep, arg = spec.partition(":")
     dtype = dtype or target.embed_tokens.weight.dtype
     drafter: Drafter
@@ -126,10 +129,43 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     return drafter
 
 
+HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
+
+
+def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int] | None]:
+    """`SPEC+ngram[:N[:M]]` -> (SPEC, (N, M)): the longest n-gram N to match (default 3) and the shortest match M
+    whose drafts replace the model's (default 1); any other spec -> (spec, None)."""
+    base, plus, tail = spec.rpartition(HYBRID_SUFFIX)
+    if not plus or (tail and not tail.startswith(":")):
+        return spec, None
+    parts = tail[1:].split(":") if tail else []
+    if len(parts) > 2:
+        raise UsageError(f"drafter {spec!r}: expected SPEC{HYBRID_SUFFIX}[:N[:M]] (N the longest n-gram to match, "
+                         "M the shortest match that replaces the model's drafts)")
+    n = _ngram_size(spec, parts[0]) if parts else 3
+    m = _ngram_size(spec, parts[1]) if len(parts) == 2 else 1
+    return base, (n, m)
+
+
+def _hybrid(spec: str, inner: Drafter | None, lookup: tuple[int, int]) -> Drafter:
+    from angelspec.decoding.drafters.hybrid import HybridDrafter
+    from angelspec.decoding.drafters.ngram import NGramDrafter
+
+    if inner is None or isinstance(inner, NGramDrafter):
+        raise UsageError(f"drafter {spec!r}: {HYBRID_SUFFIX} puts n-gram lookup in front of a model drafter, "
+                         f"e.g. dfly:DIR{HYBRID_SUFFIX}; for lookup alone pass ngram")
+    max_ngram, min_match = lookup
+    try:
+        return HybridDrafter(inner, NGramDrafter(max_ngram=max_ngram), min_match=min_match)
+    except ValueError as e:
+        raise UsageError(f"drafter {spec!r}: {e}") from None
+
+
 def drafter_path(spec: str) -> Path:
     """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR, else the spec itself); not checked."""
     from angelspec.decoding.drafters import registered_drafters
 
+    spec = split_hybrid_spec(spec)[0]
     kind, sep, arg = spec.partition(":")
     return Path(arg) if sep and kind in registered_drafters() else Path(spec)
 
@@ -142,7 +178,7 @@ def drafter_forms(include_none: bool = True) -> str:
     saved = ", ".join(f"{k}:DIR" for k in kinds)
     none = "none, " if include_none else ""
     return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
-           "`angelspec train`)"
+           f"`angelspec train`); a model drafter's SPEC{HYBRID_SUFFIX}[:N[:M]] puts n-gram lookup in front of it"
 
 
 def _ngram_size(spec: str, arg: str) -> int:

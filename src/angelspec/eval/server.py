@@ -147,9 +147,11 @@ def snapshot_checkpoint(src: Path, step: int, dest_root: Path) -> Path | None:
 
 
 def natural_depth(drafter: Any, default: int = 4) -> int:
-    """A block drafter's block size - 1 (`max_draft_tokens`, looked up through a calibration wrapper); `default`
-    for drafters without a natural depth."""
-    inner = getattr(drafter, "inner", drafter)
+    """A block drafter's block size - 1 (`max_draft_tokens`, looked up through wrappers: calibration, n-gram lookup
+    in front); `default` for drafters without a natural depth."""
+    inner = drafter
+    while getattr(inner, "inner", None) is not None:
+        inner = inner.inner
     v = getattr(inner, "max_draft_tokens", None)
     return v if isinstance(v, int) and v > 0 else default
 

@@ -128,6 +128,10 @@ class Drafter(ABC):
 
     # Tap ids of the target whose hidden states the drafter wants (id i = output of target layer i).
     target_layer_ids: tuple[int, ...] = ()
+    # True when the drafter's context is built from what the target committed (tokens, taps), never from its own
+    # drafts, so a round of 0 drafts may be followed by a commit of any width and drafts of another drafter may be
+    # verified in its place (`HybridDrafter`). A draft LM caches its own drafts: False.
+    context_from_commits: bool = False
 
     @property
     def vocab_size(self) -> int | None:
@@ -235,6 +239,54 @@ class ModelConfigDrafter(Drafter):
     @property
     def max_positions(self) -> int:
         return self.model.config.max_position_embeddings
+
+
+class WrappedDrafter(Drafter):
+    """A drafter around another one (`inner`) that changes what `propose` returns and delegates the rest: the
+    inner drafter's identity (vocabulary, target, position limit, taps), its life cycle and its compiled calls."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.target_layer_ids = inner.target_layer_ids
+        self.context_from_commits = inner.context_from_commits
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.inner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...] | None:
+        return self.inner.eos_token_ids
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        return self.inner.target_fingerprint
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.inner.max_positions
+
+    def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
+        self.inner.check_compatible(target, max_seq_len)
+
+    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
+        self.inner.allocate(batch_size, max_len, device=device, slack=slack)
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
+                target_hidden: tuple[Tensor, ...]) -> None:
+        self.inner.prefill(rows, prompts, first_tokens, target_hidden)
+
+    def on_commit(self, commit: Commit) -> None:
+        self.inner.on_commit(commit)
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        self.inner.reset_rows(rows)
+
+    def transpose_weights(self) -> None:
+        self.inner.transpose_weights()
+
+    def compile(self) -> None:
+        self.inner.ensure_compiled()  # engines may share the inner drafter: compile its hot calls once
 
 
 class PendingCommits:

@@ -60,6 +60,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
     registered subclasses below each pin theirs, as `Eagle3Drafter` does for the MTP family)."""
 
     kind: str | None = None
+    context_from_commits = True
 
     def __init__(self, model: BlockDrafter) -> None:
         self.model = model.eval()
@@ -67,11 +68,12 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
-        # Prefill's context append stays eager under `compile`: its row count is the number of requests admitted
-        # at once (all rows at the start, then 1, 2, ... as requests finish), and each new count compiled another
-        # graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR). Bound from the
-        # class, so a model another adapter already compiled (its methods shadowed) still prefills eagerly here.
-        self._prefill_append = type(self.model).append_context.__get__(self.model)
+        # Prefill's context append, and the catch-up before rows change, stay eager under `compile`: prefill's row
+        # count is the number of requests admitted at once (all rows at the start, then 1, 2, ... as requests
+        # finish), a catch-up's width the commits left waiting when a request ended, and each new shape compiled
+        # another graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR). Bound
+        # from the class, so a model another adapter already compiled (its methods shadowed) still runs eagerly here.
+        self._eager_append = type(self.model).append_context.__get__(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder, head: str | None = None) -> BlockDrafterAdapter:
@@ -132,12 +134,12 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None, "allocate() before prefill()"
-        self._catch_up()  # the rows' waiting commits belong to the requests that left them
+        self._catch_up(eager=True)  # the rows' waiting commits belong to the requests that left them
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)  # [n]
         lengths = torch.as_tensor([len(p) for p in prompts], dtype=torch.int64, device=cache.device)  # [n]
         cache.lengths[idx] = 0
         # Context = the P prompt positions; the first emitted token (position P) is the first anchor.
-        self._prefill_append(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
+        self._eager_append(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
 
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
@@ -199,17 +201,19 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         # the next round that drafts (`_catch_up`).
         self._pending.add(commit.target_hidden, torch.where(commit.active, commit.num_accepted + 1, 0))
 
-    def _catch_up(self) -> None:
-        """Append every waiting commit's new positions to the context cache, in one call."""
+    def _catch_up(self, eager: bool = False) -> None:
+        """Append every waiting commit's new positions to the context cache, in one call. `eager`: outside any
+        compiled call (before rows change: once per admission)."""
         waiting = self._pending.take()
         if waiting is not None:
             assert self.cache is not None
             hidden, count = waiting
-            self.model.append_context(concat_taps(hidden), self.cache, num_new=count)
+            append = self._eager_append if eager else self.model.append_context
+            append(concat_taps(hidden), self.cache, num_new=count)
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
-        self._catch_up()
+        self._catch_up(eager=True)
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:

@@ -32,7 +32,7 @@ Shape legend: B rows, K draft depth, C model dim, V vocab, n verify width.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -63,6 +63,7 @@ class MTPDrafter(ModelConfigDrafter):
     loads (`Eagle3Drafter` only changes it)."""
 
     kind = "mtp"
+    context_from_commits = True
     # False: a one-row greedy round's catch-up and its K depths run as two calls, as they did before the joined call
     # (`benchmarks/joined_calls.py` measures one against the other; same drafts either way).
     join_catch_up = True
@@ -77,11 +78,11 @@ class MTPDrafter(ModelConfigDrafter):
         self._bound = 1
         self._pending = PendingCommits()  # commits whose depth-0 entries are not in the cache yet
         self._pending_bound = 1  # `_bound` when the oldest of them was proposed
-        # Prefill's cached forward stays eager under `compile`: its shapes are the admitted rows and their longest
-        # prompt, new at almost every admission, and each compiled another graph mid-run (a compiled serving point
-        # at C=16 ran at 0.07x of AR). Bound from the class, so a model another adapter already compiled still
-        # prefills eagerly here.
-        self._prefill_forward = type(self.model).forward_cached.__get__(self.model)
+        # Prefill's cached forward, and the catch-up before rows change, stay eager under `compile`: their shapes
+        # are the admitted rows and their longest prompt (or the commits left waiting when a request ended), new at
+        # almost every admission, and each compiled another graph mid-run (a compiled serving point at C=16 ran at
+        # 0.07x of AR). Bound from the class, so a model another adapter already compiled still runs eagerly here.
+        self._eager_forward = type(self.model).forward_cached.__get__(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, target: Decoder) -> MTPDrafter:
@@ -118,14 +119,14 @@ class MTPDrafter(ModelConfigDrafter):
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None
-        self._catch_up()  # the rows' waiting commits belong to the requests that left them
+        self._catch_up(eager=True)  # the rows' waiting commits belong to the requests that left them
         taps = self.model.condition(concat_taps(target_hidden).to(cache.dtype))  # [n, P_max, C]
         # Entry j fuses h_j with x_{j+1}: the prompt shifted by one, then the first emitted token.
         ids, lengths = pad_prompts([list(p[1:]) + [f] for p, f in zip(prompts, first_tokens, strict=True)],
                                    cache.device)  # [n, P_max], [n]
         n, p_max = ids.shape
         tmp = self.model.new_cache(n, p_max, slack=0, dtype=cache.dtype, device=cache.device)
-        out = self._prefill_forward(taps, ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
+        out = self._eager_forward(taps, ids, tmp, num_new=lengths, kv_len=p_max)  # [n, P, C]
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
         cache.k[0][idx, :, :p_max] = tmp.k[0]
         cache.v[0][idx, :, :p_max] = tmp.v[0]
@@ -221,29 +222,31 @@ class MTPDrafter(ModelConfigDrafter):
         count = torch.where(commit.active, commit.num_accepted + 1, 0)  # [B] new committed positions per row
         self._pending.add((*commit.target_hidden, commit.tokens), count)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, eager: bool = False) -> None:
         """Append the depth-0 entries of every waiting commit's new positions (one ragged forward) and set `_h_last`
-        of the rows that had any."""
+        of the rows that had any. `eager`: outside any compiled call (before rows change: once per admission)."""
         waiting = self._pending.take()
         if waiting is None:
             return
         assert self.cache is not None
         (*hidden, tokens), count = waiting  # count [B]: new committed positions per row
         self._h_last = self.append_commits(concat_taps(hidden), tokens, count, self._pending_bound, self._h_last,
-                                           self.cache)
+                                           self.cache, forward=self._eager_forward if eager else None)
 
     def append_commits(self, taps: Tensor, tokens: Tensor, count: Tensor, bound: int, h_last: Tensor,
-                       cache: StaticKVCache) -> Tensor:
+                       cache: StaticKVCache, forward: Callable[..., Tensor] | None = None) -> Tensor:
         """The depth-0 entries of committed positions: taps [B, T, n·C] of the verify forwards' inputs as the target
         saw them, with the committed tokens [B, T] and `count` [B] new positions per row, appended to `cache`
         (`bound`: the longest row's length before them) -> h^(0) [B, C], the newest entry of each row that had
-        any (`h_last` for the others); tensors only."""
+        any (`h_last` for the others); tensors only. `forward`: the model's cached forward to run (default: as
+        compiled)."""
         # [B, T, C]: conditioned (EAGLE-3: fc over three taps)
         taps = self.model.condition(taps.to(cache.dtype))
         width = taps.shape[1]
         keep = torch.arange(width, device=count.device)[None, :] < count[:, None]  # [B, T]
         tok = torch.where(keep, tokens, 0)  # x_{j+1}: accepted drafts then the bonus; placeholders -> 0
-        out = self.model.forward_cached(taps, tok, cache, num_new=count, kv_len=bound + width)  # [B, T, C]
+        forward = self.model.forward_cached if forward is None else forward
+        out = forward(taps, tok, cache, num_new=count, kv_len=bound + width)  # [B, T, C]
         newest = out.gather(1, (count - 1).clamp(0, width - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
         return torch.where((count > 0)[:, None], newest, h_last)
 
@@ -268,5 +271,5 @@ class MTPDrafter(ModelConfigDrafter):
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
-        self._catch_up()
+        self._catch_up(eager=True)
         self.cache.reset_rows(list(rows))

@@ -51,10 +51,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
+from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal, WrappedDrafter
 from angelspec.decoding.policies.base import policy_static_depth, policy_uses_proposal, sanitize_confidences
 from angelspec.fileio import write_json_atomic
-from angelspec.models.config import DecoderConfig
 
 CALIBRATION_FILE = "calibration.json"
 DEFAULT_NUM_BINS = 15  # the report's 15-bin ECE
@@ -330,46 +329,20 @@ def temperatures_for(calibration: StsCalibration, k: int) -> list[float]:
     return temps + [temps[-1]] * (k - len(temps))
 
 
-class CalibratedDrafter(Drafter):
+class CalibratedDrafter(WrappedDrafter):
     """A drafter whose proposals carry calibrated, sanitised confidences; everything else is delegated. Each row
     uses the fit of the nearest fitted sampling temperature (`StsCalibrationSet`)."""
 
     def __init__(self, inner: Drafter, calibration: StsCalibration | StsCalibrationSet,
                  source: str | Path | None = None) -> None:
-        self.inner, self.calibration = inner, StsCalibrationSet.of(calibration)
+        super().__init__(inner)
+        self.calibration = StsCalibrationSet.of(calibration)
         self.source = None if source is None else Path(source)
-        self.target_layer_ids = inner.target_layer_ids
         self._bad: Tensor | None = None
 
     @property
     def name(self) -> str:
         return type(self.inner).__name__
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self.inner.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...] | None:
-        return self.inner.eos_token_ids
-
-    @property
-    def target_fingerprint(self) -> str | None:
-        return self.inner.target_fingerprint
-
-    @property
-    def max_positions(self) -> int | None:
-        return self.inner.max_positions
-
-    def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
-        self.inner.check_compatible(target, max_seq_len)
-
-    def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
-        self.inner.allocate(batch_size, max_len, device=device, slack=slack)
-
-    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
-                target_hidden: tuple[Tensor, ...]) -> None:
-        self.inner.prefill(rows, prompts, first_tokens, target_hidden)
 
     def propose(self, state: DraftState) -> Proposal:
         p = self.inner.propose(state)
@@ -387,18 +360,6 @@ class CalibratedDrafter(Drafter):
             conf = conf ** (1.0 / self.calibration.row_temperatures(state.sampling.temperature, k).to(conf.device))
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf, lengths=p.lengths,
                         deterministic=p.deterministic)
-
-    def on_commit(self, commit: Commit) -> None:
-        self.inner.on_commit(commit)
-
-    def reset_rows(self, rows: Sequence[int]) -> None:
-        self.inner.reset_rows(rows)
-
-    def transpose_weights(self) -> None:
-        self.inner.transpose_weights()
-
-    def compile(self) -> None:
-        self.inner.ensure_compiled()  # the wrapped drafter's hot calls; the calibration itself is a few ops
 
     @property
     def bad_count(self) -> int:

@@ -1,0 +1,96 @@
+"""n-gram lookup in front of a model drafter (`decoding/drafters/hybrid.py`) against each part alone, side by side.
+
+In one process, per round: AR on the held-out prompts, then for each drafter folder the lookup alone (`ngram`), the
+model alone and the hybrid at each `--min-match` (the shortest n-gram match whose drafts replace the model's), all at
+the drafter's K. Printed per config and round: speed-up over that round's AR, MAL, per-domain speed-ups, the share
+of row-rounds the lookup drafted, and whether every output equals AR's (T=0). Rounds interleave the configs, so a
+machine whose speed drifts moves all of them alike; read the mean over rounds at the end.
+
+    .venv/bin/python benchmarks/hybrid.py --compile                                  # shipped DFly, K = 7
+    .venv/bin/python benchmarks/hybrid.py --compile --drafters mtp,eagle3 --ks 3,3
+    .venv/bin/python benchmarks/hybrid.py --compile --min-match 1,2,3 --limit 6 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from statistics import mean
+
+import torch
+
+from angelspec.assets import DEFAULT_DRAFTERS, EVAL_PROMPTS, resolve_target_dir
+from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafters.hybrid import HybridDrafter
+from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
+from angelspec.eval.prompts import eval_prompts
+from angelspec.eval.speculative import EvalSettings, compare, run_decoding
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", default="dfly", help="shipped drafter names or folders, comma-separated")
+    ap.add_argument("--ks", default=None, help="K per drafter, comma-separated (default: 7 for block drafters, 3 else)")
+    ap.add_argument("--min-match", default="1", help="hybrid variants to run, comma-separated (default: 1)")
+    ap.add_argument("--limit", type=int, default=None, help="prompts per domain (default: all 24)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="torch.compile both sides (the warm-up pays)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target_dir = resolve_target_dir(None)
+    model, tok = load_target_and_tokenizer(target_dir)
+    prompts = eval_prompts(tok, load_prompts(EVAL_PROMPTS), context=model.config.max_position_embeddings,
+                           source=str(EVAL_PROMPTS), limit=args.limit)
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    folders = [str(DEFAULT_DRAFTERS / n) if (DEFAULT_DRAFTERS / n).is_dir() else n for n in names]
+    block = {"dfly", "dflash", "dflare", "dspark"}
+    ks = ([int(k) for k in args.ks.split(",")] if args.ks else [7 if n in block else 3 for n in names])
+    if len(ks) != len(names):
+        raise SystemExit(f"--ks gives {len(ks)} depths for {len(names)} drafters")
+    matches = [int(m) for m in args.min_match.split(",")]
+
+    configs = []  # (label, K, drafter)
+    for name, folder, k in zip(names, folders, ks, strict=True):
+        configs.append((f"ngram K={k}", k, resolve_drafter("ngram", model, target_dir)))
+        configs.append((f"{name} K={k}", k, resolve_drafter(folder, model, target_dir)))
+        for m in matches:
+            inner = resolve_drafter(folder, model, target_dir)
+            configs.append((f"{name}+ngram (min {m}) K={k}", k, HybridDrafter(inner, min_match=m)))
+    seen, kept = set(), []
+    for label, k, d in configs:  # the lookup alone once per K
+        if label not in seen:
+            seen.add(label)
+            kept.append((label, k, d))
+    print(f"target {target_dir}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, T=0, "
+          f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s), {args.rounds} round(s)\n")
+    width = max(len(label) for label, _, _ in kept) + 2
+    speedups: dict[str, list[float]] = defaultdict(list)
+    for rnd in range(args.rounds):
+        settings = {k: EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=1, num_draft_tokens=k,
+                                    compile=args.compile) for k in sorted(set(ks))}
+        ar = run_decoding(model, prompts, next(iter(settings.values())), None, progress=False)
+        print(f"round {rnd + 1}: AR {ar.overall.tokens_per_s:.1f} tokens/s")
+        for label, k, drafter in kept:
+            before = (drafter.lookup_rounds, drafter.model_rounds) if isinstance(drafter, HybridDrafter) else None
+            spec = run_decoding(model, prompts, settings[k], drafter, progress=False)
+            rep = compare(ar, spec, prompts, name=label)
+            o = rep.overall
+            speedups[label].append(o.speedup)
+            domains = "  ".join(f"{d} {r.speedup:.2f}x" for d, r in rep.domains.items())
+            share = ""
+            if isinstance(drafter, HybridDrafter) and before is not None:
+                lookup, model_rounds = drafter.lookup_rounds - before[0], drafter.model_rounds - before[1]
+                share = f"  lookup {lookup / max(lookup + model_rounds, 1):.0%} of row-rounds"
+            same = "identical" if o.identical == o.prompts else f"DIFFERS ({o.prompts - o.identical})"
+            print(f"  {label:<{width}}{o.speedup:>6.2f}x  MAL {o.spec.mean_accepted_length:.2f}  ({domains}){share}"
+                  f"  {same}", flush=True)
+    print("\nmean speed-up over rounds:")
+    for label, values in speedups.items():
+        print(f"  {label:<{width}}{mean(values):>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""n-gram lookup in front of a model drafter (`decoding/drafters/hybrid.py`): outputs equal AR at T=0 with rounds of
+every kind (all rows from the lookup, all from the model, mixed), the model's context stays exact across the rounds
+it sat out (every later proposal equals a from-scratch recompute), T=1 keeps the target's distribution, and the
+`SPEC+ngram` form of `--drafter` builds one or says why it cannot."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_decoder
+from test_block_engine import sampling_block_drafter
+from test_engine_spec import _sample_spec, assert_target_distributed, dist_case  # noqa: F401
+from test_spec_gate import block_case, eagle3_case, mtp_case, requests
+
+from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter
+from angelspec.decoding.drafters import hybrid as hybrid_module
+from angelspec.decoding.drafters.hybrid import HybridDrafter
+from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
+from angelspec.decoding.loading import resolve_drafter, split_hybrid_spec
+from angelspec.errors import UsageError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountingHybrid(HybridDrafter):
+    """Records each drafted round's kind: how many active rows the lookup drafted, of how many."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kinds: list[str] = []
+
+    def propose(self, state):
+        if state.num_draft_tokens:
+            hits = sum(self.ngram.match(r, state.num_draft_tokens)[0] >= self.min_match and not self._model_first[r]
+                       for r in state.active_rows)
+            self.kinds.append("model" if hits == 0 else "lookup" if hits == len(state.active_rows) else "mixed")
+        return super().propose(state)
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch):
+    """Rounds drafted by the lookup commit up to K + 1 tokens while the model sits out: the model catches up on its
+    next round, and every proposal it makes equals its from-scratch recompute on the committed sequence."""
+    target, drafter, vocab, recompute = case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=batch, num_draft_tokens=3))
+    reqs = requests(vocab, 6, 40, seed=2)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    kinds = set(hybrid.kinds)
+    assert {"lookup", "model"} <= kinds and (batch == 1 or "mixed" in kinds), hybrid.kinds
+    assert hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0
+    assert sum(engine.metrics.accept_hist[2:]) > 0  # some rounds committed several tokens
+    drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]  # the model's own rounds
+    assert drafted and len(drafted) < len(drafter.proposals)  # it sat some rounds out (0 drafts)
+    for seq, drafts in drafted[::2]:
+        assert recompute(seq) == drafts
+
+
+def test_t1_hybrid_keeps_the_target_distribution(dist_case, monkeypatch):  # noqa: F811
+    """T=1 with 4000 rows in one batch: rows with a lookup match take its drafts, the others a DFly drafter's
+    argmax drafts, verified with the deterministic-draft protocol; the first three emitted tokens follow the
+    target's exact distribution (chi-square, alpha 1e-4). (Three tokens are one round: the lookup may take it.)"""
+    monkeypatch.setattr(hybrid_module, "MODEL_FIRST_ROUNDS", 0)
+    tgt, _, joint = dist_case
+    hybrid = CountingHybrid(sampling_block_drafter(tgt, "dfly"), NGramDrafter(max_ngram=2), min_match=1)
+    y, metrics = _sample_spec(tgt, hybrid, None)
+    assert "mixed" in hybrid.kinds and set(metrics.protocols) == {"deterministic"}
+    assert metrics.mean_accepted_length > 1.15 and metrics.acceptance[1] > 0.05  # second drafts get verified too
+    assert_target_distributed(y, joint, "hybrid")
+
+
+def test_hybrid_with_no_lookup_match_passes_the_models_sampled_drafts_through():
+    """No row matches: the model's proposal is returned as it is, so sampled drafts keep standard speculative
+    sampling (the choice of drafter depends on the committed prefix only)."""
+    from test_block_engine import tiny_target
+
+    target = tiny_target()
+    hybrid = CountingHybrid(sampling_block_drafter(target, "dfly"), NGramDrafter(max_ngram=3), min_match=3)
+    seen = []
+    inner_propose = hybrid.inner.propose
+
+    def record(state):
+        p = inner_propose(state)
+        seen.append(p)
+        return p
+
+    hybrid.inner.propose = record
+    from angelspec.decoding.engine import Request
+    from angelspec.decoding.sampling import SamplingParams
+
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=1, num_draft_tokens=3))
+    engine.generate([Request([5, 6, 7], max_new_tokens=2, sampling=SamplingParams(temperature=1.0, seed=0),
+                             stop_ids=())])
+    assert hybrid.kinds[0] == "model" and not seen[0].deterministic and seen[0].probs is not None
+    assert set(engine.metrics.protocols) == {"speculative"}
+
+
+def test_hybrid_refuses_a_drafter_that_caches_its_own_drafts():
+    with pytest.raises(ValueError, match="keeps its own drafts as context"):
+        HybridDrafter(DraftLMDrafter(tiny_decoder(16)))
+    with pytest.raises(ValueError, match=r"min_match must lie in \[1, 3\]"):
+        HybridDrafter(block_case()[1], min_match=4)
+
+
+def test_the_drafter_spec_builds_a_hybrid_or_names_the_problem(tmp_path):
+    from test_block_engine import tiny_block_drafter, tiny_target
+
+    from angelspec.models.block.io import save_block_drafter
+
+    assert split_hybrid_spec("dfly:DIR+ngram") == ("dfly:DIR", (3, 1))
+    assert split_hybrid_spec("DIR+ngram:5") == ("DIR", (5, 1))
+    assert split_hybrid_spec("DIR+ngram:4:2") == ("DIR", (4, 2))
+    assert split_hybrid_spec("a+ngramx/b") == ("a+ngramx/b", None)  # a folder name, not the suffix
+    target = tiny_target()
+    save_block_drafter(tiny_block_drafter(target, "dfly"), tmp_path / "d")
+    built = resolve_drafter(f"{tmp_path / 'd'}+ngram:4", target, tmp_path)
+    assert isinstance(built, HybridDrafter) and built.ngram.max_ngram == 4 and built.min_match == 1
+    for spec, needle in (("ngram+ngram", "in front of a model drafter"),
+                         ("none+ngram", "in front of a model drafter"),
+                         (f"{tmp_path / 'd'}+ngram:0", "positive integer"),
+                         (f"{tmp_path / 'd'}+ngram:2:3", r"min_match must lie in \[1, 2\]"),
+                         (f"{tmp_path / 'd'}+ngram:3:1:1", r"SPEC\+ngram\[:N\[:M\]\]")):
+        with pytest.raises(UsageError, match=needle):
+            resolve_drafter(spec, target, tmp_path)
+
+
+def test_a_draft_lm_with_lookup_in_front_is_refused_with_the_drafters_that_fit():
+    from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_TARGET
+    from angelspec.decoding.loading import load_target_and_tokenizer
+
+    target, _ = load_target_and_tokenizer(DEFAULT_TARGET)
+    with pytest.raises(UsageError, match=r"keeps its own drafts as context.*\(MTP, EAGLE-3, DFlash"):
+        resolve_drafter(f"draft-lm:{DEFAULT_DRAFT_LM}+ngram", target, DEFAULT_TARGET)
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
+def test_a_compiled_hybrid_compiles_nothing_when_requests_end_after_lookup_rounds(case):
+    """A request that ends after lookup rounds leaves the model's commits waiting, and the catch-up before its row
+    is reset ran through the compiled cached forward with that moment's shapes: a compiled MTP hybrid at batch 1
+    recompiled in the middle of a timed eval (chat 0.35x of AR). The catch-up before rows change now runs eagerly:
+    a second run with other requests compiles nothing, and every output is AR's."""
+    from conftest import generate_twice_without_recompiles
+
+    target, drafter, vocab, _ = case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=1)
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=1, num_draft_tokens=3, compile=True,
+                                                     max_seq_len=64))  # one cache size for every call, as eval has
+    first, second = requests(vocab, 2, 20, seed=5), requests(vocab, 6, 40, seed=6)
+    got = generate_twice_without_recompiles(engine, first, second)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, first + second)]
+    assert {"lookup", "model"} <= set(hybrid.kinds)
