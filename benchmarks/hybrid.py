@@ -1,13 +1,16 @@
 """n-gram lookup in front of a model drafter (`decoding/drafters/hybrid.py`) against each part alone, side by side.
 
 In one process, per round: AR on the held-out prompts, then for each drafter folder the lookup alone (`ngram`), the
-model alone and the hybrid at each `--min-match` (the shortest n-gram match whose drafts replace the model's), all at
-the drafter's K. Printed per config and round: speed-up over that round's AR, MAL, per-domain speed-ups, the share
-of row-rounds the lookup drafted, and whether every output equals AR's (T=0). Rounds interleave the configs, so a
-machine whose speed drifts moves all of them alike; read the mean over rounds at the end.
+model alone and the hybrid at each `--min-match` (the shortest n-gram match that replaces the model's drafts; every
+such match does, the default rule) and, with `--measured`, the adaptive rule too (a match drafts where it has paid
+so far: `HybridDrafter(adaptive=True)`), all at the drafter's K. Printed per config and round: speed-up over that
+round's AR, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output equals
+AR's (T=0). Rounds interleave the configs, so a machine whose speed drifts moves all of them alike; read the mean
+over rounds at the end.
 
     .venv/bin/python benchmarks/hybrid.py --compile                                  # shipped DFly, K = 7
     .venv/bin/python benchmarks/hybrid.py --compile --drafters mtp,eagle3 --ks 3,3
+    .venv/bin/python benchmarks/hybrid.py --compile --drafters dfly,mtp --measured --rounds 2
     .venv/bin/python benchmarks/hybrid.py --compile --min-match 1,2,3 --limit 6 --rounds 2
 """
 
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--drafters", default="dfly", help="shipped drafter names or folders, comma-separated")
     ap.add_argument("--ks", default=None, help="K per drafter, comma-separated (default: 7 for block drafters, 3 else)")
     ap.add_argument("--min-match", default="1", help="hybrid variants to run, comma-separated (default: 1)")
+    ap.add_argument("--measured", action="store_true", help="also run each variant with the adaptive rule")
     ap.add_argument("--limit", type=int, default=None, help="prompts per domain (default: all 24)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
@@ -57,8 +61,11 @@ def main() -> None:
         configs.append((f"ngram K={k}", k, resolve_drafter("ngram", model, target_dir)))
         configs.append((f"{name} K={k}", k, resolve_drafter(folder, model, target_dir)))
         for m in matches:
-            inner = resolve_drafter(folder, model, target_dir)
-            configs.append((f"{name}+ngram (min {m}) K={k}", k, HybridDrafter(inner, min_match=m)))
+            for adaptive in (False, True) if args.measured else (False,):
+                inner = resolve_drafter(folder, model, target_dir)
+                rule = "measured" if adaptive else "fixed"
+                configs.append((f"{name}+ngram ({rule}, min {m}) K={k}", k,
+                                HybridDrafter(inner, min_match=m, adaptive=adaptive)))
     seen, kept = set(), []
     for label, k, d in configs:  # the lookup alone once per K
         if label not in seen:

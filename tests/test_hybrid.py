@@ -29,20 +29,22 @@ class CountingHybrid(HybridDrafter):
         self.kinds: list[str] = []
 
     def propose(self, state):
+        p = super().propose(state)
         if state.num_draft_tokens:
-            hits = sum(self.ngram.match(r, state.num_draft_tokens)[0] >= self.min_match and not self._model_first[r]
-                       for r in state.active_rows)
+            hits = sum(1 for n in self._sources.values() if n)
             self.kinds.append("model" if hits == 0 else "lookup" if hits == len(state.active_rows) else "mixed")
-        return super().propose(state)
+        return p
 
 
 @pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch, adaptive):
     """Rounds drafted by the lookup commit up to K + 1 tokens while the model sits out: the model catches up on its
-    next round, and every proposal it makes equals its from-scratch recompute on the committed sequence."""
+    next round, and every proposal it makes equals its from-scratch recompute on the committed sequence. With the
+    measured choice (`adaptive`) as with the fixed rule (every match of min_match or more)."""
     target, drafter, vocab, recompute = case()
-    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2, adaptive=adaptive)
     engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=batch, num_draft_tokens=3))
     reqs = requests(vocab, 6, 40, seed=2)
     got = engine.generate(reqs)
@@ -150,3 +152,32 @@ def test_a_compiled_hybrid_compiles_nothing_when_requests_end_after_lookup_round
     got = generate_twice_without_recompiles(engine, first, second)
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, first + second)]
     assert {"lookup", "model"} <= set(hybrid.kinds)
+
+
+def test_bench_configs_take_the_suffix_before_their_own():
+    from angelspec.eval.serving.sweep import parse_config
+
+    c = parse_config("DFly+NG=dfly:DIR+ngram:3:2@dcut+gate+compile")
+    assert (c.drafter, c.policy, c.spec_gate, c.compile) == ("dfly:DIR+ngram:3:2", "dcut", True, True)
+    c = parse_config("DFly+NG=DIR+ngram+compile")
+    assert (c.drafter, c.policy, c.compile) == ("DIR+ngram", "full", True)
+
+
+def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_not():
+    from angelspec.decoding.drafters.hybrid import LookupChooser
+
+    c = LookupChooser(3, row_alpha=1.0, global_alpha=1.0, probe_every=3)
+    c.reset(2)
+    assert c.prefers_lookup(0, 1)  # nothing measured: the free drafter
+    c.observe_round(0.010, False)  # a lookup round takes 10 ms
+    c.observe_round(0.015, True)  # a model round 15 ms
+    c.observe_accepted(0, 0, 3)  # the model: 3 accepted -> 4 tokens in 15 ms
+    c.observe_accepted(0, 1, 1)  # lookup after a 1-token match: 2 tokens in 10 ms: loses
+    c.observe_accepted(0, 3, 2)  # after a 3-token match: 3 tokens in 10 ms: wins (0.30 vs 0.27 tokens/ms)
+    assert c.prefers_lookup(0, 3)
+    assert [c.prefers_lookup(0, 1) for _ in range(6)] == [False, False, True, False, False, True]  # probes
+    c.start_row(1)  # a new request starts from the drafter-wide means
+    assert c._rows[1]["model"] == 3 and c._rows[1]["lookup"][1] == 1
+    assert not c.prefers_lookup(1, 1)
+    c.observe_round(1.0, False)  # a compile-long round is left out of the mean
+    assert c.lookup_round_s == 0.010

@@ -21,10 +21,15 @@ built before any timed decoding (a lookup-drafted first round put the first comp
 a timed run). Outputs stay identical to AR at
 T = 0 and exact in distribution at T > 0: which drafter drafts depends only on the committed prefix.
 
-Which match is long enough (`min_match`, default 1: the model drafts only where the lookup finds nothing) was
-measured, not derived: with the shipped drafters of the embedded target, compiled at batch 1, a 1-gram match's
-drafts paid better than a model round (`benchmarks/hybrid.py --min-match 1,2,3`). A drafter much stronger than the
-lookup on the text at hand wants a higher bar.
+Every match of `min_match` tokens or more (default 1: the model drafts where the lookup finds nothing) drafts from
+the lookup. With `adaptive=True` a match drafts only where it has paid so far (`LookupChooser`: accepted drafts
+per round of the lookup after an n-token match and of the model, per request, against the measured seconds of a
+round of each kind). How often a short match pays depends on the drafter and the text (with the shipped drafters a
+1-token match paid in code and chat and lost to the model in maths), but measured side by side the adaptive choice
+was not reliably faster (`benchmarks/hybrid.py --measured`: ahead for MTP-3, behind for DFly), so it is not the
+default. It reads host timings, so which drafter drafted a round can differ between runs: outputs stay exact
+(identical to AR at T = 0), but sampled outputs at T > 0 are not bit-reproducible across runs, as with the
+speculation gate.
 
 `--drafter DIR+ngram` (or `KIND:DIR+ngram`; `...+ngram:N:M` for the longest n-gram N and the shortest match M)
 builds one.
@@ -34,6 +39,7 @@ Shape legend: B rows, K draft depth.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -46,11 +52,83 @@ from angelspec.decoding.drafters.ngram import NGramDrafter
 MODEL_FIRST_ROUNDS = 2
 
 
+def _ema(old: float | None, x: float, alpha: float) -> float:
+    return x if old is None else old + alpha * (x - old)
+
+
+class LookupChooser:
+    """Which drafter pays better for a row whose lookup matched n tokens, from what the run has measured: accepted
+    drafts per round of each source (per row, started from the drafter-wide means when a request joins; the lookup
+    per match length n) and the seconds of a whole round of each kind, from proposing to the commit (drafter-wide:
+    rounds the lookup drafted alone, rounds the model drafted in). The lookup wins when
+    (a_lookup(n) + 1) / t_lookup_round >= (a_model + 1) / t_model_round: tokens per second of a round at batch 1. (A
+    model round costs more than its drafting call: timing only the call and pooling the verification of both kinds
+    chose the model too often, and ran slower than drafting every match.) While anything is unknown the lookup, which
+    costs nothing, is tried. A row that keeps declining the lookup takes it every `probe_every`-th time so its
+    estimate stays current; a time above `outlier` times its running mean (a compile, a preempted core) is left
+    out."""
+
+    def __init__(self, max_ngram: int, *, row_alpha: float = 0.3, global_alpha: float = 0.05, probe_every: int = 8,
+                 outlier: float = 4.0) -> None:
+        self.row_alpha, self.global_alpha = row_alpha, global_alpha
+        self.probe_every, self.outlier = probe_every, outlier
+        self.lookup_acc: list[float | None] = [None] * (max_ngram + 1)  # drafter-wide, per match length
+        self.model_acc: float | None = None
+        self.lookup_round_s: float | None = None
+        self.model_round_s: float | None = None
+        self._rows: list[dict] = []
+
+    def reset(self, batch_size: int) -> None:
+        self._rows = [self._fresh() for _ in range(batch_size)]
+
+    def _fresh(self) -> dict:
+        return {"lookup": list(self.lookup_acc), "model": self.model_acc, "declined": 0}
+
+    def start_row(self, r: int) -> None:
+        self._rows[r] = self._fresh()
+
+    def prefers_lookup(self, r: int, n: int) -> bool:
+        row = self._rows[r]
+        a_lookup, a_model = row["lookup"][n], row["model"]
+        if a_lookup is None or a_model is None or self.lookup_round_s is None or self.model_round_s is None:
+            return True
+        if (a_lookup + 1.0) * self.model_round_s >= (a_model + 1.0) * self.lookup_round_s:
+            row["declined"] = 0
+            return True
+        row["declined"] += 1
+        if row["declined"] >= self.probe_every:
+            row["declined"] = 0
+            return True
+        return False
+
+    def observe_accepted(self, r: int, n: int, accepted: int) -> None:
+        """Row r's round drafted by the lookup after a match of n tokens (n = 0: by the model) accepted `accepted`."""
+        row = self._rows[r]
+        if n:
+            row["lookup"][n] = _ema(row["lookup"][n], accepted, self.row_alpha)
+            self.lookup_acc[n] = _ema(self.lookup_acc[n], accepted, self.global_alpha)
+        else:
+            row["model"] = _ema(row["model"], accepted, self.row_alpha)
+            self.model_acc = _ema(self.model_acc, accepted, self.global_alpha)
+
+    def observe_round(self, seconds: float, model_drafted: bool) -> None:
+        """One round's seconds, from proposing to the commit; `model_drafted`: the model drafted in it."""
+        old = self.model_round_s if model_drafted else self.lookup_round_s
+        if old is not None and seconds > self.outlier * old:
+            return
+        if model_drafted:
+            self.model_round_s = _ema(old, seconds, self.global_alpha)
+        else:
+            self.lookup_round_s = _ema(old, seconds, self.global_alpha)
+
+
 class HybridDrafter(WrappedDrafter):
     """`inner` (a model drafter) with `ngram` in front; rows whose n-gram match is at least `min_match` tokens long
-    draft from the lookup. Not registered: it is built around another drafter (`loading.resolve_drafter`)."""
+    draft from the lookup (always, or with `adaptive` where it has paid so far). Not registered: it is built around
+    another drafter (`loading.resolve_drafter`)."""
 
-    def __init__(self, inner: Drafter, ngram: NGramDrafter | None = None, min_match: int | None = None) -> None:
+    def __init__(self, inner: Drafter, ngram: NGramDrafter | None = None, min_match: int | None = None, *,
+                 adaptive: bool = False) -> None:
         if not inner.context_from_commits:
             raise ValueError(f"HybridDrafter: {type(inner).__name__} keeps its own drafts as context, so lookup drafts "
                              "cannot be verified in its place; use a drafter that builds its context from the target's "
@@ -64,6 +142,11 @@ class HybridDrafter(WrappedDrafter):
         self.lookup_rounds = 0  # row-rounds drafted by the lookup since the drafter was built (for reports)
         self.model_rounds = 0  # row-rounds drafted by the model
         self._model_first: list[int] = []  # per row: rounds the model drafts before the lookup may
+        # adaptive: a match of min_match or more drafts when the measured rates say it pays (`LookupChooser`);
+        # else always (the default)
+        self.chooser = LookupChooser(self.ngram.max_ngram) if adaptive else None
+        self._sources: dict[int, int] = {}  # this round: row -> match length its lookup drafts came from, 0 = model
+        self._timing: tuple[float, bool] | None = None  # this round: (start of propose, the model drafted)
 
     @property
     def name(self) -> str:
@@ -73,6 +156,9 @@ class HybridDrafter(WrappedDrafter):
         self.inner.allocate(batch_size, max_len, device=device, slack=slack)
         self.ngram.allocate(batch_size, max_len, device=device, slack=slack)
         self._model_first = [MODEL_FIRST_ROUNDS] * batch_size
+        if self.chooser is not None:
+            self.chooser.reset(batch_size)
+        self._sources, self._timing = {}, None
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
@@ -80,22 +166,31 @@ class HybridDrafter(WrappedDrafter):
         self.ngram.prefill(rows, prompts, first_tokens, ())
         for r in rows:
             self._model_first[r] = MODEL_FIRST_ROUNDS
+            if self.chooser is not None:
+                self.chooser.start_row(r)
 
     def propose(self, state: DraftState) -> Proposal:
         k = state.num_draft_tokens
+        self._sources, self._timing = {}, None
+        start = time.perf_counter()
         if k == 0:  # the speculation gate skipped the round
             return self.inner.propose(state)
         matched: dict[int, list[int]] = {}
+        first_rounds = False
         for r in state.active_rows:
+            self._sources[r] = 0
             if self._model_first[r]:
                 self._model_first[r] -= 1
+                first_rounds = True
                 continue
             n, drafts = self.ngram.match(r, k)
-            if n >= self.min_match:
+            if n >= self.min_match and (self.chooser is None or self.chooser.prefers_lookup(r, n)):
                 matched[r] = drafts
+                self._sources[r] = n
         self.lookup_rounds += len(matched)
         self.model_rounds += len(state.active_rows) - len(matched)
         if not matched:
+            self._timing = None if first_rounds else (start, True)
             return self.inner.propose(state)
         b, dev = state.seq_lens.shape[0], state.seq_lens.device
         rows = torch.tensor(list(matched), dtype=torch.int64, device=dev)  # [m]
@@ -104,7 +199,9 @@ class HybridDrafter(WrappedDrafter):
             self.inner.propose(replace(state, num_draft_tokens=0))  # the model sits this round out
             tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
             tokens[rows] = drafts
+            self._timing = (start, False)
             return Proposal(tokens=tokens, confidences=torch.ones(b, k, device=dev), deterministic=True)
+        self._timing = None if first_rounds else (start, True)
         p = self.inner.propose(replace(state, deterministic=True))
         if not p.deterministic:
             raise ValueError(f"HybridDrafter: {type(self.inner).__name__} proposed sampled drafts when asked for "
@@ -118,6 +215,13 @@ class HybridDrafter(WrappedDrafter):
         return Proposal(tokens=tokens, confidences=conf, lengths=lengths, deterministic=True)
 
     def on_commit(self, commit: Commit) -> None:
+        if self.chooser is not None and self._sources:
+            if self._timing is not None:
+                start, model_drafted = self._timing
+                self.chooser.observe_round(time.perf_counter() - start, model_drafted)
+            for r, n in self._sources.items():
+                self.chooser.observe_accepted(r, n, len(commit.host_tokens[r]) - 1)
+        self._sources, self._timing = {}, None
         self.inner.on_commit(commit)
         self.ngram.on_commit(commit)
 
