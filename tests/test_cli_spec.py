@@ -430,9 +430,10 @@ def test_demo_with_a_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_di
     out = capsys.readouterr().out
     table = out[out.index("AR vs drafters, per domain"):]
     for name in ("AR", "n-gram", "draft-LM", "MTP-3 (shipped)", "DFly (shipped)", "DFly+D-cut (shipped)",
-                 "MTP-3+gate (shipped)", "DFly+D-cut+gate (shipped)", "DFly (2-min demo training)"):
+                 "DFly+n-gram lookup (shipped)", "MTP-3+gate (shipped)", "DFly+D-cut+gate (shipped)",
+                 "DFly (2-min demo training)"):
         assert name in table
-    assert table.count("identical to AR (1/1)") == 24 and "identical to AR (3/3)" in table  # 8 rows x 3 domains
+    assert table.count("identical to AR (1/1)") == 27 and "identical to AR (3/3)" in table  # 9 rows x 3 domains
     assert (tmp_path / "demo" / "dfly" / "config.json").is_file()
     skipped = [line for line in out.splitlines() if "skipped" in line and "prompt longer than context" not in line]
     assert {("EAGLE-3" in line) or ("DSpark" in line) or ("eagle3" in line) or ("dspark" in line)
