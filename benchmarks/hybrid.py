@@ -24,6 +24,7 @@ import torch
 
 from angelspec.assets import DEFAULT_DRAFTERS, EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafters.base import Drafter
 from angelspec.decoding.drafters.hybrid import HybridDrafter
 from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
 from angelspec.eval.prompts import eval_prompts
@@ -56,28 +57,25 @@ def main() -> None:
         raise SystemExit(f"--ks gives {len(ks)} depths for {len(names)} drafters")
     matches = [int(m) for m in args.min_match.split(",")]
 
-    configs = []  # (label, K, drafter)
+    configs: dict[str, tuple[int, Drafter]] = {}  # label -> (K, drafter), in run order
     for name, folder, k in zip(names, folders, ks, strict=True):
-        configs.append((f"ngram K={k}", k, resolve_drafter("ngram", model, target_dir)))
-        configs.append((f"{name} K={k}", k, resolve_drafter(folder, model, target_dir)))
+        if f"ngram K={k}" not in configs:  # the lookup alone once per K
+            configs[f"ngram K={k}"] = (k, resolve_drafter("ngram", model, target_dir))
+        configs[f"{name} K={k}"] = (k, resolve_drafter(folder, model, target_dir))
         for m in matches:
             for adaptive in (False, True) if args.measured else (False,):
                 inner = resolve_drafter(folder, model, target_dir)
                 rule = "measured" if adaptive else "fixed"
-                configs.append((f"{name}+ngram ({rule}, min {m}) K={k}", k,
-                                HybridDrafter(inner, min_match=m, adaptive=adaptive)))
-    seen, kept = set(), []
-    for label, k, d in configs:  # the lookup alone once per K
-        if label not in seen:
-            seen.add(label)
-            kept.append((label, k, d))
+                configs[f"{name}+ngram ({rule}, min {m}) K={k}"] = (k, HybridDrafter(inner, min_match=m,
+                                                                                      adaptive=adaptive))
+    kept = [(label, k, d) for label, (k, d) in configs.items()]
     print(f"target {target_dir}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, T=0, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s), {args.rounds} round(s)\n")
     width = max(len(label) for label, _, _ in kept) + 2
     speedups: dict[str, list[float]] = defaultdict(list)
+    settings = {k: EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=1, num_draft_tokens=k,
+                                compile=args.compile) for k in sorted(set(ks))}
     for rnd in range(args.rounds):
-        settings = {k: EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=1, num_draft_tokens=k,
-                                    compile=args.compile) for k in sorted(set(ks))}
         ar = run_decoding(model, prompts, next(iter(settings.values())), None, progress=False)
         print(f"round {rnd + 1}: AR {ar.overall.tokens_per_s:.1f} tokens/s")
         for label, k, drafter in kept:

@@ -121,6 +121,7 @@ def test_the_drafter_spec_builds_a_hybrid_or_names_the_problem(tmp_path):
     for spec, needle in (("ngram+ngram", "in front of a model drafter"),
                          ("none+ngram", "in front of a model drafter"),
                          (f"{tmp_path / 'd'}+ngram:0", "positive integer"),
+                         (f"{tmp_path / 'd'}+ngram:3:x", "positive integer M"),
                          (f"{tmp_path / 'd'}+ngram:2:3", r"min_match must lie in \[1, 2\]"),
                          (f"{tmp_path / 'd'}+ngram:3:1:1", r"SPEC\+ngram\[:N\[:M\]\]")):
         with pytest.raises(UsageError, match=needle):

@@ -143,7 +143,8 @@ def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int] | None]:
         raise UsageError(f"drafter {spec!r}: expected SPEC{HYBRID_SUFFIX}[:N[:M]] (N the longest n-gram to match, "
                          "M the shortest match that replaces the model's drafts)")
     n = _ngram_size(spec, parts[0]) if parts else 3
-    m = _ngram_size(spec, parts[1]) if len(parts) == 2 else 1
+    m = _ngram_size(spec, parts[1], what=f"{HYBRID_SUFFIX}:N:M needs a positive integer M (the shortest match that "
+                    "replaces the model's drafts)") if len(parts) == 2 else 1
     return base, (n, m)
 
 
@@ -181,14 +182,14 @@ def drafter_forms(include_none: bool = True) -> str:
            f"`angelspec train`); a model drafter's SPEC{HYBRID_SUFFIX}[:N[:M]] puts n-gram lookup in front of it"
 
 
-def _ngram_size(spec: str, arg: str) -> int:
+def _ngram_size(spec: str, arg: str,
+                what: str = "ngram:N needs a positive integer N (the longest n-gram to match)") -> int:
     try:
         n = int(arg)
     except ValueError:
         n = 0
     if n < 1:
-        raise UsageError(f"drafter {spec!r}: ngram:N needs a positive integer N (the longest n-gram to match), "
-                         f"got {arg!r}")
+        raise UsageError(f"drafter {spec!r}: {what}, got {arg!r}")
     return n
 
 

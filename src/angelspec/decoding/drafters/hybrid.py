@@ -148,10 +148,6 @@ class HybridDrafter(WrappedDrafter):
         self._sources: dict[int, int] = {}  # this round: row -> match length its lookup drafts came from, 0 = model
         self._timing: tuple[float, bool] | None = None  # this round: (start of propose, the model drafted)
 
-    @property
-    def name(self) -> str:
-        return f"{type(self.inner).__name__}+ngram"
-
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
         self.inner.allocate(batch_size, max_len, device=device, slack=slack)
         self.ngram.allocate(batch_size, max_len, device=device, slack=slack)
