@@ -765,11 +765,6 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
     step) runs the compiled one-token verify forward, not an eager one (that made n-gram's no-match steps cost an
     eager AR step each), and that graph is compiled when the run starts, never in the middle of it."""
 
-    # Every earlier test's compiled engine left entries in dynamo's per-function cache (a new tiny target each time);
-    # past `recompile_limit` dynamo runs a frame eagerly, which this test counts as an eager forward. Run after
-    # test_mtp, test_block_engine, test_eagle3 and test_spec_gate in one process it failed so (alone, and in the
-    # suite's alphabetical order, it passed); starting from an empty cache it passes in both.
-    torch._dynamo.reset()
     requests, ar_tokens, continuations = greedy_case
     forward = target.forward
     eager_calls = []
