@@ -1,12 +1,13 @@
 """n-gram lookup in front of a model drafter (`decoding/drafters/hybrid.py`) against each part alone, side by side.
 
-In one process, per round: AR on the held-out prompts, then for each drafter folder the lookup alone (`ngram`), the
+In one process, per round, for each drafter folder: the lookup alone (`ngram`), the
 model alone and the hybrid at each `--min-match` (the shortest n-gram match that replaces the model's drafts; every
 such match does, the default rule) and, with `--measured`, the adaptive rule too (a match drafts where it has paid
 so far: `HybridDrafter(adaptive=True)`), all at the drafter's K. Printed per config and round: speed-up over that
-round's AR, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output equals
-AR's (T=0). Rounds interleave the configs, so a machine whose speed drifts moves all of them alike; read the mean
-over rounds at the end.
+config's own AR run, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output
+equals AR's (T=0). Every config is timed right after an AR run on the same prompts and its speed-up is over that
+run; rounds interleave the configs. (This machine's speed drifts by a third within minutes: measured against one AR
+run at the start of a round, whole rounds moved together.) Read the mean over rounds at the end.
 
     .venv/bin/python benchmarks/hybrid.py --compile                                  # shipped DFly, K = 7
     .venv/bin/python benchmarks/hybrid.py --compile --drafters mtp,eagle3 --ks 3,3
@@ -17,6 +18,7 @@ over rounds at the end.
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections import defaultdict
 from statistics import mean
 
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--drafters", default="dfly", help="shipped drafter names or folders, comma-separated")
     ap.add_argument("--ks", default=None, help="K per drafter, comma-separated (default: 7 for block drafters, 3 else)")
     ap.add_argument("--min-match", default="1", help="hybrid variants to run, comma-separated (default: 1)")
+    ap.add_argument("--model-depths", default="", help="hybrid variants whose model drafts at most D per round, "
+                    "comma-separated (default: only D = K)")
     ap.add_argument("--measured", action="store_true", help="also run each variant with the adaptive rule")
     ap.add_argument("--limit", type=int, default=None, help="prompts per domain (default: all 24)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -56,18 +60,18 @@ def main() -> None:
     if len(ks) != len(names):
         raise SystemExit(f"--ks gives {len(ks)} depths for {len(names)} drafters")
     matches = [int(m) for m in args.min_match.split(",")]
+    depths = [int(d) for d in args.model_depths.split(",")] if args.model_depths else [None]
 
     configs: dict[str, tuple[int, Drafter]] = {}  # label -> (K, drafter), in run order
     for name, folder, k in zip(names, folders, ks, strict=True):
         if f"ngram K={k}" not in configs:  # the lookup alone once per K
             configs[f"ngram K={k}"] = (k, resolve_drafter("ngram", model, target_dir))
         configs[f"{name} K={k}"] = (k, resolve_drafter(folder, model, target_dir))
-        for m in matches:
-            for adaptive in (False, True) if args.measured else (False,):
-                inner = resolve_drafter(folder, model, target_dir)
-                rule = "measured" if adaptive else "fixed"
-                configs[f"{name}+ngram ({rule}, min {m}) K={k}"] = (k, HybridDrafter(inner, min_match=m,
-                                                                                      adaptive=adaptive))
+        for m, d, adaptive in itertools.product(matches, depths, (False, True) if args.measured else (False,)):
+            inner = resolve_drafter(folder, model, target_dir)
+            rule = ("measured" if adaptive else "fixed") + ("" if d is None or d >= k else f", model D={d}")
+            configs[f"{name}+ngram ({rule}, min {m}) K={k}"] = (k, HybridDrafter(inner, min_match=m, adaptive=adaptive,
+                                                                                  model_depth=d))
     kept = [(label, k, d) for label, (k, d) in configs.items()]
     print(f"target {target_dir}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, T=0, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s), {args.rounds} round(s)\n")
@@ -76,9 +80,9 @@ def main() -> None:
     settings = {k: EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=1, num_draft_tokens=k,
                                 compile=args.compile) for k in sorted(set(ks))}
     for rnd in range(args.rounds):
-        ar = run_decoding(model, prompts, next(iter(settings.values())), None, progress=False)
-        print(f"round {rnd + 1}: AR {ar.overall.tokens_per_s:.1f} tokens/s")
+        print(f"round {rnd + 1}:")
         for label, k, drafter in kept:
+            ar = run_decoding(model, prompts, settings[k], None, progress=False)  # the config's own AR run
             before = (drafter.lookup_rounds, drafter.model_rounds) if isinstance(drafter, HybridDrafter) else None
             spec = run_decoding(model, prompts, settings[k], drafter, progress=False)
             rep = compare(ar, spec, prompts, name=label)
@@ -91,7 +95,7 @@ def main() -> None:
                 share = f"  lookup {lookup / max(lookup + model_rounds, 1):.0%} of row-rounds"
             same = "identical" if o.identical == o.prompts else f"DIFFERS ({o.prompts - o.identical})"
             print(f"  {label:<{width}}{o.speedup:>6.2f}x  MAL {o.spec.mean_accepted_length:.2f}  ({domains}){share}"
-                  f"  {same}", flush=True)
+                  f"  {same}  (AR {o.ar.tokens_per_s:.0f} tokens/s)", flush=True)
     print("\nmean speed-up over rounds:")
     for label, values in speedups.items():
         print(f"  {label:<{width}}{mean(values):>6.2f}x")

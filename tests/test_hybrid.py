@@ -38,13 +38,16 @@ class CountingHybrid(HybridDrafter):
 
 @pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch, adaptive):
+@pytest.mark.parametrize(("adaptive", "model_depth"), [(False, None), (True, None), (False, 2)],
+                         ids=["fixed", "adaptive", "shallow-model"])
+def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch, adaptive, model_depth):
     """Rounds drafted by the lookup commit up to K + 1 tokens while the model sits out: the model catches up on its
     next round, and every proposal it makes equals its from-scratch recompute on the committed sequence. With the
-    measured choice (`adaptive`) as with the fixed rule (every match of min_match or more)."""
+    measured choice (`adaptive`) as with the fixed rule (every match of min_match or more), and with the model
+    drafting fewer than the lookup's K (`model_depth`)."""
     target, drafter, vocab, recompute = case()
-    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2, adaptive=adaptive)
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2, adaptive=adaptive,
+                            model_depth=model_depth)
     engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=batch, num_draft_tokens=3))
     reqs = requests(vocab, 6, 40, seed=2)
     got = engine.generate(reqs)
@@ -56,16 +59,22 @@ def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch, adap
     drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]  # the model's own rounds
     assert drafted and len(drafted) < len(drafter.proposals)  # it sat some rounds out (0 drafts)
     for seq, drafts in drafted[::2]:
-        assert recompute(seq) == drafts
+        assert recompute(seq)[: len(drafts)] == drafts
+    if model_depth is not None:  # the model drafted model_depth per round; lookup rounds still verified K
+        assert {len(d) for _, d in drafted} == {model_depth}
+        assert max(i for i, n in enumerate(engine.metrics.accept_hist) if n) > model_depth  # accepted drafts
 
 
-def test_t1_hybrid_keeps_the_target_distribution(dist_case, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("model_depth", [None, 1], ids=["model-K", "model-1"])
+def test_t1_hybrid_keeps_the_target_distribution(dist_case, monkeypatch, model_depth):  # noqa: F811
     """T=1 with 4000 rows in one batch: rows with a lookup match take its drafts, the others a DFly drafter's
-    argmax drafts, verified with the deterministic-draft protocol; the first three emitted tokens follow the
-    target's exact distribution (chi-square, alpha 1e-4). (Three tokens are one round: the lookup may take it.)"""
+    argmax drafts (K of them, or one: `model_depth`), verified with the deterministic-draft protocol; the first
+    three emitted tokens follow the target's exact distribution (chi-square, alpha 1e-4). (Three tokens are one
+    round: the lookup may take it.)"""
     monkeypatch.setattr(hybrid_module, "MODEL_FIRST_ROUNDS", 0)
     tgt, _, joint = dist_case
-    hybrid = CountingHybrid(sampling_block_drafter(tgt, "dfly"), NGramDrafter(max_ngram=2), min_match=1)
+    hybrid = CountingHybrid(sampling_block_drafter(tgt, "dfly"), NGramDrafter(max_ngram=2), min_match=1,
+                            model_depth=model_depth)
     y, metrics = _sample_spec(tgt, hybrid, None)
     assert "mixed" in hybrid.kinds and set(metrics.protocols) == {"deterministic"}
     assert metrics.mean_accepted_length > 1.15 and metrics.acceptance[1] > 0.05  # second drafts get verified too
@@ -110,20 +119,24 @@ def test_the_drafter_spec_builds_a_hybrid_or_names_the_problem(tmp_path):
 
     from angelspec.models.block.io import save_block_drafter
 
-    assert split_hybrid_spec("dfly:DIR+ngram") == ("dfly:DIR", (3, 1))
-    assert split_hybrid_spec("DIR+ngram:5") == ("DIR", (5, 1))
-    assert split_hybrid_spec("DIR+ngram:4:2") == ("DIR", (4, 2))
+    assert split_hybrid_spec("dfly:DIR+ngram") == ("dfly:DIR", (3, 1, None))
+    assert split_hybrid_spec("DIR+ngram:5") == ("DIR", (5, 1, None))
+    assert split_hybrid_spec("DIR+ngram:4:2") == ("DIR", (4, 2, None))
+    assert split_hybrid_spec("DIR+ngram:4:2:3") == ("DIR", (4, 2, 3))
     assert split_hybrid_spec("a+ngramx/b") == ("a+ngramx/b", None)  # a folder name, not the suffix
     target = tiny_target()
     save_block_drafter(tiny_block_drafter(target, "dfly"), tmp_path / "d")
     built = resolve_drafter(f"{tmp_path / 'd'}+ngram:4", target, tmp_path)
     assert isinstance(built, HybridDrafter) and built.ngram.max_ngram == 4 and built.min_match == 1
+    assert built.model_depth is None
+    assert resolve_drafter(f"{tmp_path / 'd'}+ngram:3:1:2", target, tmp_path).model_depth == 2
     for spec, needle in (("ngram+ngram", "in front of a model drafter"),
                          ("none+ngram", "in front of a model drafter"),
                          (f"{tmp_path / 'd'}+ngram:0", "positive integer"),
                          (f"{tmp_path / 'd'}+ngram:3:x", "positive integer M"),
                          (f"{tmp_path / 'd'}+ngram:2:3", r"min_match must lie in \[1, 2\]"),
-                         (f"{tmp_path / 'd'}+ngram:3:1:1", r"SPEC\+ngram\[:N\[:M\]\]")):
+                         (f"{tmp_path / 'd'}+ngram:3:1:0", "positive integer D"),
+                         (f"{tmp_path / 'd'}+ngram:3:1:1:1", r"SPEC\+ngram\[:N\[:M\[:D\]\]\]")):
         with pytest.raises(UsageError, match=needle):
             resolve_drafter(spec, target, tmp_path)
 

@@ -129,35 +129,39 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     return drafter
 
 
-HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
+HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
+HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
 
 
-def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int] | None]:
-    """`SPEC+ngram[:N[:M]]` -> (SPEC, (N, M)): the longest n-gram N to match (default 3) and the shortest match M
-    whose drafts replace the model's (default 1); any other spec -> (spec, None)."""
+def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int, int | None] | None]:
+    """`SPEC+ngram[:N[:M[:D]]]` -> (SPEC, (N, M, D)): the longest n-gram N to match (default 3), the shortest match M
+    whose drafts replace the model's (default 1) and the most drafts D the model proposes in a round (default None:
+    the engine's K, as the lookup); any other spec -> (spec, None)."""
     base, plus, tail = spec.rpartition(HYBRID_SUFFIX)
     if not plus or (tail and not tail.startswith(":")):
         return spec, None
     parts = tail[1:].split(":") if tail else []
-    if len(parts) > 2:
-        raise UsageError(f"drafter {spec!r}: expected SPEC{HYBRID_SUFFIX}[:N[:M]] (N the longest n-gram to match, "
-                         "M the shortest match that replaces the model's drafts)")
+    if len(parts) > 3:
+        raise UsageError(f"drafter {spec!r}: expected {HYBRID_FORM} (N the longest n-gram to match, M the shortest "
+                         "match that replaces the model's drafts, D the most drafts the model proposes in a round)")
     n = _ngram_size(spec, parts[0]) if parts else 3
     m = _ngram_size(spec, parts[1], what=f"{HYBRID_SUFFIX}:N:M needs a positive integer M (the shortest match that "
-                    "replaces the model's drafts)") if len(parts) == 2 else 1
-    return base, (n, m)
+                    "replaces the model's drafts)") if len(parts) >= 2 else 1
+    d = _ngram_size(spec, parts[2], what=f"{HYBRID_SUFFIX}:N:M:D needs a positive integer D (the most drafts the "
+                    "model proposes in a round)") if len(parts) == 3 else None
+    return base, (n, m, d)
 
 
-def _hybrid(spec: str, inner: Drafter | None, lookup: tuple[int, int]) -> Drafter:
+def _hybrid(spec: str, inner: Drafter | None, lookup: tuple[int, int, int | None]) -> Drafter:
     from angelspec.decoding.drafters.hybrid import HybridDrafter
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
     if inner is None or isinstance(inner, NGramDrafter):
         raise UsageError(f"drafter {spec!r}: {HYBRID_SUFFIX} puts n-gram lookup in front of a model drafter, "
                          f"e.g. dfly:DIR{HYBRID_SUFFIX}; for lookup alone pass ngram")
-    max_ngram, min_match = lookup
+    max_ngram, min_match, model_depth = lookup
     try:
-        return HybridDrafter(inner, NGramDrafter(max_ngram=max_ngram), min_match=min_match)
+        return HybridDrafter(inner, NGramDrafter(max_ngram=max_ngram), min_match=min_match, model_depth=model_depth)
     except ValueError as e:
         raise UsageError(f"drafter {spec!r}: {e}") from None
 
@@ -179,7 +183,7 @@ def drafter_forms(include_none: bool = True) -> str:
     saved = ", ".join(f"{k}:DIR" for k in kinds)
     none = "none, " if include_none else ""
     return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
-           f"`angelspec train`); a model drafter's SPEC{HYBRID_SUFFIX}[:N[:M]] puts n-gram lookup in front of it"
+           f"`angelspec train`); a model drafter's {HYBRID_FORM} puts n-gram lookup in front of it"
 
 
 def _ngram_size(spec: str, arg: str,

@@ -31,8 +31,16 @@ default. It reads host timings, so which drafter drafted a round can differ betw
 (identical to AR at T = 0), but sampled outputs at T > 0 are not bit-reproducible across runs, as with the
 speculation gate.
 
-`--drafter DIR+ngram` (or `KIND:DIR+ngram`; `...+ngram:N:M` for the longest n-gram N and the shortest match M)
-builds one.
+`model_depth` D < K caps the model's drafts: the lookup still verifies up to the engine's K after a match (a copied
+stretch is often right for many tokens), while the model proposes D argmax drafts (`Proposal.lengths`), so its rounds
+verify D + 1 positions and run D head steps instead of K. A model's acceptance falls with depth and a verified
+position costs the target the same whoever drafted it, so the best D for the model is usually below the lookup's
+best K (measured in `benchmarks/hybrid.py --model-depths`). With D set the model always drafts argmax drafts, also
+at T > 0 where no row matched, verified with the deterministic-draft protocol (exact; per-row lengths are refused
+under standard speculative sampling).
+
+`--drafter DIR+ngram` (or `KIND:DIR+ngram`; `...+ngram:N:M:D` for the longest n-gram N, the shortest match M and
+the model's depth D) builds one.
 
 Shape legend: B rows, K draft depth.
 """
@@ -128,7 +136,7 @@ class HybridDrafter(WrappedDrafter):
     another drafter (`loading.resolve_drafter`)."""
 
     def __init__(self, inner: Drafter, ngram: NGramDrafter | None = None, min_match: int | None = None, *,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, model_depth: int | None = None) -> None:
         if not inner.context_from_commits:
             raise ValueError(f"HybridDrafter: {type(inner).__name__} keeps its own drafts as context, so lookup drafts "
                              "cannot be verified in its place; use a drafter that builds its context from the target's "
@@ -139,6 +147,10 @@ class HybridDrafter(WrappedDrafter):
         if not self.ngram.min_ngram <= self.min_match <= self.ngram.max_ngram:
             raise ValueError(f"HybridDrafter: min_match must lie in [{self.ngram.min_ngram}, {self.ngram.max_ngram}] "
                              f"(the n-gram lengths the lookup matches), got {self.min_match}")
+        if model_depth is not None and model_depth < 1:
+            raise ValueError(f"HybridDrafter: model_depth must be a positive number of drafts, got {model_depth}")
+        # at most this many model drafts per round (None: the engine's K, as the lookup); argmax drafts then
+        self.model_depth = model_depth
         self.lookup_rounds = 0  # row-rounds drafted by the lookup since the drafter was built (for reports)
         self.model_rounds = 0  # row-rounds drafted by the model
         self._model_first: list[int] = []  # per row: rounds the model drafts before the lookup may
@@ -185,30 +197,37 @@ class HybridDrafter(WrappedDrafter):
                 self._sources[r] = n
         self.lookup_rounds += len(matched)
         self.model_rounds += len(state.active_rows) - len(matched)
-        if not matched:
+        shallow = self.model_depth is not None and self.model_depth < k
+        if not matched and not shallow:
             self._timing = None if first_rounds else (start, True)
             return self.inner.propose(state)
         b, dev = state.seq_lens.shape[0], state.seq_lens.device
         rows = torch.tensor(list(matched), dtype=torch.int64, device=dev)  # [m]
-        drafts = torch.tensor(list(matched.values()), dtype=torch.int64, device=dev)  # [m, K]
-        if len(matched) == len(state.active_rows):
+        drafts = torch.tensor(list(matched.values()), dtype=torch.int64, device=dev).view(-1, k)  # [m, K]
+        if matched and len(matched) == len(state.active_rows):
             self.inner.propose(replace(state, num_draft_tokens=0))  # the model sits this round out
             tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
             tokens[rows] = drafts
             self._timing = (start, False)
             return Proposal(tokens=tokens, confidences=torch.ones(b, k, device=dev), deterministic=True)
         self._timing = None if first_rounds else (start, True)
-        p = self.inner.propose(replace(state, deterministic=True))
+        d = min(self.model_depth, k) if shallow else k  # type: ignore[type-var]
+        p = self.inner.propose(replace(state, num_draft_tokens=d, deterministic=True))
         if not p.deterministic:
             raise ValueError(f"HybridDrafter: {type(self.inner).__name__} proposed sampled drafts when asked for "
                              "deterministic ones (DraftState.deterministic); it cannot share a round with n-gram "
                              "lookup")
-        tokens = p.tokens.clone()
-        tokens[rows] = drafts
-        conf = torch.ones(b, k, device=dev) if p.confidences is None else p.confidences.clone()
-        conf[rows] = 1.0
-        lengths = None if p.lengths is None else p.lengths.clone().index_fill_(0, rows, k)
-        return Proposal(tokens=tokens, confidences=conf, lengths=lengths, deterministic=True)
+        tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
+        tokens[:, :d] = p.tokens
+        conf = torch.zeros(b, k, device=dev)
+        conf[:, :d] = 1.0 if p.confidences is None else p.confidences
+        lengths = torch.full((b,), d, dtype=torch.int64, device=dev) if p.lengths is None else p.lengths.clone()
+        if matched:
+            tokens[rows] = drafts
+            conf[rows] = 1.0
+            lengths.index_fill_(0, rows, k)
+        return Proposal(tokens=tokens, confidences=conf, lengths=None if d == k and p.lengths is None else lengths,
+                        deterministic=True)
 
     def on_commit(self, commit: Commit) -> None:
         if self.chooser is not None and self._sources:
