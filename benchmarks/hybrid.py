@@ -1,24 +1,33 @@
 """n-gram lookup in front of a model drafter (`decoding/drafters/hybrid.py`) against each part alone, side by side.
 
-In one process, per round, for each drafter folder: the lookup alone (`ngram`), the
-model alone and the hybrid at each `--min-match` (the shortest n-gram match that replaces the model's drafts; every
-such match does, the default rule) and, with `--measured`, the adaptive rule too (a match drafts where it has paid
-so far: `HybridDrafter(adaptive=True)`), all at the drafter's K. Printed per config and round: speed-up over that
-config's own AR run, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output
-equals AR's (T=0). Every config is timed right after an AR run on the same prompts and its speed-up is over that
-run; rounds interleave the configs. (This machine's speed drifts by a third within minutes: measured against one AR
-run at the start of a round, whole rounds moved together.) Read the mean over rounds at the end.
+In one process, per round, for each drafter folder: the lookup alone (`ngram`), the model alone and the hybrid at
+each `--min-match` (the shortest n-gram match that replaces the model's drafts; every such match does, the default
+rule) and, with `--measured`, the adaptive rule too (a match drafts where it has paid so far:
+`HybridDrafter(adaptive=True)`), all at the drafter's K. Printed per config and round: speed-up over that config's
+own AR run, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output equals
+AR's (T=0). Every config is timed right after an AR run on the same prompts and its speed-up is over that run;
+rounds interleave the configs. (This machine's speed drifts by a third within minutes: measured against one AR run
+at the start of a round, whole rounds moved together.) Read the mean over rounds at the end.
 
     .venv/bin/python benchmarks/hybrid.py --compile                                  # shipped DFly, K = 7
     .venv/bin/python benchmarks/hybrid.py --compile --drafters mtp,eagle3 --ks 3,3
     .venv/bin/python benchmarks/hybrid.py --compile --drafters dfly,mtp --measured --rounds 2
     .venv/bin/python benchmarks/hybrid.py --compile --min-match 1,2,3 --limit 6 --rounds 2
+
+Per round kind, each config also prints what a round costs and commits: for the lookup alone, rounds where it
+found a match against rounds without one (plain steps); for a hybrid, rounds every row took from the lookup against
+rounds the model drafted in (`HybridDrafter.round_stats`, without each request's first two rounds). Rounds over a
+second (a compile) are left out; the warm-up's other rounds count. "AR" is the config's own AR run's time per token,
+so "tokens per AR" above 1 is a round kind that pays, and the hybrid beats the lookup alone when its model rounds
+pay more than the lookup's rounds without a match. `--model-depths 3,7` also runs hybrids whose model drafts at
+most D per round while the lookup drafts K (`HybridDrafter(model_depth=D)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from collections import defaultdict
 from statistics import mean
 
@@ -27,10 +36,52 @@ import torch
 from angelspec.assets import DEFAULT_DRAFTERS, EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.drafters.base import Drafter
-from angelspec.decoding.drafters.hybrid import HybridDrafter
+from angelspec.decoding.drafters.hybrid import COMPILE_S, HybridDrafter
+from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
 from angelspec.eval.prompts import eval_prompts
 from angelspec.eval.speculative import EvalSettings, compare, run_decoding
+
+
+class SplitNGram(NGramDrafter):
+    """n-gram lookup that keeps, like `HybridDrafter.round_stats`, [rounds, seconds, tokens] per round kind: "match"
+    (every active row's lookup found a match), "no match" (some row drafts nothing)."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        super().__init__(max_ngram=max_ngram)
+        self.round_stats: dict[str, list[float]] = {"match": [0, 0.0, 0], "no match": [0, 0.0, 0]}
+        self._round: tuple[float, str, tuple[int, ...]] | None = None
+
+    def propose(self, state):
+        start = time.perf_counter()
+        matched = all(self.match(r, state.num_draft_tokens)[0] for r in state.active_rows)
+        self._round = (start, "match" if matched else "no match", state.active_rows)
+        return super().propose(state)
+
+    def on_commit(self, commit) -> None:
+        if self._round is not None:
+            start, kind, rows = self._round
+            seconds = time.perf_counter() - start
+            if seconds < COMPILE_S:
+                stats = self.round_stats[kind]
+                stats[0] += 1
+                stats[1] += seconds
+                stats[2] += sum(len(commit.host_tokens[r]) for r in rows)
+            self._round = None
+        super().on_commit(commit)
+
+
+def round_split(before: dict[str, list[float]], after: dict[str, list[float]], ar_ms_per_token: float) -> str:
+    """'kind: n rounds, ms per round (in AR tokens' time), tokens per round, tokens per AR token's time' per kind."""
+    parts = []
+    for kind, (n1, s1, t1) in after.items():
+        n0, s0, t0 = before[kind]
+        n, ms, tokens = n1 - n0, 1000 * (s1 - s0), t1 - t0
+        if n:
+            cost = ms / n / ar_ms_per_token
+            parts.append(f"{kind}: {n:.0f} rounds, {ms / n:.2f} ms ({cost:.2f} AR), {tokens / n:.2f} tokens, "
+                         f"{tokens / n / cost:.2f} tokens per AR")
+    return "; ".join(parts)
 
 
 def main() -> None:
@@ -65,7 +116,7 @@ def main() -> None:
     configs: dict[str, tuple[int, Drafter]] = {}  # label -> (K, drafter), in run order
     for name, folder, k in zip(names, folders, ks, strict=True):
         if f"ngram K={k}" not in configs:  # the lookup alone once per K
-            configs[f"ngram K={k}"] = (k, resolve_drafter("ngram", model, target_dir))
+            configs[f"ngram K={k}"] = (k, SplitNGram())
         configs[f"{name} K={k}"] = (k, resolve_drafter(folder, model, target_dir))
         for m, d, adaptive in itertools.product(matches, depths, (False, True) if args.measured else (False,)):
             inner = resolve_drafter(folder, model, target_dir)
@@ -84,6 +135,8 @@ def main() -> None:
         for label, k, drafter in kept:
             ar = run_decoding(model, prompts, settings[k], None, progress=False)  # the config's own AR run
             before = (drafter.lookup_rounds, drafter.model_rounds) if isinstance(drafter, HybridDrafter) else None
+            stats = getattr(drafter, "round_stats", None)
+            stats_before = None if stats is None else {kind: list(v) for kind, v in stats.items()}
             spec = run_decoding(model, prompts, settings[k], drafter, progress=False)
             rep = compare(ar, spec, prompts, name=label)
             o = rep.overall
@@ -96,6 +149,8 @@ def main() -> None:
             same = "identical" if o.identical == o.prompts else f"DIFFERS ({o.prompts - o.identical})"
             print(f"  {label:<{width}}{o.speedup:>6.2f}x  MAL {o.spec.mean_accepted_length:.2f}  ({domains}){share}"
                   f"  {same}  (AR {o.ar.tokens_per_s:.0f} tokens/s)", flush=True)
+            if stats is not None and stats_before is not None:
+                print(f"      {round_split(stats_before, stats, 1000 / o.ar.tokens_per_s)}", flush=True)
     print("\nmean speed-up over rounds:")
     for label, values in speedups.items():
         print(f"  {label:<{width}}{mean(values):>6.2f}x")

@@ -58,6 +58,7 @@ from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Propos
 from angelspec.decoding.drafters.ngram import NGramDrafter
 
 MODEL_FIRST_ROUNDS = 2
+COMPILE_S = 1.0  # a round this long compiled a graph: left out of `round_stats`
 
 
 def _ema(old: float | None, x: float, alpha: float) -> float:
@@ -159,6 +160,10 @@ class HybridDrafter(WrappedDrafter):
         self.chooser = LookupChooser(self.ngram.max_ngram) if adaptive else None
         self._sources: dict[int, int] = {}  # this round: row -> match length its lookup drafts came from, 0 = model
         self._timing: tuple[float, bool] | None = None  # this round: (start of propose, the model drafted)
+        # for reports: per round kind ("lookup": every active row drafted from the lookup, "model": the model drafted
+        # in it), [rounds, seconds from proposing to the commit, tokens committed]; a request's first rounds and
+        # rounds over COMPILE_S (a compile) are left out
+        self.round_stats: dict[str, list[float]] = {"lookup": [0, 0.0, 0], "model": [0, 0.0, 0]}
 
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
         self.inner.allocate(batch_size, max_len, device=device, slack=slack)
@@ -230,10 +235,17 @@ class HybridDrafter(WrappedDrafter):
                         deterministic=True)
 
     def on_commit(self, commit: Commit) -> None:
-        if self.chooser is not None and self._sources:
-            if self._timing is not None:
-                start, model_drafted = self._timing
-                self.chooser.observe_round(time.perf_counter() - start, model_drafted)
+        if self._timing is not None and self._sources:
+            start, model_drafted = self._timing
+            seconds = time.perf_counter() - start
+            if seconds < COMPILE_S:
+                stats = self.round_stats["model" if model_drafted else "lookup"]
+                stats[0] += 1
+                stats[1] += seconds
+                stats[2] += sum(len(commit.host_tokens[r]) for r in self._sources)
+            if self.chooser is not None:
+                self.chooser.observe_round(seconds, model_drafted)
+        if self.chooser is not None:
             for r, n in self._sources.items():
                 self.chooser.observe_accepted(r, n, len(commit.host_tokens[r]) - 1)
         self._sources, self._timing = {}, None
