@@ -7,7 +7,9 @@ rule) and, with `--measured`, the adaptive rule too (a match drafts where it has
 own AR run, MAL, per-domain speed-ups, the share of row-rounds the lookup drafted, and whether every output equals
 AR's (T=0). Every config is timed right after an AR run on the same prompts and its speed-up is over that run;
 rounds interleave the configs. (This machine's speed drifts by a third within minutes: measured against one AR run
-at the start of a round, whole rounds moved together.) Read the mean over rounds at the end.
+at the start of a round, whole rounds moved together.) Run it with the other core idle: a second process there slows
+the drafters' wide verify forwards far more than AR's steps, which the pairing does not cancel. Read the mean over
+rounds at the end.
 
     .venv/bin/python benchmarks/hybrid.py --compile                                  # shipped DFly, K = 7
     .venv/bin/python benchmarks/hybrid.py --compile --drafters mtp,eagle3 --ks 3,3
