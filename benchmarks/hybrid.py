@@ -38,7 +38,7 @@ import torch
 from angelspec.assets import DEFAULT_DRAFTERS, EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.drafters.base import Drafter
-from angelspec.decoding.drafters.hybrid import COMPILE_S, HybridDrafter
+from angelspec.decoding.drafters.hybrid import HybridDrafter, RoundStats
 from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
 from angelspec.eval.prompts import eval_prompts
@@ -46,29 +46,23 @@ from angelspec.eval.speculative import EvalSettings, compare, run_decoding
 
 
 class SplitNGram(NGramDrafter):
-    """n-gram lookup that keeps, like `HybridDrafter.round_stats`, [rounds, seconds, tokens] per round kind: "match"
-    (every active row's lookup found a match), "no match" (some row drafts nothing)."""
+    """n-gram lookup that keeps, like `HybridDrafter.round_stats`, what each kind of round cost: "match" (every
+    active row's lookup found a match), "no match" (some row drafts nothing)."""
 
     def __init__(self, max_ngram: int = 3) -> None:
         super().__init__(max_ngram=max_ngram)
-        self.round_stats: dict[str, list[float]] = {"match": [0, 0.0, 0], "no match": [0, 0.0, 0]}
+        self.round_stats = RoundStats(("match", "no match"))
         self._round: tuple[float, str, tuple[int, ...]] | None = None
 
     def propose(self, state):
-        start = time.perf_counter()
-        matched = all(self.match(r, state.num_draft_tokens)[0] for r in state.active_rows)
-        self._round = (start, "match" if matched else "no match", state.active_rows)
+        matched = all(self.match(r, state.num_draft_tokens)[0] for r in state.active_rows)  # the label, untimed
+        self._round = (time.perf_counter(), "match" if matched else "no match", state.active_rows)
         return super().propose(state)
 
     def on_commit(self, commit) -> None:
         if self._round is not None:
             start, kind, rows = self._round
-            seconds = time.perf_counter() - start
-            if seconds < COMPILE_S:
-                stats = self.round_stats[kind]
-                stats[0] += 1
-                stats[1] += seconds
-                stats[2] += sum(len(commit.host_tokens[r]) for r in rows)
+            self.round_stats.add(kind, time.perf_counter() - start, sum(len(commit.host_tokens[r]) for r in rows))
             self._round = None
         super().on_commit(commit)
 
@@ -138,7 +132,7 @@ def main() -> None:
             ar = run_decoding(model, prompts, settings[k], None, progress=False)  # the config's own AR run
             before = (drafter.lookup_rounds, drafter.model_rounds) if isinstance(drafter, HybridDrafter) else None
             stats = getattr(drafter, "round_stats", None)
-            stats_before = None if stats is None else {kind: list(v) for kind, v in stats.items()}
+            stats_before = None if stats is None else stats.snapshot()
             spec = run_decoding(model, prompts, settings[k], drafter, progress=False)
             rep = compare(ar, spec, prompts, name=label)
             o = rep.overall
@@ -152,7 +146,7 @@ def main() -> None:
             print(f"  {label:<{width}}{o.speedup:>6.2f}x  MAL {o.spec.mean_accepted_length:.2f}  ({domains}){share}"
                   f"  {same}  (AR {o.ar.tokens_per_s:.0f} tokens/s)", flush=True)
             if stats is not None and stats_before is not None:
-                print(f"      {round_split(stats_before, stats, 1000 / o.ar.tokens_per_s)}", flush=True)
+                print(f"      {round_split(stats_before, stats.by_kind, 1000 / o.ar.tokens_per_s)}", flush=True)
     print("\nmean speed-up over rounds:")
     for label, values in speedups.items():
         print(f"  {label:<{width}}{mean(values):>6.2f}x")

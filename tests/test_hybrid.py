@@ -55,6 +55,8 @@ def test_hybrid_equals_ar_and_the_model_keeps_an_exact_context(case, batch, adap
     kinds = set(hybrid.kinds)
     assert {"lookup", "model"} <= kinds and (batch == 1 or "mixed" in kinds), hybrid.kinds
     assert hybrid.lookup_rounds > 0 and hybrid.model_rounds > 0
+    for rounds, seconds, tokens in hybrid.round_stats.by_kind.values():  # both kinds timed, >= one token a row-round
+        assert rounds > 0 and seconds > 0 and tokens >= rounds
     assert sum(engine.metrics.accept_hist[2:]) > 0  # some rounds committed several tokens
     drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]  # the model's own rounds
     assert drafted and len(drafted) < len(drafter.proposals)  # it sat some rounds out (0 drafts)

@@ -58,7 +58,25 @@ from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Propos
 from angelspec.decoding.drafters.ngram import NGramDrafter
 
 MODEL_FIRST_ROUNDS = 2
-COMPILE_S = 1.0  # a round this long compiled a graph: left out of `round_stats`
+COMPILE_S = 1.0  # a round this long compiled a graph: left out of `RoundStats`
+
+
+class RoundStats:
+    """What each kind of round cost, for reports: per kind, [rounds, seconds from proposing to the commit, tokens
+    committed]. A round over `COMPILE_S` (it compiled a graph) is left out."""
+
+    def __init__(self, kinds: Sequence[str]) -> None:
+        self.by_kind: dict[str, list[float]] = {kind: [0, 0.0, 0] for kind in kinds}
+
+    def add(self, kind: str, seconds: float, tokens: int) -> None:
+        if seconds < COMPILE_S:
+            stats = self.by_kind[kind]
+            stats[0] += 1
+            stats[1] += seconds
+            stats[2] += tokens
+
+    def snapshot(self) -> dict[str, list[float]]:
+        return {kind: list(v) for kind, v in self.by_kind.items()}
 
 
 def _ema(old: float | None, x: float, alpha: float) -> float:
@@ -160,10 +178,9 @@ class HybridDrafter(WrappedDrafter):
         self.chooser = LookupChooser(self.ngram.max_ngram) if adaptive else None
         self._sources: dict[int, int] = {}  # this round: row -> match length its lookup drafts came from, 0 = model
         self._timing: tuple[float, bool] | None = None  # this round: (start of propose, the model drafted)
-        # for reports: per round kind ("lookup": every active row drafted from the lookup, "model": the model drafted
-        # in it), [rounds, seconds from proposing to the commit, tokens committed]; a request's first rounds and
-        # rounds over COMPILE_S (a compile) are left out
-        self.round_stats: dict[str, list[float]] = {"lookup": [0, 0.0, 0], "model": [0, 0.0, 0]}
+        # for reports: "lookup" (every active row drafted from the lookup) and "model" (the model drafted in it)
+        # rounds; a request's first rounds are left out
+        self.round_stats = RoundStats(("lookup", "model"))
 
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
         self.inner.allocate(batch_size, max_len, device=device, slack=slack)
@@ -207,14 +224,15 @@ class HybridDrafter(WrappedDrafter):
             self._timing = None if first_rounds else (start, True)
             return self.inner.propose(state)
         b, dev = state.seq_lens.shape[0], state.seq_lens.device
-        rows = torch.tensor(list(matched), dtype=torch.int64, device=dev)  # [m]
-        drafts = torch.tensor(list(matched.values()), dtype=torch.int64, device=dev).view(-1, k)  # [m, K]
-        if matched and len(matched) == len(state.active_rows):
-            self.inner.propose(replace(state, num_draft_tokens=0))  # the model sits this round out
-            tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
-            tokens[rows] = drafts
-            self._timing = (start, False)
-            return Proposal(tokens=tokens, confidences=torch.ones(b, k, device=dev), deterministic=True)
+        if matched:
+            rows = torch.tensor(list(matched), dtype=torch.int64, device=dev)  # [m]
+            drafts = torch.tensor(list(matched.values()), dtype=torch.int64, device=dev)  # [m, K]
+            if len(matched) == len(state.active_rows):
+                self.inner.propose(replace(state, num_draft_tokens=0))  # the model sits this round out
+                tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
+                tokens[rows] = drafts
+                self._timing = (start, False)
+                return Proposal(tokens=tokens, confidences=torch.ones(b, k, device=dev), deterministic=True)
         self._timing = None if first_rounds else (start, True)
         d = min(self.model_depth, k) if shallow else k  # type: ignore[type-var]
         p = self.inner.propose(replace(state, num_draft_tokens=d, deterministic=True))
@@ -238,11 +256,8 @@ class HybridDrafter(WrappedDrafter):
         if self._timing is not None and self._sources:
             start, model_drafted = self._timing
             seconds = time.perf_counter() - start
-            if seconds < COMPILE_S:
-                stats = self.round_stats["model" if model_drafted else "lookup"]
-                stats[0] += 1
-                stats[1] += seconds
-                stats[2] += sum(len(commit.host_tokens[r]) for r in self._sources)
+            self.round_stats.add("model" if model_drafted else "lookup", seconds,
+                                 sum(len(commit.host_tokens[r]) for r in self._sources))
             if self.chooser is not None:
                 self.chooser.observe_round(seconds, model_drafted)
         if self.chooser is not None:
