@@ -337,7 +337,7 @@ def make_checkpoint_saver(
         if is_main:
             state = {"step": step, **identity}
             if seconds is not None:
-                state["train_seconds"] = round(seconds(), 1)
+                state["train_seconds"] = round(seconds(), 3)  # ms: a short segment must not record 0
             write_checkpoint(ckpt_dir, lambda p: write_model(whole, p), state, opt_state)
         barrier()
 
