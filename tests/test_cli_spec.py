@@ -280,10 +280,57 @@ def test_eval_reports_a_lossless_failure_loudly(capsys: pytest.CaptureFixture[st
     assert report["domains"]["math"]["identical"] == 1 and report["domains"]["code"]["identical"] == 2
 
 
+def test_eval_runs_every_drafter_given_against_one_ar_run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                          tiny_target_dir: Path, prompts_file: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--drafter A --drafter B` evaluates both (argparse would otherwise keep only the last), AR decoded once."""
+    real, decoded = speculative.run_decoding, []
+
+    def counting(target, prompts, settings, drafter=None, **kw):
+        decoded.append(kw.get("desc"))
+        return real(target, prompts, settings, drafter, **kw)
+
+    monkeypatch.setattr(speculative, "run_decoding", counting)
+    out = tmp_path / "e.json"
+    code, stdout, err = run(capsys, "eval", "--target", tiny_target_dir, "--drafter", "ngram", "--drafter", "ngram:2",
+                            "--prompts", prompts_file, "--max-new-tokens", 6, "--json", out, "--quiet")
+    assert code == 0, err
+    assert decoded == ["AR", "ngram", "ngram:2"]
+    assert "drafter ngram:" in stdout and "drafter ngram:2:" in stdout
+    assert stdout.count("lossless: yes (6/6 identical to AR)") == 2
+    table = stdout[stdout.index("every drafter against the same AR run:"):]
+    assert "ngram:2" in table and "identical to AR (6/6)" in table
+    report = json.loads(out.read_text())
+    assert [r["drafter"] for r in report["runs"]] == ["ngram", "ngram:2"]
+    assert all(r["lossless"]["ok"] for r in report["runs"]) and "target" in report
+
+
+def test_eval_of_several_drafters_names_the_one_that_is_not_lossless(capsys: pytest.CaptureFixture[str],
+                                                                      tiny_target_dir: Path, prompts_file: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    real = speculative.run_decoding
+
+    def corrupted(target, prompts, settings, drafter=None, **kw):
+        result = real(target, prompts, settings, drafter, **kw)
+        if kw.get("desc") == "ngram:2":
+            result.outputs[0][0] = (result.outputs[0][0] + 1) % target.config.vocab_size
+        return result
+
+    monkeypatch.setattr(speculative, "run_decoding", corrupted)
+    code, stdout, err = run(capsys, "eval", "--target", tiny_target_dir, "--drafter", "ngram", "--drafter", "ngram:2",
+                            "--prompts", prompts_file, "--max-new-tokens", 4, "--quiet")
+    assert code == 1
+    assert "lossless: yes (6/6" in stdout and "lossless: NO: 1/6" in stdout
+    assert "LOSSLESS CHECK FAILED (ngram:2)" in err and "(ngram)" not in err
+
+
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
         (["--drafter", "none"], ["nothing to compare", "ngram"]),
+        (["--drafter", "ngram", "--drafter", "none"], ["nothing to compare"]),
+        (["--drafter", "ngram", "--drafter", "ngram:2", "--policy", "dcut", "--cost-table", "c.json"],
+         ["--cost-table", "one drafter", "leave it out"]),
         (["--drafter", "ngram", "--num-draft-tokens", "0"], ["--num-draft-tokens", "at least 1"]),
         (["--drafter", "ngram", "--limit", "0"], ["--limit"]),
         (["--drafter", "ngram", "--temperature", "-1"], ["temperature"]),

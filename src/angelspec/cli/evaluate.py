@@ -23,11 +23,13 @@ from angelspec.errors import UsageError
 def add_eval(sub: Subparsers) -> None:
     """Decode the same prompts autoregressively and with the drafter, in one process and with the same settings (after
     an untimed warm-up), and print MAL, acceptance p_1..p_K, the acceptance-length histogram, the time split,
-    tokens/s and the speed-up over AR, per domain when prompt lines carry a "domain" key. At T=0 the outputs must be
+    tokens/s and the speed-up over AR, per domain when prompt lines carry a "domain" key. With --drafter repeated,
+    every drafter runs against the same AR run, and a table puts them side by side. At T=0 the outputs must be
     identical to AR's; if they are not, the command says so loudly and exits 1."""
     p = sub.add_parser("eval", help="measure a drafter against autoregressive decoding on the same prompts",
                        description=add_eval.__doc__)
-    p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS)
+    p.add_argument("--drafter", required=True, action="append", metavar="SPEC",
+                   help=DRAFTER_SPECS + "; repeat it to evaluate several drafters against one AR run")
     add_target_flag(p)
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help='prompts, one {"prompt"} or {"messages"} object per line, optional "domain" '
@@ -49,10 +51,10 @@ def add_eval(sub: Subparsers) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """`angelspec eval`: AR and a drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
-    from angelspec.eval.runs import evaluate_drafter
+    """`angelspec eval`: AR and each drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
+    from angelspec.eval.runs import evaluate_drafters
 
-    run = evaluate_drafter(
+    run = evaluate_drafters(
         args.drafter, target=args.target, prompts=args.prompts, limit=args.limit, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
@@ -60,7 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet, log=None if args.quiet else print)
     print(run.format())
-    if run.report.lossless is False:
+    if run.lossless is False:
         warn(run.lossless_banner())
         return EXIT_NOT_LOSSLESS
     return 0

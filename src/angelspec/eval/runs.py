@@ -1,5 +1,5 @@
-"""The measuring commands as library calls with plain keyword arguments: `evaluate_drafter` (`angelspec eval`:
-AR vs a drafter on the same prompts, with the T=0 lossless check), `profile_cost_table` (`angelspec profile`: the
+"""The measuring commands as library calls with plain keyword arguments: `evaluate_drafters` (`angelspec eval`:
+AR vs drafters on the same prompts, with the T=0 lossless check), `profile_cost_table` (`angelspec profile`: the
 step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`: STS temperatures, report §4.1)
 and `run_bench` (`angelspec bench`: the closed-loop serving sweep).
 
@@ -39,57 +39,90 @@ MAX_MISMATCHES_BANNER = 5  # mismatches the failed-lossless banner lists
 
 @dataclass
 class EvalRun:
-    """`evaluate_drafter`'s result: the report and what it was measured on."""
+    """`evaluate_drafters`' result: one report per drafter (all against one AR run) and what they were measured on."""
 
-    report: EvalReport
+    reports: list[EvalReport]
     target_dir: Path
     prompts_path: Path
-    calibration: str | None  # the drafter's STS calibration, described; None when it has none
+    calibrations: list[str | None]  # each drafter's STS calibration, described; None where it has none
     json_out: Path | None  # where the numbers were written as JSON
+    comparison: str | None = None  # AR and every drafter side by side, when there are several
+
+    @property
+    def report(self) -> EvalReport:
+        """The report of a one-drafter run."""
+        if len(self.reports) != 1:
+            raise ValueError(f"this run evaluated {len(self.reports)} drafters; read .reports")
+        return self.reports[0]
+
+    @property
+    def lossless(self) -> bool | None:
+        """False when some drafter's T=0 outputs differ from AR's; None at T>0."""
+        checked = [r.lossless for r in self.reports if r.lossless is not None]
+        return all(checked) if checked else None
 
     def format(self) -> str:
         lines = [f"target {self.target_dir}", f"prompts {self.prompts_path}"]
-        if self.calibration is not None:
-            lines.append(self.calibration)
-        lines.append(self.report.format())
+        for report, calibration in zip(self.reports, self.calibrations, strict=True):
+            if len(self.reports) > 1:
+                lines.append("")
+            if calibration is not None:
+                lines.append(calibration)
+            lines.append(report.format())
+        if self.comparison is not None:
+            lines += ["", "every drafter against the same AR run:", self.comparison]
         if self.json_out is not None:
             lines.append(f"wrote {self.json_out}")
         return "\n".join(lines)
 
     def lossless_banner(self) -> str:
-        """The loud stderr message of a failed T=0 lossless check."""
+        """The loud stderr message of a failed T=0 lossless check (one block per drafter that failed it)."""
         bar = "!" * 100
-        reason = self.report.lossless_line().removeprefix("lossless: NO: ")
-        return (f"{bar}\nangelspec: LOSSLESS CHECK FAILED: {reason}\n"
-                + "\n".join(m.describe() for m in self.report.mismatches[:MAX_MISMATCHES_BANNER]) + f"\n{bar}")
+        blocks = []
+        for report in self.reports:
+            if report.lossless is not False:
+                continue
+            reason = report.lossless_line().removeprefix("lossless: NO: ")
+            name = f" ({report.drafter})" if len(self.reports) > 1 else ""
+            blocks.append(f"angelspec: LOSSLESS CHECK FAILED{name}: {reason}\n"
+                          + "\n".join(m.describe() for m in report.mismatches[:MAX_MISMATCHES_BANNER]))
+        return f"{bar}\n" + f"\n{bar}\n".join(blocks) + f"\n{bar}"
 
 
-def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts: str | Path | None = None,
-                     limit: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     seed: int | None = 0, max_new_tokens: int = 128, num_draft_tokens: int = 4, batch_size: int = 8,
-                     think: bool = False, policy: str = "full", cost_table: str | Path | None = None,
-                     compile: bool = False, spec_gate: bool = False, json_out: str | Path | None = None,
-                     force: bool = False,
-                     progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
-    """Decode the same prompts autoregressively and with `drafter` (a `--drafter` spec other than none) under
-    the same settings (`angelspec.eval.speculative.evaluate`); write the numbers to `json_out` when given.
+def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | None = None,
+                      prompts: str | Path | None = None, limit: int | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0, seed: int | None = 0, max_new_tokens: int = 128,
+                      num_draft_tokens: int = 4, batch_size: int = 8, think: bool = False, policy: str = "full",
+                      cost_table: str | Path | None = None, compile: bool = False, spec_gate: bool = False,
+                      json_out: str | Path | None = None, force: bool = False,
+                      progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
+    """Decode the same prompts autoregressively, once, and with each of `drafters` (`--drafter` specs other than
+    none) under the same settings (`angelspec.eval.speculative.evaluate_many`); write the numbers to `json_out`
+    when given (one drafter: its report; several: a list under "runs").
 
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
-    limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec;
-    spec_gate: the speculative run skips drafting where plain steps are faster (`EngineConfig.spec_gate`);
-    log: the cost-table profiler's progress.
+    limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec, for
+    every drafter; spec_gate: the speculative runs skip drafting where plain steps are faster
+    (`EngineConfig.spec_gate`); log: the cost-table profiler's progress.
     """
     from angelspec.decoding.policies.sts import CalibratedDrafter
-    from angelspec.eval.speculative import EvalSettings, evaluate
+    from angelspec.eval.speculative import EvalSettings, evaluate_many, format_comparison
 
-    if drafter == "none":
+    specs = [drafters] if isinstance(drafters, str) else list(drafters)
+    if not specs:
+        raise UsageError(f"no drafter to evaluate; pass --drafter: {drafter_forms(include_none=False)}")
+    if "none" in specs:
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
                          f"choose a drafter: {drafter_forms(include_none=False)}")
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
                         ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
         if value is not None:
             require_positive(flag, value)
-    policy_spec = parse_depth_policy(policy, drafter)
+    if cost_table is not None and len(specs) > 1:
+        raise UsageError(f"--cost-table holds one drafter's step costs, and {len(specs)} drafters were given; "
+                         "evaluate them one at a time with --cost-table, or leave it out (each drafter then uses "
+                         "its own cached table)")
+    policy_specs = [parse_depth_policy(policy, spec) for spec in specs]
     json_path = Path(json_out) if json_out is not None else None
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     if json_path is not None:
@@ -101,27 +134,33 @@ def evaluate_drafter(drafter: str, *, target: str | Path | None = None, prompts:
     model, tokenizer = load_target_and_tokenizer(target_dir)
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
                           source=str(prompts_path), limit=limit, think=think)
-    draft = resolve_drafter(drafter, model, target_dir)
-    assert draft is not None
-    depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                      batch_size=batch_size, cost_table=cost_table, log=log)
+    runs = []
+    for spec, policy_spec in zip(specs, policy_specs, strict=True):
+        draft = resolve_drafter(spec, model, target_dir)
+        assert draft is not None
+        depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
+                                          batch_size=batch_size, cost_table=cost_table, log=log)
+        runs.append((spec, draft, depth_policy, policy))
     settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
                             sampling=sampling, compile=compile,
                             spec_gate=spec_gate)  # evaluate gives request i the seed S + i
-    report = evaluate(model, draft, chosen, settings, name=drafter, progress=progress, depth_policy=depth_policy,
-                      policy=policy)
-    calibrated = isinstance(draft, CalibratedDrafter)
-    described = None
-    if calibrated:
-        note = draft.temperature_note(temperature)
-        described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
+    baseline, reports = evaluate_many(model, runs, chosen, settings, progress=progress)
+    calibrations: list[str | None] = []
+    for _, draft, _, _ in runs:
+        described = None
+        if isinstance(draft, CalibratedDrafter):
+            note = draft.temperature_note(temperature)
+            described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
+        calibrations.append(described)
     if json_path is not None:
+        numbers = [{"calibration": draft.calibration.to_json() if isinstance(draft, CalibratedDrafter) else None,
+                    **report.to_dict()} for (_, draft, _, _), report in zip(runs, reports, strict=True)]
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json_path, {"target": str(target_dir), "prompts_file": str(prompts_path),
-                                      "calibration": draft.calibration.to_json() if calibrated else None,
-                                      **report.to_dict()})
-    return EvalRun(report=report, target_dir=target_dir, prompts_path=prompts_path,
-                   calibration=described, json_out=json_path)
+                                      **(numbers[0] if len(numbers) == 1 else {"runs": numbers})})
+    return EvalRun(reports=reports, target_dir=target_dir, prompts_path=prompts_path, calibrations=calibrations,
+                   json_out=json_path,
+                   comparison=format_comparison(baseline, reports) if len(reports) > 1 else None)
 
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),

@@ -280,6 +280,23 @@ def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], s
     return compare(baseline, spec, prompts, name=name, policy=policy)
 
 
+def evaluate_many(target: Decoder, drafters: Sequence[tuple[str, Drafter, DepthPolicyFn | None, str]],
+                  prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
+                  progress: bool = True) -> tuple[DecodeRun, list[EvalReport]]:
+    """Decode `prompts` with AR once, then with each drafter, given as (name, drafter, depth policy, policy spec);
+    returns the AR run and one report per drafter. Every drafter is checked against the target before anything is
+    decoded, so a mismatched one late in the list costs nothing."""
+    prompts = list(prompts)
+    bound = _max_seq_len(target, prompts, settings)
+    for _, drafter, _, _ in drafters:
+        drafter.check_compatible(target.config, bound)
+    baseline = run_decoding(target, prompts, settings, progress=progress, desc="AR")
+    reports = [evaluate(target, drafter, prompts, settings, name=name, baseline=baseline, progress=progress,
+                        depth_policy=depth_policy, policy=policy)
+               for name, drafter, depth_policy, policy in drafters]
+    return baseline, reports
+
+
 def compare(ar: DecodeRun, spec: DecodeRun, prompts: Sequence[EvalPrompt], *, name: str,
             policy: str = "full") -> EvalReport:
     """Build the report from two runs over the same prompts."""
