@@ -231,7 +231,7 @@ class SpecEngine:
         self._greedy_packed_fn: Callable[..., tuple[Tensor, Tensor, tuple[Tensor, ...]]] = (
             self._greedy_packed_verify_forward)
         self._one_token_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._one_token_forward
-        self._one_token_compiled: set[int] = set()  # batch kinds (1, 2 = larger) whose graph is compiled
+        self._one_token_compiled: set[int] = set()  # batch kinds (1, 2 = larger) whose step graphs are compiled
         if config.compile:
             if drafter is None:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
@@ -375,11 +375,26 @@ class SpecEngine:
             # eagerly: a graph traced before it existed guards on its absence and was compiled again at the first real
             # step without drafts (at batch 1 under the gate that step's seconds then included the compilation, and
             # the gate took plain steps to be ~1000x slower than they are).
+            # The greedy verify graphs (every row at the same depth: dense; ragged depths: packed, batches of more
+            # than one row) are compiled here too, on dummy drafts at depth K: at batch 4 with n-gram drafts the dense
+            # one was first needed after a 16-token warm-up, and compiled inside the timed run (12 s, 0.09x of AR).
+            # Later depths reuse them (dynamic sizes); the sampled verify graphs (T > 0) still compile on first use.
             self.target.rope_table(self._cache.capacity, dev)
+            k = self.k
             with torch.inference_mode():
                 self._one_token_fn(torch.zeros(b, 1, dtype=torch.int64, device=dev), self._cache, 2,
                                    torch.ones(b, dtype=torch.int64, device=dev))
-            self._cache.reset()
+                self._cache.reset()
+                if k:
+                    drafts = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
+                    depth = torch.full((b,), k, dtype=torch.int64, device=dev)
+                    self._greedy_verify_fn(drafts, self._cache, k + 1, depth)
+                    self._cache.reset()
+                    if b > 1 and self.config.dense_verify:
+                        depth[1:] = 0
+                        self._greedy_packed_fn(drafts, self._cache, k + 1, depth,
+                                               torch.ones(b, dtype=torch.bool, device=dev), k + b)
+                        self._cache.reset()
             self._one_token_compiled.add(min(b, 2))
         if self.drafter is not None:
             self.drafter.allocate(b, max_len, device=dev, slack=slack)
