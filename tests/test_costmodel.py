@@ -3,6 +3,7 @@ detection, step timing through the engine's on_verify hook with a fake clock, an
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import replace
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from angelspec.cli import main
+from angelspec.decoding.drafters.base import DraftState, full_depth_drafting
 from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
@@ -117,6 +119,20 @@ def test_keys_name_model_drafter_dtype_and_machine(target) -> None:
     assert default_table_path(key) != default_table_path(replace(key, machine="elsewhere"))
 
 
+def test_a_compiled_engine_has_a_table_of_its_own_and_eager_keys_keep_their_digest(tmp_path: Path) -> None:
+    """An eager key serialises without `compiled` (tables written before the field load under the same name); a
+    compiled table is another file, and loading it for an eager engine is refused as stale."""
+    compiled = replace(KEY, compiled=True)
+    assert "compiled" not in KEY.to_json() and compiled.to_json()["compiled"] is True
+    assert KEY.digest() != compiled.digest() and default_table_path(KEY) != default_table_path(compiled)
+    old_style = {k: v for k, v in vars(KEY).items() if k != "compiled"}  # a key as written before the field
+    assert KEY.digest() == hashlib.sha256(json.dumps(old_style, sort_keys=True).encode()).hexdigest()[:12]
+    path = table_from(lambda b, n: 0.001 * n, key=compiled).save(tmp_path / "c.json")
+    assert CostTable.load(path, compiled).key.compiled and "compiled" in CostTable.load(path).format()
+    with pytest.raises(StaleCostTableError, match="compiled"):
+        CostTable.load(path, KEY)
+
+
 # ----- profiling -------------------------------------------------------------------------------------
 def test_spread_depth_keeps_n_positions(target, one_thread) -> None:
     seen = []
@@ -148,6 +164,31 @@ def test_profile_with_a_fake_clock_takes_the_median(target, one_thread) -> None:
     assert table.batch_sizes == (1, 2) and [n for n, _ in table.rows[2]] == [2, 4, 6]
     assert all(c == 1.0 for row in table.rows.values() for _, c in row)  # the median ignores the outlier
     assert table.key.machine == "fake" and table.settings["repeats"] == 3
+
+
+def test_ngram_drafts_every_row_for_a_profile() -> None:
+    """A row whose lookup finds nothing drafts K padding tokens inside `full_depth_drafting` (so a profile cell of
+    N positions verifies N) and nothing outside it."""
+    drafter = NGramDrafter()
+    drafter.allocate(2, 32, device=torch.device("cpu"), slack=0)
+    drafter.prefill([0, 1], [[1, 2, 3, 4], [7, 8, 7]], [5, 8], ())  # row 0: 5 never seen before; row 1 matches
+    state = DraftState(last_tokens=torch.tensor([5, 8]), seq_lens=torch.tensor([5, 4]),
+                       active=torch.tensor([True, True]), active_rows=(0, 1), sampling=None,
+                       draft_round=torch.zeros(2, dtype=torch.int64), num_draft_tokens=3, deterministic=True,
+                       all_greedy=True, seq_len_bound=5)
+    assert drafter.propose(state).lengths.tolist() == [0, 3]
+    with full_depth_drafting(drafter):
+        padded = drafter.propose(state)
+    assert padded.lengths.tolist() == [3, 3] and padded.tokens[0].tolist() == [5, 5, 5]
+    assert padded.confidences[0].tolist() == [0.0, 0.0, 0.0] and drafter.draft_every_row is False
+
+
+def test_a_compiled_profile_is_keyed_compiled(target, tmp_path: Path, one_thread) -> None:
+    kw = {"batch_sizes": (1,), "num_draft_tokens": 2, "repeats": 1, "warmup": 1, "machine": "here"}
+    table, what = load_or_profile(target, NGramDrafter(), tmp_path / "c.json", compile=True, **kw)
+    assert table.key.compiled and what.startswith("profiled")
+    _, what = load_or_profile(target, NGramDrafter(), tmp_path / "c.json", **kw)
+    assert "stale" in what and "compiled" in what  # the eager engine does not take the compiled table
 
 
 def test_load_or_profile_reprofiles_stale_tables(target, tmp_path: Path, one_thread) -> None:

@@ -29,7 +29,7 @@ from angelspec.decoding.drafters.base import (
     Proposal,
     register_drafter,
 )
-from angelspec.decoding.drafters.ngram import reference_lookup
+from angelspec.decoding.drafters.ngram import MatchAcceptance, reference_lookup
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
 from angelspec.decoding.sampling import SamplingParams
@@ -633,6 +633,41 @@ def test_ngram_lookup_matches_reference():
     d.allocate(1, 64, device=torch.device("cpu"), slack=0)
     d.prefill([0], [[5, 6, 7, 5, 6]], [7], ())
     assert d.lookup(0, 4) == [5, 6, 7, 5]  # continues the loop past the end of the history
+
+
+def test_ngram_acceptance_counts_only_the_drafts_that_were_tried():
+    """Depth m after an n-token match is tried iff every draft before it was accepted and the policy verified it."""
+    acc = MatchAcceptance(3, cap=4.0)
+    assert acc.estimate(2, 3) == [1.0, 1.0, 1.0]  # optimistic until seen to fail
+    acc.observe(2, verified=4, accepted=1)  # depth 0 accepted, depth 1 rejected, depths 2-3 never tried
+    assert acc.estimate(2, 4) == [1.0, 0.5, 1.0, 1.0]
+    acc.observe(2, verified=2, accepted=2)  # both accepted; depth 2 was cut by the policy, not rejected
+    assert acc.estimate(2, 3) == [1.0, 2 / 3, 1.0]
+    assert acc.estimate(1, 2) == [1.0, 1.0]  # other match lengths are counted apart
+    for _ in range(5):  # the fifth trial passes the cap: the cell's counts are halved
+        acc.observe(1, verified=1, accepted=0)
+    assert acc.trials[1] == [2.5] and acc.hits[1] == [0.0]
+    assert acc.estimate(1, 1) == [pytest.approx(1 / 3.5)]
+
+
+def test_ngram_confidences_learn_from_the_depths_the_engine_verified(target, greedy_case):
+    """In a run with every row cut to 2 verified drafts of K = 4, the drafter counts depths 0-1 only, and its next
+    proposal carries what it counted; the outputs stay AR's."""
+    requests, ar_tokens, _ = greedy_case
+    drafter = NGramDrafter()
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=4),
+                        depth_policy=FixedDepth(2))
+    assert [r.token_ids for r in engine.generate(requests[:6])] == ar_tokens[:6]
+    trials = drafter.acceptance.trials
+    assert sum(t[0] for t in trials if t) > 0 and all(len(t) <= 2 for t in trials)
+    drafter.allocate(1, 64, device=torch.device("cpu"), slack=0)
+    drafter.prefill([0], [[5, 6, 7, 5, 6]], [7], ())  # a 3-token match
+    state = DraftState(last_tokens=torch.tensor([7]), seq_lens=torch.tensor([6]), active=torch.tensor([True]),
+                       active_rows=(0,), sampling=None, draft_round=torch.zeros(1, dtype=torch.int64),
+                       num_draft_tokens=4, deterministic=True, all_greedy=True, seq_len_bound=6)
+    proposal = drafter.propose(state)
+    assert proposal.confidences[0].tolist() == pytest.approx(drafter.acceptance.estimate(3, 4))
+    assert proposal.lengths.tolist() == [4]
 
 
 def _host_commit(host_tokens: list[tuple[int, ...]]) -> Commit:

@@ -144,7 +144,8 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
         depth_policy = make_policy(policy, target=state.model, drafter=drafter,
                                    num_draft_tokens=settings.num_draft_tokens,
                                    cost_table_path=state.work_dir / f"{name}-cost-table.json",
-                                   batch_sizes=cost_batch_sizes(state.batch_size), log=print)
+                                   batch_sizes=cost_batch_sizes(state.batch_size), compile=settings.compile,
+                                   log=print)
     report = evaluate(state.model, drafter, state.prompts, settings, name=name, baseline=state.baseline,
                       depth_policy=depth_policy, policy=policy)
     state.reports.append(report)

@@ -84,6 +84,9 @@ def add_profile(sub: Subparsers) -> None:
     p.add_argument("--out", metavar="FILE.json",
                    help="table file (default: .cache/angelspec-costs/<model>-<key digest>.json)")
     p.add_argument("--force", action="store_true", help="re-profile even when the cached table is up to date")
+    p.add_argument("--compile", action="store_true",
+                   help="profile a torch.compiled engine: the table that eval / bench --compile runs use (a table of "
+                        "its own; a compiled step costs far less than an eager one)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -97,7 +100,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
     table, what = profile_cost_table(args.drafter, target=args.target, batch_sizes=batch_sizes,
                                      num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
-                                     warmup=args.warmup, out=args.out, force=args.force, log=print)
+                                     warmup=args.warmup, out=args.out, force=args.force, compile=args.compile,
+                                     log=print)
     print(table.format())
     print(what)
     return 0

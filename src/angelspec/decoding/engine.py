@@ -607,9 +607,12 @@ class SpecEngine:
             s.steps += 1
             s.emit(host_tokens[r])
         t_on_commit = time.perf_counter()
+        host_depths = [0] * b
+        for r, d in zip(rows, depths, strict=True):
+            host_depths[r] = d
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
-                                      target_hidden=hidden))
+                                      target_hidden=hidden, host_depths=tuple(host_depths)))
         on_commit = time.perf_counter() - t_on_commit  # the drafter's share of the commit phase
         if drafting:
             self.metrics.record_verify(accepted, depths, protocol)

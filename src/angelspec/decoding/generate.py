@@ -57,14 +57,16 @@ def parse_depth_policy(policy: str, drafter: str = "none") -> PolicySpec:
 
 
 def build_depth_policy(spec: PolicySpec, *, target: Decoder, drafter: Drafter | None, num_draft_tokens: int,
-                       batch_size: int, cost_table: str | Path | None = None,
+                       batch_size: int, cost_table: str | Path | None = None, compile: bool = False,
                        log: Callable[[str], None] | None = None) -> Any:
-    """The depth policy for the engine; a cost table covers batch sizes up to `batch_size`."""
+    """The depth policy for the engine; a cost table covers batch sizes up to `batch_size`, measured compiled
+    when the engine is (`compile`)."""
     from angelspec.decoding.policies.factory import PolicyError, cost_batch_sizes, make_policy
 
     try:
         return make_policy(spec, target=target, drafter=drafter, num_draft_tokens=num_draft_tokens,
-                           cost_table_path=cost_table, batch_sizes=cost_batch_sizes(batch_size), log=log)
+                           cost_table_path=cost_table, batch_sizes=cost_batch_sizes(batch_size), compile=compile,
+                           log=log)
     except PolicyError as e:
         raise UsageError(f"--policy: {e}") from None
 

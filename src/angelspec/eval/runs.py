@@ -139,7 +139,7 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
         draft = resolve_drafter(spec, model, target_dir)
         assert draft is not None
         depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                          batch_size=batch_size, cost_table=cost_table, log=log)
+                                          batch_size=batch_size, cost_table=cost_table, compile=compile, log=log)
         runs.append((spec, draft, depth_policy, policy))
     settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
                             sampling=sampling, compile=compile,
@@ -165,9 +165,11 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
                        num_draft_tokens: int = 4, repeats: int = 5, warmup: int = 2, out: str | Path | None = None,
-                       force: bool = False, log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
+                       force: bool = False, compile: bool = False,
+                       log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
     """Measure (or reuse, when a cached table for this setup is up to date) the cost table C(B, N) of the target
-    and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file)."""
+    and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file); compile:
+    the table of a compiled engine (what `--compile` runs of eval and bench use)."""
     from angelspec.decoding.policies.costmodel import load_or_profile
 
     sizes = sorted(set(batch_sizes))
@@ -187,7 +189,7 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=num_draft_tokens, force=force,
-                           repeats=repeats, warmup=warmup, log=log)
+                           repeats=repeats, warmup=warmup, compile=compile, log=log)
 
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,

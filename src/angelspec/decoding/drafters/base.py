@@ -114,6 +114,7 @@ class Commit:
     active: Tensor  # [B] bool, rows that took part
     host_tokens: tuple[tuple[int, ...], ...]  # per row, the committed tokens on the host (() if inactive)
     target_hidden: tuple[Tensor, ...]  # one [B, T, D] per id in target_layer_ids, from the verify forward
+    host_depths: tuple[int, ...] = ()  # per row, the drafts verified this step (0: inactive, or nothing verified)
     # tokens, num_accepted and target_hidden are this step's own tensors, never written again: a drafter may keep
     # them past `on_commit` (`PendingCommits`). seq_lens and active are the engine's buffers, which it updates in
     # place when rows join or leave: copy what you keep of them.
@@ -344,17 +345,23 @@ class PendingCommits:
 
 @contextmanager
 def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:
-    """Switch off a drafter's early stop (`stop_below`, the draft LM's) for the block, so every proposal has
-    all K drafts: what calibration and cost profiling must observe. A `CalibratedDrafter` is looked through."""
+    """Switch off a drafter's early stop (`stop_below`, the draft LM's) and have a lookup draft every row
+    (`draft_every_row`, the n-gram's: rows without a match get K padding drafts) for the block, so every proposal
+    has all K drafts: what calibration and cost profiling must observe. A `CalibratedDrafter` is looked through."""
     inner = getattr(drafter, "inner", drafter)
     saved = getattr(inner, "stop_below", None)
+    every_row = getattr(inner, "draft_every_row", None)
     if saved is not None:
         inner.stop_below = None
+    if every_row is not None:
+        inner.draft_every_row = True
     try:
         yield drafter
     finally:
         if saved is not None:
             inner.stop_below = saved
+        if every_row is not None:
+            inner.draft_every_row = every_row
 
 
 _REGISTRY: dict[str, type[Drafter]] = {}

@@ -8,6 +8,12 @@ writes plus one lookup per n, independent of history length. Longer n-grams are 
 When the continuation runs into the end of the history (a repeating pattern), the proposal continues the
 pattern with itself: future[L + m] := future[j + m], which predicts loops of any period.
 
+Confidences are learned while decoding (`MatchAcceptance`): the draft at depth m after an n-token match gets the
+share of such drafts the target accepted so far, given that the drafts before it were accepted, over every row of
+the drafter. A depth policy (D-cut, Algorithm 1) can then verify the drafts that are likely to pay and skip the
+rest: a 1-token match is right far less often than a 3-token one, and at a large batch on a CPU every verified
+position costs the target a share of a step.
+
 Shape legend: B rows, K draft depth.
 """
 
@@ -21,10 +27,42 @@ from torch import Tensor
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
 
 
+class MatchAcceptance:
+    """Acceptance of the lookup's drafts by match length n and depth m, counted over every row: `trials[n][m]` drafts
+    at depth m after an n-token match were verified with every draft before them accepted, `hits[n][m]` of them were
+    accepted. The estimate is (hits + prior) / (trials + prior): it starts at 1.0 (optimistic), so a depth policy
+    verifies a kind of draft until it has been seen to fail; the counts of a cell are halved when its trials pass
+    `cap`, so the estimate follows the text as it changes (code, then chat)."""
+
+    def __init__(self, max_ngram: int, *, prior: float = 1.0, cap: float = 512.0) -> None:
+        self.prior, self.cap = prior, cap
+        self.hits: list[list[float]] = [[] for _ in range(max_ngram + 1)]
+        self.trials: list[list[float]] = [[] for _ in range(max_ngram + 1)]
+
+    def estimate(self, n: int, k: int) -> list[float]:
+        """The acceptance of depths 0..k-1 after an n-token match, each given the depths before it accepted."""
+        hits, trials, prior = self.hits[n], self.trials[n], self.prior
+        return [(hits[m] + prior) / (trials[m] + prior) if m < len(trials) else 1.0 for m in range(k)]
+
+    def observe(self, n: int, verified: int, accepted: int) -> None:
+        """A row verified `verified` drafts of an n-token match and the target accepted the first `accepted`."""
+        hits, trials = self.hits[n], self.trials[n]
+        if len(trials) < verified:
+            hits.extend([0.0] * (verified - len(hits)))
+            trials.extend([0.0] * (verified - len(trials)))
+        for m in range(min(accepted + 1, verified)):  # depth m was tried iff every depth before it was accepted
+            trials[m] += 1.0
+            if m < accepted:
+                hits[m] += 1.0
+            if trials[m] > self.cap:
+                trials[m] *= 0.5
+                hits[m] *= 0.5
+
+
 @register_drafter("ngram")
 class NGramDrafter(Drafter):
-    """Prompt-lookup drafter. Confidences are 1.0 for matched positions and 0.0 for padding;
-    `Proposal.lengths` = matched length (0 when no n-gram matches), so unmatched rows verify nothing."""
+    """Prompt-lookup drafter. `Proposal.lengths` = matched length (0 when no n-gram matches), so unmatched rows
+    verify nothing; confidences are each matched draft's learned acceptance (`MatchAcceptance`), 0.0 for padding."""
 
     context_from_commits = True
 
@@ -32,14 +70,20 @@ class NGramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.acceptance = MatchAcceptance(max_ngram)  # kept across runs: it describes the drafter on this target
         self._device = torch.device("cpu")
         self._hist: list[list[int]] = []
         self._index: list[dict[tuple[int, ...], int]] = []  # per row; keys of every n share one dict
+        self._matched: list[int] = []  # per row, the match length behind its last proposal (0: none)
+        # Cost profiling (`full_depth_drafting`): rows that matched nothing propose K copies of their last token
+        # (confidence 0), so every step verifies as many positions as the profile asks for.
+        self.draft_every_row = False
 
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
         self._device = device
         self._hist = [[] for _ in range(batch_size)]
         self._index = [{} for _ in range(batch_size)]
+        self._matched = [0] * batch_size
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
@@ -77,24 +121,38 @@ class NGramDrafter(Drafter):
     def propose(self, state: DraftState) -> Proposal:
         k, b = state.num_draft_tokens, state.seq_lens.shape[0]
         tokens = [[0] * k for _ in range(b)]
+        conf = [[0.0] * k for _ in range(b)]
         lengths = [0] * b
         for r in state.active_rows:
-            found = self.lookup(r, k)
-            tokens[r][: len(found)] = found
-            lengths[r] = len(found)
+            n, found = self.match(r, k)
+            self._matched[r] = n
+            if found:
+                tokens[r] = found
+                conf[r] = self.acceptance.estimate(n, k)
+                lengths[r] = k
+            elif self.draft_every_row and k:
+                tokens[r] = [self._hist[r][-1]] * k
+                lengths[r] = k
         tok = torch.tensor(tokens, dtype=torch.int64, device=self._device).view(b, k)  # [B, K]
         lens = torch.tensor(lengths, dtype=torch.int64, device=self._device)  # [B]
-        conf = (torch.arange(k, device=self._device) < lens[:, None]).float()  # [B, K]
-        return Proposal(tokens=tok, confidences=conf, lengths=lens, deterministic=True)
+        confidences = torch.tensor(conf, dtype=torch.float32, device=self._device).view(b, k)  # [B, K]
+        return Proposal(tokens=tok, confidences=confidences, lengths=lens, deterministic=True)
 
     def on_commit(self, commit: Commit) -> None:
+        depths = commit.host_depths
         for r, toks in enumerate(commit.host_tokens):
             if toks:
                 self._extend(r, toks)
+                n = self._matched[r] if r < len(self._matched) else 0
+                if n and r < len(depths) and depths[r]:
+                    self.acceptance.observe(n, depths[r], len(toks) - 1)
+            if r < len(self._matched):
+                self._matched[r] = 0
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         for r in rows:
             self._hist[r], self._index[r] = [], {}
+            self._matched[r] = 0
 
 
 def reference_lookup(history: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

@@ -74,13 +74,22 @@ class CostKey:
     dtype: str  # the target's parameter dtype
     torch_version: str
     machine: str  # see machine_id
+    compiled: bool = False  # measured with the engine's torch.compile on (a compiled step costs far less)
 
     def differences(self, other: CostKey) -> list[str]:
         """'field: mine != theirs' for every field that differs."""
         return [f"{k}: {v!r} != {getattr(other, k)!r}" for k, v in asdict(self).items() if getattr(other, k) != v]
 
+    def to_json(self) -> dict[str, Any]:
+        """The key's fields; `compiled` only when set, so an eager table keeps the file name and digest it had
+        before the field existed."""
+        d = asdict(self)
+        if not self.compiled:
+            del d["compiled"]
+        return d
+
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def machine_id(device: torch.device | str = "cpu") -> str:
@@ -111,11 +120,12 @@ def drafter_id(drafter: Drafter) -> str:
     return f"{kind}:{model.config.fingerprint()}" if isinstance(model, Decoder) else kind
 
 
-def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: str | None = None) -> CostKey:
+def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: str | None = None, *,
+             compiled: bool = False) -> CostKey:
     weight = target.embed_tokens.weight
     return CostKey(model=target.config.fingerprint(), drafter=drafter_id(drafter), num_draft_tokens=num_draft_tokens,
                    dtype=str(weight.dtype).removeprefix("torch."), torch_version=torch.__version__,
-                   machine=machine if machine is not None else machine_id(weight.device))
+                   machine=machine if machine is not None else machine_id(weight.device), compiled=compiled)
 
 
 def default_table_path(key: CostKey, cache_dir: Path = DEFAULT_COST_DIR) -> Path:
@@ -186,15 +196,16 @@ class CostTable:
 
     def format(self) -> str:
         """One line per measured B: N -> milliseconds per step and steps/s."""
+        compiled = ", compiled" if self.key.compiled else ""
         lines = [f"cost table for {self.key.model} + {self.key.drafter}, K={self.key.num_draft_tokens}, "
-                 f"{self.key.dtype}, torch {self.key.torch_version}, {self.key.machine}"]
+                 f"{self.key.dtype}, torch {self.key.torch_version}, {self.key.machine}{compiled}"]
         for b in self.batch_sizes:
             cells = "  ".join(f"N={n}: {c * 1e3:.2f} ms ({1 / c:.0f}/s)" for n, c in self.rows[b])
             lines.append(f"  B={b:<3} {cells}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "key": asdict(self.key), "settings": self.settings,
+        return {"format": FORMAT, "version": VERSION, "key": self.key.to_json(), "settings": self.settings,
                 "rows": {str(b): [[n, c] for n, c in self.rows[b]] for b in self.batch_sizes}}
 
     @classmethod
@@ -273,14 +284,16 @@ def profile_costs(target: Decoder, drafter: Drafter, *, batch_sizes: Sequence[in
                   token_counts: Sequence[int] | None = None, num_draft_tokens: int = 4, repeats: int = 5,
                   warmup: int = 2, prompt_len: int = 16, seed: int = 0,
                   clock: Callable[[], float] = time.perf_counter, machine: str | None = None,
-                  log: Callable[[str], None] | None = None) -> CostTable:
-    """Measure C(B, N) for every B in `batch_sizes` and N in `token_grid(B, K, token_counts)`.
+                  compile: bool = False, log: Callable[[str], None] | None = None) -> CostTable:
+    """Measure C(B, N) for every B in `batch_sizes` and N in `token_grid(B, K, token_counts)`; with `compile`, on
+    a compiled engine (`EngineConfig.compile`: the table of a compiled engine, whose steps cost far less).
 
     Per cell: B greedy requests on random prompts of `prompt_len` tokens (seeded), decoded by a `SpecEngine`
     whose `SpreadDepth(N)` policy verifies N positions per step; `clock` is read once per verification
     (the engine's `on_verify` hook), so consecutive readings are one whole step apart. The first `warmup`
-    intervals are dropped, the median of the next `repeats` is kept. Drafters whose proposals are shorter
-    than asked (n-gram lookup without a match) verify fewer positions than N: profile model drafters."""
+    intervals are dropped, the median of the next `repeats` is kept. Every row drafts all K for the profile
+    (`full_depth_drafting`: a draft LM's early stop is off, the n-gram lookup pads rows that matched nothing), so
+    each step verifies N positions."""
     if repeats < 1 or warmup < 0 or prompt_len < 1 or num_draft_tokens < 1:
         raise CostTableError(f"profile needs repeats >= 1, warmup >= 0, prompt_len >= 1 and K >= 1; got {repeats}, "
                              f"{warmup}, {prompt_len}, {num_draft_tokens}")
@@ -310,7 +323,7 @@ def profile_costs(target: Decoder, drafter: Drafter, *, batch_sizes: Sequence[in
                     raise _Enough
 
             engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=b, num_draft_tokens=k,
-                                                              max_seq_len=prompt_len + new_tokens),
+                                                              max_seq_len=prompt_len + new_tokens, compile=compile),
                                 depth_policy=SpreadDepth(n), on_verify=tick)
             try:
                 with full_depth_drafting(drafter):  # an early-stopping drafter would verify fewer than N
@@ -324,7 +337,7 @@ def profile_costs(target: Decoder, drafter: Drafter, *, batch_sizes: Sequence[in
             if log is not None:
                 log(f"B={b} N={n}: {cells[-1][1] * 1e3:.2f} ms/step (median of {repeats})")
         rows[b] = tuple(cells)
-    key = cost_key(target, drafter, k, machine)
+    key = cost_key(target, drafter, k, machine, compiled=compile)
     return CostTable(key=key, rows=rows, settings={"repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
                                                    "seed": seed, "token_counts": None if token_counts is None
                                                    else [int(n) for n in token_counts]})
@@ -334,12 +347,13 @@ def load_or_profile(target: Decoder, drafter: Drafter, path: str | Path | None =
                     batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int = 4,
                     token_counts: Sequence[int] | None = None, repeats: int = 5, warmup: int = 2,
                     reprofile: bool = True, force: bool = False, machine: str | None = None,
-                    clock: Callable[[], float] = time.perf_counter,
+                    clock: Callable[[], float] = time.perf_counter, compile: bool = False,
                     log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
     """The cost table for this setup from `path` (default: `default_table_path` of its key), profiled and
     saved when missing, stale/foreign (other key), lacking a batch size, or when `force`. With
-    `reprofile=False` a stale or missing table is an error instead. Returns (table, what happened)."""
-    expected = cost_key(target, drafter, num_draft_tokens, machine)
+    `reprofile=False` a stale or missing table is an error instead. compile: the table of a compiled engine
+    (a key of its own). Returns (table, what happened)."""
+    expected = cost_key(target, drafter, num_draft_tokens, machine, compiled=compile)
     path = Path(path) if path is not None else default_table_path(expected)
     reason = "forced" if force else None
     if reason is None and not path.exists():
@@ -360,6 +374,6 @@ def load_or_profile(target: Decoder, drafter: Drafter, path: str | Path | None =
         raise StaleCostTableError(f"no usable cost table at {path} ({reason}) and re-profiling is disabled")
     table = profile_costs(target, drafter, batch_sizes=batch_sizes, token_counts=token_counts,
                           num_draft_tokens=num_draft_tokens, repeats=repeats, warmup=warmup, clock=clock,
-                          machine=machine, log=log)
+                          machine=machine, compile=compile, log=log)
     table.save(path)
     return table, f"profiled ({reason}), wrote {path}"

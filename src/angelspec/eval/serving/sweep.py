@@ -196,7 +196,8 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
             _warm_drafter(target, drafter, max(k, 1))  # a cold first profile cell would skew the cost table
             warmed.add(c.drafter)
         policy = make_policy(c.policy, target=target, drafter=drafter, num_draft_tokens=max(k, 1),
-                             cost_table_path=cost_table_path, batch_sizes=sorted(set(concurrency)), log=log)
+                             cost_table_path=cost_table_path, batch_sizes=sorted(set(concurrency)),
+                             compile=c.compile, log=log)
         kind = "ar" if drafter is None else drafter_id(drafter).split(":")[0]
         out.append(Contender(config=c, drafter=drafter, policy=policy, num_draft_tokens=k, kind=kind))
     return out
