@@ -231,7 +231,8 @@ class SpecEngine:
         self._greedy_packed_fn: Callable[..., tuple[Tensor, Tensor, tuple[Tensor, ...]]] = (
             self._greedy_packed_verify_forward)
         self._one_token_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._one_token_forward
-        self._one_token_compiled: set[int] = set()  # batch kinds (1, 2 = larger) whose step graphs are compiled
+        # (batch kind: 1, or 2 for larger batches; "plain" / "greedy" / "sampled") step graphs already compiled
+        self._graphs_compiled: set[tuple[int, str]] = set()
         if config.compile:
             if drafter is None:
                 self._decode_fn = try_compile(self._decode_logits, "decode step")
@@ -274,7 +275,7 @@ class SpecEngine:
             # graphs recompiled inside a timed run of `angelspec eval --compile` (capacity 64 in the warm-up, its
             # head_dim too, which duck sizing tied to it; 80 in the run).
             max_len = self.config.max_seq_len
-        self._setup(n_rows, max_len)
+        self._setup(n_rows, max_len, sampled=any(r.sampling.temperature > 0 for r in requests))
 
         queue = deque(range(len(requests)))
         self._slots: list[_Slot | None] = [None] * n_rows
@@ -351,7 +352,7 @@ class SpecEngine:
         draws = torch.randint(0, 2**62, (len(requests),), generator=gen).tolist()
         return [r.sampling.seed if r.sampling.seed is not None else d for r, d in zip(requests, draws, strict=True)]
 
-    def _setup(self, n_rows: int, max_len: int) -> None:
+    def _setup(self, n_rows: int, max_len: int, sampled: bool = False) -> None:
         slack = self.k + 2  # a verify forward appends up to K+1 tokens past the last committed one
         c = self._cache
         if c is None or c.batch_size != n_rows or c.capacity < max_len + slack:
@@ -368,36 +369,55 @@ class SpecEngine:
         self._sampling = BatchSampling.from_params([SamplingParams(seed=0)] * b, device=dev)
         self._active_rows: tuple[int, ...] = ()
         self._all_greedy = True
-        if self.config.compile and self.drafter is not None and min(b, 2) not in self._one_token_compiled:
-            # The graph of `_spec_step`'s steps without drafts, compiled here rather than the first time a step has no
-            # drafts (mid-serving); torch.compile specialises a batch of 1, so batch 1 and larger batches get a graph
-            # each. The output is thrown away and the cache emptied again. The target's RoPE table is built first,
-            # eagerly: a graph traced before it existed guards on its absence and was compiled again at the first real
-            # step without drafts (at batch 1 under the gate that step's seconds then included the compilation, and
-            # the gate took plain steps to be ~1000x slower than they are).
-            # The greedy verify graphs (every row at the same depth: dense; ragged depths: packed, batches of more
-            # than one row) are compiled here too, on dummy drafts at depth K: at batch 4 with n-gram drafts the dense
-            # one was first needed after a 16-token warm-up, and compiled inside the timed run (12 s, 0.09x of AR).
-            # Later depths reuse them (dynamic sizes); the sampled verify graphs (T > 0) still compile on first use.
-            self.target.rope_table(self._cache.capacity, dev)
-            k = self.k
-            with torch.inference_mode():
-                self._one_token_fn(torch.zeros(b, 1, dtype=torch.int64, device=dev), self._cache, 2,
-                                   torch.ones(b, dtype=torch.int64, device=dev))
-                self._cache.reset()
-                if k:
-                    drafts = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
-                    depth = torch.full((b,), k, dtype=torch.int64, device=dev)
-                    self._greedy_verify_fn(drafts, self._cache, k + 1, depth)
-                    self._cache.reset()
-                    if b > 1 and self.config.dense_verify:
-                        depth[1:] = 0
-                        self._greedy_packed_fn(drafts, self._cache, k + 1, depth,
-                                               torch.ones(b, dtype=torch.bool, device=dev), k + b)
-                        self._cache.reset()
-            self._one_token_compiled.add(min(b, 2))
+        if self.config.compile and self.drafter is not None:
+            self._compile_step_graphs(b, sampled)
         if self.drafter is not None:
             self.drafter.allocate(b, max_len, device=dev, slack=slack)
+
+    def _compile_step_graphs(self, b: int, sampled: bool) -> None:
+        """Compile the speculative step's graphs for a batch of b rows before the run, on dummy inputs (the outputs
+        are thrown away and the cache emptied again), rather than the first time a step needs one (mid-serving: ~10-20 s
+        on a CPU). torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths
+        and batch sizes reuse them (dynamic sizes).
+
+        - the step without drafts (`_one_token_forward`). The target's RoPE table is built first, eagerly: a graph
+          traced before it existed guards on its absence and was compiled again at the first real step without drafts
+          (at batch 1 under the gate that step's seconds then included the compilation, and the gate took plain steps
+          to be ~1000x slower than they are);
+        - the verify graphs at depth K: dense (every row at the same depth) and, for more than one row, packed (ragged
+          depths); greedy ones always, sampled ones when the run has a request at T > 0. At batch 4 with n-gram drafts
+          the dense greedy graph was first needed after a 16-token warm-up, and compiled inside the timed run (12 s,
+          0.09x of AR)."""
+        kind, dev, k, cache = min(b, 2), self.device, self.k, self._cache
+        assert cache is not None
+        todo = [w for w in ("plain", "greedy", "sampled") if (kind, w) not in self._graphs_compiled
+                and (w != "sampled" or sampled) and (w == "plain" or k)]
+        if not todo:
+            return
+        self.target.rope_table(cache.capacity, dev)
+        drafts = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
+        full = torch.full((b,), k, dtype=torch.int64, device=dev)
+        ragged = full.clone()
+        ragged[1:] = 0
+        active = torch.ones(b, dtype=torch.bool, device=dev)
+        packed = b > 1 and self.config.dense_verify
+        with torch.inference_mode():
+            for what in todo:
+                if what == "plain":
+                    self._one_token_fn(torch.zeros(b, 1, dtype=torch.int64, device=dev), cache, 2,
+                                       torch.ones(b, dtype=torch.int64, device=dev))
+                elif what == "greedy":
+                    self._greedy_verify_fn(drafts, cache, k + 1, full)
+                    if packed:
+                        cache.reset()
+                        self._greedy_packed_fn(drafts, cache, k + 1, ragged, active, k + b)
+                else:
+                    self._verify_fn(drafts, cache, k + 1)
+                    if packed:
+                        cache.reset()
+                        self._packed_fn(drafts, cache, k + 1, ragged, active, k + b)
+                cache.reset()
+                self._graphs_compiled.add((kind, what))
 
     def _admit(self, rows: list[int], indices: list[int], requests: list[Request], seeds: list[int]) -> None:
         """Prefill the joining requests into `rows` and emit their first token."""
