@@ -377,7 +377,12 @@ def test_compare_and_merge_metrics() -> None:
     assert report.domains["a"].identical == 1 and report.domains["b"].identical == 0
     assert report.overall.spec.accept_hist == [1, 1, 1] and report.overall.speedup == pytest.approx(3.0)
     assert report.domains["a"].speedup == pytest.approx(2.0) and report.lossless is False
-    assert "(end)" in report.format()
+    assert "(end)" in report.format() and "WARNING" not in report.format()
+    spec.domains["b"].record_step_seconds(verify=0.002)
+    spec.domains["b"].record_step_seconds(verify=14.0)  # a step that compiled a graph
+    assert spec.domains["b"].slowest_step_seconds() == 14.0
+    stalled = speculative.compare(ar, spec, prompts, name="x").format()
+    assert "WARNING: one step of the x run took 14.0 s" in stalled and "AR run" not in stalled
     with pytest.raises(speculative.EvalError, match="other settings"):
         speculative.evaluate(None, None, prompts[:2], settings, name="x", baseline=ar)
 

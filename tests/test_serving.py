@@ -98,6 +98,20 @@ def test_goal_line_met_and_not_met() -> None:
     assert "not evaluated" in no_pair.goal_line()
 
 
+def test_a_point_with_a_stalled_step_is_flagged(tmp_path: Path) -> None:
+    """A step of seconds (a graph compiled mid-run) makes a point's throughput meaningless: the table says so."""
+    from dataclasses import replace
+
+    report = _report(221, 2.95)
+    assert "WARNING" not in report.format()
+    rows = [replace(r, slowest_step_s=12.3) if r.config == "MTP" and r.concurrency == 64 else r for r in report.rows]
+    stalled = ServingReport(settings=report.settings, rows=rows)
+    text = stalled.format()
+    assert text.count("WARNING") == 1 and "MTP C=64: one step took 12.3 s" in text and "not representative" in text
+    stalled.write(tmp_path)
+    assert "MTP C=64: one step took 12.3 s" in (tmp_path / "results.md").read_text()
+
+
 def test_breakeven_eq25_uses_the_mtp_reference() -> None:
     be = _report(221, 2.95).breakeven()
     assert be is not None and be.reference == "MTP" and "MTP" in be.why

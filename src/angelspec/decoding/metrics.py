@@ -27,6 +27,7 @@ from typing import Any
 
 PHASES = ("prefill", "draft", "select", "verify", "commit")
 STEP_PHASES = ("draft", "select", "verify", "commit", "on_commit")  # per decode step; on_commit is within commit
+STALL_S = 1.0  # a decode step this long compiled a graph mid-run (steps take milliseconds here): reports flag it
 
 
 @dataclass
@@ -87,6 +88,12 @@ class DecodeMetrics:
         before the first step."""
         per_step = [sum(t) for t in zip(*(self.step_seconds[p] for p in phases), strict=True)]
         return statistics.median(per_step) if per_step else 0.0
+
+    def slowest_step_seconds(self) -> float:
+        """The longest decode step's seconds (0.0 before the first): a step of seconds where the median takes
+        milliseconds compiled a graph mid-run, and the run's throughput then says little."""
+        per_step = [sum(t) for t in zip(*(self.step_seconds[p] for p in STEP_PHASES if p != "on_commit"), strict=True)]
+        return max(per_step, default=0.0)
 
     @property
     def mean_accepted_length(self) -> float:

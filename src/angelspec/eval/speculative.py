@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from angelspec.decoding.drafters.base import Drafter
 from angelspec.decoding.engine import DepthPolicyFn, EngineConfig, Request, SpecEngine
-from angelspec.decoding.metrics import PHASES, DecodeMetrics
+from angelspec.decoding.metrics import PHASES, STALL_S, DecodeMetrics
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models.decoder import Decoder
 
@@ -208,6 +208,11 @@ class EvalReport:
         for label, m in (("AR", self.overall.ar), ("spec", self.overall.spec)):
             split = "  ".join(f"{p} {100 * m.seconds[p] / m.wall_s if m.wall_s else 0:.0f}%" for p in PHASES)
             lines.append(f"  {label:<5}{m.wall_s:7.2f} s  {split}")
+        for label, m in (("AR", self.overall.ar), (self.drafter, self.overall.spec)):
+            slowest = m.slowest_step_seconds()
+            if slowest > STALL_S:
+                lines.append(f"WARNING: one step of the {label} run took {slowest:.1f} s (a graph compiled mid-run, or "
+                             "the core was taken): its tokens/s and the speed-up are not representative; run it again")
         lines += ["", self.lossless_line()]
         lines += [f"  {m.describe()}" for m in self.mismatches[:MAX_MISMATCHES_SHOWN]]
         if len(self.mismatches) > MAX_MISMATCHES_SHOWN:

@@ -56,9 +56,10 @@ from torch import Tensor
 
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, WrappedDrafter
 from angelspec.decoding.drafters.ngram import NGramDrafter
+from angelspec.decoding.metrics import STALL_S
 
 MODEL_FIRST_ROUNDS = 2
-COMPILE_S = 1.0  # a round this long compiled a graph: left out of `RoundStats`
+COMPILE_S = STALL_S  # a round this long compiled a graph: left out of `RoundStats`
 
 
 class RoundStats:

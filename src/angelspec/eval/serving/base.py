@@ -35,6 +35,7 @@ class ServingRow:
     exec_s_per_step: float  # target verify forward + verification (the report's execute_model), median
     sample_s_per_step: float  # drafting (propose + on_commit) + depth selection (its sample_tokens), median
     seconds: dict[str, float] = field(default_factory=dict)  # whole run, per phase
+    slowest_step_s: float = 0.0  # the longest step; over `metrics.STALL_S`: a graph compiled mid-run
     speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
     # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from angelspec.decoding.metrics import STALL_S
 from angelspec.eval.serving.base import ServingRow, concurrency_levels, config_names, find_row
 from angelspec.eval.serving.breakeven import BreakEven, breakeven_json, compute_breakeven, format_breakeven
 from angelspec.eval.serving.plots import plot_sweep
@@ -171,8 +172,8 @@ class ServingReport:
         s = self.settings
         lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
                  f"N = max(2C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
-                 f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._vllm_lines(),
-                 self.goal_line()]
+                 f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._stall_lines(),
+                 *self._vllm_lines(), self.goal_line()]
         if breakeven:
             lines += ["", self.format_breakeven()]
         return "\n".join(lines)
@@ -190,12 +191,20 @@ class ServingReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / "results.json", self.to_json())
         md = ["# Serving sweep", "", "```", *self._settings_lines(), "```", "", self.format_table(), "",
-              *self._vllm_lines(), self.goal_line(), ""]
+              *self._stall_lines(), *self._vllm_lines(), self.goal_line(), ""]
         if breakeven:
             md += ["```", self.format_breakeven(), "```", ""]
         replace_atomic(out_dir / "results.md", lambda tmp: tmp.write_text("\n".join(md), encoding="utf-8"))
         plots, note = self.plot(out_dir)
         return [out_dir / "results.json", out_dir / "results.md", *plots], note
+
+    def _stall_lines(self) -> list[str]:
+        """A warning per point with a step over `STALL_S` (with a blank line after); [] when there is none."""
+        lines = [f"WARNING: {r.config} C={r.concurrency}: one step took {r.slowest_step_s:.1f} s, against a median of "
+                 f"{r.exec_s_per_step * 1e3:.1f} ms to verify: a graph compiled mid-run, or the core was taken; this "
+                 "point's throughput is not representative (run it again)"
+                 for r in self.rows if r.slowest_step_s > STALL_S]
+        return [*lines, ""] if lines else []
 
     def _vllm_lines(self) -> list[str]:
         """What the vLLM columns are (and a failed vLLM run), with a blank line after; [] without vLLM."""

@@ -285,7 +285,7 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
                      per_user_tokens_per_s=per_user, mal=m.mean_accepted_length, mean_depth=depth, steps=m.steps,
                      exec_s_per_step=m.median_step_seconds(EXEC_PHASES),
                      sample_s_per_step=m.median_step_seconds(SAMPLE_PHASES),
-                     seconds=dict(m.seconds))
+                     seconds=dict(m.seconds), slowest_step_s=m.slowest_step_seconds())
     return row, [list(map(int, r.token_ids)) for r in results]
 
 
