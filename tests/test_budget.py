@@ -37,7 +37,7 @@ from angelspec.decoding.policies.budget import (
     prefix_survival,
     rank_positions,
 )
-from angelspec.decoding.policies.dcut import DCUT_RATIOS, DCut, dcut_budget, dcut_select
+from angelspec.decoding.policies.dcut import DCUT_RATIOS, DCut, dcut_budget, dcut_depths, dcut_select
 from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler, prefix_schedule
 from angelspec.decoding.sampling import BatchSampling, SamplingParams
 
@@ -146,6 +146,28 @@ def test_dcut_matches_the_equations():
         cost = LinearCost(1.0, rng.choice([0.0, 0.05, 0.3, 1.0]))
         got = dcut_select(conf.double(), active, int(active.sum()), cost)
         assert got.depth.tolist() == _slow_dcut(conf.double(), active, cost, DCUT_RATIOS), (conf, active, cost)
+
+
+def test_dcut_on_the_host_decides_as_dcut_select_in_double_precision():
+    """`DCut` works its depths out on the host (`dcut_depths`, plain Python); on random cases, with exact ties, idle
+    rows, short lengths, every max_loss and ratio set, it returns `dcut_select`'s depths on float64 tensors."""
+    rng = random.Random(1)
+    for trial in range(600):
+        conf, active, lengths = _random_case(rng, tied=trial % 2 == 0)
+        cost = LinearCost(1.0, rng.choice([0.0, 0.05, 0.3, 1.0]))
+        ratios = rng.choice([DCUT_RATIOS, (0.5,), (0.25, 0.5)])
+        max_loss = rng.choice([None, 0.0, 0.03, 0.3])
+        lens = lengths if trial % 3 else None
+        num_active = max(int(active.sum()), 1)
+        want = dcut_select(conf.double(), active, num_active, cost, ratios, lens, max_loss).depth.tolist()
+        got = dcut_depths(conf.double().tolist(), active.tolist(), num_active, cost, ratios,
+                          None if lens is None else lens.tolist(), max_loss)
+        assert got == want, (trial, conf, active, lens, cost, ratios, max_loss)
+    conf = torch.tensor([[0.9, 0.8, 0.5], [0.7, 0.4, 0.2]])
+    state = _state(torch.tensor([True, True]), k=3)
+    proposal = Proposal(tokens=torch.zeros(2, 3, dtype=torch.int64), confidences=conf, deterministic=True)
+    policy = DCut(cost=LinearCost(1.0, 0.3))
+    assert policy(proposal, state).tolist() == dcut_select(conf.double(), state.active, 2, policy.cost).depth.tolist()
 
 
 def test_dcut_max_loss_keeps_the_expected_acceptance_within_the_bound():

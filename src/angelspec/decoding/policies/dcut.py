@@ -11,6 +11,7 @@ Shape legend: B batch rows (active and idle), K draft depth (D in the report).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,48 @@ def dcut_select(conf: Tensor, active: Tensor, num_active: int, cost: CostModel,
                         budgets=budgets)
 
 
+def dcut_depths(conf: Sequence[Sequence[float]], active: Sequence[bool], num_active: int, cost: CostModel,
+                ratios: tuple[float, ...] = DCUT_RATIOS, lengths: Sequence[int] | None = None,
+                max_loss: float | None = None) -> list[int]:
+    """`dcut_select(...).depth` worked out on the host, in double precision: conf B rows of K clean confidences,
+    active [B] and lengths [B] (None = K) as host values. The same ranking (descending prefix survival, ties to the
+    shallower depth, then the lower row), budgets, utilities and choice of ratio as `dcut_select` on float64 tensors
+    (tested), in plain Python: for a batch of a few rows that is ~10x cheaper than `dcut_select`'s ~25 small eager
+    ops (~0.1 ms a step at batch 1 on one CPU thread, 5% of a compiled step)."""
+    k = len(conf[0]) if conf else 0
+    flat: list[tuple[float, int]] = []  # (score, row), depth-major: index = depth * B + row, as `rank_positions`
+    scores = []
+    for i, row in enumerate(conf):
+        limit = k if lengths is None else lengths[i]
+        s, survival = 1.0, [1.0]
+        for c in row:
+            s = s * c
+            survival.append(s)
+        scores.append([v if active[i] and j <= limit else -1.0 for j, v in enumerate(survival)])
+    for j in range(k + 1):
+        flat += [(scores[i][j], i) for i in range(len(conf))]
+    order = sorted(range(len(flat)), key=lambda idx: -flat[idx][0])  # stable: ties keep depth-major order
+    gain, total = [], 0.0
+    for v in sorted((max(score, 0.0) for score, _ in flat), reverse=True):
+        total += v
+        gain.append(total)
+    budgets = [dcut_budget(num_active, k, r) for r in ratios]
+    utility = [gain[min(n - 1, len(gain) - 1)] for n in budgets]
+    value = [u / c for u, c in zip(utility, host_costs(cost, num_active, budgets), strict=True)]
+    if max_loss is not None:
+        allowed = [u >= (1.0 - max_loss) * gain[-1] for u in utility]
+        largest = budgets.index(max(budgets))
+        value = [v if ok or (not any(allowed) and r == largest) else -math.inf
+                 for r, (v, ok) in enumerate(zip(value, allowed, strict=True))]
+    budget = budgets[value.index(max(value))]  # first maximum = smaller ratio on ties
+    kept = [0] * len(conf)
+    for idx in order[:budget]:
+        score, row = flat[idx]
+        if score >= 0:
+            kept[row] += 1
+    return [max(n - 1, 0) for n in kept]
+
+
 @dataclass(frozen=True)
 class DCut:
     """D-cut (Eq. 19-24) as a depth policy. Reads this round's confidences: deterministic-draft protocol."""
@@ -104,5 +147,10 @@ class DCut:
 
     def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
         conf = self.guard(proposal.confidences, "DCut")
-        return dcut_select(conf, state.active, num_active_rows(state), self.cost, self.ratios, proposal.lengths,
-                           self.max_loss).depth
+        active = [False] * conf.shape[0]
+        for r in state.active_rows:
+            active[r] = True
+        lengths = None if proposal.lengths is None else proposal.lengths.tolist()
+        depths = dcut_depths(conf.tolist(), active, num_active_rows(state), self.cost, self.ratios, lengths,
+                             self.max_loss)  # host reads; the engine reads the depths back once anyway
+        return torch.tensor(depths, dtype=torch.int64, device=conf.device)
