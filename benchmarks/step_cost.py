@@ -43,6 +43,7 @@ import torch
 
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer
@@ -184,8 +185,12 @@ def main() -> None:
             if args.policy != "full":
                 from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
 
+                # The oracle drafts only the prompts it knows, so the cost table (D-cut, Algorithm 1) is profiled
+                # with the n-gram lookup drafting every row on the profiler's random prompts: the same verify
+                # forwards, and a proposal that costs about as little.
                 policy_obj = make_policy(args.policy, target=target, drafter=OracleDrafter(table),
-                                         num_draft_tokens=k, batch_sizes=cost_batch_sizes(b), log=None)
+                                         num_draft_tokens=k, batch_sizes=cost_batch_sizes(b), compile=args.compile,
+                                         cost_drafter=NGramDrafter(), log=None)
             acc = run(target, prompts, k, b, OracleDrafter(table), sampling, args.compile, policy_obj, args.repeats)
             rej = run(target, prompts, k, b, OracleDrafter(table, reject=True, vocab_size=vocab), sampling,
                       args.compile, policy_obj, args.repeats)

@@ -153,7 +153,8 @@ def cost_batch_sizes(max_batch: int) -> tuple[int, ...]:
 
 def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | None, num_draft_tokens: int,
                 cost_table_path: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                compile: bool = False, log: Callable[[str], None] | None = print) -> DepthPolicy | None:
+                compile: bool = False, cost_drafter: Drafter | None = None,
+                log: Callable[[str], None] | None = print) -> DepthPolicy | None:
     """The depth policy for `SpecEngine(target, drafter, depth_policy=...)`, or None (= the engine's
     default, full depth) for `full`.
 
@@ -161,8 +162,10 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     num_draft_tokens: K, drafts proposed per step; cost_table_path: the cost-table JSON for policies with a
     cost model (None = the per-setup file under `.cache/angelspec-costs/`); batch_sizes: the concurrent
     request counts the table must cover (see `cost_batch_sizes`); compile: the engine runs compiled, so the
-    table is a compiled engine's (a compiled step costs far less, and in other proportions); log: progress of a
-    (re-)profile.
+    table is a compiled engine's (a compiled step costs far less, and in other proportions); cost_drafter: the
+    drafter the table is profiled with when it is not `drafter` itself (a stand-in whose steps cost the same, for a
+    drafter that cannot draft on the profiler's random prompts, such as `benchmarks/step_cost.py`'s oracle); log:
+    progress of a (re-)profile.
     """
     from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
     from angelspec.decoding.policies.budget import LinearCost
@@ -193,7 +196,7 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
         return DCut(cost=LinearCost(), ratios=(arg,))  # one ratio: the cost never decides
     from angelspec.decoding.policies.costmodel import load_or_profile
 
-    table, what = load_or_profile(target, drafter, cost_table_path, batch_sizes=tuple(batch_sizes),
+    table, what = load_or_profile(target, cost_drafter or drafter, cost_table_path, batch_sizes=tuple(batch_sizes),
                                   num_draft_tokens=num_draft_tokens, compile=compile, log=log)
     if log is not None:
         log(f"policy {parsed.text}: cost table {what}")
