@@ -208,6 +208,24 @@ def test_load_or_profile_reprofiles_stale_tables(target, tmp_path: Path, one_thr
     assert "batch sizes [2] not measured" in what
 
 
+def test_a_policy_can_take_its_cost_table_from_a_stand_in_drafter(target, tmp_path: Path, one_thread) -> None:
+    """A drafter that cannot draft the profiler's random prompts (step_cost.py's oracle) gets its budget policy's table
+    from a stand-in whose steps cost the same."""
+    from angelspec.decoding.policies.factory import make_policy
+
+    class Picky(NGramDrafter):
+        def prefill(self, *args, **kwargs):
+            raise KeyError("no continuation for this prompt")
+
+    path = tmp_path / "c.json"
+    with pytest.raises(KeyError, match="no continuation"):
+        make_policy("dcut", target=target, drafter=Picky(), num_draft_tokens=2, cost_table_path=path,
+                    batch_sizes=(1,), log=None)
+    policy = make_policy("dcut", target=target, drafter=Picky(), num_draft_tokens=2, cost_table_path=path,
+                         batch_sizes=(1,), cost_drafter=NGramDrafter(), log=None)
+    assert isinstance(policy, DCut) and CostTable.load(path).key.drafter == "ngram"
+
+
 def test_profile_cli(capsys: pytest.CaptureFixture[str], tiny_target_dir: Path, tmp_path: Path,
                      one_thread) -> None:
     out = tmp_path / "costs.json"
