@@ -822,6 +822,8 @@ def test_a_compiled_engine_compiles_its_verify_graphs_up_front_for_any_cache_cap
         warnings.simplefilter("error", UserWarning)  # try_compile warns when it falls back to eager
         first.generate([replace(r, prompt_ids=r.prompt_ids[:4], max_new_tokens=1) for r in reqs[:4]])
         compiled = counters["frames"]["ok"]
+        # the step without drafts and the verify graphs of this run's kind only (a step is greedy only if every row is)
+        assert first._graphs_compiled == {(2, "plain"), (2, "sampled" if temperature else "greedy")}
         out = second.generate(reqs)
     assert counters["frames"]["ok"] == compiled
     if temperature == 0:

@@ -275,7 +275,8 @@ class SpecEngine:
             # graphs recompiled inside a timed run of `angelspec eval --compile` (capacity 64 in the warm-up, its
             # head_dim too, which duck sizing tied to it; 80 in the run).
             max_len = self.config.max_seq_len
-        self._setup(n_rows, max_len, sampled=any(r.sampling.temperature > 0 for r in requests))
+        temperatures = [r.sampling.temperature for r in requests]
+        self._setup(n_rows, max_len, greedy=min(temperatures) == 0, sampled=max(temperatures) > 0)
 
         queue = deque(range(len(requests)))
         self._slots: list[_Slot | None] = [None] * n_rows
@@ -352,7 +353,7 @@ class SpecEngine:
         draws = torch.randint(0, 2**62, (len(requests),), generator=gen).tolist()
         return [r.sampling.seed if r.sampling.seed is not None else d for r, d in zip(requests, draws, strict=True)]
 
-    def _setup(self, n_rows: int, max_len: int, sampled: bool = False) -> None:
+    def _setup(self, n_rows: int, max_len: int, greedy: bool = True, sampled: bool = False) -> None:
         slack = self.k + 2  # a verify forward appends up to K+1 tokens past the last committed one
         c = self._cache
         if c is None or c.batch_size != n_rows or c.capacity < max_len + slack:
@@ -370,11 +371,11 @@ class SpecEngine:
         self._active_rows: tuple[int, ...] = ()
         self._all_greedy = True
         if self.config.compile and self.drafter is not None:
-            self._compile_step_graphs(b, sampled)
+            self._compile_step_graphs(b, greedy, sampled)
         if self.drafter is not None:
             self.drafter.allocate(b, max_len, device=dev, slack=slack)
 
-    def _compile_step_graphs(self, b: int, sampled: bool) -> None:
+    def _compile_step_graphs(self, b: int, greedy: bool, sampled: bool) -> None:
         """Compile the speculative step's graphs for a batch of b rows before the run, on dummy inputs (the outputs
         are thrown away and the cache emptied again), rather than the first time a step needs one (mid-serving: ~10-20 s
         on a CPU). torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths
@@ -385,13 +386,14 @@ class SpecEngine:
           (at batch 1 under the gate that step's seconds then included the compilation, and the gate took plain steps
           to be ~1000x slower than they are);
         - the verify graphs at depth K: dense (every row at the same depth) and, for more than one row, packed (ragged
-          depths); greedy ones always, sampled ones when the run has a request at T > 0. At batch 4 with n-gram drafts
-          the dense greedy graph was first needed after a 16-token warm-up, and compiled inside the timed run (12 s,
-          0.09x of AR)."""
+          depths); greedy ones when the run has a request at T = 0, sampled ones when it has one at T > 0 (a step
+          is greedy only when all its rows are, so a run at T > 0 never uses the greedy ones). At batch 4 with n-gram
+          drafts the dense greedy graph was first needed after a 16-token warm-up, and compiled inside the timed run
+          (12 s, 0.09x of AR)."""
         kind, dev, k, cache = min(b, 2), self.device, self.k, self._cache
         assert cache is not None
-        todo = [w for w in ("plain", "greedy", "sampled") if (kind, w) not in self._graphs_compiled
-                and (w != "sampled" or sampled) and (w == "plain" or k)]
+        wanted = {"plain": True, "greedy": greedy and k > 0, "sampled": sampled and k > 0}
+        todo = [w for w in ("plain", "greedy", "sampled") if wanted[w] and (kind, w) not in self._graphs_compiled]
         if not todo:
             return
         self.target.rope_table(cache.capacity, dev)
