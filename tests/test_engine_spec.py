@@ -670,6 +670,39 @@ def test_ngram_confidences_learn_from_the_depths_the_engine_verified(target, gre
     assert proposal.lengths.tolist() == [4]
 
 
+@pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])
+def test_a_full_depth_step_reads_nothing_back_to_size_its_verify_forward(target, greedy_case, monkeypatch,
+                                                                         drafter_kind):
+    """The default policy verifies all K drafts, so the verify width needs no host read: not for a drafter without
+    lengths (the oracle), nor for the n-gram lookup, whose lengths come with their host copy. Outputs stay AR's."""
+    import sys
+
+    requests, ar_tokens, continuations = greedy_case
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def spy(self, *args, **kwargs):
+        reads.append(sys._getframe(1).f_code.co_name)
+        return tolist(self, *args, **kwargs)
+
+    drafter = NGramDrafter() if drafter_kind == "ngram" else OracleDrafter(continuations, error=0.3, seed=1)
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=3))
+    assert engine._static_depth == 3
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    out = engine.generate(requests[:6])
+    assert [r.token_ids for r in out] == ar_tokens[:6]
+    assert engine.metrics.steps > 0 and "_select" not in reads
+
+
+def test_host_lengths_must_come_with_lengths_for_every_row():
+    tokens = torch.zeros(2, 3, dtype=torch.int64)
+    Proposal(tokens=tokens, lengths=torch.tensor([3, 0]), host_lengths=(3, 0)).check(2, 3, V)
+    with pytest.raises(ValueError, match="host_lengths must come with lengths"):
+        Proposal(tokens=tokens, host_lengths=(3, 0)).check(2, 3, V)
+    with pytest.raises(ValueError, match="B = 2 values"):
+        Proposal(tokens=tokens, lengths=torch.tensor([3, 0]), host_lengths=(3,)).check(2, 3, V)
+
+
 def _host_commit(host_tokens: list[tuple[int, ...]]) -> Commit:
     b = len(host_tokens)
     zeros = torch.zeros(b, dtype=torch.int64)

@@ -34,10 +34,10 @@ Cost notes
 ----------
 Shapes are static within a step and the hot loop has ONE host sync per step: the step's tokens (and, for
 speculative steps, num_accepted and depth) are copied to the host to learn which rows finished. A depth
-policy whose depths depend on data adds a second sync (the verify width, so pruned positions cost no
-compute). Host-side upper bounds of row lengths give the target its `kv_len`, so attention only reads the
-slots in use. Idle rows (queue drained, others still running) are still computed: they are masked, not
-removed.
+policy whose depths depend on data, or per-row `Proposal.lengths` without their host copy (`host_lengths`), add a
+second sync (the verify width, so pruned positions cost no compute). Host-side upper bounds of row lengths give the
+target its `kv_len`, so attention only reads the slots in use. Idle rows (queue drained, others still running) are
+still computed: they are masked, not removed.
 
 Shape legend: B rows, T tokens per forward, K draft depth, n verify width (<= K), V vocab, D model dim.
 """
@@ -214,6 +214,9 @@ class SpecEngine:
         static = policy_static_depth(self.depth_policy)
         if static is not None and not 0 <= static <= self.k:
             raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {self.k}")
+        if static is None and type(self.depth_policy) is FixedDepth:  # FixedDepth() verifies all K: static too
+            static = self.k
+        self._static_depth = static  # every row's depth when the policy fixes one (no host read for the width)
         self._policy_uses_proposal = policy_uses_proposal(self.depth_policy)
         self.gate: SpecGate | None = SpecGate() if config.spec_gate and drafter is not None else None
         self._taps: tuple[int, ...] = ()
@@ -584,7 +587,7 @@ class SpecEngine:
         proposal = self.drafter.propose(state)
         proposal.check(b, state.num_draft_tokens, self.vocab_size)
         if not drafting:
-            proposal = replace(proposal, deterministic=True, lengths=None)  # nothing drafted: a plain sample
+            proposal = replace(proposal, deterministic=True, lengths=None, host_lengths=None)  # a plain sample
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
         t1 = time.perf_counter()
         if drafting:
@@ -692,9 +695,13 @@ class SpecEngine:
         raw = raw.long()
         depth = raw if proposal.lengths is None else torch.minimum(raw, proposal.lengths)
         depth = torch.where(self._active, depth, 0)
-        static = policy_static_depth(self.depth_policy)
-        if static is not None and proposal.lengths is None:
-            return depth, static, len(self._active_rows) * (static + 1)
+        static = self._static_depth
+        if static is not None:
+            if proposal.lengths is None:
+                return depth, static, len(self._active_rows) * (static + 1)
+            if proposal.host_lengths is not None:  # the drafter knows its lengths on the host (n-gram lookup)
+                kept = [min(static, proposal.host_lengths[r]) for r in self._active_rows]
+                return depth, max(kept), sum(kept) + len(kept)
         # host sync (the second of this step, only for data-dependent depths): the verify width, so that
         # positions no row verifies cost no compute; also lets us check the policy's values.
         masked = torch.where(self._active, raw, 0)

@@ -81,6 +81,9 @@ class Proposal:
         put caps known before sampling in the depth policy instead.
     deterministic: True when the drafts are a deterministic function of the committed prefix (an argmax or
         a lookup), which makes the deterministic-draft protocol exact under any depth policy.
+    host_lengths: the same values as `lengths`, on the host, when the drafter has them there (the n-gram lookup
+        computes them in Python): with a fixed depth policy the engine then sizes the verify forward without reading
+        `lengths` back from the device. They must equal `lengths` (a wrapper that changes `lengths` drops them).
     """
 
     tokens: Tensor
@@ -88,6 +91,7 @@ class Proposal:
     confidences: Tensor | None = None
     lengths: Tensor | None = None
     deterministic: bool = False
+    host_lengths: tuple[int, ...] | None = None
 
     def check(self, batch_size: int, k: int, vocab_size: int) -> None:
         """Shape checks only (reading values would be a host sync)."""
@@ -102,6 +106,9 @@ class Proposal:
                              f"got {tuple(self.confidences.shape)}")
         if self.lengths is not None and self.lengths.shape != (batch_size,):
             raise ValueError(f"Proposal.lengths must be [B] = [{batch_size}], got {tuple(self.lengths.shape)}")
+        if self.host_lengths is not None and (self.lengths is None or len(self.host_lengths) != batch_size):
+            raise ValueError(f"Proposal.host_lengths must come with lengths and hold B = {batch_size} values, got "
+                             f"{len(self.host_lengths)} with lengths {'absent' if self.lengths is None else 'given'}")
 
 
 @dataclass(frozen=True)

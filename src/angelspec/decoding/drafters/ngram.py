@@ -136,7 +136,8 @@ class NGramDrafter(Drafter):
         tok = torch.tensor(tokens, dtype=torch.int64, device=self._device).view(b, k)  # [B, K]
         lens = torch.tensor(lengths, dtype=torch.int64, device=self._device)  # [B]
         confidences = torch.tensor(conf, dtype=torch.float32, device=self._device).view(b, k)  # [B, K]
-        return Proposal(tokens=tok, confidences=confidences, lengths=lens, deterministic=True)
+        return Proposal(tokens=tok, confidences=confidences, lengths=lens, deterministic=True,
+                        host_lengths=tuple(lengths))
 
     def on_commit(self, commit: Commit) -> None:
         depths = commit.host_depths

@@ -359,7 +359,7 @@ class CalibratedDrafter(WrappedDrafter):
         elif k > 0:  # each row the fit of its request temperature
             conf = conf ** (1.0 / self.calibration.row_temperatures(state.sampling.temperature, k).to(conf.device))
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf, lengths=p.lengths,
-                        deterministic=p.deterministic)
+                        deterministic=p.deterministic, host_lengths=p.host_lengths)
 
     @property
     def bad_count(self) -> int:
