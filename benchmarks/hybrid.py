@@ -55,9 +55,11 @@ class SplitNGram(NGramDrafter):
         self._round: tuple[float, str, tuple[int, ...]] | None = None
 
     def propose(self, state):
-        matched = all(self.match(r, state.num_draft_tokens)[0] for r in state.active_rows)  # the label, untimed
-        self._round = (time.perf_counter(), "match" if matched else "no match", state.active_rows)
-        return super().propose(state)
+        start = time.perf_counter()
+        proposal = super().propose(state)
+        matched = all(self._matched[r] for r in state.active_rows)  # the match lengths propose just found
+        self._round = (start, "match" if matched else "no match", state.active_rows)
+        return proposal
 
     def on_commit(self, commit) -> None:
         if self._round is not None:

@@ -83,17 +83,20 @@ class DecodeMetrics:
         if seconds:
             raise ValueError(f"unknown step phases {sorted(seconds)}; expected some of {STEP_PHASES}")
 
+    def _per_step(self, phases: Sequence[str]) -> list[float]:
+        """Each decode step's seconds in `phases`, summed within the step."""
+        return [sum(t) for t in zip(*(self.step_seconds[p] for p in phases), strict=True)]
+
     def median_step_seconds(self, phases: Sequence[str]) -> float:
         """The median over decode steps of the seconds a step spent in `phases` (summed within the step); 0.0
         before the first step."""
-        per_step = [sum(t) for t in zip(*(self.step_seconds[p] for p in phases), strict=True)]
+        per_step = self._per_step(phases)
         return statistics.median(per_step) if per_step else 0.0
 
     def slowest_step_seconds(self) -> float:
         """The longest decode step's seconds (0.0 before the first): a step of seconds where the median takes
         milliseconds compiled a graph mid-run, and the run's throughput then says little."""
-        per_step = [sum(t) for t in zip(*(self.step_seconds[p] for p in STEP_PHASES if p != "on_commit"), strict=True)]
-        return max(per_step, default=0.0)
+        return max(self._per_step([p for p in STEP_PHASES if p != "on_commit"]), default=0.0)
 
     @property
     def mean_accepted_length(self) -> float:

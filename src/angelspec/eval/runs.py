@@ -49,13 +49,6 @@ class EvalRun:
     comparison: str | None = None  # AR and every drafter side by side, when there are several
 
     @property
-    def report(self) -> EvalReport:
-        """The report of a one-drafter run."""
-        if len(self.reports) != 1:
-            raise ValueError(f"this run evaluated {len(self.reports)} drafters; read .reports")
-        return self.reports[0]
-
-    @property
     def lossless(self) -> bool | None:
         """False when some drafter's T=0 outputs differ from AR's; None at T>0."""
         checked = [r.lossless for r in self.reports if r.lossless is not None]
@@ -145,16 +138,17 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
                             sampling=sampling, compile=compile,
                             spec_gate=spec_gate)  # evaluate gives request i the seed S + i
     baseline, reports = evaluate_many(model, runs, chosen, settings, progress=progress)
-    calibrations: list[str | None] = []
-    for _, draft, _, _ in runs:
+    calibrations: list[str | None] = []  # described, for the printout
+    numbers = []  # per drafter, for --json
+    for (_, draft, _, _), report in zip(runs, reports, strict=True):
+        calibrated = isinstance(draft, CalibratedDrafter)
         described = None
-        if isinstance(draft, CalibratedDrafter):
+        if calibrated:
             note = draft.temperature_note(temperature)
             described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
         calibrations.append(described)
+        numbers.append({"calibration": draft.calibration.to_json() if calibrated else None, **report.to_dict()})
     if json_path is not None:
-        numbers = [{"calibration": draft.calibration.to_json() if isinstance(draft, CalibratedDrafter) else None,
-                    **report.to_dict()} for (_, draft, _, _), report in zip(runs, reports, strict=True)]
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json_path, {"target": str(target_dir), "prompts_file": str(prompts_path),
                                       **(numbers[0] if len(numbers) == 1 else {"runs": numbers})})

@@ -59,18 +59,17 @@ from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.metrics import STALL_S
 
 MODEL_FIRST_ROUNDS = 2
-COMPILE_S = STALL_S  # a round this long compiled a graph: left out of `RoundStats`
 
 
 class RoundStats:
     """What each kind of round cost, for reports: per kind, [rounds, seconds from proposing to the commit, tokens
-    committed]. A round over `COMPILE_S` (it compiled a graph) is left out."""
+    committed]. A round over `metrics.STALL_S` (it compiled a graph) is left out."""
 
     def __init__(self, kinds: Sequence[str]) -> None:
         self.by_kind: dict[str, list[float]] = {kind: [0, 0.0, 0] for kind in kinds}
 
     def add(self, kind: str, seconds: float, tokens: int) -> None:
-        if seconds < COMPILE_S:
+        if seconds < STALL_S:
             stats = self.by_kind[kind]
             stats[0] += 1
             stats[1] += seconds

@@ -140,15 +140,13 @@ class NGramDrafter(Drafter):
                         host_lengths=tuple(lengths))
 
     def on_commit(self, commit: Commit) -> None:
-        depths = commit.host_depths
+        depths = commit.host_depths  # () from a caller that does not say (nothing is learned then)
         for r, toks in enumerate(commit.host_tokens):
             if toks:
                 self._extend(r, toks)
-                n = self._matched[r] if r < len(self._matched) else 0
-                if n and r < len(depths) and depths[r]:
-                    self.acceptance.observe(n, depths[r], len(toks) - 1)
-            if r < len(self._matched):
-                self._matched[r] = 0
+                if self._matched[r] and depths and depths[r]:
+                    self.acceptance.observe(self._matched[r], depths[r], len(toks) - 1)
+            self._matched[r] = 0
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         for r in rows:

@@ -104,9 +104,9 @@ def dcut_depths(conf: Sequence[Sequence[float]], active: Sequence[bool], num_act
     for j in range(k + 1):
         flat += [(scores[i][j], i) for i in range(len(conf))]
     order = sorted(range(len(flat)), key=lambda idx: -flat[idx][0])  # stable: ties keep depth-major order
-    gain, total = [], 0.0
-    for v in sorted((max(score, 0.0) for score, _ in flat), reverse=True):
-        total += v
+    gain, total = [], 0.0  # gain[n - 1]: the n best scores (clamped at 0, still in descending order), summed
+    for idx in order:
+        total += max(flat[idx][0], 0.0)
         gain.append(total)
     budgets = [dcut_budget(num_active, k, r) for r in ratios]
     utility = [gain[min(n - 1, len(gain) - 1)] for n in budgets]
