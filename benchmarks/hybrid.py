@@ -22,7 +22,8 @@ rounds the model drafted in (`HybridDrafter.round_stats`, without each request's
 second (a compile) are left out; the warm-up's other rounds count. "AR" is the config's own AR run's time per token,
 so "tokens per AR" above 1 is a round kind that pays, and the hybrid beats the lookup alone when its model rounds
 pay more than the lookup's rounds without a match. `--model-depths 3,7` also runs hybrids whose model drafts at
-most D per round while the lookup drafts K (`HybridDrafter(model_depth=D)`).
+most D per round while the lookup drafts K (`HybridDrafter(model_depth=D)`). At the end, the lookup's learned
+acceptance per match length and depth (its confidences, `NGramDrafter.acceptance`).
 """
 
 from __future__ import annotations
@@ -152,6 +153,14 @@ def main() -> None:
     print("\nmean speed-up over rounds:")
     for label, values in speedups.items():
         print(f"  {label:<{width}}{mean(values):>6.2f}x")
+    for label, k, drafter in kept:
+        if isinstance(drafter, SplitNGram):  # what the lookup learned over every round (its confidences)
+            print(f"\n{label}: learned acceptance of depths 1..{k}, each given the earlier ones accepted "
+                  "(`NGramDrafter.acceptance`; trials in brackets):")
+            for n in range(1, drafter.max_ngram + 1):
+                est = " ".join(f"{a:.2f}" for a in drafter.acceptance.estimate(n, k))
+                trials = " ".join(f"{t:.0f}" for t in drafter.acceptance.trials[n])
+                print(f"  after a {n}-token match: {est}  [{trials}]")
 
 
 if __name__ == "__main__":
