@@ -14,9 +14,10 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
    `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM runs
    without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
 3. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
-   shipped one has a context bias the exporter refuses) is exported, built as vLLM's `Qwen3DSparkForCausalLM` from
-   the export's config and loaded with its `load_weights`, without an engine; every vLLM parameter must hold
-   exactly the exported tensor meant for it (the CPU runner's refusal of DSpark is skipped for this build only).
+   shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
+   exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
+   without an engine; every vLLM parameter must hold exactly the exported tensor meant for it (the CPU runner's
+   refusal of DSpark is skipped for this build only).
 
 Results land in `<out_dir>/vllm_check.json`; `VllmCheckReport.format` is the table.
 """
@@ -308,35 +309,64 @@ def vllm_aux_layers(vllm_config: Any) -> tuple[int, ...] | None:
     return GPUModelRunner._get_eagle3_aux_layers_from_config(types.SimpleNamespace(speculative_config=spec))
 
 
-def _random_dspark(folder: Path) -> Path:
-    """Export a small DSpark (plain Markov head, confidence head, draft vocabulary, no fc bias) with random weights,
-    every tensor distinct, for the embedded target; returns the export folder."""
+def dflash_check_config(settings: VllmCheckSettings = VllmCheckSettings()) -> Any:
+    """The training config of the DFlash the check trains (`dflash_embedded` with DFLASH_OVERRIDES)."""
+    from angelspec.train.registry import get_trainer
+    from angelspec.train.runs import preset_config
+
+    _, presets, _ = get_trainer("dflash")
+    return preset_config(presets, "dflash_embedded", "dflash_embedded",
+                         [*DFLASH_OVERRIDES, f"steps={settings.dflash_steps}", "fc_bias=false"])
+
+
+def random_dspark_source(folder: Path) -> Path:
+    """A small DSpark (plain Markov head, confidence head, draft vocabulary, no fc bias) with random weights, every
+    tensor distinct, for the embedded target, saved as a drafter folder. Built with DFlash's shared fused context
+    (context_injection=shared): that is what vLLM's Qwen3DSparkModel serves, while a new DSpark defaults to
+    same-layer injection, which the exporter refuses."""
     from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.export import export_drafter
     from angelspec.models import read_config
     from angelspec.models.block.config import BlockDrafterConfig
-    from angelspec.models.block.drafter import BlockDrafter
-    from angelspec.models.block.io import save_block_drafter
     from angelspec.train.block import EMBEDDED_TAPS, resolve_mask_token
 
     target = read_config(DEFAULT_TARGET)
     mask = resolve_mask_token(load_tokenizer(DEFAULT_TARGET), None, target.vocab_size)
     cfg = BlockDrafterConfig.for_target(target, mask_token_id=mask, block_size=8, num_draft_layers=2,
                                         target_layer_ids=EMBEDDED_TAPS, conditioning="dflash", head="markov",
-                                        markov_rank=16, confidence_head=True)
+                                        markov_rank=16, confidence_head=True, context_injection="shared",
+                                        fc_bias=False)
     cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": 512})
+    return random_block_drafter(cfg, folder)
+
+
+def random_block_drafter(cfg: Any, folder: Path, seed: int = 0) -> Path:
+    """Save a block drafter of config `cfg` with random weights (every tensor distinct, no fc bias; a random draft
+    vocabulary when `cfg` has one) to `folder`; returns `folder`."""
+    from angelspec.models import read_config
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+
+    target = read_config(DEFAULT_TARGET)
     shared = (torch.nn.Embedding(target.vocab_size, target.hidden_size, device="meta"),
               torch.nn.Linear(target.hidden_size, target.vocab_size, bias=False, device="meta"))
     model = BlockDrafter(cfg, *shared)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (1.0 if "norm" in name else 0.0))
         if getattr(model, "fc", None) is not None and model.fc.bias is not None:
             model.fc.bias.zero_()
-    model.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:512])
-    save_block_drafter(model, folder / "src")
-    export_drafter(folder / "src", folder / "export", force=True)
+    if cfg.draft_vocab_size:
+        model.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:cfg.draft_vocab_size])
+    save_block_drafter(model, folder)
+    return folder
+
+
+def _random_dspark(folder: Path) -> Path:
+    """Export `random_dspark_source` for vLLM; returns the export folder."""
+    from angelspec.export import export_drafter
+
+    export_drafter(random_dspark_source(folder / "src"), folder / "export", force=True)
     return folder / "export"
 
 
