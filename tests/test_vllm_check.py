@@ -78,22 +78,28 @@ def test_vllm_runs_with_one_numba_thread():
 
 
 def test_every_drafter_the_check_serves_is_exportable(tmp_path):
-    """`make vllm-check` exports each drafter it serves before starting vLLM: the shipped EAGLE-3 and draft LM, the
-    DFlash it trains (built here with random weights from the check's own training config) and the random DSpark it
-    loads through vLLM's model class. None of them may be refused (a new DSpark defaults to same-layer injection,
-    which vLLM cannot serve)."""
-    from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_DRAFTERS, DEFAULT_TARGET
+    """`make vllm-check` exports each drafter it serves before starting vLLM: the shipped EAGLE-3, draft LM, MTP and
+    DFly, the DFlash it trains (built here with random weights from the check's own training config) and the random
+    DSpark it loads through vLLM's model class. None of them may be refused (a new DSpark defaults to same-layer
+    injection, which vLLM cannot serve)."""
+    from angelspec.assets import DEFAULT_TARGET
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.export import export_drafter
     from angelspec.models import read_config
-    from angelspec.pipelines.vllm_check import dflash_check_config, random_block_drafter, random_dspark_source
+    from angelspec.pipelines.vllm_check import (
+        dflash_check_config,
+        random_block_drafter,
+        random_dspark_source,
+        served_drafters,
+    )
     from angelspec.train.block import resolve_mask_token
 
     target = read_config(DEFAULT_TARGET)
     mask = resolve_mask_token(load_tokenizer(DEFAULT_TARGET), None, target.vocab_size)
     dflash = random_block_drafter(dflash_check_config().model_config(target, mask), tmp_path / "dflash")
-    sources = {"eagle3": DEFAULT_DRAFTERS / "eagle3", "draft-lm": DEFAULT_DRAFT_LM, "dflash": dflash,
-               "dspark": random_dspark_source(tmp_path / "dspark")}
+    sources = {name.split()[0]: src for name, src, _ in served_drafters(dflash, [])}
+    sources["dspark"] = random_dspark_source(tmp_path / "dspark")
     methods = {name: export_drafter(src, tmp_path / "exports" / name).speculative_config["method"]
                for name, src in sources.items()}
-    assert methods == {"eagle3": "eagle3", "draft-lm": "draft_model", "dflash": "dflash", "dspark": "dspark"}
+    assert methods == {"eagle3": "eagle3", "draft": "draft_model", "mtp": "eagle3", "dfly": "dflash",
+                       "dflash": "dflash", "dspark": "dspark"}

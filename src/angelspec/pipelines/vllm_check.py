@@ -7,12 +7,13 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
 
 1. Rollouts: the first `rollout_prompts` shipped training prompts rolled out greedily by `angelspec rollout` with
    our engine and with `--engine vllm`: the two JSONL files must be byte-identical.
-2. Each drafter vLLM can serve on CPU: the shipped EAGLE-3, the shipped draft LM, and a DFlash trained here for
-   about a minute (`angelspec train --drafter dflash`, no shipped one exists). Exported with `export_drafter`,
-   served by vLLM at T=0: every vLLM output must equal our AR output, our speculative outputs too, vLLM's tap ids
-   must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify step; vLLM's
-   `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM runs
-   without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
+2. Each drafter vLLM can serve on CPU (`served_drafters`): the shipped EAGLE-3 and draft LM, the shipped MTP and DFly
+   (served through the angelspec[vllm] plugin's classes, `angelspec_vllm`, by vLLM's EAGLE-3 and DFlash proposers),
+   and a DFlash trained here for about a minute (`angelspec train --drafter dflash`, no shipped one exists).
+   Exported with `export_drafter`, served by vLLM at T=0: every vLLM output must equal our AR output, our
+   speculative outputs too, vLLM's tap ids must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify
+   step; vLLM's `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM
+   runs without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
 3. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
    shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
    exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
@@ -219,9 +220,7 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
     ar, _ = decode(None, 1)
     dflash_dir, dflash_notes = _train_dflash(settings, out, log)
     served = []
-    for name, src, notes in (("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []),
-                             ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
-                             ("dflash (trained here)", dflash_dir, dflash_notes)):
+    for name, src, notes in served_drafters(dflash_dir, dflash_notes):
         export = out / "exports" / name.split()[0]
         result = export_drafter(src, export, force=True)
         k = int(result.speculative_config["num_speculative_tokens"])
@@ -235,6 +234,14 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
         log(f"ours, {name}: K={k}, {metrics.format()}")
         served.append(_Served(name, export, k, outputs, metrics, taps, notes + result.notes))
     return prompts, ar, served
+
+
+def served_drafters(dflash_dir: Path, dflash_notes: list[str]) -> list[tuple[str, Path, list[str]]]:
+    """(name, drafter folder, notes) of every drafter the check serves in vLLM: the shipped EAGLE-3, draft LM, MTP and
+    DFly (the last two through the angelspec[vllm] plugin) and the DFlash trained here."""
+    return [("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []), ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
+            ("mtp (shipped)", DEFAULT_DRAFTERS / "mtp", []), ("dfly (shipped)", DEFAULT_DRAFTERS / "dfly", []),
+            ("dflash (trained here)", dflash_dir, dflash_notes)]
 
 
 def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> tuple[Path, list[str]]:
