@@ -111,15 +111,15 @@ class AngelSpecDFlyDFlash(DFlashQwen3ForCausalLM):
         for i, layer in enumerate(self.model.layers):
             pre = context_states if i == 0 or taps is None else self._pre_norm_feature(taps, i)
             g = self.model.context_norms[i](pre)
+            slots = context_slot_mapping[i] if isinstance(context_slot_mapping, list | tuple) else context_slot_mapping
             if i == 0:
-                self._context = None if context_slot_mapping is None else (g, context_slot_mapping)
+                self._context = None if slots is None else (g, slots)
             attn = layer.self_attn
             qkv, _ = attn.qkv_proj(g)
             k = qkv[:, attn.q_size: attn.q_size + attn.kv_size]
             v = qkv[:, attn.q_size + attn.kv_size:]
             k = attn.k_norm(k.reshape(-1, attn.num_kv_heads, attn.head_dim)).reshape(k.shape)
             _, k = attn.rotary_emb.forward_native(context_positions, k.clone(), k)
-            slots = context_slot_mapping[i] if isinstance(context_slot_mapping, list | tuple) else context_slot_mapping
             if slots is None:
                 continue
             if attn.v_scale is not None:

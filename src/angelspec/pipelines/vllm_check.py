@@ -9,7 +9,8 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
    our engine and with `--engine vllm`: the two JSONL files must be byte-identical.
 2. Each drafter vLLM can serve on CPU (`served_drafters`): the shipped EAGLE-3 and draft LM, the shipped MTP and DFly
    (served through the angelspec[vllm] plugin's classes, `angelspec_vllm`, by vLLM's EAGLE-3 and DFlash proposers),
-   and a DFlash trained here for about a minute (`angelspec train --drafter dflash`, no shipped one exists).
+   a DFlash trained here for about a minute (`angelspec train --drafter dflash`, no shipped one exists) and a
+   two-layer DFlare made from the shipped DFly (`two_layer_dflare`; none ships).
    Exported with `export_drafter`, served by vLLM at T=0: every vLLM output must equal our AR output, our
    speculative outputs too, vLLM's tap ids must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify
    step; vLLM's `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM
@@ -219,8 +220,9 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
 
     ar, _ = decode(None, 1)
     dflash_dir, dflash_notes = _train_dflash(settings, out, log)
+    dflare_dir = two_layer_dflare(out / "dflare")
     served = []
-    for name, src, notes in served_drafters(dflash_dir, dflash_notes):
+    for name, src, notes in served_drafters(dflash_dir, dflash_notes, dflare_dir):
         export = out / "exports" / name.split()[0]
         result = export_drafter(src, export, force=True)
         k = int(result.speculative_config["num_speculative_tokens"])
@@ -236,12 +238,47 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
     return prompts, ar, served
 
 
-def served_drafters(dflash_dir: Path, dflash_notes: list[str]) -> list[tuple[str, Path, list[str]]]:
+def served_drafters(dflash_dir: Path, dflash_notes: list[str], dflare_dir: Path) -> list[tuple[str, Path, list[str]]]:
     """(name, drafter folder, notes) of every drafter the check serves in vLLM: the shipped EAGLE-3, draft LM, MTP and
-    DFly (the last two through the angelspec[vllm] plugin) and the DFlash trained here."""
+    DFly (the last two through the angelspec[vllm] plugin), the DFlash trained here and the DFlare of
+    `two_layer_dflare` (the plugin's per-layer context over several draft layers, without DFly's fc)."""
     return [("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []), ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
             ("mtp (shipped)", DEFAULT_DRAFTERS / "mtp", []), ("dfly (shipped)", DEFAULT_DRAFTERS / "dfly", []),
-            ("dflash (trained here)", dflash_dir, dflash_notes)]
+            ("dflash (trained here)", dflash_dir, dflash_notes),
+            ("dflare (from the shipped dfly)", dflare_dir, [DFLARE_NOTE])]
+
+
+DFLARE_NOTE = ("no DFlare ships: this one is the shipped DFly without its fc, with a second draft layer (layer 0 "
+               "perturbed by 2% of each tensor's spread) and the first layer's fusion weights reversed for it")
+
+
+def two_layer_dflare(folder: Path) -> Path:
+    """A DFlare (per-layer tap fusion, Eq. 11, no fc) with two draft layers, made from the shipped DFly (DFLARE_NOTE)
+    so that its drafts are accepted often enough to compare; saved to `folder`, returned."""
+    from safetensors.torch import load_file
+
+    from angelspec.models import load_target
+    from angelspec.models.block.config import BlockDrafterConfig
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+    from angelspec.models.hf_io import read_config_json
+
+    src = DEFAULT_DRAFTERS / "dfly"
+    raw = read_config_json(src, "is it the shipped DFly?", "drafter folder")
+    cfg = BlockDrafterConfig.from_dict({**raw["block_drafter_config"], "num_draft_layers": 2,
+                                        "conditioning": "dflare", "fc_bias": False})
+    state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("fc.")}
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in state if k.startswith(("layers.0.", "context_norms.0."))]:
+        v = state[k]
+        noise = 0.02 * v.std() * torch.randn(v.shape, generator=g) if k.startswith("layers.") else 0.0
+        state[k.replace(".0.", ".1.", 1)] = v + noise
+    state["fusion_logits"] = torch.stack([state["fusion_logits"][0], state["fusion_logits"][0].flip(0)])
+    target = load_target(DEFAULT_TARGET, dtype=torch.float32)
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.load_state_dict(state)
+    save_block_drafter(model, folder)
+    return folder
 
 
 def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> tuple[Path, list[str]]:
