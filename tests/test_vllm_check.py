@@ -80,8 +80,8 @@ def test_vllm_runs_with_one_numba_thread():
 def test_every_drafter_the_check_serves_is_exportable(tmp_path):
     """`make vllm-check` exports each drafter it serves before starting vLLM: the shipped EAGLE-3, draft LM, MTP and
     DFly, the two-layer DFlare it makes from the DFly, the DFlash it trains (built here with random weights from the
-    check's own training config) and the random DSpark it loads through vLLM's model class. None of them may be refused (a new DSpark defaults to same-layer
-    injection, which vLLM cannot serve)."""
+    check's own training config) and the random DSpark it loads through vLLM's model class. None of them may be
+    refused (a new DSpark defaults to same-layer injection, which vLLM cannot serve)."""
     from angelspec.assets import DEFAULT_TARGET
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.export import export_drafter
