@@ -22,11 +22,21 @@ ARCHITECTURES = {
 }
 
 
+VLLM_SERIES = "0.32."  # the vLLM the classes are written against
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point: register the classes with vLLM's ModelRegistry (lazily, by name, so
-    loading the plugin imports no model code); safe to call more than once, as vLLM may."""
+    loading the plugin imports no model code); safe to call more than once, as vLLM may. Another vLLM version gets a
+    warning, not a failure: the plugin loads in every vLLM process, also those that serve no AngelSpec drafter."""
+    import vllm
     from vllm import ModelRegistry
 
+    if not vllm.__version__.startswith(VLLM_SERIES):
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning("the AngelSpec drafter classes are written against vLLM %sx; this is vLLM %s",
+                                      VLLM_SERIES, vllm.__version__)
     for arch, target in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, target)
