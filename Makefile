@@ -60,8 +60,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --no-deps -e .
 	touch $@
 
-# Serve the embedded target in vLLM with each exportable drafter and compare outputs and acceptance with our
-# engine, check rollouts through vLLM, load a DSpark export through vLLM's model class (about 10 minutes).
+# Serve the embedded target in vLLM with each exportable drafter (MTP and DFly through the angelspec[vllm] plugin,
+# which the editable install above registers with vLLM) and compare outputs and acceptance with our engine, check
+# rollouts through vLLM, load a DSpark export through vLLM's model class (about 10 minutes).
 VLLM_CHECK_ARGS ?=
 vllm-check: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_check.py $(VLLM_CHECK_ARGS)

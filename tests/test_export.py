@@ -224,7 +224,7 @@ def test_draft_lm_with_a_draft_vocabulary_is_copied_with_a_note(target_dir, tmp_
     (lambda t: _block(t, head="gated", confidence=False), "gated"),
     (lambda t: _block(t, head="rnn", confidence=False), "rnn"),
     (lambda t: _block(t, conditioning="dfly", head="markov", confidence=False), "dfly"),
-    (lambda t: _block(t, conditioning="dflare", head="none", confidence=False), "dflare"),
+    (lambda t: _block(t, conditioning="dfly", head="gated", confidence=False), "gated head"),
     (lambda t: _block(t, bias="trained"), r"fc\.bias.*fc_bias=false"),
     (lambda t: _block(t, head="markov", context_injection=None), "same_layer.*context_injection=shared"),
     (lambda t: _block(t, anchor_fusion=True), "fused anchor input.*anchor_fusion=false"),
@@ -237,12 +237,60 @@ def test_refusals_name_what_does_not_fit(target_dir, tmp_path, build, words):
     assert not (tmp_path / "out").exists()
 
 
-def test_mtp_is_refused_naming_the_vllm_limitation(target_dir, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [None, [40, 3, 7, 11, 0, 63, 20, 21]])
+def test_mtp_exports_for_the_plugin_with_its_one_tap_shifted(target_dir, tmp_path, draft_vocab):
+    """MTP goes to the angelspec[vllm] plugin's class, driven by vLLM's EAGLE-3 proposer: our tensor names, the layer
+    split into vLLM's, the one tap as EAGLE-3's only auxiliary layer (our id + 1)."""
     path, target = target_dir
-    model = _init(MTPDraftModel(MTPConfig.for_target(target.config), target.embed_tokens, target.lm_head))
-    src = save_mtp(model, tmp_path / "mtp")
-    with pytest.raises(ExportRefused, match="no MTP draft class for a Qwen3"):
-        export_drafter(src, tmp_path / "out", target=path)
+    cfg = MTPConfig.for_target(target.config)
+    if draft_vocab:
+        cfg = MTPConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": len(draft_vocab)})
+    model = _init(MTPDraftModel(cfg, target.embed_tokens, target.lm_head))
+    if draft_vocab:
+        model.set_draft_vocab(draft_vocab)
+    result = export_drafter(save_mtp(model, tmp_path / "mtp"), tmp_path / "out", target=path)
+    assert result.speculative_config["method"] == "eagle3" and result.speculative_config["num_speculative_tokens"] == 3
+    assert "angelspec[vllm] plugin" in result.notes[0]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["AngelSpecMTPEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [LAYERS] == [cfg.target_layer_id + 1]
+    ours = dict(model.state_dict())
+    want = {n: ours[n] for n in ("hidden_norm.weight", "embed_norm.weight", "proj.weight", "norm.weight")}
+    want.update(_split_layer(ours, "layer.", "layers.0.", cfg.num_attention_heads * cfg.head_dim,
+                             cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size))
+    if draft_vocab:
+        ids = torch.tensor(draft_vocab)
+        want["lm_head.weight"] = target.lm_head.weight.detach()[ids]
+        want["d2t"] = ids - torch.arange(len(draft_vocab))
+    _assert_same(read_tensors(tmp_path / "out" / "model.safetensors"), want)
+
+
+@pytest.mark.parametrize(("conditioning", "head", "anchor_fusion"), [
+    ("dfly", "hidden", True), ("dfly", "none", False), ("dflare", "hidden", False)])
+def test_dfly_and_dflare_export_for_the_plugin(target_dir, tmp_path, conditioning, head, anchor_fusion):
+    """DFly / DFlare go to the plugin's class, driven by vLLM's DFlash proposer: every tensor of the per-layer fusion,
+    the hidden-correction head and the fused anchor input under our name, the layers split, 0-based taps."""
+    path, target = target_dir
+    model = _block(target, head=head, conditioning=conditioning, confidence=True, anchor_fusion=anchor_fusion,
+                   bias="none" if conditioning == "dflare" else "trained")
+    result = export_drafter(save_block_drafter(model, tmp_path / "src"), tmp_path / "out", target=path)
+    c = model.config
+    assert result.speculative_config["method"] == "dflash"
+    assert result.speculative_config["num_speculative_tokens"] == c.block_size - 1
+    assert any("confidence head was left out" in n for n in result.notes)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["AngelSpecDFlyDFlash"]
+    assert config["dflash_config"]["target_layer_ids"] == list(c.target_layer_ids)
+    assert config["angelspec_block"] == {"conditioning": conditioning, "head": head, "fc_bias": c.fc_bias,
+                                         "anchor_fusion": anchor_fusion,
+                                         "head_intermediate_size": c.head_intermediate_size or c.hidden_size}
+    ours = {n: t for n, t in model.state_dict().items() if not n.startswith(("confidence", "layers."))}
+    for n in range(c.num_draft_layers):
+        ours.update(_split_layer(dict(model.state_dict()), f"layers.{n}.", f"layers.{n}.",
+                                 c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                                 c.intermediate_size))
+    assert ("fc.bias" in ours) is (conditioning == "dfly") and ("head.down_proj.weight" in ours) is (head == "hidden")
+    _assert_same(read_tensors(tmp_path / "out" / "model.safetensors"), ours)
 
 
 def test_check_catches_a_broken_export(target_dir, tmp_path):
@@ -276,10 +324,9 @@ def test_cli_export_prints_the_speculative_config_and_refuses(target_dir, tmp_pa
     assert main(["export", str(src), str(out), "--target", str(path)]) == 2  # not empty without --force
     assert "--force" in capsys.readouterr().err
     assert main(["export", str(src), str(out), "--target", str(path), "--force"]) == 0
-    mtp = save_mtp(_init(MTPDraftModel(MTPConfig.for_target(target.config), target.embed_tokens, target.lm_head)),
-                   tmp_path / "mtp")
-    assert main(["export", str(mtp), str(tmp_path / "o2"), "--target", str(path)]) == 2
-    assert "MTP" in capsys.readouterr().err
+    gated = save_block_drafter(_block(target, head="gated"), tmp_path / "gated")
+    assert main(["export", str(gated), str(tmp_path / "o2"), "--target", str(path)]) == 2
+    assert "gated" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -75,3 +75,32 @@ def test_vllm_runs_with_one_numba_thread():
     from angelspec.decoding.vllm_engine import CPU_ENV
 
     assert CPU_ENV["NUMBA_NUM_THREADS"] == "1" and CPU_ENV["OMP_NUM_THREADS"] == "1"
+
+
+def test_every_drafter_the_check_serves_is_exportable(tmp_path):
+    """`make vllm-check` exports each drafter it serves before starting vLLM: the shipped EAGLE-3, draft LM, MTP and
+    DFly, the two-layer DFlare it makes from the DFly, the DFlash it trains (built here with random weights from the
+    check's own training config) and the random DSpark it loads through vLLM's model class. None of them may be
+    refused (a new DSpark defaults to same-layer injection, which vLLM cannot serve)."""
+    from angelspec.assets import DEFAULT_TARGET
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.export import export_drafter
+    from angelspec.models import read_config
+    from angelspec.pipelines.vllm_check import (
+        dflash_check_config,
+        random_block_drafter,
+        random_dspark_source,
+        served_drafters,
+        two_layer_dflare,
+    )
+    from angelspec.train.block import resolve_mask_token
+
+    target = read_config(DEFAULT_TARGET)
+    mask = resolve_mask_token(load_tokenizer(DEFAULT_TARGET), None, target.vocab_size)
+    dflash = random_block_drafter(dflash_check_config().model_config(target, mask), tmp_path / "dflash")
+    sources = {name.split()[0]: src for name, src, _ in served_drafters(dflash, [], two_layer_dflare(tmp_path / "fl"))}
+    sources["dspark"] = random_dspark_source(tmp_path / "dspark")
+    methods = {name: export_drafter(src, tmp_path / "exports" / name).speculative_config["method"]
+               for name, src in sources.items()}
+    assert methods == {"eagle3": "eagle3", "draft": "draft_model", "mtp": "eagle3", "dfly": "dflash",
+                       "dflash": "dflash", "dflare": "dflash", "dspark": "dspark"}

@@ -9,10 +9,11 @@ from angelspec.cli import common
 
 def add_export(sub: common.Subparsers) -> None:
     """Write a drafter folder in the layout a serving engine loads (vLLM 0.32: EAGLE-3, DFlash, DSpark with the plain
-    Markov head, or a draft LM, plus speculative_config.json, the dict to pass as --speculative-config; SGLang:
-    DFlash or a draft LM, plus sglang_args.json, the --speculative-* flags to pass, checked offline only). Drafters
-    the format cannot represent (MTP, DFly/DFlare, hidden-correction, gated or RNN heads; for SGLang also EAGLE-3,
-    DSpark and draft vocabularies) are refused."""
+    Markov head, or a draft LM, and, through the angelspec[vllm] plugin, MTP and DFly / DFlare, plus
+    speculative_config.json, the dict to pass as --speculative-config; SGLang: DFlash or a draft LM, plus
+    sglang_args.json, the --speculative-* flags to pass, checked offline only). Drafters the format cannot represent
+    (gated or RNN heads, a hidden-correction head on the DFlash backbone, same-layer DSpark; for SGLang also MTP,
+    EAGLE-3, DFly, DSpark and draft vocabularies) are refused. docs/deployment.md has the serve commands."""
     p = sub.add_parser("export", help="export a drafter for a serving engine (vLLM, SGLang)",
                        description=add_export.__doc__)
     _folder_flags(p, ("vllm", "sglang"), "target format", ("drafter_dir", "DRAFTER_DIR", "the trained drafter folder"),

@@ -88,6 +88,27 @@ def _layer_specs(prefix: str, cfg: dict[str, Any], in_features: int, dtype: torc
         "mlp.down_proj.weight": (h, i)}.items()}
 
 
+def _fused_block_specs(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of the angelspec[vllm] plugin's DFly / DFlare class (config `angelspec_block`)."""
+    h, layers, block = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["angelspec_block"]
+    taps = len(cfg["dflash_config"]["target_layer_ids"])
+    out = {"fusion_logits": ((layers, taps), torch.float32)}
+    for n in range(layers):
+        out[f"context_norms.{n}.weight"] = ((h,), dtype)
+        out.update(_layer_specs(f"layers.{n}.", cfg, h, dtype))
+    if block["conditioning"] == "dfly":
+        out["fc.weight"] = ((h, taps * h), dtype)
+        if block["fc_bias"]:
+            out["fc.bias"] = ((h,), dtype)
+    if block["head"] == "hidden":
+        i = block["head_intermediate_size"]
+        out.update({"head.z_norm.weight": ((h,), dtype), "head.e_norm.weight": ((h,), dtype),
+                    "head.gate_up_proj.weight": ((2 * i, 2 * h), dtype), "head.down_proj.weight": ((h, i), dtype)})
+    if block["anchor_fusion"]:
+        out.update({"anchor_norm.weight": ((h,), dtype), "anchor_fuse.weight": ((h, 2 * h), dtype)})
+    return out
+
+
 def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a vLLM drafter folder with this config.json must hold: name -> (shape, dtype)."""
     arch = (cfg.get("architectures") or [None])[0]
@@ -113,6 +134,11 @@ def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple
                 width = h + (r if cfg.get("confidence_head_with_markov") else 0)
                 out["confidence_head.proj.weight"] = ((1, width), dtype)
                 out["confidence_head.proj.bias"] = ((1,), dtype)
+    elif arch == "AngelSpecMTPEagle3":
+        out.update({"hidden_norm.weight": ((h,), dtype), "embed_norm.weight": ((h,), dtype),
+                    "proj.weight": ((h, 2 * h), dtype), **_layer_specs("layers.0.", cfg, h, dtype)})
+    elif arch == "AngelSpecDFlyDFlash":
+        out.update(_fused_block_specs(cfg, dtype))
     else:
         raise ExportCheckError(f"unknown exported architecture {arch!r}")
     if vd != v:
@@ -159,7 +185,7 @@ def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | N
             problems.append(f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {want_dtype}")
     arch = cfg["architectures"][0]
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
-    if arch == "Eagle3Qwen3ForCausalLM":
+    if arch in ("Eagle3Qwen3ForCausalLM", "AngelSpecMTPEagle3"):
         ids = cfg["eagle_aux_hidden_state_layer_ids"]
         if cfg.get("num_hidden_layers") != 1:
             problems.append(f"EAGLE-3 num_hidden_layers = {cfg.get('num_hidden_layers')}, expected 1")

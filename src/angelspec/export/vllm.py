@@ -1,5 +1,9 @@
 """Export to vLLM 0.32 (Qwen3 targets): EAGLE-3 (`Eagle3Qwen3ForCausalLM`), DFlash (`DFlashDraftModel`), DSpark
-(`Qwen3DSparkModel`, plain Markov head) and a draft LM (`method: "draft_model"`, copied as it is).
+(`Qwen3DSparkModel`, plain Markov head) and a draft LM (`method: "draft_model"`, copied as it is), all vLLM's own
+classes; and, for the angelspec[vllm] plugin (`angelspec_vllm`, which registers the classes with vLLM), MTP
+(`AngelSpecMTPEagle3`, driven by vLLM's EAGLE-3 proposer) and DFly / DFlare (`AngelSpecDFlyDFlash`, driven by its
+DFlash proposer: per-layer fusion, hidden-correction head, fused anchor input). Those two keep our tensor names, the
+decoder layers split into vLLM's as below (`_mtp_plugin`, `_fused_block_plugin`).
 
 Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up projection is split by rows):
 
@@ -140,9 +144,7 @@ def _left(state: dict[str, torch.Tensor], kind: str) -> None:
 def _mtp_family(raw: dict[str, Any], kind: str, state: dict[str, torch.Tensor], target: DecoderConfig,
                 target_dir: Path, out: Path) -> tuple[dict, dict, dict, list[str]]:
     if kind == "mtp":
-        raise ExportRefused("MTP drafters cannot be exported to vLLM 0.32: it has no MTP draft class for a Qwen3 "
-                            "target (its MTP methods load a model's own built-in MTP layers, e.g. DeepSeek / "
-                            "Qwen3-Next); serve an EAGLE-3, DFlash or DSpark drafter instead")
+        return _mtp_plugin(raw, state, target, target_dir, out)
     cfg = MTP_FAMILY[kind][0].from_dict(raw[f"{kind}_config"])
     cfg.check_target(target)
     dtype = state["norm.weight"].dtype
@@ -161,25 +163,27 @@ def _mtp_family(raw: dict[str, Any], kind: str, state: dict[str, torch.Tensor], 
 
 ANCHOR_FUSION_REFUSED = ("the fused anchor input (anchor_fuse, anchor_norm: anchor_fusion=true) has no place in "
                          "{engine}, which embeds a block's anchor alone; train the drafter with anchor_fusion=false "
-                         "to export it")
+                         "to export it (vLLM: the angelspec[vllm] plugin serves it in DFly / DFlare drafters)")
 
 
 def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderConfig, target_dir: Path,
            out: Path) -> tuple[dict, dict, dict, list[str]]:
     cfg = BlockDrafterConfig.from_dict(raw["block_drafter_config"])
     cfg.check_target(target)
+    if cfg.conditioning in PLUGIN_CONDITIONINGS:
+        return _fused_block_plugin(cfg, state, target, target_dir, out)
     if cfg.conditioning != "dflash":
-        raise ExportRefused(f"a {cfg.conditioning} drafter cannot be exported to vLLM: its per-layer tap fusion "
-                            "(fusion_logits, context_norms) has no place in DFlash's single shared fc; only the "
-                            "dflash conditioning (DFlash, DSpark) can")
+        raise ExportRefused(f"a {cfg.conditioning} drafter cannot be exported to vLLM: no vLLM class (nor the "
+                            "angelspec[vllm] plugin) serves that conditioning")
     if not cfg.has_fc:
         raise ExportRefused("this dspark drafter injects each draft layer's own target tap (context_injection="
                             "same_layer, Uraion §3.3); vLLM 0.32's Qwen3DSparkModel is DFlash's backbone with one "
                             "shared fc context, so it cannot serve it. Train the drafter with context_injection=shared "
                             "to export it")
     if cfg.head == "hidden":
-        raise ExportRefused("the DFly hidden-correction head (head.*, Eq. 15) has no vLLM equivalent; export a drafter "
-                            "with head none (DFlash) or markov (DSpark)")
+        raise ExportRefused("the hidden-correction head (head.*, Eq. 15) on the DFlash backbone has no vLLM class; "
+                            "the angelspec[vllm] plugin serves it with the dfly conditioning (DFly); export a dflash "
+                            "drafter with head none (DFlash) or markov (DSpark)")
     if cfg.anchor_fusion:
         raise ExportRefused(ANCHOR_FUSION_REFUSED.format(engine="vLLM's DFlash / DSpark draft model"))
     if cfg.head in ("gated", "rnn"):
@@ -227,6 +231,71 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
     tensors.update(_vocab_tensors(state, cfg, target_dir, dtype))
     _left(state, cfg.drafter)
     spec = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": cfg.block_size - 1}
+    return config, tensors, spec, notes
+
+
+# ----- drafters served by the angelspec[vllm] plugin (`angelspec_vllm`): classes registered with vLLM -----
+MTP_ARCH = "AngelSpecMTPEagle3"  # vLLM's EAGLE-3 proposer drives it (`angelspec_vllm.mtp`)
+BLOCK_ARCH = "AngelSpecDFlyDFlash"  # vLLM's DFlash proposer drives it (`angelspec_vllm.dfly`)
+PLUGIN_CONDITIONINGS = ("dfly", "dflare")
+PLUGIN_NOTE = ("served by the angelspec[vllm] plugin (pip install angelspec[vllm] beside vLLM 0.32; it registers "
+               "{arch} with vLLM)")
+
+
+def _mtp_plugin(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderConfig, target_dir: Path,
+                out: Path) -> tuple[dict, dict, dict, list[str]]:
+    """MTP (Eq. 1-2) for the plugin's AngelSpecMTPEagle3: our names with the layer split into vLLM's (layers.0.*),
+    the one tap as EAGLE-3's only auxiliary hidden state (our id + 1), method eagle3."""
+    cfg = MTP_FAMILY["mtp"][0].from_dict(raw["mtp_config"])
+    cfg.check_target(target)
+    dtype = state["norm.weight"].dtype
+    tensors = {name: state.pop(name) for name in ("hidden_norm.weight", "embed_norm.weight", "proj.weight")}
+    tensors.update(_split_layer(state, "layer.", "layers.0.", cfg))
+    tensors["norm.weight"] = state.pop("norm.weight")
+    tensors.update(_vocab_tensors(state, cfg, target_dir, dtype))
+    _left(state, "mtp")
+    ids = [i + 1 for i in cfg.target_layer_ids]
+    config = _shape_config(cfg, target, 1, dtype)
+    config.update(architectures=[MTP_ARCH], target_hidden_size=target.hidden_size,
+                  eagle_aux_hidden_state_layer_ids=ids,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    spec = {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": cfg.num_depths}
+    return config, tensors, spec, [PLUGIN_NOTE.format(arch=MTP_ARCH)]
+
+
+def _fused_block_plugin(cfg: BlockDrafterConfig, state: dict[str, torch.Tensor], target: DecoderConfig,
+                        target_dir: Path, out: Path) -> tuple[dict, dict, dict, list[str]]:
+    """DFly / DFlare (per-layer tap fusion, Eq. 11-12; hidden-correction head, Eq. 15; fused anchor input) for the
+    plugin's AngelSpecDFlyDFlash: our names with the draft layers split into vLLM's, method dflash."""
+    if cfg.head not in ("none", "hidden"):
+        raise ExportRefused(f"a {cfg.conditioning} drafter with the {cfg.head} head cannot be exported to vLLM: the "
+                            "angelspec[vllm] plugin serves the block drafters' heads none and hidden (Eq. 15)")
+    dtype = state["norm.weight"].dtype
+    names = ["fusion_logits", *(f"context_norms.{i}.weight" for i in range(cfg.num_draft_layers)), "norm.weight"]
+    if cfg.conditioning == "dfly":
+        names += ["fc.weight"] + (["fc.bias"] if cfg.fc_bias else [])
+    if cfg.head == "hidden":
+        names += [f"head.{n}.weight" for n in ("z_norm", "e_norm", "gate_up_proj", "down_proj")]
+    if cfg.anchor_fusion:
+        names += ["anchor_norm.weight", "anchor_fuse.weight"]
+    tensors = {n: state.pop(n) for n in names}
+    tensors["fusion_logits"] = tensors["fusion_logits"].float()
+    for n in range(cfg.num_draft_layers):
+        tensors.update(_split_layer(state, f"layers.{n}.", f"layers.{n}.", cfg))
+    notes = [PLUGIN_NOTE.format(arch=BLOCK_ARCH)]
+    if cfg.confidence_head:
+        for name in ("confidence.proj.weight", "confidence.proj.bias", "confidence_embed.weight"):
+            state.pop(name, None)
+        notes.append("the confidence head was left out: vLLM's DFlash proposer drafts a fixed K without one")
+    tensors.update(_vocab_tensors(state, cfg, target_dir, dtype))
+    _left(state, cfg.drafter)
+    config = _shape_config(cfg, target, cfg.num_draft_layers, dtype)
+    config.update(architectures=[BLOCK_ARCH], block_size=cfg.block_size,
+                  dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+                  angelspec_block={"conditioning": cfg.conditioning, "head": cfg.head, "fc_bias": cfg.fc_bias,
+                                   "anchor_fusion": cfg.anchor_fusion,
+                                   "head_intermediate_size": cfg.head_intermediate_size or cfg.hidden_size})
+    spec = {"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": cfg.block_size - 1}
     return config, tensors, spec, notes
 
 

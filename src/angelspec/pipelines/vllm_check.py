@@ -7,16 +7,19 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
 
 1. Rollouts: the first `rollout_prompts` shipped training prompts rolled out greedily by `angelspec rollout` with
    our engine and with `--engine vllm`: the two JSONL files must be byte-identical.
-2. Each drafter vLLM can serve on CPU: the shipped EAGLE-3, the shipped draft LM, and a DFlash trained here for
-   about a minute (`angelspec train --drafter dflash`, no shipped one exists). Exported with `export_drafter`,
-   served by vLLM at T=0: every vLLM output must equal our AR output, our speculative outputs too, vLLM's tap ids
-   must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify step; vLLM's
-   `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM runs
-   without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
+2. Each drafter vLLM can serve on CPU (`served_drafters`): the shipped EAGLE-3 and draft LM, the shipped MTP and DFly
+   (served through the angelspec[vllm] plugin's classes, `angelspec_vllm`, by vLLM's EAGLE-3 and DFlash proposers),
+   a DFlash trained here for about a minute (`angelspec train --drafter dflash`, no shipped one exists) and a
+   two-layer DFlare made from the shipped DFly (`two_layer_dflare`; none ships).
+   Exported with `export_drafter`, served by vLLM at T=0: every vLLM output must equal our AR output, our
+   speculative outputs too, vLLM's tap ids must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify
+   step; vLLM's `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM
+   runs without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
 3. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
-   shipped one has a context bias the exporter refuses) is exported, built as vLLM's `Qwen3DSparkForCausalLM` from
-   the export's config and loaded with its `load_weights`, without an engine; every vLLM parameter must hold
-   exactly the exported tensor meant for it (the CPU runner's refusal of DSpark is skipped for this build only).
+   shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
+   exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
+   without an engine; every vLLM parameter must hold exactly the exported tensor meant for it (the CPU runner's
+   refusal of DSpark is skipped for this build only).
 
 Results land in `<out_dir>/vllm_check.json`; `VllmCheckReport.format` is the table.
 """
@@ -217,10 +220,9 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
 
     ar, _ = decode(None, 1)
     dflash_dir, dflash_notes = _train_dflash(settings, out, log)
+    dflare_dir = two_layer_dflare(out / "dflare")
     served = []
-    for name, src, notes in (("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []),
-                             ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
-                             ("dflash (trained here)", dflash_dir, dflash_notes)):
+    for name, src, notes in served_drafters(dflash_dir, dflash_notes, dflare_dir):
         export = out / "exports" / name.split()[0]
         result = export_drafter(src, export, force=True)
         k = int(result.speculative_config["num_speculative_tokens"])
@@ -234,6 +236,49 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
         log(f"ours, {name}: K={k}, {metrics.format()}")
         served.append(_Served(name, export, k, outputs, metrics, taps, notes + result.notes))
     return prompts, ar, served
+
+
+def served_drafters(dflash_dir: Path, dflash_notes: list[str], dflare_dir: Path) -> list[tuple[str, Path, list[str]]]:
+    """(name, drafter folder, notes) of every drafter the check serves in vLLM: the shipped EAGLE-3, draft LM, MTP and
+    DFly (the last two through the angelspec[vllm] plugin), the DFlash trained here and the DFlare of
+    `two_layer_dflare` (the plugin's per-layer context over several draft layers, without DFly's fc)."""
+    return [("eagle3 (shipped)", DEFAULT_DRAFTERS / "eagle3", []), ("draft LM (shipped)", DEFAULT_DRAFT_LM, []),
+            ("mtp (shipped)", DEFAULT_DRAFTERS / "mtp", []), ("dfly (shipped)", DEFAULT_DRAFTERS / "dfly", []),
+            ("dflash (trained here)", dflash_dir, dflash_notes),
+            ("dflare (from the shipped dfly)", dflare_dir, [DFLARE_NOTE])]
+
+
+DFLARE_NOTE = ("no DFlare ships: this one is the shipped DFly without its fc, with a second draft layer (layer 0 "
+               "perturbed by 2% of each tensor's spread) and the first layer's fusion weights reversed for it")
+
+
+def two_layer_dflare(folder: Path) -> Path:
+    """A DFlare (per-layer tap fusion, Eq. 11, no fc) with two draft layers, made from the shipped DFly (DFLARE_NOTE)
+    so that its drafts are accepted often enough to compare; saved to `folder`, returned."""
+    from safetensors.torch import load_file
+
+    from angelspec.models import load_target
+    from angelspec.models.block.config import BlockDrafterConfig
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+    from angelspec.models.hf_io import read_config_json
+
+    src = DEFAULT_DRAFTERS / "dfly"
+    raw = read_config_json(src, "is it the shipped DFly?", "drafter folder")
+    cfg = BlockDrafterConfig.from_dict({**raw["block_drafter_config"], "num_draft_layers": 2,
+                                        "conditioning": "dflare", "fc_bias": False})
+    state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("fc.")}
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in state if k.startswith(("layers.0.", "context_norms.0."))]:
+        v = state[k]
+        noise = 0.02 * v.std() * torch.randn(v.shape, generator=g) if k.startswith("layers.") else 0.0
+        state[k.replace(".0.", ".1.", 1)] = v + noise
+    state["fusion_logits"] = torch.stack([state["fusion_logits"][0], state["fusion_logits"][0].flip(0)])
+    target = load_target(DEFAULT_TARGET, dtype=torch.float32)
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.load_state_dict(state)
+    save_block_drafter(model, folder)
+    return folder
 
 
 def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> tuple[Path, list[str]]:
@@ -308,35 +353,64 @@ def vllm_aux_layers(vllm_config: Any) -> tuple[int, ...] | None:
     return GPUModelRunner._get_eagle3_aux_layers_from_config(types.SimpleNamespace(speculative_config=spec))
 
 
-def _random_dspark(folder: Path) -> Path:
-    """Export a small DSpark (plain Markov head, confidence head, draft vocabulary, no fc bias) with random weights,
-    every tensor distinct, for the embedded target; returns the export folder."""
+def dflash_check_config(settings: VllmCheckSettings = VllmCheckSettings()) -> Any:
+    """The training config of the DFlash the check trains (`dflash_embedded` with DFLASH_OVERRIDES)."""
+    from angelspec.train.registry import get_trainer
+    from angelspec.train.runs import preset_config
+
+    _, presets, _ = get_trainer("dflash")
+    return preset_config(presets, "dflash_embedded", "dflash_embedded",
+                         [*DFLASH_OVERRIDES, f"steps={settings.dflash_steps}", "fc_bias=false"])
+
+
+def random_dspark_source(folder: Path) -> Path:
+    """A small DSpark (plain Markov head, confidence head, draft vocabulary, no fc bias) with random weights, every
+    tensor distinct, for the embedded target, saved as a drafter folder. Built with DFlash's shared fused context
+    (context_injection=shared): that is what vLLM's Qwen3DSparkModel serves, while a new DSpark defaults to
+    same-layer injection, which the exporter refuses."""
     from angelspec.data.tokenizer import load_tokenizer
-    from angelspec.export import export_drafter
     from angelspec.models import read_config
     from angelspec.models.block.config import BlockDrafterConfig
-    from angelspec.models.block.drafter import BlockDrafter
-    from angelspec.models.block.io import save_block_drafter
     from angelspec.train.block import EMBEDDED_TAPS, resolve_mask_token
 
     target = read_config(DEFAULT_TARGET)
     mask = resolve_mask_token(load_tokenizer(DEFAULT_TARGET), None, target.vocab_size)
     cfg = BlockDrafterConfig.for_target(target, mask_token_id=mask, block_size=8, num_draft_layers=2,
                                         target_layer_ids=EMBEDDED_TAPS, conditioning="dflash", head="markov",
-                                        markov_rank=16, confidence_head=True)
+                                        markov_rank=16, confidence_head=True, context_injection="shared",
+                                        fc_bias=False)
     cfg = BlockDrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": 512})
+    return random_block_drafter(cfg, folder)
+
+
+def random_block_drafter(cfg: Any, folder: Path, seed: int = 0) -> Path:
+    """Save a block drafter of config `cfg` with random weights (every tensor distinct, no fc bias; a random draft
+    vocabulary when `cfg` has one) to `folder`; returns `folder`."""
+    from angelspec.models import read_config
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+
+    target = read_config(DEFAULT_TARGET)
     shared = (torch.nn.Embedding(target.vocab_size, target.hidden_size, device="meta"),
               torch.nn.Linear(target.hidden_size, target.vocab_size, bias=False, device="meta"))
     model = BlockDrafter(cfg, *shared)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (1.0 if "norm" in name else 0.0))
         if getattr(model, "fc", None) is not None and model.fc.bias is not None:
             model.fc.bias.zero_()
-    model.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:512])
-    save_block_drafter(model, folder / "src")
-    export_drafter(folder / "src", folder / "export", force=True)
+    if cfg.draft_vocab_size:
+        model.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:cfg.draft_vocab_size])
+    save_block_drafter(model, folder)
+    return folder
+
+
+def _random_dspark(folder: Path) -> Path:
+    """Export `random_dspark_source` for vLLM; returns the export folder."""
+    from angelspec.export import export_drafter
+
+    export_drafter(random_dspark_source(folder / "src"), folder / "export", force=True)
     return folder / "export"
 
 
