@@ -338,6 +338,27 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_nothing_half_wri
     assert code == 0, err
 
 
+def test_a_writer_that_fails_on_a_full_disk_without_an_errno_is_one_line(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path, data: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save reports a full disk as a RuntimeError: with the disk (nearly) full that is one line too, and the
+    temp checkpoint folder is gone; on a disk with room the same error stays a bug with its traceback."""
+    from angelspec.train import safety
+
+    def failing_save(*_: object, **__: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc] PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    monkeypatch.setattr(safety, "disk_full", lambda folder: True)
+    out = tmp_path / "out"
+    code, _, err = train(capsys, tiny_target_dir, data, out)
+    assert_bad_input(code, err, "PytorchStreamWriter failed writing file", "the disk is full")
+    assert_not_exported(out)
+    monkeypatch.setattr(safety, "disk_full", lambda folder: False)
+    with pytest.raises(RuntimeError, match="PytorchStreamWriter"):
+        train(capsys, tiny_target_dir, data, tmp_path / "out2")
+
+
 def test_a_read_only_file_system_mid_run_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                      tiny_target_dir: Path, data: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:

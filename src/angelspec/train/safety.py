@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
@@ -242,6 +243,20 @@ def file_system_fault(e: OSError, out_dir: Path) -> UsageError | None:
                       "(the last complete checkpoint is kept, no half-written file is)")
 
 
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to a full disk
+
+
+def disk_full(folder: Path) -> bool:
+    """Whether the file system holding `folder` (or the nearest folder above it that exists) is all but full."""
+    for above in (folder, *folder.parents):
+        if above.is_dir():
+            try:
+                return shutil.disk_usage(above).free < FULL_BELOW
+            except OSError:
+                return False
+    return False
+
+
 @contextmanager
 def run_guard(out_dir: Path, main: bool = True) -> Iterator[None]:
     """Hold `out_dir`'s lock for the run (`main`: this process writes the folder, rank 0 under torchrun) and turn
@@ -260,6 +275,11 @@ def run_guard(out_dir: Path, main: bool = True) -> Iterator[None]:
         if fault is None:
             raise
         raise fault from None
+    except RuntimeError as e:  # torch.save and safetensors' writer report a full disk without an errno
+        if not disk_full(out_dir):
+            raise
+        raise file_system_fault(OSError(errno.ENOSPC, f"{e}".splitlines()[0] if str(e) else "write failed"),
+                                out_dir) from None
     finally:
         if taken:
             release_lock(out_dir)
