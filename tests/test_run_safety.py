@@ -200,6 +200,19 @@ def test_resume_with_other_data_is_refused(capsys: pytest.CaptureFixture[str], t
                      "--force")
 
 
+def test_draft_lm_resume_with_other_data_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                   tiny_target_dir: Path, data: Path) -> None:
+    out = tmp_path / "out"
+    code, _, err = train(capsys, tiny_target_dir, data, out, kind="draft-lm")
+    assert code == 0, err
+    unfinished = unfinished_copy(out, tmp_path / "unfinished")
+    other = write_conversations(tmp_path / "other.jsonl", 20, seed=7)
+    code, _, err = train(capsys, tiny_target_dir, other, unfinished, "--resume", kind="draft-lm")
+    assert_bad_input(code, err, "cannot resume", "its --data packed other training rows", "--force")
+    code, _, err = train(capsys, tiny_target_dir, data, unfinished, "--resume", kind="draft-lm")
+    assert code == 0, err
+
+
 def test_resume_with_another_target_of_the_same_shape_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                                   tiny_target_dir: Path, data: Path,
                                                                   finished_run: Path) -> None:
@@ -277,6 +290,20 @@ def test_features_seq_len_beyond_the_context_is_refused(capsys: pytest.CaptureFi
                            "--seq-len", 10**8)
     assert_bad_input(code, err, "--seq-len 100000000 is longer than the target's context",
                      f"--seq-len {TINY_CONTEXT} or less")
+    assert not out.exists()
+
+
+def test_a_feature_shard_larger_than_memory_is_refused_before_work(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path, tiny_target_dir: Path,
+                                                                   data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.train import runs
+
+    monkeypatch.setattr(runs, "available_memory_bytes", lambda: 1 << 30)  # a 1 GiB machine
+    out = tmp_path / "cache"
+    code, _, err = run_cli(capsys, "features", "--target", tiny_target_dir, "--data", data, "--out", out,
+                           "--seq-len", 256, "--rows-per-shard", 60000)
+    assert_bad_input(code, err, "--rows-per-shard 60000 x --seq-len 256", "1.0 GiB available",
+                     "lower --rows-per-shard or --seq-len")
     assert not out.exists()
 
 

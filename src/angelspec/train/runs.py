@@ -97,6 +97,22 @@ def check_memory(config: Any, target_dir: Path, available: int | None = None) ->
                          "batch_size or seq_len")
 
 
+def check_shard_memory(rows_per_shard: int, seq_len: int, layers: int, hidden_size: int, vocab_size: int,
+                       available: int | None = None) -> None:
+    """Refuse, before the target is loaded, a feature cache whose shard cannot be held in memory before it is
+    written: `rows_per_shard` rows of `seq_len` tokens times `layers` fp32 hidden states, plus one row's fp32
+    logits; above 90% of MemAvailable (skipped where that cannot be read)."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    need = 4 * seq_len * (rows_per_shard * layers * hidden_size + vocab_size)
+    if need > 0.9 * available:
+        gib = 1 << 30
+        raise UsageError(f"--rows-per-shard {rows_per_shard} x --seq-len {seq_len} needs at least {need / gib:.1f} GiB "
+                         f"to hold a shard ({layers} layers of {hidden_size} values per token), but this machine has "
+                         f"{available / gib:.1f} GiB available; lower --rows-per-shard or --seq-len")
+
+
 @dataclass
 class TrainResult:
     """What `train_drafter` wrote: the trainer's report, the folder and the steps the run planned."""
@@ -307,8 +323,11 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     from angelspec.models.config import check_tap_ids
     from angelspec.models.hf_io import read_config
 
-    check_tap_ids(ids, read_config(target_dir).num_hidden_layers, "--layers:")  # the layers first, then the length
+    tcfg = read_config(target_dir)
+    check_tap_ids(ids, tcfg.num_hidden_layers, "--layers:")  # the layers first, then the length
     check_seq_len(seq_len, target_dir, "--seq-len ")
+    check_shard_memory(rows_per_shard, seq_len, len({*ids, tcfg.num_hidden_layers - 1}), tcfg.hidden_size,
+                       tcfg.vocab_size)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
