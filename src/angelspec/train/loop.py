@@ -114,7 +114,8 @@ class TrainRun:
         return self.work / "checkpoint"
 
     def clear_out_dir(self) -> None:
-        """`force` without `resume`: rank 0 removes the old output folder, once every rank has looked at it."""
+        """`force` without `resume`: rank 0 empties the old output folder (all but the run's lock), once every rank
+        has looked at it."""
         barrier()
         if self.main and self.job.force and not self.job.resume and self.out_dir.exists():
             for item in self.out_dir.iterdir():  # all but the run's lock (`train.safety.run_guard`)
@@ -215,9 +216,8 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
 
 def run_inputs(kind: str | None, target: nn.Module | None, packed: PackedBatch | None) -> dict[str, Any]:
     """What a checkpoint records of a run's inputs, and a resume must match (`train.checkpoint.INPUT_KEYS`): the
-    drafter kind, the target's weights (`data.fingerprint.model_fingerprint`, as rollouts and feature caches) and
-    the packed training data (rows, seq_len, token digest); each only when known. The target's is the one its
-    drafter records (`target_weights_fingerprint`)."""
+    drafter kind, the target's weights (`data.fingerprint.target_weights_fingerprint`, the id the drafter's
+    config.json records too) and the packed training data (rows, seq_len, token digest); each only when known."""
     from angelspec.data.fingerprint import target_weights_fingerprint
     from angelspec.train.data import dataset_identity
 
