@@ -34,7 +34,9 @@ def add_train(sub: Subparsers) -> None:
     p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
                    help="a JSONL file of conversations, or a corpus folder with <domain>/train.jsonl "
                         "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (refused if it holds a model)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output folder (refused if it holds a model or an unfinished run, unless --force or "
+                        "--resume, and while another run writes to it)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp, "
                         "eagle3_embedded for eagle3, KIND_embedded for dflash / dflare / dfly / dspark; tiny_debug for "

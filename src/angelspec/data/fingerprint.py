@@ -15,18 +15,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 SAMPLES_PER_TENSOR = 1024
 _CHUNK = 1 << 20
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, *, precision: torch.dtype | None = None) -> str:
     """A short hex id of a model's config, parameter layout and sampled weight values.
 
     Two loads of the same checkpoint in the same dtype give the same id; a different checkpoint, a
     different dtype or a different architecture gives another one. Not a cryptographic hash of all
-    weights (see the module docstring for the trade-off).
+    weights (see the module docstring for the trade-off). `precision` (a floating dtype): the sampled
+    floating-point values are hashed as that dtype, and the layout names it instead of the tensors' own, so
+    every load of the same weights in that dtype or a wider one gets the same id (`target_weights_fingerprint`).
     """
     import torch  # here, not at module level: the CLI parser imports this module and must stay light
 
@@ -35,12 +38,24 @@ def model_fingerprint(model: nn.Module) -> str:
     if config is not None and hasattr(config, "to_hf_dict"):
         h.update(json.dumps(config.to_hf_dict("any"), sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        cast = precision is not None and t.is_floating_point()
+        h.update(f"{name}:{tuple(t.shape)}:{precision if cast else t.dtype}".encode())
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // SAMPLES_PER_TENSOR)
         sample = flat[::step][:SAMPLES_PER_TENSOR].contiguous().cpu()
+        if cast:
+            sample = sample.to(precision)
         h.update(sample.view(torch.uint8).numpy().tobytes())  # raw bytes: works for bf16 too
     return h.hexdigest()[:16]
+
+
+def target_weights_fingerprint(target: nn.Module) -> str:
+    """The id of a target's weights that a drafter records (`"angelspec": {"target_weights": ...}` in its
+    config.json) and that a resumed training run compares: `model_fingerprint` at bfloat16 precision, so that it
+    is the same whether the target is loaded in float32 or bfloat16, and changes with any retrained weight."""
+    import torch
+
+    return model_fingerprint(target, precision=torch.bfloat16)
 
 
 def checkpoint_fingerprint(folder: str | Path) -> str:

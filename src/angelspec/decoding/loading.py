@@ -129,6 +129,25 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     return drafter
 
 
+def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> None:
+    """DrafterMismatchError when the drafter folder's config.json records the weights of the target it was trained
+    for (`"angelspec": {"target_weights": ...}`, `data.fingerprint.target_weights_fingerprint`) and `target` has
+    other weights: a retrained or fine-tuned target of the same shape, which the config fingerprint cannot tell.
+    A folder saved before the weights were recorded is checked on the config fingerprint alone."""
+    from angelspec.data.fingerprint import target_weights_fingerprint
+    from angelspec.decoding.drafters.base import DrafterMismatchError
+
+    recorded = meta.get("target_weights") if isinstance(meta, dict) else None
+    if not isinstance(recorded, str):
+        return
+    have = target_weights_fingerprint(target)
+    if have != recorded:
+        raise DrafterMismatchError(f"{path} was trained for a target with weights fingerprint {recorded}, but this "
+                                   f"target's weights have {have} (same shape, other weights: a retrained or "
+                                   "fine-tuned model); pass --target with the drafter's own target, or train a drafter "
+                                   "for this one")
+
+
 HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
 HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
 
@@ -229,6 +248,7 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
     elif recorded is not None and recorded != kind:
         raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
                          f"pass --drafter {path} (or {recorded}:{path})")
+    check_target_weights(spec, path, meta, target)
     loader = getattr(get_drafter(kind), "from_pretrained", None)
     if not callable(loader):
         raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from angelspec.data.fingerprint import target_weights_fingerprint
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.block.config import (
@@ -626,14 +627,15 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     wrapped = wrap_model(FunctionModule(model, forward_loss), run.strategy, info)
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     schedule, objective = cfg.schedule(), cfg.resolved_objective
-    meta = {"train_config": json.loads(json.dumps(asdict(cfg))), "objective": objective,
+    meta = {"target_weights": target_weights_fingerprint(target), "train_config": json.loads(json.dumps(asdict(cfg))),
+            "objective": objective,
             "confidence_target": mcfg.confidence_target}
     global_rows = list(range(cfg.batch_size))
     if sp.dp.enabled:
         global_rows = shard_rows(global_rows, sp.dp)  # an SP group's ranks draw the same anchors
     step, model_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), model, lambda: BlockDrafter(mcfg, target.embed_tokens, target.lm_head),
-        lambda m, p: save_block_drafter(m, p, meta), opt)
+        lambda m, p: save_block_drafter(m, p, meta), opt, target=target, rows=rows)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, Tensor, dict[str, Any]]:

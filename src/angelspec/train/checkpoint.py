@@ -102,7 +102,11 @@ def replace_folder(folder: str | Path, write: Callable[[Path], None],
     repair_folder(final, complete, old_suffix)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:  # a full disk, say: leave the previous folder as it was and no half-written one beside it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         os.replace(final, old)  # `repair_folder` left no `old`: this never replaces a whole folder
     os.replace(tmp, final)
@@ -267,6 +271,40 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], keys
                           + "). Use the original settings, or --force to start over.")
 
 
+# The run's inputs a checkpoint records beside its train_config (`train.loop.run_inputs`), with what a resume
+# that differs in one of them names. A checkpoint written before one was recorded lacks it and resumes (its
+# train_config and config fingerprint are still compared).
+INPUT_KEYS = {
+    "drafter": "it trains a {saved} drafter, not a {now} one: resume with --drafter {saved}",
+    "target_weights": ("it was trained against another target (weights fingerprint {saved}; this --target has "
+                       "{now}): resume with the run's own --target"),
+    "dataset": ("its --data packed other training rows ({saved_rows} rows, digest {saved_digest}; this --data "
+                "packs {now_rows} rows, digest {now_digest}): resume with the run's own --data"),
+}
+
+
+def check_resume_inputs(ckpt: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
+    """ResumeError naming the first input (`INPUT_KEYS`: drafter kind, target weights, data) in which this run
+    differs from the checkpoint's; an input the checkpoint does not record is skipped, and so is one this run
+    does not know."""
+    for key, why in INPUT_KEYS.items():
+        a, b = saved.get(key), identity.get(key)
+        if a is None or b is None or a == b:
+            continue
+        if key == "dataset" and dict(a).get("seq_len") != dict(b).get("seq_len"):
+            continue  # other rows because of another seq_len: the train_config comparison names that
+        if key == "dataset":
+            a, b = dict(a), dict(b)
+            text = why.format(saved_rows=a.get("rows"), saved_digest=a.get("digest"), now_rows=b.get("rows"),
+                              now_digest=b.get("digest"))
+        else:
+            text = why.format(saved=a, now=b)
+        raise ResumeError(f"cannot resume from {ckpt}: {text}, or pass --force instead of --resume to start over")
+    for key in INPUT_KEYS:
+        if identity.get(key) is not None and saved.get(key) is None:
+            saved[key] = identity[key]  # not recorded (an older checkpoint): nothing to compare
+
+
 def run_identity(cfg: Any) -> dict[str, Any]:
     """The JSON form of a (dataclass) config minus the run-length keys: what a resume must match."""
     return {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in RESUME_FREE_KEYS}
@@ -300,6 +338,7 @@ def resume_training(
     predated = {k: v for k, v in PREDATED_SETTINGS.items() if k in now and k not in old}
     saved_config = {**predated, **(saved_defaults or {}), **old}
     saved = {**state, "train_config": {k: v for k, v in saved_config.items() if k not in RESUME_FREE_KEYS}}
+    check_resume_inputs(ckpt, saved, identity)
     check_resume_compatible(saved, identity, tuple(identity))
     check_checkpoint_weights(ckpt)
     try:

@@ -35,7 +35,7 @@ class RunConfig:
     min_lr_ratio: float = 0.05  # the cosine ends at min_lr_ratio · lr
     warmup: int = 20  # linear warm-up steps
     weight_decay: float = 0.1  # AdamW, matrices only (`train.optim.build_adamw`)
-    grad_clip: float = 1.0  # max gradient norm
+    grad_clip: float = 1.0  # max gradient norm (0: no clipping)
     seed: int = 0  # model init and data order
     ckpt_every: int = 50
     log_every: int = 10
@@ -144,13 +144,18 @@ class TrainJob:
 
 def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[], C], name: str,
             doc: str) -> Trainer:
-    """The `Trainer` called `name` (docstring `doc`) that runs `body(job, config or default())`."""
+    """The `Trainer` called `name` (docstring `doc`) that runs `body(job, config or default())`, holding the output
+    folder's lock and turning file-system faults into one line (`train.safety.run_guard`)."""
+    from angelspec.train.safety import check_bounds, is_main_process, run_guard
 
     def train(target_dir, data, out_dir, *, config=None, resume=False, force=False, progress=True,
               max_minutes=None, log=print, distributed=None, sp=1) -> dict[str, Any]:
         job = TrainJob(Path(target_dir), Path(data), Path(out_dir), resume, force, progress, max_minutes, log,
                        distributed, sp)
-        return body(job, default() if config is None else config)
+        config = default() if config is None else config
+        check_bounds(config)
+        with run_guard(job.out_dir, main=is_main_process()):
+            return body(job, config)
 
     train.__name__ = train.__qualname__ = name
     train.__doc__ = doc

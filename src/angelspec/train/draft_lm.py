@@ -25,7 +25,7 @@ from angelspec.models.hf_io import load_target, read_config, save_target, write_
 from angelspec.train.config import LMRunConfig, TrainJob, trainer
 from angelspec.train.data import data_domains
 from angelspec.train.lm import heldout_loss, train_causal_lm
-from angelspec.train.loop import start_run
+from angelspec.train.loop import run_inputs, start_run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -71,6 +71,19 @@ def draft_lm_tiny_debug() -> DraftLMTrainConfig:
 PRESETS = {"draft_lm_embedded": draft_lm_embedded, "tiny_debug": draft_lm_tiny_debug}
 
 
+def token_identity(domains: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """The training data of a draft LM as a resume compares it: token count, seq_len and a digest of every
+    domain's tokens (`train.checkpoint.INPUT_KEYS`)."""
+    import hashlib
+
+    h, tokens = hashlib.sha256(), 0
+    for name in sorted(domains):
+        dom = domains[name]
+        h.update(name.encode() + dom.tokens.tobytes())
+        tokens += int(dom.tokens.size)
+    return {"rows": tokens, "seq_len": seq_len, "digest": h.hexdigest()[:16]}
+
+
 def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]:
     """Train the draft LM of `cfg` for `job` (the `Trainer` arguments); `batch_size` is the global batch and
     rank 0 alone writes under data parallelism."""
@@ -96,17 +109,18 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
     model_cfg = cfg.model_config(target_cfg)
     model = Decoder(model_cfg)
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
+    if cfg.init_embeddings_from_target and model_cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError("init_embeddings_from_target needs hidden_size equal to the target's "
+                         f"({target_cfg.hidden_size}); set hidden_size=None or init_embeddings_from_target=false")
+    target = load_target(target_dir)
     if cfg.init_embeddings_from_target:
-        if model_cfg.hidden_size != target_cfg.hidden_size:
-            raise ValueError("init_embeddings_from_target needs hidden_size equal to the target's "
-                             f"({target_cfg.hidden_size}); set hidden_size=None or init_embeddings_from_target=false")
-        target = load_target(target_dir)
         with torch.no_grad():
             model.embed_tokens.weight.copy_(target.embed_tokens.weight)
             model.norm.weight.copy_(target.norm.weight)
-        del target
+    inputs = {**run_inputs("draft-lm", target, None), "dataset": token_identity(train, cfg.seq_len)}
+    del target
     meta = {"drafter": "draft-lm", "target_fingerprint": target_cfg.fingerprint(),
-            "train_config": json.loads(json.dumps(asdict(cfg)))}
+            "target_weights": inputs["target_weights"], "train_config": json.loads(json.dumps(asdict(cfg)))}
 
     def save_model(m: Decoder, path: Path) -> None:
         save_target(m, path)
@@ -117,7 +131,8 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
     run.work.mkdir(parents=True, exist_ok=True)
     step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
                            resume=job.resume, progress=job.progress, max_minutes=job.max_minutes, desc="draft-lm",
-                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info)
+                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info,
+                           inputs=inputs)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
         save_model(final, out_dir)

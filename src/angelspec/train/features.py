@@ -24,8 +24,9 @@ path computes: splitting or merging rows could change float results through diff
 Each shard is written atomically (temp file + rename) and only then recorded in the manifest (also
 atomic), so after a kill the manifest lists only complete shards. ``resume=True`` skips listed shards
 whose size (and input digest) match, and rebuilds a shard that is missing, truncated or unlisted. The
-reader checks sizes on open (and SHA-256 with ``verify=True``) and refuses a cache built from another
-target (fingerprint) or with another spec.
+reader checks sizes on open (and every SHA-256 with ``verify=True``), each shard's SHA-256 before its first
+read in any case (once per shard and process), and refuses a cache built from another target (fingerprint) or
+with another spec.
 
 Training from a cache (``train.mtp`` / ``train.block``, config ``features=DIR``; made by ``angelspec
 features``, :func:`build_feature_cache`): a trainer gets its features from :func:`target_features`, a
@@ -244,6 +245,7 @@ class OfflineFeatureCache:
         self._row_index: list[tuple[str, int, int]] | None = None  # global row -> (shard file, batch j, row in j)
         self._handles: dict[str, Any] = {}  # open safe_open handles, one per shard read by rows()
         self._keys: dict[str, set[str]] = {}  # tensor names of each open shard
+        self._verified: set[str] = set()  # shards whose SHA-256 has been checked against the manifest
 
     # ----- producer -----
     @classmethod
@@ -369,7 +371,28 @@ class OfflineFeatureCache:
             if problem is not None:
                 raise FeatureCacheError(f"feature cache {root}: {problem}; rebuild it with "
                                         "OfflineFeatureCache.build(..., resume=True)")
-        return cls(root, manifest)
+        cache = cls(root, manifest)
+        if verify:
+            cache._verified.update(s["file"] for s in manifest["shards"])
+        return cache
+
+    def _verify(self, file: str) -> None:
+        """Check shard `file`'s SHA-256 against the manifest, once per shard and process, before its first read:
+        a shard damaged in place (same size, other bytes) would otherwise train on garbage or NaN."""
+        if file in self._verified:
+            return
+        shard = next((s for s in self.manifest["shards"] if s["file"] == file), None)
+        path = self.root / file
+        if shard is not None and shard.get("sha256"):
+            try:
+                digest = file_sha256(path)
+            except OSError as e:
+                raise _unreadable(path, e) from None
+            if digest != shard["sha256"]:
+                raise FeatureCacheError(f"feature shard {path} is damaged: its SHA-256 differs from the one in "
+                                        f"{self.root / MANIFEST}; rebuild the cache (angelspec features ... --force "
+                                        "with the flags that made it)")
+        self._verified.add(file)
 
     def __len__(self) -> int:
         return self.manifest["num_batches"]
@@ -377,6 +400,7 @@ class OfflineFeatureCache:
     def __iter__(self) -> Iterator[FeatureBatch]:
         for s in self.manifest["shards"]:
             path = self.root / s["file"]
+            self._verify(s["file"])
             try:
                 with safe_open(path, framework="pt") as f:
                     per_batch: list[list[str]] = [[] for _ in range(s["batches"])]
@@ -453,6 +477,7 @@ class OfflineFeatureCache:
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
             path = self.root / file
+            self._verify(file)
             try:
                 self._handles[file] = safe_open(path, framework="pt")
             except (SafetensorError, OSError) as e:

@@ -41,6 +41,7 @@ from angelspec.train.distributed import (
 )
 from angelspec.train.loop import append_log, checkpoint_or_stop, clip_gradients, trim_log
 from angelspec.train.optim import build_adamw, cosine_lr, set_lr
+from angelspec.train.safety import stop_if_not_finite
 
 
 def train_causal_lm(
@@ -58,19 +59,21 @@ def train_causal_lm(
     log: Callable[[str], None] = print,
     strategy: Strategy = "none",
     dist_info: DistInfo | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> int:
     """Train `model` in place (resuming from `ckpt_dir` when asked) and return the last step reached.
 
     `max_minutes` stops early at a checkpoint so the caller can export what exists and resume later.
     `strategy` / `dist_info`: data parallelism (module docstring); the caller has run `init_distributed` and
     guards its own writes by `dist_info.is_main`. Under FSDP2 the model's parameters end as DTensor shards:
-    get whole weights with `train.distributed.whole_copy`.
+    get whole weights with `train.distributed.whole_copy`. `inputs`: what the checkpoint records of the run's
+    inputs, and a resume must match (`train.loop.run_inputs`).
     """
     info = dist_info or DistInfo()
     main = info.is_main
     wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
-    settings = {"train_config": run_identity(cfg)}
+    settings = {"train_config": run_identity(cfg), **(inputs or {})}
     step, _ = resume_training(ckpt_dir, resume, settings,
                               lambda c: load_full_state_dict(model, load_target(c).state_dict()),
                               opt, log, model=model)
@@ -97,10 +100,11 @@ def train_causal_lm(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = clip_gradients(model.parameters(), cfg.grad_clip, strategy)
+        # host sync: once per step, for the log and the non-finite guard (before the weights take the step)
+        losses.append(stop_if_not_finite(loss, gnorm, step + 1, lr, ckpt_dir=ckpt_dir, distributed=info.enabled))
         opt.step()
         step += 1
         tok_seen += tokens_per_step
-        losses.append(loss.item())  # host sync: once per step, for the log
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.time()

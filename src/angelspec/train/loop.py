@@ -5,7 +5,9 @@ loop with its checkpoints, and the closing report (`TrainRun.finish`, `TrainRun.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -21,12 +23,14 @@ from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
 from angelspec.errors import UsageError
-from angelspec.fileio import replace_atomic
+from angelspec.fileio import check_writable_path, replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
+    find_checkpoint,
     make_checkpoint_saver,
+    read_trainer_state,
     refuse_resume_over_model,
     resume_training,
     run_identity,
@@ -56,6 +60,7 @@ from angelspec.train.losses import (
     global_denominators,
 )
 from angelspec.train.optim import cosine_lr, set_lr
+from angelspec.train.safety import LOCK_NAME, stop_if_not_finite
 from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 if TYPE_CHECKING:
@@ -109,10 +114,17 @@ class TrainRun:
         return self.work / "checkpoint"
 
     def clear_out_dir(self) -> None:
-        """`force` without `resume`: rank 0 removes the old output folder, once every rank has looked at it."""
+        """`force` without `resume`: rank 0 empties the old output folder (all but the run's lock), once every rank
+        has looked at it."""
         barrier()
         if self.main and self.job.force and not self.job.resume and self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
+            for item in self.out_dir.iterdir():  # all but the run's lock (`train.safety.run_guard`)
+                if item.name == LOCK_NAME:
+                    continue
+                if item.is_dir() and not item.is_symlink():
+                    shutil.rmtree(item)
+                else:
+                    item.unlink()
         barrier()
 
     def frozen_target(self) -> tuple[Decoder, Any]:
@@ -171,23 +183,63 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
 
 
 def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
-    """Refuse a training run's output folder, before anything is loaded or written, when it holds a model and
-    neither `force` nor `resume` is given (FileExistsError), or when `resume` (without `force`) finds a model but
-    no checkpoint to continue from (ResumeError): training from scratch would overwrite the finished model."""
+    """Refuse a training run's output folder, before anything is loaded or written: one that is a file or cannot
+    be written (UsageError); one that holds a model while neither `force` nor `resume` is given
+    (FileExistsError); one that holds an unfinished run (a checkpoint or a training log, no model yet) while
+    neither is given (UsageError: a fresh run would overwrite its checkpoint and log); and a `resume` (without
+    `force`) that finds a model but no checkpoint to continue from (ResumeError): training from scratch would
+    overwrite the finished model."""
     out_dir = Path(out_dir)
-    if force or not (out_dir / "config.json").exists():
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out_dir} is a file; give --out a folder (the drafter folder to write)")
+    check_writable_path(out_dir / "config.json", "--out")
+    if force:
+        return
+    work = out_dir / "training"
+    if not (out_dir / "config.json").exists():
+        if resume:
+            return
+        ckpt = find_checkpoint(work / "checkpoint")
+        if ckpt is not None or (work / "train_log.jsonl").is_file():
+            try:
+                where = f"its last checkpoint is at step {read_trainer_state(ckpt)['step']}" if ckpt else \
+                    "it stopped before its first checkpoint"
+            except ValueError:
+                where = "its checkpoint is damaged"
+            raise UsageError(f"--out {out_dir} holds an unfinished training run ({where}); pass --resume to "
+                             "continue it, or --force to start over (it deletes that run)")
         return
     if not resume:
         raise FileExistsError(f"{out_dir} already holds a model; pass --force to overwrite it or --resume")
-    refuse_resume_over_model(out_dir, out_dir / "training" / "checkpoint")
+    refuse_resume_over_model(out_dir, work / "checkpoint")
+
+
+def run_inputs(kind: str | None, target: nn.Module | None, packed: PackedBatch | None) -> dict[str, Any]:
+    """What a checkpoint records of a run's inputs, and a resume must match (`train.checkpoint.INPUT_KEYS`): the
+    drafter kind, the target's weights (`data.fingerprint.target_weights_fingerprint`, the id the drafter's
+    config.json records too) and the packed training data (rows, seq_len, token digest); each only when known."""
+    from angelspec.data.fingerprint import target_weights_fingerprint
+    from angelspec.train.data import dataset_identity
+
+    out: dict[str, Any] = {}
+    if kind is not None:
+        out["drafter"] = kind
+    if target is not None:
+        out["target_weights"] = target_weights_fingerprint(target)
+    if packed is not None:
+        out["dataset"] = dataset_identity(packed)
+    return out
 
 
 # ----- end-of-step bookkeeping -----
 
 
 def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float, strategy: str) -> Tensor:
-    """Clip to `max_norm` and return the total norm before clipping; FSDP2's sharded gradients need the
-    gathered norm (`distributed.clip_grad_norm`), everything else uses torch's own."""
+    """Clip to `max_norm` (0: no clipping, the norm is still measured) and return the total norm before clipping;
+    FSDP2's sharded gradients need the gathered norm (`distributed.clip_grad_norm`), everything else uses torch's
+    own."""
+    if max_norm <= 0:
+        max_norm = float("inf")  # grad_clip=0 turns clipping off (a negative one is refused before the run)
     if strategy == "fsdp2":
         return clip_grad_norm(parameters, max_norm)
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
@@ -207,10 +259,22 @@ def reduce_depth_stats(mean_loss: float, tokens: int, alpha: Tensor, info: DistI
 
 
 def append_log(path: Path, record: dict[str, Any], is_main: bool) -> None:
-    """One JSON line per log interval, written by the main rank only."""
-    if is_main:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    """One JSON line per log interval, written by the main rank only; a write that fails (a full disk) is cut
+    back off, so the log never ends in half a line."""
+    if not is_main:
+        return
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def trim_log(path: Path, step: int, is_main: bool) -> None:
@@ -270,11 +334,16 @@ def scheduled_loss(schedule: LossSchedule, step: int, lb: LossBatch | ChunkedLos
 
 def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint: str, model: nn.Module,
                         rebuild: Callable[[], nn.Module], write_model: Callable[[Any, Path], None],
-                        opt: torch.optim.Optimizer) -> tuple[int, Callable[[], Any], Callable[[int], None]]:
-    """The start step (when `run.job.resume`: the newest checkpoint's, after checking it was made with this config and
-    target, restoring `model.safetensors` and the optimizer state), the whole-weights snapshot (a collective
-    under FSDP2: every rank calls it, rank 0 writes; `rebuild()` makes an empty model) and the checkpoint saver."""
-    identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint}
+                        opt: torch.optim.Optimizer, *, target: nn.Module | None = None,
+                        rows: PackedRows | None = None) -> tuple[int, Callable[[], Any], Callable[[int], None]]:
+    """The start step (when `run.job.resume`: the newest checkpoint's, after checking it was made with this config,
+    drafter kind, target and data, restoring `model.safetensors` and the optimizer state), the whole-weights
+    snapshot (a collective under FSDP2: every rank calls it, rank 0 writes; `rebuild()` makes an empty model) and
+    the checkpoint saver. `target` (its weights' `model_fingerprint`) and `rows` (the packed data's
+    `dataset_identity`) join the identity a resume must match when given."""
+    identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint,
+                **run_inputs(getattr(getattr(model, "config", None), "drafter", None), target,
+                             None if rows is None else rows.packed)}
     step, run.seconds_before[0] = resume_training(
         run.ckpt_dir, run.job.resume, identity,
         lambda c: load_full_state_dict(model, load_file(str(c / "model.safetensors"))), opt, run.log, model=model,
@@ -323,10 +392,12 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
         loss, lb, extra = step_loss(wrapped, step, batch, idx)
         (loss * info.world_size if info.enabled else loss).backward()
         gnorm = clip_gradients(model.parameters(), cfg.grad_clip, run.strategy)
+        # host sync: once per step, for the log and the non-finite guard (before the weights take the step)
+        losses.append(stop_if_not_finite(loss, gnorm, step + 1, lr, ckpt_dir=run.ckpt_dir, features=cfg.features,
+                                         distributed=info.enabled))
         opt.step()
         step += 1
         tok_seen += run.sp.shard_tokens(batch)
-        losses.append(loss.item())  # host sync: once per step, for the log
         bar.update(1)
         if logs_after(step, cfg):
             now = time.time()

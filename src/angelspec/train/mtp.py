@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from angelspec.data.fingerprint import target_weights_fingerprint
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.config import DecoderConfig
@@ -203,10 +204,10 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     model = wrap_model(FunctionModule(block, forward_loss), run.strategy, run.info)
     opt = build_adamw(block, cfg.lr, cfg.weight_decay)
     schedule = cfg.schedule()
-    meta = {"train_config": json.loads(json.dumps(asdict(cfg)))}
+    meta = {"target_weights": target_weights_fingerprint(target), "train_config": json.loads(json.dumps(asdict(cfg)))}
     step, block_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), block, lambda: build_mtp_model(mcfg, target.embed_tokens, target.lm_head),
-        lambda m, p: save_mtp(m, p, meta), opt)
+        lambda m, p: save_mtp(m, p, meta), opt, target=target, rows=rows)
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

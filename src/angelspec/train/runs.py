@@ -19,6 +19,7 @@ from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
 from angelspec.errors import UsageError, require_positive
 from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
+from angelspec.train.safety import check_not_input
 
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json
 
@@ -27,16 +28,18 @@ def preset_config(presets: dict[str, Callable[[], Any]], preset: str | None, def
                   overrides: Sequence[str] = (), max_minutes: float | None = None) -> Any:
     """The named preset (or `default`) with `key=value` overrides applied; also checks `max_minutes`."""
     from angelspec.train.overrides import parse_overrides, with_overrides
+    from angelspec.train.safety import check_bounds, check_minutes
 
     name = preset or default
     if name not in presets:
         raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(sorted(presets))}")
-    if max_minutes is not None and max_minutes <= 0:
-        raise UsageError(f"--max-minutes must be positive, got {max_minutes}")
+    check_minutes(max_minutes)
     try:
-        return with_overrides(presets[name](), parse_overrides(overrides))
+        config = with_overrides(presets[name](), parse_overrides(overrides))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_bounds(config)
+    return config
 
 
 def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=") -> None:
@@ -92,6 +95,22 @@ def check_memory(config: Any, target_dir: Path, available: int | None = None) ->
                          f"target's fp32 logits over {target.vocab_size} tokens and its hidden states for "
                          f"{batch * seq_len} tokens), but this machine has {available / gib:.1f} GiB available; lower "
                          "batch_size or seq_len")
+
+
+def check_shard_memory(rows_per_shard: int, seq_len: int, layers: int, hidden_size: int, vocab_size: int,
+                       available: int | None = None) -> None:
+    """Refuse, before the target is loaded, a feature cache whose shard cannot be held in memory before it is
+    written: `rows_per_shard` rows of `seq_len` tokens times `layers` fp32 hidden states, plus one row's fp32
+    logits; above 90% of MemAvailable (skipped where that cannot be read)."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    need = 4 * seq_len * (rows_per_shard * layers * hidden_size + vocab_size)
+    if need > 0.9 * available:
+        gib = 1 << 30
+        raise UsageError(f"--rows-per-shard {rows_per_shard} x --seq-len {seq_len} needs at least {need / gib:.1f} GiB "
+                         f"to hold a shard ({layers} layers of {hidden_size} values per token), but this machine has "
+                         f"{available / gib:.1f} GiB available; lower --rows-per-shard or --seq-len")
 
 
 @dataclass
@@ -178,6 +197,9 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
 
     check_conversations(data)
     out = Path(out)
+    check_not_input(out, ("--data", data), ("--target", target_dir),
+                    ("--init-from", getattr(config, "init_from", None)),
+                    ("features=", _cache_dir(getattr(config, "features", None))))
     extra: dict[str, Any] = {"sp": sp} if sp != 1 else {}
     if distributed != "auto":
         if "distributed" not in inspect.signature(train_fn).parameters:
@@ -186,6 +208,11 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     report = train_fn(target_dir, data, out, config=config, resume=resume, force=force, progress=progress,
                       max_minutes=max_minutes, log=log, **extra)
     return TrainResult(report=report, out=out, planned_steps=config.steps)
+
+
+def _cache_dir(features: str | None) -> str | None:
+    """The folder of an offline feature cache (`features=DIR`); None for none or a stream."""
+    return None if features is None or features.startswith(("stream:", "ray:")) else features
 
 
 def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None,
@@ -200,6 +227,8 @@ def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *,
     from angelspec.train.stream import run_feature_stream, spawn_feature_servers, stop_feature_servers
 
     require_positive("--feature-workers", workers)
+    if workers > 256:
+        raise UsageError(f"--feature-workers must be at most 256 (one target each), got {workers}")
     if backend not in ("files", "ray"):
         raise UsageError(f"--feature-backend must be files or ray, got {backend!r}")
     if any(o.startswith("features=") for o in overrides):
@@ -276,6 +305,8 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
 
     require_positive("--seq-len", seq_len)
     require_positive("--rows-per-shard", rows_per_shard)
+    if rows_per_shard > 1 << 16:
+        raise UsageError(f"--rows-per-shard must be at most {1 << 16}, got {rows_per_shard}")
     ids = list(layers) if not isinstance(layers, str) else None
     if ids is None:
         try:
@@ -289,6 +320,14 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected the JSONL file or corpus folder you train on")
     target_dir = resolve_target_dir(target)
+    from angelspec.models.config import check_tap_ids
+    from angelspec.models.hf_io import read_config
+
+    tcfg = read_config(target_dir)
+    check_tap_ids(ids, tcfg.num_hidden_layers, "--layers:")  # the layers first, then the length
+    check_seq_len(seq_len, target_dir, "--seq-len ")
+    check_shard_memory(rows_per_shard, seq_len, len({*ids, tcfg.num_hidden_layers - 1}), tcfg.hidden_size,
+                       tcfg.vocab_size)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
