@@ -40,13 +40,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
 from angelspec.fileio import pid_alive, read_json_object
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement
 
 EVAL_LOG = "eval_log.jsonl"
 LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
@@ -319,10 +322,11 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
 def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *,
                     prompts_path: str | Path | None = None, settings: EvalServerSettings = EvalServerSettings(),
                     once: bool = False, nice: bool = True, wait_s: float = 0.0, trainer_pid: int | None = None,
-                    log: Callable[[str], None] = print) -> int:
+                    log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
     """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`.
     wait_s: how long to wait for RUN_DIR to appear (a server started beside a trainer that creates it);
-    trainer_pid: stop once that process has exited (`watch`)."""
+    trainer_pid: stop once that process has exited (`watch`); placement: the target's device and dtype (None: the
+    default of `angelspec.models.device.resolve_placement`)."""
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.decoding.loading import load_target_and_tokenizer
@@ -342,7 +346,7 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
 
         torch.set_num_threads(settings.threads)
     tdir = resolve_target_dir(target_dir)
-    model, tokenizer = load_target_and_tokenizer(tdir)
+    model, tokenizer = load_target_and_tokenizer(tdir, placement)
     source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
     prompts = eval_prompts(tokenizer, load_prompts(source), context=model.config.max_position_embeddings,
                            source=str(source), limit=settings.limit)
@@ -384,11 +388,13 @@ def plot_learning_curves(runs: dict[str, str | Path | list[dict[str, Any]]], out
 def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *, limit: int = 4,
                       max_new_tokens: int = 64, temperatures: Sequence[float] = (0.0,),
                       prompts_path: str | Path | None = None, log_path: str | Path | None = None,
-                      idle_timeout_s: float = 3600.0) -> subprocess.Popen:
+                      idle_timeout_s: float = 3600.0, device: str | None = None,
+                      dtype: str | None = None) -> subprocess.Popen:
     """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
     it waits for the run folder, evaluates each checkpoint and exits once this process (the trainer) has exited
     and its final checkpoint is evaluated (or after `idle_timeout_s` without a new checkpoint). Its output goes to
-    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear)."""
+    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear). `device` and
+    `dtype`: its --device and --dtype (None: its defaults)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
     cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
@@ -399,6 +405,9 @@ def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None,
         cmd += ["--target", str(target_dir)]
     if prompts_path is not None:
         cmd += ["--prompts", str(prompts_path)]
+    for flag, value in (("--device", device), ("--dtype", dtype)):
+        if value is not None:
+            cmd += [flag, value]
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

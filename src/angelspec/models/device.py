@@ -1,14 +1,16 @@
 """Where a model runs and in which precision: the one place `--device` / `--dtype` strings become torch objects.
 
-`resolve_device(None)` is the first CUDA GPU when torch sees one, else the CPU; `resolve_dtype(None, device)` is
-bfloat16 on a GPU, float32 elsewhere. A device that is not there (`cuda` on a machine without a GPU, `cuda:3` with
-one GPU, `mps` off Apple silicon, a misspelling) is a `UsageError` naming the fix, never a silent CPU run.
-`Placement` carries the pair through the library; `autocast` and `enable_tf32` are the precision switches the
-trainers use (fp32 master weights, bf16 matmuls under autocast, TF32 for the matmuls left in fp32).
+`resolve_device(None)` is $ANGELSPEC_DEVICE when set, else the first CUDA GPU when torch sees one, else the CPU;
+`resolve_dtype(None, device)` is bfloat16 on a GPU, float32 elsewhere. A device that is not there (`cuda` on a
+machine without a GPU, `cuda:3` with one GPU, `mps` off Apple silicon, a misspelling) is a `UsageError` naming the
+fix, never a silent CPU run. `Placement` carries the pair through the library; `autocast` and `enable_tf32` are the
+precision switches the trainers use (fp32 master weights, 16-bit matmuls under autocast, TF32 for the matmuls left
+in fp32).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -22,10 +24,16 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 DTYPE_FORMS = "float32 (fp32), bfloat16 (bf16) or float16 (fp16)"
 
 
+DEVICE_ENV = "ANGELSPEC_DEVICE"  # the default device where a command gets no --device (e.g. cpu for a test suite)
+
+
 def resolve_device(name: str | torch.device | None = None) -> torch.device:
-    """`name` -> a device that exists here; None = `cuda:0` when torch sees a GPU, else `cpu`."""
+    """`name` -> a device that exists here; None = $ANGELSPEC_DEVICE when set, else `cuda:0` when torch sees a GPU,
+    else `cpu`."""
     if isinstance(name, torch.device):
         return name
+    if name is None or name == "auto":
+        name = os.environ.get(DEVICE_ENV) or None
     if name is None or name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     text = name.strip().lower()

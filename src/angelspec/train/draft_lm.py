@@ -100,11 +100,12 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
         if model_cfg.hidden_size != target_cfg.hidden_size:
             raise ValueError("init_embeddings_from_target needs hidden_size equal to the target's "
                              f"({target_cfg.hidden_size}); set hidden_size=None or init_embeddings_from_target=false")
-        target = load_target(target_dir)
+        target = load_target(target_dir, dtype=torch.float32)  # the draft LM's fp32 master copy of the embedding
         with torch.no_grad():
             model.embed_tokens.weight.copy_(target.embed_tokens.weight)
             model.norm.weight.copy_(target.norm.weight)
         del target
+    model.to(run.device)  # initialised on the host (the same weights on every device); fp32 master weights
     meta = {"drafter": "draft-lm", "target_fingerprint": target_cfg.fingerprint(),
             "train_config": json.loads(json.dumps(asdict(cfg)))}
 
@@ -117,7 +118,8 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
     run.work.mkdir(parents=True, exist_ok=True)
     step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
                            resume=job.resume, progress=job.progress, max_minutes=job.max_minutes, desc="draft-lm",
-                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info)
+                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info,
+                           autocast_dtype=run.placement.dtype)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
         save_model(final, out_dir)

@@ -64,6 +64,7 @@ from torch import Tensor
 from angelspec.data.fingerprint import file_sha256, model_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
 from angelspec.models.decoder import Decoder
+from angelspec.models.device import Placement, placement_of
 from angelspec.models.hf_io import load_target, save_safetensors_atomic, write_json_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
 from angelspec.train.distributed import DistInfo
@@ -557,7 +558,12 @@ class TargetFeatures:
         the target runs on the shard only (`target_forward`: Ulysses attention over the whole row); from a cache the
         shard is read out of the whole rows. Either way the halo's final-norm states come from the next rank
         (`SequenceParallel.halo_from_next`: the hidden size a position, not V logits) and the LM head runs on
-        shard + halo."""
+        shard + halo. The target runs in its own dtype, outside the drafter's autocast (the trainer's
+        `TrainRun.autocast`), so its taps equal a cache's or a stream's."""
+        with torch.autocast(batch.input_ids.device.type, enabled=False):
+            return self._features(batch, rows)
+
+    def _features(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         t, sp = self.target, self.sp
         if self.cache is None and self.stream is None:
             if sp.enabled:
@@ -651,17 +657,20 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
 def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,
                         layers: list[int] | tuple[int, ...] = (), seq_len: int = 512, enable_thinking: bool = False,
                         rows_per_shard: int = 32, resume: bool = False, force: bool = False,
-                        log: Any = print) -> OfflineFeatureCache:
+                        log: Any = print, placement: Placement | None = None) -> OfflineFeatureCache:
     """`angelspec features`: the offline feature cache that `features=DIR` trains from.
 
     Tokenises and packs `data` exactly as the trainers do (`pack_conversations`: `PackedRows` with
     `seq_len` / `enable_thinking`), runs the target over every packed row (one row per forward, the row
     being the unit a trainer reads) and stores the hidden states of `layers` plus the last layer (its tap
-    gives the teacher logits) in the target's dtype. Resumable (`resume=True`) after a kill."""
+    gives the teacher logits) in the target's dtype (bfloat16 for a bf16 target: half the disk of fp32).
+    Resumable (`resume=True`) after a kill. `placement`: the target's device and dtype (None: the default of
+    `angelspec.models.device.resolve_placement`); a trainer reads the cache with its target in the same dtype."""
     from angelspec.data.tokenizer import load_tokenizer
 
     target_dir, data = Path(target_dir), Path(data)
-    target = load_target(target_dir)
+    where = placement_of(placement)
+    target = load_target(target_dir, dtype=where.dtype, device=where.device)
     rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,
                                  pad_token_id(target.config), seed=0)
     ids = tuple(sorted({*layers, target.config.num_hidden_layers - 1}))

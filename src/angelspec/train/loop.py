@@ -24,6 +24,7 @@ from angelspec.errors import UsageError
 from angelspec.fileio import replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
+from angelspec.models.device import Placement, autocast, enable_tf32, placement_of
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
     make_checkpoint_saver,
@@ -43,6 +44,7 @@ from angelspec.train.distributed import (
     global_sum,
     init_distributed,
     load_full_state_dict,
+    rank_device,
     resolve_strategy,
     whole_copy,
 )
@@ -72,7 +74,8 @@ def silent(*_: Any) -> None:
 @dataclass(frozen=True)
 class TrainRun:
     """A trainer's call (`job`), process-group view and folders: `out_dir` gets the model, `work` the log and
-    checkpoints."""
+    checkpoints. `placement`: this rank's device and the target's dtype; the drafter keeps fp32 master weights there
+    and its forward runs under `autocast()` (bf16 / fp16 matmuls when the target's dtype is 16-bit)."""
 
     job: TrainJob
     info: DistInfo
@@ -82,6 +85,15 @@ class TrainRun:
     sp: SequenceParallel = SequenceParallel()  # the sequence-parallel group (size 1: none)
     # Training seconds of the segments before this one (a resumed run: what its checkpoint recorded).
     seconds_before: list[float] = field(default_factory=lambda: [0.0])
+    placement: Placement = Placement(torch.device("cpu"), torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    def autocast(self) -> Any:
+        """The drafter forward's precision context: autocast to the target's dtype when it is 16-bit."""
+        return autocast(self.placement.device, self.placement.dtype)
 
     def train_seconds(self) -> float:
         """The run's training wall time so far, across resumed segments: the checkpoint's record plus this
@@ -116,10 +128,10 @@ class TrainRun:
         barrier()
 
     def frozen_target(self) -> tuple[Decoder, Any]:
-        """The run's target with every parameter frozen, and its tokenizer."""
+        """The run's target on this rank's device in the run's dtype, every parameter frozen, and its tokenizer."""
         from angelspec.data.tokenizer import load_tokenizer
 
-        target = load_target(self.target_dir)
+        target = load_target(self.target_dir, dtype=self.placement.dtype, device=self.placement.device)
         for p in target.parameters():
             p.requires_grad_(False)
         return target, load_tokenizer(self.target_dir)
@@ -165,7 +177,12 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     dp = sp.dp.world_size
     if batch_size % dp:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {dp} data-parallel ranks")
-    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time(), sp)
+    where = placement_of(job.placement)
+    placement = Placement(rank_device(where.device, info), where.dtype)  # under torchrun on CUDA: GPU LOCAL_RANK
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)
+    enable_tf32(placement.device)  # the drafter's fp32 matmuls outside autocast
+    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time(), sp, placement=placement)
     check_out_dir(run.out_dir, resume=job.resume, force=job.force)
     return run
 
@@ -316,11 +333,12 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
         idx = rows.local_rows(step, cfg.batch_size, run.sp.dp)  # an SP group's ranks read the same rows
-        batch = rows.take(idx)
+        batch = rows.take(idx).to(run.device)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
         opt.zero_grad(set_to_none=True)
-        loss, lb, extra = step_loss(wrapped, step, batch, idx)
+        with run.autocast():
+            loss, lb, extra = step_loss(wrapped, step, batch, idx)
         (loss * info.world_size if info.enabled else loss).backward()
         gnorm = clip_gradients(model.parameters(), cfg.grad_clip, run.strategy)
         opt.step()

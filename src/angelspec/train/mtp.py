@@ -185,6 +185,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     if mcfg.draft_vocab_size:  # inference drafts from it; training too under train_vocab "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
+    block.to(run.device)  # initialised on the host (the same weights on every device); fp32 master weights
 
     def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: torch.Tensor | None,
                      step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
