@@ -10,7 +10,7 @@ temperature) to `<run>/training/eval_log.jsonl`:
      "domains": {...}, "num_draft_tokens", "prompts", "max_new_tokens", "seconds", "time"}
 
 ("speedup" is tokens per wall-second over AR's, "speedup_cpu" per CPU-second of the server: beside a busy
-trainer the second is the one to read.)
+trainer the second is the one to read; null for a GPU run, whose host CPU time measures waiting, not decoding.)
 
 and, when `torch.utils.tensorboard` imports (the optional `tensorboard` package), the same scalars to
 `<run>/training/tensorboard/`. The log is keyed by step: a server restarted after a kill, or a trainer that
@@ -159,6 +159,11 @@ def natural_depth(drafter: Any, default: int = 4) -> int:
     return v if isinstance(v, int) and v > 0 else default
 
 
+def _cpu_speedup(comparison: Any) -> float | None:
+    """The speed-up per CPU-second (`cpu_speedup`), None for a GPU run (its engine measures no CPU time)."""
+    return round(comparison.cpu_speedup, 4) if comparison.ar.cpu_s > 0 else None
+
+
 def record_from_report(report: EvalReport, *, step: int, tokens: int | None, temperature: float,
                        seconds: float) -> dict[str, Any]:
     """One eval-log line from an `EvalReport`."""
@@ -168,10 +173,10 @@ def record_from_report(report: EvalReport, *, step: int, tokens: int | None, tem
         "mal": round(overall.spec.mean_accepted_length, 4),
         "acceptance": [round(p, 4) for p in overall.spec.acceptance],
         "speedup": round(overall.speedup, 4),
-        "speedup_cpu": round(overall.cpu_speedup, 4),
+        "speedup_cpu": _cpu_speedup(overall),
         "lossless": report.lossless,
         "domains": {d: {"mal": round(r.spec.mean_accepted_length, 4), "speedup": round(r.speedup, 4),
-                        "speedup_cpu": round(r.cpu_speedup, 4)}
+                        "speedup_cpu": _cpu_speedup(r)}
                     for d, r in report.domains.items() if d != ALL},
         "num_draft_tokens": report.settings.num_draft_tokens, "prompts": overall.prompts,
         "max_new_tokens": report.settings.max_new_tokens, "seconds": round(seconds, 2), "time": time.time(),
@@ -303,10 +308,10 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
                         f.write(json.dumps(rec) + "\n")
                 for rec in records:
                     board.add(rec)
+                    per_cpu = "" if rec["speedup_cpu"] is None else f" ({rec['speedup_cpu']:.2f}x per CPU-second)"
                     log(f"eval-server: step {step} ({rec['tokens'] or '?'} tokens) T={rec['temperature']:g}: "
                         f"MAL {rec['mal']:.2f}, p {' '.join(f'{p:.2f}' for p in rec['acceptance'])}, "
-                        f"speed-up {rec['speedup']:.2f}x ({rec['speedup_cpu']:.2f}x per CPU-second), "
-                        f"lossless {rec['lossless']}")
+                        f"speed-up {rec['speedup']:.2f}x{per_cpu}, lossless {rec['lossless']}")
                 shutil.rmtree(snap, ignore_errors=True)
                 evaluated += 1
                 last_new = time.time()
