@@ -290,3 +290,70 @@ def test_export_writes_the_chosen_dtype(capsys, tmp_path, tiny_target_dir, flag,
     assert code == 0, err
     assert _weights_dtypes(tmp_path / "out") == {dtype}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == str(dtype)[6:]
+
+
+# ----- measurement -----
+
+
+def test_the_cpu_clock_records_each_step_at_once():
+    from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
+
+    clock, m = PhaseClock(torch.device("cpu")), DecodeMetrics(num_draft_tokens=2)
+    a = clock.mark()
+    b = clock.mark()
+    clock.step(m, verify=(a, b), commit=(b, b))
+    clock.add(m, "prefill", a, b)
+    assert m.step_seconds["verify"] == [b - a] and m.step_seconds["commit"] == [0.0]
+    assert m.seconds["prefill"] == b - a
+
+
+def test_the_cuda_clock_bills_event_time_per_phase_and_reads_it_once_at_the_end(monkeypatch):
+    """On CUDA a mark is an event on the stream; the seconds between two are the device's (here fake events whose
+    clock the test sets), read in one synchronize at the run's end, in step order."""
+    from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
+
+    now = {"ms": 0.0}
+    syncs = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            self.at = now["ms"]
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            assert syncs, "an event was read before the run's synchronize"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: syncs.append(1))
+    clock, m = PhaseClock(torch.device("cuda", 0)), DecodeMetrics(num_draft_tokens=2)
+    marks = []
+    for ms in (0.0, 5.0, 7.0):  # prefill 5 ms, then one step: verify 2 ms, commit 1 ms
+        now["ms"] = ms
+        marks.append(clock.mark())
+    clock.add(m, "prefill", marks[0], marks[1])
+    now["ms"] = 8.0
+    clock.step(m, verify=(marks[1], marks[2]), commit=(marks[2], clock.mark()))
+    assert m.step_seconds["verify"] == [] and m.seconds["prefill"] == 0.0  # nothing read inside the run
+    clock.flush(m)
+    assert len(syncs) == 1
+    assert m.seconds["prefill"] == pytest.approx(5e-3)
+    assert m.step_seconds["verify"] == [pytest.approx(2e-3)] and m.step_seconds["commit"] == [pytest.approx(1e-3)]
+
+
+def test_a_gpu_run_reports_no_cpu_seconds_or_thread_counts(tiny_target_dir):
+    from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.eval.server import _cpu_speedup
+    from angelspec.eval.serving.sweep import _machine
+    from angelspec.eval.speculative import DomainResult
+
+    cpu = _machine(load_target(tiny_target_dir))
+    assert cpu["device"] == "cpu" and cpu["torch_threads"] == torch.get_num_threads()
+    gpu_like = _machine(load_target(tiny_target_dir, device="meta", dtype=torch.bfloat16))
+    assert gpu_like == {"device": "meta", "dtype": "bfloat16"}
+    on_gpu = DecodeMetrics(output_tokens=10, wall_s=1.0)  # the engine leaves cpu_s at 0 off the CPU
+    assert _cpu_speedup(DomainResult(prompts=1, ar=on_gpu, spec=on_gpu, identical=None)) is None
+    on_cpu = DecodeMetrics(output_tokens=10, wall_s=1.0, cpu_s=2.0)
+    assert _cpu_speedup(DomainResult(prompts=1, ar=on_cpu, spec=on_cpu, identical=None)) == 1.0
