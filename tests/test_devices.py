@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -357,3 +358,34 @@ def test_a_gpu_run_reports_no_cpu_seconds_or_thread_counts(tiny_target_dir):
     assert _cpu_speedup(DomainResult(prompts=1, ar=on_gpu, spec=on_gpu, identical=None)) is None
     on_cpu = DecodeMetrics(output_tokens=10, wall_s=1.0, cpu_s=2.0)
     assert _cpu_speedup(DomainResult(prompts=1, ar=on_cpu, spec=on_cpu, identical=None)) == 1.0
+
+
+def test_cache_and_stream_runs_load_only_the_target_s_embedding_norm_and_head(tmp_path, tiny_target_dir,
+                                                                              conversations, monkeypatch):
+    """From an offline cache the trainer never runs the target's layers: they stay on the meta device (no memory,
+    never read), and the cache is still matched against the whole model's fingerprint."""
+    from angelspec.data.fingerprint import model_fingerprint
+    from angelspec.train import loop
+    from angelspec.train.features import target_fingerprint
+    from angelspec.train.mtp import tiny_debug, train_mtp
+    from angelspec.train.runs import cache_features
+
+    cfg = tiny_debug()
+    cache_features(conversations, tmp_path / "cache", target=tiny_target_dir, seq_len=cfg.seq_len,
+                   layers=[1], log=lambda *_: None, placement=resolve_placement("cpu"))
+    loaded = []
+    real = loop.load_target
+
+    def spy(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(loop, "load_target", spy)
+    train_mtp(tiny_target_dir, conversations, tmp_path / "run", config=replace(cfg, features=str(tmp_path / "cache")),
+              progress=False, log=lambda *_: None, placement=resolve_placement("cpu"))
+    (target,) = loaded
+    layers = {p.device.type for n, p in target.named_parameters() if n.startswith("layers.")}
+    head = {p.device.type for n, p in target.named_parameters() if not n.startswith("layers.")}
+    assert layers == {"meta"} and head == {"cpu"}
+    assert target_fingerprint(target, tiny_target_dir) == model_fingerprint(load_target(tiny_target_dir))
+    assert (tmp_path / "run" / "model.safetensors").is_file()

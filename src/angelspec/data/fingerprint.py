@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 SAMPLES_PER_TENSOR = 1024
@@ -28,13 +30,18 @@ def model_fingerprint(model: nn.Module) -> str:
     different dtype or a different architecture gives another one. Not a cryptographic hash of all
     weights (see the module docstring for the trade-off).
     """
+    return tensors_fingerprint(getattr(model, "config", None), sorted(model.state_dict().items()))
+
+
+def tensors_fingerprint(config: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """`model_fingerprint` from the model's config and its state dict's (name, tensor) pairs in sorted name order,
+    which may be produced one at a time (e.g. read from a checkpoint for a model whose layers were never loaded)."""
     import torch  # here, not at module level: the CLI parser imports this module and must stay light
 
     h = hashlib.sha256()
-    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_hf_dict"):
         h.update(json.dumps(config.to_hf_dict("any"), sort_keys=True, default=str).encode())
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // SAMPLES_PER_TENSOR)

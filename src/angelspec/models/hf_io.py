@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,28 +317,59 @@ def _stream_into(model: Decoder, path: Path, files: list[Path], slices: dict[str
         raise CheckpointError(f"{path}: weights are unreadable ({e}); the checkpoint may be half-written") from None
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
+TARGET_PARTS = ("all", "head")  # `load_target(parts=...)`: every weight, or the embedding, final norm and LM head
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                parts: str = "all") -> Decoder:
     """Load a HF-layout causal-LM folder into our `Decoder` on `device` in `dtype` (eval mode, no grad needed).
 
     The model is built on the meta device and given its storage once, on `device`, in `dtype`; the checkpoint's
     tensors are then streamed into it (`_stream_into`): no full-size copy on the host, no throw-away allocation.
-    `device="meta"` gives the model's layout without reading a weight."""
+    `device="meta"` gives the model's layout without reading a weight. `parts="head"` loads only the embedding,
+    the final norm and the LM head, and leaves the decoder layers on the meta device (no memory, never read): what
+    a trainer reading the target's hidden states from a cache or a stream needs of it."""
+    if parts not in TARGET_PARTS:
+        raise ValueError(f"parts must be one of {TARGET_PARTS}, got {parts!r}")
     path = Path(path)
     device = torch.device(device)
     cfg = read_config(path)
     files = validate_hf_folder(path, cfg, torch.empty((), dtype=dtype).element_size())
     with torch.device("meta"):
-        model = Decoder(cfg)
+        model = Decoder(cfg).to(dtype)
+    if cfg.tie_word_embeddings:  # untied while storage is given, so the head gets none of its own, then tied again
+        del model.lm_head._parameters["weight"]
+    for module in [model] if parts == "all" else [model.embed_tokens, model.norm, model.lm_head]:
+        module.to_empty(device=device)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(dtype).to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty keeps the tie only where the module shares the Parameter object
         model.lm_head.weight = model.embed_tokens.weight
     # Buffers created on meta are rebuilt for real (the rotary frequencies stay fp32).
     model.register_buffer("inv_freq", rope_inv_freq(cfg)[0].to(device), persistent=False)
     if device.type != "meta":
-        _stream_into(model, path, files, hf_slices(cfg))
+        slices = {k: v for k, v in hf_slices(cfg).items() if parts == "all" or not v[0].startswith("layers.")}
+        _stream_into(model, path, files, slices)
     return model.eval()
+
+
+def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model.state_dict()` in sorted name order, every tensor left on the meta device (the layers of a
+    `parts="head"` load) read from the checkpoint folder `path` on the host and fused, one at a time: what
+    fingerprinting the whole model needs, in the memory of one tensor."""
+    path = Path(path)
+    pieces: dict[str, list[tuple[str, int]]] = {}
+    for hf_name, (ours, row) in hf_slices(model.config).items():
+        pieces.setdefault(ours, []).append((hf_name, row))
+    where = {name: file for file in _weight_files(path) for name in read_safetensors_header(file)}
+    for name, t in sorted(model.state_dict().items()):
+        if t.device.type != "meta":
+            yield name, t
+            continue
+        out = torch.empty(t.shape, dtype=t.dtype)
+        for hf_name, row in pieces[name]:
+            with safe_open(str(where[hf_name]), framework="pt") as f:
+                piece = f.get_tensor(hf_name)
+            out[row:row + piece.shape[0]].copy_(piece)
+        yield name, out
 
 
 def save_target(model: Decoder, path: str | Path, *, dtype: torch.dtype | None = None,

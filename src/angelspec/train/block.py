@@ -574,7 +574,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     check_init_from(cfg, job.out_dir)
     run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len, error=ConfigError)
     info, sp = run.info, run.sp
-    target, tok = run.frozen_target()
+    target, tok = run.frozen_target(cfg.features)
     tcfg = target.config
     # Everything about the design is checked before anything is written.
     if cfg.only is not None:  # only=confidence: the design and weights are the folder's

@@ -127,11 +127,14 @@ class TrainRun:
             shutil.rmtree(self.out_dir)
         barrier()
 
-    def frozen_target(self) -> tuple[Decoder, Any]:
-        """The run's target on this rank's device in the run's dtype, every parameter frozen, and its tokenizer."""
+    def frozen_target(self, features: str | None = None) -> tuple[Decoder, Any]:
+        """The run's target on this rank's device in the run's dtype, every parameter frozen, and its tokenizer.
+        `features`: the run's `features=` (an offline cache or a stream): the hidden states come from there, so only
+        the embedding, final norm and LM head are loaded (`load_target(parts="head")`; the layers stay on meta)."""
         from angelspec.data.tokenizer import load_tokenizer
 
-        target = load_target(self.target_dir, dtype=self.placement.dtype, device=self.placement.device)
+        target = load_target(self.target_dir, dtype=self.placement.dtype, device=self.placement.device,
+                             parts="all" if features is None else "head")
         for p in target.parameters():
             p.requires_grad_(False)
         return target, load_tokenizer(self.target_dir)

@@ -169,7 +169,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     sp = run.sp
     run.clear_out_dir()
-    target, tok = run.frozen_target()
+    target, tok = run.frozen_target(cfg.features)
     tcfg = target.config
     pad_id = pad_token_id(tcfg)
     mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
