@@ -161,14 +161,16 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.1f} TB"
 
 
-def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dtype_bytes: int = 4) -> None:
+def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dtype_bytes: int = 4,
+                    host: bool = True) -> None:
     """Refuse a config whose parameters (`n_params`, loaded at `dtype_bytes` each) could not fit this machine's
-    memory, or that the weights on disk (`held_bytes`, at most 4 bytes a parameter) cannot possibly hold."""
+    memory (`host`: they are loaded into host memory, not onto an accelerator), or that the weights on disk
+    (`held_bytes`, at most 4 bytes a parameter) cannot possibly hold."""
     need = n_params * dtype_bytes
     if held_bytes and n_params > 8 * held_bytes:  # more than 8x the parameters even 1-byte weights could hold
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}) but the weights "
                               f"hold only {_human(held_bytes)}; {what} does not describe these weights")
-    mem = available_memory_bytes()
+    mem = available_memory_bytes() if host else None
     if mem is not None and need > mem:
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}), more than this "
                               f"machine's {_human(mem)} of memory; check the config or use a smaller model")
@@ -192,15 +194,15 @@ def check_weights(source: Path, found: dict[str, tuple[tuple[int, ...], str]],
                                   "weights are of different models")
 
 
-def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4) -> list[Path]:
-    """Compare the weights' headers with what `cfg` implies before anything is allocated: sizes, names, shapes,
-    truncation. -> the weight files."""
+def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4, host: bool = True) -> list[Path]:
+    """Compare the weights' headers with what `cfg` implies before anything is allocated: sizes (against the host's
+    memory when `host`: the weights are loaded there), names, shapes, truncation. -> the weight files."""
     files = _weight_files(path)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
         found.update(read_safetensors_header(file))
     held = sum(file.stat().st_size for file in files)
-    check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes)
+    check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes, host)
     check_weights(path, found, expected_hf_shapes(cfg), "config.json")
     return files
 
@@ -334,7 +336,8 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     path = Path(path)
     device = torch.device(device)
     cfg = read_config(path)
-    files = validate_hf_folder(path, cfg, torch.empty((), dtype=dtype).element_size())
+    # Streamed onto an accelerator, the weights never sit in host memory whole: its size is no limit there.
+    files = validate_hf_folder(path, cfg, torch.empty((), dtype=dtype).element_size(), host=device.type == "cpu")
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)
     if cfg.tie_word_embeddings:  # untied while storage is given, so the head gets none of its own, then tied again
