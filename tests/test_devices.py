@@ -389,3 +389,27 @@ def test_cache_and_stream_runs_load_only_the_target_s_embedding_norm_and_head(tm
     assert layers == {"meta"} and head == {"cpu"}
     assert target_fingerprint(target, tiny_target_dir) == model_fingerprint(load_target(tiny_target_dir))
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_the_processes_a_run_starts_beside_it_get_its_device_and_dtype(tmp_path, monkeypatch):
+    """`train --eval-every` and `--feature-workers` start an eval server and feature servers: they load the target
+    on the run's device in its dtype (a feature server in another dtype would serve another fingerprint)."""
+    import subprocess
+
+    from angelspec.eval.server import spawn_eval_server
+    from angelspec.train.stream import spawn_feature_servers
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, **_):
+            started.append(cmd)
+            self.pid = 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    spawn_eval_server(tmp_path / "run", device="cpu", dtype="bfloat16")
+    spawn_feature_servers(tmp_path / "run", None, tmp_path / "data.jsonl", 2,
+                          placement=resolve_placement("cpu", "bfloat16"))
+    assert len(started) == 3
+    for cmd in started:
+        assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
