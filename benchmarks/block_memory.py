@@ -13,9 +13,10 @@ confidence term, backward.
   dense (legacy)  SDPA under the [R, 1, N·B, T + N·B] `training_mask`, whole [R·N, K, V] logits,
                   `block_loss_batch` + `confidence_loss` (only for T <= --legacy-max)
 
-Memory is measured as in benchmarks/ttt_memory.py (`peak_bytes`: the CPU allocator's alloc/free events).
+Memory is measured as in benchmarks/ttt_memory.py (`peak_bytes`: the CPU allocator's alloc/free events; on a GPU,
+`--device cuda`, the CUDA allocator's peak).
 
-Run:  .venv/bin/python benchmarks/block_memory.py --seq-len 4096 16384
+Run:  .venv/bin/python benchmarks/block_memory.py --seq-len 4096 16384 [--device cuda]
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from angelspec.train.confidence import confidence_targets
 from angelspec.train.losses import LOSSES, LossConfig, with_confidence_term
 
 
-def variants(T: int, legacy: bool) -> dict[str, Callable[[], float]]:
-    """name -> one training step at T (returns the loss value); the model and inputs are made here, unmeasured."""
+def variants(T: int, legacy: bool, device: torch.device | str = "cpu") -> dict[str, Callable[[], float]]:
+    """name -> one training step at T (returns the loss value); the model and inputs are made here, unmeasured, drawn
+    on the host and moved to `device`."""
     tcfg = DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=T)
     g = torch.Generator().manual_seed(1)
@@ -53,6 +55,7 @@ def variants(T: int, legacy: bool) -> dict[str, Callable[[], float]]:
     anchors = torch.randperm(T - 8, generator=g)[:N].sort().values[None]
     taps = torch.randn(1, T, 3 * tcfg.hidden_size, generator=g)
     teacher = torch.randn(1, T, tcfg.vocab_size, generator=g) * 3
+    model, packed, anchors, taps, teacher = (x.to(device) for x in (model, packed, anchors, taps, teacher))
     config = LossConfig()
     objective = LOSSES["dpace_lk"]
 
@@ -91,17 +94,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-len", type=int, nargs="+", default=[1024])
     ap.add_argument("--legacy-max", type=int, default=4096, help="run the dense reference up to this T")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of a CPU run")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: on a GPU the peak is the CUDA allocator's")
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     limit_heap_fragmentation()
-    for step in variants(256, True).values():  # warm-up: one-off allocations stay out of the measured steps
+    for step in variants(256, True, device).values():  # warm-up: one-off allocations stay out of the measured steps
         step()
-    print(f"DFly (dfly_embedded: L2-B8, C=256, V=8192), N = T/32 anchors, fp32, {args.threads} threads")
+    where = f"{args.threads} threads" if device.type == "cpu" else str(device)
+    print(f"DFly (dfly_embedded: L2-B8, C=256, V=8192), N = T/32 anchors, fp32, {where}")
     print(f"{'T':>6} {'variant':<16} {'peak MiB':>10} {'KiB/token':>10} {'loss':>10} {'s':>7}")
     for T in args.seq_len:
-        for name, step in variants(T, T <= args.legacy_max).items():
-            peak, dt, value = peak_bytes(step)
+        for name, step in variants(T, T <= args.legacy_max, device).items():
+            peak, dt, value = peak_bytes(step, device)
             print(f"{T:>6} {name:<16} {peak / MiB:>10.1f} {peak / T / 1024:>10.1f} {value:>10.6f} {dt:>7.1f}",
                   flush=True)
 

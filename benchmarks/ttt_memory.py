@@ -30,7 +30,10 @@ slack, no scratch outside tensors). It is deterministic: contention on a shared 
 never the bytes. `export_memory_timeline`, which an earlier version of this script used, gives the same peaks,
 minutes slower. RSS is kept close to it by `limit_heap_fragmentation`.
 
-Run:  .venv/bin/python benchmarks/ttt_memory.py --seq-len 4096 16384 32768 [--depths 3] [--loss e2e_tv]
+On a GPU (`--device cuda`) the peak is the CUDA caching allocator's (`torch.cuda.max_memory_allocated` over the
+step, minus what was allocated at its start), and no thread count is printed.
+
+Run:  .venv/bin/python benchmarks/ttt_memory.py --seq-len 4096 16384 32768 [--depths 3] [--loss e2e_tv] [--device cuda]
 """
 
 from __future__ import annotations
@@ -73,8 +76,21 @@ def limit_heap_fragmentation() -> None:
         pass
 
 
-def peak_bytes(fn: Callable[[], float]) -> tuple[float, float, float]:
-    """-> (peak bytes of tensor storage allocated inside fn over its start, seconds, fn's return value)."""
+def peak_bytes(fn: Callable[[], float], device: torch.device | str = "cpu") -> tuple[float, float, float]:
+    """-> (peak bytes of tensor storage allocated inside fn over its start, seconds, fn's return value). On the CPU
+    from the profiler's allocator events (below); on a CUDA device from the caching allocator's own peak counter
+    (`torch.cuda.max_memory_allocated`, reset before fn, minus what was allocated at its start), the seconds after a
+    synchronize."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        value = fn()
+        torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        return float(torch.cuda.max_memory_allocated(device) - base), dt, value
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         t0 = time.perf_counter()
         value = fn()
@@ -92,8 +108,10 @@ def peak_bytes(fn: Callable[[], float]) -> tuple[float, float, float]:
     return float(peak), dt, value
 
 
-def make_problem(T: int, D: int, seed: int = 1) -> tuple[MTPDraftModel, PackedBatch, torch.Tensor, torch.Tensor]:
-    """The model at the embedded shape, one packed row of T tokens (4 documents), random taps and teacher logits."""
+def make_problem(T: int, D: int, seed: int = 1, device: torch.device | str = "cpu"
+                 ) -> tuple[MTPDraftModel, PackedBatch, torch.Tensor, torch.Tensor]:
+    """The model at the embedded shape, one packed row of T tokens (4 documents), random taps and teacher logits,
+    drawn on the host (the same problem on every device) and moved to `device`."""
     tcfg = DecoderConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=T)
     # Only the target's (tied) embedding and head enter the model; taps are random, so no target is built.
@@ -109,7 +127,7 @@ def make_problem(T: int, D: int, seed: int = 1) -> tuple[MTPDraftModel, PackedBa
     packed = pack_documents(docs, T, pad_id=0)
     hidden = torch.randn(1, T, tcfg.hidden_size, generator=g)
     teacher = torch.randn(1, T, tcfg.vocab_size, generator=g) * 3
-    return model, packed, hidden, teacher
+    return model.to(device), packed.to(device), hidden.to(device), teacher.to(device)
 
 
 def variants(model: MTPDraftModel, packed: PackedBatch, hidden: torch.Tensor, teacher: torch.Tensor, D: int,
@@ -154,19 +172,22 @@ def main() -> None:
     ap.add_argument("--depths", type=int, default=3)
     ap.add_argument("--loss", default="e2e_tv", choices=sorted(LOSSES))
     ap.add_argument("--legacy-max", type=int, default=4096, help="run the legacy variants up to this T")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of a CPU run")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: on a GPU the peak is the CUDA allocator's")
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     limit_heap_fragmentation()
     D = args.depths
     # Warm-up at a small T (oneDNN primitives and other one-off allocations stay out of the measured steps).
-    for step in variants(*make_problem(256, D), D, args.loss, True).values():
+    for step in variants(*make_problem(256, D, device=device), D, args.loss, True).values():
         step()
+    where = f"{args.threads} threads" if device.type == "cpu" else str(device)
     print(f"MTP draft model at the embedded shape (C=256, V=8192), D={D}, loss={args.loss}, fp32, "
-          f"{args.threads} threads; one packed row of 4 documents")
+          f"{where}; one packed row of 4 documents")
     rows = []
     for T in args.seq_len:
-        model, packed, hidden, teacher = make_problem(T, D)
+        model, packed, hidden, teacher = make_problem(T, D, device=device)
         print(f"\nT={T}: inputs, not counted: taps [T, C] {hidden.numel() * 4 / MiB:.0f} MiB, teacher logits "
               f"[T, V] {teacher.numel() * 4 / MiB:.0f} MiB; one depth's fp32 logits [T, V] would be "
               f"{T * 8192 * 4 / MiB:.0f} MiB, a [T, T] fp32 score matrix per head {T * T * 4 / MiB:.0f} MiB")
@@ -174,7 +195,7 @@ def main() -> None:
         peaks: dict[str, float] = {}
         for name, step in variants(model, packed, hidden, teacher, D, args.loss, T <= args.legacy_max).items():
             model.zero_grad(set_to_none=True)
-            peaks[name], dt, value = peak_bytes(step)
+            peaks[name], dt, value = peak_bytes(step, device)
             ratio = peaks[name] / peaks[BASELINE]
             print(f"{name:<26} {peaks[name] / MiB:>10.1f} {ratio:>8.2f}x {value:>10.6f} {dt:>7.1f}", flush=True)
             rows.append((T, name, peaks[name] / MiB, ratio))

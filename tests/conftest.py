@@ -4,12 +4,19 @@ template) small enough that CLI, engine and demo tests never need the real embed
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The suite is CPU-first and its numbers are fp32's: on a GPU machine it still runs on the CPU (the library's default
+# there is the GPU in bfloat16), and its torchrun launches use gloo, not NCCL. Set before anything is imported, so
+# subprocesses (CLI runs, torchrun ranks) inherit both.
+os.environ.setdefault("ANGELSPEC_DEVICE", "cpu")
+os.environ.setdefault("ANGELSPEC_DIST_BACKEND", "gloo")
 
 TINY_VOCAB = 300
 TINY_CONTEXT = 256

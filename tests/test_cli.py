@@ -108,7 +108,7 @@ def test_existing_output_is_not_overwritten(capsys: pytest.CaptureFixture[str], 
 def test_bugs_keep_their_traceback(tmp_path: Path, prompts_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only deliberate bad-input errors become one-line messages; anything else must surface."""
 
-    def broken(_: Path) -> None:
+    def broken(*_: object) -> None:  # (target folder, placement)
         raise RuntimeError("a genuine bug")
 
     monkeypatch.setattr(generate, "load_target_and_tokenizer", broken)

@@ -80,7 +80,8 @@ def _torchrun(drafter: str, strategy: str, target, data, out, *extra: str) -> su
            "--master_port", str(_free_port()), "-m", "angelspec.cli", "train", "--drafter", drafter,
            "--target", str(target), "--data", str(data), "--out", str(out), "--preset", "tiny_debug", "--quiet",
            "--distributed", strategy, *extra, "batch_size=4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ANGELSPEC_DIST_BACKEND": "gloo",  # gloo and the CPU on a GPU host
+           "ANGELSPEC_DEVICE": "cpu"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
 

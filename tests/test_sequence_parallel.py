@@ -279,11 +279,12 @@ from test_distributed import _check, _free_port, needs_gloo  # noqa: E402
 
 
 def _launch(args: list[str], nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node nproc` with this interpreter, one thread per rank, a free port."""
+    """`torchrun --nproc_per_node nproc` with this interpreter, one thread per rank, a free port; gloo and the CPU
+    even on a GPU machine."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(_free_port()), *args]
-    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ANGELSPEC_DIST_BACKEND": "gloo", "ANGELSPEC_DEVICE": "cpu"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @needs_gloo

@@ -13,7 +13,7 @@ Each stage reads what earlier ones left in the shared `DemoState` and returns a 
 closing report; later work appends stages (train a drafter, benchmark against peers) to `STAGES`.
 
 Run with `python -m angelspec.demo [--target DIR] [--draft-lm DIR] [--per-domain N] [--max-new-tokens N]
-[--batch-size B]`.
+[--batch-size B] [--device DEV] [--dtype DTYPE]`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class DemoState:
     rollout_data: Path | None = None
     train_prompts: Path = TRAIN_PROMPTS
     work_dir: Path = Path(".cache/demo")
+    placement: Any = None  # the target's device and dtype (angelspec.models.device.Placement; None: the default)
     target_dir: Path | None = None
     model: Any = None
     tokenizer: Any = None
@@ -67,9 +68,10 @@ class Stage:
 
 def stage_load_target(state: DemoState) -> dict[str, str]:
     state.target_dir = resolve_target_dir(state.target)
-    state.model, state.tokenizer = load_target_and_tokenizer(state.target_dir)
+    state.model, state.tokenizer = load_target_and_tokenizer(state.target_dir, state.placement)
     cfg = state.model.config
-    return {"target": str(state.target_dir),
+    w = state.model.embed_tokens.weight
+    return {"target": str(state.target_dir), "device": f"{w.device} {str(w.dtype).removeprefix('torch.')}",
             "model": f"{cfg.architecture}, {cfg.num_parameters() / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
                      f"context {cfg.max_position_embeddings}"}
 
@@ -229,7 +231,7 @@ def demo_rollout(state: DemoState) -> Path:
         state.work_dir.mkdir(parents=True, exist_ok=True)
         data = state.work_dir / "rollout.jsonl"
         summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
-                          batch_size=16, force=True, progress=True)
+                          batch_size=16, force=True, progress=True, placement=state.placement)
         print(summary.format())
         state.rollout_data = data
     return state.rollout_data
@@ -256,7 +258,7 @@ def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
     if getattr(config, "draft_vocab_size", 0) >= state.model.config.vocab_size:  # a small --target: whole vocab
         config = replace(config, draft_vocab_size=0)
     getattr(module, fn_name)(state.target_dir, data, out, config=config, force=True,
-                             max_minutes=state.train_minutes, progress=True, log=print)
+                             max_minutes=state.train_minutes, progress=True, log=print, placement=state.placement)
     return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name, k="natural")}
 
 
@@ -376,16 +378,24 @@ def main(argv: list[str] | None = None) -> int:
                              "prompts)")
     parser.add_argument("--work-dir", default=".cache/demo", metavar="DIR",
                         help="where the training stages write rollouts and drafters (default: .cache/demo)")
+    parser.add_argument("--device", default=None, metavar="DEV",
+                        help="cpu, cuda, cuda:N or mps (default: cuda:0 where torch sees a GPU, else cpu)")
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help="float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 "
+                             "elsewhere)")
     args = parser.parse_args(argv)
     for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
-    state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
-                      batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
-                      drafters=Path(args.drafters),
-                      work_dir=Path(args.work_dir), train_prompts=Path(args.train_prompts))
     try:
+        from angelspec.models.device import resolve_placement
+
+        state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
+                          batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
+                          drafters=Path(args.drafters), work_dir=Path(args.work_dir),
+                          train_prompts=Path(args.train_prompts),
+                          placement=resolve_placement(args.device, args.dtype))
         report = run_demo(state)
     except Exception as e:
         if not is_user_error(e):

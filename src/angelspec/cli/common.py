@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from angelspec.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_LOSSLESS
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement  # torch is imported when a handler calls `placement`
 
 TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
@@ -22,12 +26,29 @@ THINK_HELP = "render the chat template in thinking mode (default: --no-think)"
 Subparsers = argparse._SubParsersAction
 
 __all__ = ["DRAFTER_SPECS", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_NOT_LOSSLESS", "POLICY_HELP", "Subparsers",
-           "TARGET_HELP", "THINK_HELP", "add_batch_size_flag", "add_num_draft_tokens_flag", "add_overrides",
-           "add_policy_flags", "add_sampling_flags", "add_target_flag", "add_think_flag", "warn"]
+           "TARGET_HELP", "THINK_HELP", "add_batch_size_flag", "add_device_flags", "add_num_draft_tokens_flag",
+           "add_overrides", "add_policy_flags", "add_sampling_flags", "add_target_flag", "add_think_flag", "placement",
+           "warn"]
+
+DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda:0 where torch sees a GPU, else cpu)"
+DTYPE_HELP = "float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 elsewhere)"
 
 
 def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None:
     p.add_argument("--target", metavar="DIR", help=help)
+
+
+def add_device_flags(p: argparse.ArgumentParser, dtype_help: str = DTYPE_HELP) -> None:
+    """--device and --dtype of every command that loads a model (read back with `placement`)."""
+    p.add_argument("--device", default=None, metavar="DEV", help=DEVICE_HELP)
+    p.add_argument("--dtype", default=None, metavar="DTYPE", help=dtype_help)
+
+
+def placement(args: argparse.Namespace) -> Placement:
+    """--device and --dtype as the `Placement` the library takes; a device that is not there is a UsageError."""
+    from angelspec.models.device import resolve_placement
+
+    return resolve_placement(args.device, args.dtype)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, seed: int | None,

@@ -11,10 +11,12 @@ from angelspec.assets import DEFAULT_TARGET
 from angelspec.cli.common import (
     Subparsers,
     add_batch_size_flag,
+    add_device_flags,
     add_overrides,
     add_sampling_flags,
     add_target_flag,
     add_think_flag,
+    placement,
     warn,
 )
 from angelspec.cli.train import add_run_flags
@@ -28,6 +30,7 @@ def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="regenerate a dataset's assistant turns with the target (report §2.4)",
                        description=add_rollout.__doc__)
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
                    help='input: one {"prompt": str} or {"messages": [...]} per line')
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output conversations")
@@ -54,7 +57,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     summary = rollout(args.target, args.prompts, args.out, enable_thinking=args.think, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
                       batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet,
-                      engine=args.engine)
+                      engine=args.engine, placement=placement(args))
     print(summary.format())
     print(f"wrote {args.out}")
     if summary.truncated_turns:

@@ -10,11 +10,13 @@ from angelspec.cli.common import (
     EXIT_NOT_LOSSLESS,
     Subparsers,
     add_batch_size_flag,
+    add_device_flags,
     add_num_draft_tokens_flag,
     add_policy_flags,
     add_sampling_flags,
     add_target_flag,
     add_think_flag,
+    placement,
     warn,
 )
 from angelspec.errors import UsageError
@@ -31,6 +33,7 @@ def add_eval(sub: Subparsers) -> None:
     p.add_argument("--drafter", required=True, action="append", metavar="SPEC",
                    help=DRAFTER_SPECS + "; repeat it to evaluate several drafters against one AR run")
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help='prompts, one {"prompt"} or {"messages"} object per line, optional "domain" '
                         "(default: the shipped held-out prompts for code, math and chat)")
@@ -59,8 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
         cost_table=args.cost_table, compile=args.compile, spec_gate=args.spec_gate, json_out=args.json,
-        force=args.force,
-        progress=not args.quiet, log=None if args.quiet else print)
+        force=args.force, progress=not args.quiet, log=None if args.quiet else print, placement=placement(args))
     print(run.format())
     if run.lossless is False:
         warn(run.lossless_banner())
@@ -76,6 +78,7 @@ def add_profile(sub: Subparsers) -> None:
     p = sub.add_parser("profile", help="measure the step-latency table C(B, N) the verification budgets use",
                        description=add_profile.__doc__)
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--drafter", required=True, metavar="SPEC", help=DRAFTER_SPECS.removeprefix("none | "))
     p.add_argument("--batch-sizes", default="1,2,4,8", metavar="B,B,...", help="(default: 1,2,4,8)")
     add_num_draft_tokens_flag(p)
@@ -101,7 +104,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     table, what = profile_cost_table(args.drafter, target=args.target, batch_sizes=batch_sizes,
                                      num_draft_tokens=args.num_draft_tokens, repeats=args.repeats,
                                      warmup=args.warmup, out=args.out, force=args.force, compile=args.compile,
-                                     log=print)
+                                     log=print, placement=placement(args))
     print(table.format())
     print(what)
     return 0
@@ -115,6 +118,7 @@ def add_calibrate(sub: Subparsers) -> None:
     p = sub.add_parser("calibrate", help="fit per-position temperatures (STS) for a drafter's confidences",
                        description=add_calibrate.__doc__)
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (DIR or KIND:DIR)")
     p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="held-out prompts, one per line")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
@@ -135,7 +139,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     print(calibrate(args.drafter, args.prompts, target=args.target, max_new_tokens=args.max_new_tokens,
                     limit=args.limit, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
-                    temperature=args.temperature, force=args.force, progress=not args.quiet))
+                    temperature=args.temperature, force=args.force, progress=not args.quiet,
+                    placement=placement(args)))
     return 0
 
 
@@ -154,6 +159,7 @@ def add_bench(sub: Subparsers) -> None:
         "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
         description=add_bench.__doc__)
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY][+gate]",
                    help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
                         "(default full), +gate the speculation gate (skip drafting where plain steps are faster), "
@@ -192,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
                        breakeven=args.breakeven, limit=args.limit, vllm=args.vllm,
-                       log=None if args.quiet else print)
+                       log=None if args.quiet else print, placement=placement(args))
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 
 
@@ -206,6 +212,7 @@ def add_eval_server(sub: Subparsers) -> None:
                        description=add_eval_server.__doc__)
     p.add_argument("--watch", required=True, metavar="RUN_DIR", help="the --out folder of `angelspec train`")
     add_target_flag(p)
+    add_device_flags(p)
     p.add_argument("--prompts", metavar="FILE.jsonl", help="held-out prompts (default: the shipped ones)")
     p.add_argument("--limit", type=int, default=4, metavar="N", help="prompts per domain (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
@@ -241,6 +248,6 @@ def cmd_eval_server(args: argparse.Namespace) -> int:
                                   num_draft_tokens=args.num_draft_tokens, temperatures=temps, poll_s=args.poll,
                                   idle_timeout_s=args.idle_timeout, threads=args.threads)
     n = run_eval_server(args.watch, args.target, prompts_path=args.prompts, settings=settings, once=args.once,
-                        wait_s=args.wait, trainer_pid=args.trainer_pid)
+                        wait_s=args.wait, trainer_pid=args.trainer_pid, placement=placement(args))
     print(f"evaluated {n} checkpoint(s); log: {args.watch}/training/eval_log.jsonl")
     return 0

@@ -18,6 +18,9 @@ def add_export(sub: common.Subparsers) -> None:
                        description=add_export.__doc__)
     _folder_flags(p, ("vllm", "sglang"), "target format", ("drafter_dir", "DRAFTER_DIR", "the trained drafter folder"),
                   "the folder to write (refused if not empty)", "the target the drafter was trained for")
+    p.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
+                   help="dtype of the exported weights: bfloat16, float16 or float32 (default: bfloat16, what GPU "
+                        "engines serve; float32 for an engine that runs the target in fp32, e.g. vLLM on a CPU)")
     p.set_defaults(func=cmd_export)
 
 
@@ -37,7 +40,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     flags (SGLang)."""
     from angelspec.export import export_drafter
 
-    result = export_drafter(args.drafter_dir, args.out_dir, format=args.format, target=args.target, force=args.force)
+    result = export_drafter(args.drafter_dir, args.out_dir, format=args.format, target=args.target, force=args.force,
+                            dtype=args.dtype)
     print(result.format())
     return 0
 

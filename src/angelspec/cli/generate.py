@@ -16,6 +16,7 @@ def add_generate(sub: common.Subparsers) -> None:
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="output file (refused if it exists)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     common.add_target_flag(p)
+    common.add_device_flags(p)
     p.add_argument("--drafter", default="none", metavar="SPEC", help=f"{common.DRAFTER_SPECS} (default: none)")
     common.add_num_draft_tokens_flag(p, "drafts proposed and verified per step (default: 4; ignored without a drafter)")
     common.add_sampling_flags(p, seed=None, seed_help="request i uses seed S+i (default: random)")
@@ -37,6 +38,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
         cost_table=args.cost_table, spec_gate=args.spec_gate, force=args.force, progress=not args.quiet,
         log=None if args.quiet else print,
-        warn=common.warn)
+        warn=common.warn, placement=common.placement(args))
     print(summary.format())
     return 0

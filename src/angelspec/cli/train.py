@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from angelspec.cli.common import Subparsers, add_overrides, add_target_flag
+from angelspec.cli.common import Subparsers, add_device_flags, add_overrides, add_target_flag, placement
 from angelspec.errors import require_positive
 from angelspec.train.registry import TRAINABLE_DRAFTERS
 
@@ -31,6 +31,8 @@ def add_train(sub: Subparsers) -> None:
     p.add_argument("--drafter", required=True, metavar="KIND",
                    help=f"drafter kind to train: {', '.join(TRAINABLE_DRAFTERS)}")
     add_target_flag(p)
+    add_device_flags(p, "the target's dtype: float32, bfloat16 or float16; the drafter keeps fp32 master weights and "
+                        "computes under autocast when it is 16-bit (default: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--data", required=True, metavar="FILE_OR_DIR",
                    help="a JSONL file of conversations, or a corpus folder with <domain>/train.jsonl "
                         "(and optional heldout.jsonl), e.g. .cache/target-build/corpus")
@@ -89,6 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from angelspec.train.runs import train_drafter
 
     overrides = list(args.overrides)
+    where = placement(args)  # a device that is not there fails before anything starts
     if args.eval_every is not None:
         require_positive("--eval-every", args.eval_every)
         check_out_dir(args.out, resume=args.resume, force=args.force)  # before the server starts beside it
@@ -96,14 +99,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # one server per run, from the main process under torchrun
             from angelspec.eval.server import spawn_eval_server
 
-            server = spawn_eval_server(args.out, args.target, prompts_path=args.eval_prompts)
+            server = spawn_eval_server(args.out, args.target, prompts_path=args.eval_prompts, device=args.device,
+                                       dtype=args.dtype)
             print(f"eval-server: pid {server.pid}, evaluating every {args.eval_every} steps into "
                   f"{args.out}/training/eval_log.jsonl")
     result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
                            overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
                            max_minutes=args.max_minutes, distributed=args.distributed,
                            feature_workers=args.feature_workers, feature_backend=args.feature_backend,
-                           init_from=args.init_from, only=args.only, sp=args.sp, log=print)
+                           init_from=args.init_from, only=args.only, sp=args.sp, log=print, placement=where)
     print(result.format())
     return 0
 
@@ -128,6 +132,8 @@ def add_features(sub: Subparsers) -> None:
                         "(default: --no-think)")
     p.add_argument("--rows-per-shard", type=int, default=32, metavar="N", help="packed rows per file (default: 32)")
     add_target_flag(p)
+    add_device_flags(p, "the target's dtype, which the cache is stored in and the trainer must use: float32, "
+                        "bfloat16 or float16 (default: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted cache")
     p.add_argument("--force", action="store_true", help="rebuild the cache from scratch")
     p.set_defaults(func=cmd_features)
@@ -139,7 +145,7 @@ def cmd_features(args: argparse.Namespace) -> int:
 
     cache = cache_features(args.data, args.out, target=args.target, layers=args.layers, seq_len=args.seq_len,
                            think=args.think, rows_per_shard=args.rows_per_shard, resume=args.resume,
-                           force=args.force, log=print)
+                           force=args.force, log=print, placement=placement(args))
     print(f"wrote the features of {cache.num_rows} packed rows (layers {list(cache.spec.layer_ids)}) to {args.out}; "
           f"train from them with: angelspec train ... seq_len={args.seq_len}"
           f"{' enable_thinking=true' if args.think else ''} features={args.out}")
@@ -157,6 +163,8 @@ def add_feature_server(sub: Subparsers) -> None:
                                               "features)", description=add_feature_server.__doc__)
     p.add_argument("--data", required=True, metavar="FILE_OR_DIR", help="the trainer's --data")
     add_target_flag(p)
+    add_device_flags(p, "the target's dtype, the trainer's --dtype: float32, bfloat16 or float16 (default: bfloat16 "
+                        "on a GPU, float32 elsewhere)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--stream", metavar="DIR", help="serve features=stream:DIR (a folder the trainer sees too)")
     where.add_argument("--ray", metavar="NAME", help="serve features=ray:NAME on a Ray cluster "
@@ -180,7 +188,8 @@ def cmd_feature_server(args: argparse.Namespace) -> int:
 
     n = serve_features(args.data, stream=args.stream, ray=args.ray, target=args.target, worker=args.worker,
                        workers=args.workers, buffer=args.buffer, address=args.address,
-                       idle_timeout_s=args.idle_timeout, log=lambda m: print(m, flush=True))
+                       idle_timeout_s=args.idle_timeout, log=lambda m: print(m, flush=True),
+                       placement=placement(args))
     print(f"published {n} feature batches", flush=True)
     return 0
 

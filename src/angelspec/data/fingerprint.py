@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,13 +32,20 @@ def model_fingerprint(model: nn.Module, *, precision: torch.dtype | None = None)
     floating-point values are hashed as that dtype, and the layout names it instead of the tensors' own, so
     every load of the same weights in that dtype or a wider one gets the same id (`target_weights_fingerprint`).
     """
+    return tensors_fingerprint(getattr(model, "config", None), sorted(model.state_dict().items()),
+                               precision=precision)
+
+
+def tensors_fingerprint(config: Any, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                        precision: torch.dtype | None = None) -> str:
+    """`model_fingerprint` from the model's config and its state dict's (name, tensor) pairs in sorted name order,
+    which may be produced one at a time (e.g. read from a checkpoint for a model whose layers were never loaded)."""
     import torch  # here, not at module level: the CLI parser imports this module and must stay light
 
     h = hashlib.sha256()
-    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_hf_dict"):
         h.update(json.dumps(config.to_hf_dict("any"), sort_keys=True, default=str).encode())
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in tensors:
         cast = precision is not None and t.is_floating_point()
         h.update(f"{name}:{tuple(t.shape)}:{precision if cast else t.dtype}".encode())
         flat = t.detach().reshape(-1)
@@ -49,13 +57,18 @@ def model_fingerprint(model: nn.Module, *, precision: torch.dtype | None = None)
     return h.hexdigest()[:16]
 
 
-def target_weights_fingerprint(target: nn.Module) -> str:
+def target_weights_fingerprint(target: nn.Module,
+                               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
     """The id of a target's weights that a drafter records (`"angelspec": {"target_weights": ...}` in its
     config.json) and that a resumed training run compares: `model_fingerprint` at bfloat16 precision, so that it
-    is the same whether the target is loaded in float32 or bfloat16, and changes with any retrained weight."""
+    is the same whether the target is loaded in float32 or bfloat16, and changes with any retrained weight.
+    `tensors`: the state dict's (name, tensor) pairs in sorted name order when the model does not hold them all
+    (a `parts="head"` load, whose layers are read from the checkpoint one at a time)."""
     import torch
 
-    return model_fingerprint(target, precision=torch.bfloat16)
+    if tensors is None:
+        return model_fingerprint(target, precision=torch.bfloat16)
+    return tensors_fingerprint(getattr(target, "config", None), tensors, precision=torch.bfloat16)
 
 
 def checkpoint_fingerprint(folder: str | Path) -> str:

@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
-from angelspec.decoding.metrics import DecodeMetrics
+from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
 from angelspec.decoding.policies.gate import SpecGate
 from angelspec.decoding.sampling import (
@@ -226,6 +226,7 @@ class SpecEngine:
             drafter.check_compatible(tcfg, self.max_seq_len)
             self._taps = tuple(drafter.target_layer_ids)
         self.metrics = DecodeMetrics(num_draft_tokens=self.k)
+        self._clock = PhaseClock(self.device)  # the phase split: host time on the CPU, CUDA events on a GPU
         self._cache: StaticKVCache | None = None
         self._decode_fn: Callable[..., Tensor] = self._decode_logits
         self._verify_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._verify_forward
@@ -269,6 +270,7 @@ class SpecEngine:
         if not requests:
             return []
         t_start, cpu_start = time.perf_counter(), time.process_time()
+        self._clock = PhaseClock(self.device)  # a fresh one per run: nothing pending from an interrupted one
         seeds = self._resolve_seeds(requests)
         n_rows = min(self.config.max_batch_size, len(requests))
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -315,7 +317,9 @@ class SpecEngine:
                 bar.update(len(done))
         bar.close()
         self.metrics.wall_s = time.perf_counter() - t_start
-        self.metrics.cpu_s = time.process_time() - cpu_start
+        self._clock.flush(self.metrics)
+        if self.device.type == "cpu":  # on a GPU the host's CPU time measures its waiting, not the decoding
+            self.metrics.cpu_s = time.process_time() - cpu_start
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
@@ -426,7 +430,7 @@ class SpecEngine:
 
     def _admit(self, rows: list[int], indices: list[int], requests: list[Request], seeds: list[int]) -> None:
         """Prefill the joining requests into `rows` and emit their first token."""
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), self._clock.mark()
         reqs = [requests[i] for i in indices]
         prompts = [list(r.prompt_ids) for r in reqs]
         params = [SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, seeds[i])
@@ -458,7 +462,7 @@ class SpecEngine:
         self._refresh_rows()
         if self.drafter is not None:
             self.drafter.prefill(rows, prompts, first_host, out.hidden)
-        self.metrics.seconds["prefill"] += time.perf_counter() - t0
+        self._clock.add(self.metrics, "prefill", m0, self._clock.mark())
 
     def _release(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -547,7 +551,8 @@ class SpecEngine:
         return self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self._taps, keep=keep, num_keep=num_keep)
 
     def _ar_step(self) -> None:
-        t0 = time.perf_counter()
+        clock = self._clock
+        t0 = clock.mark()
         rows, slots, cache = self._active_rows, self._slots, self._cache
         assert cache is not None
         # kv_len: the longest active row's cache after appending one token = its seq_len.
@@ -556,7 +561,7 @@ class SpecEngine:
         # After the forward, cache.lengths = position of the token being produced (its noise counter).
         nxt = self._choose(logits, self._sampling, cache.lengths, self._all_greedy)  # [B]
         self._last = nxt
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         host = nxt.tolist()  # host sync: once per step, to learn which rows finished
         for r in rows:
             s = slots[r]
@@ -565,15 +570,15 @@ class SpecEngine:
             s.steps += 1
             s.emit((host[r],))
         self.metrics.record_decode(len(rows))
-        t2 = time.perf_counter()
-        self.metrics.record_step_seconds(verify=t1 - t0, commit=t2 - t1)
+        clock.step(self.metrics, verify=(t0, t1), commit=(t1, clock.mark()))
 
     # ------------------------------------------------------------------------------------------------
     # Speculative step
     # ------------------------------------------------------------------------------------------------
     def _spec_step(self) -> None:
         assert self.drafter is not None and self._cache is not None
-        t0 = time.perf_counter()
+        clock = self._clock
+        t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
         rows, slots, cache, k = self._active_rows, self._slots, self._cache, self.k
         b = cache.batch_size
         bound = max(slots[r].seq_len for r in rows)  # type: ignore[union-attr]
@@ -589,18 +594,18 @@ class SpecEngine:
         if not drafting:
             proposal = replace(proposal, deterministic=True, lengths=None, host_lengths=None)  # a plain sample
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         if drafting:
             depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
         else:
             depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
-        t2 = time.perf_counter()
+        t2 = clock.mark()
 
         drafts = proposal.tokens[:, :width]  # [B, n]
         tokens = torch.cat([self._last[:, None], drafts], dim=1) if width else self._last[:, None]  # [B, n+1]
         old_len = cache.lengths.clone() if width else None  # [B]; width 0 grows each active row by one: no rollback
         v, hidden = self._forward_and_verify(protocol, proposal, tokens, depth, width, num_keep, bound)
-        t3 = time.perf_counter()
+        t3 = clock.mark()
 
         acc = v.num_accepted
         if self.on_verify is not None and drafting:
@@ -631,24 +636,24 @@ class SpecEngine:
             s.seq_len += a + 1
             s.steps += 1
             s.emit(host_tokens[r])
-        t_on_commit = time.perf_counter()
+        t_on_commit = clock.mark()
         host_depths = [0] * b
         for r, d in zip(rows, depths, strict=True):
             host_depths[r] = d
         self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=self._seq_lens,
                                       active=self._active, host_tokens=tuple(host_tokens),
                                       target_hidden=hidden, host_depths=tuple(host_depths)))
-        on_commit = time.perf_counter() - t_on_commit  # the drafter's share of the commit phase
+        on_commit = (t_on_commit, clock.mark())  # the drafter's share of the commit phase
         if drafting:
             self.metrics.record_verify(accepted, depths, protocol)
         else:
             self.metrics.record_decode(len(rows))
             self.metrics.skipped_steps += 1
-        t4 = time.perf_counter()
+        t4 = clock.mark()
         if self.gate is not None:
-            self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, t4 - t0)
-        self.metrics.record_step_seconds(draft=t1 - t0, select=t2 - t1, verify=t3 - t2, commit=t4 - t3,
-                                         on_commit=on_commit)
+            self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, time.perf_counter() - h0)
+        clock.step(self.metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4),
+                   on_commit=on_commit)
 
     def _forward_and_verify(self, protocol: VerifyProtocol, proposal: Proposal, tokens: Tensor, depth: Tensor,
                             width: int, num_keep: int, bound: int) -> tuple[VerifyOutput, tuple[Tensor, ...]]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from angelspec.decoding.policies.factory import PolicySpec
     from angelspec.decoding.sampling import SamplingParams
     from angelspec.models import Decoder
+    from angelspec.models.device import Placement
 
 
 def sampling_params(n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -98,7 +99,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
                          cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
                          progress: bool = True,
                          log: Callable[[str], None] | None = None,
-                         warn: Callable[[str], None] | None = None) -> GenerateSummary:
+                         warn: Callable[[str], None] | None = None,
+                         placement: Placement | None = None) -> GenerateSummary:
     """Complete every line of the JSONL prompts file `prompts` ({"prompt": str} or {"messages": [...]},
     rendered with the target's chat template) and write one JSON line per prompt to `out`: the input record
     plus completion, token_ids and finish_reason.
@@ -106,7 +108,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     target: HF checkpoint folder (None: the embedded target); drafter: a `--drafter` spec
     (`decoding.loading.resolve_drafter`); policy: a `--policy` spec; log: the cost-table profiler's progress;
     warn: a note when some prompts leave less than `max_new_tokens` of the context, or when the drafter's confidence
-    calibration has no fit near `temperature`.
+    calibration has no fit near `temperature`; placement: the target's device and dtype (None: a GPU in bfloat16
+    where torch sees one, else the CPU in float32; `angelspec.models.device.resolve_placement`).
     Everything that can be checked without the weights is checked before they are loaded.
     """
     require_positive("--max-new-tokens", max_new_tokens)
@@ -122,7 +125,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     records = load_prompts(prompts)
     sampling = sampling_params(len(records), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     target_dir = resolve_target_dir(target)
-    model, tokenizer = load_target_and_tokenizer(target_dir)
+    model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     context = model.config.max_position_embeddings
     prompt_ids = encode_prompts(tokenizer, records, context=context, think=think, source=str(prompts))
     draft = resolve_drafter(drafter, model, target_dir)

@@ -18,19 +18,21 @@ if TYPE_CHECKING:
 
     from angelspec.decoding.drafters.base import Drafter
     from angelspec.models import Decoder
+    from angelspec.models.device import Placement
 
 
-def load_target_and_tokenizer(target_dir: Path) -> tuple[Decoder, Any]:
-    """Load the target's weights and its tokenizer from one HF-layout folder.
+def load_target_and_tokenizer(target_dir: Path, placement: Placement | None = None) -> tuple[Decoder, Any]:
+    """Load the target's weights and its tokenizer from one HF-layout folder, on `placement`'s device in its dtype
+    (None: `angelspec.models.device.resolve_placement()`, a GPU in bfloat16 where torch sees one, else the CPU in
+    float32).
 
     The config and the tokenizer are read first so an unknown architecture or a missing file fails
     before the weights are read; the tokenizer must sit beside the weights because prompts are rendered
     with its chat template.
     """
-    import torch
-
     from angelspec.data.tokenizer import TokenizerError, load_tokenizer
     from angelspec.models import load_target, read_config
+    from angelspec.models.device import placement_of
 
     config = read_config(target_dir)
     try:
@@ -39,7 +41,8 @@ def load_target_and_tokenizer(target_dir: Path) -> tuple[Decoder, Any]:
         raise UsageError(f"cannot load the target's tokenizer: {e} (the target folder needs a Hugging Face fast "
                          "tokenizer beside the weights: tokenizer.json and tokenizer_config.json, with the chat "
                          "template in tokenizer_config.json or chat_template.jinja)") from None
-    model = load_target(target_dir, dtype=torch.float32)
+    where = placement_of(placement)
+    model = load_target(target_dir, dtype=where.dtype, device=where.device)
     if tokenizer.vocab_size > config.vocab_size:
         raise UsageError(f"{target_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"is {config.vocab_size}; the tokenizer files belong to another model")
@@ -93,9 +96,9 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
     target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
     `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
-    `from_pretrained(DIR, *, target=..., dtype=...)` (each keyword passed when the loader takes it: a
-    draft LM has its own weights in `dtype`, an MTP head shares the target's embedding), found via the
-    registry, so a new drafter kind needs no change here. The drafter is checked against the target
+    `from_pretrained(DIR, *, target=..., dtype=..., device=...)` (each keyword passed when the loader takes it: a
+    draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's embedding),
+    found via the registry, so a new drafter kind needs no change here. The drafter is checked against the target
     before it is returned: a drafter for another target fails here, before any decoding.
     """
     if spec is None or spec == "none":
@@ -256,5 +259,6 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
     from angelspec.decoding.policies.sts import with_calibration
 
     accepted = inspect.signature(loader).parameters
-    drafter = loader(path, **{k: v for k, v in (("target", target), ("dtype", dtype)) if k in accepted})
+    given = (("target", target), ("dtype", dtype), ("device", target.embed_tokens.weight.device))
+    drafter = loader(path, **{k: v for k, v in given if k in accepted})
     return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences

@@ -12,7 +12,8 @@ Definitions (per verify step per active row, a "row-step"):
 * Time split per step: draft (drafter proposes), select (depth policy), verify (target forward and
   verification), commit (cache rollback, host copy, bookkeeping, drafter rollback), plus prefill.
   In AR steps the forward and sampling are billed to verify, the host bookkeeping to commit.
-  Host wall-clock: exact on CPU; on an asynchronous device queued work is billed to the phase that syncs.
+  Measured by `PhaseClock`: host wall-clock on the CPU; CUDA events on a GPU, so the device's queued work is billed
+  to the phase that launched it, not to the phase that happens to sync (the events are read once, at the run's end).
 * step_seconds keeps the same split per decode step, plus "on_commit": the part of a step's commit the
   drafter's `on_commit` took (its share of the drafting cost; AngelSpec §5 counts it in sample_tokens). Medians
   over steps (`median_step_seconds`) are the report's typical-step latencies, which one slow step cannot move.
@@ -21,6 +22,7 @@ Definitions (per verify step per active row, a "row-step"):
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,58 @@ from typing import Any
 PHASES = ("prefill", "draft", "select", "verify", "commit")
 STEP_PHASES = ("draft", "select", "verify", "commit", "on_commit")  # per decode step; on_commit is within commit
 STALL_S = 1.0  # a decode step this long compiled a graph mid-run (steps take milliseconds here): reports flag it
+
+
+class PhaseClock:
+    """The engine's phase timer on `device`: `mark()` a point, `step(metrics, verify=(a, b), ...)` one decode step's
+    phases from marks, `add(metrics, "prefill", a, b)` to a run total, `flush(metrics)` at the run's end.
+
+    On the CPU a mark is `time.perf_counter()` and the seconds land at once. On CUDA a mark is an event recorded on
+    the current stream: the seconds between two marks are the GPU's, so kernels are billed to the phase that
+    launched them even when a later phase waits for them; the spans are read (one synchronize) in `flush`, never
+    inside a step."""
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self._pending: list[tuple[str | None, dict[str, tuple[Any, Any]]]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step(self, metrics: DecodeMetrics, **spans: tuple[Any, Any]) -> None:
+        """One decode step's `STEP_PHASES` as (start mark, end mark) pairs (`DecodeMetrics.record_step_seconds`)."""
+        if self.cuda:
+            self._pending.append((None, spans))
+        else:
+            metrics.record_step_seconds(**{k: b - a for k, (a, b) in spans.items()})
+
+    def add(self, metrics: DecodeMetrics, phase: str, start: Any, end: Any) -> None:
+        """Add the seconds from `start` to `end` to the run's `phase` (prefill)."""
+        if self.cuda:
+            self._pending.append((phase, {phase: (start, end)}))
+        else:
+            metrics.seconds[phase] += end - start
+
+    def flush(self, metrics: DecodeMetrics) -> None:
+        """Read the CUDA spans into `metrics`, in step order (nothing to do on the CPU)."""
+        if not self._pending:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        for phase, spans in self._pending:
+            seconds = {k: a.elapsed_time(b) / 1e3 for k, (a, b) in spans.items()}
+            if phase is None:
+                metrics.record_step_seconds(**seconds)
+            else:
+                metrics.seconds[phase] += seconds[phase]
+        self._pending.clear()
 
 
 @dataclass
@@ -40,7 +94,9 @@ class DecodeMetrics:
     prompt_tokens: int = 0
     requests: int = 0
     wall_s: float = 0.0
-    cpu_s: float = 0.0  # this process's CPU time over the run, every thread (a measure a busy machine distorts less)
+    # This process's CPU time over the run, every thread (a measure a busy machine distorts less); 0 for a GPU run,
+    # where it measures the host's waiting, not the decoding.
+    cpu_s: float = 0.0
     accept_hist: list[int] = field(default_factory=list)  # [K+1]
     depth_hist: list[int] = field(default_factory=list)  # [K+1]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))

@@ -3,8 +3,9 @@ AR vs drafters on the same prompts, with the T=0 lossless check), `profile_cost_
 step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`: STS temperatures, report §4.1)
 and `run_bench` (`angelspec bench`: the closed-loop serving sweep).
 
-Each checks every setting it can before the target's weights are loaded, then loads the target and the drafter,
-measures and writes; the messages name the command-line flags, since that is where the values usually come from.
+Each checks every setting it can before the target's weights are loaded, then loads the target (on `placement`'s
+device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes; the
+messages name the command-line flags, since that is where the values usually come from.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from angelspec.decoding.policies.costmodel import CostTable
     from angelspec.eval.serving import ServingConfig, ServingReport
     from angelspec.eval.speculative import EvalReport
+    from angelspec.models.device import Placement
 
 MAX_MISMATCHES_BANNER = 5  # mismatches the failed-lossless banner lists
 
@@ -88,7 +90,8 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
                       num_draft_tokens: int = 4, batch_size: int = 8, think: bool = False, policy: str = "full",
                       cost_table: str | Path | None = None, compile: bool = False, spec_gate: bool = False,
                       json_out: str | Path | None = None, force: bool = False,
-                      progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
+                      progress: bool = True, log: Callable[[str], None] | None = None,
+                      placement: Placement | None = None) -> EvalRun:
     """Decode the same prompts autoregressively, once, and with each of `drafters` (`--drafter` specs other than
     none) under the same settings (`angelspec.eval.speculative.evaluate_many`); write the numbers to `json_out`
     when given (one drafter: its report; several: a list under "runs").
@@ -124,7 +127,7 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     records = load_prompts(prompts_path)
     sampling = sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
     target_dir = resolve_target_dir(target)
-    model, tokenizer = load_target_and_tokenizer(target_dir)
+    model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
                           source=str(prompts_path), limit=limit, think=think)
     runs = []
@@ -159,8 +162,8 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
                        num_draft_tokens: int = 4, repeats: int = 5, warmup: int = 2, out: str | Path | None = None,
-                       force: bool = False, compile: bool = False,
-                       log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
+                       force: bool = False, compile: bool = False, log: Callable[[str], None] | None = None,
+                       placement: Placement | None = None) -> tuple[CostTable, str]:
     """Measure (or reuse, when a cached table for this setup is up to date) the cost table C(B, N) of the target
     and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file); compile:
     the table of a compiled engine (what `--compile` runs of eval and bench use)."""
@@ -179,7 +182,7 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     if path is not None and path.is_dir():
         raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'costs.json'}")
     target_dir = resolve_target_dir(target)
-    model, _ = load_target_and_tokenizer(target_dir)
+    model, _ = load_target_and_tokenizer(target_dir, placement)
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=num_draft_tokens, force=force,
@@ -188,7 +191,7 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,
               limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, temperature: float = 0.0,
-              force: bool = False, progress: bool = True) -> str:
+              force: bool = False, progress: bool = True, placement: Placement | None = None) -> str:
     """Fit STS temperatures for the confidences of the saved drafter `drafter` (DIR or KIND:DIR) on the held-out
     `prompts` (at most `limit`) decoded at sampling `temperature`, and store them as its fit at that temperature in
     calibration.json next to its checkpoint; returns the report."""
@@ -205,7 +208,7 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     check_writable(folder, force, temperature)  # before anything is loaded or decoded
     records = load_prompts(prompts)[:limit]
     target_dir = resolve_target_dir(target)
-    model, tokenizer = load_target_and_tokenizer(target_dir)
+    model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     prompt_ids = encode_prompts(tokenizer, records, context=model.config.max_position_embeddings, think=False,
                                 source=str(prompts))
     draft = resolve_drafter(drafter, model, target_dir)
@@ -219,7 +222,8 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
               concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
               num_draft_tokens: int = 4, min_requests: int = 8, warmup_tokens: int = 8,
               prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
-              vllm: str | Path | None = None, log: Callable[[str], None] | None = None) -> ServingReport:
+              vllm: str | Path | None = None, log: Callable[[str], None] | None = None,
+              placement: Placement | None = None) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
     folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
@@ -255,7 +259,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
 
         find_vllm_python(vllm)  # a missing venv fails at once, before the import check
         column = open_vllm_column(vllm, target_dir, out_dir / "vllm.log", log=log)
-    model, tokenizer = load_target_and_tokenizer(target_dir)
+    model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
                  num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
                  out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log)

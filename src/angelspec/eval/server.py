@@ -10,7 +10,7 @@ temperature) to `<run>/training/eval_log.jsonl`:
      "domains": {...}, "num_draft_tokens", "prompts", "max_new_tokens", "seconds", "time"}
 
 ("speedup" is tokens per wall-second over AR's, "speedup_cpu" per CPU-second of the server: beside a busy
-trainer the second is the one to read.)
+trainer the second is the one to read; null for a GPU run, whose host CPU time measures waiting, not decoding.)
 
 and, when `torch.utils.tensorboard` imports (the optional `tensorboard` package), the same scalars to
 `<run>/training/tensorboard/`. The log is keyed by step: a server restarted after a kill, or a trainer that
@@ -40,13 +40,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
 from angelspec.fileio import pid_alive, read_json_object
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement
 
 EVAL_LOG = "eval_log.jsonl"
 LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
@@ -156,6 +159,11 @@ def natural_depth(drafter: Any, default: int = 4) -> int:
     return v if isinstance(v, int) and v > 0 else default
 
 
+def _cpu_speedup(comparison: Any) -> float | None:
+    """The speed-up per CPU-second (`cpu_speedup`), None for a GPU run (its engine measures no CPU time)."""
+    return round(comparison.cpu_speedup, 4) if comparison.ar.cpu_s > 0 else None
+
+
 def record_from_report(report: EvalReport, *, step: int, tokens: int | None, temperature: float,
                        seconds: float) -> dict[str, Any]:
     """One eval-log line from an `EvalReport`."""
@@ -165,10 +173,10 @@ def record_from_report(report: EvalReport, *, step: int, tokens: int | None, tem
         "mal": round(overall.spec.mean_accepted_length, 4),
         "acceptance": [round(p, 4) for p in overall.spec.acceptance],
         "speedup": round(overall.speedup, 4),
-        "speedup_cpu": round(overall.cpu_speedup, 4),
+        "speedup_cpu": _cpu_speedup(overall),
         "lossless": report.lossless,
         "domains": {d: {"mal": round(r.spec.mean_accepted_length, 4), "speedup": round(r.speedup, 4),
-                        "speedup_cpu": round(r.cpu_speedup, 4)}
+                        "speedup_cpu": _cpu_speedup(r)}
                     for d, r in report.domains.items() if d != ALL},
         "num_draft_tokens": report.settings.num_draft_tokens, "prompts": overall.prompts,
         "max_new_tokens": report.settings.max_new_tokens, "seconds": round(seconds, 2), "time": time.time(),
@@ -300,10 +308,10 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
                         f.write(json.dumps(rec) + "\n")
                 for rec in records:
                     board.add(rec)
+                    per_cpu = "" if rec["speedup_cpu"] is None else f" ({rec['speedup_cpu']:.2f}x per CPU-second)"
                     log(f"eval-server: step {step} ({rec['tokens'] or '?'} tokens) T={rec['temperature']:g}: "
                         f"MAL {rec['mal']:.2f}, p {' '.join(f'{p:.2f}' for p in rec['acceptance'])}, "
-                        f"speed-up {rec['speedup']:.2f}x ({rec['speedup_cpu']:.2f}x per CPU-second), "
-                        f"lossless {rec['lossless']}")
+                        f"speed-up {rec['speedup']:.2f}x{per_cpu}, lossless {rec['lossless']}")
                 shutil.rmtree(snap, ignore_errors=True)
                 evaluated += 1
                 last_new = time.time()
@@ -319,10 +327,11 @@ def _watch(run_dir: Path, target: Any, target_dir: Path, prompts: Sequence[EvalP
 def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *,
                     prompts_path: str | Path | None = None, settings: EvalServerSettings = EvalServerSettings(),
                     once: bool = False, nice: bool = True, wait_s: float = 0.0, trainer_pid: int | None = None,
-                    log: Callable[[str], None] = print) -> int:
+                    log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
     """`angelspec eval-server --watch RUN_DIR`: load the target and the held-out prompts, then `watch`.
     wait_s: how long to wait for RUN_DIR to appear (a server started beside a trainer that creates it);
-    trainer_pid: stop once that process has exited (`watch`)."""
+    trainer_pid: stop once that process has exited (`watch`); placement: the target's device and dtype (None: the
+    default of `angelspec.models.device.resolve_placement`)."""
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
     from angelspec.decoding.loading import load_target_and_tokenizer
@@ -342,7 +351,7 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
 
         torch.set_num_threads(settings.threads)
     tdir = resolve_target_dir(target_dir)
-    model, tokenizer = load_target_and_tokenizer(tdir)
+    model, tokenizer = load_target_and_tokenizer(tdir, placement)
     source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
     prompts = eval_prompts(tokenizer, load_prompts(source), context=model.config.max_position_embeddings,
                            source=str(source), limit=settings.limit)
@@ -384,11 +393,13 @@ def plot_learning_curves(runs: dict[str, str | Path | list[dict[str, Any]]], out
 def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *, limit: int = 4,
                       max_new_tokens: int = 64, temperatures: Sequence[float] = (0.0,),
                       prompts_path: str | Path | None = None, log_path: str | Path | None = None,
-                      idle_timeout_s: float = 3600.0) -> subprocess.Popen:
+                      idle_timeout_s: float = 3600.0, device: str | None = None,
+                      dtype: str | None = None) -> subprocess.Popen:
     """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
     it waits for the run folder, evaluates each checkpoint and exits once this process (the trainer) has exited
     and its final checkpoint is evaluated (or after `idle_timeout_s` without a new checkpoint). Its output goes to
-    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear)."""
+    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear). `device` and
+    `dtype`: its --device and --dtype (None: its defaults)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
     cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
@@ -399,6 +410,9 @@ def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None,
         cmd += ["--target", str(target_dir)]
     if prompts_path is not None:
         cmd += ["--prompts", str(prompts_path)]
+    for flag, value in (("--device", device), ("--dtype", dtype)):
+        if value is not None:
+            cmd += [flag, value]
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

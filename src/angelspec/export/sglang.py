@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.export.checks import SPEC_CONFIG, ExportCheckError, ExportRefused, ExportResult, check_vllm_folder
@@ -28,6 +28,9 @@ from angelspec.fileio import write_json_atomic
 from angelspec.models.block.config import BlockDrafterConfig
 from angelspec.models.config import DecoderConfig
 from angelspec.models.hf_io import read_config
+
+if TYPE_CHECKING:
+    import torch
 
 SGLANG_ARGS = "sglang_args.json"
 ALGORITHM = {"dflash": "DFLASH", "draft_model": "STANDALONE"}  # vLLM method -> SGLang --speculative-algorithm
@@ -101,11 +104,11 @@ def check_sglang_folder(out: Path, target: DecoderConfig) -> None:
 
 
 def export_sglang(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
-                  force: bool = False) -> ExportResult:
+                  force: bool = False, dtype: torch.dtype | None = None) -> ExportResult:
     """Write `out_dir` (config.json, weights, sglang_args.json) for SGLang from the drafter folder `drafter_dir`
     trained for `target` (default: the embedded target); refuse what SGLang cannot load (module docstring); check
-    the result (`check_sglang_folder`)."""
-    result = export_vllm(drafter_dir, out_dir, target=target, force=force, screen=_screen)
+    the result (`check_sglang_folder`). `dtype`: the written weights' dtype (None: the drafter's own)."""
+    result = export_vllm(drafter_dir, out_dir, target=target, force=force, screen=_screen, dtype=dtype)
     out = result.out_dir
     flags = sglang_flags(result.speculative_config)
     (out / SPEC_CONFIG).unlink()  # vLLM's file: an SGLang folder carries SGLang's flags instead

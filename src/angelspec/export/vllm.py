@@ -299,13 +299,40 @@ def _fused_block_plugin(cfg: BlockDrafterConfig, state: dict[str, torch.Tensor],
     return config, tensors, spec, notes
 
 
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The floating-point tensors of `state` in `dtype` (None: as they are); integer tensors (ids) unchanged."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _cast_folder(out: Path, dtype: torch.dtype | None) -> None:
+    """Rewrite the safetensors files of an HF folder copied to `out` in `dtype` (and its config's torch_dtype), one
+    file at a time; nothing when `dtype` is None or every tensor has it already."""
+    if dtype is None:
+        return
+    changed = False
+    for file in sorted(out.glob("*.safetensors")):
+        state = read_tensors(file)
+        if all(not v.is_floating_point() or v.dtype == dtype for v in state.values()):
+            continue
+        save_safetensors_atomic(_cast(state, dtype), file, {"format": "pt"})
+        changed = True
+    if changed:
+        raw = json.loads((out / "config.json").read_text())
+        raw["torch_dtype"] = str(dtype).removeprefix("torch.")
+        write_json_atomic(out / "config.json", raw)
+
+
 def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
-                force: bool = False, screen: Callable[[str, dict[str, Any]], None] | None = None) -> ExportResult:
+                force: bool = False, screen: Callable[[str, dict[str, Any]], None] | None = None,
+                dtype: torch.dtype | None = None) -> ExportResult:
     """Write `out_dir` (config.json, model.safetensors, speculative_config.json) for vLLM 0.32 from the drafter
     folder `drafter_dir`, trained for `target` (default: the embedded target); refuse what vLLM cannot represent;
     check the result against the target's config (`checks.check_vllm_folder`). `screen(kind, config)`, if given,
     runs before anything is written and raises ExportRefused for what another engine reading the same layout
-    (SGLang, `export/sglang.py`) cannot load."""
+    (SGLang, `export/sglang.py`) cannot load. `dtype`: the dtype of the written weights (None: the drafter's own;
+    a drafter trains with fp32 master weights, and engines serve bf16)."""
     src, out = Path(drafter_dir), Path(out_dir)
     raw = read_config_json(src, "is it an AngelSpec drafter folder?", "drafter folder")
     target_dir = resolve_target_dir(target)
@@ -319,7 +346,7 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         if target_cfg.model_type != "qwen3":
             raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
                                 f"DFlashDraftModel, Qwen3DSparkModel); the target is {target_cfg.model_type!r}")
-        state = read_tensors(src / WEIGHTS)
+        state = _cast(read_tensors(src / WEIGHTS), dtype)
         if kind in MTP_FAMILY:
             config, tensors, spec, notes = _mtp_family(raw, kind, state, target_cfg, target_dir, out)
         else:
@@ -335,6 +362,7 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
                                 f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
         prepare_out_dir(src, out, force)
         shutil.copytree(src, out, dirs_exist_ok=True)
+        _cast_folder(out, dtype)
         spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
         notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by the engine's draft-model path (vLLM's "
                  "draft_model, SGLang's STANDALONE), which drafts from the whole vocabulary"

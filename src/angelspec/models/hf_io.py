@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from angelspec.fileio import replace_atomic, write_json_atomic
@@ -117,7 +117,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def expected_hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: shape} that a checkpoint of `cfg` holds (the inverse view of `hf_to_ours`)."""
+    """{HF tensor name: shape} that a checkpoint of `cfg` holds (the checkpoint side of `hf_slices`)."""
     d, f, hq, hkv, dh, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
@@ -161,14 +161,16 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.1f} TB"
 
 
-def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dtype_bytes: int = 4) -> None:
+def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dtype_bytes: int = 4,
+                    host: bool = True) -> None:
     """Refuse a config whose parameters (`n_params`, loaded at `dtype_bytes` each) could not fit this machine's
-    memory, or that the weights on disk (`held_bytes`, at most 4 bytes a parameter) cannot possibly hold."""
+    memory (`host`: they are loaded into host memory, not onto an accelerator), or that the weights on disk
+    (`held_bytes`, at most 4 bytes a parameter) cannot possibly hold."""
     need = n_params * dtype_bytes
     if held_bytes and n_params > 8 * held_bytes:  # more than 8x the parameters even 1-byte weights could hold
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}) but the weights "
                               f"hold only {_human(held_bytes)}; {what} does not describe these weights")
-    mem = available_memory_bytes()
+    mem = available_memory_bytes() if host else None
     if mem is not None and need > mem:
         raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}), more than this "
                               f"machine's {_human(mem)} of memory; check the config or use a smaller model")
@@ -192,15 +194,15 @@ def check_weights(source: Path, found: dict[str, tuple[tuple[int, ...], str]],
                                   "weights are of different models")
 
 
-def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4) -> list[Path]:
-    """Compare the weights' headers with what `cfg` implies before anything is allocated: sizes, names, shapes,
-    truncation. -> the weight files."""
+def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4, host: bool = True) -> list[Path]:
+    """Compare the weights' headers with what `cfg` implies before anything is allocated: sizes (against the host's
+    memory when `host`: the weights are loaded there), names, shapes, truncation. -> the weight files."""
     files = _weight_files(path)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
         found.update(read_safetensors_header(file))
     held = sum(file.stat().st_size for file in files)
-    check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes)
+    check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes, host)
     check_weights(path, found, expected_hf_shapes(cfg), "config.json")
     return files
 
@@ -227,55 +229,8 @@ def validate_module_file(source: Path, file: Path, layers: DecoderConfig, build:
     return real
 
 
-def _read_state(path: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
-    files = files if files is not None else _weight_files(path)
-    state: dict[str, torch.Tensor] = {}
-    try:
-        for file in files:
-            state.update(load_file(file))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: weights are unreadable ({e}); the checkpoint may be half-written") from None
-    return state
-
-
-def hf_to_ours(cfg: DecoderConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename and fuse a HF state dict into `Decoder`'s names."""
-    out: dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}; does config.json match the weights?")
-        return hf[name]
-
-    out["embed_tokens.weight"] = take("model.embed_tokens.weight")
-    out["norm.weight"] = take("model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        a = p + "self_attn."
-        out[q + "attn.qkv_proj.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            out[q + "attn.qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
-        out[q + "attn.o_proj.weight"] = take(a + "o_proj.weight")
-        if cfg.o_bias:
-            out[q + "attn.o_proj.bias"] = take(a + "o_proj.bias")
-        if cfg.qk_norm:
-            out[q + "attn.q_norm.weight"] = take(a + "q_norm.weight")
-            out[q + "attn.k_norm.weight"] = take(a + "k_norm.weight")
-        m = p + "mlp."
-        out[q + "mlp.gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        out[q + "mlp.down_proj.weight"] = take(m + "down_proj.weight")
-        if cfg.mlp_bias:
-            out[q + "mlp.gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
-            out[q + "mlp.down_proj.bias"] = take(m + "down_proj.bias")
-    return out
-
-
 def ours_to_hf(cfg: DecoderConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_ours`: split fused weights back into HF names."""
+    """Our state dict in HF names: fused weights split back (the inverse of `hf_slices`)."""
     hq, hkv, dh, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     out = {"model.embed_tokens.weight": ours["embed_tokens.weight"], "model.norm.weight": ours["norm.weight"]}
     if not cfg.tie_word_embeddings:
@@ -302,25 +257,122 @@ def ours_to_hf(cfg: DecoderConfig, ours: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
-    """Load a HF-layout causal-LM folder into our `Decoder` (eval mode, no grad needed)."""
+def read_module_state(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """A drafter's safetensors file read straight onto `device`; on the meta device, empty tensors of the file's
+    shapes (a layout-only load reads no weight)."""
+    if device.type == "meta":
+        return {k: torch.empty(shape, device="meta") for k, (shape, _) in read_safetensors_header(file).items()}
+    try:
+        return load_file(str(file), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: weights are unreadable ({e}); the folder may be half-written") from None
+
+
+def hf_slices(cfg: DecoderConfig) -> dict[str, tuple[str, int]]:
+    """{HF tensor name: (our parameter name, first row)}: where each checkpoint tensor lands in `Decoder`'s fused
+    parameters (q/k/v stacked into qkv_proj, gate/up into gate_up_proj; every other tensor whole, at row 0)."""
+    hq, hkv, dh, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    out: dict[str, tuple[str, int]] = {"model.embed_tokens.weight": ("embed_tokens.weight", 0),
+                                       "model.norm.weight": ("norm.weight", 0)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head.weight", 0)
+    for i in range(cfg.num_hidden_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + norm] = (q + norm, 0)
+        a, m = p + "self_attn.", p + "mlp."
+        for suffix in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            for n, row in (("q", 0), ("k", hq * dh), ("v", (hq + hkv) * dh)):
+                out[a + f"{n}_proj.{suffix}"] = (q + f"attn.qkv_proj.{suffix}", row)
+        out[a + "o_proj.weight"] = (q + "attn.o_proj.weight", 0)
+        if cfg.o_bias:
+            out[a + "o_proj.bias"] = (q + "attn.o_proj.bias", 0)
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = (q + "attn.q_norm.weight", 0)
+            out[a + "k_norm.weight"] = (q + "attn.k_norm.weight", 0)
+        for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            out[m + f"gate_proj.{suffix}"] = (q + f"mlp.gate_up_proj.{suffix}", 0)
+            out[m + f"up_proj.{suffix}"] = (q + f"mlp.gate_up_proj.{suffix}", f)
+            out[m + f"down_proj.{suffix}"] = (q + f"mlp.down_proj.{suffix}", 0)
+    return out
+
+
+def _stream_into(model: Decoder, path: Path, files: list[Path], slices: dict[str, tuple[str, int]]) -> None:
+    """Copy every checkpoint tensor into its (slice of a) parameter of `model`, one tensor at a time: each is read
+    from the memory-mapped file, moved to the parameter's device and cast there, so the host holds about one
+    tensor, never the whole state dict; q/k/v and gate/up are fused in place on the device."""
+    params = dict(model.named_parameters())
+    device = model.embed_tokens.weight.device
+    read_on = "cpu" if device.type in ("cpu", "meta") else str(device)  # safetensors reads straight to a GPU
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt", device=read_on) as f:
+                for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    if name not in slices:
+                        continue
+                    ours, row = slices[name]
+                    t = f.get_tensor(name)
+                    dst = params[ours]
+                    with torch.no_grad():
+                        dst[row:row + t.shape[0]].copy_(t, non_blocking=True)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: weights are unreadable ({e}); the checkpoint may be half-written") from None
+
+
+TARGET_PARTS = ("all", "head")  # `load_target(parts=...)`: every weight, or the embedding, final norm and LM head
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                parts: str = "all") -> Decoder:
+    """Load a HF-layout causal-LM folder into our `Decoder` on `device` in `dtype` (eval mode, no grad needed).
+
+    The model is built on the meta device and given its storage once, on `device`, in `dtype`; the checkpoint's
+    tensors are then streamed into it (`_stream_into`): no full-size copy on the host, no throw-away allocation.
+    `device="meta"` gives the model's layout without reading a weight. `parts="head"` loads only the embedding,
+    the final norm and the LM head, and leaves the decoder layers on the meta device (no memory, never read): what
+    a trainer reading the target's hidden states from a cache or a stream needs of it."""
+    if parts not in TARGET_PARTS:
+        raise ValueError(f"parts must be one of {TARGET_PARTS}, got {parts!r}")
     path = Path(path)
+    device = torch.device(device)
     cfg = read_config(path)
-    files = validate_hf_folder(path, cfg, torch.empty((), dtype=dtype).element_size())
-    state = hf_to_ours(cfg, _read_state(path, files))
+    # Streamed onto an accelerator, the weights never sit in host memory whole: its size is no limit there.
+    files = validate_hf_folder(path, cfg, torch.empty((), dtype=dtype).element_size(), host=device.type == "cpu")
     with torch.device("meta"):
-        model = Decoder(cfg)
-    model = model.to_empty(device=device)
-    # Buffers created on meta must be rebuilt for real.
-    model.register_buffer("inv_freq", rope_inv_freq(cfg)[0].to(device), persistent=False)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match config.json (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]})")
+        model = Decoder(cfg).to(dtype)
+    if cfg.tie_word_embeddings:  # untied while storage is given, so the head gets none of its own, then tied again
+        del model.lm_head._parameters["weight"]
+    for module in [model] if parts == "all" else [model.embed_tokens, model.norm, model.lm_head]:
+        module.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype).eval()
+    # Buffers created on meta are rebuilt for real (the rotary frequencies stay fp32).
+    model.register_buffer("inv_freq", rope_inv_freq(cfg)[0].to(device), persistent=False)
+    if device.type != "meta":
+        slices = {k: v for k, v in hf_slices(cfg).items() if parts == "all" or not v[0].startswith("layers.")}
+        _stream_into(model, path, files, slices)
+    return model.eval()
+
+
+def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model.state_dict()` in sorted name order, every tensor left on the meta device (the layers of a
+    `parts="head"` load) read from the checkpoint folder `path` on the host and fused, one at a time: what
+    fingerprinting the whole model needs, in the memory of one tensor."""
+    path = Path(path)
+    pieces: dict[str, list[tuple[str, int]]] = {}
+    for hf_name, (ours, row) in hf_slices(model.config).items():
+        pieces.setdefault(ours, []).append((hf_name, row))
+    where = {name: file for file in _weight_files(path) for name in read_safetensors_header(file)}
+    for name, t in sorted(model.state_dict().items()):
+        if t.device.type != "meta":
+            yield name, t
+            continue
+        out = torch.empty(t.shape, dtype=t.dtype)
+        for hf_name, row in pieces[name]:
+            with safe_open(str(where[hf_name]), framework="pt") as f:
+                piece = f.get_tensor(hf_name)
+            out[row:row + piece.shape[0]].copy_(piece)
+        yield name, out
 
 
 def save_target(model: Decoder, path: str | Path, *, dtype: torch.dtype | None = None,

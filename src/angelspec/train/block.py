@@ -62,7 +62,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from angelspec.data.fingerprint import target_weights_fingerprint
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.block.config import (
@@ -436,14 +435,17 @@ def resolve_mask_token(tokenizer: Any, override: int | None, vocab_size: int) ->
 
 def row_anchors(batch: PackedBatch, num_anchors: int, seed: int, step: int, global_rows: list[int]
                 ) -> tuple[Tensor, Tensor]:
-    """Anchors [R, N] and their validity [R, N] for this rank's rows; row r's draw depends only on
-    (seed, step, its position in the global batch), so resume and data parallelism replay it exactly."""
+    """Anchors [R, N] and their validity [R, N] for this rank's rows, on the batch's device; row r's draw depends only
+    on (seed, step, its position in the global batch), so resume and data parallelism replay it exactly. The draw runs
+    on the host with a CPU generator (the same anchors on every device) and the result is moved."""
+    loss_mask, document_ids = batch.loss_mask.cpu(), batch.document_ids.cpu()
     out = []
     for r, g in enumerate(global_rows):
         gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_099 + g) % (2**63))
-        out.append(sample_anchors(batch.loss_mask[r: r + 1], num_anchors, document_ids=batch.document_ids[r: r + 1],
+        out.append(sample_anchors(loss_mask[r: r + 1], num_anchors, document_ids=document_ids[r: r + 1],
                                   generator=gen))
-    return torch.cat([a for a, _ in out]), torch.cat([v for _, v in out])
+    device = batch.loss_mask.device
+    return torch.cat([a for a, _ in out]).to(device), torch.cat([v for _, v in out]).to(device)
 
 
 ConfidenceTargets = Callable[[LossBatch], Tensor]  # a batch (or chunk) -> its confidence head's targets
@@ -572,7 +574,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     check_init_from(cfg, job.out_dir)
     run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len, error=ConfigError)
     info, sp = run.info, run.sp
-    target, tok = run.frozen_target()
+    target, tok = run.frozen_target(cfg.features)
     tcfg = target.config
     # Everything about the design is checked before anything is written.
     if cfg.only is not None:  # only=confidence: the design and weights are the folder's
@@ -627,7 +629,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
     wrapped = wrap_model(FunctionModule(model, forward_loss), run.strategy, info)
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     schedule, objective = cfg.schedule(), cfg.resolved_objective
-    meta = {"target_weights": target_weights_fingerprint(target), "train_config": json.loads(json.dumps(asdict(cfg))),
+    meta = {"target_weights": run.target_weights(target), "train_config": json.loads(json.dumps(asdict(cfg))),
             "objective": objective,
             "confidence_target": mcfg.confidence_target}
     global_rows = list(range(cfg.batch_size))

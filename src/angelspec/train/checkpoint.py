@@ -227,7 +227,9 @@ def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn
     if not path.is_file():
         raise ResumeError(f"{ckpt} has no {OPTIMIZER_STATE}; cannot resume exactly (start fresh with --force)")
     try:
-        state = torch.load(path, weights_only=True)
+        # Read onto the host whatever device wrote it (a GPU run resumed on another machine or GPU); loading into the
+        # optimizer moves each state tensor to its parameter's device.
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
         raise _unreadable(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     if not isinstance(state, dict):

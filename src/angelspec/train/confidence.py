@@ -118,11 +118,13 @@ def warm_start_outputs(weight: Tensor, old: Sequence[float], new: Sequence[float
 
 
 def new_block_drafter(cfg: BlockDrafterConfig, target: Decoder, *, seed: int, init_std: float) -> BlockDrafter:
-    """A block drafter of `cfg` around `target`'s embedding and LM head, initialised (`init_weights` with `seed`),
-    in the target's dtype: what a run trains from scratch, and what a run from a folder loads its weights into."""
+    """A block drafter of `cfg` around `target`'s embedding and LM head, initialised (`init_weights` with `seed`, drawn
+    on the host so every device starts from the same weights) and moved to the target's device in float32: the
+    master weights a run trains (a 16-bit target's run computes under autocast; pure bf16 weights would lose AdamW's
+    small updates below their rounding step), and what a run from a folder loads its weights into."""
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=init_std, generator=torch.Generator().manual_seed(seed))
-    return model.to(dtype=target.embed_tokens.weight.dtype)
+    return model.to(device=target.embed_tokens.weight.device, dtype=torch.float32)
 
 
 def init_from_drafter(folder: str | Path, target: Decoder, *, kind: str) -> BlockDrafter:

@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement
 
 C = TypeVar("C")
 
@@ -118,12 +121,14 @@ class Trainer(Protocol):
     overwrites an existing model; `max_minutes` stops at a checkpoint when the time runs out; `log` receives
     the progress lines (rank 0 only); `distributed`: "auto"/None (DDP under a multi-process torchrun, else one
     process), "none", "ddp" or "fsdp2" (`train.distributed`); `sp`: the sequence-parallel group size (1 = none;
-    `train.sequence_parallel`; the drafter trainers of the MTP family and the block drafters)."""
+    `train.sequence_parallel`; the drafter trainers of the MTP family and the block drafters); `placement`: the
+    target's device and dtype (None: `angelspec.models.device.resolve_placement()`); the drafter trains in fp32
+    master weights on that device, under autocast when the dtype is 16-bit."""
 
     def __call__(self, target_dir: str | Path, data: str | Path, out_dir: str | Path, *, config: Any = None,
                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                 log: Callable[[str], None] = print, distributed: str | None = None, sp: int = 1
-                 ) -> dict[str, Any]: ...
+                 log: Callable[[str], None] = print, distributed: str | None = None, sp: int = 1,
+                 placement: Placement | None = None) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class TrainJob:
     log: Callable[[str], None] = print
     distributed: str | None = None
     sp: int = 1  # sequence-parallel group size
+    placement: Placement | None = None  # the target's device and dtype (None: the default of resolve_placement)
 
 
 def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[], C], name: str,
@@ -149,9 +155,9 @@ def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[],
     from angelspec.train.safety import check_bounds, is_main_process, run_guard
 
     def train(target_dir, data, out_dir, *, config=None, resume=False, force=False, progress=True,
-              max_minutes=None, log=print, distributed=None, sp=1) -> dict[str, Any]:
+              max_minutes=None, log=print, distributed=None, sp=1, placement=None) -> dict[str, Any]:
         job = TrainJob(Path(target_dir), Path(data), Path(out_dir), resume, force, progress, max_minutes, log,
-                       distributed, sp)
+                       distributed, sp, placement)
         config = default() if config is None else config
         check_bounds(config)
         with run_guard(job.out_dir, main=is_main_process()):

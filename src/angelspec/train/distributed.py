@@ -1,4 +1,6 @@
-"""Data-parallel training under torchrun: DDP or FSDP2, CPU (gloo) or CUDA (nccl).
+"""Data-parallel training under torchrun: DDP or FSDP2, CPU (gloo) or CUDA (nccl; ANGELSPEC_DIST_BACKEND=gloo forces
+gloo, e.g. for CPU-only runs on a GPU machine). Each rank trains on its own GPU (`rank_device`), and the collectives
+hand the process group tensors on the device its backend needs (`group_device`).
 
 The torchtitan habit: a trainer builds its model first and applies parallelism afterwards with
 `wrap_model`; model code never sees a process group. What a trainer does to be data-parallel:
@@ -63,15 +65,29 @@ class DistInfo:
         return self.rank == 0
 
 
+BACKEND_ENV = "ANGELSPEC_DIST_BACKEND"  # "gloo" or "nccl": the process group's backend, whatever the machine has
+
+
+def dist_backend(backend: str | None = None) -> str:
+    """The backend a process group is created with: `backend`, else $ANGELSPEC_DIST_BACKEND, else nccl when CUDA is
+    available and gloo otherwise (gloo forced on a GPU machine keeps CPU-only runs, e.g. the test suite, off NCCL)."""
+    name = backend or os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"{BACKEND_ENV}={name!r}: the process-group backend is gloo or nccl")
+    return name
+
+
 def init_distributed(backend: str | None = None) -> DistInfo:
     """Join the process group torchrun describes in the environment; no-op for a single process.
 
-    backend None: nccl when CUDA is available, else gloo. Idempotent: an existing group is reused."""
+    backend: as `dist_backend` (None: $ANGELSPEC_DIST_BACKEND, else nccl when CUDA is available, else gloo).
+    Idempotent: an existing group is reused."""
     if "WORLD_SIZE" not in os.environ:
         return DistInfo()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    backend = dist_backend(backend)
+    use_cuda = backend == "nccl"
     device = f"cuda:{local_rank}" if use_cuda else "cpu"
     if world == 1:
         return DistInfo(rank, local_rank, 1, device, launched=True)
@@ -79,7 +95,7 @@ def init_distributed(backend: str | None = None) -> DistInfo:
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"))
+        dist.init_process_group(backend=backend)
         owns = True
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, launched=True, owns_group=owns)
 
@@ -143,16 +159,37 @@ def wrap_model(model: nn.Module, strategy: Strategy, info: DistInfo) -> nn.Modul
 
         if frozen:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(frozen))
-        device_ids = [info.local_rank] if info.device.startswith("cuda") else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        device = _module_device(model)
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(info.device.split(":")[0], (info.world_size,))
+        mesh = init_device_mesh(_module_device(model).type, (info.world_size,))
         ignored = {p for p in model.parameters() if not p.requires_grad}
         return fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    """Where a trainable model's parameters live (the rank's device)."""
+    return next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
+
+
+def rank_device(device: torch.device, info: DistInfo) -> torch.device:
+    """The device this rank trains on: under a torchrun launch on CUDA, GPU `LOCAL_RANK` (one GPU per process);
+    otherwise `device` itself."""
+    if info.launched and device.type == "cuda":
+        return torch.device("cuda", info.local_rank)
+    return device
+
+
+def group_device() -> torch.device:
+    """Where tensors handed to the process group's collectives must live: the current GPU under NCCL, else the
+    host (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def shard_rows(rows: Sequence[int], info: DistInfo) -> list[int]:
@@ -171,9 +208,9 @@ def global_sum(t: Tensor) -> Tensor:
     """Sum of `t` over all ranks (a new tensor; `t` is not modified); `t` itself for a single process."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    out = t.detach().clone()
+    out = t.detach().to(group_device(), copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    return out.to(t.device)
 
 
 def all_reduce_scalars(values: dict[str, float], op: Literal["sum", "mean"] = "mean") -> dict[str, float]:
@@ -181,7 +218,7 @@ def all_reduce_scalars(values: dict[str, float], op: Literal["sum", "mean"] = "m
     if not values or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(values)
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=group_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     if op == "mean":
         t /= dist.get_world_size()
@@ -192,7 +229,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is True on any (e.g. a time budget seen by one rank first)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=group_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 

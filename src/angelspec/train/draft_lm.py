@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from angelspec.data.fingerprint import target_weights_fingerprint
 from angelspec.data.lm_data import PackedStream, TokenizedDomain, tokenize_split
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
@@ -112,13 +113,16 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
     if cfg.init_embeddings_from_target and model_cfg.hidden_size != target_cfg.hidden_size:
         raise ValueError("init_embeddings_from_target needs hidden_size equal to the target's "
                          f"({target_cfg.hidden_size}); set hidden_size=None or init_embeddings_from_target=false")
-    target = load_target(target_dir)
+    # on the host in fp32: the draft LM's master copy of the embedding, and the weights the run records
+    target = load_target(target_dir, dtype=torch.float32)
     if cfg.init_embeddings_from_target:
         with torch.no_grad():
             model.embed_tokens.weight.copy_(target.embed_tokens.weight)
             model.norm.weight.copy_(target.norm.weight)
-    inputs = {**run_inputs("draft-lm", target, None), "dataset": token_identity(train, cfg.seq_len)}
+    inputs = {**run_inputs("draft-lm", target_weights_fingerprint(target), None),
+              "dataset": token_identity(train, cfg.seq_len)}
     del target
+    model.to(run.device)  # initialised on the host (the same weights on every device); fp32 master weights
     meta = {"drafter": "draft-lm", "target_fingerprint": target_cfg.fingerprint(),
             "target_weights": inputs["target_weights"], "train_config": json.loads(json.dumps(asdict(cfg)))}
 
@@ -132,7 +136,7 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
     step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
                            resume=job.resume, progress=job.progress, max_minutes=job.max_minutes, desc="draft-lm",
                            save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info,
-                           inputs=inputs)
+                           inputs=inputs, autocast_dtype=run.placement.dtype)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
         save_model(final, out_dir)

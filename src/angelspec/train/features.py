@@ -62,10 +62,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from angelspec.data.fingerprint import file_sha256, model_fingerprint
+from angelspec.data.fingerprint import file_sha256, model_fingerprint, tensors_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
 from angelspec.models.decoder import Decoder
-from angelspec.models.hf_io import load_target, save_safetensors_atomic, write_json_atomic
+from angelspec.models.device import Placement, placement_of
+from angelspec.models.hf_io import iter_state_dict, load_target, save_safetensors_atomic, write_json_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
 from angelspec.train.distributed import DistInfo
 from angelspec.train.sequence_parallel import NO_SP, SequenceParallel, target_forward
@@ -348,10 +349,11 @@ class OfflineFeatureCache:
     # ----- reader -----
     @classmethod
     def open(cls, root: str | Path, *, target: Decoder | None = None, spec: FeatureSpec | None = None,
-             verify: bool = False) -> OfflineFeatureCache:
+             verify: bool = False, fingerprint: str | None = None) -> OfflineFeatureCache:
         """Open a complete cache; refuse it if it was built from another target or with another spec.
 
-        ``target`` is fingerprinted (cheap, see :mod:`angelspec.data.fingerprint`); ``verify=True`` also
+        ``target`` is fingerprinted (cheap, see :mod:`angelspec.data.fingerprint`), or ``fingerprint`` given is
+        its fingerprint (`target_fingerprint`: a target whose layers were not loaded); ``verify=True`` also
         re-hashes every shard (reads the whole cache once).
         """
         root = Path(root)
@@ -359,7 +361,8 @@ class OfflineFeatureCache:
         if not manifest.get("complete"):
             raise FeatureCacheError(f"feature cache {root} is incomplete (its build was interrupted); finish it "
                                     "with OfflineFeatureCache.build(..., resume=True)")
-        if target is not None and manifest["target_fingerprint"] != (fp := model_fingerprint(target)):
+        fp = fingerprint if fingerprint is not None else model_fingerprint(target) if target is not None else None
+        if fp is not None and manifest["target_fingerprint"] != fp:
             raise FeatureCacheError(f"feature cache {root} was built from target {manifest['target_fingerprint']}, "
                                     f"but this target is {fp}: the features belong to another model (or dtype); "
                                     "rebuild the cache for this target")
@@ -582,7 +585,12 @@ class TargetFeatures:
         the target runs on the shard only (`target_forward`: Ulysses attention over the whole row); from a cache the
         shard is read out of the whole rows. Either way the halo's final-norm states come from the next rank
         (`SequenceParallel.halo_from_next`: the hidden size a position, not V logits) and the LM head runs on
-        shard + halo."""
+        shard + halo. The target runs in its own dtype, outside the drafter's autocast (the trainer's
+        `TrainRun.autocast`), so its taps equal a cache's or a stream's."""
+        with torch.autocast(batch.input_ids.device.type, enabled=False):
+            return self._features(batch, rows)
+
+    def _features(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         t, sp = self.target, self.sp
         if self.cache is None and self.stream is None:
             if sp.enabled:
@@ -641,6 +649,14 @@ def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: l
             f"--seq-len {seq_len}{flags}")
 
 
+def target_fingerprint(target: Decoder, target_dir: str | Path) -> str:
+    """`model_fingerprint` of the target, also for one loaded with `parts="head"`: its layers, never loaded, are read
+    from the checkpoint in `target_dir` one tensor at a time (`iter_state_dict`), so the id is the whole model's."""
+    if all(t.device.type != "meta" for t in target.state_dict().values()):
+        return model_fingerprint(target)
+    return tensors_fingerprint(target.config, iter_state_dict(target, target_dir))
+
+
 def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None, rows: PackedRows, *,
                     target_dir: Path, data: Path, enable_thinking: bool, sp: SequenceParallel = NO_SP,
                     halo: int = 0, halo_what: str = "") -> TargetFeatures:
@@ -654,18 +670,20 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
     if sp.enabled:
         sp.check_halo(rows.packed.seq_len, halo, halo_what)
     if cache_dir is None:
+        if any(p.device.type == "meta" for p in target.parameters()):
+            raise ValueError("online features run the whole target; load it with parts='all'")
         if sp.enabled:
             sp.check_heads(target.config.num_attention_heads, "target")
         return TargetFeatures(target, layer_ids, sp=sp, halo=halo)
     need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
     stream = open_stream(cache_dir)
     if stream is not None:
-        plan = {"target_fingerprint": model_fingerprint(target), "layer_ids": tuple(need),
+        plan = {"target_fingerprint": target_fingerprint(target, target_dir), "layer_ids": tuple(need),
                 "dataset": dataset_identity(rows.packed, source=str(data)), "enable_thinking": enable_thinking,
                 "seed": rows.seed}
         return TargetFeatures(target, layer_ids, stream=stream, plan=plan, sp=sp, halo=halo)
     try:
-        cache = OfflineFeatureCache.open(cache_dir, target=target)
+        cache = OfflineFeatureCache.open(cache_dir, fingerprint=target_fingerprint(target, target_dir))
         cache.require(need, dataset_identity(rows.packed))
     except FeatureCacheError as e:
         fix = features_command(target_dir, data, cache_dir, need, rows.packed.seq_len, enable_thinking)
@@ -676,17 +694,20 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
 def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,
                         layers: list[int] | tuple[int, ...] = (), seq_len: int = 512, enable_thinking: bool = False,
                         rows_per_shard: int = 32, resume: bool = False, force: bool = False,
-                        log: Any = print) -> OfflineFeatureCache:
+                        log: Any = print, placement: Placement | None = None) -> OfflineFeatureCache:
     """`angelspec features`: the offline feature cache that `features=DIR` trains from.
 
     Tokenises and packs `data` exactly as the trainers do (`pack_conversations`: `PackedRows` with
     `seq_len` / `enable_thinking`), runs the target over every packed row (one row per forward, the row
     being the unit a trainer reads) and stores the hidden states of `layers` plus the last layer (its tap
-    gives the teacher logits) in the target's dtype. Resumable (`resume=True`) after a kill."""
+    gives the teacher logits) in the target's dtype (bfloat16 for a bf16 target: half the disk of fp32).
+    Resumable (`resume=True`) after a kill. `placement`: the target's device and dtype (None: the default of
+    `angelspec.models.device.resolve_placement`); a trainer reads the cache with its target in the same dtype."""
     from angelspec.data.tokenizer import load_tokenizer
 
     target_dir, data = Path(target_dir), Path(data)
-    target = load_target(target_dir)
+    where = placement_of(placement)
+    target = load_target(target_dir, dtype=where.dtype, device=where.device)
     rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,
                                  pad_token_id(target.config), seed=0)
     ids = tuple(sorted({*layers, target.config.num_hidden_layers - 1}))

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from angelspec.data.lm_data import PackedStream, TokenizedDomain
 from angelspec.models.decoder import Decoder
+from angelspec.models.device import autocast
 from angelspec.models.hf_io import load_target, save_target
 from angelspec.train.checkpoint import make_checkpoint_saver, resume_training, run_identity
 from angelspec.train.config import LMRunConfig
@@ -60,8 +61,12 @@ def train_causal_lm(
     strategy: Strategy = "none",
     dist_info: DistInfo | None = None,
     inputs: dict[str, Any] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> int:
     """Train `model` in place (resuming from `ckpt_dir` when asked) and return the last step reached.
+
+    The batches go to the model's device; the forward runs under autocast to bfloat16 when `cfg.bf16`, else to
+    `autocast_dtype` when that is a 16-bit float (a drafter beside a bf16 target), with fp32 master weights.
 
     `max_minutes` stops early at a checkpoint so the caller can export what exists and resume later.
     `strategy` / `dist_info`: data parallelism (module docstring); the caller has run `init_distributed` and
@@ -83,6 +88,8 @@ def train_causal_lm(
                                  settings, opt, is_main=main, barrier=barrier, model=model)
 
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    device = model.embed_tokens.weight.device
+    precision = torch.bfloat16 if cfg.bf16 else (autocast_dtype or torch.float32)
     model.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (progress and main), unit="step")
     last_log, tok_seen = time.time(), 0
@@ -92,9 +99,10 @@ def train_causal_lm(
         batch = stream.batch(step, cfg.batch_size)  # [B, seq_len + 1]
         if info.enabled:
             batch = batch[shard_rows(range(batch.shape[0]), info)]  # [B / world, seq_len + 1]
+        batch = batch.to(device)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with autocast(device, precision):
             logits = wrapped(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -132,7 +140,8 @@ def heldout_loss(model: Decoder, dom: TokenizedDomain, max_docs: int, context: i
         ids = torch.from_numpy(dom.tokens[dom.offsets[i]: dom.offsets[i + 1]][:context].astype(np.int64))[None]
         if ids.shape[1] < 2:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        ids = ids.to(model.embed_tokens.weight.device)
+        with autocast(ids.device, torch.bfloat16 if bf16 else torch.float32):
             logits = model(ids[:, :-1]).logits
         loss = F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum")
         total += float(loss)

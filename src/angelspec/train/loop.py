@@ -26,6 +26,7 @@ from angelspec.errors import UsageError
 from angelspec.fileio import check_writable_path, replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
+from angelspec.models.device import Placement, autocast, enable_tf32, placement_of
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
     find_checkpoint,
@@ -47,6 +48,7 @@ from angelspec.train.distributed import (
     global_sum,
     init_distributed,
     load_full_state_dict,
+    rank_device,
     resolve_strategy,
     whole_copy,
 )
@@ -77,7 +79,8 @@ def silent(*_: Any) -> None:
 @dataclass(frozen=True)
 class TrainRun:
     """A trainer's call (`job`), process-group view and folders: `out_dir` gets the model, `work` the log and
-    checkpoints."""
+    checkpoints. `placement`: this rank's device and the target's dtype; the drafter keeps fp32 master weights there
+    and its forward runs under `autocast()` (bf16 / fp16 matmuls when the target's dtype is 16-bit)."""
 
     job: TrainJob
     info: DistInfo
@@ -87,6 +90,15 @@ class TrainRun:
     sp: SequenceParallel = SequenceParallel()  # the sequence-parallel group (size 1: none)
     # Training seconds of the segments before this one (a resumed run: what its checkpoint recorded).
     seconds_before: list[float] = field(default_factory=lambda: [0.0])
+    placement: Placement = Placement(torch.device("cpu"), torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    def autocast(self) -> Any:
+        """The drafter forward's precision context: autocast to the target's dtype when it is 16-bit."""
+        return autocast(self.placement.device, self.placement.dtype)
 
     def train_seconds(self) -> float:
         """The run's training wall time so far, across resumed segments: the checkpoint's record plus this
@@ -127,14 +139,27 @@ class TrainRun:
                     item.unlink()
         barrier()
 
-    def frozen_target(self) -> tuple[Decoder, Any]:
-        """The run's target with every parameter frozen, and its tokenizer."""
+    def frozen_target(self, features: str | None = None) -> tuple[Decoder, Any]:
+        """The run's target on this rank's device in the run's dtype, every parameter frozen, and its tokenizer.
+        `features`: the run's `features=` (an offline cache or a stream): the hidden states come from there, so only
+        the embedding, final norm and LM head are loaded (`load_target(parts="head")`; the layers stay on meta)."""
         from angelspec.data.tokenizer import load_tokenizer
 
-        target = load_target(self.target_dir)
+        target = load_target(self.target_dir, dtype=self.placement.dtype, device=self.placement.device,
+                             parts="all" if features is None else "head")
         for p in target.parameters():
             p.requires_grad_(False)
         return target, load_tokenizer(self.target_dir)
+
+    def target_weights(self, target: Decoder) -> str:
+        """The target's `target_weights_fingerprint` (what the drafter records and a resume compares), also for a
+        `parts="head"` load: its layers, left on meta, are read from the checkpoint one tensor at a time."""
+        from angelspec.data.fingerprint import target_weights_fingerprint
+        from angelspec.models.hf_io import iter_state_dict
+
+        if all(t.device.type != "meta" for t in target.state_dict().values()):
+            return target_weights_fingerprint(target)
+        return target_weights_fingerprint(target, iter_state_dict(target, self.target_dir))
 
     def drafter_report(self, head: dict[str, Any], model: nn.Module, stats: dict[str, int], rows: PackedRows,
                        tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
@@ -177,7 +202,12 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     dp = sp.dp.world_size
     if batch_size % dp:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {dp} data-parallel ranks")
-    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time(), sp)
+    where = placement_of(job.placement)
+    placement = Placement(rank_device(where.device, info), where.dtype)  # under torchrun on CUDA: GPU LOCAL_RANK
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)
+    enable_tf32(placement.device)  # the drafter's fp32 matmuls outside autocast
+    run = TrainRun(job, info, strategy, job.log if info.is_main else silent, time.time(), sp, placement=placement)
     check_out_dir(run.out_dir, resume=job.resume, force=job.force)
     return run
 
@@ -214,18 +244,17 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
     refuse_resume_over_model(out_dir, work / "checkpoint")
 
 
-def run_inputs(kind: str | None, target: nn.Module | None, packed: PackedBatch | None) -> dict[str, Any]:
+def run_inputs(kind: str | None, target_weights: str | None, packed: PackedBatch | None) -> dict[str, Any]:
     """What a checkpoint records of a run's inputs, and a resume must match (`train.checkpoint.INPUT_KEYS`): the
     drafter kind, the target's weights (`data.fingerprint.target_weights_fingerprint`, the id the drafter's
     config.json records too) and the packed training data (rows, seq_len, token digest); each only when known."""
-    from angelspec.data.fingerprint import target_weights_fingerprint
     from angelspec.train.data import dataset_identity
 
     out: dict[str, Any] = {}
     if kind is not None:
         out["drafter"] = kind
-    if target is not None:
-        out["target_weights"] = target_weights_fingerprint(target)
+    if target_weights is not None:
+        out["target_weights"] = target_weights
     if packed is not None:
         out["dataset"] = dataset_identity(packed)
     return out
@@ -342,7 +371,8 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     the checkpoint saver. `target` (its weights' `model_fingerprint`) and `rows` (the packed data's
     `dataset_identity`) join the identity a resume must match when given."""
     identity = {"train_config": run_identity(cfg), "target_fingerprint": target_fingerprint,
-                **run_inputs(getattr(getattr(model, "config", None), "drafter", None), target,
+                **run_inputs(getattr(getattr(model, "config", None), "drafter", None),
+                             None if target is None else run.target_weights(target),
                              None if rows is None else rows.packed)}
     step, run.seconds_before[0] = resume_training(
         run.ckpt_dir, run.job.resume, identity,
@@ -385,11 +415,12 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     last_log, tok_seen = time.time(), 0
     while step < cfg.steps:
         idx = rows.local_rows(step, cfg.batch_size, run.sp.dp)  # an SP group's ranks read the same rows
-        batch = rows.take(idx)
+        batch = rows.take(idx).to(run.device)
         lr = cosine_lr(step, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         set_lr(opt, lr)
         opt.zero_grad(set_to_none=True)
-        loss, lb, extra = step_loss(wrapped, step, batch, idx)
+        with run.autocast():
+            loss, lb, extra = step_loss(wrapped, step, batch, idx)
         (loss * info.world_size if info.enabled else loss).backward()
         gnorm = clip_gradients(model.parameters(), cfg.grad_clip, run.strategy)
         # host sync: once per step, for the log and the non-finite guard (before the weights take the step)

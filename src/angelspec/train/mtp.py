@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 
-from angelspec.data.fingerprint import target_weights_fingerprint
 from angelspec.data.packing import PackedBatch
 from angelspec.data.vocab import count_tokens, frequent_tokens
 from angelspec.models.config import DecoderConfig
@@ -170,7 +169,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     run = start_run(job, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     sp = run.sp
     run.clear_out_dir()
-    target, tok = run.frozen_target()
+    target, tok = run.frozen_target(cfg.features)
     tcfg = target.config
     pad_id = pad_token_id(tcfg)
     mcfg = replace(cfg.model_config(tcfg), draft_vocab_size=cfg.draft_vocab_size)
@@ -186,6 +185,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     if mcfg.draft_vocab_size:  # inference drafts from it; training too under train_vocab "draft"
         counts = count_tokens(rows.packed.input_ids, rows.packed.loss_mask, tcfg.vocab_size)
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
+    block.to(run.device)  # initialised on the host (the same weights on every device); fp32 master weights
 
     def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: torch.Tensor | None,
                      step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +204,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     model = wrap_model(FunctionModule(block, forward_loss), run.strategy, run.info)
     opt = build_adamw(block, cfg.lr, cfg.weight_decay)
     schedule = cfg.schedule()
-    meta = {"target_weights": target_weights_fingerprint(target), "train_config": json.loads(json.dumps(asdict(cfg)))}
+    meta = {"target_weights": run.target_weights(target), "train_config": json.loads(json.dumps(asdict(cfg)))}
     step, block_to_save, save_ckpt = drafter_checkpoints(
         run, cfg, tcfg.fingerprint(), block, lambda: build_mtp_model(mcfg, target.embed_tokens, target.lm_head),
         lambda m, p: save_mtp(m, p, meta), opt, target=target, rows=rows)

@@ -42,12 +42,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.fingerprint import checkpoint_fingerprint, file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
 from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement
 
 PROGRESS_SUFFIX = ".progress.json"
 SIDECAR_VERSION = 1
@@ -228,6 +231,7 @@ def rollout(
     progress: bool = False,
     chunk_lines: int | None = None,
     engine: str = "ours",
+    placement: Placement | None = None,
 ) -> RolloutSummary:
     """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
     embedded target).
@@ -235,7 +239,9 @@ def rollout(
     ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
     chunks lose less work to a kill, larger ones keep more requests in flight between turns.
     ``engine``: "ours" (`SpecEngine`) or "vllm" (vLLM's `LLM.generate`; without vLLM installed this fails at once
-    with one line saying how to install it). Returns the :class:`RolloutSummary` of the whole file.
+    with one line saying how to install it). ``placement``: the device and dtype our engine runs the target in
+    (None: the default of `angelspec.models.device.resolve_placement`; the target's fingerprint, which a resumed
+    file must match, covers the dtype). Returns the :class:`RolloutSummary` of the whole file.
     """
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.decoding.sampling import SamplingParams
@@ -272,7 +278,7 @@ def rollout(
         conversations.append(_Conversation(index=i, line=p["line"], source=p["messages"], extras=extras))
 
     tokenizer = load_tokenizer(target_dir)
-    generator, target_id, context = _start_engine(engine, target_dir, batch_size)
+    generator, target_id, context = _start_engine(engine, target_dir, batch_size, placement)
     try:
         stop_ids = tuple(tokenizer.eos_token_ids)
         config = {"target": target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
@@ -292,19 +298,20 @@ def rollout(
     return summary
 
 
-def _start_engine(engine: str, target_dir: Path, batch_size: int) -> tuple[Any, str, int]:
+def _start_engine(engine: str, target_dir: Path, batch_size: int,
+                  placement: Placement | None = None) -> tuple[Any, str, int]:
     """(the engine with a `generate(requests, progress=...)`, the target's fingerprint, its context length)."""
     if engine == "vllm":
         from angelspec.decoding.vllm_engine import VllmEngine
 
         generator = VllmEngine(target_dir, max_batch_size=batch_size)
         return generator, checkpoint_fingerprint(target_dir), generator.config.max_position_embeddings
-    import torch
-
     from angelspec.decoding.engine import EngineConfig, SpecEngine
     from angelspec.models import load_target
+    from angelspec.models.device import placement_of
 
-    target = load_target(target_dir, dtype=torch.float32)
+    where = placement_of(placement)
+    target = load_target(target_dir, dtype=where.dtype, device=where.device)
     generator = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
     return generator, model_fingerprint(target), target.config.max_position_embeddings
 

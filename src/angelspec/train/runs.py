@@ -13,13 +13,16 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
 from angelspec.errors import UsageError, require_positive
 from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
 from angelspec.train.safety import check_not_input
+
+if TYPE_CHECKING:
+    from angelspec.models.device import Placement
 
 MAX_SAMPLE_LINES = 12  # per sample printed; the full text is in build_info.json
 
@@ -73,16 +76,16 @@ def step_memory_floor(batch_size: int, seq_len: int, vocab_size: int, hidden_siz
     return 4 * tokens * (vocab_size + num_layers * hidden_size)
 
 
-def check_memory(config: Any, target_dir: Path, available: int | None = None) -> None:
+def check_memory(config: Any, target_dir: Path, available: int | None = None,
+                 placement: Placement | None = None) -> None:
     """Refuse, before any data or weights are read, a run whose step cannot fit in the memory this machine has
     (`step_memory_floor` above 90% of MemAvailable), instead of being OOM-killed minutes later without a word.
-    Skipped where the memory cannot be read or the run may use a GPU."""
-    import torch
-
+    Skipped where the memory cannot be read or the run trains on a GPU (`placement`, None: the default one)."""
+    from angelspec.models.device import placement_of
     from angelspec.models.hf_io import read_config
 
     seq_len, batch = getattr(config, "seq_len", None), getattr(config, "batch_size", None)
-    if not seq_len or not batch or torch.cuda.is_available():
+    if not seq_len or not batch or placement_of(placement).device.type != "cpu":
         return
     available = available_memory_bytes() if available is None else available
     if available is None:
@@ -143,7 +146,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                   resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
                   distributed: str = "auto", feature_workers: int | None = None, feature_backend: str = "files",
                   init_from: str | Path | None = None, only: str | None = None, sp: int = 1,
-                  log: Callable[[str], None] = print) -> TrainResult:
+                  log: Callable[[str], None] = print, placement: Placement | None = None) -> TrainResult:
     """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
     file or a corpus folder) and write a self-describing drafter folder to `out`.
 
@@ -156,6 +159,9 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     `only`, all of it trains on from its weights (a warm start, on the preset's schedule).
     sp: split every packed row over sp processes of a torchrun launch (Ulysses sequence parallelism,
     `train.sequence_parallel`; MTP family and block drafters; 1 = off).
+    placement: the target's device and dtype (None: `angelspec.models.device.resolve_placement()`, a GPU in bfloat16
+    where torch sees one); the drafter keeps fp32 master weights on that device and computes under autocast when
+    the dtype is 16-bit; under torchrun on CUDA each rank takes GPU LOCAL_RANK.
     """
     require_positive("--sp", sp)
     if sp > 1 and kind not in SP_DRAFTERS:
@@ -167,7 +173,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
         return _train_with_feature_servers(kind, data, out, target=target, preset=preset, head=head,
                                            overrides=overrides, resume=resume, force=force, progress=progress,
                                            max_minutes=max_minutes, distributed=distributed, workers=feature_workers,
-                                           backend=feature_backend, log=log)
+                                           backend=feature_backend, log=log, placement=placement)
     if kind not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
                 if kind.partition(":")[0] == "ngram" else "")
@@ -192,7 +198,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
     target_dir = resolve_target_dir(target)
     check_seq_len(getattr(config, "seq_len", None), target_dir)
-    check_memory(config, target_dir)
+    check_memory(config, target_dir, placement=placement)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)
@@ -201,6 +207,8 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
                     ("--init-from", getattr(config, "init_from", None)),
                     ("features=", _cache_dir(getattr(config, "features", None))))
     extra: dict[str, Any] = {"sp": sp} if sp != 1 else {}
+    if placement is not None:
+        extra["placement"] = placement
     if distributed != "auto":
         if "distributed" not in inspect.signature(train_fn).parameters:
             raise UsageError(f"--distributed is not supported by the {kind} trainer yet")
@@ -217,7 +225,7 @@ def _cache_dir(features: str | None) -> str | None:
 
 def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None,
                                 overrides: Sequence[str], resume: bool, force: bool, workers: int, backend: str,
-                                log: Callable[[str], None], **rest: Any) -> TrainResult:
+                                log: Callable[[str], None], placement: Placement | None, **rest: Any) -> TrainResult:
     """`train_drafter(..., feature_workers=N)`: the run's feature servers (`train.stream.spawn_feature_servers`,
     started by the main process only) beside the trainer, which reads them through `features=`; the servers exit
     after the trainer has finished, and are stopped if it fails."""
@@ -244,14 +252,15 @@ def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *,
 
             # The trainer joins RAY_ADDRESS, else starts a Ray cluster of its own, and hands the server its address.
             address = connect(os.environ.get("RAY_ADDRESS") or "local")
-        spec, procs = spawn_feature_servers(out, target_dir, data, workers, backend=backend, address=address)
+        spec, procs = spawn_feature_servers(out, target_dir, data, workers, backend=backend, address=address,
+                                            placement=placement)
         log(f"feature servers: pid {', '.join(str(p.pid) for p in procs)} ({backend}), read with features={spec}")
     else:
         spec = run_feature_stream(out, backend)
     ok = False
     try:
         result = train_drafter(kind, data, out, target=target_dir, overrides=[*overrides, f"features={spec}"],
-                               resume=resume, force=force, log=log, **rest)
+                               resume=resume, force=force, log=log, placement=placement, **rest)
         ok = True
     finally:
         stop_feature_servers(procs, timeout_s=60.0 if ok else 0.0)
@@ -298,9 +307,10 @@ def build_target_model(*, out: str | Path | None = None, work_dir: str | Path = 
 def cache_features(data: str | Path, out: str | Path, *, target: str | Path | None = None,
                    layers: Sequence[int] | str = (), seq_len: int = 512, think: bool = False,
                    rows_per_shard: int = 32, resume: bool = False, force: bool = False,
-                   log: Callable[[str], None] = print) -> Any:
+                   log: Callable[[str], None] = print, placement: Placement | None = None) -> Any:
     """Store the target's hidden states of `layers` (ids, or their comma-separated text) plus the last layer on
-    every packed row of `data`, for `angelspec train ... features=DIR`; returns the `OfflineFeatureCache`."""
+    every packed row of `data`, for `angelspec train ... features=DIR`, computed on `placement`'s device in its dtype
+    (the cache's dtype); returns the `OfflineFeatureCache`."""
     from angelspec.train.features import build_feature_cache
 
     require_positive("--seq-len", seq_len)
@@ -333,17 +343,18 @@ def cache_features(data: str | Path, out: str | Path, *, target: str | Path | No
     check_conversations(data)
     return build_feature_cache(target_dir, data, Path(out), layers=ids, seq_len=seq_len,
                                enable_thinking=think, rows_per_shard=rows_per_shard, resume=resume, force=force,
-                               log=log)
+                               log=log, placement=placement)
 
 
 def serve_features(data: str | Path, *, stream: str | Path | None = None, ray: str | None = None,
                    target: str | Path | None = None, worker: int = 0, workers: int = 1, buffer: int = 4,
                    address: str | None = None, idle_timeout_s: float = 3600.0,
-                   log: Callable[[str], None] = print) -> int:
+                   log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
     """`angelspec feature-server`: run the target over the batches of the trainer that reads `features=stream:DIR`
     (`stream`, a folder both see; this process is producer `worker` of `workers`) or `features=ray:NAME` (`ray`,
     `workers` target actors on the Ray cluster at `address`), `buffer` batches ahead of it, until it finishes;
-    returns the number of batches published (`train.stream`)."""
+    returns the number of batches published (`train.stream`). `placement`: the target's device and dtype, which must
+    be the trainer's dtype (the stream refuses a target of another fingerprint)."""
     if (stream is None) == (ray is None):
         raise UsageError("give the stream to serve: --stream DIR (files, read with features=stream:DIR) or --ray NAME "
                          "(a Ray cluster, read with features=ray:NAME)")
@@ -361,8 +372,8 @@ def serve_features(data: str | Path, *, stream: str | Path | None = None, ray: s
         from angelspec.train.stream import serve_files
 
         return serve_files(stream, target_dir, data, worker=worker, workers=workers, buffer=buffer,
-                           idle_timeout_s=idle_timeout_s, log=log)
+                           idle_timeout_s=idle_timeout_s, log=log, placement=placement)
     from angelspec.train.stream_ray import serve_ray
 
     return serve_ray(str(ray), target_dir, data, workers=workers, buffer=buffer, address=address,
-                     idle_timeout_s=idle_timeout_s, log=log)
+                     idle_timeout_s=idle_timeout_s, log=log, placement=placement)

@@ -57,6 +57,7 @@ from torch import Tensor
 
 from angelspec.data.fingerprint import model_fingerprint
 from angelspec.fileio import read_json_object, write_json_atomic
+from angelspec.models.device import Placement, dtype_label, placement_of
 from angelspec.models.hf_io import load_target, save_safetensors_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, pad_token_id
 from angelspec.train.distributed import DistInfo, barrier
@@ -155,13 +156,17 @@ class FeatureProducer:
     """A target worker: the frozen target and the packed rows of `plan`, made from `target_dir` and `data` the way
     the trainer made them; `item(step, rank)` -> the tensors published for item (step, rank).
 
-    Refuses (StreamError) a target other than the plan's (fingerprint) and data that packs other rows."""
+    Refuses (StreamError) a target other than the plan's (fingerprint, which covers the dtype: serve in the
+    trainer's --dtype) and data that packs other rows. `placement`: the device and dtype the target runs in (None:
+    the default of `angelspec.models.device.resolve_placement`)."""
 
-    def __init__(self, target_dir: str | Path, data: str | Path, plan: StreamPlan) -> None:
+    def __init__(self, target_dir: str | Path, data: str | Path, plan: StreamPlan,
+                 placement: Placement | None = None) -> None:
         from angelspec.data.tokenizer import load_tokenizer
 
         self.plan = plan
-        self.target = load_target(target_dir)
+        where = placement_of(placement)
+        self.target = load_target(target_dir, dtype=where.dtype, device=where.device)
         for p in self.target.parameters():
             p.requires_grad_(False)
         fp = model_fingerprint(self.target)
@@ -186,7 +191,8 @@ class FeatureProducer:
         "hidden.{i}": [B, T, D] per published layer}, on the CPU."""
         idx = self.plan.rows(self.rows, step, rank)
         b = self.rows.take(idx)
-        out = self.target(b.input_ids, positions=b.positions, document_ids=b.document_ids,
+        d = b.to(self.target.embed_tokens.weight.device)
+        out = self.target(d.input_ids, positions=d.positions, document_ids=d.document_ids,
                           hidden_layers=self.plan.layer_ids, compute_logits=False)
         tensors = {"rows": torch.tensor(idx, dtype=torch.int64), "input_ids": b.input_ids}
         tensors.update({f"hidden.{i}": h.cpu() for i, h in zip(self.plan.layer_ids, out.hidden, strict=True)})
@@ -311,12 +317,13 @@ class FileFeatureStream:
 
 def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, worker: int = 0, workers: int = 1,
                 buffer: int = DEFAULT_BUFFER, poll_s: float = 0.05, idle_timeout_s: float = 3600.0,
-                log: Callable[[str], None] = print) -> int:
+                log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
     """`angelspec feature-server --stream DIR`: producer `worker` of `workers` for the file stream in `root`.
 
     Waits for a trainer's plan, then keeps the window of every attached rank full with the items it owns
     (`StreamPlan.owner`), blocking while the window is full; follows a new plan; returns the number of batches it
-    published once every rank has finished (or after `idle_timeout_s` without a plan or a consumed batch)."""
+    published once every rank has finished (or after `idle_timeout_s` without a plan or a consumed batch).
+    `placement`: the target's device and dtype (`FeatureProducer`)."""
     if not 0 <= worker < workers:
         raise StreamError(f"--worker must be in 0..{workers - 1} (of --workers {workers}), got {worker}")
     if buffer < 1:
@@ -331,7 +338,7 @@ def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, w
                 f"{plan.world_size} rank(s), layers {list(plan.layer_ids)}; worker {worker} of {workers}, "
                 f"buffer {buffer}")
             try:
-                producer = FeatureProducer(target_dir, data, plan)
+                producer = FeatureProducer(target_dir, data, plan, placement)
             except StreamError as e:
                 write_json_atomic(root / ERROR_FILE, {"plan": plan.key, "error": str(e)})
                 raise
@@ -385,8 +392,8 @@ def run_feature_stream(out_dir: str | Path, backend: str) -> str:
 
 
 def spawn_feature_servers(out_dir: str | Path, target_dir: str | Path | None, data: str | Path, workers: int, *,
-                          backend: str = "files", buffer: int = DEFAULT_BUFFER, address: str | None = None
-                          ) -> tuple[str, list[subprocess.Popen]]:
+                          backend: str = "files", buffer: int = DEFAULT_BUFFER, address: str | None = None,
+                          placement: Placement | None = None) -> tuple[str, list[subprocess.Popen]]:
     """Start the feature servers of the training run in `out_dir` as processes of their own (`angelspec train
     --feature-workers N`) and return the `features=` value the trainer reads them with, and the processes.
 
@@ -394,10 +401,13 @@ def spawn_feature_servers(out_dir: str | Path, target_dir: str | Path | None, da
     ray: one `angelspec feature-server --ray NAME --workers N` driving N target actors on the Ray cluster at
     `address` (`train.stream_ray.connect`).
     Their output goes beside the run folder (`OUT.feature-server[-I].log`, which `--force` leaves alone); each exits
-    once the trainer has finished (`stop_feature_servers` waits for them)."""
+    once the trainer has finished (`stop_feature_servers` waits for them). `placement`: the trainer's device and
+    dtype, passed on as --device and --dtype (None: the servers' own defaults)."""
     out_dir = Path(out_dir)
     spec = run_feature_stream(out_dir, backend)
     base = [sys.executable, "-m", "angelspec.cli", "feature-server", "--data", str(data), "--buffer", str(buffer)]
+    if placement is not None:
+        base += ["--device", str(placement.device), "--dtype", dtype_label(placement.dtype)]
     if target_dir is not None:
         base += ["--target", str(target_dir)]
     if backend == "files":

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from angelspec.fileio import pid_alive
+from angelspec.models.device import Placement
 from angelspec.train.stream import (
     DEFAULT_BUFFER,
     Cursor,
@@ -193,9 +194,10 @@ class _TargetWorker:
     """A target worker actor: a `FeatureProducer` for one plan (rebuilt from the same arguments when Ray restarts
     it after a crash)."""
 
-    def __init__(self, target_dir: str, data: str, plan: dict[str, Any]) -> None:
+    def __init__(self, target_dir: str, data: str, plan: dict[str, Any], placement: Placement | None = None) -> None:
         try:
-            self.producer: FeatureProducer | None = FeatureProducer(target_dir, data, StreamPlan.from_json(plan))
+            self.producer: FeatureProducer | None = FeatureProducer(target_dir, data, StreamPlan.from_json(plan),
+                                                                    placement)
             self.error = None
         except StreamError as e:  # reported by `ready`, not by a restart loop
             self.producer, self.error = None, str(e)
@@ -246,10 +248,11 @@ def _start_broker(name: str, buffer: int, wait_s: float = 60.0) -> Any:
 
 def serve_ray(name: str, target_dir: str | Path, data: str | Path, *, workers: int = 1,
               buffer: int = DEFAULT_BUFFER, address: str | None = None, idle_timeout_s: float = 3600.0,
-              log: Callable[[str], None] = print) -> int:
+              log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
     """`angelspec feature-server --ray NAME`: serve the Ray feature stream `name` with `workers` target actors on
     the cluster at `address` (`connect`; None = "auto") until every trainer rank has finished (or `idle_timeout_s`
-    passes without a plan or a claimed batch); -> the number of batches published."""
+    passes without a plan or a claimed batch); -> the number of batches published. `placement`: the device and dtype
+    of the actors' targets (None: each actor's default)."""
     if buffer < 1 or workers < 1:
         raise StreamError(f"--workers and --buffer must be at least 1, got {workers} and {buffer}")
     ray = _ray()
@@ -270,7 +273,7 @@ def serve_ray(name: str, target_dir: str | Path, data: str | Path, *, workers: i
                 f"{plan.world_size} rank(s), layers {list(plan.layer_ids)}; {workers} worker(s), buffer {buffer}")
             for a in actors:
                 ray.kill(a)
-            actors = [_actor("worker").remote(str(target_dir), str(data), plan_json) for _ in range(workers)]
+            actors = [_actor("worker").remote(str(target_dir), str(data), plan_json, placement) for _ in range(workers)]
             for err in ray.get([a.ready.remote() for a in actors]):
                 if err is not None:
                     ray.get(broker.fail.remote(plan.key, err))  # the waiting trainer raises it too

@@ -57,12 +57,12 @@ class DraftLMDrafter(Drafter):
         w = model.lm_head.weight
         self.draft_vocab: Tensor | None = None
         if draft_vocab is not None:  # drafts only from these target ids: only their LM-head rows are multiplied
-            ids = torch.as_tensor(draft_vocab, dtype=torch.int64, device=w.device).flatten()
+            ids = torch.as_tensor(draft_vocab, dtype=torch.int64).flatten().cpu()  # checked on the host, then moved
             v = model.config.vocab_size
             if not ids.numel() or ids.unique().numel() != ids.numel() or not bool(((ids >= 0) & (ids < v)).all()):
                 raise ValueError(f"draft_vocab must be distinct token ids in [0, {v}), got {ids.numel()} ids "
                                  f"({ids.unique().numel()} distinct)")
-            self.draft_vocab = ids
+            self.draft_vocab = ids.to(w.device)
         self._head = self._head_rows()
         self._target_fingerprint = target_fingerprint
         self.cache: StaticKVCache | None = None

@@ -365,7 +365,7 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             "configs": [{"name": ct.config.name, "drafter": ct.config.drafter, "policy": ct.config.policy,
                          "num_draft_tokens": ct.num_draft_tokens, "kind": ct.kind,
                          "spec_gate": ct.config.spec_gate, "compile": ct.config.compile} for ct in contenders],
-            "torch_threads": _torch_threads(), **extra}
+            **_machine(target), **extra}
     return ServingReport(settings={**base, **(settings or {})}, rows=rows)
 
 
@@ -392,10 +392,16 @@ def _vllm_column(vllm: VllmColumn, contenders: Sequence[Contender], workload: Se
     return add_vllm(rows, outputs, setups, measured), info
 
 
-def _torch_threads() -> int:
+def _machine(target: Decoder) -> dict[str, Any]:
+    """What the numbers ran on: the device and dtype, plus the torch thread count of a CPU run (a GPU run's numbers
+    do not depend on it, so it is not reported there)."""
     import torch
 
-    return torch.get_num_threads()
+    w = target.embed_tokens.weight
+    out: dict[str, Any] = {"device": str(w.device), "dtype": str(w.dtype).removeprefix("torch.")}
+    if w.device.type == "cpu":
+        out["torch_threads"] = torch.get_num_threads()
+    return out
 
 
 def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig], *,

@@ -70,12 +70,13 @@ def distance_prior(num_draft_layers: int, target_layer_ids: Sequence[int], tempe
     """W_fuse's initial logits [L, n] (§6.2): −|d_i − t_j| / temperature, where d_i = i / (L−1) is draft layer i's
     relative depth and t_j = (id_j − id_first) / (id_last − id_first) is tap j's relative depth within the tapped
     span (0.5 for a single layer or tap). softmax over j therefore peaks at the tap of matching depth."""
-    ids = torch.tensor(list(target_layer_ids), dtype=torch.float64)
-    d = torch.arange(num_draft_layers, dtype=torch.float64) / max(num_draft_layers - 1, 1)
+    # Computed on the host whatever the default device (a model built under `torch.device("meta")` reads it).
+    ids = torch.tensor(list(target_layer_ids), dtype=torch.float64, device="cpu")
+    d = torch.arange(num_draft_layers, dtype=torch.float64, device="cpu") / max(num_draft_layers - 1, 1)
     if num_draft_layers == 1:
         d = d + 0.5
     span = float(ids[-1] - ids[0]) if len(ids) > 1 else 0.0
-    t = (ids - ids[0]) / span if span > 0 else torch.full_like(ids, 0.5)
+    t = (ids - ids[0]) / span if span > 0 else torch.full_like(ids, 0.5, device="cpu")
     return (-(d[:, None] - t[None, :]).abs() / temperature).float()
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from angelspec.models import hf_io
 from angelspec.models.block.config import DRAFTER_KINDS, HEADS, BlockDrafterConfig
@@ -85,10 +84,11 @@ def load_block_drafter(path: str | Path, target: Decoder, *, drafter: str | None
     cfg.check_target(target.config)
     w = target.embed_tokens.weight
     file = Path(path) / WEIGHTS_NAME
-    model = hf_io.validate_module_file(Path(path), file, cfg.layer_config(),
-                                 lambda: BlockDrafter(cfg, target.embed_tokens, target.lm_head), CONFIG_KEY
-                                 ) or BlockDrafter(cfg, target.embed_tokens, target.lm_head)
-    state = load_file(str(file), device=str(w.device))
+    with torch.device(w.device):  # built where the target lives, never a CPU copy first
+        model = hf_io.validate_module_file(Path(path), file, cfg.layer_config(),
+                                           lambda: BlockDrafter(cfg, target.embed_tokens, target.lm_head), CONFIG_KEY
+                                           ) or BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    state = hf_io.read_module_state(file, w.device)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the right name but another shape (e.g. an edited head)
