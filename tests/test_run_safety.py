@@ -253,8 +253,8 @@ def test_resume_from_a_checkpoint_that_predates_the_input_records(capsys: pytest
 
 @pytest.mark.parametrize(("setting", "needles"), [
     ("grad_clip=-1", ("grad_clip=-1.0 is out of range", ">= 0", "(0 = no clipping)")),
-    ("lr=1e30", ("lr=1e+30 is out of range", "> 0", "<= 10")),
-    ("lr=0", ("lr=0.0 is out of range", "> 0")),
+    ("lr=1e30", ("lr=1e+30 is out of range", ">= 0", "<= 10")),
+    ("lr=-1", ("lr=-1.0 is out of range", ">= 0")),
     ("lr=nan", ("lr=nan is not a finite number",)),
     ("steps=0", ("steps", ">= 1", "0")),
     ("batch_size=0", ("batch_size", ">= 1", "0")),

@@ -79,7 +79,7 @@ def stop_if_not_finite(loss: Any, grad_norm: Any, step: int, lr: float, *, ckpt_
 _INT_MAX = 10**9
 # name -> (lowest, highest, whether the lowest is excluded, a note on what the range means)
 BOUNDS: dict[str, tuple[float, float, bool, str]] = {
-    "lr": (0.0, 10.0, True, ""),
+    "lr": (0.0, 10.0, False, " (0 = the weights stay as they start)"),
     "min_lr_ratio": (0.0, 1.0, False, ""),
     "warmup": (0, _INT_MAX, False, ""),
     "weight_decay": (0.0, 10.0, False, ""),
@@ -176,8 +176,8 @@ def check_not_input(out: str | os.PathLike[str], *inputs: tuple[str, str | os.Pa
         inside = any(same_path(out, above) for above in (path, *path.resolve().parents))
         if inside:
             how = "the same path as" if same_path(out, path) else "a folder that holds"
-            raise UsageError(f"{flag} {out} is {how} the input {input_flag} {path}; training writes into {flag} "
-                             f"(and --force empties it first), so give {flag} another folder")
+            raise UsageError(f"{flag} {out} is {how} the input {input_flag} {path}: the input lies in {flag}, "
+                             f"which training writes (and --force empties first), so give {flag} another folder")
 
 
 def _lock_owner(lock: Path) -> int | None:
