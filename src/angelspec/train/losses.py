@@ -819,6 +819,76 @@ class LossSchedule:
 # ---------------------------------------------------------------------------------------------------------
 
 
+# fp32 [rows, K, V] buffers one loss chunk holds at its peak (student and teacher logits, their softmaxes and the
+# gradients of the backward's recompute): turns a memory budget into logits per chunk. benchmarks/teacher_memory.py
+# measures the peak of a chunk against this.
+CHUNK_BUFFERS = 12
+# Logits per chunk where the device reports no memory size (the host): 64 MiB per fp32 buffer (8,192 rows of the
+# embedded target's 8k vocabulary; 110 rows at 152k).
+HOST_MAX_LOGITS = 1 << 24
+DEVICE_MEMORY_FRACTION = 1 / 8  # of a GPU's memory for one chunk's transient buffers
+
+
+def loss_chunk_logits(device: torch.device | str, fraction: float = DEVICE_MEMORY_FRACTION) -> int:
+    """Logits per loss chunk (`ChunkedLossBatch.rows_for`'s budget) for training on `device`: on a CUDA device
+    `fraction` of its memory over the `CHUNK_BUFFERS` fp32 buffers a chunk holds at its peak, elsewhere
+    `HOST_MAX_LOGITS`. From the device's total memory, not what is free at the moment, so that a run (and its
+    resume) splits every step into the same chunks: the losses do not depend on what else the device holds."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return max(1 << 20, int(total * fraction) // (4 * CHUNK_BUFFERS))
+    return HOST_MAX_LOGITS
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """The frozen target's teacher without its [B, T, V] logits: the target's final-norm states and the LM head that
+    turns them into logits. The trainers' loss chunks (`ChunkedLossBatch.teacher`) apply the head to the few rows a
+    chunk needs, so a step holds [B, T, C] states instead of [B, T, V] fp32 logits (at C = 4096, V = 152k: 37x
+    less); the head runs again in the chunk's recompute for the backward. `logits` is the target's own head
+    (`Decoder.head_logits`), so the values are the ones its forward gives, up to the matmul's summation order."""
+
+    states: Tensor  # [B, T, C] final-norm states of the target, detached
+    head: Callable[[Tensor], Tensor]  # [..., C] -> fp32 logits [..., V]
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[B, T, V]: the shape of the logits it stands for."""
+        return (*self.states.shape[:2], self.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.states.device
+
+    def logits(self, states: Tensor) -> Tensor:
+        """Teacher logits of some of its states [..., C] -> fp32 [..., V], no gradient (the target is frozen)."""
+        with torch.no_grad():
+            return self.head(states.detach()).float()
+
+    def full(self) -> Tensor:
+        """All [B, T, V] logits at once: the reference (and what the trainers held before chunking)."""
+        return self.logits(self.states)
+
+    def map_positions(self, fn: Callable[[Tensor], Tensor], max_logits: int) -> Tensor:
+        """`fn` (no gradient) of every position's logits [n, V] -> [n, W], a chunk of positions of at most
+        `max_logits` logits at a time -> [B, T, W]: e.g. the draft space's teacher, V' + 1 wide, without the V one."""
+        B, T, _ = self.shape
+        flat = self.states.reshape(B * T, -1)
+        with torch.no_grad():
+            parts = [fn(self.logits(c)) for c in flat.split(max(1, max_logits // self.vocab_size))]
+        return torch.cat(parts).view(B, T, -1)
+
+
+Teacher = Tensor | TeacherHead  # a trainer's teacher: [B, T, V] logits, or the states and head that make them
+
+
+def teacher_logits(teacher: Teacher) -> Tensor:
+    """The [B, T, V] logits of a `Teacher` (all of them: for references and small batches)."""
+    return teacher.full() if isinstance(teacher, TeacherHead) else teacher
+
+
 @dataclass(frozen=True)
 class ChunkedLossBatch:
     """A `LossBatch` whose [N, K, V] student logits (and teacher logits) are never held whole.
