@@ -823,9 +823,9 @@ class LossSchedule:
 # gradients of the backward's recompute): turns a memory budget into logits per chunk. benchmarks/teacher_memory.py
 # measures the peak of a chunk against this.
 CHUNK_BUFFERS = 12
-# Logits per chunk where the device reports no memory size (the host): 64 MiB per fp32 buffer (8,192 rows of the
-# embedded target's 8k vocabulary; 110 rows at 152k).
-HOST_MAX_LOGITS = 1 << 24
+# Logits per chunk where the device reports no memory size (the host): 32 MiB per fp32 buffer (1,024 rows of the
+# embedded target's 8k vocabulary at one depth; 55 rows at 152k), what CPU training has always used.
+HOST_MAX_LOGITS = 1 << 23
 DEVICE_MEMORY_FRACTION = 1 / 8  # of a GPU's memory for one chunk's transient buffers
 
 
