@@ -82,7 +82,10 @@ gradient, detached denominators — valid-row counts, or D-PACE's and DSpark's w
 the totals into the loss. Rows interact only through those denominators (e2e TV's and D-PACE's products run over
 one row's depths), so the sums of row chunks add up to the batch's. `ChunkedLossBatch` uses that to run the
 LM head and the loss a chunk of rows at a time under `torch.utils.checkpoint`: the [N, K, V] student and teacher
-logits never exist whole, and loss and gradients equal the whole-batch computation up to summation order.
+logits never exist whole, and loss and gradients equal the whole-batch computation up to summation order. The
+trainers' teacher is a `TeacherHead` (the target's final-norm states and LM head), so its logits too are made per
+chunk, for the chunk's rows only, and no [B, T, V] teacher exists; `loss_chunk_logits` sizes the chunks from the
+device's memory.
 """
 
 from __future__ import annotations
