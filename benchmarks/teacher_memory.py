@@ -18,7 +18,13 @@ the CPU allocator; `benchmarks/ttt_memory.py`'s `peak_bytes`): the peak over the
 Deterministic (contention changes seconds, not bytes). On CUDA `torch.cuda.max_memory_allocated` over the start.
 Seconds are one step each (CPU: shared cores, so compare within a run).
 
-Run:  .venv/bin/python benchmarks/teacher_memory.py                       (CPU: B = 1, T = 128, a few minutes)
+Measured (2 shared CPU cores, B x T = 1 x 128, the full 8B-like shape): peak 1,732 MiB old vs 1,660 MiB new (0.96x;
+the 72 MiB saved is the old path's [1, 128, V] teacher, 74 MiB), the same loss to the last digit printed; one step
+370 s old vs 595 s new on cores shared with other jobs (the new path also runs the teacher head in each chunk's
+recompute: about +10% of the step's LM-head rows at D = 3, so most of that gap is contention). At 4 x 4k on a
+141 GB GPU the shapes give 9.3 GiB of teacher old vs 0.25 GiB of states new, and 911 loss chunks vs 21.
+
+Run:  .venv/bin/python benchmarks/teacher_memory.py                       (CPU: B = 1, T = 128, ~20 minutes here)
       .venv/bin/python benchmarks/teacher_memory.py --device cuda --batch 4 --seq-len 4096
       --quick: a tiny shape (hidden 64, V = 4096) for a smoke run; --mlp 1024: smaller layers (the head unchanged)
       for a host with ~4 GiB free (the weights are excluded from the peak either way)
