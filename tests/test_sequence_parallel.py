@@ -91,6 +91,7 @@ def _check_target(sp) -> None:
     from conftest import tiny_decoder
 
     from angelspec.train.features import FeatureSpec, OfflineFeatureCache, TargetFeatures
+    from angelspec.train.losses import teacher_logits
     from angelspec.train.sequence_parallel import target_forward
 
     vocab, T = 64, 24
@@ -110,13 +111,13 @@ def _check_target(sp) -> None:
     taps, teacher = _features(target, (0, 2), packed, sp, D + 1)
     close(taps, sp.shard(torch.cat([ref.hidden[0], ref.hidden[2]], dim=-1)), "taps")
     assert teacher.shape[1] == (T // 2 + D + 1 if sp.rank == 0 else T // 2)  # the last rank: no halo
-    close(teacher, ref.logits[:, sp.columns(T, D + 1)], "teacher")
+    close(teacher_logits(teacher), ref.logits[:, sp.columns(T, D + 1)], "teacher")
     with tempfile.TemporaryDirectory() as tmp:  # from an offline cache: the shard of the stored rows, the same halo
         cache = OfflineFeatureCache.build(target, FeatureSpec((0, 2)), [packed], Path(tmp) / "cache")
         stored, stored_teacher = TargetFeatures(target, (0, 2), cache, sp=sp, halo=D + 1)(
             packed, list(range(packed.num_rows)))
         close(torch.cat(stored, dim=-1), taps, "cached taps")
-        close(stored_teacher, teacher, "cached teacher")
+        close(teacher_logits(stored_teacher), teacher_logits(teacher), "cached teacher")
     x = torch.arange(2 * 5 * 3.0).view(2, 5, 3) + 100 * sp.rank  # the halo: the next rank's first positions
     halo = sp.halo_from_next(x, 2)
     assert torch.equal(halo, x[:, :2] + 100) if sp.rank == 0 else halo.shape == (2, 0, 3)

@@ -97,10 +97,14 @@ from angelspec.train.losses import (
     LossConfig,
     LossSchedule,
     Objective,
+    Teacher,
+    TeacherHead,
     confidence_bce,
     get_loss,
+    loss_chunk_logits,
     with_confidence_term,
 )
+from angelspec.train.losses import teacher_logits as as_teacher_logits
 from angelspec.train.optim import build_adamw
 from angelspec.train.sequence_parallel import SequenceParallel, block_attention, shard_anchors
 
@@ -451,7 +455,7 @@ def row_anchors(batch: PackedBatch, num_anchors: int, seed: int, step: int, glob
 ConfidenceTargets = Callable[[LossBatch], Tensor]  # a batch (or chunk) -> its confidence head's targets
 
 
-def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor,
+def block_loss_batch(out: BlockTrainOutput, teacher_logits: Teacher,
                      confidence_targets: ConfidenceTargets | None = None) -> LossBatch:
     """The losses' [N, K, V] layout of a `forward_train` run with compute_logits=True, N = R·N anchors; teacher of
     draft k of anchor a: the target's distribution at a+k−1; the confidence head's targets from
@@ -460,6 +464,7 @@ def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor,
     assert out.logits is not None
     R, N, K, V = out.logits.shape
     t = out.targets
+    teacher_logits = as_teacher_logits(teacher_logits)
     teacher = teacher_logits.gather(1, t.source_index.flatten(1)[..., None].expand(-1, -1, V)).view(R, N, K, V)
     lb = LossBatch(student_logits=out.logits.flatten(0, 1), mask=t.valid.flatten(0, 1),
                    teacher_logits=teacher.flatten(0, 1), labels=t.labels.flatten(0, 1),
@@ -470,28 +475,40 @@ def block_loss_batch(out: BlockTrainOutput, teacher_logits: Tensor,
         return replace(lb, confidence_targets=confidence_targets(lb))
 
 
-def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher_logits: Tensor, *,
-                             max_logits: int = 1 << 23, track_alpha: bool = False,
+def block_chunked_loss_batch(model: BlockDrafter, out: BlockTrainOutput, teacher_logits: Teacher, *,
+                             max_logits: int | None = None, track_alpha: bool = False,
                              confidence_targets: ConfidenceTargets | None = None,
                              train_vocab: str = "full") -> ChunkedLossBatch:
     """`block_loss_batch` without the [R·N, K, V] logits: a `forward_train(compute_logits=False)` run's backbone
     states go through `model.head_logits` a chunk of anchors at a time (whole blocks, so the RNN head sees its K
-    positions together), at most `max_logits` logits per chunk (`train.losses.ChunkedLossBatch`); the confidence
-    targets, too, come from each chunk's logits. `train_vocab` "draft": the head scores the draft vocabulary only
-    and the losses run in the draft space (`train.losses.to_draft_space`); chunks stay sized by the teacher's
-    whole vocabulary."""
+    positions together), at most `max_logits` logits per chunk (default: from the device's memory,
+    `train.losses.loss_chunk_logits`; `train.losses.ChunkedLossBatch`); the confidence targets, too, come from each
+    chunk's logits. The teacher is the target's logits [R, T, V] or, as the trainer passes it, a `TeacherHead`: its
+    LM head then runs inside each chunk on the chunk's K positions per anchor (no [R, T, V] tensor). `train_vocab`
+    "draft": the head scores the draft vocabulary only and the losses run in the draft space
+    (`train.losses.to_draft_space`); chunks stay sized by the teacher's whole vocabulary."""
     t = out.targets
     R, N, K, _ = out.hidden.shape
     T, V = teacher_logits.shape[1:]
     prev = t.prev_tokens.flatten(0, 1)  # [R·N, K]
     src = (t.source_index + T * torch.arange(R, device=prev.device)[:, None, None]).flatten(0, 1)  # [R·N, K] flat
-    flat_teacher = teacher_logits.reshape(R * T, V)
+    if isinstance(teacher_logits, TeacherHead):
+        head, flat_states = teacher_logits, teacher_logits.states.reshape(R * T, -1)
+
+        def teacher(rows: slice) -> Tensor:
+            return head.logits(flat_states[src[rows]])  # [n, K, V]
+    else:
+        flat_teacher = teacher_logits.reshape(R * T, V)
+
+        def teacher(rows: slice) -> Tensor:
+            return flat_teacher[src[rows]]
+    max_logits = loss_chunk_logits(prev.device) if max_logits is None else max_logits
     draft = train_vocab == "draft" and bool(model.config.draft_vocab_size)
     return ChunkedLossBatch(
         hidden=tuple(out.hidden.flatten(0, 1).unbind(1)),
         head=lambda z, rows: model.head_logits(z, prev[rows], confidence=False, draft_vocab=draft)[0],
         mask=t.valid.flatten(0, 1), chunk_rows=ChunkedLossBatch.rows_for(max_logits, K, V),
-        teacher=lambda rows: flat_teacher[src[rows]], labels=t.labels.flatten(0, 1),
+        teacher=teacher, labels=t.labels.flatten(0, 1),
         confidence_logits=None if out.confidence_logits is None else out.confidence_logits.flatten(0, 1),
         confidence_targets=confidence_targets, track_alpha=track_alpha,
         draft_vocab=model.draft_vocab if draft else None)
@@ -616,7 +633,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
                                   draft_columns=lb.draft_vocab is not None)
 
     def forward_loss(m: BlockDrafter, taps: Tensor, batch: PackedBatch, anchors: Tensor, valid: Tensor,
-                     teacher: Tensor, step: int, log_alpha: bool) -> tuple[Tensor, Tensor]:
+                     teacher: Teacher, step: int, log_alpha: bool) -> tuple[Tensor, Tensor]:
         """Backbone, head and loss in one forward, in memory linear in T: no mask, no [R·N, K, V] logits
         (`anchored_block_attention`, `block_chunked_loss_batch`); inside the wrapped forward, where FSDP2 has the
         parameters gathered. -> (this rank's share of the loss, α per block position or [])."""
@@ -641,8 +658,9 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
-        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        # The frozen target's taps and teacher (its final-norm states and LM head: the loss chunks make the logits),
+        # no grad; under SP this rank's shard of the taps and the teacher of its shard and halo (`TargetFeatures`,
+        # train.sequence_parallel).
         taps, teacher_logits = features(batch, idx)
         anchors, anchor_valid = row_anchors(batch, cfg.num_anchors, cfg.seed, step, global_rows)  # [R, N] each
         loss, alpha = wrapped(concat_taps(taps), batch, anchors, anchor_valid, teacher_logits, step,

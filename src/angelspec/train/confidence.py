@@ -88,17 +88,17 @@ def confidence_targets(config: BlockDrafterConfig, student_logits: Tensor, teach
     [N, K] α = 1 − TV on the teacher's top-`top_k` support ("tv") or [N, K, n] (`protocol_acceptance`,
     "protocol"); 0 where the mask is False. `draft_columns` (train_vocab "draft"): the student logits are
     [N, K, V'] over `draft_vocab`'s ids, and α is the draft space's."""
-    s, t = student_logits[mask], teacher_logits[mask]  # [M, V]
+    # Every (anchor, position) row, the masked ones zeroed afterwards: static shapes, no host sync (no `x[mask]`).
+    s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)  # [N·K, V]
     if config.confidence_target == "tv":
         if draft_columns:
             s, t = draft_space_student(s), draft_space_teacher(t, draft_vocab)
-        rows = token_alpha(s, t, top_k)  # [M]
+        rows = token_alpha(s, t, top_k)  # [N·K]
     else:
         rows = protocol_acceptance(s, t, config.confidence_temperatures, draft_vocab,
-                                   draft_columns=draft_columns)  # [M, n]
-    out = rows.new_zeros(*mask.shape, *rows.shape[1:])
-    out[mask] = rows
-    return out
+                                   draft_columns=draft_columns)  # [N·K, n]
+    rows = rows.view(*mask.shape, *rows.shape[1:])
+    return torch.where(mask.view(*mask.shape, *([1] * (rows.dim() - 2))), rows, 0.0)
 
 
 def is_confidence_parameter(name: str) -> bool:

@@ -69,6 +69,7 @@ from angelspec.models.device import Placement, placement_of
 from angelspec.models.hf_io import iter_state_dict, load_target, save_safetensors_atomic, write_json_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
 from angelspec.train.distributed import DistInfo
+from angelspec.train.losses import TeacherHead
 from angelspec.train.sequence_parallel import NO_SP, SequenceParallel, target_forward
 from angelspec.train.stream import FeatureStream, FileFeatureStream, StreamPlan
 
@@ -577,11 +578,13 @@ class TargetFeatures:
             self.stream.finish(step)
 
     @torch.no_grad()
-    def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, teacher logits [B, T, V] fp32.
+    def __call__(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], TeacherHead]:
+        """`batch` [B, T] = packed rows `rows` -> one tap [B, T, D] per layer id, and the teacher: the final-norm
+        states [B, T, D] with the target's LM head (`train.losses.TeacherHead`; the loss chunks make the [B, T, V]
+        fp32 logits a few rows at a time, so they never exist whole).
 
         Under sequence parallelism (`sp`, `train.sequence_parallel`): the taps of this rank's shard [B, T/N, D] and
-        the teacher logits of the shard plus its `halo` [B, T/N + h, V] (h = `halo`, 0 on the last rank). Online,
+        the teacher of the shard plus its `halo`, states [B, T/N + h, D] (h = `halo`, 0 on the last rank). Online,
         the target runs on the shard only (`target_forward`: Ulysses attention over the whole row); from a cache the
         shard is read out of the whole rows. Either way the halo's final-norm states come from the next rank
         (`SequenceParallel.halo_from_next`: the hidden size a position, not V logits) and the LM head runs on
@@ -603,7 +606,7 @@ class TargetFeatures:
             taps, last = self._stored(batch, rows)
         if sp.enabled:
             last = torch.cat([last, sp.halo_from_next(last, self.halo)], dim=1)
-        return taps, t.lm_head(last).float()
+        return taps, TeacherHead(last, t.head_logits, t.config.vocab_size)
 
     def _stored(self, batch: PackedBatch, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The taps and the final-norm states of `batch` from the cache or the stream (this rank's shard of them

@@ -14,12 +14,14 @@ from the depth axis.
 
 Masking
 -------
-Valid rows are gathered (`x[mask]`) before any softmax, so prompt tokens, padding and depth shifts that
-cross a document end cost no compute and cannot leak: whatever the masked rows hold (even NaN), the loss
-and every gradient are bit-for-bit unchanged, and masked rows get exactly zero gradient. The gather costs
-one host sync and a copy of the valid rows per call, affordable for a loss computed once per step. A
-batch without a single valid row returns a 0 that is still attached to the graph, so `backward()` runs
-and leaves zero gradients instead of NaN.
+Masked (row, depth) entries are replaced by placeholders (0 logits, label 0) before any softmax and their
+per-token values by exact zeros after it (`_valid`, `_unrows`: `torch.where`, never `x[mask]`), so prompt
+tokens, padding and depth shifts that cross a document end cannot leak: whatever the masked rows hold (even
+NaN), the loss and every gradient are bit-for-bit unchanged, and masked rows get exactly zero gradient. Every
+shape is static, so a loss runs without a single host sync (it runs on the `meta` device; tested): on a GPU
+the chunks of a step queue up without waiting for each other. The price is the softmax work of the masked
+entries, small next to the LM head that makes them. A batch without a single valid row returns a 0 that is
+still attached to the graph, so `backward()` runs and leaves zero gradients instead of NaN.
 
 Numerics
 --------
@@ -80,7 +82,10 @@ gradient, detached denominators — valid-row counts, or D-PACE's and DSpark's w
 the totals into the loss. Rows interact only through those denominators (e2e TV's and D-PACE's products run over
 one row's depths), so the sums of row chunks add up to the batch's. `ChunkedLossBatch` uses that to run the
 LM head and the loss a chunk of rows at a time under `torch.utils.checkpoint`: the [N, K, V] student and teacher
-logits never exist whole, and loss and gradients equal the whole-batch computation up to summation order.
+logits never exist whole, and loss and gradients equal the whole-batch computation up to summation order. The
+trainers' teacher is a `TeacherHead` (the target's final-norm states and LM head), so its logits too are made per
+chunk, for the chunk's rows only, and no [B, T, V] teacher exists; `loss_chunk_logits` sizes the chunks from the
+device's memory.
 """
 
 from __future__ import annotations
@@ -225,9 +230,29 @@ def _check(student_logits: Tensor, mask: Tensor, teacher_logits: Tensor | None =
                          f"{tuple(labels.shape)}")
 
 
+def _valid(x: Tensor, mask: Tensor, fill: float | int = 0) -> Tensor:
+    """`x` [N, K, ...] with every masked (row, depth) entry replaced by `fill` (module docstring, "Masking"): the
+    masked entries' content (even NaN or an out-of-range label) cannot reach a result, and they get exactly zero
+    gradient. Shapes stay static: no host sync, unlike `x[mask]`."""
+    m = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
+    return torch.where(m, x, torch.tensor(fill, dtype=x.dtype, device=x.device))
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[N, K, V] -> [N·K, V] (the per-token functions' rows)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 def _unrows(values: Tensor, mask: Tensor) -> Tensor:
-    """Inverse of `x[mask]` for one value per row: [M] -> [N, K], zeros where the mask is False."""
-    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+    """One value per (row, depth), [N·K] (or [N, K]) -> [N, K], exactly 0 where the mask is False."""
+    return torch.where(mask, values.reshape(mask.shape), 0.0)
+
+
+def _masked_support(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None,
+                    outside: bool = False) -> _Support:
+    """`_support` of every (row, depth), rows [N·K, ...], the masked ones computed on placeholders (`_valid`)."""
+    return _support(_rows(_valid(student_logits, mask)), _rows(_valid(teacher_logits.detach(), mask)), top_k,
+                    outside)
 
 
 class _Support(NamedTuple):
@@ -299,12 +324,13 @@ def normalize_depth_weights(weights: Sequence[float] | Tensor | None, depth: int
         raise ValueError(f"depth must be >= 1, got {depth}")
     if weights is None:
         return torch.full((depth,), 1.0 / depth, dtype=dtype, device=device)
-    w = torch.as_tensor(weights, dtype=dtype, device=device).detach()
+    # Checked where the weights are (a config's tuple: on the host, so no device sync), then moved.
+    w = weights.detach().to(dtype) if isinstance(weights, Tensor) else torch.as_tensor(weights, dtype=dtype)
     if w.shape != (depth,):
         raise ValueError(f"expected {depth} depth weights, got shape {tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not bool(w.sum() > 0):
         raise ValueError(f"depth weights must be finite, >= 0 and not all 0, got {w.tolist()}")
-    return w / w.sum()
+    return (w / w.sum()).to(device)
 
 
 def dspark_position_weights(depth: int, gamma: float | None = None, *, dtype: torch.dtype = torch.float32,
@@ -367,7 +393,7 @@ def _ce_values(student_logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     """Per-(row, depth) CE [N, K], 0 where masked (in the draft space, pass `_label_mask`: a label outside the draft
     vocabulary has q = 0, so no finite CE)."""
     _check(student_logits, mask, labels=labels)
-    return _unrows(token_ce(student_logits[mask], labels[mask]), mask)
+    return _unrows(token_ce(_rows(_valid(student_logits, mask)), _valid(labels, mask).reshape(-1)), mask)
 
 
 def forward_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -383,7 +409,7 @@ def _kl_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top
                outside: bool = False) -> Tensor:
     """Per-(row, depth) KL_S [N, K], 0 where masked (`outside`: the draft space's, `_support`)."""
     _check(student_logits, mask, teacher_logits)
-    return _unrows(_kl(_support(student_logits[mask], teacher_logits[mask], top_k, outside)), mask)
+    return _unrows(_kl(_masked_support(student_logits, teacher_logits, mask, top_k, outside)), mask)
 
 
 def tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -395,7 +421,7 @@ def tv_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
 def _tv_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, top_k: int | None) -> Tensor:
     """Per-(row, depth) TV_S [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
-    return _unrows(1.0 - _alpha(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)
+    return _unrows(1.0 - _alpha(_masked_support(student_logits, teacher_logits, mask, top_k)), mask)
 
 
 def _token_lk_lambda(s: _Support, eta: float) -> Tensor:
@@ -419,7 +445,7 @@ def _lk_lambda_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tens
                       eta: float, outside: bool = False) -> Tensor:
     """Per-(row, depth) LK^λ [N, K], 0 where masked (`outside`: the draft space's, `_support`)."""
     _check(student_logits, mask, teacher_logits)
-    return _unrows(_token_lk_lambda(_support(student_logits[mask], teacher_logits[mask], top_k, outside), eta), mask)
+    return _unrows(_token_lk_lambda(_masked_support(student_logits, teacher_logits, mask, top_k, outside), eta), mask)
 
 
 def lk_alpha_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
@@ -436,7 +462,7 @@ def _lk_alpha_values(student_logits: Tensor, teacher_logits: Tensor, mask: Tenso
                      eps: float) -> Tensor:
     """Per-(row, depth) LK^α [N, K], 0 where masked."""
     _check(student_logits, mask, teacher_logits)
-    alpha = _alpha(_support(student_logits[mask], teacher_logits[mask], top_k))  # [M]
+    alpha = _alpha(_masked_support(student_logits, teacher_logits, mask, top_k))  # [N·K]
     return _unrows(-torch.log(alpha + eps), mask)
 
 
@@ -455,16 +481,13 @@ def _e2e_tv_sums(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, t
     """Eq. 9's row sums: Σ_{i∈I} (1 − mean_m Π_{k≤m} α_{i,k}) [1] and |I| [1]."""
     _check(student_logits, mask, teacher_logits)
     full = mask.all(-1)  # [N]
-    n_full, depth, v = int(full.sum()), student_logits.shape[1], student_logits.shape[2]
-    rows_s = student_logits[full].reshape(-1, v)  # [|I|·K, V]
-    rows_t = teacher_logits[full].reshape(-1, v)
-    alpha = _alpha(_support(rows_s, rows_t, top_k)).reshape(n_full, depth)  # [|I|, K]
-    survive = torch.cumprod(alpha, dim=1)  # [|I|, K] Π_{k≤m} α_{i,k}
-    return LossSums((1.0 - survive.mean(1)).sum()[None], full.sum()[None])
+    alpha = _unrows(_alpha(_masked_support(student_logits, teacher_logits, mask, top_k)), mask)  # [N, K]
+    survive = torch.cumprod(alpha, dim=1)  # [N, K] Π_{k≤m} α_{i,k}
+    return LossSums(torch.where(full, 1.0 - survive.mean(1), 0.0).sum()[None], full.sum()[None])
 
 
 def _e2e_tv_finish(sums: LossSums) -> Tensor:
-    return sums.num[0] / max(int(_denominator(sums.den[0])), 1)
+    return sums.num[0] / _denominator(sums.den[0]).clamp_min(1).to(sums.num.dtype)
 
 
 def dpace_weights(student_logits: Tensor, labels: Tensor, mask: Tensor, rho: float = 0.5) -> Tensor:
@@ -480,9 +503,8 @@ def dpace_weights(student_logits: Tensor, labels: Tensor, mask: Tensor, rho: flo
     """
     _check(student_logits, mask, labels=labels)
     with torch.no_grad():
-        s = torch.exp(-token_ce(student_logits[mask], labels[mask]))  # [M]
-        s_tilde = (1.0 - rho) * s + rho
-        s_tilde = s_tilde.new_ones(mask.shape).masked_scatter(mask, s_tilde)  # [N, K], 1 where invalid
+        s = torch.exp(-token_ce(_rows(_valid(student_logits, mask)), _valid(labels, mask).reshape(-1)))  # [N·K]
+        s_tilde = torch.where(mask, ((1.0 - rho) * s + rho).reshape(mask.shape), 1.0)  # [N, K], 1 where invalid
         prefix = torch.cumprod(s_tilde, dim=1) * mask  # [N, K] Π_{r≤m} s̃_{i,r}, 0 where (i, m) invalid
         return prefix.flip(1).cumsum(1).flip(1) * mask  # [N, K] Σ_{m≥k}
 
@@ -543,19 +565,14 @@ def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
     n, depth, _ = student_logits.shape
     if confidence_logits is not None and confidence_logits.shape[:2] != (n, depth):
         raise ValueError(f"confidence_logits must be [N, K] = [{n}, {depth}], got {tuple(confidence_logits.shape)}")
-    rows_s = student_logits[mask]  # [M, V]
-    if ce_mask is None:
-        ce = _unrows(token_ce(rows_s, labels[mask]), mask)  # [N, K]
-    else:
-        ce = _unrows(token_ce(student_logits[ce_mask], labels[ce_mask]), ce_mask)
-    alpha = _unrows(_alpha(_support(rows_s, teacher_logits[mask], top_k)), mask)  # [N, K]
+    ce = _ce_values(student_logits, labels, mask if ce_mask is None else ce_mask)  # [N, K]
+    alpha = _unrows(_alpha(_masked_support(student_logits, teacher_logits, mask, top_k)), mask)  # [N, K]
     tv = (TV_NORMS[tv_norm] * (1.0 - alpha)) * mask  # ‖p − q‖₁ = 2·TV ("l1") or TV ("half_l1")
     w = dspark_position_weights(depth, gamma, dtype=ce.dtype, device=ce.device) * mask  # [N, K]
     terms = [(w * ce).sum(), (w * tv).sum()]
     if confidence_logits is not None:
-        target = alpha[mask].detach() if confidence_targets is None else confidence_targets[mask]  # [M] c* = 1 − TV
-        bce = confidence_bce(confidence_logits[mask], target)  # [M]
-        terms.append((w * _unrows(bce, mask)).sum())
+        target = alpha.detach() if confidence_targets is None else confidence_targets  # [N, K(, n)] c* = 1 − TV
+        terms.append((w * _masked_bce(confidence_logits, target, mask)).sum())
     return LossSums(torch.stack(terms), w.sum()[None])
 
 
@@ -584,6 +601,14 @@ def confidence_bce(logits: Tensor, target: Tensor) -> Tensor:
     return bce if bce.dim() == 1 else bce.mean(-1)
 
 
+def _masked_bce(confidence_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """`confidence_bce` of every (row, depth): logits and targets [N, K] or [N, K, n] -> [N, K], 0 where masked."""
+    n, k = mask.shape
+    logits, targets = _valid(confidence_logits, mask), _valid(targets.detach(), mask)
+    return _unrows(confidence_bce(logits.reshape(n * k, *logits.shape[2:]), targets.reshape(n * k, *targets.shape[2:])),
+                   mask)
+
+
 @torch.no_grad()
 def acceptance_per_depth(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
                          top_k: int | None = None) -> Tensor:
@@ -597,7 +622,7 @@ def _acceptance_sums(student_logits: Tensor, teacher_logits: Tensor, mask: Tenso
                      ) -> tuple[Tensor, Tensor]:
     """Σ_{i∈I_k} α_{i,k} [K] and |I_k| [K]."""
     _check(student_logits, mask, teacher_logits)
-    alpha = _unrows(_alpha(_support(student_logits[mask], teacher_logits[mask], top_k)), mask)  # [N, K]
+    alpha = _unrows(_alpha(_masked_support(student_logits, teacher_logits, mask, top_k)), mask)  # [N, K]
     return alpha.sum(0), mask.sum(0)
 
 
@@ -639,8 +664,7 @@ def to_draft_space(batch: LossBatch) -> LossBatch:
                          f"{v.numel()}")
     teacher = batch.teacher_logits
     if teacher is not None:
-        rows = draft_space_teacher(teacher[batch.mask], v)  # [M, V' + 1]
-        teacher = rows.new_zeros(*batch.mask.shape, v.numel() + 1).masked_scatter(batch.mask[..., None], rows)
+        teacher = _valid(draft_space_teacher(_valid(teacher.detach(), batch.mask), v), batch.mask)  # [N, K, V' + 1]
     return replace(batch, student_logits=draft_space_student(batch.student_logits), teacher_logits=teacher,
                    labels=None if batch.labels is None else draft_space_labels(batch.labels, v),
                    draft_vocab=None, in_draft_space=True)
@@ -710,11 +734,12 @@ def with_confidence_term(objective: Objective, coef: float) -> Objective:
     def row_sums(b: LossBatch, c: LossConfig) -> LossSums:
         s = objective.sums(b, c)
         if b.confidence_targets is not None:
-            target = b.confidence_targets[b.mask]  # [M] or [M, n]
+            target = b.confidence_targets  # [N, K] or [N, K, n]
         else:
             with torch.no_grad():
-                target = token_alpha(b.student_logits[b.mask], b.teacher_logits[b.mask], c.top_k)  # [M]
-        bce = confidence_bce(b.confidence_logits[b.mask], target).sum()
+                target = _unrows(_alpha(_masked_support(b.student_logits, b.teacher_logits, b.mask, c.top_k)),
+                                 b.mask)  # [N, K]
+        bce = _masked_bce(b.confidence_logits, target, b.mask).sum()
         return LossSums(torch.cat([s.num, bce[None].to(s.num.dtype)]),
                         torch.cat([s.den, b.mask.sum()[None].to(s.den.dtype)]))
 
@@ -795,6 +820,76 @@ class LossSchedule:
 # ---------------------------------------------------------------------------------------------------------
 # Chunks: the LM head and the loss over a few rows at a time
 # ---------------------------------------------------------------------------------------------------------
+
+
+# fp32 [rows, K, V] buffers one loss chunk holds at its peak (student and teacher logits, their softmaxes and the
+# gradients of the backward's recompute): turns a memory budget into logits per chunk. benchmarks/teacher_memory.py
+# measures the peak of a chunk against this.
+CHUNK_BUFFERS = 12
+# Logits per chunk where the device reports no memory size (the host): 32 MiB per fp32 buffer (1,024 rows of the
+# embedded target's 8k vocabulary at one depth; 55 rows at 152k), what CPU training has always used.
+HOST_MAX_LOGITS = 1 << 23
+DEVICE_MEMORY_FRACTION = 1 / 8  # of a GPU's memory for one chunk's transient buffers
+
+
+def loss_chunk_logits(device: torch.device | str, fraction: float = DEVICE_MEMORY_FRACTION) -> int:
+    """Logits per loss chunk (`ChunkedLossBatch.rows_for`'s budget) for training on `device`: on a CUDA device
+    `fraction` of its memory over the `CHUNK_BUFFERS` fp32 buffers a chunk holds at its peak, elsewhere
+    `HOST_MAX_LOGITS`. From the device's total memory, not what is free at the moment, so that a run (and its
+    resume) splits every step into the same chunks: the losses do not depend on what else the device holds."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return max(1 << 20, int(total * fraction) // (4 * CHUNK_BUFFERS))
+    return HOST_MAX_LOGITS
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """The frozen target's teacher without its [B, T, V] logits: the target's final-norm states and the LM head that
+    turns them into logits. The trainers' loss chunks (`ChunkedLossBatch.teacher`) apply the head to the few rows a
+    chunk needs, so a step holds [B, T, C] states instead of [B, T, V] fp32 logits (at C = 4096, V = 152k: 37x
+    less); the head runs again in the chunk's recompute for the backward. `logits` is the target's own head
+    (`Decoder.head_logits`), so the values are the ones its forward gives, up to the matmul's summation order."""
+
+    states: Tensor  # [B, T, C] final-norm states of the target, detached
+    head: Callable[[Tensor], Tensor]  # [..., C] -> fp32 logits [..., V]
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[B, T, V]: the shape of the logits it stands for."""
+        return (*self.states.shape[:2], self.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.states.device
+
+    def logits(self, states: Tensor) -> Tensor:
+        """Teacher logits of some of its states [..., C] -> fp32 [..., V], no gradient (the target is frozen)."""
+        with torch.no_grad():
+            return self.head(states.detach()).float()
+
+    def full(self) -> Tensor:
+        """All [B, T, V] logits at once: the reference (and what the trainers held before chunking)."""
+        return self.logits(self.states)
+
+    def map_positions(self, fn: Callable[[Tensor], Tensor], max_logits: int) -> Tensor:
+        """`fn` (no gradient) of every position's logits [n, V] -> [n, W], a chunk of positions of at most
+        `max_logits` logits at a time -> [B, T, W]: e.g. the draft space's teacher, V' + 1 wide, without the V one."""
+        B, T, _ = self.shape
+        flat = self.states.reshape(B * T, -1)
+        with torch.no_grad():
+            parts = [fn(self.logits(c)) for c in flat.split(max(1, max_logits // self.vocab_size))]
+        return torch.cat(parts).view(B, T, -1)
+
+
+Teacher = Tensor | TeacherHead  # a trainer's teacher: [B, T, V] logits, or the states and head that make them
+
+
+def teacher_logits(teacher: Teacher) -> Tensor:
+    """The [B, T, V] logits of a `Teacher` (all of them: for references and small batches)."""
+    return teacher.full() if isinstance(teacher, TeacherHead) else teacher
 
 
 @dataclass(frozen=True)

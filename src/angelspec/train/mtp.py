@@ -58,7 +58,7 @@ from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shutdown, wrap_model
 from angelspec.train.features import target_features
 from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
-from angelspec.train.losses import LossConfig, LossSchedule, get_loss
+from angelspec.train.losses import LossConfig, LossSchedule, Teacher, get_loss
 from angelspec.train.optim import build_adamw
 from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
 
@@ -187,7 +187,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         block.set_draft_vocab(frequent_tokens(counts, mcfg.draft_vocab_size, always=tcfg.eos_token_ids))
     block.to(run.device)  # initialised on the host (the same weights on every device); fp32 master weights
 
-    def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: torch.Tensor | None,
+    def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: Teacher | None,
                      step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout, LM head and loss in one forward, in memory linear in T: no [T, T] tensor, no [N, D, V] logits
         (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
@@ -211,8 +211,9 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
 
     def step_loss(wrapped: torch.nn.Module, step: int, batch: PackedBatch, idx: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        # The frozen target's taps and teacher logits, no grad; under SP this rank's shard of the taps and the
-        # teacher of its shard and halo (`TargetFeatures`, train.sequence_parallel).
+        # The frozen target's taps and teacher (its final-norm states and LM head: the loss chunks make the logits),
+        # no grad; under SP this rank's shard of the taps and the teacher of its shard and halo (`TargetFeatures`,
+        # train.sequence_parallel).
         taps, teacher = features(batch, idx)
         loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
         return loss, alpha, {}

@@ -64,11 +64,16 @@ from torch.utils.checkpoint import checkpoint
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
 from angelspec.models.attention import document_first_index, document_prefix_attention, merge_extra_keys
 from angelspec.models.mtp import MTPDraftModel
-from angelspec.train.losses import ChunkedLossBatch, LossBatch, draft_space_teacher
+from angelspec.train.losses import (
+    ChunkedLossBatch,
+    LossBatch,
+    Teacher,
+    TeacherHead,
+    draft_space_teacher,
+    loss_chunk_logits,
+    teacher_logits,
+)
 from angelspec.train.sequence_parallel import SequenceParallel
-
-# Logits per chunk of the chunked LM head + loss: 32 MiB of fp32 (1,024 rows × 8,192 vocab; 53 rows at 150k).
-DEFAULT_MAX_LOGITS = 1 << 23
 
 AttentionImpl = Literal["fast", "reference"]
 
@@ -268,7 +273,7 @@ def depth_labels(packed: PackedBatch, num_depths: int, device: torch.device | No
     return lab.flatten(0, 1), mask.flatten(0, 1)
 
 
-def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
+def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Teacher | None,
                    draft_vocab: Tensor | None = None) -> LossBatch:
     """Flatten a rollout into the `[N, D, V]` layout of `train.losses` with the depth-shift gate (the reference
     for `mtp_chunked_loss_batch`: it holds the whole [N, D, V] student and teacher logits). `draft_vocab` [V']:
@@ -277,40 +282,54 @@ def mtp_loss_batch(out: TTTOutput, packed: PackedBatch, target_logits: Tensor | 
         raise ValueError("mtp_loss_batch needs a rollout run with keep_logits=True")
     B, T, D, V = out.logits.shape
     lab, mask = depth_labels(packed, D, out.logits.device)
+    target_logits = None if target_logits is None else teacher_logits(target_logits)
     teacher = None if target_logits is None else \
         teacher_for_depths(target_logits, D).reshape(B * T, D, target_logits.shape[-1])
     return LossBatch(student_logits=out.logits.reshape(B * T, D, V), mask=mask, teacher_logits=teacher, labels=lab,
                      draft_vocab=draft_vocab)
 
 
-def depth_teacher_rows(target_logits: Tensor, num_depths: int, length: int | None = None
+def depth_teacher_rows(target_logits: Teacher, num_depths: int, length: int | None = None
                        ) -> Callable[[slice], Tensor]:
     """`teacher_for_depths` for a slice of the flattened rows only: rows -> [n, D, V] (zeros past a row end).
     `length`: the loss covers the first `length` positions of each of target_logits' rows [B, T, V] (a
-    sequence-parallel shard, whose halo follows it in `target_logits`); default T."""
+    sequence-parallel shard, whose halo follows it in `target_logits`); default T.
+
+    The depths of a slice of rows read one window of the target's positions, the slice shifted by 1..D: a
+    `TeacherHead` runs its LM head on that window only (n + D positions, not n·D, and no [B, T, V] tensor), logits
+    `target_logits` are sliced there. The window's bounds are host integers and the rows are picked by index, so
+    no host sync."""
     B, T, V = target_logits.shape
     L = T if length is None else length
-    flat = target_logits.reshape(B * T, V)
+    head = target_logits if isinstance(target_logits, TeacherHead) else None
+    flat = target_logits.reshape(B * T, V) if head is None else head.states.reshape(B * T, -1)
+
+    def source(n: int) -> int:  # flat position of the loss's row n
+        return (n // L) * T + n % L
 
     def rows(r: slice) -> Tensor:
+        lo, hi = source(r.start) + 1, min(source(r.stop - 1) + num_depths + 1, B * T)
         n = torch.arange(r.start, r.stop, device=flat.device)
-        i = n % L
-        src = (n // L) * T + i
-        out = flat.new_zeros(len(n), num_depths, V)
-        for k in range(num_depths):
-            ok = i + k + 1 < T
-            out[ok, k] = flat[src[ok] + k + 1]
-        return out
+        shift = torch.arange(1, num_depths + 1, device=flat.device)
+        ok = (n % L)[:, None] + shift < T  # [n, D]: the depth's position lies in the row
+        if hi <= lo:  # the last position of the last row: nothing in reach
+            return flat.new_zeros(len(n), num_depths, V, dtype=torch.float32 if head else flat.dtype)
+        window = flat[lo:hi] if head is None else head.logits(flat[lo:hi])  # [W, V]
+        at = (((n // L) * T + n % L)[:, None] + shift - lo).clamp(0, hi - lo - 1)  # [n, D] into the window
+        out = window.index_select(0, at.flatten()).view(len(n), num_depths, V)
+        return out.masked_fill_(~ok[..., None], 0)
 
     return rows
 
 
-def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedBatch, target_logits: Tensor | None,
-                           *, max_logits: int = DEFAULT_MAX_LOGITS, track_alpha: bool = False,
+def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedBatch, target_logits: Teacher | None,
+                           *, max_logits: int | None = None, track_alpha: bool = False,
                            sp: SequenceParallel | None = None, train_vocab: str = "full") -> ChunkedLossBatch:
     """`mtp_loss_batch` without the [N, D, V] logits: the rollout's states (run it with keep_logits=False) go
-    through `block.logits` a chunk of rows at a time, at most `max_logits` logits per chunk
-    (`train.losses.ChunkedLossBatch`). Same losses and gradients (tested).
+    through `block.logits` a chunk of rows at a time, at most `max_logits` logits per chunk (default: from the
+    device's memory, `train.losses.loss_chunk_logits`; `train.losses.ChunkedLossBatch`). Same losses and gradients
+    (tested). The teacher is the target's logits [B, T, V] or, as the trainers pass it, a `TeacherHead` whose LM
+    head runs inside each chunk on the positions that chunk needs (`depth_teacher_rows`).
 
     `sp`: the rollout ran on this rank's shard (`ttt_rollout(sp=...)`); `packed` holds whole rows and
     `target_logits` the teacher of the shard plus its halo of D + 1 positions (`SequenceParallel.columns(T, D + 1)`):
@@ -330,9 +349,12 @@ def mtp_chunked_loss_batch(block: MTPDraftModel, out: TTTOutput, packed: PackedB
                              f"{packed.seq_len} positions (SequenceParallel.columns(T, {D + 1})), got "
                              f"{target_logits.shape[1]}")
     lab, mask = depth_labels(packed, D, dev, length=S)
+    max_logits = loss_chunk_logits(dev) if max_logits is None else max_logits
     draft = train_vocab == "draft" and bool(block.config.draft_vocab_size)
     head = block.draft_head if draft else block.logits
-    if draft and target_logits is not None:
+    if draft and isinstance(target_logits, TeacherHead):  # [B, T, V' + 1] log-probs, a chunk of positions at a time
+        target_logits = target_logits.map_positions(lambda t: draft_space_teacher(t, block.draft_vocab), max_logits)
+    elif draft and target_logits is not None:
         target_logits = draft_space_teacher(target_logits, block.draft_vocab)  # [B, T, V' + 1] log-probs
     return ChunkedLossBatch(
         hidden=tuple(h.reshape(B * S, -1) for h in out.states), head=lambda h, rows: head(h), mask=mask,
