@@ -59,6 +59,24 @@ def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=")
                          f"max_position_embeddings in {target_dir}/config.json); pass {flag}{context} or less")
 
 
+def fit_seq_len(config: Any, target_dir: Path, overrides: Sequence[str] = (),
+                log: Callable[[str], None] = print) -> Any:
+    """A preset's packed-row length cut to the target's context when it is longer (a small target with a short
+    context), said through `log`; a `seq_len=` the run names itself is left to `check_seq_len`, which refuses it."""
+    seq_len = getattr(config, "seq_len", None)
+    if not seq_len or any(o.partition("=")[0].strip() == "seq_len" for o in overrides):
+        return config
+    from dataclasses import replace
+
+    from angelspec.models.hf_io import read_config
+
+    context = read_config(target_dir).max_position_embeddings
+    if seq_len <= context:
+        return config
+    log(f"seq_len {context}: the preset's {seq_len}-token rows cut to the target's context")
+    return replace(config, seq_len=context)
+
+
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), None where it cannot be read."""
     try:
@@ -243,6 +261,7 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
+    config = fit_seq_len(config, target_dir, overrides, log)
     check_seq_len(getattr(config, "seq_len", None), target_dir)
     check_memory(config, target_dir)
     if kind in BLOCK_DRAFTERS and getattr(config, "init_from", None) is None:
