@@ -228,6 +228,6 @@ def test_own_model_sequence_runs_as_written(tmp_path, monkeypatch, capsys, one_t
     assert taps is not None and max(taps) < layers  # spread over this target's layers
     assert (tmp_path / "runs" / "out.jsonl").is_file()
     if exported:
-        assert (tmp_path / "runs" / "eagle3-vllm" / "speculative_config.json").is_file()
+        assert (tmp_path / "runs" / "dfly-vllm" / "speculative_config.json").is_file()
     else:
         assert arch == "llama"
