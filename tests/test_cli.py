@@ -369,7 +369,7 @@ def test_demo_on_tiny_target_without_draft_lm(capsys: pytest.CaptureFixture[str]
     from angelspec import demo
 
     args = ["--target", str(tiny_target_dir), "--max-new-tokens", "4", "--per-domain", "2",
-            "--draft-lm", str(tmp_path / "no-draft-lm"), "--train-minutes", "0"]
+            "--draft-lm", str(tmp_path / "no-draft-lm"), "--train-minutes", "0", "--no-compile"]
     assert demo.main(args) == 0
     out = capsys.readouterr().out
     assert "demo report" in out and "tokens/s" in out

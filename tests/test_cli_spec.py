@@ -478,7 +478,7 @@ def test_demo_with_a_draft_lm(capsys: pytest.CaptureFixture[str], tiny_target_di
     train_dfly(tiny_target_dir, conversations, drafters / "dfly", config=block_tiny(), **quiet)
     assert demo.main(["--target", str(tiny_target_dir), "--draft-lm", str(draft_dir), "--max-new-tokens", "4",
                       "--per-domain", "1", "--train-minutes", "0.05", "--train-prompts", str(conversations),
-                      "--work-dir", str(tmp_path / "demo"), "--drafters", str(drafters)]) == 0
+                      "--work-dir", str(tmp_path / "demo"), "--drafters", str(drafters), "--no-compile"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("AR vs drafters, per domain"):]
     for name in ("AR", "n-gram", "draft-LM", "MTP-3 (shipped)", "DFly (shipped)", "DFly+D-cut (shipped)",
@@ -501,7 +501,7 @@ def test_demo_skips_a_draft_lm_for_another_target(capsys: pytest.CaptureFixture[
     other = copy_with_config(draft_dir, tmp_path / "other",
                              angelspec={**raw["angelspec"], "target_fingerprint": "0123456789abcdef"})
     assert demo.main(["--target", str(tiny_target_dir), "--draft-lm", str(other), "--max-new-tokens", "2",
-                      "--per-domain", "1", "--train-minutes", "0"]) == 0
+                      "--per-domain", "1", "--train-minutes", "0", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "skipped" in out and "0123456789abcdef" in out
 

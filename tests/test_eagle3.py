@@ -56,8 +56,11 @@ def test_config_taps_shapes_and_weight_names():
     assert sd["layer.attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 2 * 32)  # q/k/v read [E(x); h]: 2C wide
     assert "proj.weight" not in sd and "embed_norm.weight" not in sd  # no MTP fusion
     assert not any(k.startswith(("embed_tokens", "lm_head", "_shared")) for k in sd)
-    with pytest.raises(ConfigError, match="at least 5"):
-        Eagle3Config.for_target(tiny_target(layers=4).config)  # (1, 2, 2) is not three layers
+    # (1, 2, 2) is not three layers: a 4-layer target's taps are its first, middle and last layer instead
+    assert Eagle3Config.for_target(tiny_target(layers=4).config).target_layer_ids == (0, 2, 3)
+    assert Eagle3Config.for_target(tiny_target(layers=3).config).target_layer_ids == (0, 1, 2)
+    with pytest.raises(ConfigError, match="at least 3"):
+        Eagle3Config.for_target(tiny_target(layers=2).config)  # no three layers at all
     with pytest.raises(ConfigError, match="strictly increasing"):
         Eagle3Config.for_target(target.config, target_layer_ids=(3, 1, 4))
     with pytest.raises(ConfigError, match=r"\[6\] out of range"):
@@ -211,7 +214,7 @@ def test_cli_train_on_a_too_shallow_target_and_tap_overrides(capsys, tmp_path, t
     code = main(["train", "--drafter", "eagle3", "--target", str(tiny_target_dir), "--data", str(conversations),
                  "--out", str(tmp_path / "o"), "--preset", "tiny_debug", "--quiet", "steps=1"])
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "at least 5" in err and "target_layer_ids" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "at least 3" in err and "target_layer_ids" in err
     assert not (tmp_path / "o" / "config.json").exists()
     assert with_overrides(tiny_debug(), {"target_layer_ids": "0,2,5"}).target_layer_ids == (0, 2, 5)
     with pytest.raises(ValueError, match="3 comma-separated integers"):

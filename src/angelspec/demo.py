@@ -1,7 +1,10 @@
 """`make demo`: the AngelSpec story on the embedded target, as a list of stages.
 
 The story: load the target; decode a few held-out prompts per domain (code, maths, chat) greedily with
-plain autoregressive (AR) decoding, the baseline; decode the same prompts with n-gram prompt lookup, the
+plain autoregressive (AR) decoding, the baseline; the headline: what the README recommends, measured on this machine
+(compiled, n-gram lookup in front of the shipped model drafters, each at its trained depth, beside n-gram lookup
+alone), with the machine named and the best drafter per domain; then, eager, the same prompts
+with n-gram prompt lookup, the
 shipped draft LM and the drafters shipped with the embedded target (MTP-3 and EAGLE-3 with TTT, DFly, DSpark,
 DFly with D-cut; `make drafters` rebuilds them); train a DFly drafter for a few minutes to show the training
 pipeline; run a small serving sweep; close with one table per domain of tokens/s, mean accepted length (MAL),
@@ -13,7 +16,7 @@ Each stage reads what earlier ones left in the shared `DemoState` and returns a 
 closing report; later work appends stages (train a drafter, benchmark against peers) to `STAGES`.
 
 Run with `python -m angelspec.demo [--target DIR] [--draft-lm DIR] [--per-domain N] [--max-new-tokens N]
-[--batch-size B] [--device DEV] [--dtype DTYPE]`.
+[--batch-size B] [--no-compile] [--device DEV] [--dtype DTYPE]`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class DemoState:
     settings: Any = None  # EvalSettings
     baseline: Any = None  # DecodeRun of AR decoding
     reports: list[Any] = field(default_factory=list)  # EvalReport per drafter, in stage order
+    compile: bool = True  # the headline runs compiled, as the README recommends
+    headline: list[Any] = field(default_factory=list)  # EvalReport per headline configuration
+    best_per_domain: str = ""  # the headline's fastest configuration per domain, for the closing report
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,100 @@ def stage_ar_baseline(state: DemoState) -> dict[str, str]:
     return {"prompts": f"{len(state.prompts)} held-out ({counts}), greedy, {state.max_new_tokens} new tokens, "
                        f"batch {state.batch_size}",
             "AR": f"{m.output_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tokens/s"}
+
+
+# The headline: what the README recommends (n-gram lookup in front of a model drafter), beside n-gram lookup alone,
+# each at the depth it was trained for, compiled; the model drafters alone are in the eager table (each compiled
+# configuration costs its own compilation, 30-60 s on 2 cores). (shipped folder or None for n-gram, `--drafter`
+# suffix, table name)
+HEADLINE_ROWS = ((None, "", "n-gram lookup"), ("dfly", "+ngram", "DFly + n-gram lookup"),
+                 ("dspark", "+ngram", "DSpark + n-gram lookup"), ("mtp", "+ngram", "MTP-3 + n-gram lookup"))
+
+
+def machine_description() -> str:
+    """The machine the numbers come from: CPU model, cores, compute threads, torch version (and GPU, if any)."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} compute thread(s), torch {torch.__version__}"
+            f"{gpu}")
+
+
+def best_per_domain(baseline: Any, reports: list[Any]) -> dict[str, tuple[str, float]]:
+    """Domain -> (name, speed-up over AR) of the fastest configuration among `reports` (plain AR when none is
+    faster), over the baseline's domains and all of them together."""
+    from angelspec.eval.speculative import ALL
+
+    best: dict[str, tuple[str, float]] = {}
+    for domain in [*baseline.domains, ALL]:
+        scored = [(r.drafter, (r.overall if domain == ALL else r.domains[domain]).speedup) for r in reports
+                  if domain == ALL or domain in r.domains]
+        name, speedup = max(scored, key=lambda s: s[1], default=("AR", 1.0))
+        best[domain] = (name, speedup) if speedup > 1.0 else ("AR (no drafter was faster)", 1.0)
+    return best
+
+
+def stage_headline(state: DemoState) -> dict[str, str]:
+    """The configuration the README recommends, measured here: AR and each drafter compiled (`EngineConfig(
+    compile=True)`; each run's untimed warm-up pays the compilation), every drafter at the depth it was trained
+    for, n-gram lookup in front of the model drafters; then the best drafter per domain on this machine."""
+    from dataclasses import replace
+
+    from angelspec.decoding.drafters.base import DrafterMismatchError
+    from angelspec.decoding.loading import draft_depth
+    from angelspec.eval.speculative import evaluate, format_comparison, run_decoding
+
+    if not state.prompts:
+        state.prompts, state.questions = select_prompts(state)
+    settings = replace(state.settings, compile=state.compile)
+    mode = "compiled" if state.compile else "eager (--no-compile)"
+    machine = machine_description()
+    print(f"machine: {machine}\nheadline runs: {mode}, batch {state.batch_size}, {len(state.prompts)} prompts")
+    baseline = run_decoding(state.model, state.prompts, settings, desc=f"AR ({mode})")
+    facts = {"machine": machine}
+    for folder_name, suffix, name in HEADLINE_ROWS:
+        if folder_name is None:
+            spec = "ngram"
+        else:
+            folder = shipped_folder(state, folder_name)
+            if folder is None:
+                facts[name] = f"skipped: no drafter in {state.drafters / folder_name} (`make drafters` builds it)"
+                print(f"{name}: {facts[name]}")
+                continue
+            spec = f"{folder}{suffix}"
+        try:
+            drafter = resolve_drafter(spec, state.model, state.target_dir)
+        except DrafterMismatchError as e:
+            facts[name] = f"skipped: {e}"
+            print(f"{name}: {facts[name]}")
+            continue
+        print(f"\n--- {name} ({mode}) ---", flush=True)
+        report = evaluate(state.model, drafter, state.prompts,
+                          replace(settings, num_draft_tokens=draft_depth(drafter)), name=name, baseline=baseline)
+        state.headline.append(report)
+        r = report.overall
+        facts[name] = (f"{r.speedup:.2f}x vs AR, MAL {r.spec.mean_accepted_length:.2f} "
+                       f"(K={report.settings.num_draft_tokens}); {report.lossless_line()}")
+    if state.headline:
+        print(f"\nheadline ({mode}, {machine}):")
+        print(format_comparison(baseline, state.headline))
+    best = best_per_domain(baseline, state.headline)
+    lines = [f"{domain}: {name} ({speedup:.2f}x)" for domain, (name, speedup) in best.items()]
+    print("best drafter per domain on this machine: " + "; ".join(lines))
+    facts["best per domain"] = state.best_per_domain = "; ".join(lines)
+    facts["AR"] = f"{baseline.overall.tokens_per_s:.1f} tokens/s ({mode})"
+    return facts
 
 
 def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str | None = None,
@@ -318,24 +418,29 @@ def stage_serving(state: DemoState) -> dict[str, str]:
 
 
 def stage_report(state: DemoState) -> dict[str, str]:
-    """AR and every drafter side by side, per domain."""
+    """AR and every drafter side by side, per domain (eager); the headline's best drafter per domain again."""
     from angelspec.eval.speculative import format_comparison
 
     print(format_comparison(state.baseline, state.reports))
-    ok = all(r.lossless for r in state.reports)
-    return {"lossless": "every speculative output identical to AR" if ok else "SPECULATIVE OUTPUTS DIFFER FROM AR"}
+    ok = all(r.lossless for r in [*state.reports, *state.headline])
+    facts = {"lossless": "every speculative output identical to AR" if ok else "SPECULATIVE OUTPUTS DIFFER FROM AR"}
+    if state.best_per_domain:
+        facts["use (headline, this machine)"] = state.best_per_domain
+    return facts
 
 
 STAGES: list[Stage] = [
     Stage("load target", stage_load_target),
-    Stage("AR baseline (greedy)", stage_ar_baseline),
+    Stage("AR baseline (greedy, eager)", stage_ar_baseline),
+    Stage("headline: the recommended configuration (compiled unless --no-compile, n-gram lookup in front of the "
+          "model drafters, trained depths)", stage_headline),
     Stage("speculative decoding: n-gram prompt lookup", stage_ngram),
     Stage("speculative decoding: draft LM", stage_draft_lm),
     Stage("speculative decoding: the shipped drafters (MTP-3, EAGLE-3, DFly, DSpark, DFly + D-cut; MTP-3 and "
           "DFly + D-cut with the speculation gate)", stage_shipped),
     Stage("train a DFly block drafter for a few minutes, then decode with it", stage_train_dfly),
     Stage("serving sweep: throughput vs concurrency (AR, shipped MTP, DFly, DFly + D-cut)", stage_serving),
-    Stage("AR vs drafters, per domain", stage_report),
+    Stage("AR vs drafters, per domain (eager)", stage_report),
 ]
 
 
@@ -376,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-prompts", default=str(TRAIN_PROMPTS), metavar="FILE",
                         help="prompts the DFly training stage rolls out and trains on (default: the shipped training "
                              "prompts)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the headline table compiled, as recommended (default: --compile; the eager "
+                             "comparison follows either way)")
     parser.add_argument("--work-dir", default=".cache/demo", metavar="DIR",
                         help="where the training stages write rollouts and drafters (default: .cache/demo)")
     parser.add_argument("--device", default=None, metavar="DEV",
@@ -393,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
 
         state = DemoState(target=args.target, max_new_tokens=args.max_new_tokens, per_domain=args.per_domain,
                           batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
-                          drafters=Path(args.drafters), work_dir=Path(args.work_dir),
+                          drafters=Path(args.drafters), compile=args.compile, work_dir=Path(args.work_dir),
                           train_prompts=Path(args.train_prompts),
                           placement=resolve_placement(args.device, args.dtype))
         report = run_demo(state)

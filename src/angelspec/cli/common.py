@@ -61,8 +61,11 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, seed: int | None,
     p.add_argument("--seed", type=int, default=seed, metavar="S", help=seed_help)
 
 
-def add_num_draft_tokens_flag(p: argparse.ArgumentParser, help: str = "(default: 4)") -> None:
-    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help=help)
+DEPTH_DEFAULT_HELP = "default: the depth the drafter was trained for; 4 for n-gram lookup and the draft LM"
+
+
+def add_num_draft_tokens_flag(p: argparse.ArgumentParser, help: str = "drafts proposed and verified per step") -> None:
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K", help=f"{help} ({DEPTH_DEFAULT_HELP})")
 
 
 def add_batch_size_flag(p: argparse.ArgumentParser) -> None:

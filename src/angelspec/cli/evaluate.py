@@ -40,7 +40,7 @@ def add_eval(sub: Subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts per domain")
     add_sampling_flags(p, seed=0, temperature_help="0 = greedy, with the token-for-token check against AR (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per prompt (default: 128)")
-    add_num_draft_tokens_flag(p, "drafts proposed and verified per step (default: 4)")
+    add_num_draft_tokens_flag(p)
     add_batch_size_flag(p)
     add_think_flag(p)
     add_policy_flags(p)
@@ -169,7 +169,7 @@ def add_bench(sub: Subparsers) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
                    help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
-    add_num_draft_tokens_flag(p, "drafts per step (default: 4)")
+    add_num_draft_tokens_flag(p, "drafts per step for configs that do not name one")
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
                    help="requests per point are max(2C, N) (default: 8)")
     p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",

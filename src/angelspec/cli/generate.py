@@ -18,7 +18,7 @@ def add_generate(sub: common.Subparsers) -> None:
     common.add_target_flag(p)
     common.add_device_flags(p)
     p.add_argument("--drafter", default="none", metavar="SPEC", help=f"{common.DRAFTER_SPECS} (default: none)")
-    common.add_num_draft_tokens_flag(p, "drafts proposed and verified per step (default: 4; ignored without a drafter)")
+    common.add_num_draft_tokens_flag(p, "drafts proposed and verified per step; ignored without a drafter")
     common.add_sampling_flags(p, seed=None, seed_help="request i uses seed S+i (default: random)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per prompt (default: 256)")
     common.add_batch_size_flag(p)

@@ -40,9 +40,9 @@ def add_train(sub: Subparsers) -> None:
                    help="output folder (refused if it holds a model or an unfinished run, unless --force or "
                         "--resume, and while another run writes to it)")
     p.add_argument("--preset", default=None, metavar="NAME",
-                   help="training preset (default: draft_lm_embedded for draft-lm, mtp_embedded for mtp, "
-                        "eagle3_embedded for eagle3, KIND_embedded for dflash / dflare / dfly / dspark; tiny_debug for "
-                        "all; mtp_base = teacher-forced one-depth MTP; qwen3_8b_dfly, qwen3_8b_dspark)")
+                   help="training preset (default, from the target's size: KIND_embedded (draft_lm_embedded for "
+                        "draft-lm) for targets under 0.5B parameters; qwen3_8b_dfly / qwen3_8b_dspark for dfly / "
+                        "dspark on larger ones; tiny_debug for all; mtp_base = teacher-forced one-depth MTP)")
     p.add_argument("--head", choices=("none", "markov", "gated", "rnn", "hidden"), default=None,
                    help="sequential head of a block drafter (dflash, dflare, dfly, dspark; default: the kind's own: "
                         "none for dflash/dflare, hidden for dfly, markov for dspark); same as head=NAME")

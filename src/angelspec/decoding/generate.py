@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.prompts import load_prompts
-from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer, resolve_drafter, run_engine
+from angelspec.decoding.loading import (
+    draft_depth,
+    encode_prompts,
+    load_target_and_tokenizer,
+    resolve_drafter,
+    run_engine,
+)
 from angelspec.errors import UsageError, require_positive
 from angelspec.fileio import check_output_path, refuse_same_file, write_jsonl_atomic
 
@@ -93,7 +99,7 @@ class GenerateSummary:
 
 
 def generate_completions(prompts: str | Path, out: str | Path, *, target: str | Path | None = None,
-                         drafter: str = "none", num_draft_tokens: int = 4, temperature: float = 0.0,
+                         drafter: str = "none", num_draft_tokens: int | None = None, temperature: float = 0.0,
                          top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_new_tokens: int = 256,
                          batch_size: int = 8, think: bool = False, policy: str = "full",
                          cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
@@ -106,7 +112,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     plus completion, token_ids and finish_reason.
 
     target: HF checkpoint folder (None: the embedded target); drafter: a `--drafter` spec
-    (`decoding.loading.resolve_drafter`); policy: a `--policy` spec; log: the cost-table profiler's progress;
+    (`decoding.loading.resolve_drafter`); num_draft_tokens: K (None: the depth the drafter was trained for,
+    `decoding.loading.draft_depth`); policy: a `--policy` spec; log: the cost-table profiler's progress;
     warn: a note when some prompts leave less than `max_new_tokens` of the context, or when the drafter's confidence
     calibration has no fit near `temperature`; placement: the target's device and dtype (None: a GPU in bfloat16
     where torch sees one, else the CPU in float32; `angelspec.models.device.resolve_placement`).
@@ -117,7 +124,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
         raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
                          "--spec-gate")
     require_positive("--batch-size", batch_size)
-    require_positive("--num-draft-tokens", num_draft_tokens)
+    if num_draft_tokens is not None:
+        require_positive("--num-draft-tokens", num_draft_tokens)
     out = Path(out)
     refuse_same_file(out, ("--prompts", prompts), ("--cost-table", cost_table))
     check_output_path(out, force)
@@ -129,6 +137,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     context = model.config.max_position_embeddings
     prompt_ids = encode_prompts(tokenizer, records, context=context, think=think, source=str(prompts))
     draft = resolve_drafter(drafter, model, target_dir)
+    num_draft_tokens = draft_depth(draft, num_draft_tokens)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)
     from angelspec.decoding.policies.sts import CalibratedDrafter

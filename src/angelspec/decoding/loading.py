@@ -151,6 +151,21 @@ def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> N
                                    "for this one")
 
 
+DEFAULT_NUM_DRAFT_TOKENS = 4  # K for drafters without a trained depth (n-gram lookup, the draft LM)
+
+
+def draft_depth(drafter: Drafter | None, requested: int | None = None) -> int:
+    """The K a command drafts with: `requested` (`--num-draft-tokens`) when given, else the depth the drafter was
+    trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP / EAGLE-3 model's depth count),
+    else `DEFAULT_NUM_DRAFT_TOKENS`. A requested K must be positive."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise UsageError(f"--num-draft-tokens must be a positive integer, got {requested!r}")
+        return requested
+    trained = None if drafter is None else drafter.trained_depth
+    return trained if isinstance(trained, int) and trained > 0 else DEFAULT_NUM_DRAFT_TOKENS
+
+
 HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
 HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
 

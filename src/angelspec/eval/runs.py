@@ -20,6 +20,7 @@ from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.generate import build_depth_policy, parse_depth_policy, sampling_params
 from angelspec.decoding.loading import (
+    draft_depth,
     drafter_forms,
     drafter_path,
     encode_prompts,
@@ -87,7 +88,8 @@ class EvalRun:
 def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | None = None,
                       prompts: str | Path | None = None, limit: int | None = None, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = 0, max_new_tokens: int = 128,
-                      num_draft_tokens: int = 4, batch_size: int = 8, think: bool = False, policy: str = "full",
+                      num_draft_tokens: int | None = None, batch_size: int = 8, think: bool = False,
+                      policy: str = "full",
                       cost_table: str | Path | None = None, compile: bool = False, spec_gate: bool = False,
                       json_out: str | Path | None = None, force: bool = False,
                       progress: bool = True, log: Callable[[str], None] | None = None,
@@ -130,17 +132,19 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
                           source=str(prompts_path), limit=limit, think=think)
-    runs = []
+    runs, depths = [], []
     for spec, policy_spec in zip(specs, policy_specs, strict=True):
         draft = resolve_drafter(spec, model, target_dir)
         assert draft is not None
-        depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
+        k = draft_depth(draft, num_draft_tokens)  # default: the depth each drafter was trained for
+        depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=k,
                                           batch_size=batch_size, cost_table=cost_table, compile=compile, log=log)
         runs.append((spec, draft, depth_policy, policy))
-    settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens,
+        depths.append(k)
+    settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=depths[0],
                             sampling=sampling, compile=compile,
                             spec_gate=spec_gate)  # evaluate gives request i the seed S + i
-    baseline, reports = evaluate_many(model, runs, chosen, settings, progress=progress)
+    baseline, reports = evaluate_many(model, runs, chosen, settings, progress=progress, depths=depths)
     calibrations: list[str | None] = []  # described, for the printout
     numbers = []  # per drafter, for --json
     for (_, draft, _, _), report in zip(runs, reports, strict=True):
@@ -161,8 +165,9 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
 
 
 def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                       num_draft_tokens: int = 4, repeats: int = 5, warmup: int = 2, out: str | Path | None = None,
-                       force: bool = False, compile: bool = False, log: Callable[[str], None] | None = None,
+                       num_draft_tokens: int | None = None, repeats: int = 5, warmup: int = 2,
+                       out: str | Path | None = None, force: bool = False, compile: bool = False,
+                       log: Callable[[str], None] | None = None,
                        placement: Placement | None = None) -> tuple[CostTable, str]:
     """Measure (or reuse, when a cached table for this setup is up to date) the cost table C(B, N) of the target
     and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file); compile:
@@ -172,7 +177,8 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     sizes = sorted(set(batch_sizes))
     for flag, value in [("--num-draft-tokens", num_draft_tokens), ("--repeats", repeats),
                         *(("--batch-sizes", b) for b in sizes)]:
-        require_positive(flag, value)
+        if value is not None:
+            require_positive(flag, value)
     if warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {warmup}")
     if drafter == "none":
@@ -185,13 +191,15 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     model, _ = load_target_and_tokenizer(target_dir, placement)
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
-    return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=num_draft_tokens, force=force,
+    return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens),
+                           force=force,
                            repeats=repeats, warmup=warmup, compile=compile, log=log)
 
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,
-              limit: int | None = None, num_draft_tokens: int = 4, batch_size: int = 8, temperature: float = 0.0,
-              force: bool = False, progress: bool = True, placement: Placement | None = None) -> str:
+              limit: int | None = None, num_draft_tokens: int | None = None, batch_size: int = 8,
+              temperature: float = 0.0, force: bool = False, progress: bool = True,
+              placement: Placement | None = None) -> str:
     """Fit STS temperatures for the confidences of the saved drafter `drafter` (DIR or KIND:DIR) on the held-out
     `prompts` (at most `limit`) decoded at sampling `temperature`, and store them as its fit at that temperature in
     calibration.json next to its checkpoint; returns the report."""
@@ -214,13 +222,13 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return calibrate_drafter(model, draft, prompt_ids, folder, name=drafter, max_new_tokens=max_new_tokens,
-                             num_draft_tokens=num_draft_tokens, batch_size=batch_size, temperature=temperature,
-                             force=force, progress=progress)
+                             num_draft_tokens=draft_depth(draft, num_draft_tokens), batch_size=batch_size,
+                             temperature=temperature, force=force, progress=progress)
 
 
 def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
               concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
-              num_draft_tokens: int = 4, min_requests: int = 8, warmup_tokens: int = 8,
+              num_draft_tokens: int | None = None, min_requests: int = 8, warmup_tokens: int = 8,
               prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
               vllm: str | Path | None = None, log: Callable[[str], None] | None = None,
               placement: Placement | None = None) -> ServingReport:
@@ -240,7 +248,8 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         raise UsageError(str(e)) from None
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-draft-tokens", num_draft_tokens),
                         ("--min-requests", min_requests), ("--limit", 1 if limit is None else limit)):
-        require_positive(flag, value)
+        if value is not None:
+            require_positive(flag, value)
     if warmup_tokens < 0:
         raise UsageError(f"--warmup-tokens must be >= 0, got {warmup_tokens}")
     out_dir = Path(out)

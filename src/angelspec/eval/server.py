@@ -150,12 +150,9 @@ def snapshot_checkpoint(src: Path, step: int, dest_root: Path) -> Path | None:
 
 
 def natural_depth(drafter: Any, default: int = 4) -> int:
-    """A block drafter's block size - 1 (`max_draft_tokens`, looked up through wrappers: calibration, n-gram lookup
-    in front); `default` for drafters without a natural depth."""
-    inner = drafter
-    while getattr(inner, "inner", None) is not None:
-        inner = inner.inner
-    v = getattr(inner, "max_draft_tokens", None)
+    """The depth the drafter was trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP /
+    EAGLE-3 model's depth count; wrappers pass their inner drafter's); `default` for drafters without one."""
+    v = getattr(drafter, "trained_depth", None)
     return v if isinstance(v, int) and v > 0 else default
 
 

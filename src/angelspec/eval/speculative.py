@@ -286,19 +286,23 @@ def evaluate(target: Decoder, drafter: Drafter, prompts: Sequence[EvalPrompt], s
 
 
 def evaluate_many(target: Decoder, drafters: Sequence[tuple[str, Drafter, DepthPolicyFn | None, str]],
-                  prompts: Sequence[EvalPrompt], settings: EvalSettings, *,
-                  progress: bool = True) -> tuple[DecodeRun, list[EvalReport]]:
+                  prompts: Sequence[EvalPrompt], settings: EvalSettings, *, progress: bool = True,
+                  depths: Sequence[int] | None = None) -> tuple[DecodeRun, list[EvalReport]]:
     """Decode `prompts` with AR once, then with each drafter, given as (name, drafter, depth policy, policy spec);
-    returns the AR run and one report per drafter. Every drafter is checked against the target before anything is
-    decoded, so a mismatched one late in the list costs nothing."""
+    returns the AR run and one report per drafter. `depths`: each drafter's K (None: `settings.num_draft_tokens`
+    for all). Every drafter is checked against the target before anything is decoded, so a mismatched one late in
+    the list costs nothing."""
     prompts = list(prompts)
+    ks = [settings.num_draft_tokens] * len(drafters) if depths is None else list(depths)
+    if len(ks) != len(drafters):
+        raise EvalError(f"{len(ks)} draft depths for {len(drafters)} drafters")
     bound = _max_seq_len(target, prompts, settings)
     for _, drafter, _, _ in drafters:
         drafter.check_compatible(target.config, bound)
     baseline = run_decoding(target, prompts, settings, progress=progress, desc="AR")
-    reports = [evaluate(target, drafter, prompts, settings, name=name, baseline=baseline, progress=progress,
-                        depth_policy=depth_policy, policy=policy)
-               for name, drafter, depth_policy, policy in drafters]
+    reports = [evaluate(target, drafter, prompts, replace(settings, num_draft_tokens=k), name=name,
+                        baseline=baseline, progress=progress, depth_policy=depth_policy, policy=policy)
+               for (name, drafter, depth_policy, policy), k in zip(drafters, ks, strict=True)]
     return baseline, reports
 
 
@@ -324,12 +328,13 @@ def compare(ar: DecodeRun, spec: DecodeRun, prompts: Sequence[EvalPrompt], *, na
 def format_comparison(baseline: DecodeRun, reports: Sequence[EvalReport]) -> str:
     """One table per domain and overall: AR and every drafter side by side (tokens/s, MAL, speed-up, lossless)."""
     names = list(baseline.domains) + ([ALL] if len(baseline.domains) > 1 else [])
-    width = max([len("AR"), *(len(r.drafter) for r in reports)]) + 2
+    labels = [f"{r.drafter} (K={r.settings.num_draft_tokens})" for r in reports]
+    width = max([len("AR"), *(len(label) for label in labels)]) + 2
     lines = [f"{'domain':<8}{'decoding':<{width}}{'tokens/s':>10}{'MAL':>7}{'speed-up':>10}  lossless"]
     for domain in names:
         ar = baseline.overall if domain == ALL else baseline.domains[domain]
         lines.append(f"{domain:<8}{'AR':<{width}}{ar.tokens_per_s:>10.1f}{1.0:>7.2f}{1.0:>9.2f}x  (reference)")
-        for rep in reports:
+        for rep, label in zip(reports, labels, strict=True):
             r = rep.overall if domain == ALL else rep.domains[domain]
             if r.identical is None:
                 check = "not checked (T>0)"
@@ -337,7 +342,7 @@ def format_comparison(baseline: DecodeRun, reports: Sequence[EvalReport]) -> str
                 check = f"identical to AR ({r.identical}/{r.prompts})"
             else:
                 check = f"DIFFERS from AR ({r.prompts - r.identical}/{r.prompts} outputs)"
-            lines.append(f"{'':<8}{rep.drafter:<{width}}{r.spec.tokens_per_s:>10.1f}"
+            lines.append(f"{'':<8}{label:<{width}}{r.spec.tokens_per_s:>10.1f}"
                          f"{r.spec.mean_accepted_length:>7.2f}{r.speedup:>9.2f}x  {check}")
     return "\n".join(lines)
 

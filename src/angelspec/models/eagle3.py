@@ -49,11 +49,15 @@ NUM_TAPS = 3
 
 
 def default_eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Low / mid / high taps (1, L//2, L-2) of an L-layer target (module docstring); needs L >= 5 to be distinct."""
+    """Low / mid / high taps (1, L//2, L-2) of an L-layer target (module docstring). Targets of 3 or 4 layers, where
+    those are not three distinct layers, get the first, middle and last layer (0, L//2, L-1); fewer than 3 layers
+    have no three taps."""
     ids = (1, num_layers // 2, num_layers - 2)
     if not ids[0] < ids[1] < ids[2]:
-        raise ConfigError(f"EAGLE-3's default taps (1, L//2, L-2) = {ids} are not three distinct increasing layers "
-                          f"for a target with {num_layers} layers (needs at least 5); pass target_layer_ids")
+        ids = (0, num_layers // 2, num_layers - 1)
+    if not ids[0] < ids[1] < ids[2]:
+        raise ConfigError(f"EAGLE-3 reads three distinct target layers, and a target with {num_layers} layers has "
+                          f"fewer (needs at least 3); pass target_layer_ids or pick another drafter")
     return ids
 
 

@@ -74,7 +74,6 @@ from angelspec.models.block.config import (
 )
 from angelspec.models.block.drafter import BlockDrafter, BlockTrainOutput
 from angelspec.models.block.io import save_block_drafter
-from angelspec.models.block.presets import QWEN3_MASK_TOKEN_ID
 from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
 from angelspec.models.decoder import Decoder
@@ -132,6 +131,10 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
     draft_layers: int = 2
     target_layer_ids: tuple[int, ...] | None = None
     num_taps: int | None = None
+    # The depth of the target `target_layer_ids` were chosen for (the embedded presets: 6). On a target of another
+    # depth they would tap the wrong layers (or none at all), so the taps follow that target instead: as many,
+    # spread over its layers by DFlash's rule (`default_block_layer_ids`). None: the taps are used as given.
+    taps_for_depth: int | None = None
     mask_token_id: int | None = None
     markov_rank: int = 64
     confidence_head: bool = True
@@ -244,12 +247,22 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
         return LossSchedule(cold_start="dpace_lk", switch_step=self.switch_step, final="e2e_tv",
                             config=self.loss_config())
 
+    def taps_for(self, target: DecoderConfig) -> tuple[tuple[int, ...] | None, int | None]:
+        """(target_layer_ids, num_taps) for `target`: the configured taps, unless they were chosen for a target of
+        another depth (`taps_for_depth`); then None and as many taps as the target has room for, so
+        `BlockDrafterConfig.for_target` spreads them over its layers."""
+        ids, depth = self.target_layer_ids, self.taps_for_depth
+        if ids is None or depth is None or depth == target.num_hidden_layers:
+            return ids, self.num_taps
+        return None, min(len(ids), target.num_hidden_layers)
+
     def model_config(self, target: DecoderConfig, mask_token_id: int) -> BlockDrafterConfig:
         """The drafter's config for `target` (raises ConfigError for taps the target lacks, a bad mask id, ...)."""
         _, conditioning, _ = KINDS[self.kind]
+        taps, num_taps = self.taps_for(target)
         return BlockDrafterConfig.for_target(
             target, mask_token_id=mask_token_id, block_size=self.block_size, num_draft_layers=self.draft_layers,
-            target_layer_ids=self.target_layer_ids, num_taps=self.num_taps, conditioning=conditioning,
+            target_layer_ids=taps, num_taps=num_taps, conditioning=conditioning,
             head=self.resolved_head, markov_rank=self.markov_rank, confidence_head=self.confidence_head,
             head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
             context_injection=self.context_injection, fc_bias=self.fc_bias,
@@ -274,13 +287,15 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
 # ----- presets -----
 
 EMBEDDED_TAPS = (1, 3, 5)  # low, mid and last layer of the 6-layer embedded target (models.block)
+EMBEDDED_DEPTH = 6  # the embedded target's layers: on another target the embedded presets' taps follow it
 
 
 def dfly_embedded() -> BlockDrafterTrainConfig:
     """DFly with the hidden-correction head for the embedded target (6 × 256, vocab 8192): L2-B8, taps (1, 3, 5),
     16 anchors per 512-token row, D-PACE LK cold start for 60 steps then e2e TV. Sized like `mtp_embedded` (a
     few CPU minutes, by a FLOP estimate: the target forward dominates); not yet timed."""
-    return BlockDrafterTrainConfig(drafter="dfly", head="hidden", target_layer_ids=EMBEDDED_TAPS)
+    return BlockDrafterTrainConfig(drafter="dfly", head="hidden", target_layer_ids=EMBEDDED_TAPS,
+                                   taps_for_depth=EMBEDDED_DEPTH)
 
 
 def dfly_demo() -> BlockDrafterTrainConfig:
@@ -335,19 +350,21 @@ def dfly_shipped_af() -> BlockDrafterTrainConfig:
 
 def dflash_embedded() -> BlockDrafterTrainConfig:
     """DFlash (no sequential head) with the same budget and taps as `dfly_embedded`: the ablation's baseline."""
-    return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS)
+    return BlockDrafterTrainConfig(drafter="dflash", head="none", target_layer_ids=EMBEDDED_TAPS,
+                                   taps_for_depth=EMBEDDED_DEPTH)
 
 
 def dflare_embedded() -> BlockDrafterTrainConfig:
     """DFlare (per-layer fusion, no head) with the same budget and taps as `dfly_embedded`."""
-    return BlockDrafterTrainConfig(drafter="dflare", head="none", target_layer_ids=EMBEDDED_TAPS)
+    return BlockDrafterTrainConfig(drafter="dflare", head="none", target_layer_ids=EMBEDDED_TAPS,
+                                   taps_for_depth=EMBEDDED_DEPTH)
 
 
 def dspark_embedded() -> BlockDrafterTrainConfig:
     """DSpark for the embedded target: DFlash backbone, rank-64 Markov head, confidence head, the three-term
     DSpark loss with w_k = exp(−(k−1)/γ), γ = K."""
     return BlockDrafterTrainConfig(drafter="dspark", head="markov", target_layer_ids=EMBEDDED_TAPS,
-                                   objective="dspark")
+                                   taps_for_depth=EMBEDDED_DEPTH, objective="dspark")
 
 
 def dspark_shipped() -> BlockDrafterTrainConfig:
@@ -395,13 +412,15 @@ QWEN3_TOP_K = 10_000  # the report's teacher support K (§2.3); at V = 152k full
 
 
 def qwen3_8b_dfly() -> BlockDrafterTrainConfig:
-    """The report's DFly for Qwen3-8B (§3.5, L5-B8): 5 draft layers of the target's shape, DFlash taps (1, 9, 17,
-    25, 33), hidden-correction head, Qwen3's reserved mask token 151669, 3k-token rows with 64 anchors, the
+    """The report's DFly for Qwen3-8B (§3.5, L5-B8), and the preset `train` picks for any target of 0.5B
+    parameters or more: 5 draft layers of the target's shape, DFlash taps (1, 9, 17, 25, 33 on Qwen3-8B's 36
+    layers; spread over any target's depth), hidden-correction head, the mask token from the tokenizer (on Qwen3,
+    which declares none, its reserved row 151669; `train.runs.with_mask_token`), 3k-token rows with 64 anchors, the
     teacher's top 10,000 tokens as the distillation support (the report's K; the whole 152k vocabulary would hold
     [rows, anchors, K, V] teacher probabilities). The schedule is a starting point for a GPU run, not a tuned
     recipe."""
     return BlockDrafterTrainConfig(drafter="dfly", head="hidden", block_size=8, draft_layers=5, markov_rank=256,
-                                   mask_token_id=QWEN3_MASK_TOKEN_ID, num_anchors=64, seq_len=3072, batch_size=8,
+                                   num_anchors=64, seq_len=3072, batch_size=8,
                                    steps=20_000, switch_step=2_000, lr=6e-4, warmup=500, ckpt_every=1_000,
                                    log_every=50, top_k=QWEN3_TOP_K)
 
@@ -423,16 +442,40 @@ PRESETS = {"dfly_embedded": dfly_embedded, "dfly_demo": dfly_demo, "dfly_shipped
 # ----- pieces -----
 
 
+MASK_TOKEN_WORDS = ("mask", "reserved", "unused")  # names of special tokens a mask token can be taken from
+
+
+def mask_token_candidates(tokenizer: Any, vocab_size: int, limit: int = 3) -> list[tuple[int, str]]:
+    """Ids a block drafter could use as its mask token, as (id, description): the tokenizer's special tokens whose
+    names say they are free (`MASK_TOKEN_WORDS`, e.g. Llama 3's <|reserved_special_token_0|>), then the first
+    embedding row beyond the tokenizer's tokens (Qwen3's 151669, DFlash's choice), at most `limit`."""
+    out: list[tuple[int, str]] = []
+    backend = getattr(tokenizer, "backend", None)
+    added = backend.get_added_tokens_decoder() if hasattr(backend, "get_added_tokens_decoder") else {}
+    for token_id, token in sorted(added.items()):
+        content = str(getattr(token, "content", token))
+        if getattr(token, "special", True) and any(w in content.lower() for w in MASK_TOKEN_WORDS) \
+                and token_id < vocab_size:
+            out.append((int(token_id), content))
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else vocab_size
+    if size < vocab_size:
+        out.append((size, "an embedding row no token of the tokenizer uses"))
+    return out[:limit]
+
+
 def resolve_mask_token(tokenizer: Any, override: int | None, vocab_size: int) -> int:
-    """The mask token id: `override`, else the tokenizer's `mask_token_id`; ConfigError when there is none or it
-    lies outside the target's vocabulary or the tokenizer."""
+    """The mask token id: `override`, else the tokenizer's `mask_token_id`; ConfigError when there is none (naming
+    the ids that could serve, `mask_token_candidates`) or it lies outside the target's vocabulary (its embedding
+    rows: a reserved row that no token of the tokenizer uses, as Qwen3's 151669, is a valid mask token)."""
     mask = override if override is not None else getattr(tokenizer, "mask_token_id", None)
     if mask is None:
+        candidates = mask_token_candidates(tokenizer, vocab_size)
+        hint = ("; candidates: " + ", ".join(f"mask_token_id={i} ({what})" for i, what in candidates)
+                if candidates else "")
         raise ConfigError("the target's tokenizer has no mask token: block drafters fill the draft positions with "
-                          "the embedding of a reserved token; pass mask_token_id=<an unused special token id>")
-    limit = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
-    if not 0 <= mask < limit:
-        raise ConfigError(f"mask token id {mask} is not in the target's vocabulary / tokenizer (ids 0..{limit - 1}): "
+                          f"the embedding of a reserved token; pass mask_token_id=<an unused special token id>{hint}")
+    if not 0 <= mask < vocab_size:
+        raise ConfigError(f"mask token id {mask} is not in the target's vocabulary (ids 0..{vocab_size - 1}): "
                           "pick a reserved special token")
     return int(mask)
 

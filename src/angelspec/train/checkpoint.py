@@ -55,7 +55,9 @@ RUN_LENGTH_KEYS = ("steps", "ckpt_every", "log_every")
 # the path of the folder an `init_from` run started from, which a resumed run no longer reads (its weights come
 # from the checkpoint, checked against the model built): the work folder may have moved, or been named
 # relatively once and absolutely the next time.
-RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing", "init_from")
+# taps_for_depth only says which target the configured taps were chosen for; the taps a run trains with are in its
+# drafter config.
+RESUME_FREE_KEYS = (*RUN_LENGTH_KEYS, "features", "activation_checkpointing", "init_from", "taps_for_depth")
 # Settings a checkpoint may predate, with the value that reproduces how such a run trained: a checkpoint whose
 # train_config lacks one reads as having that value, so a run started before the setting existed resumes when the
 # setting is passed at it (e.g. a block drafter begun before `confidence_target`: confidence_target=tv; a drafter

@@ -21,6 +21,10 @@ TRAINERS = {"draft-lm": ("angelspec.train.draft_lm", "train_draft_lm", "draft_lm
             "dfly": ("angelspec.train.block", "train_dfly", "dfly_embedded"),
             "dspark": ("angelspec.train.block", "train_dspark", "dspark_embedded")}
 TRAINABLE_DRAFTERS = tuple(TRAINERS)
+# Targets of at least this many parameters are real-size models (Qwen3-0.6B and up, Llama 3): the kinds listed
+# here train with the report's real-size preset (GPU-sized) instead of the one sized for the embedded target.
+REAL_SIZE_PARAMETERS = 500_000_000
+REAL_SIZE_PRESETS = {"dfly": "qwen3_8b_dfly", "dspark": "qwen3_8b_dspark"}
 BLOCK_DRAFTERS = ("dflash", "dflare", "dfly", "dspark")  # the kinds that take --head
 SP_DRAFTERS = ("mtp", "eagle3", *BLOCK_DRAFTERS)  # the kinds that train with --sp (train.sequence_parallel)
 
@@ -32,3 +36,14 @@ def get_trainer(kind: str) -> tuple[Trainer, dict[str, Any], str]:
     module_name, function, preset = TRAINERS[kind]
     module = importlib.import_module(module_name)
     return getattr(module, function), module.PRESETS, preset
+
+
+def preset_for_target(kind: str, num_parameters: int) -> str:
+    """The preset `angelspec train --drafter KIND` uses when none is named, from the target's size: the real-size
+    preset (`REAL_SIZE_PRESETS`) for a target of `REAL_SIZE_PARAMETERS` or more where the kind has one, else the
+    kind's default (sized for the embedded target: a CPU run of minutes)."""
+    if kind not in TRAINERS:
+        raise KeyError(f"no trainer for drafter {kind!r}; trainable: {', '.join(TRAINABLE_DRAFTERS)}")
+    if num_parameters >= REAL_SIZE_PARAMETERS and kind in REAL_SIZE_PRESETS:
+        return REAL_SIZE_PRESETS[kind]
+    return TRAINERS[kind][2]

@@ -38,9 +38,14 @@ def preset_config(presets: dict[str, Callable[[], Any]], preset: str | None, def
         raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(sorted(presets))}")
     check_minutes(max_minutes)
     try:
-        config = with_overrides(presets[name](), parse_overrides(overrides))
+        parsed = parse_overrides(overrides)
+        config = with_overrides(presets[name](), parsed)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if "target_layer_ids" in parsed and getattr(config, "taps_for_depth", None) is not None:
+        from dataclasses import replace
+
+        config = replace(config, taps_for_depth=None)  # taps named for this run are used as given
     check_bounds(config)
     return config
 
@@ -55,6 +60,24 @@ def check_seq_len(seq_len: int | None, target_dir: Path, flag: str = "seq_len=")
     if seq_len > context:
         raise UsageError(f"{flag}{seq_len} is longer than the target's context ({context} tokens, "
                          f"max_position_embeddings in {target_dir}/config.json); pass {flag}{context} or less")
+
+
+def fit_seq_len(config: Any, target_dir: Path, overrides: Sequence[str] = (),
+                log: Callable[[str], None] = print) -> Any:
+    """A preset's packed-row length cut to the target's context when it is longer (a small target with a short
+    context), said through `log`; a `seq_len=` the run names itself is left to `check_seq_len`, which refuses it."""
+    seq_len = getattr(config, "seq_len", None)
+    if not seq_len or any(o.partition("=")[0].strip() == "seq_len" for o in overrides):
+        return config
+    from dataclasses import replace
+
+    from angelspec.models.hf_io import read_config
+
+    context = read_config(target_dir).max_position_embeddings
+    if seq_len <= context:
+        return config
+    log(f"seq_len {context}: the preset's {seq_len}-token rows cut to the target's context")
+    return replace(config, seq_len=context)
 
 
 def available_memory_bytes() -> int | None:
@@ -114,6 +137,51 @@ def check_shard_memory(rows_per_shard: int, seq_len: int, layers: int, hidden_si
         raise UsageError(f"--rows-per-shard {rows_per_shard} x --seq-len {seq_len} needs at least {need / gib:.1f} GiB "
                          f"to hold a shard ({layers} layers of {hidden_size} values per token), but this machine has "
                          f"{available / gib:.1f} GiB available; lower --rows-per-shard or --seq-len")
+
+
+def chosen_preset(kind: str, target_dir: Path, log: Callable[[str], None] = print) -> str:
+    """The preset for `kind` when none is named, from the size of the target in `target_dir`
+    (`train.registry.preset_for_target`); says which and why through `log`."""
+    from angelspec.models.hf_io import read_config
+    from angelspec.train.registry import REAL_SIZE_PARAMETERS, preset_for_target
+
+    n = read_config(target_dir).num_parameters()
+    name = preset_for_target(kind, n)
+    size = "real-size (GPU)" if n >= REAL_SIZE_PARAMETERS else "small (CPU)"
+    log(f"preset {name}: chosen for a {size} target of {n / 1e6:,.1f}M parameters (--preset NAME picks another)")
+    return name
+
+
+def with_mask_token(config: Any, target_dir: Path, log: Callable[[str], None] = print) -> Any:
+    """A block-drafter run's config with its mask token settled before any data or weights are read:
+    `mask_token_id=N` or the tokenizer's own mask token as they are; without either, the first free id
+    (`train.block.mask_token_candidates`: a reserved special token such as Llama 3's
+    <|reserved_special_token_0|>, else the first embedding row beyond the tokenizer, Qwen3's 151669), said through
+    `log`. A target with no such id, or an id outside its vocabulary, is refused in one line."""
+    from dataclasses import replace
+
+    from angelspec.data.tokenizer import TokenizerError, load_tokenizer
+    from angelspec.models.config import ConfigError
+    from angelspec.models.hf_io import read_config
+    from angelspec.train.block import mask_token_candidates, resolve_mask_token
+
+    try:
+        tokenizer = load_tokenizer(target_dir)
+    except TokenizerError as e:
+        raise UsageError(f"cannot load the target's tokenizer: {e}") from None
+    vocab_size = read_config(target_dir).vocab_size
+    override = getattr(config, "mask_token_id", None)
+    if override is None and getattr(tokenizer, "mask_token_id", None) is None:
+        candidates = mask_token_candidates(tokenizer, vocab_size, limit=1)
+        if candidates:
+            (token_id, what), = candidates
+            log(f"mask token: id {token_id} ({what}); the tokenizer declares none (mask_token_id=N picks another)")
+            return replace(config, mask_token_id=token_id)
+    try:
+        resolve_mask_token(tokenizer, override, vocab_size)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return config
 
 
 @dataclass
@@ -191,14 +259,19 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     if only is not None and preset is None:
         preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
+    target_dir = resolve_target_dir(target)
+    if preset is None:
+        preset = chosen_preset(kind, target_dir, log)
     config = preset_config(presets, preset, default_preset, overrides, max_minutes)
     data = Path(data)
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
                                 "folder with <domain>/train.jsonl files (e.g. .cache/target-build/corpus)")
-    target_dir = resolve_target_dir(target)
+    config = fit_seq_len(config, target_dir, overrides, log)
     check_seq_len(getattr(config, "seq_len", None), target_dir)
     check_memory(config, target_dir, placement=placement)
+    if kind in BLOCK_DRAFTERS and getattr(config, "init_from", None) is None:
+        config = with_mask_token(config, target_dir, log)
     from angelspec.train.data import check_conversations
 
     check_conversations(data)

@@ -161,6 +161,13 @@ class Drafter(ABC):
         """Longest sequence the drafter can handle; None = unlimited."""
         return None
 
+    @property
+    def trained_depth(self) -> int | None:
+        """The number of drafts per step the drafter was trained to propose (a block drafter's block size - 1, an
+        MTP / EAGLE-3 model's depth count): the K every command drafts unless told otherwise. None = no trained
+        depth (n-gram lookup, the draft LM: `DEFAULT_NUM_DRAFT_TOKENS`)."""
+        return None
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         """Raise DrafterMismatchError if this drafter cannot serve `target`; called before any decoding."""
         name = type(self).__name__
@@ -273,6 +280,10 @@ class WrappedDrafter(Drafter):
     @property
     def max_positions(self) -> int | None:
         return self.inner.max_positions
+
+    @property
+    def trained_depth(self) -> int | None:
+        return self.inner.trained_depth
 
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         self.inner.check_compatible(target, max_seq_len)

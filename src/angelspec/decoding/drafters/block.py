@@ -98,6 +98,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         """K ≤ B − 1: one backbone pass predicts the block after its anchor."""
         return self.model.config.num_drafts
 
+    @property
+    def trained_depth(self) -> int:
+        return self.max_draft_tokens
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None,
                          num_draft_tokens: int | None = None) -> None:
         """Tap ids first (the clearest message for a target of another depth), then the fingerprint, the mask

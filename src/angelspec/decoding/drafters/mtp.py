@@ -96,6 +96,11 @@ class MTPDrafter(ModelConfigDrafter):
             raise DrafterMismatchError(f"{path}: {e}") from None
         return cls(load_mtp(path, target, kind=cls.kind))
 
+    @property
+    def trained_depth(self) -> int:
+        """D, the depths the model was unrolled over in training (MTP-3: 3)."""
+        return self.model.config.num_depths
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         super().check_compatible(target, max_seq_len)
         if target.hidden_size != self.model.config.hidden_size:

@@ -163,13 +163,13 @@ class Contender:
 
 
 def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[ServingConfig], *,
-                     concurrency: Sequence[int], num_draft_tokens: int = 4,
+                     concurrency: Sequence[int], num_draft_tokens: int | None = None,
                      cost_table_path: str | Path | None = None,
                      log: Callable[[str], None] | None = print) -> list[Contender]:
     """Load every drafter (checked against the target) and build every policy before anything is timed.
     Budget policies get a cost table covering every concurrency of the sweep (profiled once per drafter
     and cached; see `decoding.policies.factory.make_policy`)."""
-    from angelspec.decoding.loading import resolve_drafter
+    from angelspec.decoding.loading import draft_depth, resolve_drafter
     from angelspec.decoding.policies.costmodel import drafter_id
     from angelspec.decoding.policies.factory import make_policy, parse_policy
 
@@ -182,9 +182,9 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
             drafters[c.drafter] = resolve_drafter(c.drafter, target, target_dir)
         drafter = drafters[c.drafter]
         inner = getattr(drafter, "inner", drafter)
-        k = 0 if drafter is None else (c.num_draft_tokens or num_draft_tokens)
+        k = 0 if drafter is None else (c.num_draft_tokens or num_draft_tokens or draft_depth(drafter))
         if k == DRAFTER_MAX_DEPTH:
-            k = int(getattr(inner, "max_draft_tokens", num_draft_tokens))
+            k = int(getattr(inner, "max_draft_tokens", draft_depth(drafter)))
         if drafter is not None:
             check = getattr(inner, "check_depth", None)
             if callable(check):
@@ -405,8 +405,9 @@ def _machine(target: Decoder) -> dict[str, Any]:
 
 
 def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig], *,
-          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64, num_draft_tokens: int = 4,
-          min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8, out_dir: str | Path | None = None,
+          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64,
+          num_draft_tokens: int | None = None, min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
+          out_dir: str | Path | None = None,
           breakeven: bool = False, prompts_path: str | Path = EVAL_PROMPTS,
           workload: Sequence[EvalPrompt] | None = None, cost_table_path: str | Path | None = None,
           limit: int | None = None, vllm: VllmColumn | None = None,
