@@ -392,11 +392,13 @@ def _vllm_column(vllm: VllmColumn, contenders: Sequence[Contender], workload: Se
     return add_vllm(rows, outputs, setups, measured), info
 
 
-def _machine(target: Decoder) -> dict[str, Any]:
+def _machine(target: Decoder | None) -> dict[str, Any]:
     """What the numbers ran on: the device and dtype, plus the torch thread count of a CPU run (a GPU run's numbers
-    do not depend on it, so it is not reported there)."""
+    do not depend on it, so it is not reported there); nothing for a sweep run without a target (stubbed points)."""
     import torch
 
+    if target is None:
+        return {}
     w = target.embed_tokens.weight
     out: dict[str, Any] = {"device": str(w.device), "dtype": str(w.dtype).removeprefix("torch.")}
     if w.device.type == "cpu":
