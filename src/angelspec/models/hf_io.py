@@ -95,6 +95,53 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]
     return out
 
 
+# Dtypes a model computes in (FP8 needs scales, integers are quantised codes: read as floats they would be garbage).
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_TORCH_NAMES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32": "F32", "float": "F32",
+                "float64": "F64", "double": "F64"}
+
+
+def check_dtypes(source: Path, found: dict[str, tuple[tuple[int, ...], str]], *,
+                 config_dtype: object = None, ints: frozenset[str] = frozenset()) -> None:
+    """CheckpointError for a tensor the model cannot compute with: one whose dtype is not a float type (`ints` names
+    the tensors that are integer buffers by design), or, where config.json names a `torch_dtype`, a float tensor of
+    another dtype (the config and the weights are of different conversions)."""
+    want = _TORCH_NAMES.get(str(config_dtype).removeprefix("torch.")) if config_dtype is not None else None
+    for name, (_, dtype) in found.items():
+        if name in ints:
+            if dtype in FLOAT_DTYPES:
+                raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, but the model keeps it as integers; the "
+                                      "file was written by another program: save the drafter again")
+            continue
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, not a float type the model can use "
+                                  f"({', '.join(FLOAT_DTYPES)}); quantised or converted weights need converting back "
+                                  "to floats first")
+        if want is not None and dtype != want:
+            raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, but config.json says torch_dtype "
+                                  f"{config_dtype}; the config and the weights come from different conversions: set "
+                                  f"torch_dtype to {FLOAT_DTYPES[dtype]} if these weights are the right ones")
+
+
+def nonfinite_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """'tensor NAME holds N NaN / infinite values' for a float tensor that is not all finite, else None (one pass
+    over the values: cheap next to reading them)."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return None
+    bad = int((~torch.isfinite(tensor)).sum())
+    return f"tensor {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()}"
+
+
+def check_finite(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming the first tensor of `file` that holds a NaN or an infinity: a model that computes with
+    one gives empty or garbage output without any error."""
+    for name, t in tensors.items():
+        problem = nonfinite_problem(name, t)
+        if problem is not None:
+            raise CheckpointError(f"{file}: {problem}; the weights are damaged (a diverged training run or a "
+                                  "corrupted copy): restore them from a good copy or retrain")
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The safetensors file(s) of a HF folder (one file or the shards of its index)."""
     single, index = path / WEIGHTS_NAME, path / INDEX_NAME
@@ -204,6 +251,8 @@ def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4, hos
     held = sum(file.stat().st_size for file in files)
     check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes, host)
     check_weights(path, found, expected_hf_shapes(cfg), "config.json")
+    raw = read_config_json(path, "is it a complete HF checkpoint folder?", "checkpoint")
+    check_dtypes(path, found, config_dtype=raw.get("torch_dtype", raw.get("dtype")))
     return files
 
 
@@ -225,7 +274,9 @@ def validate_module_file(source: Path, file: Path, layers: DecoderConfig, build:
             model = build()
     except (RuntimeError, NotImplementedError):  # initialisation that reads values (e.g. a prior from the config)
         model = real = build()
-    check_weights(source, found, {k: tuple(v.shape) for k, v in model.state_dict().items()}, what)
+    state = model.state_dict()
+    check_weights(source, found, {k: tuple(v.shape) for k, v in state.items()}, what)
+    check_dtypes(source, found, ints=frozenset(k for k, v in state.items() if not v.is_floating_point()))
     return real
 
 
@@ -263,9 +314,11 @@ def read_module_state(file: Path, device: torch.device) -> dict[str, torch.Tenso
     if device.type == "meta":
         return {k: torch.empty(shape, device="meta") for k, (shape, _) in read_safetensors_header(file).items()}
     try:
-        return load_file(str(file), device=str(device))
+        state = load_file(str(file), device=str(device))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: weights are unreadable ({e}); the folder may be half-written") from None
+    check_finite(file, state)
+    return state
 
 
 def hf_slices(cfg: DecoderConfig) -> dict[str, tuple[str, int]]:
@@ -312,6 +365,7 @@ def _stream_into(model: Decoder, path: Path, files: list[Path], slices: dict[str
                         continue
                     ours, row = slices[name]
                     t = f.get_tensor(name)
+                    check_finite(file, {name: t})
                     dst = params[ours]
                     with torch.no_grad():
                         dst[row:row + t.shape[0]].copy_(t, non_blocking=True)
@@ -371,6 +425,7 @@ def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, tor
         for hf_name, row in pieces[name]:
             with safe_open(str(where[hf_name]), framework="pt") as f:
                 piece = f.get_tensor(hf_name)
+                check_finite(where[hf_name], {hf_name: piece})
             out[row:row + piece.shape[0]].copy_(piece)
         yield name, out
 

@@ -58,7 +58,7 @@ from torch import Tensor
 from angelspec.data.fingerprint import model_fingerprint
 from angelspec.fileio import read_json_object, write_json_atomic
 from angelspec.models.device import Placement, dtype_label, placement_of
-from angelspec.models.hf_io import load_target, save_safetensors_atomic
+from angelspec.models.hf_io import load_target, nonfinite_problem, save_safetensors_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, pad_token_id
 from angelspec.train.distributed import DistInfo, barrier
 
@@ -305,6 +305,10 @@ class FileFeatureStream:
         except (SafetensorError, OSError) as e:  # never for an atomic write; name the file if it happens
             raise StreamError(f"feature batch {path} is unreadable ({e}); delete it and a feature server remakes "
                               "it") from None
+        for name, t in tensors.items():
+            if (problem := nonfinite_problem(name, t)) is not None:
+                raise StreamError(f"feature batch {path}: {problem}; the target's features are not finite (are "
+                                  "its weights damaged?): delete the file and a feature server remakes it")
         # The cursor moves before the file goes, so a producer that finds the file missing also sees the new cursor
         # and does not make it again; a kill between the two leaves a file that the next attach drops.
         self._cursor(step + 1)
