@@ -137,3 +137,55 @@ def test_a_feature_cache_holding_a_nan_is_refused_when_read(tiny_target_dir: Pat
         list(cache)
     with pytest.raises(FeatureCacheError, match=r"'hidden.1' holds 1 NaN"):
         cache.rows([0])
+
+
+# ----- 2. a config.json without eos_token_id -----
+
+
+def _without(file: Path, *keys: str) -> None:
+    raw = json.loads(file.read_text())
+    for key in keys:
+        raw.pop(key, None)
+    file.write_text(json.dumps(raw))
+
+
+def _completions(capsys: pytest.CaptureFixture[str], tmp_path: Path, target: Path, name: str) -> list[dict]:
+    out = tmp_path / f"{name}.jsonl"
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("What is 7 + 8?",)))
+    code, _, err = run_cli(capsys, "generate", "--prompts", chat, "--out", out, "--target", target,
+                           "--max-new-tokens", 48, "--quiet")
+    assert code == 0, err
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_a_config_without_eos_stops_at_the_tokenizers_end_tokens(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    """Generation used to run on past the end of the reply to --max-new-tokens."""
+    expected = _completions(capsys, tmp_path, TARGET, "shipped")
+    assert [r["finish_reason"] for r in expected] == ["stop"]
+    target = copy_of(TARGET, tmp_path / "target")
+    _without(target / "config.json", "eos_token_id")
+    assert _completions(capsys, tmp_path, target, "no_eos") == expected  # generation_config.json's end tokens
+    _without(target / "generation_config.json", "eos_token_id")
+    from angelspec.models import read_config
+
+    assert read_config(target).eos_token_ids == (2,)  # tokenizer_config.json's eos_token, <|im_end|>
+    got = _completions(capsys, tmp_path, target, "tokenizer_eos")
+    assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in expected]
+    assert [r["completion"] for r in got] == [r["completion"] for r in expected]
+
+
+def test_a_target_with_no_end_token_anywhere_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        prompts: Path) -> None:
+    target = copy_of(TARGET, tmp_path / "target")
+    for name in ("config.json", "generation_config.json"):
+        _without(target / name, "eos_token_id")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        _without(target / name, "eos_token")
+    # Still our tokenizer layout, whose chat format ends a turn with <|im_end|>: generation stops there.
+    assert _completions(capsys, tmp_path, target, "layout")[0]["finish_reason"] == "stop"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a plain HF tokenizer that names no end token
+        (target / name).write_text((target / name).read_text().replace("<|im_end|>", "<|end|>"))
+    code, _, err = generate(capsys, tmp_path, prompts, target=target)
+    assert_bad_input(code, err, str(target), "no eos token", "eos_token_id")

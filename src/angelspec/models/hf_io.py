@@ -53,10 +53,42 @@ def read_config(path: str | Path) -> DecoderConfig:
     if not path.is_dir():
         raise CheckpointError(f"target folder {path} does not exist; pass --target DIR with a HF checkpoint folder")
     raw = read_config_json(path, "is it a complete HF checkpoint folder?", "checkpoint")
+    if raw.get("eos_token_id") is None:  # generation would never stop at the end of a reply
+        raw["eos_token_id"] = end_tokens_beside(path)
     try:
         return DecoderConfig.from_hf_dict(raw)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
+
+
+def _json_or_none(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def end_tokens_beside(path: Path) -> list[int] | None:
+    """The end tokens the files beside a config.json without `eos_token_id` name, as transformers would find them:
+    generation_config.json's `eos_token_id`, else tokenizer_config.json's `eos_token` looked up in tokenizer.json
+    (its added tokens, then its vocabulary). None when neither names one."""
+    gen = _json_or_none(path / "generation_config.json")
+    ids = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
+    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return ids
+    tok_config = _json_or_none(path / "tokenizer_config.json")
+    token = tok_config.get("eos_token") if isinstance(tok_config, dict) else None
+    token = token.get("content") if isinstance(token, dict) else token
+    tokenizer = _json_or_none(path / "tokenizer.json") if isinstance(token, str) else None
+    if not isinstance(tokenizer, dict):
+        return None
+    for added in tokenizer.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return [added["id"]]
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return [found] if isinstance(found, int) else None
 
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
