@@ -189,3 +189,265 @@ def test_a_target_with_no_end_token_anywhere_is_refused(capsys: pytest.CaptureFi
         (target / name).write_text((target / name).read_text().replace("<|im_end|>", "<|end|>"))
     code, _, err = generate(capsys, tmp_path, prompts, target=target)
     assert_bad_input(code, err, str(target), "no eos token", "eos_token_id")
+
+
+# ----- 3. every number has a bound, checked before work starts -----
+
+HUGE = 10**9
+
+
+@pytest.fixture
+def conversations(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                                                     {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                            for i in range(2)))
+    return path
+
+
+def _bounds_cases(tmp: Path, prompts: Path, data: Path) -> list[tuple[list[object], list[str]]]:
+    mtp = DRAFTERS / "mtp"
+    gen = ["generate", "--prompts", prompts, "--out", tmp / "o.jsonl", "--quiet"]
+    ev = ["eval", "--drafter", "ngram", "--prompts", prompts, "--quiet"]
+    bench = ["bench", "--config", "AR=none", "--concurrency", "1", "--out", tmp / "bench", "--quiet"]
+    prof = ["profile", "--drafter", "ngram", "--batch-sizes", "1", "--out", tmp / "costs.json"]
+    cal = ["calibrate", "--drafter", mtp, "--prompts", prompts, "--quiet"]
+    roll = ["rollout", "--prompts", data, "--out", tmp / "r.jsonl", "--quiet"]
+    feat = ["features", "--data", data, "--out", tmp / "f"]
+    serve = ["feature-server", "--data", data, "--stream", tmp / "s"]
+    k64 = "--num-draft-tokens must be at least 1 and at most 64"
+    new = "--max-new-tokens must be at least 1 and at most"
+    return [
+        ([*gen, "--drafter", "ngram", "--num-draft-tokens", HUGE], [k64]),
+        ([*gen, "--drafter", f"ngram:{HUGE}"], ["ngram:N must be at least 1 and at most 64"]),
+        ([*gen, "--drafter", f"{mtp}+ngram:3:1:{HUGE}"], ["must be at least 1 and at most 64"]),
+        ([*gen, "--max-new-tokens", HUGE], [new]),
+        ([*gen, "--batch-size", HUGE], ["--batch-size must be at least 1 and at most 4096"]),
+        ([*ev, "--batch-size", HUGE], ["--batch-size must be at least 1 and at most 4096"]),
+        ([*ev, "--num-draft-tokens", 0], [k64]),
+        ([*ev, "--max-new-tokens", 0], [new]),
+        ([*bench, "--min-requests", HUGE], ["--min-requests must be at least 1 and at most 1000000"]),
+        ([*bench, "--warmup-tokens", HUGE], ["--warmup-tokens must be at least 0 and at most"]),
+        ([*bench, "--num-draft-tokens", HUGE], [k64]),
+        ([*prof, "--repeats", HUGE], ["--repeats must be at least 1 and at most 10000"]),
+        ([*prof[:4], HUGE, *prof[5:]], ["--batch-sizes must be at least 1 and at most 4096"]),
+        ([*prof, "--warmup", -1], ["--warmup must be at least 0 and at most 10000"]),
+        ([*cal, "--max-new-tokens", HUGE], [new]),
+        ([*cal, "--batch-size", HUGE], ["--batch-size must be at least 1 and at most 4096"]),
+        ([*roll, "--max-new-tokens", HUGE], [new]),
+        ([*roll, "--batch-size", HUGE], ["--batch-size must be at least 1 and at most 4096"]),
+        ([*feat, "--seq-len", HUGE], ["--seq-len must be at least 1 and at most 1024", "the target's context"]),
+        ([*feat, "--seq-len", 64, "--rows-per-shard", HUGE], ["--rows-per-shard must be at least 1 and at most"]),
+        ([*feat, "--seq-len", 64, "--layers", 9], ["--layers 9", "layers 0..5"]),
+        ([*serve, "--buffer", HUGE], ["--buffer must be at least 1 and at most 1024"]),
+        ([*serve, "--idle-timeout", -1], ["--idle-timeout must be at least"]),
+        ([*serve, "--workers", 2, "--worker", 5], ["--worker must be in 0..1"]),
+        (["eval-server", "--watch", tmp, "--threads", HUGE, "--once"], ["--threads must be at least 1 and at most"]),
+        (["eval-server", "--watch", tmp, "--poll", -1, "--once"], ["--poll must be at least 0 and at most 86400"]),
+        (["eval-server", "--watch", tmp, "--idle-timeout", -5], ["--idle-timeout must be at least"]),
+        (["eval-server", "--watch", tmp, "--wait", -5], ["--wait must be at least 0"]),
+        (["eval-server", "--watch", tmp, "--temperatures", "0,nan"], ["--temperatures must be finite"]),
+        (["eval-server", "--watch", tmp, "--max-new-tokens", HUGE], [new]),
+        (["eval-server", "--watch", tmp, "--num-draft-tokens", HUGE], [k64]),
+        (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", f"hidden_size={HUGE}"],
+         ["hidden_size= must be at least 8 and at most 65536"]),
+        (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", "grad_clip=-1"],
+         ["grad_clip= must be at least", "largest gradient norm"]),
+        (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", "lr=1e30"], ["lr= must be at least"]),
+        (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", "seq_len=4096"],
+         ["seq_len= must be at least 2 and at most 1024", "context="]),
+    ]
+
+
+def test_every_number_has_a_bound_checked_before_work(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                      prompts: Path, conversations: Path) -> None:
+    """Each of these used to run (10^9 n-gram sizes and drafts grew until the kernel killed the process) or was
+    accepted silently; now each is one line naming the flag and its range, and nothing is written."""
+    for args, needles in _bounds_cases(tmp_path, prompts, conversations):
+        code, _, err = run_cli(capsys, *args)
+        assert_bad_input(code, err, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "train.jsonl"]
+
+
+def test_memory_heavy_settings_are_checked_against_free_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                prompts: Path, conversations: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import angelspec.fileio as fileio
+
+    monkeypatch.setattr(fileio, "available_memory_bytes", lambda: 64 * 1024**2)  # a machine with 64 MiB free
+    code, _, err = run_cli(capsys, "bench", "--config", "AR=none", "--concurrency", "1,64", "--out", tmp_path / "b",
+                           "--quiet")
+    assert_bad_input(code, err, "--concurrency: the KV cache of 64 row(s) of 1024 tokens", "64.0 MiB of memory free",
+                     "lower --concurrency")
+    code, _, err = run_cli(capsys, "features", "--data", conversations, "--out", tmp_path / "f", "--seq-len", 1024,
+                           "--rows-per-shard", 512)
+    assert_bad_input(code, err, "--rows-per-shard: a shard of 512 rows x 1024 tokens", "lower --rows-per-shard")
+    code, _, err = run_cli(capsys, "target", "build", "--out", tmp_path / "t", "--work-dir", tmp_path / "w")
+    assert_bad_input(code, err, "target build:", "parameters with their AdamW state", "lower hidden_size=")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "f").exists() and not (tmp_path / "w").exists()
+
+
+def test_the_decoding_bounds_as_library_calls() -> None:
+    from angelspec.decoding.limits import check_counts, check_fits_target
+    from angelspec.errors import UsageError
+    from angelspec.models import read_config
+
+    check_counts(max_new_tokens=256, batch_size=8, num_draft_tokens=16, limit=3)
+    config = read_config(TARGET)
+    check_fits_target(config, rows=8, num_draft_tokens=16, available=1024**3)
+    with pytest.raises(UsageError, match=r"--batch-size: the KV cache of 200 row\(s\)"):
+        check_fits_target(config, rows=200, available=1024**3)  # 200 rows x 1026 tokens x 6 KiB: 1.2 GiB
+    with pytest.raises(UsageError, match=r"--num-draft-tokens must be at least 1 and at most 64, got nan"):
+        check_counts(num_draft_tokens=float("nan"))
+
+
+# ----- 4. faults of the file system, outputs that are inputs, folders that are not what a command expects -----
+
+
+def _disk_full_after(nbytes: int):
+    """A stand-in for a writer that fills the disk: writes `nbytes` of the file, then raises ENOSPC."""
+    import errno
+    import os
+
+    def write(tensors, path, metadata=None) -> None:
+        Path(path).write_bytes(b"\0" * nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return write
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """`folder` reads as not writable (tests run as root, for whom chmod does not stop a write)."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == folder and mode & os.W_OK
+                        else real(p, mode, *a, **k))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_export_to_a_full_disk_leaves_the_previous_export_untouched(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.models import hf_io
+
+    out = tmp_path / "export"
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", out)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(hf_io, "save_file", _disk_full_after(1000))
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", out, "--force")
+    assert_bad_input(code, err, "No space left on device", "the disk is full", "nothing half-written")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # --force used to empty it first
+    assert _leftovers(tmp_path) == []
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", tmp_path / "fresh")
+    assert_bad_input(code, err, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_export_refuses_a_read_only_folder_and_its_own_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    target = copy_of(TARGET, tmp_path / "target")
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", target, "--target", target, "--force")
+    assert_bad_input(code, err, "is the target folder --target itself", "destroy the input")
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", tmp_path, "--target", target, "--force")
+    assert_bad_input(code, err, f"contains the target folder --target {target}")
+    assert (target / "model.safetensors").is_file()
+    _read_only(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    code, _, err = run_cli(capsys, "export", DRAFTERS / "eagle3", tmp_path / "ro" / "out")
+    assert_bad_input(code, err, "OUT_DIR", "is not writable")
+
+
+def test_features_on_a_full_disk_is_one_line_and_leaves_no_half_written_shard(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, conversations: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.models import hf_io
+
+    monkeypatch.setattr(hf_io, "save_file", _disk_full_after(500))
+    out = tmp_path / "f"
+    code, _, err = run_cli(capsys, "features", "--data", conversations, "--out", out, "--seq-len", 64)
+    assert_bad_input(code, err, "No space left on device", "the disk is full")
+    assert not list(out.glob("*.safetensors")) and not list(out.glob(".*"))
+    code, _, err = run_cli(capsys, "features", "--data", conversations, "--out", conversations, "--seq-len", 64)
+    assert_bad_input(code, err, "is the same file as the input --data")
+    _read_only(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    code, _, err = run_cli(capsys, "features", "--data", conversations, "--out", tmp_path / "ro" / "f", "--seq-len",
+                           64)
+    assert_bad_input(code, err, "--out", "is not writable")
+
+
+def test_rollout_on_a_full_disk_is_one_line_and_resumes_to_the_same_file(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path, conversations: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from angelspec.train import rollout as rollout_mod
+
+    args = ["rollout", "--prompts", conversations, "--max-new-tokens", 4, "--batch-size", 1, "--quiet"]
+    code, _, err = run_cli(capsys, *args, "--out", tmp_path / "clean.jsonl")
+    assert code == 0, err
+    real = rollout_mod._append_chunk
+
+    def full(out: Path, lines: list[str]) -> int:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(lines[0][:10])  # a torn line, as a full disk leaves it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
+    monkeypatch.setattr(rollout_mod, "_append_chunk", full)
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(capsys, *args, "--out", out)
+    assert_bad_input(code, err, str(out), "No space left on device", "the disk is full")
+    monkeypatch.setattr(rollout_mod, "_append_chunk", real)
+    code, _, err = run_cli(capsys, *args, "--out", out, "--resume")
+    assert code == 0, err
+    assert out.read_bytes() == (tmp_path / "clean.jsonl").read_bytes()
+
+
+def test_calibrate_and_profile_refuse_unwritable_outputs_before_any_work(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path, prompts: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    drafter = copy_of(DRAFTERS / "mtp", tmp_path / "mtp")
+    _read_only(monkeypatch, drafter)
+    code, _, err = run_cli(capsys, "calibrate", "--drafter", drafter, "--prompts", prompts, "--quiet")
+    assert_bad_input(code, err, "--drafter", str(drafter), "is not writable")
+    _read_only(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    code, _, err = run_cli(capsys, "profile", "--drafter", "ngram", "--batch-sizes", "1", "--out",
+                           tmp_path / "ro" / "costs.json")
+    assert_bad_input(code, err, "--out", "is not writable")
+    code, _, err = run_cli(capsys, "profile", "--drafter", "ngram", "--batch-sizes", "1", "--out", prompts)
+    assert_bad_input(code, err, str(prompts), "is not an AngelSpec cost table")  # never overwritten
+    assert json.loads(prompts.read_text()) == {"prompt": "def add(x, y):"}
+
+
+def test_calibrate_on_a_full_disk_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from angelspec.decoding.policies import sts
+
+    drafter = copy_of(DRAFTERS / "mtp", tmp_path / "mtp")
+    before = sorted(p.name for p in drafter.iterdir())
+
+    def full(path: Path, obj: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(sts, "write_json_atomic", full)
+    code, _, err = run_cli(capsys, "calibrate", "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", 8,
+                           "--quiet")
+    assert_bad_input(code, err, "calibration.json", "No space left on device")
+    assert sorted(p.name for p in drafter.iterdir()) == before
+
+
+def test_eval_server_refuses_a_folder_that_is_not_a_training_run(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    """It used to wait forever and create training/ inside the folder."""
+    folder = copy_of(DRAFTERS / "mtp", tmp_path / "finished")  # a drafter folder, not a run
+    before = sorted(p.name for p in folder.iterdir())
+    code, _, err = run_cli(capsys, "eval-server", "--watch", folder, "--poll", 1)
+    assert_bad_input(code, err, str(folder), "is not a training run", "no training/ folder", "--out folder")
+    assert sorted(p.name for p in folder.iterdir()) == before

@@ -234,12 +234,17 @@ def drafter_forms(include_none: bool = True) -> str:
 
 def _ngram_size(spec: str, arg: str,
                 what: str = "ngram:N needs a positive integer N (the longest n-gram to match)") -> int:
+    from angelspec.decoding.limits import MAX_NGRAM
+
     try:
         n = int(arg)
     except ValueError:
         n = 0
     if n < 1:
         raise UsageError(f"drafter {spec!r}: {what}, got {arg!r}")
+    if n > MAX_NGRAM:
+        raise UsageError(f"drafter {spec!r}: {what.partition(' needs ')[0]} must be at least 1 and at most "
+                         f"{MAX_NGRAM}, got {n}")
     return n
 
 

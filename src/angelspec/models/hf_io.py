@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +33,16 @@ def save_safetensors_atomic(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    replace_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # the writer's own error type, also for a full disk: an OSError of its code
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    replace_atomic(path, write)
 
 
 def read_config_json(path: Path, missing_hint: str, what: str = "folder") -> dict[str, Any]:

@@ -56,6 +56,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from angelspec.data.fingerprint import model_fingerprint
+from angelspec.errors import require_range
 from angelspec.fileio import read_json_object, write_json_atomic
 from angelspec.models.device import Placement, dtype_label, placement_of
 from angelspec.models.hf_io import load_target, nonfinite_problem, save_safetensors_atomic
@@ -319,6 +320,10 @@ class FileFeatureStream:
         self._cursor(step, finished=True)
 
 
+MAX_WORKERS = 4096  # feature servers sharing one stream
+MAX_BUFFER = 1024  # batches a server makes ahead of a trainer rank
+
+
 def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, worker: int = 0, workers: int = 1,
                 buffer: int = DEFAULT_BUFFER, poll_s: float = 0.05, idle_timeout_s: float = 3600.0,
                 log: Callable[[str], None] = print, placement: Placement | None = None) -> int:
@@ -330,8 +335,9 @@ def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, w
     `placement`: the target's device and dtype (`FeatureProducer`)."""
     if not 0 <= worker < workers:
         raise StreamError(f"--worker must be in 0..{workers - 1} (of --workers {workers}), got {worker}")
-    if buffer < 1:
-        raise StreamError(f"--buffer must be at least 1, got {buffer}")
+    require_range("--workers", workers, 1, MAX_WORKERS)
+    require_range("--buffer", buffer, 1, MAX_BUFFER, " (batches made ahead of each trainer rank)")
+    require_range("--idle-timeout", idle_timeout_s, 0.01, 10**9, " (seconds)")
     root = Path(root)
     producer: FeatureProducer | None = None
     published, last_change, seen = 0, time.monotonic(), None
