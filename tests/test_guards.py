@@ -249,6 +249,8 @@ def _bounds_cases(tmp: Path, prompts: Path, data: Path) -> list[tuple[list[objec
         (["eval-server", "--watch", tmp, "--temperatures", "0,nan"], ["--temperatures must be finite"]),
         (["eval-server", "--watch", tmp, "--max-new-tokens", HUGE], [new]),
         (["eval-server", "--watch", tmp, "--num-draft-tokens", HUGE], [k64]),
+        (["decontam", "--train", data, "--eval", prompts, "--out", tmp / "d.jsonl", "--ngram", HUGE],
+         ["--ngram) must be at most 1024"]),
         (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", f"hidden_size={HUGE}"],
          ["hidden_size= must be at least 8 and at most 65536"]),
         (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", "grad_clip=-1"],
