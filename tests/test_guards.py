@@ -422,7 +422,7 @@ def test_calibrate_and_profile_refuse_unwritable_outputs_before_any_work(capsys:
                            tmp_path / "ro" / "costs.json")
     assert_bad_input(code, err, "--out", "is not writable")
     code, _, err = run_cli(capsys, "profile", "--drafter", "ngram", "--batch-sizes", "1", "--out", prompts)
-    assert_bad_input(code, err, str(prompts), "is not an AngelSpec cost table")  # never overwritten
+    assert_bad_input(code, err, str(prompts), "is not a cost table", "give --out a new file")  # never overwritten
     assert json.loads(prompts.read_text()) == {"prompt": "def add(x, y):"}
 
 

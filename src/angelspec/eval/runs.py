@@ -202,6 +202,16 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
         raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'costs.json'}")
     if path is not None:
         check_writable_path(path, "--out")  # a read-only folder fails now, not after the profiling
+        if path.exists() and not force:  # a table of another setup is re-profiled; any other file is never replaced
+            from angelspec.decoding.policies.costmodel import CostTable, CostTableError, StaleCostTableError
+
+            try:
+                CostTable.load(path)
+            except StaleCostTableError:
+                pass
+            except CostTableError as e:
+                raise UsageError(f"--out {path} exists and is not a cost table ({e}); give --out a new file, or pass "
+                                 "--force to overwrite it") from None
     target_dir = resolve_target_dir(target)
     model, _ = load_target_and_tokenizer(target_dir, placement)
     if sizes:
