@@ -251,6 +251,10 @@ def _bounds_cases(tmp: Path, prompts: Path, data: Path) -> list[tuple[list[objec
         (["eval-server", "--watch", tmp, "--num-draft-tokens", HUGE], [k64]),
         (["decontam", "--train", data, "--eval", prompts, "--out", tmp / "d.jsonl", "--ngram", HUGE],
          ["--ngram) must be at most 1024"]),
+        (["prompt-pool", "--out", tmp / "pool.jsonl", "--min-total", HUGE, "--quiet"],
+         ["--min-total must be at least 0 and at most 1000000"]),
+        (["prompt-pool", "--out", tmp / "pool.jsonl", "--per-domain", '{"code": -1}', "--quiet"],
+         ["--per-domain code must be at least 0"]),
         (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", f"hidden_size={HUGE}"],
          ["hidden_size= must be at least 8 and at most 65536"]),
         (["target", "build", "--out", tmp / "t", "--work-dir", tmp / "w", "grad_clip=-1"],
@@ -453,3 +457,13 @@ def test_eval_server_refuses_a_folder_that_is_not_a_training_run(capsys: pytest.
     code, _, err = run_cli(capsys, "eval-server", "--watch", folder, "--poll", 1)
     assert_bad_input(code, err, str(folder), "is not a training run", "no training/ folder", "--out folder")
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_prompt_pool_never_overwrites_a_file_without_force_nor_its_held_out_prompts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, prompts: Path) -> None:
+    """It used to replace --out (and write its report beside it) whatever was there."""
+    code, _, err = run_cli(capsys, "prompt-pool", "--out", prompts, "--quiet")
+    assert_bad_input(code, err, str(prompts), "already exists", "--force")
+    code, _, err = run_cli(capsys, "prompt-pool", "--out", prompts, "--heldout", prompts, "--force", "--quiet")
+    assert_bad_input(code, err, "is the same file as the input --heldout")
+    assert json.loads(prompts.read_text()) == {"prompt": "def add(x, y):"}
