@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -64,16 +64,13 @@ from torch import Tensor
 
 from angelspec.data.fingerprint import file_sha256, model_fingerprint, tensors_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
-from angelspec.errors import require_range
-from angelspec.fileio import check_writable_path, refuse_same_file, require_memory
-from angelspec.models.config import DecoderConfig
+from angelspec.fileio import check_writable_path, refuse_same_file
 from angelspec.models.decoder import Decoder
 from angelspec.models.device import Placement, placement_of
 from angelspec.models.hf_io import (
     iter_state_dict,
     load_target,
     nonfinite_problem,
-    read_config,
     save_safetensors_atomic,
     write_json_atomic,
 )
@@ -714,26 +711,6 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
     return TargetFeatures(target, layer_ids, cache, sp=sp, halo=halo)
 
 
-MAX_ROWS_PER_SHARD = 1 << 20
-
-
-def check_cache_settings(config: DecoderConfig, layers: Sequence[int], seq_len: int, rows_per_shard: int,
-                         available: int | None = None) -> None:
-    """Refuse, from the target's config alone, a row longer than its context, a layer it does not have, and a shard
-    whose hidden states (float32, held until the shard is written) or a row's forward could not fit in the memory this
-    machine has free (`available`, default /proc/meminfo's)."""
-    context, depth = config.max_position_embeddings, config.num_hidden_layers
-    require_range("--seq-len", seq_len, 1, context, " (the target's context, max_position_embeddings)")
-    require_range("--rows-per-shard", rows_per_shard, 1, MAX_ROWS_PER_SHARD)
-    if bad := [i for i in layers if not 0 <= i < depth]:
-        raise FeatureCacheError(f"--layers {bad[0]}: the target has layers 0..{depth - 1}")
-    stored = len({*layers, depth - 1})
-    shard = 4 * rows_per_shard * seq_len * config.hidden_size * stored
-    row = 4 * seq_len * (config.vocab_size + 4 * config.intermediate_size + depth * config.hidden_size)
-    require_memory("--rows-per-shard" if shard > row else "--seq-len", shard + row,
-                   f"a shard of {rows_per_shard} rows x {seq_len} tokens x {stored} layer(s) of hidden states")
-
-
 def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Path, *,
                         layers: list[int] | tuple[int, ...] = (), seq_len: int = 512, enable_thinking: bool = False,
                         rows_per_shard: int = 32, resume: bool = False, force: bool = False,
@@ -751,7 +728,6 @@ def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Pat
     target_dir, data, out = Path(target_dir), Path(data), Path(out)
     refuse_same_file(out, ("--data", data), ("--target", target_dir))
     check_writable_path(out / MANIFEST, "--out")
-    check_cache_settings(read_config(target_dir), layers, seq_len, rows_per_shard)
     where = placement_of(placement)
     target = load_target(target_dir, dtype=where.dtype, device=where.device)
     rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,
