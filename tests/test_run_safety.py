@@ -124,8 +124,8 @@ def test_a_feature_shard_damaged_in_place_is_refused(capsys: pytest.CaptureFixtu
 def test_a_non_finite_feature_cache_stops_training_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                             tiny_target_dir: Path, data: Path,
                                                             feature_cache: Path) -> None:
-    """A cache whose hidden states are NaN with a consistent manifest (made from a broken target, say) trains a
-    NaN loss at step 1: the run stops there and names the cache among the causes."""
+    """A cache whose hidden states are NaN with a consistent manifest (made from a broken target, say) is refused as
+    its first batch is read, before any step, naming the shard and the tensor; nothing is exported."""
     from angelspec.data.fingerprint import file_sha256
 
     cache = shutil.copytree(feature_cache, tmp_path / "cache")
@@ -139,8 +139,7 @@ def test_a_non_finite_feature_cache_stops_training_naming_it(capsys: pytest.Capt
     (cache / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "out"
     code, _, err = train(capsys, tiny_target_dir, data, out, f"features={cache}")
-    assert_bad_input(code, err, "training stopped at step 1", f"damaged feature shard in features={cache}",
-                     "no checkpoint had been written yet")
+    assert_bad_input(code, err, f"feature shard {cache}/shard-", "'hidden.", "NaN or infinite", "build it again")
     assert_not_exported(out)
 
 

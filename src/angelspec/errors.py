@@ -7,6 +7,8 @@ Bad input gets one of AngelSpec's own exception classes (this module's, or a mod
 
 from __future__ import annotations
 
+import errno
+
 
 class UsageError(ValueError):
     """Bad input that argparse cannot see: values, combinations, missing artefacts. The message names the
@@ -19,14 +21,44 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
+# Faults of the file system a command cannot fix itself, with what the user can do (`describe_error`).
+FILE_SYSTEM_FAULTS = {
+    errno.ENOSPC: "the disk is full: free some space (or give an output on another disk) and run it again",
+    errno.EDQUOT: "the disk quota is used up: free some space and run it again",
+    errno.EROFS: "the file system is read-only: give an output on a writable one",
+    errno.EACCES: "fix its permissions or give a path you can use",
+    errno.EPERM: "fix its permissions or give a path you can use",
+    errno.EIO: "the disk reported an input/output error: check it and run it again",
+}
+
+
 def is_user_error(exc: BaseException) -> bool:
-    """Bad input rather than a bug: our own exception classes, and missing / already-existing files."""
+    """Bad input rather than a bug: our own exception classes, missing / already-existing files, and faults of the
+    file system (full, read-only, no permission: `FILE_SYSTEM_FAULTS`)."""
     if isinstance(exc, FileExistsError | FileNotFoundError):
         return True
+    if isinstance(exc, OSError) and exc.errno in FILE_SYSTEM_FAULTS:
+        return True
     return isinstance(exc, Exception) and type(exc).__module__.split(".")[0] == "angelspec"
+
+
+def describe_error(exc: BaseException) -> str:
+    """The one line a user error is shown as: its message, or for a fault of the file system the file, the fault
+    and the fix (outputs are written to a temp file and renamed into place, so none is left half-written)."""
+    if isinstance(exc, OSError) and exc.errno in FILE_SYSTEM_FAULTS and type(exc).__module__ == "builtins":
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}; {FILE_SYSTEM_FAULTS[exc.errno]} (nothing half-written was left behind)"
+    return str(exc)
 
 
 def require_positive(name: str, value: int) -> None:
     """Refuse a count below 1 (`name` is the flag or argument the message names)."""
     if value < 1:
         raise UsageError(f"{name} must be at least 1, got {value}")
+
+
+def require_range(name: str, value: float, low: float, high: float, what: str = "") -> None:
+    """Refuse a number outside [low, high], NaN included (`name` is the flag or setting the message names, `what`
+    says what the bound comes from, e.g. " (the target's context)")."""
+    if not low <= value <= high:
+        raise UsageError(f"{name} must be at least {low} and at most {high}{what}, got {value}")

@@ -6,6 +6,8 @@ would give) because a private 0600 (`mkstemp`'s, or that of a writer such as saf
 file in) would otherwise survive the rename into checkpoints users share.
 `check_output_path` refuses, before any work, an output that is a folder, that exists without --force, or whose
 folder cannot be made or written (`check_writable_path`); `refuse_same_file` refuses an output that is an input.
+`require_memory` refuses, before any work, a setting whose buffers could not fit in the memory this machine has free.
+`staged_folder` fills an output folder beside its final place and swaps it in whole, so a failure leaves the old one.
 `copy_files` fills a folder about to be swapped in (train/checkpoint.py's `replace_folder`) without writing through
 a file it shares.
 """
@@ -16,7 +18,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +44,38 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo: the memory this machine can give a new allocation without swapping (None
+    where it cannot be read: not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def human_bytes(nbytes: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def require_memory(name: str, need_bytes: int, what: str, available: int | None = None,
+                   lower: str | None = None) -> None:
+    """Refuse, before any work, a setting (`name`, the flag the message names; `lower`, what to lower, default
+    `name`) whose buffers (`what`, `need_bytes`) exceed 90% of the memory this machine has free (`available`,
+    default /proc/meminfo's), instead of being killed by the kernel later. Skipped where it cannot be read."""
+    available = available_memory_bytes() if available is None else available
+    if available is not None and need_bytes > 0.9 * available:
+        raise UsageError(f"{name}: {what} need about {human_bytes(need_bytes)}, but this machine has "
+                         f"{human_bytes(available)} of memory free; lower {lower or name}")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -60,6 +95,36 @@ def replace_atomic(path: str | os.PathLike[str], write: Callable[[Path], None]) 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def staged_folder(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temp folder beside `out` for the caller to fill. When the block ends without an error it replaces `out` (an
+    existing `out` is moved aside first and removed once the new one is in place); on any error it is removed and
+    `out` is left exactly as it was: a full disk or a kill never leaves a half-written output folder."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        yield stage
+        os.chmod(stage, 0o777 & ~_umask())
+        old = None
+        if out.exists() or out.is_symlink():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        try:
+            os.replace(stage, out)
+        except BaseException:
+            if old is not None:
+                os.replace(old, out)
+            raise
+        if old is not None:
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _write_text(write: Callable[[IO[str]], None]) -> Callable[[Path], None]:

@@ -8,7 +8,8 @@ Every handler parses its flags, calls one library function (so each command's wo
 without argparse) and prints what it returns; heavy modules (torch, the engine, the trainers) are imported
 inside the handlers so `angelspec --help` answers instantly. Errors that AngelSpec raises on purpose for bad
 input (its own exception classes such as `CheckpointError`, `PromptFileError`, `UsageError`, plus
-`FileExistsError` / `FileNotFoundError`) become one line on stderr and exit code 2; anything else is
+`FileExistsError` / `FileNotFoundError` and faults of the file system such as a full disk) become one line on
+stderr and exit code 2; anything else is
 a bug and keeps its traceback. `eval` exits 1 when speculative outputs at T=0 differ from AR outputs:
 that is a bug in the engine, not bad input.
 """
@@ -21,7 +22,7 @@ import sys
 from angelspec import __version__
 from angelspec.cli import data, evaluate, export, generate, train
 from angelspec.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from angelspec.errors import is_user_error
+from angelspec.errors import describe_error, is_user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,5 +66,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not is_user_error(e):
             raise
-        print(f"angelspec: error: {e}", file=sys.stderr)
+        print(f"angelspec: error: {describe_error(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

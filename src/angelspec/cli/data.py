@@ -153,6 +153,7 @@ def add_prompt_pool(sub: Subparsers) -> None:
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="raw-source cache (default: $ANGELSPEC_CACHE or .cache/)")
     add_target_flag(p, "whose tokenizer counts prompt tokens and n-grams (default: the embedded target)")
+    p.add_argument("--force", action="store_true", help="overwrite --out (and its summary and report)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_prompt_pool)
 
@@ -166,7 +167,8 @@ def cmd_prompt_pool(args: argparse.Namespace) -> int:
 
     summary = build_prompt_pool(args.out, per_domain=args.per_domain, min_total=args.min_total, seed=args.seed,
                                 heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS, cache_dir=args.cache_dir,
-                                target_dir=resolve_target_dir(args.target), progress=not args.quiet)
+                                target_dir=resolve_target_dir(args.target), progress=not args.quiet,
+                                force=args.force)
     print(json.dumps({k: summary[k] for k in ("total", "selected", "decontam_dropped")}, indent=2))
     print(f"wrote {args.out}; roll it out with: angelspec rollout --prompts {args.out} --out ROLLOUTS.jsonl")
     return 0

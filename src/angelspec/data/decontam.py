@@ -30,6 +30,7 @@ from angelspec.data.prompts import load_prompts
 from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic, write_jsonl_atomic
 
 DEFAULT_NGRAM = 16
+MAX_NGRAM = 1024  # the longest shared window that can count as contamination
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so it is invertible mod 2^64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
 
@@ -113,6 +114,8 @@ def decontaminate(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise DecontamError(f"n-gram length must be an int >= 1, got {n!r}")
+    if n > MAX_NGRAM:  # a window longer than every prompt matches nothing: every line would be kept, unchecked
+        raise DecontamError(f"n-gram length (--ngram) must be at most {MAX_NGRAM} tokens, got {n}")
     table: dict[int, tuple[int, int]] = {}  # window hash -> (eval text row, window start) of its first occurrence
     eval_ids: list[np.ndarray] = []  # one row per evaluation user turn
     owner: list[int] = []  # eval text row -> index of its evaluation prompt

@@ -35,6 +35,7 @@ Run: ``python -m angelspec.data.prompt_pool --out .cache/pool/prompts.jsonl``.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import random
@@ -53,12 +54,14 @@ from angelspec.data.corpus.maths import build_math_examples
 from angelspec.data.decontam import DEFAULT_NGRAM, decontaminate, prompt_texts, report_path
 from angelspec.data.prompts import load_prompts
 from angelspec.data.sources import Sources, fetch_docs, iter_sharegpt_records, locate_sharegpt, stdlib_dir
-from angelspec.fileio import write_json_atomic, write_jsonl_atomic
+from angelspec.errors import require_range
+from angelspec.fileio import check_output_path, refuse_same_file, write_json_atomic, write_jsonl_atomic
 
 POOL_VERSION = 1
 DOMAINS: tuple[str, ...] = ("code", "chat", "math", "docs")
 DEFAULT_PER_DOMAIN: dict[str, int] = {"code": 5000, "chat": 5000, "math": 5000, "docs": 5000}
 DEFAULT_MIN_TOTAL = 20_000
+MAX_POOL = 1_000_000  # prompts a domain quota or the whole pool may ask for (maths is generated to fill it)
 DEFAULT_FILL_DOMAINS: tuple[str, ...] = ("code", "math")
 DEFAULT_MAX_CHARS = 1024
 # The target's context is 1024 tokens; 512 prompt tokens leave room for a 256-token response plus the
@@ -303,8 +306,10 @@ def build_prompt_pool(
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ngram: int = DEFAULT_NGRAM,
     progress: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Build the prompt pool into ``out_path`` (plus its summary and decontamination report); return the summary.
+    An existing ``out_path`` is refused unless ``force``, and one of the held-out files always.
 
     Args:
         per_domain: quota per domain (default :data:`DEFAULT_PER_DOMAIN`); its keys are the domains mined.
@@ -317,13 +322,24 @@ def build_prompt_pool(
     t0 = time.perf_counter()
     say: Callable[[str], None] = (lambda msg: print(f"prompt-pool: {msg}", file=sys.stderr)) if progress else (
         lambda msg: None)
+    if per_domain is not None and not isinstance(per_domain, Mapping):
+        raise PromptPoolError(f"--per-domain must be a JSON object of quotas such as {json.dumps(DEFAULT_PER_DOMAIN)}, "
+                              f"got {per_domain!r}")
     quotas = dict(per_domain if per_domain is not None else DEFAULT_PER_DOMAIN)
     unknown = set(quotas) - set(DOMAINS)
     if unknown:
         raise PromptPoolError(f"unknown domain(s) {sorted(unknown)}; choose from {DOMAINS}")
+    for domain, quota in quotas.items():
+        if isinstance(quota, bool) or not isinstance(quota, int):
+            raise PromptPoolError(f"--per-domain {domain}: the quota must be a whole number, got {quota!r}")
+        require_range(f"--per-domain {domain}", quota, 0, MAX_POOL)
+    require_range("--min-total", min_total, 0, MAX_POOL)
     out = Path(out_path)
     if out.is_dir():
         raise PromptPoolError(f"out_path {out} is a directory; give a file name")
+    for written in (out, summary_path(out), report_path(out)):
+        refuse_same_file(written, *(("--heldout", path) for path in heldout_paths))
+    check_output_path(out, force)
     if tokenizer is None:
         from angelspec.data.tokenizer import load_tokenizer
 

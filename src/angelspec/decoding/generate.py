@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.limits import check_counts, check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
     encode_prompts,
@@ -22,7 +23,7 @@ from angelspec.decoding.loading import (
     resolve_drafter,
     run_engine,
 )
-from angelspec.errors import UsageError, require_positive
+from angelspec.errors import UsageError
 from angelspec.fileio import check_output_path, refuse_same_file, write_jsonl_atomic
 
 if TYPE_CHECKING:
@@ -119,13 +120,10 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     where torch sees one, else the CPU in float32; `angelspec.models.device.resolve_placement`).
     Everything that can be checked without the weights is checked before they are loaded.
     """
-    require_positive("--max-new-tokens", max_new_tokens)
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens)
     if spec_gate and drafter == "none":
         raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
                          "--spec-gate")
-    require_positive("--batch-size", batch_size)
-    if num_draft_tokens is not None:
-        require_positive("--num-draft-tokens", num_draft_tokens)
     out = Path(out)
     refuse_same_file(out, ("--prompts", prompts), ("--cost-table", cost_table))
     check_output_path(out, force)
@@ -134,6 +132,9 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     sampling = sampling_params(len(records), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
+    check_fits_target(model.config, rows=min(batch_size, len(records)),
+                      num_draft_tokens=0 if drafter == "none" else num_draft_tokens,
+                      dtype_bytes=model.embed_tokens.weight.element_size(), device=model.embed_tokens.weight.device)
     context = model.config.max_position_embeddings
     prompt_ids = encode_prompts(tokenizer, records, context=context, think=think, source=str(prompts))
     draft = resolve_drafter(drafter, model, target_dir)

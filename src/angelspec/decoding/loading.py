@@ -41,8 +41,17 @@ def load_target_and_tokenizer(target_dir: Path, placement: Placement | None = No
         raise UsageError(f"cannot load the target's tokenizer: {e} (the target folder needs a Hugging Face fast "
                          "tokenizer beside the weights: tokenizer.json and tokenizer_config.json, with the chat "
                          "template in tokenizer_config.json or chat_template.jinja)") from None
+    ends = config.eos_token_ids or tuple(tokenizer.eos_token_ids)
+    if not ends:
+        raise UsageError(f"{target_dir}: config.json has no eos_token_id and the tokenizer names no end token, so "
+                         "generation would never stop at the end of a reply; add \"eos_token_id\": ID (the "
+                         "end-of-turn token's id) to config.json")
     where = placement_of(placement)
     model = load_target(target_dir, dtype=where.dtype, device=where.device)
+    if not config.eos_token_ids:  # the tokenizer knows the end tokens config.json (and the files beside it) lack
+        import dataclasses
+
+        model.config = dataclasses.replace(model.config, eos_token_id=list(ends))
     if tokenizer.vocab_size > config.vocab_size:
         raise UsageError(f"{target_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"is {config.vocab_size}; the tokenizer files belong to another model")
@@ -225,12 +234,17 @@ def drafter_forms(include_none: bool = True) -> str:
 
 def _ngram_size(spec: str, arg: str,
                 what: str = "ngram:N needs a positive integer N (the longest n-gram to match)") -> int:
+    from angelspec.decoding.limits import MAX_NGRAM
+
     try:
         n = int(arg)
     except ValueError:
         n = 0
     if n < 1:
         raise UsageError(f"drafter {spec!r}: {what}, got {arg!r}")
+    if n > MAX_NGRAM:
+        raise UsageError(f"drafter {spec!r}: {what.partition(' needs ')[0]} must be at least 1 and at most "
+                         f"{MAX_NGRAM}, got {n}")
     return n
 
 

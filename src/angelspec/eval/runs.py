@@ -14,11 +14,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.generate import build_depth_policy, parse_depth_policy, sampling_params
+from angelspec.decoding.limits import MAX_BATCH_SIZE, MAX_REPEATS, MAX_REQUESTS, check_counts, check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
     drafter_forms,
@@ -27,14 +28,15 @@ from angelspec.decoding.loading import (
     load_target_and_tokenizer,
     resolve_drafter,
 )
-from angelspec.errors import UsageError, require_positive
+from angelspec.errors import UsageError, require_range
 from angelspec.eval.prompts import eval_prompts
-from angelspec.fileio import check_output_path, refuse_same_file, write_json_atomic
+from angelspec.fileio import check_output_path, check_writable_path, refuse_same_file, write_json_atomic
 
 if TYPE_CHECKING:
     from angelspec.decoding.policies.costmodel import CostTable
     from angelspec.eval.serving import ServingConfig, ServingReport
     from angelspec.eval.speculative import EvalReport
+    from angelspec.models import DecoderConfig
     from angelspec.models.device import Placement
 
 MAX_MISMATCHES_BANNER = 5  # mismatches the failed-lossless banner lists
@@ -85,6 +87,20 @@ class EvalRun:
         return f"{bar}\n" + f"\n{bar}\n".join(blocks) + f"\n{bar}"
 
 
+def _check_fits(model: Any, *, rows: int, num_draft_tokens: int | None, batch_flag: str = "--batch-size") -> None:
+    """`check_fits_target` for a loaded target: its KV cache in its own dtype, checked where it lives on the host."""
+    w = model.embed_tokens.weight
+    check_fits_target(model.config, rows=rows, num_draft_tokens=num_draft_tokens, batch_flag=batch_flag,
+                      dtype_bytes=w.element_size(), device=w.device)
+
+
+def _target_config(target_dir: Path) -> DecoderConfig:
+    """The target's config.json alone (no weights), for the bounds checked before they are loaded."""
+    from angelspec.models import read_config
+
+    return read_config(target_dir)
+
+
 def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | None = None,
                       prompts: str | Path | None = None, limit: int | None = None, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = 0, max_new_tokens: int = 128,
@@ -112,10 +128,7 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     if "none" in specs:
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
                          f"choose a drafter: {drafter_forms(include_none=False)}")
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
-                        ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
-        if value is not None:
-            require_positive(flag, value)
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens, limit=limit)
     if cost_table is not None and len(specs) > 1:
         raise UsageError(f"--cost-table holds one drafter's step costs, and {len(specs)} drafters were given; "
                          "evaluate them one at a time with --cost-table, or leave it out (each drafter then uses "
@@ -130,6 +143,7 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     sampling = sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
+    _check_fits(model, rows=batch_size, num_draft_tokens=num_draft_tokens)
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
                           source=str(prompts_path), limit=limit, think=think)
     runs, depths = [], []
@@ -175,20 +189,33 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     from angelspec.decoding.policies.costmodel import load_or_profile
 
     sizes = sorted(set(batch_sizes))
-    for flag, value in [("--num-draft-tokens", num_draft_tokens), ("--repeats", repeats),
-                        *(("--batch-sizes", b) for b in sizes)]:
-        if value is not None:
-            require_positive(flag, value)
-    if warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {warmup}")
+    check_counts(num_draft_tokens=num_draft_tokens)
+    for b in sizes:
+        require_range("--batch-sizes", b, 1, MAX_BATCH_SIZE)
+    require_range("--repeats", repeats, 1, MAX_REPEATS)
+    require_range("--warmup", warmup, 0, MAX_REPEATS)
     if drafter == "none":
         raise UsageError("--drafter none has no speculative step to profile; choose a drafter: "
                          f"{drafter_forms(include_none=False)}")
     path = Path(out) if out is not None else None
     if path is not None and path.is_dir():
         raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'costs.json'}")
+    if path is not None:
+        check_writable_path(path, "--out")  # a read-only folder fails now, not after the profiling
+        if path.exists() and not force:  # a table of another setup is re-profiled; any other file is never replaced
+            from angelspec.decoding.policies.costmodel import CostTable, CostTableError, StaleCostTableError
+
+            try:
+                CostTable.load(path)
+            except StaleCostTableError:
+                pass
+            except CostTableError as e:
+                raise UsageError(f"--out {path} exists and is not a cost table ({e}); give --out a new file, or pass "
+                                 "--force to overwrite it") from None
     target_dir = resolve_target_dir(target)
     model, _ = load_target_and_tokenizer(target_dir, placement)
+    if sizes:
+        _check_fits(model, rows=sizes[-1], num_draft_tokens=num_draft_tokens, batch_flag="--batch-sizes")
     draft = resolve_drafter(drafter, model, target_dir)
     assert draft is not None
     return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens),
@@ -206,10 +233,7 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     from angelspec.eval.sts_fit import calibrate_drafter, check_writable
     from angelspec.eval.sts_fit import drafter_folder as calibration_folder
 
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
-                        ("--num-draft-tokens", num_draft_tokens), ("--limit", limit)):
-        if value is not None:
-            require_positive(flag, value)
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens, limit=limit)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise UsageError(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
     folder = calibration_folder(drafter)
@@ -217,6 +241,7 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
     records = load_prompts(prompts)[:limit]
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
+    _check_fits(model, rows=min(batch_size, len(records)), num_draft_tokens=num_draft_tokens)
     prompt_ids = encode_prompts(tokenizer, records, context=model.config.max_position_embeddings, think=False,
                                 source=str(prompts))
     draft = resolve_drafter(drafter, model, target_dir)
@@ -246,12 +271,11 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         levels = parse_concurrency(concurrency) if isinstance(concurrency, str) else tuple(concurrency)
     except (ServingError, PolicyError) as e:
         raise UsageError(str(e)) from None
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--num-draft-tokens", num_draft_tokens),
-                        ("--min-requests", min_requests), ("--limit", 1 if limit is None else limit)):
-        if value is not None:
-            require_positive(flag, value)
-    if warmup_tokens < 0:
-        raise UsageError(f"--warmup-tokens must be >= 0, got {warmup_tokens}")
+    check_counts(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, limit=limit)
+    for c in levels:
+        require_range("--concurrency", c, 1, MAX_BATCH_SIZE)
+    require_range("--min-requests", min_requests, 1, MAX_REQUESTS)
+    require_range("--warmup-tokens", warmup_tokens, 0, 1 << 24)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")
@@ -262,6 +286,11 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     target_dir = resolve_target_dir(target)
+    config = _target_config(target_dir)
+    check_fits_target(config, rows=max(levels, default=1),
+                      num_draft_tokens=num_draft_tokens, batch_flag="--concurrency")
+    if warmup_tokens > config.max_position_embeddings:
+        require_range("--warmup-tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
     column = None
     if vllm is not None:
         from angelspec.eval.serving.vllm import find_vllm_python, open_vllm_column

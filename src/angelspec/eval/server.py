@@ -32,6 +32,7 @@ The checkpoint folder layout read here is the trainer's (train/checkpoint.py): `
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -42,9 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from angelspec.decoding.limits import check_counts
 from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
-from angelspec.errors import UsageError
+from angelspec.errors import UsageError, require_range
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
 from angelspec.fileio import pid_alive, read_json_object
 
@@ -55,6 +57,8 @@ EVAL_LOG = "eval_log.jsonl"
 LOCK = "eval_server.lock"  # the pid of the server watching this run: one server per run
 TRAINER_STATE = "trainer_state.json"
 TRAIN_REPORT = "train_report.json"
+
+MAX_THREADS = 1024  # torch threads of the server
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,15 @@ class EvalServerSettings:
     threads: int | None = 1
 
     def __post_init__(self) -> None:
-        if self.limit < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise UsageError("eval-server: limit, max_new_tokens and batch_size must be at least 1")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"eval-server: threads must be at least 1, got {self.threads}")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise UsageError(f"eval-server: temperatures must be >= 0, got {self.temperatures}")
+        check_counts(max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
+                     num_draft_tokens=self.num_draft_tokens, limit=self.limit)
+        if self.threads is not None:
+            require_range("--threads", self.threads, 1, MAX_THREADS)
+        if not self.temperatures or not all(math.isfinite(t) and t >= 0 for t in self.temperatures):
+            raise UsageError(f"--temperatures must be finite numbers >= 0 (0 = greedy), got {self.temperatures}")
+        require_range("--poll", self.poll_s, 0, 86400, " (seconds)")
+        if self.idle_timeout_s is not None:
+            require_range("--idle-timeout", self.idle_timeout_s, 0, 10**9, " (seconds)")
 
 
 def work_dir(run_dir: str | Path) -> Path:
@@ -335,12 +342,16 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
     from angelspec.eval.prompts import eval_prompts
 
     run_dir = Path(run_dir)
+    require_range("--wait", wait_s, 0, 10**9, " (seconds)")
     deadline = time.time() + wait_s
-    while not run_dir.is_dir() and time.time() < deadline:
+    while not work_dir(run_dir).is_dir() and time.time() < deadline:  # a trainer starting there makes training/
         time.sleep(min(settings.poll_s, 5.0) or 1.0)
     if not run_dir.is_dir():
         raise UsageError(f"eval-server: run folder {run_dir} does not exist; pass the --out folder of "
                          "`angelspec train`")
+    if not work_dir(run_dir).is_dir():  # else it would wait forever, and make training/ in a folder of another use
+        raise UsageError(f"eval-server: {run_dir} is not a training run (it has no training/ folder); pass the --out "
+                         "folder of `angelspec train` (and --wait S for a run that is about to start there)")
     if nice:
         _nice()
     if settings.threads is not None:
@@ -348,7 +359,12 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
 
         torch.set_num_threads(settings.threads)
     tdir = resolve_target_dir(target_dir)
+    from angelspec.decoding.limits import check_fits_target
+
     model, tokenizer = load_target_and_tokenizer(tdir, placement)
+    w = model.embed_tokens.weight
+    check_fits_target(model.config, rows=settings.batch_size, num_draft_tokens=settings.num_draft_tokens,
+                      dtype_bytes=w.element_size(), device=w.device)
     source = Path(prompts_path) if prompts_path is not None else EVAL_PROMPTS
     prompts = eval_prompts(tokenizer, load_prompts(source), context=model.config.max_position_embeddings,
                            source=str(source), limit=settings.limit)

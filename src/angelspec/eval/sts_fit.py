@@ -45,6 +45,7 @@ from angelspec.decoding.policies.sts import (
     survival_labels,
 )
 from angelspec.decoding.sampling import SamplingParams
+from angelspec.fileio import check_writable_path
 from angelspec.models.decoder import Decoder
 
 LOGIT_EPS = 1e-6  # confidences are clipped to [eps, 1 - eps] before the logit: |z| <= 13.8
@@ -106,6 +107,7 @@ def check_writable(folder: Path, force: bool, temperature: float = 0.0) -> Path:
     """Where the calibration goes; refuses, before anything is decoded and without `force`, to overwrite a fit at
     `temperature` (fits at other temperatures are kept and need no `force`) or a file it cannot read."""
     path = folder / CALIBRATION_FILE
+    check_writable_path(path, "--drafter")  # a read-only folder fails now, not after the decoding
     if path.exists() and not force:
         existing = load_calibration(folder)  # a broken file: a clear CalibrationError
         if existing is not None and temperature in existing.sampling_temperatures:

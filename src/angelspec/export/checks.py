@@ -9,7 +9,6 @@ vocabulary, hidden size, layer counts, tap ids and the draft-to-target map `d2t`
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from angelspec.errors import UsageError
+from angelspec.fileio import check_writable_path, same_path
 from angelspec.models.config import DecoderConfig
 
 WEIGHTS = "model.safetensors"
@@ -55,19 +55,24 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def prepare_out_dir(src: Path, out: Path, force: bool) -> None:
-    """Refuse an output folder that is the source, a file, or a non-empty folder without `force` (then emptied)."""
-    if out.exists() and src.exists() and out.resolve() == src.resolve():
-        raise UsageError(f"OUT_DIR {out} is the drafter folder itself; give another folder")
+def prepare_out_dir(src: Path, out: Path, force: bool, *, target_dir: Path | None = None) -> None:
+    """Refuse, before anything is written, an output folder that is the source or the target (or holds one of
+    them), a file, a non-empty folder without `force`, or one that cannot be written. The output is then written
+    with `fileio.staged_folder`, which swaps it in whole: a failure leaves the previous contents as they were."""
+    for flag, folder in (("the drafter folder", src), ("the target folder --target", target_dir)):
+        if folder is None or not folder.exists():
+            continue
+        if out.exists() and same_path(out, folder):
+            raise UsageError(f"OUT_DIR {out} is {flag} itself; writing it would destroy the input, so give another "
+                             "folder")
+        if folder.resolve().is_relative_to(out.resolve()):
+            raise UsageError(f"OUT_DIR {out} contains {flag} {folder}; replacing it would destroy the input, so give "
+                             "another folder")
     if out.exists() and not out.is_dir():
         raise UsageError(f"OUT_DIR {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise FileExistsError(f"OUT_DIR {out} is not empty; pass --force to replace its contents")
-        if src.resolve().is_relative_to(out.resolve()):
-            raise UsageError(f"OUT_DIR {out} contains the drafter folder {src}; give another folder")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"OUT_DIR {out} is not empty; pass --force to replace its contents")
+    check_writable_path(out / "config.json", "OUT_DIR")
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -147,9 +152,11 @@ def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple
     return out
 
 
-def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | None = None) -> None:
+def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | None = None, *,
+                      final: Path | None = None) -> None:
     """Raise ExportCheckError unless `out` is a complete vLLM drafter folder for `target` (module docstring); `spec`
-    is its vLLM speculative_config (default: read from speculative_config.json)."""
+    is its vLLM speculative_config (default: read from speculative_config.json); `final`: the folder `out` is about
+    to become, which the config names (default: `out`)."""
     problems: list[str] = []
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
     if spec is None:
@@ -205,7 +212,7 @@ def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | N
     if not ids or list(ids) != sorted(set(ids)) or not all(lo <= i <= hi for i in ids):
         problems.append(f"tap ids {ids} are not increasing ids in [{lo}, {hi}] for a {target.num_hidden_layers}-layer "
                         "target")
-    if spec.get("num_speculative_tokens", 0) < 1 or spec.get("model") != str(out.resolve()):
+    if spec.get("num_speculative_tokens", 0) < 1 or spec.get("model") != str((final or out).resolve()):
         problems.append(f"bad speculative_config {spec}")
     if "d2t" in tensors and "d2t" not in missing:
         d2t = tensors["d2t"]

@@ -77,16 +77,18 @@ def sglang_flags(spec: dict[str, Any]) -> dict[str, Any]:
             FLAG_STEPS: 1 if spec["method"] == "dflash" else steps, FLAG_TOPK: 1, FLAG_TOKENS: steps + 1}
 
 
-def check_sglang_folder(out: Path, target: DecoderConfig) -> None:
+def check_sglang_folder(out: Path, target: DecoderConfig, *, final: Path | None = None) -> None:
     """Raise ExportCheckError unless `out` is a complete SGLang drafter folder for `target`: the vLLM-layout check
-    (every tensor, shapes, dtypes, tap ids) on the spec its flags imply, plus the flags and SGLang's own limits."""
+    (every tensor, shapes, dtypes, tap ids) on the spec its flags imply, plus the flags and SGLang's own limits;
+    `final`: the folder `out` is about to become, which the flags name (default: `out`)."""
     flags = json.loads((out / SGLANG_ARGS).read_text(encoding="utf-8"))
     methods = {v: k for k, v in ALGORITHM.items()}
     if flags.get(FLAG_ALGO) not in methods:
         raise ExportCheckError(f"{out}: {FLAG_ALGO} {flags.get(FLAG_ALGO)!r} is not one of {sorted(methods)}")
     method = methods[flags[FLAG_ALGO]]
     steps = flags.get(FLAG_TOKENS, 0) - 1
-    check_vllm_folder(out, target, {"method": method, "model": flags.get(FLAG_PATH), "num_speculative_tokens": steps})
+    check_vllm_folder(out, target, {"method": method, "model": flags.get(FLAG_PATH), "num_speculative_tokens": steps},
+                      final=final)
     problems = []
     if flags.get(FLAG_TOPK) != 1 or flags.get(FLAG_STEPS) != (1 if method == "dflash" else steps):
         problems.append(f"steps / top-k {flags.get(FLAG_STEPS)} / {flags.get(FLAG_TOPK)} do not match "
@@ -108,10 +110,11 @@ def export_sglang(drafter_dir: str | Path, out_dir: str | Path, *, target: str |
     """Write `out_dir` (config.json, weights, sglang_args.json) for SGLang from the drafter folder `drafter_dir`
     trained for `target` (default: the embedded target); refuse what SGLang cannot load (module docstring); check
     the result (`check_sglang_folder`). `dtype`: the written weights' dtype (None: the drafter's own)."""
-    result = export_vllm(drafter_dir, out_dir, target=target, force=force, screen=_screen, dtype=dtype)
-    out = result.out_dir
-    flags = sglang_flags(result.speculative_config)
-    (out / SPEC_CONFIG).unlink()  # vLLM's file: an SGLang folder carries SGLang's flags instead
-    write_json_atomic(out / SGLANG_ARGS, flags)
-    check_sglang_folder(out, read_config(resolve_target_dir(target)))
-    return ExportResult(out, result.kind, flags, result.notes, engine="sglang")
+    def finish(folder: Path, result: ExportResult) -> ExportResult:
+        flags = sglang_flags(result.speculative_config)
+        (folder / SPEC_CONFIG).unlink()  # vLLM's file: an SGLang folder carries SGLang's flags instead
+        write_json_atomic(folder / SGLANG_ARGS, flags)
+        check_sglang_folder(folder, read_config(resolve_target_dir(target)), final=result.out_dir)
+        return ExportResult(result.out_dir, result.kind, flags, result.notes, engine="sglang")
+
+    return export_vllm(drafter_dir, out_dir, target=target, force=force, screen=_screen, dtype=dtype, then=finish)

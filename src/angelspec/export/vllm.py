@@ -45,7 +45,7 @@ from angelspec.export.checks import (
     prepare_out_dir,
     read_tensors,
 )
-from angelspec.fileio import write_json_atomic
+from angelspec.fileio import staged_folder, write_json_atomic
 from angelspec.models.block.config import DRAFTER_KINDS, BlockDrafterConfig
 from angelspec.models.block.heads import temperature_weights
 from angelspec.models.config import DecoderConfig
@@ -326,13 +326,17 @@ def _cast_folder(out: Path, dtype: torch.dtype | None) -> None:
 
 def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | Path | None = None,
                 force: bool = False, screen: Callable[[str, dict[str, Any]], None] | None = None,
-                dtype: torch.dtype | None = None) -> ExportResult:
+                dtype: torch.dtype | None = None,
+                then: Callable[[Path, ExportResult], ExportResult] | None = None) -> ExportResult:
     """Write `out_dir` (config.json, model.safetensors, speculative_config.json) for vLLM 0.32 from the drafter
     folder `drafter_dir`, trained for `target` (default: the embedded target); refuse what vLLM cannot represent;
     check the result against the target's config (`checks.check_vllm_folder`). `screen(kind, config)`, if given,
     runs before anything is written and raises ExportRefused for what another engine reading the same layout
     (SGLang, `export/sglang.py`) cannot load. `dtype`: the dtype of the written weights (None: the drafter's own;
-    a drafter trains with fp32 master weights, and engines serve bf16)."""
+    a drafter trains with fp32 master weights, and engines serve bf16). `then(folder, result)`, if given, finishes
+    the folder before it is swapped in (the result it returns is this call's). The folder is written beside
+    `out_dir` and replaces it whole once complete and checked (`fileio.staged_folder`): a failure, a full disk
+    included, leaves `out_dir` as it was."""
     src, out = Path(drafter_dir), Path(out_dir)
     raw = read_config_json(src, "is it an AngelSpec drafter folder?", "drafter folder")
     target_dir = resolve_target_dir(target)
@@ -342,6 +346,7 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
     is_lm = kind not in MTP_FAMILY and kind not in DRAFTER_KINDS and "model_type" in raw and "architectures" in raw
     if screen is not None:
         screen("draft-lm" if is_lm else kind, raw)
+    tensors: dict[str, torch.Tensor] | None = None
     if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
         if target_cfg.model_type != "qwen3":
             raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
@@ -352,23 +357,28 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         else:
             config, tensors, spec, notes = _block(raw, state, target_cfg, target_dir, out)
         config["angelspec"] = {**meta, "exported_from": str(src.resolve())}
-        prepare_out_dir(src, out, force)
-        save_safetensors_atomic(tensors, out / WEIGHTS, {"format": "pt"})
-        write_json_atomic(out / "config.json", config)
     elif is_lm:  # a draft LM: vLLM serves the HF folder as it is
         kind = "draft-lm"
         if raw.get("vocab_size") != target_cfg.vocab_size:
             raise ExportRefused(f"the draft LM's vocab_size {raw.get('vocab_size')} differs from the target's "
                                 f"{target_cfg.vocab_size}; vLLM's draft_model needs the target's vocabulary")
-        prepare_out_dir(src, out, force)
-        shutil.copytree(src, out, dirs_exist_ok=True)
-        _cast_folder(out, dtype)
         spec = {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": DRAFT_LM_TOKENS}
         notes = ["its draft vocabulary (angelspec.draft_vocab) is not read by the engine's draft-model path (vLLM's "
                  "draft_model, SGLang's STANDALONE), which drafts from the whole vocabulary"
                  ] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
-    write_json_atomic(out / SPEC_CONFIG, spec)
-    check_vllm_folder(out, target_cfg)
-    return ExportResult(out, kind, spec, notes)
+    prepare_out_dir(src, out, force, target_dir=target_dir)
+    with staged_folder(out) as stage:
+        if tensors is not None:
+            save_safetensors_atomic(tensors, stage / WEIGHTS, {"format": "pt"})
+            write_json_atomic(stage / "config.json", config)
+        else:
+            shutil.copytree(src, stage, dirs_exist_ok=True)
+            _cast_folder(stage, dtype)
+        write_json_atomic(stage / SPEC_CONFIG, spec)
+        check_vllm_folder(stage, target_cfg, final=out)
+        result = ExportResult(out, kind, spec, notes)
+        if then is not None:
+            result = then(stage, result)
+    return result

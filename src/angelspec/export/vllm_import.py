@@ -29,6 +29,7 @@ from torch import nn
 from angelspec.assets import resolve_target_dir
 from angelspec.export.checks import SPEC_CONFIG, ExportRefused, prepare_out_dir, read_tensors
 from angelspec.export.vllm import _target_lm_head, fuse_layer, target_tensor
+from angelspec.fileio import staged_folder
 from angelspec.models.block.config import BlockDrafterConfig
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.io import BLOCK_META_KEYS, save_block_drafter
@@ -278,6 +279,7 @@ def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path 
     derived = MTP_META_KEYS if arch == EAGLE3_ARCH else BLOCK_META_KEYS
     extra = {k: v for k, v in meta.items() if k not in derived and k != "exported_from"}
     extra.update(imported_from=str(src.resolve()), imported_format=f"vllm:{arch}")
-    prepare_out_dir(src, out, force)
-    (save_mtp if arch == EAGLE3_ARCH else save_block_drafter)(model, out, extra)  # type: ignore[operator]
+    prepare_out_dir(src, out, force, target_dir=target_dir)
+    with staged_folder(out) as stage:  # swapped in whole once written: a failure leaves OUT_DIR as it was
+        (save_mtp if arch == EAGLE3_ARCH else save_block_drafter)(model, stage, extra)  # type: ignore[operator]
     return ImportResult(out, model.config.drafter, notes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +33,16 @@ def save_safetensors_atomic(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    replace_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # the writer's own error type, also for a full disk: an OSError of its code
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    replace_atomic(path, write)
 
 
 def read_config_json(path: Path, missing_hint: str, what: str = "folder") -> dict[str, Any]:
@@ -53,10 +63,42 @@ def read_config(path: str | Path) -> DecoderConfig:
     if not path.is_dir():
         raise CheckpointError(f"target folder {path} does not exist; pass --target DIR with a HF checkpoint folder")
     raw = read_config_json(path, "is it a complete HF checkpoint folder?", "checkpoint")
+    if raw.get("eos_token_id") is None:  # generation would never stop at the end of a reply
+        raw["eos_token_id"] = end_tokens_beside(path)
     try:
         return DecoderConfig.from_hf_dict(raw)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
+
+
+def _json_or_none(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def end_tokens_beside(path: Path) -> list[int] | None:
+    """The end tokens the files beside a config.json without `eos_token_id` name, as transformers would find them:
+    generation_config.json's `eos_token_id`, else tokenizer_config.json's `eos_token` looked up in tokenizer.json
+    (its added tokens, then its vocabulary). None when neither names one."""
+    gen = _json_or_none(path / "generation_config.json")
+    ids = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
+    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return ids
+    tok_config = _json_or_none(path / "tokenizer_config.json")
+    token = tok_config.get("eos_token") if isinstance(tok_config, dict) else None
+    token = token.get("content") if isinstance(token, dict) else token
+    tokenizer = _json_or_none(path / "tokenizer.json") if isinstance(token, str) else None
+    if not isinstance(tokenizer, dict):
+        return None
+    for added in tokenizer.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return [added["id"]]
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return [found] if isinstance(found, int) else None
 
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -93,6 +135,64 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]
         raise CheckpointError(f"{file} is truncated: its header needs {8 + n + end} bytes, the file has {size}; the "
                               "checkpoint may be half-written: copy or download it again")
     return out
+
+
+# Dtypes a model computes in (FP8 needs scales, integers are quantised codes: read as floats they would be garbage).
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_TORCH_NAMES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32": "F32", "float": "F32",
+                "float64": "F64", "double": "F64"}
+
+
+def check_dtypes(source: Path, found: dict[str, tuple[tuple[int, ...], str]], *,
+                 config_dtype: object = None, ints: frozenset[str] = frozenset()) -> None:
+    """CheckpointError for a tensor the model cannot compute with: one whose dtype is not a float type (`ints` names
+    the tensors that are integer buffers by design), or, where config.json names a `torch_dtype`, a float tensor of
+    another dtype (the config and the weights are of different conversions)."""
+    want = _TORCH_NAMES.get(str(config_dtype).removeprefix("torch.")) if config_dtype is not None else None
+    for name, (_, dtype) in found.items():
+        if name in ints:
+            if dtype in FLOAT_DTYPES:
+                raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, but the model keeps it as integers; the "
+                                      "file was written by another program: save the drafter again")
+            continue
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, not a float type the model can use "
+                                  f"({', '.join(FLOAT_DTYPES)}); quantised or converted weights need converting back "
+                                  "to floats first")
+        if want is not None and dtype != want:
+            raise CheckpointError(f"{source}: tensor {name!r} is {dtype}, but config.json says torch_dtype "
+                                  f"{config_dtype}; the config and the weights come from different conversions: set "
+                                  f"torch_dtype to {FLOAT_DTYPES[dtype]} if these weights are the right ones")
+
+
+_FINITE_CHUNK = 1 << 24
+
+
+def nonfinite_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """'tensor NAME holds N NaN or infinite value(s) of M' for a float tensor that is not all finite, else None (one
+    reduction over the values: cheap next to reading them, `benchmarks/load_checks.py`)."""
+    if not tensor.is_floating_point():
+        return None
+    flat = tensor.detach().reshape(-1)
+    chunks = flat.split(_FINITE_CHUNK)  # bounds the temporaries of a large tensor (an embedding)
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    # A NaN or an infinity makes the sum non-finite, so a finite sum clears a chunk in one reduction, without a mask.
+    if all(bool(torch.isfinite(c.sum(dtype=acc))) for c in chunks):
+        return None
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in chunks)
+    if not bad:  # the sum of finite values overflowed
+        return None
+    return f"tensor {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()}"
+
+
+def check_finite(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming the first tensor of `file` that holds a NaN or an infinity: a model that computes with
+    one gives empty or garbage output without any error."""
+    for name, t in tensors.items():
+        problem = nonfinite_problem(name, t)
+        if problem is not None:
+            raise CheckpointError(f"{file}: {problem}; the weights are damaged (a diverged training run or a "
+                                  "corrupted copy): restore them from a good copy or retrain")
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -204,6 +304,8 @@ def validate_hf_folder(path: Path, cfg: DecoderConfig, dtype_bytes: int = 4, hos
     held = sum(file.stat().st_size for file in files)
     check_size_fits(path, cfg.num_parameters(), held, "config.json", dtype_bytes, host)
     check_weights(path, found, expected_hf_shapes(cfg), "config.json")
+    raw = read_config_json(path, "is it a complete HF checkpoint folder?", "checkpoint")
+    check_dtypes(path, found, config_dtype=raw.get("torch_dtype", raw.get("dtype")))
     return files
 
 
@@ -225,7 +327,9 @@ def validate_module_file(source: Path, file: Path, layers: DecoderConfig, build:
             model = build()
     except (RuntimeError, NotImplementedError):  # initialisation that reads values (e.g. a prior from the config)
         model = real = build()
-    check_weights(source, found, {k: tuple(v.shape) for k, v in model.state_dict().items()}, what)
+    state = model.state_dict()
+    check_weights(source, found, {k: tuple(v.shape) for k, v in state.items()}, what)
+    check_dtypes(source, found, ints=frozenset(k for k, v in state.items() if not v.is_floating_point()))
     return real
 
 
@@ -263,9 +367,11 @@ def read_module_state(file: Path, device: torch.device) -> dict[str, torch.Tenso
     if device.type == "meta":
         return {k: torch.empty(shape, device="meta") for k, (shape, _) in read_safetensors_header(file).items()}
     try:
-        return load_file(str(file), device=str(device))
+        state = load_file(str(file), device=str(device))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: weights are unreadable ({e}); the folder may be half-written") from None
+    check_finite(file, state)
+    return state
 
 
 def hf_slices(cfg: DecoderConfig) -> dict[str, tuple[str, int]]:
@@ -312,6 +418,7 @@ def _stream_into(model: Decoder, path: Path, files: list[Path], slices: dict[str
                         continue
                     ours, row = slices[name]
                     t = f.get_tensor(name)
+                    check_finite(file, {name: t})
                     dst = params[ours]
                     with torch.no_grad():
                         dst[row:row + t.shape[0]].copy_(t, non_blocking=True)
@@ -371,6 +478,7 @@ def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, tor
         for hf_name, row in pieces[name]:
             with safe_open(str(where[hf_name]), framework="pt") as f:
                 piece = f.get_tensor(hf_name)
+                check_finite(where[hf_name], {hf_name: piece})
             out[row:row + piece.shape[0]].copy_(piece)
         yield name, out
 

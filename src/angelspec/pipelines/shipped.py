@@ -79,7 +79,7 @@ def ensure_pool(work_dir: Path, *, log: Callable[[str], None] = print, progress:
         return pool
     log(f"prompt pool -> {pool}")
     work_dir.mkdir(parents=True, exist_ok=True)
-    build_prompt_pool(pool, target_dir=resolve_target_dir(None), progress=progress)
+    build_prompt_pool(pool, target_dir=resolve_target_dir(None), progress=progress, force=True)  # ours, unfinished
     return pool
 
 

@@ -64,9 +64,16 @@ from torch import Tensor
 
 from angelspec.data.fingerprint import file_sha256, model_fingerprint, tensors_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
+from angelspec.fileio import check_writable_path, refuse_same_file
 from angelspec.models.decoder import Decoder
 from angelspec.models.device import Placement, placement_of
-from angelspec.models.hf_io import iter_state_dict, load_target, save_safetensors_atomic, write_json_atomic
+from angelspec.models.hf_io import (
+    iter_state_dict,
+    load_target,
+    nonfinite_problem,
+    save_safetensors_atomic,
+    write_json_atomic,
+)
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, packed_digest, pad_token_id
 from angelspec.train.distributed import DistInfo
 from angelspec.train.losses import TeacherHead
@@ -412,6 +419,7 @@ class OfflineFeatureCache:
                         per_batch[int(key.split(".", 1)[0])].append(key)
                     for keys in per_batch:
                         tensors = {k.split(".", 1)[1]: f.get_tensor(k) for k in keys}
+                        _check_finite(path, tensors)
                         yield FeatureBatch.from_tensors(tensors, self.spec.layer_ids)
             except (SafetensorError, OSError) as e:
                 raise _unreadable(path, e) from None
@@ -464,6 +472,7 @@ class OfflineFeatureCache:
             names = [n for n in _ROW_FIELDS if f"{j}.{n}" in self._keys[file]]
             names += [f"hidden.{i}" for i in layer_ids]
             parts.append({n: f.get_slice(f"{j}.{n}")[r:r + 1] for n in names})
+            _check_finite(self.root / file, parts[-1])
         if not parts:
             raise ValueError("rows() needs at least one row index")
         return FeatureBatch.from_tensors({n: torch.cat([p[n] for p in parts]) for n in parts[0]}, layer_ids)
@@ -496,6 +505,14 @@ _ROW_FIELDS = tuple(f.name for f in fields(FeatureBatch) if f.name != "hidden") 
 def _compared(dataset: dict[str, Any] | None) -> dict[str, Any] | None:
     """The part of a :func:`dataset_identity` that must match: rows, seq_len and digest, not the notes."""
     return None if dataset is None else {k: dataset.get(k) for k in ("rows", "seq_len", "digest")}
+
+
+def _check_finite(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Refuse features holding a NaN or an infinity as they are read (a shard damaged in place keeps its size)."""
+    for name, t in tensors.items():
+        if (problem := nonfinite_problem(name, t)) is not None:
+            raise FeatureCacheError(f"feature shard {path}: {problem}; the cache is damaged: delete it and build it "
+                                    "again with `angelspec features`")
 
 
 def _unreadable(path: Path, e: Exception) -> FeatureCacheError:
@@ -708,7 +725,9 @@ def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Pat
     `angelspec.models.device.resolve_placement`); a trainer reads the cache with its target in the same dtype."""
     from angelspec.data.tokenizer import load_tokenizer
 
-    target_dir, data = Path(target_dir), Path(data)
+    target_dir, data, out = Path(target_dir), Path(data), Path(out)
+    refuse_same_file(out, ("--data", data), ("--target", target_dir))
+    check_writable_path(out / MANIFEST, "--out")
     where = placement_of(placement)
     target = load_target(target_dir, dtype=where.dtype, device=where.device)
     rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,

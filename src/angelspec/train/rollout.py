@@ -277,6 +277,11 @@ def rollout(
         extras = {k: v for k, v in p["record"].items() if k not in ("prompt", "messages", "rollout")}
         conversations.append(_Conversation(index=i, line=p["line"], source=p["messages"], extras=extras))
 
+    from angelspec.decoding.limits import check_counts, check_fits_target
+    from angelspec.models import read_config
+
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    check_fits_target(read_config(target_dir), rows=min(batch_size, max(len(conversations), 1)))
     tokenizer = load_tokenizer(target_dir)
     generator, target_id, context = _start_engine(engine, target_dir, batch_size, placement)
     try:

@@ -56,9 +56,10 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from angelspec.data.fingerprint import model_fingerprint
+from angelspec.errors import require_range
 from angelspec.fileio import read_json_object, write_json_atomic
 from angelspec.models.device import Placement, dtype_label, placement_of
-from angelspec.models.hf_io import load_target, save_safetensors_atomic
+from angelspec.models.hf_io import load_target, nonfinite_problem, save_safetensors_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, pad_token_id
 from angelspec.train.distributed import DistInfo, barrier
 
@@ -305,6 +306,10 @@ class FileFeatureStream:
         except (SafetensorError, OSError) as e:  # never for an atomic write; name the file if it happens
             raise StreamError(f"feature batch {path} is unreadable ({e}); delete it and a feature server remakes "
                               "it") from None
+        for name, t in tensors.items():
+            if (problem := nonfinite_problem(name, t)) is not None:
+                raise StreamError(f"feature batch {path}: {problem}; the target's features are not finite (are "
+                                  "its weights damaged?): delete the file and a feature server remakes it")
         # The cursor moves before the file goes, so a producer that finds the file missing also sees the new cursor
         # and does not make it again; a kill between the two leaves a file that the next attach drops.
         self._cursor(step + 1)
@@ -313,6 +318,10 @@ class FileFeatureStream:
 
     def finish(self, step: int) -> None:
         self._cursor(step, finished=True)
+
+
+MAX_WORKERS = 4096  # feature servers sharing one stream
+MAX_BUFFER = 1024  # batches a server makes ahead of a trainer rank
 
 
 def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, worker: int = 0, workers: int = 1,
@@ -326,8 +335,9 @@ def serve_files(root: str | Path, target_dir: str | Path, data: str | Path, *, w
     `placement`: the target's device and dtype (`FeatureProducer`)."""
     if not 0 <= worker < workers:
         raise StreamError(f"--worker must be in 0..{workers - 1} (of --workers {workers}), got {worker}")
-    if buffer < 1:
-        raise StreamError(f"--buffer must be at least 1, got {buffer}")
+    require_range("--workers", workers, 1, MAX_WORKERS)
+    require_range("--buffer", buffer, 1, MAX_BUFFER, " (batches made ahead of each trainer rank)")
+    require_range("--idle-timeout", idle_timeout_s, 0.01, 10**9, " (seconds)")
     root = Path(root)
     producer: FeatureProducer | None = None
     published, last_change, seen = 0, time.monotonic(), None

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from angelspec.data.lm_data import PackedStream, TokenizedDomain, read_jsonl, tokenize_split
+from angelspec.errors import UsageError, require_range
+from angelspec.fileio import require_memory
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
@@ -62,6 +64,21 @@ class TargetTrainConfig(LMRunConfig):
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+    def check_bounds(self, available: int | None = None) -> None:
+        """What the numbers' own ranges (`train.safety.check_bounds`, checked with the overrides) cannot say: a row
+        no longer than the model's context, whole key/value head groups, and a model and step whose training fits
+        in the memory this machine has free (`available`, default /proc/meminfo's): weights, gradients and AdamW's
+        two moments in float32, plus a step's logits."""
+        require_range("context=", self.context, 16, 1 << 20)
+        require_range("seq_len=", self.seq_len, 2, self.context, " (the model's context=)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UsageError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        n_params = self.model_config({"im_end": 0, "endoftext": 1}).num_parameters()
+        need = 16 * n_params + 8 * self.tokens_per_step * self.vocab_size
+        require_memory("target build", need, f"{n_params:,} parameters with their AdamW state and a step's logits",
+                       available, lower="hidden_size=, intermediate_size=, num_hidden_layers=, batch_size= or seq_len=")
 
 
 def embedded_target() -> TargetTrainConfig:
@@ -132,6 +149,7 @@ def build_target(
     from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
 
     cfg = config or embedded_target()
+    cfg.check_bounds()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     ckpt_dir = work_dir / "checkpoint"
     if out_dir.exists() and any(out_dir.iterdir()) and not (force or resume):

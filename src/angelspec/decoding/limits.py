@@ -1,0 +1,65 @@
+"""Bounds on the numbers the decoding commands take (generate, eval, bench, profile, calibrate, eval-server, rollout),
+checked before any weights are read, so a typo such as 10^9 is one line instead of a process that grows until the
+kernel kills it.
+
+`check_counts` holds the fixed bounds; `check_fits_target` those that come from the target's config.json (its
+context) and from the machine: the KV cache of the rows decoded at once against the memory this machine has free.
+Each message names the setting (the CLI's flag) and its range.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from angelspec.errors import require_range
+from angelspec.fileio import require_memory
+
+if TYPE_CHECKING:
+    from angelspec.models import DecoderConfig
+
+MAX_NEW_TOKENS = 1 << 24  # tokens a request may generate (each is also capped to fit the target's context)
+MAX_DRAFT_TOKENS = 64  # K: drafts proposed and verified per step (published drafters use at most 16)
+MAX_BATCH_SIZE = 4096  # rows decoded at once (concurrent requests)
+MAX_NGRAM = 64  # the longest n-gram the lookup drafter matches
+MAX_REQUESTS = 1_000_000  # requests one run makes (bench --min-requests)
+MAX_REPEATS = 10_000  # timed or untimed steps per profiled cell
+
+
+def check_counts(*, max_new_tokens: int | None = None, batch_size: int | None = None,
+                 num_draft_tokens: int | None = None, limit: int | None = None,
+                 batch_flag: str = "--batch-size") -> None:
+    """The fixed bounds of the counts every decoding command shares (None: not taken by the command); the ones the
+    target's config sets, `check_fits_target` checks once it is read."""
+    if max_new_tokens is not None:
+        require_range("--max-new-tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+    if batch_size is not None:
+        require_range(batch_flag, batch_size, 1, MAX_BATCH_SIZE)
+    if num_draft_tokens is not None:
+        require_range("--num-draft-tokens", num_draft_tokens, 1, MAX_DRAFT_TOKENS)
+    if limit is not None:
+        require_range("--limit", limit, 1, 1 << 31)
+
+
+def kv_cache_bytes(config: DecoderConfig, rows: int, tokens: int, dtype_bytes: int = 4) -> int:
+    """Bytes of the target's KV cache for `rows` rows of `tokens` tokens (keys and values of every layer)."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    return rows * tokens * per_token
+
+
+def check_fits_target(config: DecoderConfig, *, rows: int, num_draft_tokens: int | None = 0,
+                      batch_flag: str = "--batch-size", dtype_bytes: int = 4, device: Any = None,
+                      available: int | None = None) -> None:
+    """Refuse, from the target's config alone, more drafts per step than its context can verify (`num_draft_tokens`
+    None: the drafter's own depth, checked where it is known) and a number of rows decoded at once (`rows`, set by
+    `batch_flag`) whose KV cache could not fit in the memory this machine has free (`available`, default
+    /proc/meminfo's; checked for a cache in host memory: `device` None or a CPU). A `--max-new-tokens` beyond the
+    context needs no refusal: every request is capped to fit it and ends with finish_reason "length"."""
+    context = config.max_position_embeddings
+    k = num_draft_tokens or 0
+    if k:
+        require_range("--num-draft-tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
+                      f" (the target's context is {context} tokens)")
+    if device is not None and getattr(device, "type", str(device)) != "cpu":
+        return  # /proc/meminfo says nothing about an accelerator's memory
+    need = kv_cache_bytes(config, rows, context + k + 2, dtype_bytes)
+    require_memory(batch_flag, need, f"the KV cache of {rows} row(s) of {context} tokens", available)
