@@ -189,3 +189,21 @@ def test_other_families_are_refused_in_one_line(tmp_path, llama_dir, eagle3_dir,
     (mistral / "config.json").write_text(json.dumps(cfg))
     code, _, err = run_cli(capsys, "export", "--format", "vllm", eagle3_dir, tmp_path / "out", "--target", mistral)
     assert_bad_input(code, err, "qwen3 and llama targets", "'qwen2'")
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+def test_the_other_families_train_and_decode_losslessly_on_a_llama_target(tmp_path, llama_dir, conversations, capsys,
+                                                                          kind):
+    """MTP and DFly take the target's layer (no q/k norm); neither has a vLLM class, so export refuses them."""
+    code, _, err = run_cli(capsys, "train", "--drafter", kind, "--target", llama_dir, "--data", conversations,
+                           "--out", tmp_path / kind, "--preset", "tiny_debug", "--quiet", "steps=2")
+    assert code == 0, err
+    raw = json.loads((tmp_path / kind / "config.json").read_text())
+    cfg = raw.get("mtp_config") or raw["block_drafter_config"]
+    assert cfg["qk_norm"] is False and cfg["model_type"] == "llama"
+    prompts = write_domain_prompts(tmp_path / "prompts.jsonl")
+    code, out, err = run_cli(capsys, "eval", "--target", llama_dir, "--drafter", tmp_path / kind, "--prompts",
+                             prompts, "--max-new-tokens", "8", "--quiet")
+    assert code == 0 and "lossless: yes (3/3" in out, err
+    with pytest.raises(ExportRefused):
+        export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
