@@ -194,7 +194,8 @@ def test_other_families_are_refused_in_one_line(tmp_path, llama_dir, eagle3_dir,
 @pytest.mark.parametrize("kind", ["mtp", "dfly"])
 def test_the_other_families_train_and_decode_losslessly_on_a_llama_target(tmp_path, llama_dir, conversations, capsys,
                                                                           kind):
-    """MTP and DFly take the target's layer (no q/k norm); neither has a vLLM class, so export refuses them."""
+    """MTP and DFly take the target's layer (no q/k norm). The plugin's MTP builds a Llama layer for it and exports;
+    every DFlash-based class (the plugin's DFly too) builds Qwen3 layers, so the DFly is refused, naming why."""
     code, _, err = run_cli(capsys, "train", "--drafter", kind, "--target", llama_dir, "--data", conversations,
                            "--out", tmp_path / kind, "--preset", "tiny_debug", "--quiet", "steps=2")
     assert code == 0, err
@@ -205,5 +206,12 @@ def test_the_other_families_train_and_decode_losslessly_on_a_llama_target(tmp_pa
     code, out, err = run_cli(capsys, "eval", "--target", llama_dir, "--drafter", tmp_path / kind, "--prompts",
                              prompts, "--max-new-tokens", "8", "--quiet")
     assert code == 0 and "lossless: yes (3/3" in out, err
-    with pytest.raises(ExportRefused):
-        export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
+    if kind == "dfly":
+        with pytest.raises(ExportRefused, match="no q/k norm"):
+            export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
+        return
+    export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
+    out = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    tensors = read_tensors(tmp_path / "vllm" / "model.safetensors")
+    assert out["architectures"] == ["AngelSpecMTPEagle3"] and out["model_type"] == "llama"
+    assert "layers.0.self_attn.q_proj.weight" in tensors and not any("q_norm" in k for k in tensors)
