@@ -338,9 +338,23 @@ class _FakeVllm:
                                                                              finish_reason=r.finish_reason)])
                         for r in done]
 
-        self.module = types.SimpleNamespace(LLM=LLM, SamplingParams=types.SimpleNamespace)
+        self.params: list = []
+
+        def sampling_params(**kwargs):
+            fake.params.append(kwargs)
+            return types.SimpleNamespace(**kwargs)
+
+        self.module = types.SimpleNamespace(LLM=LLM, SamplingParams=sampling_params)
         self.inputs = types.SimpleNamespace(TokensPrompt=dict)
-        self.platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: True))
+        self.on_cpu = True
+        self.platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: fake.on_cpu))
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> _FakeVllm:
+        import sys
+
+        for name, module in (("vllm", self.module), ("vllm.inputs", self.inputs), ("vllm.platforms", self.platforms)):
+            monkeypatch.setitem(sys.modules, name, module)
+        return self
 
 
 def test_engine_vllm_writes_our_greedy_file_and_records_the_engine(tiny_target_dir: Path, tmp_path: Path,
@@ -361,3 +375,74 @@ def test_engine_vllm_writes_our_greedy_file_and_records_the_engine(tiny_target_d
     assert "engine" not in json.loads(ours.with_name(ours.name + ".progress.json").read_text())["config"]
     with pytest.raises(RolloutError, match="engine"):  # a file is continued by the engine that started it
         rollout(tiny_target_dir, prompts, ours, max_new_tokens=12, batch_size=2, engine="vllm", resume=True)
+
+
+def test_vllm_settings_reach_the_llm_constructor_and_default_to_bf16_and_256_sequences_on_a_gpu(
+        tiny_target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rollout --engine vllm` on a GPU: bf16 by default (vLLM's GPU attention backends take bf16 / fp16), compiled,
+    256 sequences; the tensor-parallel size, memory share and context flags arrive as vLLM's `LLM` keywords, and a
+    smaller context caps every request's max_tokens."""
+    from conftest import run_cli
+
+    fake = _FakeVllm(tiny_target_dir).install(monkeypatch)
+    fake.on_cpu = False
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:2])
+    code, _, err = run_cli(capsys, "rollout", "--engine", "vllm", "--target", tiny_target_dir, "--prompts", prompts,
+                           "--out", tmp_path / "a.jsonl", "--max-new-tokens", "12", "--quiet")
+    assert code == 0, err
+    call = fake.calls[-1]
+    assert (call["dtype"], call["max_num_seqs"], call["enforce_eager"], call["tensor_parallel_size"]) == (
+        "bfloat16", 256, False, 1)
+    assert call["max_model_len"] == load_target(tiny_target_dir).config.max_position_embeddings
+    assert "gpu_memory_utilization" not in call  # vLLM's own default
+    code, _, err = run_cli(capsys, "rollout", "--engine", "vllm", "--target", tiny_target_dir, "--prompts", prompts,
+                           "--out", tmp_path / "b.jsonl", "--max-new-tokens", "200", "--quiet", "--vllm-dtype",
+                           "float16", "--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.85",
+                           "--max-model-len", "64", "--batch-size", "32")
+    assert code == 0, err
+    call = fake.calls[-1]
+    assert {k: call[k] for k in ("dtype", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len",
+                                 "max_num_seqs")} == {"dtype": "float16", "tensor_parallel_size": 4,
+                                                      "gpu_memory_utilization": 0.85, "max_model_len": 64,
+                                                      "max_num_seqs": 32}
+    last = fake.params[-len(LINES[:2]):]
+    assert all(0 < p["max_tokens"] < 64 for p in last)  # capped by the 64-token context, not --max-new-tokens 200
+
+
+def test_vllm_engine_on_cpu_stays_fp32_and_eager(tiny_target_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from angelspec.decoding.vllm_engine import VllmEngine, VllmSettings
+
+    fake = _FakeVllm(tiny_target_dir).install(monkeypatch)
+    VllmEngine(tiny_target_dir, max_batch_size=3, settings=VllmSettings(max_model_len=32))
+    assert {k: fake.calls[-1][k] for k in ("dtype", "enforce_eager", "max_num_seqs", "max_model_len")} == {
+        "dtype": "float32", "enforce_eager": True, "max_num_seqs": 3, "max_model_len": 32}
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization", "(0, 1]"]),
+    (["--tensor-parallel-size", "0"], ["--tensor-parallel-size", ">= 1"]),
+    (["--max-model-len", "100000"], ["--max-model-len 100000", "max_position_embeddings"]),
+    (["--batch-size", "0"], ["batch_size", ">= 1"]),
+])
+def test_bad_vllm_settings_are_one_line_before_vllm_starts(tiny_target_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch, flags, words) -> None:
+    from conftest import assert_bad_input, run_cli
+
+    fake = _FakeVllm(tiny_target_dir).install(monkeypatch)
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    code, _, err = run_cli(capsys, "rollout", "--engine", "vllm", "--target", tiny_target_dir, "--prompts", prompts,
+                           "--out", tmp_path / "o.jsonl", "--quiet", *flags)
+    assert_bad_input(code, err, *words)
+    assert not fake.calls and not (tmp_path / "o.jsonl").exists()
+
+
+def test_vllm_flags_without_the_vllm_engine_are_refused(tiny_target_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import assert_bad_input, run_cli
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    code, _, err = run_cli(capsys, "rollout", "--target", tiny_target_dir, "--prompts", prompts, "--out",
+                           tmp_path / "o.jsonl", "--tensor-parallel-size", "2", "--vllm-dtype", "bfloat16")
+    assert_bad_input(code, err, "--vllm-dtype, --tensor-parallel-size", "--engine vllm")

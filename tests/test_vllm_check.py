@@ -104,3 +104,34 @@ def test_every_drafter_the_check_serves_is_exportable(tmp_path):
                for name, src in sources.items()}
     assert methods == {"eagle3": "eagle3", "draft": "draft_model", "mtp": "eagle3", "dfly": "dflash",
                        "dflash": "dflash", "dflare": "dflash", "dspark": "dspark"}
+
+
+def test_the_llama_case_builds_a_llama_target_trains_exports_and_decodes_before_vllm(tmp_path, monkeypatch):
+    """Check 3 up to the vLLM engine: a Llama 3-shaped target (no q/k norm, untied head, llama3 RoPE), its
+    rollouts, an EAGLE-3 trained on them and exported as vLLM's Llama class, and our engine's row, handed to
+    `_serve_in_vllm` with the Llama target."""
+    import json
+
+    from angelspec.models import read_config
+    from angelspec.pipelines import vllm_check
+
+    handed = {}
+
+    def serve(served, prompts, ar, settings, log, target):
+        handed.update(served=served, prompts=prompts, ar=ar, target=target)
+        return _row(name=served.name, k=served.k)
+
+    monkeypatch.setattr(vllm_check, "_serve_in_vllm", serve)
+    settings = VllmCheckSettings(out_dir=tmp_path, per_domain=1, max_new_tokens=6, rollout_prompts=4,
+                                 rollout_tokens=8, llama_steps=2, llama_minutes=None, only="llama")
+    rows = vllm_check._llama_check(settings, tmp_path, log=lambda *_: None)
+    target = read_config(handed["target"])
+    assert (target.model_type, target.qk_norm, target.tie_word_embeddings, target.rope_type) == (
+        "llama", False, False, "llama3")
+    served = handed["served"]
+    cfg = json.loads((served.export / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert served.outputs == handed["ar"] and len(handed["prompts"]) == 3  # ours is lossless on the Llama target
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [t + 1 for t in served.taps]
+    report = VllmCheckReport(settings, rows, {}, {}, "0.32.0", 1.0)
+    assert report.passed and "rollout" not in report.format() and "dspark (load only)" not in report.format()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from angelspec.assets import DEFAULT_TARGET
 from angelspec.cli.common import (
     Subparsers,
-    add_batch_size_flag,
     add_device_flags,
     add_overrides,
     add_sampling_flags,
@@ -21,6 +21,10 @@ from angelspec.cli.common import (
 )
 from angelspec.cli.train import add_run_flags
 from angelspec.data.decontam import DEFAULT_NGRAM
+from angelspec.errors import UsageError
+
+if TYPE_CHECKING:
+    from angelspec.decoding.vllm_engine import VllmSettings
 
 
 def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
@@ -37,10 +41,22 @@ def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
     add_think_flag(p, "render prompts in thinking mode (default: --no-think)")
     add_sampling_flags(p, seed=0, seed_help="seeds derive from (S, line, turn) (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="per response (default: 512)")
-    add_batch_size_flag(p)
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="concurrent requests (default: 8 with our engine, 256 with --engine vllm: its max_num_seqs)")
     p.add_argument("--engine", choices=["ours", "vllm"], default="ours",
                    help="ours (default) or vllm: vLLM's LLM.generate, for a target served by vLLM (needs vLLM, in "
                         "its own venv: make vllm-venv); the same JSONL, identical at T=0")
+    vllm = p.add_argument_group("vLLM engine (--engine vllm)")
+    vllm.add_argument("--vllm-dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
+                      help="the target's dtype in vLLM (default auto: float32 on vLLM's CPU build, bfloat16 on a GPU, "
+                           "whose attention backends are written for bf16 / fp16)")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                      help="shard the target over N GPUs (default: 1)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                      help="share of each GPU's memory vLLM may take for weights and KV cache, in (0, 1] (default: "
+                           "vLLM's)")
+    vllm.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                      help="context vLLM serves, at most the target's max_position_embeddings (default: that)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
     p.add_argument("--force", action="store_true", help="overwrite --out (and its progress file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -54,16 +70,32 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     if args.resume and args.force:
         raise RolloutError("--resume and --force contradict each other: pick one")
+    vllm = vllm_settings(args)
     summary = rollout(args.target, args.prompts, args.out, enable_thinking=args.think, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
                       batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet,
-                      engine=args.engine, placement=placement(args))
+                      engine=args.engine, placement=placement(args), vllm=vllm)
     print(summary.format())
     print(f"wrote {args.out}")
     if summary.truncated_turns:
         warn(f"note: {summary.truncated_turns} responses hit --max-new-tokens {args.max_new_tokens}; they are kept "
              "with rollout.finish_reason 'length' (filter them out or raise the limit)")
     return 0
+
+
+def vllm_settings(args: argparse.Namespace) -> VllmSettings | None:
+    """The vLLM flags as `VllmSettings` (None when none is given; refused without --engine vllm)."""
+    from angelspec.decoding.vllm_engine import VllmSettings
+
+    given = {k: v for k, v in (("dtype", args.vllm_dtype), ("tensor_parallel_size", args.tensor_parallel_size),
+                               ("gpu_memory_utilization", args.gpu_memory_utilization),
+                               ("max_model_len", args.max_model_len)) if v is not None}
+    if not given:
+        return None
+    if args.engine != "vllm":
+        flags = ", ".join("--" + ("vllm-dtype" if k == "dtype" else k.replace("_", "-")) for k in given)
+        raise UsageError(f"{flags} set vLLM's engine; add --engine vllm or drop them")
+    return VllmSettings(**given)
 
 
 def add_decontam(sub: Subparsers) -> argparse.ArgumentParser:

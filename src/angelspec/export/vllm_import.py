@@ -1,18 +1,20 @@
 """Import a vLLM-format EAGLE-3 or DFlash drafter folder (an `angelspec export --format vllm` output, or one trained
-elsewhere for a Qwen3 target) as an AngelSpec drafter folder, so `angelspec eval --drafter OUT_DIR` measures it on
-our engine and depth policies (`angelspec import --format vllm VLLM_DIR OUT_DIR`).
+elsewhere for a Qwen3 or Llama target) as an AngelSpec drafter folder, so `angelspec eval --drafter OUT_DIR` measures
+it on our engine and depth policies (`angelspec import --format vllm VLLM_DIR OUT_DIR`).
 
-The inverse of `export.vllm`, with the same name tables (`FUSED`, `RENAMED`): q/k/v and gate/up are fused again, tap
-ids go back to our counting (EAGLE-3's `eagle_aux_hidden_state_layer_ids` minus one; DFlash's 0-based
+The inverse of `export.vllm`, with the same name tables (`FUSED`, `RENAMED`, `QK_NORM`): q/k/v and gate/up are fused
+again, tap ids go back to our counting (EAGLE-3's `eagle_aux_hidden_state_layer_ids` minus one; DFlash's 0-based
 `dflash_config.target_layer_ids` as they are, or the top-level aux ids minus one when a folder has them, since vLLM
 reads those first), `d2t` becomes our draft vocabulary. Read from vLLM 0.32's loaders (`qwen3_eagle3.py`,
-`qwen3_dflash.py`): without aux ids EAGLE-3 taps the target's default (2, L//2, L-3) in vLLM's counting, and DFlash
-without `rope_theta` uses 1e6; an import reproduces both.
+`llama_eagle3.py`, `qwen3_dflash.py`): without aux ids EAGLE-3 taps the target's default (2, L//2, L-3) in vLLM's
+counting, and DFlash without `rope_theta` uses 1e6; an import reproduces both.
 
 Our drafters share the target's embedding and LM head, so a folder's own `embed_tokens` or `lm_head` is imported
 only when it equals the target's (rows): a drafter trained with its own head is refused, by name. So is everything
-our EAGLE-3 / DFlash cannot compute: the LLaMA EAGLE-3 layout (no q/k norm), more than one EAGLE-3 layer, fc norms,
-attention biases, sliding windows, non-causal options beyond DFlash's block, a separate mask embedding.
+our EAGLE-3 / DFlash cannot compute: more than one EAGLE-3 layer, fc norms, attention biases, sliding windows,
+non-causal options beyond DFlash's block, a separate mask embedding. The EAGLE-3 layout must be the target family's
+(the Qwen3 one, with q/k norm, for a Qwen3 target; the LLaMA one, without, for a Llama target), as our exporter writes
+it; DFlash (Qwen3 draft layers) imports for either target.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ import torch
 from torch import nn
 
 from angelspec.assets import resolve_target_dir
-from angelspec.export.checks import SPEC_CONFIG, ExportRefused, prepare_out_dir, read_tensors
+from angelspec.export.checks import (
+    EAGLE3_LLAMA_ARCHS,
+    EAGLE3_QWEN3_ARCH,
+    SPEC_CONFIG,
+    ExportRefused,
+    layer_model_type,
+    prepare_out_dir,
+    read_tensors,
+)
 from angelspec.export.vllm import _target_lm_head, fuse_layer, target_tensor
 from angelspec.fileio import staged_folder
 from angelspec.models.block.config import BlockDrafterConfig
@@ -38,7 +48,8 @@ from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.hf_io import read_config, read_config_json
 from angelspec.models.mtp_io import MTP_META_KEYS, save_mtp
 
-EAGLE3_ARCH, DFLASH_ARCH = "Eagle3Qwen3ForCausalLM", "DFlashDraftModel"
+EAGLE3_ARCH, DFLASH_ARCH = EAGLE3_QWEN3_ARCH, "DFlashDraftModel"
+EAGLE3_FOR_TARGET = {"qwen3": EAGLE3_QWEN3_ARCH, "llama": EAGLE3_LLAMA_ARCHS[0]}  # target family -> EAGLE-3 layout
 DFLASH_DEFAULT_ROPE_THETA = 1_000_000.0  # vLLM's DFlash: set_default_rope_theta(config, default_theta=1000000)
 EAGLE3_DEFAULT_DEPTHS = 3  # num_depths when the folder has no speculative_config.json (inference picks K anyway)
 # config.json switches of vLLM's EAGLE-3 / DFlash classes that change the computation; our models have none of them.
@@ -75,12 +86,14 @@ def _flag_values(cfg: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _shape(cfg: dict[str, Any], target: DecoderConfig, rope_default: float | None) -> dict[str, Any]:
-    """The `LayerShape` fields of a vLLM drafter config.json, checked against the target's width and vocabulary."""
+def _shape(cfg: dict[str, Any], target: DecoderConfig, rope_default: float | None,
+           model_type: str = "qwen3") -> dict[str, Any]:
+    """The `LayerShape` fields of a vLLM drafter config.json (layers of `model_type`: "qwen3" with q/k norm, "llama"
+    without), checked against the target's width and vocabulary."""
     try:
-        shape = DecoderConfig.from_hf_dict({**cfg, "architectures": [], "model_type": "qwen3"})
+        shape = DecoderConfig.from_hf_dict({**cfg, "architectures": [], "model_type": model_type})
     except (ConfigError, ValueError, TypeError) as e:
-        raise ImportRefused(f"config.json does not describe Qwen3 layers ({e})") from None
+        raise ImportRefused(f"config.json does not describe {model_type} layers ({e})") from None
     if shape.rope_scaling is not None:
         raise ImportRefused(f"RoPE scaling {shape.rope_scaling} is not supported in a drafter")
     if (shape.vocab_size, shape.hidden_size) != (target.vocab_size, target.hidden_size):
@@ -157,6 +170,7 @@ def _load(model: nn.Module, tensors: dict[str, torch.Tensor], src: Path) -> None
 
 def _eagle3(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str, Any], target: DecoderConfig,
             target_dir: Path) -> tuple[nn.Module, list[str]]:
+    model_type = layer_model_type((cfg.get("architectures") or [None])[0])
     if cfg.get("num_hidden_layers", 1) != 1:
         raise ImportRefused(f"an EAGLE-3 with {cfg['num_hidden_layers']} layers; ours has one (midlayer)")
     if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
@@ -173,11 +187,11 @@ def _eagle3(cfg: dict[str, Any], state: dict[str, torch.Tensor], spec: dict[str,
     _shared_embedding(state, target_dir)
     depths = int(spec.get("num_speculative_tokens") or EAGLE3_DEFAULT_DEPTHS)
     def build() -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-        config = Eagle3Config(**_shape(cfg, target, None), target_layer_ids=tuple(taps),
+        config = Eagle3Config(**_shape(cfg, target, None, model_type), target_layer_ids=tuple(taps),
                               target_fingerprint=target.fingerprint(), target_num_layers=target.num_hidden_layers,
                               draft_vocab_size=len(vocab) if vocab else 0, num_depths=depths)
         tensors = {"fc.weight": state.pop("fc.weight"), "hidden_norm.weight": state.pop("midlayer.hidden_norm.weight"),
-                   **fuse_layer(state, "midlayer.", "layer."), "norm.weight": state.pop("norm.weight")}
+                   **fuse_layer(state, "midlayer.", "layer.", config.qk_norm), "norm.weight": state.pop("norm.weight")}
         return config, tensors
 
     return _assemble("EAGLE-3", build, Eagle3DraftModel, target, spec, vocab), notes
@@ -251,17 +265,23 @@ def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path 
     target_dir = resolve_target_dir(target)
     target_cfg = read_config(target_dir)
     arch = (cfg.get("architectures") or [None])[0]
-    if arch not in (EAGLE3_ARCH, DFLASH_ARCH):
-        hint = (" (the LLaMA EAGLE-3 layout has no q/k norm; ours is a Qwen3 layer)" if "eagle" in str(arch).lower()
-                else "")
-        raise ImportRefused(f"{src} holds a {arch!r} drafter; import reads {EAGLE3_ARCH} and {DFLASH_ARCH} for a "
-                            f"Qwen3 target{hint}")
-    if target_cfg.model_type != "qwen3":
-        raise ImportRefused(f"{arch} drafters serve Qwen3 targets; the target is {target_cfg.model_type!r}")
+    if target_cfg.model_type not in EAGLE3_FOR_TARGET:
+        raise ImportRefused(f"import reads drafters for {' and '.join(EAGLE3_FOR_TARGET)} targets; the target is "
+                            f"{target_cfg.model_type!r}")
+    eagle3 = EAGLE3_FOR_TARGET[target_cfg.model_type]
+    is_eagle3 = arch in (EAGLE3_QWEN3_ARCH, *EAGLE3_LLAMA_ARCHS)
+    if not is_eagle3 and arch != DFLASH_ARCH:
+        raise ImportRefused(f"{src} holds a {arch!r} drafter; import reads {eagle3} and {DFLASH_ARCH} for a "
+                            f"{target_cfg.model_type} target")
+    if is_eagle3 and layer_model_type(arch) != layer_model_type(eagle3):
+        layout = "LLaMA EAGLE-3 layout (no q/k norm)" if arch in EAGLE3_LLAMA_ARCHS else \
+            "Qwen3 EAGLE-3 layout (q/k norm)"
+        raise ImportRefused(f"{src} holds the {layout}, {arch}; our EAGLE-3 for a {target_cfg.model_type} target "
+                            f"takes the target's layer ({eagle3})")
     flags = _flag_values(cfg)
     if flags:
         raise ImportRefused(f"{src}: {', '.join(f'{k}={v}' for k, v in flags.items())} changes the drafter in ways "
-                            f"AngelSpec's {'EAGLE-3' if arch == EAGLE3_ARCH else 'DFlash'} cannot compute")
+                            f"AngelSpec's {'EAGLE-3' if is_eagle3 else 'DFlash'} cannot compute")
     meta = cfg.get("angelspec") or {}
     if meta.get("target_fingerprint") not in (None, target_cfg.fingerprint()):
         raise ImportRefused(f"{src} was exported for a target with fingerprint {meta['target_fingerprint']}, this "
@@ -272,14 +292,14 @@ def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path 
     state = {k: v for f in weights for k, v in read_tensors(f).items()}
     spec_file = src / SPEC_CONFIG
     spec = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.is_file() else {}
-    build = _eagle3 if arch == EAGLE3_ARCH else _dflash
+    build = _eagle3 if is_eagle3 else _dflash
     model, notes = build(cfg, state, {**spec, "model": str(src)}, target_cfg, target_dir)
     if state:
         raise ImportRefused(f"{src} holds tensors AngelSpec's drafter has no place for: {sorted(state)[:6]}")
-    derived = MTP_META_KEYS if arch == EAGLE3_ARCH else BLOCK_META_KEYS
+    derived = MTP_META_KEYS if is_eagle3 else BLOCK_META_KEYS
     extra = {k: v for k, v in meta.items() if k not in derived and k != "exported_from"}
     extra.update(imported_from=str(src.resolve()), imported_format=f"vllm:{arch}")
     prepare_out_dir(src, out, force, target_dir=target_dir)
     with staged_folder(out) as stage:  # swapped in whole once written: a failure leaves OUT_DIR as it was
-        (save_mtp if arch == EAGLE3_ARCH else save_block_drafter)(model, stage, extra)  # type: ignore[operator]
+        (save_mtp if is_eagle3 else save_block_drafter)(model, stage, extra)  # type: ignore[operator]
     return ImportResult(out, model.config.drafter, notes)

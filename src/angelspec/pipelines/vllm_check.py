@@ -15,7 +15,11 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
    speculative outputs too, vLLM's tap ids must be ours + 1, and p_1..p_K (P(first j drafts accepted) per verify
    step; vLLM's `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM
    runs without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
-3. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
+3. A Llama-shaped target (`llama_target`: the embedded target's tokenizer and width, Llama 3's layer without q/k
+   norm, an untied LM head and llama3 RoPE scaling, random weights) with an EAGLE-3 trained here on that target's own
+   greedy rollouts (`train_llama_eagle3`), exported as vLLM's `LlamaForCausalLMEagle3` and served by vLLM on the Llama
+   target, checked as in 2 (`llama=False` leaves it out; `only="llama"` runs it alone).
+4. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
    shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
    exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
    without an engine; every vLLM parameter must hold exactly the exported tensor meant for it (the CPU runner's
@@ -62,6 +66,10 @@ class VllmCheckSettings:
     dflash_minutes: float = 2.5
     dflash_steps: int = 160
     tolerance: float = TOLERANCE
+    llama: bool = True  # the Llama-shaped target's EAGLE-3 (check 3)
+    llama_minutes: float = 1.5
+    llama_steps: int = 120
+    only: str | None = None  # "llama": the Llama check alone (no rollout, Qwen3 drafters or DSpark rows)
 
 
 @dataclass
@@ -105,8 +113,9 @@ class VllmCheckReport:
     @property
     def passed(self) -> bool:
         tol = self.settings.tolerance
-        return bool(self.rollout.get("identical")) and bool(self.dspark.get("passed")) and all(
-            d.passed(tol) for d in self.drafters)
+        alone = self.settings.only == "llama"  # the rollout and DSpark checks did not run
+        return (alone or bool(self.rollout.get("identical")) and bool(self.dspark.get("passed"))) and bool(
+            self.drafters) and all(d.passed(tol) for d in self.drafters)
 
     def format(self) -> str:
         tol = self.settings.tolerance
@@ -123,12 +132,16 @@ class VllmCheckReport:
                          f"{d.vllm_equal_ar}/{d.prompts} | {p(d.ours)} | {p(d.vllm)} | {d.max_delta:.3f} | "
                          f"{d.ours_steps} / {d.vllm_steps} | {'pass' if d.passed(tol) else 'FAIL'} |")
         r, s = self.rollout, self.dspark
-        lines.append(f"| rollout (AR) | - | - | - | JSONL byte-identical: {'yes' if r.get('identical') else 'NO'} "
-                     f"({r.get('conversations')} conversations, {r.get('tokens')} tokens) | - | - | - | - | "
-                     f"{'pass' if r.get('identical') else 'FAIL'} |")
-        lines.append(f"| dspark (load only) | dspark | {s.get('k', '-')} | {s.get('vllm_taps')} ({s.get('taps')}) | "
-                     f"vLLM parameters equal to the export: {s.get('equal')}/{s.get('parameters')} | - | - | - | - | "
-                     f"{'pass' if s.get('passed') else 'FAIL'} |")
+        if self.settings.only == "llama":
+            r = s = {}
+        if r:
+            lines.append(f"| rollout (AR) | - | - | - | JSONL byte-identical: {'yes' if r.get('identical') else 'NO'} "
+                         f"({r.get('conversations')} conversations, {r.get('tokens')} tokens) | - | - | - | - | "
+                         f"{'pass' if r.get('identical') else 'FAIL'} |")
+        if s:
+            lines.append(f"| dspark (load only) | dspark | {s.get('k', '-')} | {s.get('vllm_taps')} ({s.get('taps')}) "
+                         f"| vLLM parameters equal to the export: {s.get('equal')}/{s.get('parameters')} | - | - | - | "
+                         f"- | {'pass' if s.get('passed') else 'FAIL'} |")
         notes = [(d.name, n) for d in self.drafters for n in d.notes] + [("dspark", n) for n in s.get("notes", [])]
         lines += [f"note: {name}: {n}" for name, n in notes]
         lines.append(f"{'PASS' if self.passed else 'FAIL'} in {self.wall_s:.0f} s")
@@ -164,6 +177,11 @@ def run_vllm_check(settings: VllmCheckSettings = VllmCheckSettings(), log: Calla
     t0 = time.perf_counter()
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if settings.only == "llama":
+        drafters = _llama_check(settings, out, log)
+        report = VllmCheckReport(settings, drafters, {}, {}, vllm.__version__, time.perf_counter() - t0)
+        write_json_atomic(out / "vllm_check.json", report.to_dict())
+        return report
     rollout_file = _rollout_prompts(out / "rollout_prompts.jsonl", settings.rollout_prompts)
     rollout = _rollout("ours", rollout_file, out / "rollout_ours.jsonl", settings, log)
     ours = _our_side(settings, out, log)
@@ -173,6 +191,8 @@ def run_vllm_check(settings: VllmCheckSettings = VllmCheckSettings(), log: Calla
                       "ours_s": round(rollout.wall_s, 1), "vllm_s": round(rollout_vllm.wall_s, 1)}
     prompts, ar, served = ours
     drafters = [_serve_in_vllm(s, prompts, ar, settings, log) for s in served]
+    if settings.llama:
+        drafters += _llama_check(settings, out, log)
     log("dspark: building a small bias-free DSpark, exporting it, loading it through vLLM's model class")
     dspark = dspark_load_check(_random_dspark(out / "dspark"), DEFAULT_TARGET)
     report = VllmCheckReport(settings, drafters, rollout_report, dspark, vllm.__version__,
@@ -318,13 +338,13 @@ def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], N
 
 
 def _serve_in_vllm(served: _Served, prompts: list[list[int]], ar: list[list[int]], settings: VllmCheckSettings,
-                   log: Callable[[str], None]) -> DrafterCheck:
+                   log: Callable[[str], None], target: Path = DEFAULT_TARGET) -> DrafterCheck:
     from angelspec.decoding.engine import Request
     from angelspec.decoding.vllm_engine import VllmEngine
 
     spec = json.loads((served.export / "speculative_config.json").read_text(encoding="utf-8"))
     log(f"vLLM, {served.name}: starting an engine with {spec}")
-    engine = VllmEngine(DEFAULT_TARGET, max_batch_size=len(prompts), speculative_config=spec)
+    engine = VllmEngine(target, max_batch_size=len(prompts), speculative_config=spec)
     try:
         before = engine.spec_counters()
         results = engine.generate([Request(prompt_ids=p, max_new_tokens=settings.max_new_tokens) for p in prompts])
@@ -342,6 +362,87 @@ def _serve_in_vllm(served: _Served, prompts: list[list[int]], ar: list[list[int]
     log(f"vLLM, {served.name}: p_1..p_K {[round(x, 3) for x in counters.acceptance]} (ours "
         f"{[round(x, 3) for x in m.acceptance]}), outputs = AR {check.vllm_equal_ar}/{len(prompts)}")
     return check
+
+
+LLAMA_LAYERS = 6  # EAGLE-3's default taps (1, L//2, L-2) need at least 5 layers
+LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 256}
+
+
+def llama_target(folder: Path, seed: int = 0) -> Path:
+    """A Llama 3-shaped target in HF layout (`LlamaForCausalLM`): the embedded target's tokenizer, vocabulary and
+    width, `LLAMA_LAYERS` layers without q/k norm, an untied LM head, rope_theta 5e5 with llama3 scaling; random
+    weights (`Decoder.init_weights`, std 0.1 so its greedy outputs are peaked enough for a drafter to learn)."""
+    import shutil
+
+    from angelspec.models import Decoder, read_config, save_target
+    from angelspec.models.config import DecoderConfig
+
+    base = read_config(DEFAULT_TARGET)
+    cfg = DecoderConfig(**{**base.layer_shape(), "model_type": "llama", "qk_norm": False, "rope_theta": 500000.0},
+                        num_hidden_layers=LLAMA_LAYERS, rope_scaling=dict(LLAMA_ROPE), tie_word_embeddings=False,
+                        bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in DEFAULT_TARGET.iterdir():  # tokenizer and chat template; the weights and config.json are written below
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") \
+                and not f.name.endswith(".index.json"):
+            shutil.copy2(f, folder / f.name)
+    model = Decoder(cfg)
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    save_target(model, folder)
+    return folder
+
+
+def train_llama_eagle3(target: Path, data: Path, out: Path, *, steps: int, minutes: float | None,
+                       log: Callable[[str], None] = print) -> Path:
+    """An EAGLE-3 for the Llama target, `eagle3_embedded`'s recipe cut to `steps` (or `minutes`), on `data`."""
+    from angelspec.train.runs import train_drafter
+
+    result = train_drafter("eagle3", data, out, target=target, preset="eagle3_embedded",
+                           overrides=[f"steps={steps}", f"switch_step={max(1, steps // 3)}"], force=True,
+                           progress=False, max_minutes=minutes, log=lambda *_: None)
+    log(result.format())
+    return out
+
+
+def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> list[DrafterCheck]:
+    """Check 3 (module docstring): the Llama target, its rollouts, its EAGLE-3, our engine, then vLLM."""
+    from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter, run_engine
+    from angelspec.decoding.sampling import SamplingParams
+    from angelspec.eval.prompts import eval_prompts
+    from angelspec.export import export_drafter
+    from angelspec.train.rollout import rollout
+
+    work = out / "llama"
+    target_dir = llama_target(work / "target")
+    log(f"llama: a random Llama 3-shaped target in {target_dir}; rolling out {settings.rollout_prompts} prompts")
+    data = rollout(target_dir, _rollout_prompts(work / "prompts.jsonl", settings.rollout_prompts),
+                   work / "rollout.jsonl", max_new_tokens=settings.rollout_tokens, batch_size=16, force=True)
+    log(f"llama: {data.format()}")
+    src = train_llama_eagle3(target_dir, work / "rollout.jsonl", work / "eagle3", steps=settings.llama_steps,
+                             minutes=settings.llama_minutes, log=log)
+    result = export_drafter(src, work / "export", target=target_dir, force=True)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    prompts = [p.ids for p in eval_prompts(tokenizer, load_prompts(EVAL_PROMPTS), source=str(EVAL_PROMPTS),
+                                           context=model.config.max_position_embeddings, limit=settings.per_domain)]
+    k = int(result.speculative_config["num_speculative_tokens"])
+
+    def decode(drafter: Any, depth: int) -> tuple[list[list[int]], Any]:
+        results, metrics = run_engine(model, prompts, max_new_tokens=settings.max_new_tokens,
+                                      sampling=[SamplingParams()] * len(prompts), batch_size=len(prompts),
+                                      drafter=drafter, num_draft_tokens=depth, progress=False)
+        return [list(r.token_ids) for r in results], metrics
+
+    ar, _ = decode(None, 1)
+    drafter = resolve_drafter(str(src), model, target_dir)
+    outputs, metrics = decode(drafter, k)
+    log(f"ours, eagle3 (llama target): K={k}, {metrics.format()}")
+    served = _Served("eagle3 (llama target, trained here)", work / "export", k, outputs, metrics,
+                     list(drafter.target_layer_ids), [f"{LLAMA_LAYERS}-layer random Llama 3-shaped target; "
+                                                      f"exported as {result.speculative_config['method']} "
+                                                      "LlamaForCausalLMEagle3", *result.notes])
+    return [_serve_in_vllm(served, prompts, ar, settings, log, target=target_dir)]
 
 
 def vllm_aux_layers(vllm_config: Any) -> tuple[int, ...] | None:

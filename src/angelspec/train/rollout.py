@@ -50,12 +50,14 @@ from angelspec.data.prompts import load_prompts
 from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic
 
 if TYPE_CHECKING:
+    from angelspec.decoding.vllm_engine import VllmSettings
     from angelspec.models.device import Placement
 
 PROGRESS_SUFFIX = ".progress.json"
 SIDECAR_VERSION = 1
 LINES_PER_CHUNK_PER_ROW = 8  # chunk = 8 x batch size: enough requests to keep the engine's rows busy
 ENGINES = ("ours", "vllm")  # our SpecEngine; vLLM's offline batch API (optional, its own venv)
+BATCH_SIZE = {"ours": 8, "vllm": 256}  # default concurrent requests per engine (vLLM's max_num_seqs)
 
 
 class RolloutError(ValueError):
@@ -225,13 +227,14 @@ def rollout(
     top_k: int = 0,
     seed: int = 0,
     max_new_tokens: int = 512,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     resume: bool = False,
     force: bool = False,
     progress: bool = False,
     chunk_lines: int | None = None,
     engine: str = "ours",
     placement: Placement | None = None,
+    vllm: VllmSettings | None = None,
 ) -> RolloutSummary:
     """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
     embedded target).
@@ -239,7 +242,9 @@ def rollout(
     ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
     chunks lose less work to a kill, larger ones keep more requests in flight between turns.
     ``engine``: "ours" (`SpecEngine`) or "vllm" (vLLM's `LLM.generate`; without vLLM installed this fails at once
-    with one line saying how to install it). ``placement``: the device and dtype our engine runs the target in
+    with one line saying how to install it). ``batch_size``: concurrent requests (None: 8 for ours, 256 for vLLM,
+    its `max_num_seqs`). ``vllm``: dtype, tensor parallelism, memory share and context of the vLLM engine
+    (`VllmSettings`; only with engine "vllm"). ``placement``: the device and dtype our engine runs the target in
     (None: the default of `angelspec.models.device.resolve_placement`; the target's fingerprint, which a resumed
     file must match, covers the dtype). Returns the :class:`RolloutSummary` of the whole file.
     """
@@ -249,6 +254,10 @@ def rollout(
     t0 = time.perf_counter()
     if engine not in ENGINES:
         raise RolloutError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if vllm is not None and engine != "vllm":
+        raise RolloutError("vLLM settings (--vllm-dtype, --tensor-parallel-size, --gpu-memory-utilization, "
+                           "--max-model-len) apply to --engine vllm only")
+    batch_size = BATCH_SIZE[engine] if batch_size is None else batch_size
     if engine == "vllm":
         from angelspec.decoding.vllm_engine import import_vllm
 
@@ -283,7 +292,7 @@ def rollout(
     check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     check_fits_target(read_config(target_dir), rows=min(batch_size, max(len(conversations), 1)))
     tokenizer = load_tokenizer(target_dir)
-    generator, target_id, context = _start_engine(engine, target_dir, batch_size, placement)
+    generator, target_id, context = _start_engine(engine, target_dir, batch_size, placement, vllm)
     try:
         stop_ids = tuple(tokenizer.eos_token_ids)
         config = {"target": target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
@@ -303,14 +312,14 @@ def rollout(
     return summary
 
 
-def _start_engine(engine: str, target_dir: Path, batch_size: int,
-                  placement: Placement | None = None) -> tuple[Any, str, int]:
+def _start_engine(engine: str, target_dir: Path, batch_size: int, placement: Placement | None = None,
+                  vllm: VllmSettings | None = None) -> tuple[Any, str, int]:
     """(the engine with a `generate(requests, progress=...)`, the target's fingerprint, its context length)."""
     if engine == "vllm":
         from angelspec.decoding.vllm_engine import VllmEngine
 
-        generator = VllmEngine(target_dir, max_batch_size=batch_size)
-        return generator, checkpoint_fingerprint(target_dir), generator.config.max_position_embeddings
+        generator = VllmEngine(target_dir, max_batch_size=batch_size, settings=vllm)
+        return generator, checkpoint_fingerprint(target_dir), generator.context
     from angelspec.decoding.engine import EngineConfig, SpecEngine
     from angelspec.models import load_target
     from angelspec.models.device import placement_of

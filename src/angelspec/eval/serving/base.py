@@ -38,10 +38,16 @@ class ServingRow:
     slowest_step_s: float = 0.0  # the longest step; over `metrics.STALL_S`: a graph compiled mid-run
     speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
+    near_ties: int = 0  # other outputs: they part from AR's where the target's best logits nearly tie (eval.lossless)
     # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent
     vllm_tokens_per_s: float | None = None
     vllm_mal: float | None = None  # vLLM's accepted drafts + 1 per verify step that had drafts
     vllm_identical: int | None = None  # vLLM outputs equal to this configuration's
+
+    @property
+    def lossless_ok(self) -> bool | None:
+        """Every output equals AR's or parts from it at a near-tie; None without an AR configuration."""
+        return None if self.identical is None else self.identical + self.near_ties == self.requests
 
     @property
     def vs_vllm(self) -> float | None:

@@ -155,9 +155,10 @@ class ServingReport:
                 r = self.row(name, c)
                 if r is None:
                     continue
+                ties = f", {r.near_ties} near-tie{'s' if r.near_ties != 1 else ''}" if r.near_ties else ""
                 lossless = "ref" if r.kind == "ar" and r.identical is not None else (
-                    "-" if r.identical is None else "yes" if r.identical == r.requests
-                    else f"NO ({r.requests - r.identical}/{r.requests} differ)")
+                    "-" if r.identical is None else f"yes{ties and f' ({ties[2:]})'}" if r.lossless_ok
+                    else f"NO ({r.requests - r.identical - r.near_ties}/{r.requests} differ{ties})")
                 body.append([r.config, r.policy, str(r.num_draft_tokens), str(c), str(r.requests),
                              f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
                              "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
@@ -244,7 +245,8 @@ def _vllm_cells(r: ServingRow) -> list[str]:
 
 
 def lossless(report: ServingReport) -> bool | None:
-    """True when every checked output equals AR's, None when nothing was checked (no AR configuration)."""
+    """True when every checked output equals AR's or parts from it at a near-tie of the target's logits
+    (`eval.lossless`), None when nothing was checked (no AR configuration)."""
     checked = [r for r in report.rows if r.identical is not None]
-    return None if not checked else all(r.identical == r.requests for r in checked)
+    return None if not checked else all(r.lossless_ok for r in checked)
 

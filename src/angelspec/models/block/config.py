@@ -226,14 +226,18 @@ class BlockDrafterConfig(DraftModelConfig):
         with `num_taps` (default: one per draft layer, at most the target's layer count). `context_injection` None
         = "same_layer" for a DSpark (the dflash conditioning with a Markov-family head, Uraion §3.3), else "shared";
         `fc_bias` None = a bias only for DFly (Eq. 12): the DFlash backbone's fc is built without one, as vLLM's
-        DFlash / DSpark fc has none (`export.vllm`). `design` takes the remaining fields (head_intermediate_size,
-        fusion_prior_temperature, confidence_target, confidence_temperatures, anchor_fusion)."""
+        DFlash / DSpark fc has none (`export.vllm`). The dflash conditioning's layers are Qwen3 layers (q/k norm)
+        whatever the target (a Llama target's have none), as vLLM serves DFlash / DSpark. `design` takes the
+        remaining fields (head_intermediate_size, fusion_prior_temperature, confidence_target,
+        confidence_temperatures, anchor_fusion)."""
         if target_layer_ids is None:
             taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
             target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
         shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
+        if conditioning == "dflash":  # DFlash's draft layer is a Qwen3 layer (q/k norm) for every target, as in
+            shape.update(model_type="qwen3", qk_norm=True)  # vLLM's DFlash / DSpark classes (`export.vllm`)
         if context_injection is None:
             context_injection = "same_layer" if conditioning == "dflash" and head in MARKOV_HEADS else "shared"
         return cls(
