@@ -473,3 +473,13 @@ def test_prompt_pool_never_overwrites_a_file_without_force_nor_its_held_out_prom
     code, _, err = run_cli(capsys, "prompt-pool", "--out", prompts, "--heldout", prompts, "--force", "--quiet")
     assert_bad_input(code, err, "is the same file as the input --heldout")
     assert json.loads(prompts.read_text()) == {"prompt": "def add(x, y):"}
+
+
+def test_bench_does_not_overwrite_an_earlier_sweep_without_force(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    code, _, err = run_cli(capsys, "bench", "--config", "AR=none", "--concurrency", "1", "--out", out, "--quiet")
+    assert_bad_input(code, err, "already holds a sweep", "--force")
+    assert (out / "results.json").read_text() == "{}"

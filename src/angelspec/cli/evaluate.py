@@ -183,6 +183,7 @@ def add_bench(sub: Subparsers) -> None:
                         "requests for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and "
                         "whether its outputs equal ours (log: --out/vllm.log)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
+    p.add_argument("--force", action="store_true", help="overwrite the sweep that --out already holds")
     p.add_argument("--breakeven", action="store_true",
                    help="also print the break-even committed length per drafter and concurrency (report Eq. 25)")
     p.add_argument("--quiet", action="store_true", help="print only the tables")
@@ -198,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
                        breakeven=args.breakeven, limit=args.limit, vllm=args.vllm,
-                       log=None if args.quiet else print, placement=placement(args))
+                       log=None if args.quiet else print, placement=placement(args), force=args.force)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 
 

@@ -256,12 +256,12 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
               num_draft_tokens: int | None = None, min_requests: int = 8, warmup_tokens: int = 8,
               prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
               vllm: str | Path | None = None, log: Callable[[str], None] | None = None,
-              placement: Placement | None = None) -> ServingReport:
+              placement: Placement | None = None, force: bool = False) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
     folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
     (`eval.serving.vllm`; its log goes to `out`/vllm.log). Drafter folders and the vLLM venv are checked before
-    the target is loaded."""
+    the target is loaded; a folder that already holds a sweep is refused unless `force`."""
     from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
 
@@ -279,6 +279,9 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")
+    if (out_dir / "results.json").exists() and not force:
+        raise UsageError(f"--out {out_dir} already holds a sweep (results.json); pass --force to overwrite it or "
+                         "give another --out")
     for c in parsed:  # a missing drafter folder fails before the target is loaded
         folder = None if c.drafter == "none" or c.drafter.partition(":")[0] == "ngram" else drafter_path(c.drafter)
         if folder is not None and not folder.exists():
