@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
 from angelspec.errors import UsageError, require_positive
+from angelspec.fileio import available_memory_bytes
 from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
 from angelspec.train.safety import check_not_input
 
@@ -78,17 +79,6 @@ def fit_seq_len(config: Any, target_dir: Path, overrides: Sequence[str] = (),
         return config
     log(f"seq_len {context}: the preset's {seq_len}-token rows cut to the target's context")
     return replace(config, seq_len=context)
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def step_memory_floor(batch_size: int, seq_len: int, vocab_size: int, hidden_size: int, num_layers: int) -> int:
