@@ -2,7 +2,7 @@
 dense references. FlexAttention's compiled CPU kernel takes neither a backward nor the log-sum-exp, so here the
 LSE-returning paths (TTT prefix, block anchors, block context) run the eager FlexAttention under the same block
 mask, the compiled kernel is checked on the cached and document-masked forwards (few, small: each shape compiles
-for seconds), and the gradient checks run only where a GPU is (`-k cuda`, also from a GPU check script)."""
+for seconds), and the gradient checks run only where a GPU is (`pytest -m gpu`, which benchmarks/gpu_check.py runs)."""
 
 from __future__ import annotations
 
@@ -213,6 +213,7 @@ def check_flex_gradients(device: str = "cuda") -> dict[str, float]:
     return errs
 
 
+@pytest.mark.gpu
 @CUDA
 def test_flex_gradients_equal_the_references_cuda() -> None:
     errs = check_flex_gradients("cuda")
