@@ -318,7 +318,9 @@ class Decoder(nn.Module):
             if positions is None:
                 positions = slots
             write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
-            fresh = kv_len is not None and kv_len <= T  # a bound of lengths + T: every row starts empty
+            # kv_len bounds lengths + T, so kv_len <= T says every row starts empty (a prefill). Not inside a compiled
+            # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
+            fresh = not torch.compiler.is_compiling() and kv_len is not None and kv_len <= T
             kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
             mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
         else:
