@@ -25,7 +25,11 @@ Shape legend: B batch rows, T keys, Q queries, H query heads, Hkv kv heads, G = 
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_Q_CHUNK = 256
@@ -149,14 +153,20 @@ def _index_inputs(q: Tensor, k: Tensor, q_doc: Tensor | None, q_last: Tensor, k_
 
 def document_prefix_attention(q: Tensor, k: Tensor, v: Tensor, q_last: Tensor, q_doc: Tensor | None = None,
                               k_doc: Tensor | None = None, q_first: Tensor | None = None, *,
-                              q_chunk: int | None = None, k_chunk: int | None = None) -> tuple[Tensor, Tensor]:
+                              q_chunk: int | None = None, k_chunk: int | None = None, backend: str = "auto"
+                              ) -> tuple[Tensor, Tensor]:
     """Attention of q over the keys each query may see (module docstring), with its log-sum-exp.
 
     q [B, H, Q, Dh]; k, v [B, Hkv, T, Dh]; q_last [B|1, Q] the last key index each query may see; q_doc [B|1, Q]
     and k_doc [B|1, T] document ids (None: one document); q_first [B|1, Q] a lower bound on the first visible key
     (only used to skip tiles; None = 0); tiles of q_chunk × k_chunk (None: `DEFAULT_Q_CHUNK`, `DEFAULT_K_CHUNK`,
     read at call time). -> (out [B, H, Q, Dh], lse [B, H, Q] in fp32 or wider; out = 0 and lse = -inf where a
-    query sees no key). Scale 1/sqrt(Dh)."""
+    query sees no key). Scale 1/sqrt(Dh). backend (`ATTENTION_BACKENDS`): "flex" runs FlexAttention under
+    `prefix_block_mask` (no Python tile loop, no host sync; its backward needs a GPU), every other resolved name
+    the tiled kernel here (the CPU training path)."""
+    if resolve_attention_backend(backend, q.device) == "flex":
+        block_mask = prefix_block_mask(q_last, k.shape[2], q_doc, k_doc, q_first, batch=q.shape[0])
+        return flex_prefix_attention(q, k, v, block_mask, lse=True)  # type: ignore[return-value]
     q_chunk = DEFAULT_Q_CHUNK if q_chunk is None else q_chunk
     k_chunk = DEFAULT_K_CHUNK if k_chunk is None else k_chunk
     if q_chunk < 1 or k_chunk < 1:
@@ -203,3 +213,198 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     lse = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
     return (torch.exp(lse_a - lse).to(out_a.dtype)[..., None] * out_a
             + torch.exp(lse_b.to(lse.dtype) - lse).to(out_b.dtype)[..., None] * out_b)
+
+
+# ----- kernel choice: one switch for every attention call of a model (`set_attention_backend`) -----
+#
+#   sdpa    today's kernels: SDPA under a boolean [B, 1, T, S] mask for cached calls and document-masked
+#           forwards, the tiled kernel above for the prefix patterns of training
+#   flex    FlexAttention (compiled) under a block mask built from per-row lengths / document ids: no dense
+#           mask, no [T, S] scores, GQA native, empty tiles skipped; cached calls attend over the whole
+#           capacity (static shapes), the block mask skips what no row reaches. Its backward needs a GPU.
+#   expand  cached calls repeat the kv heads (K/V [B, H, S, Dh]) and pass the mask to SDPA: without
+#           enable_gqa a fused memory-efficient kernel takes an arbitrary mask on CUDA
+#   auto    flex on CUDA; sdpa elsewhere (on a CPU the mask path is the fastest measured)
+# A fresh prefill (every row empty, known on the host from kv_len <= T) runs SDPA with is_causal under
+# every backend but flex: flash kernels take that without a mask.
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "expand")
+FLEX_BLOCK = 128  # FlexAttention's tile (queries and keys)
+
+
+def check_attention_backend(backend: str) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> the backend for tensors on `device` (table above); any other name is returned checked."""
+    check_attention_backend(backend)
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
+    """Make every attention of `model` (and its submodules that choose one: the target, MTP / EAGLE-3 and
+    block drafters) use `backend` (one of `ATTENTION_BACKENDS`)."""
+    check_attention_backend(backend)
+    for m in model.modules():
+        if hasattr(m, "attn_backend"):
+            m.attn_backend = backend
+
+
+_FLEX = None
+
+
+def compiled_flex_attention():
+    """torch.compile(flex_attention), built once: eager FlexAttention materialises the scores it exists to avoid."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def _blocks(x: Tensor, n: int, fill: int, reduce: str) -> Tensor:
+    """x [B, L] -> [B, n] min or max over consecutive tiles of FLEX_BLOCK (padded with `fill`)."""
+    pad = n * FLEX_BLOCK - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_full((x.shape[0], pad), fill)], dim=1)
+    x = x.view(x.shape[0], n, FLEX_BLOCK)
+    return x.amin(-1) if reduce == "min" else x.amax(-1)
+
+
+def prefix_block_mask(q_last: Tensor, num_keys: int, q_doc: Tensor | None = None, k_doc: Tensor | None = None,
+                      q_first: Tensor | None = None, batch: int = 1):
+    """A FlexAttention BlockMask of `visible(q, j) = k_doc[j] == q_doc[q] and j <= q_last[q]` (module docstring)
+    built from the index tensors alone: per (query tile, key tile) whether some, all or no pair is visible, from
+    the tiles' min / max of positions and document ids ([B, Q/128, S/128] ints; no [Q, S] tensor, no host
+    sync). q_last [B|1, Q]; q_doc [B|1, Q], k_doc [B|1, S] (None: one document); q_first [B|1, Q] a lower bound
+    on the first visible key (None: 0); batch: the attention's rows, when every index tensor broadcasts one row
+    (the mask is evaluated per row of the attention)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q_doc, q_last, k_doc, q_first = _index_inputs_shapes(q_last, num_keys, q_doc, k_doc, q_first, batch)
+    B, Q = q_last.shape
+    big = torch.iinfo(torch.long).max // 2
+    nq, nk = -(-Q // FLEX_BLOCK), -(-num_keys // FLEX_BLOCK)
+    q_lo, q_hi = _blocks(q_first, nq, big, "min"), _blocks(q_last, nq, -big, "max")
+    q_last_min = _blocks(q_last, nq, big, "min")
+    qd_min, qd_max = _blocks(q_doc, nq, big, "min"), _blocks(q_doc, nq, -big, "max")
+    kd_min, kd_max = _blocks(k_doc, nk, big, "min"), _blocks(k_doc, nk, -big, "max")
+    j = torch.arange(nk, device=q_last.device)
+    k_start, k_end = j * FLEX_BLOCK, torch.clamp((j + 1) * FLEX_BLOCK, max=num_keys) - 1  # [nk]
+    any_ = ((k_start <= q_hi[..., None]) & (k_end >= q_lo[..., None])
+            & (kd_min[:, None] <= qd_max[..., None]) & (kd_max[:, None] >= qd_min[..., None]))  # [B, nq, nk]
+    one_doc = (qd_min == qd_max)[..., None] & (kd_min == kd_max)[:, None] & (qd_min[..., None] == kd_min[:, None])
+    full = any_ & one_doc & (k_end <= q_last_min[..., None]) & ((j + 1) * FLEX_BLOCK <= num_keys)
+    part = any_ & ~full
+
+    def packed(sel: Tensor) -> tuple[Tensor, Tensor]:
+        num = sel.sum(-1, dtype=torch.int32)[:, None]  # [B, 1, nq]
+        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]  # selected first
+        return num.contiguous(), idx.contiguous()
+
+    (kv_num, kv_idx), (full_num, full_idx) = packed(part), packed(full)
+    last_max, doc = Q - 1, q_doc is not None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qi, ki = q_idx.clamp(max=last_max), kv_idx.clamp(max=num_keys - 1)
+        return (ki <= q_last[b, qi]) & (k_doc[b, ki] == q_doc[b, qi]) if doc else ki <= q_last[b, qi]
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(Q, num_keys))
+
+
+def _index_inputs_shapes(q_last: Tensor, num_keys: int, q_doc: Tensor | None, k_doc: Tensor | None,
+                         q_first: Tensor | None, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_index_inputs` for the block mask: every index tensor at the same batch size B (broadcast rows expanded)."""
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("pass both q_doc and k_doc, or neither")
+    dev, Q = q_last.device, q_last.shape[-1]
+    if q_doc is None or k_doc is None:
+        q_doc = torch.zeros(1, Q, dtype=torch.long, device=dev)
+        k_doc = torch.zeros(1, num_keys, dtype=torch.long, device=dev)
+    q_first = torch.zeros_like(q_last) if q_first is None else q_first
+    B = max(batch, *(x.shape[0] for x in (q_last, q_doc, k_doc, q_first)))
+    return tuple(x.long().expand(B, x.shape[-1]) for x in (q_doc, q_last, k_doc, q_first))  # type: ignore[return-value]
+
+
+def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, *, lse: bool = False
+                          ) -> Tensor | tuple[Tensor, Tensor]:
+    """Compiled FlexAttention of q [B, H, Q, Dh] over k, v [B, Hkv, S, Dh] under `block_mask` (GQA native) ->
+    out [B, H, Q, Dh] (and lse [B, H, Q] fp32 with lse=True; out = 0, lse = -inf where a query sees no key)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    gqa = q.shape[1] != k.shape[1]
+    if not lse:
+        return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    # The CPU lowering of the compiled kernel takes neither the LSE nor a backward: there the eager FlexAttention
+    # evaluates the same block mask (dense scores, for checking the pattern; use the tiled kernel to train on a CPU).
+    aux_lse = AuxRequest(lse=True)
+    if q.device.type == "cpu":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=aux_lse)
+        return out, aux.lse
+    out, aux = compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=aux_lse)
+    return out, aux.lse
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one forward's queries see their keys, built once per forward and handed to every layer (in place of
+    the boolean mask): `kind` is "causal" (SDPA is_causal), "mask" (SDPA under `mask`), "expand" (the same with
+    the kv heads repeated) or "flex" (FlexAttention under `block_mask`); `kv_len` slices a cache's slots (None:
+    the keys as given)."""
+
+    kind: str
+    kv_len: int | None = None
+    mask: Tensor | None = None  # [B, 1, T, S] bool (True = attend)
+    block_mask: object | None = None  # a FlexAttention BlockMask
+
+    @classmethod
+    def cached(cls, start: Tensor, T: int, kv_len: int, capacity: int, backend: str, fresh: bool) -> AttentionPlan:
+        """T new queries per row at slots start[b] + t [B] over a static cache: each sees slots <= its own.
+        `fresh` (host-side: every row starts empty) takes SDPA's is_causal; flex attends over the whole
+        capacity (one shape for every step, the block mask skips the slots no row has reached)."""
+        kind = resolve_attention_backend(backend, start.device)
+        if fresh:
+            return cls("causal", kv_len)
+        slots = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+        if kind == "flex":
+            return cls("flex", capacity, block_mask=prefix_block_mask(slots, capacity, batch=start.shape[0]))
+        key_pos = torch.arange(kv_len, device=start.device)
+        mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
+        return cls("mask" if kind == "sdpa" else kind, kv_len, mask=mask)
+
+    @classmethod
+    def documents(cls, document_ids: Tensor | None, backend: str) -> AttentionPlan:
+        """A cache-free forward over packed rows: causal within each document (document_ids [B, T]; None: causal)."""
+        if document_ids is None:
+            return cls("causal")
+        kind = resolve_attention_backend(backend, document_ids.device)
+        T = document_ids.shape[1]
+        if kind == "flex":
+            q_last = torch.arange(T, device=document_ids.device)[None]
+            first = document_first_index(document_ids)
+            return cls("flex", block_mask=prefix_block_mask(q_last, T, document_ids, document_ids, first,
+                                                            document_ids.shape[0]))
+        causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
+        return cls("mask" if kind == "sdpa" else kind, mask=(same_doc & causal)[:, None])
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, H, T, Dh], k, v [B, Hkv, S, Dh] (a cache's whole buffers, or this call's keys) -> [B, H, T, Dh]."""
+        if self.kv_len is not None:
+            k, v = k[:, :, :self.kv_len], v[:, :, :self.kv_len]
+        gqa = q.shape[1] != k.shape[1]
+        if self.kind == "flex":
+            return flex_prefix_attention(q, k, v, self.block_mask)  # type: ignore[return-value]
+        if self.kind == "expand" and gqa:
+            g = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.kind == "causal",
+                                              enable_gqa=gqa)

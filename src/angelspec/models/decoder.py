@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from angelspec.models.attention import AttentionPlan
 from angelspec.models.config import DecoderConfig, rope_inv_freq
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.linear import Linear
@@ -113,7 +114,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, D]
         cos: torch.Tensor,  # [B, 1, T, Dh]
         sin: torch.Tensor,  # [B, 1, T, Dh]
-        mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend) or None for plain causal
+        mask: AttentionPlan | None,  # how the queries see the keys (built once per forward); None: plain causal
         cache: StaticKVCache | None,
         write_idx: tuple[torch.Tensor, torch.Tensor] | None,  # ([B, 1], [B, T]) row / slot indices
         kv_len: int | None,
@@ -131,23 +132,23 @@ class Attention(nn.Module):
             # Advanced indices around a slice put the indexed dims first: target view is [B, T, Hkv, Dh].
             kc[rows, :, slots] = k.transpose(1, 2).to(kc.dtype)
             vc[rows, :, slots] = v.transpose(1, 2).to(vc.dtype)
-            k, v = kc[:, :, :kv_len], vc[:, :, :kv_len]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            assert mask is not None
+            out = mask(q, kc, vc)  # the plan slices the slots it attends over
         elif attend is not None:
             out = attend(q, k, v)
+        elif mask is not None:
+            out = mask(q, k, v)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def _forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def _forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionPlan | None,
                         cache: StaticKVCache | None, write_idx: tuple[torch.Tensor, torch.Tensor] | None,
                         kv_len: int | None, packed: Packing) -> torch.Tensor:
         """Dense rows: x [N, D] (the kept tokens only), cos/sin [N, 1, Dh], write_idx ([N], [N]) row / slot.
         Projections run on the N kept tokens; attention scatters their queries into the padded [B, H, T, Dh]
         layout (dropped queries are zeros and their outputs are discarded) against the row's cache."""
-        assert cache is not None and write_idx is not None
+        assert cache is not None and write_idx is not None and mask is not None
         q, k, v = self.project(x, cos, sin, heads_first=False)  # [N, H|Hkv, Dh]
         rows, slots = write_idx
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [B, Hkv, S, Dh]
@@ -156,8 +157,7 @@ class Attention(nn.Module):
         B, T = packed.shape
         qp = q.new_zeros(B * T, self.n_heads, self.head_dim).index_copy_(0, packed.index, q)
         qp = qp.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        out = F.scaled_dot_product_attention(qp, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask,
-                                             enable_gqa=self.n_kv != self.n_heads)
+        out = mask(qp, kc, vc)
         out = out.transpose(1, 2).reshape(B * T, self.n_heads * self.head_dim).index_select(0, packed.index)
         return self.o_proj(out)
 
@@ -227,6 +227,7 @@ class Decoder(nn.Module):
         inv_freq, attn_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attn_factor = attn_factor
+        self.attn_backend = "auto"  # `models.attention.set_attention_backend`
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ----- helpers -----
@@ -307,7 +308,7 @@ class Decoder(nn.Module):
                              "pass cache=, keep= or document_ids= with it")
         dev = input_ids.device
         explicit_positions = positions is not None
-        mask: torch.Tensor | None = None
+        mask: AttentionPlan | None = None
         write_idx = None
         if cache is not None:
             if B != cache.batch_size:
@@ -317,16 +318,16 @@ class Decoder(nn.Module):
             if positions is None:
                 positions = slots
             write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
+            # kv_len bounds lengths + T, so kv_len <= T says every row starts empty (a prefill). Not inside a compiled
+            # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
+            fresh = not torch.compiler.is_compiling() and kv_len is not None and kv_len <= T
             kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
-            key_pos = torch.arange(kv_len, device=dev)  # [S]
-            mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
+            mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
         else:
             if positions is None:
                 positions = torch.arange(T, device=dev).expand(B, T)
             if document_ids is not None:
-                causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-                same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
-                mask = (same_doc & causal)[:, None]
+                mask = AttentionPlan.documents(document_ids, self.attn_backend)
         if cache is not None:
             table_len = cache.capacity
         elif explicit_positions:
@@ -357,7 +358,7 @@ class Decoder(nn.Module):
         return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers), last_hidden=h)
 
     def _forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                        num_keep: int | None, cos_t: torch.Tensor, sin_t: torch.Tensor, mask: torch.Tensor | None,
+                        num_keep: int | None, cos_t: torch.Tensor, sin_t: torch.Tensor, mask: AttentionPlan | None,
                         cache: StaticKVCache | None, kv_len: int | None, num_new: torch.Tensor | None,
                         hidden_layers: Sequence[int], logits_index: torch.Tensor | None,
                         compute_logits: bool) -> DecoderOutput:

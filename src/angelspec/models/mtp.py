@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from angelspec.models.attention import AttentionPlan
 from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
@@ -125,6 +126,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         dh = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attn_backend = "auto"  # `models.attention.set_attention_backend`
         self._init_draft_vocab()  # `angelspec draft-vocab` / the trainer's draft_vocab_size (`draft_head`)
 
     def build_fusion(self) -> None:
@@ -167,7 +169,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         return u, self.layer.input_layernorm(u)
 
     def layer_forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      mask: torch.Tensor | None, cache: StaticKVCache | None,
+                      mask: AttentionPlan | None, cache: StaticKVCache | None,
                       write_idx: tuple[torch.Tensor, torch.Tensor] | None, kv_len: int | None) -> torch.Tensor:
         """One depth of F_θ over (h [B, T, C], x̃ [B, T]) -> h' [B, T, C] (arguments as `Attention.forward`)."""
         x, attn_in = self.layer_inputs(hidden, token_ids)
@@ -209,11 +211,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
                              f"{tuple(token_ids.shape)}")
         h = self.condition(hidden)  # [B, T, C]
         cos, sin = self.rope(positions, h.dtype)
-        mask = None
-        if document_ids is not None:
-            T = h.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
-            mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
+        mask = None if document_ids is None else AttentionPlan.documents(document_ids, self.attn_backend)
         return self.layer_forward(h, token_ids, cos, sin, mask, None, None, None)
 
     # ----- inference: one decoder layer over a static draft KV cache -----
@@ -233,8 +231,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
-        key_pos = torch.arange(kv_len, device=dev)
-        mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
+        mask = AttentionPlan.cached(cache.lengths, T, kv_len, cache.capacity, self.attn_backend, False)
         write = slots.clamp(max=cache.capacity - 1)  # slots past the end hold only entries beyond num_new
         write_idx = (torch.arange(B, device=dev)[:, None], write)
         cos, sin = self.rope_at(write, cache.capacity, hidden.dtype)

@@ -60,7 +60,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from angelspec.models.attention import document_first_index, document_prefix_attention, merge_attention
+from angelspec.models.attention import (
+    document_first_index,
+    document_prefix_attention,
+    flex_prefix_attention,
+    merge_attention,
+    prefix_block_mask,
+    resolve_attention_backend,
+)
 from angelspec.models.block.config import MARKOV_HEADS, BlockDrafterConfig, distance_prior
 from angelspec.models.block.heads import HEAD_CLASSES, ConfidenceHead, HiddenCorrectionHead, MarkovHead
 from angelspec.models.block.targets import BlockTargets, block_targets
@@ -83,22 +90,43 @@ ContextAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
 
 
-def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_valid: Tensor
-                            ) -> Tensor:
+def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_valid: Tensor | None,
+                            block_mask: object | None = None) -> Tensor:
     """One block per row attends to its valid context slots and to all of its own entries (bidirectional):
     q [B, H, Tq, Dh], own k/v [B, Hkv, Tq, Dh], ctx_k/ctx_v [B, Hkv, S, Dh], ctx_valid [B, S] -> [B, H, Tq, Dh].
 
     The same softmax attention as `scaled_dot_product_attention` over the concatenated keys [ctx; own] under the
     matching mask (query head h reads kv head h // (H / Hkv)), but the two key segments are scored separately
     and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys copies the whole context
-    K/V every step, which at batch 1 on CPU cost as much as the attention itself."""
+    K/V every step, which at batch 1 on CPU cost as much as the attention itself.
+
+    With `block_mask` (a FlexAttention BlockMask of the valid slots, `context_block_mask`; ctx_valid unused) the
+    context part is FlexAttention with its log-sum-exp (no [.., Tq, S] scores, slots past every row's length
+    skipped) and the own block's [.., Tq, Tq] softmax joins it exactly (`merge_attention`)."""
     B, H, Tq, Dh = q.shape
     Hkv, S = ctx_k.shape[1], ctx_k.shape[2]
+    if block_mask is not None:
+        G = H // Hkv
+        out_c, lse_c = flex_prefix_attention(q, ctx_k, ctx_v, block_mask, lse=True)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        s = (q.reshape(B, Hkv, G, Tq, Dh) @ k[:, :, None].transpose(-1, -2)).to(wide) * Dh ** -0.5  # [.., Tq, Tq]
+        lse_b = s.logsumexp(dim=-1)
+        out_b = torch.exp(s - lse_b[..., None]).to(v.dtype) @ v[:, :, None]
+        out = merge_attention(out_c.reshape(B, Hkv, G, Tq, Dh), lse_c.reshape(B, Hkv, G, Tq), out_b, lse_b)
+        return out.reshape(B, H, Tq, Dh)
+    assert ctx_valid is not None
     qg = q.reshape(B, Hkv, (H // Hkv) * Tq, Dh) * Dh ** -0.5  # the query heads that share a kv head, stacked
     scores = torch.cat([(qg @ ctx_k.transpose(-1, -2)).masked_fill(~ctx_valid[:, None, None, :], float("-inf")),
                         qg @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, g·Tq, S + Tq]
     p = torch.softmax(scores if scores.dtype.itemsize >= 4 else scores.float(), dim=-1).to(q.dtype)  # fp32+
     return (p[..., :S] @ ctx_v + p[..., S:] @ v).view(B, H, Tq, Dh)
+
+
+def context_block_mask(lengths: Tensor, block_size: int, num_slots: int) -> object:
+    """The BlockMask of `context_block_attention`: each row's block_size entries see slots < lengths[b] [B] of
+    num_slots."""
+    last = (lengths - 1)[:, None].expand(-1, block_size)
+    return prefix_block_mask(last, num_slots, batch=lengths.shape[0])
 
 
 @dataclass(frozen=True)
@@ -122,16 +150,18 @@ class AnchorIndex:
         return cls(block_size, q_anchor - 1, document_ids.gather(1, q_anchor), first, document_ids)
 
 
-def anchored_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, index: AnchorIndex
-                             ) -> Tensor:
+def anchored_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, index: AnchorIndex,
+                             backend: str = "auto") -> Tensor:
     """Training attention of N blocks per row without a mask: q [R, H, N·B, Dh], own k/v [R, Hkv, N·B, Dh], context
     ctx_k/ctx_v [R, Hkv, T, Dh] -> [R, H, N·B, Dh]; the softmax over the visible context keys
     (`document_prefix_attention`, tiled) and over the own block (bidirectional, [.., B, B] scores per block) are
-    joined exactly by their log-sum-exps (`merge_attention`). Equals SDPA under `BlockDrafter.training_mask`."""
+    joined exactly by their log-sum-exps (`merge_attention`). Equals SDPA under `BlockDrafter.training_mask`.
+    backend: the context kernel (`document_prefix_attention`'s: tiled, or FlexAttention)."""
     R, H, Q, Dh = q.shape
     Hkv, Bk = k.shape[1], index.block_size
     G, N = H // Hkv, Q // Bk
-    out_c, lse_c = document_prefix_attention(q, ctx_k, ctx_v, index.last, index.doc, index.k_doc, index.first)
+    out_c, lse_c = document_prefix_attention(q, ctx_k, ctx_v, index.last, index.doc, index.k_doc, index.first,
+                                             backend=backend)
     qg = q.reshape(R, Hkv, G, N, Bk, Dh)
     wide = torch.promote_types(q.dtype, torch.float32)
     s = (qg @ k.reshape(R, Hkv, 1, N, Bk, Dh).transpose(-1, -2)).to(wide) * Dh ** -0.5  # [R, Hkv, G, N, B, B]
@@ -179,6 +209,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
                               f"{tuple(lm_head.weight.shape)} do not match the {cfg.drafter} config's [vocab, hidden]"
                               f" = {list(shape)}")
         self.config = cfg
+        self.attn_backend = "auto"  # `models.attention.set_attention_backend`
         # A tuple is not registered by nn.Module: the target's tensors stay out of parameters()/state_dict().
         self._shared: tuple[nn.Embedding, nn.Linear] = (embed_tokens, lm_head)
         C, L, n, eps = cfg.hidden_size, cfg.num_draft_layers, cfg.num_taps, cfg.rms_norm_eps
@@ -393,13 +424,14 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         return k * cos + rotate_half(k) * sin, v
 
     def layer_forward(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                      mask: Tensor | None, *, ctx_valid: Tensor | None = None,
+                      mask: Tensor | None, *, ctx_valid: Tensor | None = None, ctx_mask: object | None = None,
                       attend: ContextAttention | None = None) -> Tensor:
         """Draft layer i over block entries x [B, Tq, C] (cos/sin [B, 1, Tq, Dh] of their positions), attending to
         [ctx_k; own keys] ([B, Hkv, S + Tq, Dh]) under mask [B, 1, Tq, S + Tq] (True = attend) -> [B, Tq, C].
 
         Inference passes `ctx_valid` [B, S] instead of `mask` (one block per row: it sees the valid context
-        slots and all of its own entries): `context_block_attention`, which never copies the context K/V.
+        slots and all of its own entries): `context_block_attention`, which never copies the context K/V; or
+        `ctx_mask`, the FlexAttention block mask of the same slots (`context_block_mask`).
         Training passes `attend` instead (`anchored_block_attention` over the anchors' index: no mask, memory
         linear in T; or a caller's `ContextAttention`, e.g. sequence parallelism's)."""
         layer = self.layers[i]
@@ -407,8 +439,8 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [B, H|Hkv, Tq, Dh]
         if attend is not None:
             out = attend(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype))
-        elif ctx_valid is not None:
-            out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid)
+        elif ctx_valid is not None or ctx_mask is not None:
+            out = context_block_attention(q, k, v, ctx_k.to(k.dtype), ctx_v.to(v.dtype), ctx_valid, ctx_mask)
         else:
             k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
             v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
@@ -529,7 +561,8 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         if attend is None and attention == "dense":
             mask = self.training_mask(anchors, T, document_ids)
         elif attend is None:
-            attend = partial(anchored_block_attention, index=AnchorIndex.build(anchors, Bk, document_ids))
+            attend = partial(anchored_block_attention, index=AnchorIndex.build(anchors, Bk, document_ids),
+                             backend=self.attn_backend)
         anchor_ids = input_ids.gather(1, anchors)  # [R, N]
         x = self.embed(self.block_inputs(anchor_ids)).to(dtype)  # [R, N, B, C]
         feats = self.context_features(taps)
@@ -631,7 +664,11 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
         pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
         cos, sin = self.rope_at(pos, self.rope_size(cache), cache.dtype)
-        ctx = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None]  # [B, S]
+        flex = resolve_attention_backend(self.attn_backend, dev) == "flex"
+        if flex:  # the whole capacity (one shape every step); the block mask skips slots past every row's length
+            kv_len, ctx, ctx_mask = cache.capacity, None, context_block_mask(cache.lengths, Bk, cache.capacity)
+        else:
+            ctx, ctx_mask = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None], None  # [B, S]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
         if cfg.anchor_fusion:
             rows = torch.arange(anchor_tokens.shape[0], device=dev)
@@ -639,7 +676,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             x = x + self.anchor_input(last, anchor_tokens, cache.lengths > 0)[:, None]
         for i in range(cfg.num_draft_layers):
             x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], None,
-                                   ctx_valid=ctx)
+                                   ctx_valid=ctx, ctx_mask=ctx_mask)
         return x
 
     def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
