@@ -2,7 +2,8 @@
 
   decode    the embedded target AR and with every shipped drafter (`assets/drafters`), fp32 and bf16, eager and
             compiled (`EvalSettings.compile`), on the shipped held-out prompts at T = 0: tokens/s, speed-up over AR
-            and the lossless count (outputs identical to AR)
+            and the lossless count (outputs identical to AR); and the AR step compiled with CUDA graphs
+            (`EngineConfig.cuda_graphs`, static shapes under FlexAttention) against the eager engine
   train     one training step (forward, backward, AdamW) of each drafter family (MTP, EAGLE-3, DFlash, DFly,
             DSpark) on a 3-layer target of Qwen3-8B's layer shape (hidden 4096, 32 / 8 heads x 128, MLP 12288,
             V = 152k), the trainers' own pieces: `TargetFeatures` (teacher as states + head), the TTT rollout or the
@@ -248,6 +249,42 @@ def prefill_row(device: torch.device, quick: bool, T: int, dtype: torch.dtype) -
         return Row("prefill", f"1x{T}", f"FAILED: {type(e).__name__}: {e}"[:90], 0.0, ok=False)
 
 
+def graphs_row(device: torch.device, compile: bool, max_new: int, dtype: torch.dtype) -> Row:
+    """The AR decode step compiled with CUDA graphs (`EngineConfig.cuda_graphs`: static shapes under flex
+    attention) against the eager engine: greedy outputs equal, tokens/s side by side. Without compile (quick) it
+    runs the switch's eager path, which must be the eager engine."""
+    from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+
+    target, tok = load_target_and_tokenizer(Path(DEFAULT_TARGET))
+    target = target.to(device=device, dtype=dtype).eval()
+    prompts = eval_prompts(tok, load_prompts(EVAL_PROMPTS), context=target.config.max_position_embeddings,
+                           source=str(EVAL_PROMPTS), limit=1)[:4]
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(config: EngineConfig) -> tuple[list[list[int]], float]:
+        engine = SpecEngine(target, config=config)
+        reqs = [Request(prompt_ids=p.ids, max_new_tokens=max_new, sampling=greedy, request_id=i)
+                for i, p in enumerate(prompts)]
+        engine.generate(reqs)  # warm-up: compiles and captures
+        t0 = time.perf_counter()
+        out = engine.generate(reqs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return [r.token_ids for r in out], sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+
+    try:
+        with Meter(device) as m:
+            eager, eager_tps = run(EngineConfig(max_batch_size=4, max_seq_len=512))
+            graphs, graph_tps = run(EngineConfig(max_batch_size=4, max_seq_len=512, compile=compile,
+                                                 cuda_graphs=True))
+        same = eager == graphs
+        return Row("decode AR cuda graphs", f"{str(dtype).removeprefix('torch.')} {'compiled' if compile else 'eager'}",
+                   f"{graph_tps / eager_tps:.2f}x eager, outputs {'equal' if same else 'DIFFER'}", m.seconds, m.peak,
+                   ok=same)
+    except Exception as e:
+        return Row("decode AR cuda graphs", "", f"FAILED: {type(e).__name__}: {e}"[:90], 0.0, ok=False)
+
+
 def pytest_row() -> Row:
     """`pytest -m gpu` (the repository's gpu-marked tests), summarised."""
     root = Path(__file__).resolve().parents[1]
@@ -306,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += decode_rows(device, args.dtypes.split(","), compiled, per_domain, max_new, batch=4 if quick else 8,
                             max_prompts=2 if quick else None,
                             drafters=None if args.drafters is None else args.drafters.split(","))
+        rows.append(graphs_row(device, not (quick or args.no_compile), max_new, train_dtype))
     if "train" not in skip:
         rows += train_rows(device, quick, 1, T, train_dtype)
     if "prefill" not in skip:

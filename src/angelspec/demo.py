@@ -16,7 +16,7 @@ Each stage reads what earlier ones left in the shared `DemoState` and returns a 
 closing report; later work appends stages (train a drafter, benchmark against peers) to `STAGES`.
 
 Run with `python -m angelspec.demo [--target DIR] [--draft-lm DIR] [--per-domain N] [--max-new-tokens N]
-[--batch-size B] [--no-compile] [--device DEV] [--dtype DTYPE]`.
+[--batch-size B] [--no-compile] [--device DEV] [--dtype DTYPE] [--attention KERNEL]`.
 """
 
 from __future__ import annotations
@@ -491,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 "
                              "elsewhere)")
+    parser.add_argument("--attention", default=None, metavar="KERNEL",
+                        help="attention kernels: auto, sdpa, flex or expand (default auto: FlexAttention on a GPU, "
+                             "SDPA with masks elsewhere)")
     args = parser.parse_args(argv)
     for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):
@@ -503,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                           batch_size=args.batch_size, draft_lm=Path(args.draft_lm), train_minutes=args.train_minutes,
                           drafters=Path(args.drafters), compile=args.compile, work_dir=Path(args.work_dir),
                           train_prompts=Path(args.train_prompts),
-                          placement=resolve_placement(args.device, args.dtype))
+                          placement=resolve_placement(args.device, args.dtype, args.attention))
         report = run_demo(state)
     except Exception as e:
         if not is_user_error(e):

@@ -31,6 +31,8 @@ __all__ = ["DRAFTER_SPECS", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_NOT_LOSS
            "warn"]
 
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda:0 where torch sees a GPU, else cpu)"
+ATTENTION_HELP = ("attention kernels: auto, sdpa, flex or expand (default auto: FlexAttention on a GPU, SDPA with "
+                  "masks elsewhere; docs/devices.md)")
 DTYPE_HELP = "float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 elsewhere)"
 
 
@@ -39,16 +41,18 @@ def add_target_flag(p: argparse.ArgumentParser, help: str = TARGET_HELP) -> None
 
 
 def add_device_flags(p: argparse.ArgumentParser, dtype_help: str = DTYPE_HELP) -> None:
-    """--device and --dtype of every command that loads a model (read back with `placement`)."""
+    """--device, --dtype and --attention of every command that loads a model (read back with `placement`)."""
     p.add_argument("--device", default=None, metavar="DEV", help=DEVICE_HELP)
     p.add_argument("--dtype", default=None, metavar="DTYPE", help=dtype_help)
+    p.add_argument("--attention", default=None, metavar="KERNEL", help=ATTENTION_HELP)
 
 
 def placement(args: argparse.Namespace) -> Placement:
-    """--device and --dtype as the `Placement` the library takes; a device that is not there is a UsageError."""
+    """--device, --dtype and --attention as the `Placement` the library takes; a device that is not there is a
+    UsageError."""
     from angelspec.models.device import resolve_placement
 
-    return resolve_placement(args.device, args.dtype)
+    return resolve_placement(args.device, args.dtype, args.attention)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, seed: int | None,

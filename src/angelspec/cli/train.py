@@ -100,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             from angelspec.eval.server import spawn_eval_server
 
             server = spawn_eval_server(args.out, args.target, prompts_path=args.eval_prompts, device=args.device,
-                                       dtype=args.dtype)
+                                       dtype=args.dtype, attention=args.attention)
             print(f"eval-server: pid {server.pid}, evaluating every {args.eval_every} steps into "
                   f"{args.out}/training/eval_log.jsonl")
     result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,

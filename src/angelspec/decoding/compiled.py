@@ -5,15 +5,33 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.fx.experimental._config as shape_config
 
+if TYPE_CHECKING:
+    from angelspec.models import Decoder
+
 R = TypeVar("R")
 
 
-def try_compile(fn: Callable[..., R], what: str) -> Callable[..., R]:
+def static_attention(model: Decoder) -> bool:
+    """Whether `model`'s cached forwards have one shape every step, so that CUDA graphs can replay them: a CUDA
+    model whose attention resolves to flex (`models.attention.cache_span`: the whole cache, never `kv_len`)."""
+    from angelspec.models.attention import resolve_attention_backend
+
+    device = next(model.parameters()).device
+    return device.type == "cuda" and resolve_attention_backend(model.attn_backend, device) == "flex"
+
+
+def compile_options(cuda_graphs: bool) -> dict[str, Any]:
+    """inductor options of `try_compile`: frozen weights (oneDNN prepacking on a CPU); with cuda_graphs, CUDA graph
+    capture of the compiled graph instead (freezing would fold the in-place mutated cache into constants there)."""
+    return {"triton.cudagraphs": True} if cuda_graphs else {"freezing": True}
+
+
+def try_compile(fn: Callable[..., R], what: str, *, cuda_graphs: bool = False) -> Callable[..., R]:
     """torch.compile `fn`, falling back to eager (with one warning naming `what`) at the first call that fails
     to compile. freezing: weights become constants, so inductor can prepack them for oneDNN (frozen models
     only: never modify the weights under a compiled call); dynamic: kv_len changes every step and must not
@@ -23,8 +41,9 @@ def try_compile(fn: Callable[..., R], what: str) -> Callable[..., R]:
     equal when a graph is traced share one symbol, and when one of them is fixed by the weights the other is
     fixed with it. A KV cache of capacity 64 traced beside a head_dim of 64 gave a graph for capacity 64 only,
     and the next engine with another capacity compiled again mid-run (~20 s on this CPU; `angelspec bench`'s
-    warm-up has a shorter capacity than its timed run). The switch costs ~3 us a call."""
-    compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
+    warm-up has a shorter capacity than its timed run). The switch costs ~3 us a call. cuda_graphs:
+    `compile_options`; for callers whose every call has the same shapes (`static_attention`)."""
+    compiled = torch.compile(fn, dynamic=True, options=compile_options(cuda_graphs))
     state: dict[str, Callable[..., R]] = {"fn": compiled}
 
     def call(*args: Any, **kwargs: Any) -> R:

@@ -57,7 +57,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from angelspec.decoding.batching import prefill_rows
-from angelspec.decoding.compiled import try_compile
+from angelspec.decoding.compiled import static_attention, try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
 from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
@@ -134,7 +134,9 @@ class EngineConfig:
     compiled step freezes the target's weights as constants: do not modify the target under a compiled
     engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
     faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay exact in
-    distribution but are not bit-reproducible across runs)."""
+    distribution but are not bit-reproducible across runs). cuda_graphs: with compile, on a CUDA target whose
+    attention resolves to flex (static shapes: every decode / verify step attends over the whole cache), also
+    capture the compiled target forwards as CUDA graphs (`compiled.try_compile`); ignored elsewhere."""
 
     max_batch_size: int = 8
     max_seq_len: int | None = None
@@ -144,6 +146,7 @@ class EngineConfig:
     compile: bool = False
     dense_verify: bool = True
     spec_gate: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_draft_tokens"):
@@ -238,15 +241,20 @@ class SpecEngine:
         self._one_token_fn: Callable[..., tuple[Tensor, tuple[Tensor, ...]]] = self._one_token_forward
         # (batch kind: 1, or 2 for larger batches; "plain" / "greedy" / "sampled") step graphs already compiled
         self._graphs_compiled: set[tuple[int, str]] = set()
+        self._graphs = config.compile and config.cuda_graphs and static_attention(target)
         if config.compile:
+            graphs = self._graphs
             if drafter is None:
-                self._decode_fn = try_compile(self._decode_logits, "decode step")
+                self._decode_fn = try_compile(self._decode_logits, "decode step", cuda_graphs=graphs)
             else:
-                self._verify_fn = try_compile(self._verify_forward, "verify forward")
-                self._greedy_verify_fn = try_compile(self._greedy_verify_forward, "greedy verify step")
-                self._packed_fn = try_compile(self._packed_verify_forward, "packed verify forward")
-                self._greedy_packed_fn = try_compile(self._greedy_packed_verify_forward, "packed greedy verify step")
-                self._one_token_fn = try_compile(self._one_token_forward, "one-token verify forward")
+                self._verify_fn = try_compile(self._verify_forward, "verify forward", cuda_graphs=graphs)
+                self._greedy_verify_fn = try_compile(self._greedy_verify_forward, "greedy verify step",
+                                                     cuda_graphs=graphs)
+                self._packed_fn = try_compile(self._packed_verify_forward, "packed verify forward", cuda_graphs=graphs)
+                self._greedy_packed_fn = try_compile(self._greedy_packed_verify_forward, "packed greedy verify step",
+                                                     cuda_graphs=graphs)
+                self._one_token_fn = try_compile(self._one_token_forward, "one-token verify forward",
+                                                 cuda_graphs=graphs)
                 drafter.ensure_compiled()
 
     def _lay_out_weights(self) -> None:
@@ -368,6 +376,8 @@ class SpecEngine:
             self._cache = None  # free the old buffers before allocating new ones
             self._cache = StaticKVCache(self.target.config, n_rows, max_len, slack=slack, dtype=self.dtype,
                                         device=self.device)
+            if self._graphs:  # graphs replay fixed addresses: the cache, mutated in place, must be one of them
+                self._cache.mark_static_address()
         self._cache.reset()
         dev, b = self.device, n_rows
         self._last = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] newest committed token

@@ -47,6 +47,7 @@ def load_target_and_tokenizer(target_dir: Path, placement: Placement | None = No
                          "generation would never stop at the end of a reply; add \"eos_token_id\": ID (the "
                          "end-of-turn token's id) to config.json")
     where = placement_of(placement)
+    where.use_attention()
     model = load_target(target_dir, dtype=where.dtype, device=where.device)
     if not config.eos_token_ids:  # the tokenizer knows the end tokens config.json (and the files beside it) lack
         import dataclasses

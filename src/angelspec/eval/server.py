@@ -407,12 +407,12 @@ def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None,
                       max_new_tokens: int = 64, temperatures: Sequence[float] = (0.0,),
                       prompts_path: str | Path | None = None, log_path: str | Path | None = None,
                       idle_timeout_s: float = 3600.0, device: str | None = None,
-                      dtype: str | None = None) -> subprocess.Popen:
+                      dtype: str | None = None, attention: str | None = None) -> subprocess.Popen:
     """Start `angelspec eval-server --watch RUN_DIR` as its own process beside a trainer (`train --eval-every`):
     it waits for the run folder, evaluates each checkpoint and exits once this process (the trainer) has exited
     and its final checkpoint is evaluated (or after `idle_timeout_s` without a new checkpoint). Its output goes to
-    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear). `device` and
-    `dtype`: its --device and --dtype (None: its defaults)."""
+    `log_path` (default: `RUN_DIR.eval-server.log`, beside the run folder, which `--force` may clear). `device`,
+    `dtype` and `attention`: its --device, --dtype and --attention (None: its defaults)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir.with_name(f"{run_dir.name}.eval-server.log")
     cmd = [sys.executable, "-m", "angelspec.cli", "eval-server", "--watch", str(run_dir), "--wait", "600",
@@ -423,7 +423,7 @@ def spawn_eval_server(run_dir: str | Path, target_dir: str | Path | None = None,
         cmd += ["--target", str(target_dir)]
     if prompts_path is not None:
         cmd += ["--prompts", str(prompts_path)]
-    for flag, value in (("--device", device), ("--dtype", dtype)):
+    for flag, value in (("--device", device), ("--dtype", dtype), ("--attention", attention)):
         if value is not None:
             cmd += [flag, value]
     with open(log_path, "ab") as out:

@@ -238,9 +238,24 @@ def check_attention_backend(backend: str) -> str:
     return backend
 
 
+_default_backend = "auto"  # what a module's "auto" means (`set_default_attention_backend`)
+
+
+def set_default_attention_backend(backend: str) -> None:
+    """Make "auto" (every model's setting unless `set_attention_backend` chose another) mean `backend` in this
+    process: a command's `--attention` (`models.device.Placement.use_attention`). "auto" restores the choice by
+    device. A process-wide switch, like torch's own SDPA kernel switches: every model a command loads (the
+    target, its drafter, a draft LM) then attends the same way."""
+    global _default_backend
+    _default_backend = check_attention_backend(backend)
+
+
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> the backend for tensors on `device` (table above); any other name is returned checked."""
+    """"auto" -> the process default when one is set, else the backend for tensors on `device` (table above);
+    any other name is returned checked."""
     check_attention_backend(backend)
+    if backend == "auto":
+        backend = _default_backend
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     return backend
@@ -253,6 +268,16 @@ def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
     for m in model.modules():
         if hasattr(m, "attn_backend"):
             m.attn_backend = backend
+
+
+def cache_span(kv_len: int | None, capacity: int, backend: str, device: torch.device) -> int:
+    """The slots a cached forward attends over: `kv_len` (the longest row's length after this call; None: all)
+    clamped to the capacity, or the whole capacity under flex. There the block mask skips the slots no row has
+    reached, so every decode and verify step has one shape and never reads `kv_len` (a compiled step then has
+    one graph, which CUDA graphs can replay)."""
+    if resolve_attention_backend(backend, device) == "flex" or kv_len is None:  # flex first: kv_len never read
+        return capacity
+    return min(kv_len, capacity)
 
 
 _FLEX = None

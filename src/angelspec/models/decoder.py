@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from angelspec.models.attention import AttentionPlan
+from angelspec.models.attention import AttentionPlan, cache_span
 from angelspec.models.config import DecoderConfig, rope_inv_freq
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.linear import Linear
@@ -321,7 +321,7 @@ class Decoder(nn.Module):
             # kv_len bounds lengths + T, so kv_len <= T says every row starts empty (a prefill). Not inside a compiled
             # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
             fresh = not torch.compiler.is_compiling() and kv_len is not None and kv_len <= T
-            kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+            kv_len = cache_span(kv_len, cache.capacity, self.attn_backend, dev)
             mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
         else:
             if positions is None:

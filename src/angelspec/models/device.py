@@ -85,20 +85,35 @@ class Placement:
 
     device: torch.device
     dtype: torch.dtype
+    attention: str = "auto"  # the attention kernels (`models.attention.ATTENTION_BACKENDS`)
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def use_attention(self) -> None:
+        """Make `attention` the kernels of every model this process runs (`set_default_attention_backend`)."""
+        from angelspec.models.attention import set_default_attention_backend
+
+        set_default_attention_backend(self.attention)
+
     def describe(self) -> str:
         return f"{self.device} {dtype_label(self.dtype)}"
 
 
-def resolve_placement(device: str | torch.device | None = None,
-                      dtype: str | torch.dtype | None = None) -> Placement:
-    """`--device` and `--dtype` (None = the defaults of `resolve_device` / `resolve_dtype`) -> a `Placement`."""
+def resolve_placement(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                      attention: str | None = None) -> Placement:
+    """`--device`, `--dtype` and `--attention` (None = the defaults of `resolve_device` / `resolve_dtype`, and
+    "auto": FlexAttention on a GPU, SDPA elsewhere) -> a `Placement`. An unknown attention name is a UsageError."""
+    from angelspec.models.attention import ATTENTION_BACKENDS
+
     dev = resolve_device(device)
-    return Placement(dev, resolve_dtype(dtype, dev))
+    if attention is None:
+        attention = "auto"
+    if attention not in ATTENTION_BACKENDS:
+        raise UsageError(f"attention {attention!r} is not a backend; use one of {', '.join(ATTENTION_BACKENDS)} "
+                         "(auto: FlexAttention on a GPU, SDPA elsewhere)")
+    return Placement(dev, resolve_dtype(dtype, dev), attention)
 
 
 def placement_of(placement: Placement | None) -> Placement:

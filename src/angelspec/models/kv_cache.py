@@ -70,5 +70,11 @@ class StaticKVCache:
         """Free rows for new requests (their stale entries are masked by length 0)."""
         self.lengths[torch.as_tensor(rows, dtype=torch.long, device=self.device)] = 0
 
+    def mark_static_address(self) -> None:
+        """Tell torch.compile that these buffers keep their addresses for the cache's life (they are only ever
+        written in place), so a compiled forward captured as a CUDA graph may mutate them."""
+        for t in (*self.k, *self.v, self.lengths):
+            torch._dynamo.mark_static_address(t)
+
     def reset(self) -> None:
         self.lengths.zero_()

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from angelspec.models.attention import AttentionPlan
+from angelspec.models.attention import AttentionPlan, cache_span
 from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
@@ -230,7 +230,7 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         B, T = token_ids.shape
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]
-        kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+        kv_len = cache_span(kv_len, cache.capacity, self.attn_backend, dev)
         mask = AttentionPlan.cached(cache.lengths, T, kv_len, cache.capacity, self.attn_backend, False)
         write = slots.clamp(max=cache.capacity - 1)  # slots past the end hold only entries beyond num_new
         write_idx = (torch.arange(B, device=dev)[:, None], write)

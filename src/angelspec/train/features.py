@@ -729,6 +729,7 @@ def build_feature_cache(target_dir: str | Path, data: str | Path, out: str | Pat
     refuse_same_file(out, ("--data", data), ("--target", target_dir))
     check_writable_path(out / MANIFEST, "--out")
     where = placement_of(placement)
+    where.use_attention()
     target = load_target(target_dir, dtype=where.dtype, device=where.device)
     rows, _ = pack_conversations(load_tokenizer(target_dir), data, seq_len, enable_thinking,
                                  pad_token_id(target.config), seed=0)

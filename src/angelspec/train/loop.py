@@ -203,7 +203,11 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     if batch_size % dp:
         raise error(f"batch_size={batch_size} is the global batch and must divide over {dp} data-parallel ranks")
     where = placement_of(job.placement)
-    placement = Placement(rank_device(where.device, info), where.dtype)  # under torchrun on CUDA: GPU LOCAL_RANK
+    placement = Placement(rank_device(where.device, info), where.dtype, where.attention)  # torchrun + CUDA: LOCAL_RANK
+    if placement.attention == "flex" and placement.device.type == "cpu":
+        raise UsageError("--attention flex cannot train on a CPU (FlexAttention has no CPU backward); leave "
+                         "--attention at auto (the tiled kernels here) or train on a GPU")
+    placement.use_attention()
     if placement.device.type == "cuda":
         torch.cuda.set_device(placement.device)
     enable_tf32(placement.device)  # the drafter's fp32 matmuls outside autocast

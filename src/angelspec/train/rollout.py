@@ -325,6 +325,7 @@ def _start_engine(engine: str, target_dir: Path, batch_size: int, placement: Pla
     from angelspec.models.device import placement_of
 
     where = placement_of(placement)
+    where.use_attention()
     target = load_target(target_dir, dtype=where.dtype, device=where.device)
     generator = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
     return generator, model_fingerprint(target), target.config.max_position_embeddings

@@ -167,6 +167,7 @@ class FeatureProducer:
 
         self.plan = plan
         where = placement_of(placement)
+        where.use_attention()
         self.target = load_target(target_dir, dtype=where.dtype, device=where.device)
         for p in self.target.parameters():
             p.requires_grad_(False)
@@ -417,7 +418,8 @@ def spawn_feature_servers(out_dir: str | Path, target_dir: str | Path | None, da
     spec = run_feature_stream(out_dir, backend)
     base = [sys.executable, "-m", "angelspec.cli", "feature-server", "--data", str(data), "--buffer", str(buffer)]
     if placement is not None:
-        base += ["--device", str(placement.device), "--dtype", dtype_label(placement.dtype)]
+        base += ["--device", str(placement.device), "--dtype", dtype_label(placement.dtype),
+                 "--attention", placement.attention]
     if target_dir is not None:
         base += ["--target", str(target_dir)]
     if backend == "files":

@@ -103,20 +103,21 @@ def depth0_inputs(input_ids: Tensor, document_ids: Tensor | None, pad_id: int) -
 
 def ttt_attention(q: Tensor, k0: Tensor, v0: Tensor, diag_k: list[Tensor], diag_v: list[Tensor],
                   document_ids: Tensor | None, document_first: Tensor | None = None, query_chunk: int = 256,
-                  key_chunk: int = 1024) -> Tensor:
+                  key_chunk: int = 1024, backend: str = "auto") -> Tensor:
     """Fast TTT attention of one depth (module docstring).
 
     q [B, H, T, Dh]; k0, v0 [B, Hkv, T, Dh] depth-0 keys/values; diag_k/diag_v: depths 1..k, each
     [B, Hkv, T, Dh]; document_ids [B, T] (None = plain causal) and their `document_first_index` (computed here
     when None) -> [B, H, T, Dh]. The prefix part is `models.attention.document_prefix_attention` (tiles of
-    `query_chunk` × `key_chunk`, no [T, T] tensor); the diagonal keys join it by `merge_extra_keys`."""
+    `query_chunk` × `key_chunk`, no [T, T] tensor; or FlexAttention under a block mask with backend "flex", the
+    GPU's default); the diagonal keys join it by `merge_extra_keys`."""
     B, H, T, Dh = q.shape
     Hkv = k0.shape[1]
     if document_ids is not None and document_first is None:
         document_first = document_first_index(document_ids)
     q_last = torch.arange(T, device=q.device)[None]
     out, lse_a = document_prefix_attention(q, k0, v0, q_last, document_ids, document_ids, document_first,
-                                           q_chunk=query_chunk, k_chunk=max(key_chunk, query_chunk))
+                                           q_chunk=query_chunk, k_chunk=max(key_chunk, query_chunk), backend=backend)
     if not diag_k:
         return out
     qg = q.reshape(B, Hkv, H // Hkv, T, Dh)  # query heads grouped under their kv head (GQA)
@@ -214,7 +215,8 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
             q, kk, vv = sp.to_heads(q), sp.to_heads(kk, H), sp.to_heads(vv, H)
         ks, vs = [*prev_k, kk], [*prev_v, vv]
         if full_mask is None:
-            a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], document_ids, first, query_chunk, key_chunk)
+            a = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], document_ids, first, query_chunk, key_chunk,
+                              block.attn_backend)
         else:
             a = ttt_attention_reference(q, ks, vs, full_mask, k)
         return block.attention_residual(x, a if sp is None else sp.to_sequence(a)), kk, vv

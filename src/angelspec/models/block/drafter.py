@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.models.attention import (
+    cache_span,
     document_first_index,
     document_prefix_attention,
     flex_prefix_attention,
@@ -661,12 +662,12 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
                              f"{tuple(anchor_tokens.shape)}")
         dev = anchor_tokens.device
         Bk = cfg.block_size
-        kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+        kv_len = cache_span(kv_len, cache.capacity, self.attn_backend, dev)
         pos = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, B_blk]
         cos, sin = self.rope_at(pos, self.rope_size(cache), cache.dtype)
         flex = resolve_attention_backend(self.attn_backend, dev) == "flex"
         if flex:  # the whole capacity (one shape every step); the block mask skips slots past every row's length
-            kv_len, ctx, ctx_mask = cache.capacity, None, context_block_mask(cache.lengths, Bk, cache.capacity)
+            ctx, ctx_mask = None, context_block_mask(cache.lengths, Bk, cache.capacity)
         else:
             ctx, ctx_mask = torch.arange(kv_len, device=dev)[None, :] < cache.lengths[:, None], None  # [B, S]
         x = self.embed(self.block_inputs(anchor_tokens)).to(cache.dtype)  # [B, B_blk, C]
