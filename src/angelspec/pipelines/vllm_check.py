@@ -128,7 +128,8 @@ class VllmCheckReport:
         tol = self.settings.tolerance
         p = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         n = self.drafters[0].prompts if self.drafters else 0
-        lines = [f"vLLM {self.vllm_version} vs AngelSpec on the embedded target, fp32, T=0, {n} held-out prompts x "
+        where = "the Llama-shaped target" if self.settings.only in LLAMA_ONLY else "the embedded target"
+        lines = [f"vLLM {self.vllm_version} vs AngelSpec on {where}, fp32, T=0, {n} held-out prompts x "
                  f"{self.settings.max_new_tokens} new tokens, tolerance {tol} on p_j",
                  "| drafter | vLLM method | K | vLLM taps (ours + 1) | outputs = AR: ours / vLLM | p_1..p_K ours | "
                  "p_1..p_K vLLM | max abs diff | verify steps ours / vLLM | result |",
