@@ -38,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="conversations to train the DFlash on (default: make drafters' rollouts if present, else "
                         "the check's own rollouts)")
     p.add_argument("--dflash-minutes", type=float, default=defaults.dflash_minutes)
-    p.add_argument("--llama-minutes", type=float, default=defaults.llama_minutes,
-                   help="training budget of the Llama-shaped target's EAGLE-3")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--only", choices=list(LLAMA_ONLY), default=None,
                        help="llama: only the Llama-shaped target's drafters (EAGLE-3, MTP, DFly; no rollout, Qwen3 "
@@ -48,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = VllmCheckSettings(out_dir=args.out, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                                  dflash_data=args.dflash_data, dflash_minutes=args.dflash_minutes,
-                                 llama=not args.no_llama, llama_minutes=args.llama_minutes, only=args.only)
+                                 llama=not args.no_llama, only=args.only)
     try:
         report = run_vllm_check(settings, log=lambda line: print(line, flush=True))
     except Exception as e:

@@ -17,11 +17,12 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
    runs without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
 3. A Llama-shaped target (`llama_target`: the embedded target's tokenizer and width, Llama 3's layer without q/k
    norm, an untied LM head and llama3 RoPE scaling, random weights) with three drafters, each exported and served by
-   vLLM on the Llama target, checked as in 2: an EAGLE-3 trained here on that target's own greedy rollouts
-   (`train_llama_eagle3`, vLLM's `LlamaForCausalLMEagle3`), and an MTP (a Llama draft layer, the plugin's
-   `AngelSpecMTPEagle3`) and a DFly (Qwen3 draft layers, the plugin's `AngelSpecDFlyDFlash`) with random weights
-   around an echo of the newest token (`echo_mtp`, `echo_dfly`), so that their drafts are accepted often enough to
-   compare p_j (`llama=False` leaves check 3 out; `only="llama"` runs it alone, `only="llama-mtp"` one drafter).
+   vLLM on the Llama target, checked as in 2: an EAGLE-3 (a Llama draft layer, vLLM's `LlamaForCausalLMEagle3`), an
+   MTP (a Llama draft layer, the plugin's `AngelSpecMTPEagle3`) and a DFly (Qwen3 draft layers, the plugin's
+   `AngelSpecDFlyDFlash`), each with random weights around an echo of the newest token (`echo_eagle3`, `echo_mtp`,
+   `echo_dfly`), so that their drafts are accepted often enough to compare p_j (a drafter trained for a couple of
+   CPU minutes on a random target's outputs learns none of them). `llama=False` leaves check 3 out; `only="llama"`
+   runs it alone, `only="llama-mtp"` (and so on) one of its drafters.
 4. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
    shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
    exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
@@ -71,9 +72,7 @@ class VllmCheckSettings:
     dflash_minutes: float = 2.5
     dflash_steps: int = 160
     tolerance: float = TOLERANCE
-    llama: bool = True  # the Llama-shaped target's EAGLE-3 (check 3)
-    llama_minutes: float = 1.5
-    llama_steps: int = 120
+    llama: bool = True  # the Llama-shaped target's drafters (check 3)
     # "llama": the Llama checks alone (no rollout, Qwen3 drafters or DSpark rows); "llama-eagle3" / "llama-mtp" /
     # "llama-dfly": one of them
     only: str | None = None
@@ -384,8 +383,7 @@ LLAMA_BRANCH_SCALE = 0.01
 def llama_target(folder: Path, seed: int = 0) -> Path:
     """A Llama 3-shaped target in HF layout (`LlamaForCausalLM`): the embedded target's tokenizer, vocabulary and
     width, `LLAMA_LAYERS` layers without q/k norm, an untied LM head, rope_theta 5e5 with llama3 scaling; random
-    weights (`Decoder.init_weights`, std 0.1 so its greedy outputs are peaked enough for a drafter to learn; the
-    residual branches scaled by `LLAMA_BRANCH_SCALE`)."""
+    weights (`Decoder.init_weights`, std 0.1, the residual branches then scaled by `LLAMA_BRANCH_SCALE`)."""
     import shutil
 
     from angelspec.models import Decoder, read_config, save_target
@@ -410,10 +408,39 @@ def llama_target(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def _echo(weight: torch.Tensor, part: int) -> None:
-    """Add the identity to the `part`-th C x C block of the columns of `weight` [C, n*C] (in place)."""
-    c = weight.shape[0]
-    weight[:, part * c:(part + 1) * c] += torch.eye(c, dtype=weight.dtype)
+def _echo(weight: torch.Tensor, part: int, rows: slice = slice(None), scale: float = 1.0) -> None:
+    """Add `scale` x the identity to the `part`-th C x C block of the columns of `weight` [R, n*C] (its `rows`;
+    in place)."""
+    w = weight[rows]
+    c = w.shape[0]
+    w[:, part * c:(part + 1) * c] += scale * torch.eye(c, dtype=weight.dtype)
+
+
+ECHO_QK = 1.5  # echo_eagle3's q/k gain: a position's score on itself (about 18) dwarfs those on other tokens
+
+
+def echo_eagle3(target_dir: Path, folder: Path, seed: int = 0) -> Path:
+    """An EAGLE-3 for the Llama target (its layer: no q/k norm; a key/value head per query head, so that values carry
+    the whole width) with random weights (std 0.02) plus the identity on the embedding half of q, k and v (q and k
+    times `ECHO_QK`) and on o_proj: each position attends to itself and adds RMSNorm(E(x)) of its input token to the
+    residual stream, so it drafts the target's "next token from the newest embedding" guess; the fused taps, the
+    attention to other positions, the MLP and the TTT recurrence move it. Saved to `folder`, returned."""
+    from angelspec.models import load_target
+    from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
+    from angelspec.models.mtp_io import save_mtp
+
+    target = load_target(target_dir, dtype=torch.float32)
+    t = target.config
+    model = Eagle3DraftModel(Eagle3Config.for_target(t, num_key_value_heads=t.num_attention_heads),
+                             target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    attn = model.layer.attn
+    q = attn.o_proj.in_features  # q, k and v are as wide: [q; k; v] rows of qkv_proj, reading [E(x); h]
+    with torch.no_grad():
+        for part, gain in enumerate((ECHO_QK, ECHO_QK, 1.0)):
+            _echo(attn.qkv_proj.weight, 0, slice(part * q, (part + 1) * q), gain)
+        attn.o_proj.weight += torch.eye(*attn.o_proj.weight.shape, dtype=attn.o_proj.weight.dtype)
+    return save_mtp(model, folder)
 
 
 def echo_mtp(target_dir: Path, folder: Path, seed: int = 0) -> Path:
@@ -464,18 +491,6 @@ def echo_dfly(target_dir: Path, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def train_llama_eagle3(target: Path, data: Path, out: Path, *, steps: int, minutes: float | None,
-                       log: Callable[[str], None] = print) -> Path:
-    """An EAGLE-3 for the Llama target, `eagle3_embedded`'s recipe cut to `steps` (or `minutes`), on `data`."""
-    from angelspec.train.runs import train_drafter
-
-    result = train_drafter("eagle3", data, out, target=target, preset="eagle3_embedded",
-                           overrides=[f"steps={steps}", f"switch_step={max(1, steps // 3)}"], force=True,
-                           progress=False, max_minutes=minutes, log=lambda *_: None)
-    log(result.format())
-    return out
-
-
 def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> list[DrafterCheck]:
     """Check 3 (module docstring): the Llama target, its drafters (`LLAMA_KINDS`, or the one `only` names), our
     engine, then vLLM, one drafter at a time."""
@@ -484,7 +499,6 @@ def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], No
     from angelspec.decoding.sampling import SamplingParams
     from angelspec.eval.prompts import eval_prompts
     from angelspec.export import export_drafter
-    from angelspec.train.rollout import rollout
 
     kinds = [k for k in LLAMA_KINDS if settings.only in (None, "llama", f"llama-{k}")]
     work = out / "llama"
@@ -504,13 +518,8 @@ def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], No
     checks = []
     for kind in kinds:
         if kind == "eagle3":
-            log(f"llama: rolling out {settings.rollout_prompts} prompts for the EAGLE-3")
-            data = rollout(target_dir, _rollout_prompts(work / "prompts.jsonl", settings.rollout_prompts),
-                           work / "rollout.jsonl", max_new_tokens=settings.rollout_tokens, batch_size=16, force=True)
-            log(f"llama: {data.format()}")
-            src = train_llama_eagle3(target_dir, work / "rollout.jsonl", work / "eagle3", steps=settings.llama_steps,
-                                     minutes=settings.llama_minutes, log=log)
-            name, how = "eagle3 (llama target, trained here)", "LlamaForCausalLMEagle3"
+            src = echo_eagle3(target_dir, work / "eagle3")
+            name, how = "eagle3 (llama target, random echo)", "LlamaForCausalLMEagle3"
         elif kind == "mtp":
             src = echo_mtp(target_dir, work / "mtp")
             name, how = "mtp (llama target, random echo)", "the plugin's AngelSpecMTPEagle3 with a Llama layer"
