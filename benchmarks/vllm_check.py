@@ -1,10 +1,11 @@
 """`make vllm-check`: serve the embedded target in vLLM 0.32 with each drafter our exporter writes and compare with our
-engine (outputs identical to AR at T=0, p_1..p_K within 0.05), the same for an EAGLE-3 on a Llama-shaped target,
+engine (outputs identical to AR at T=0, p_1..p_K within 0.05), the same for an EAGLE-3, an MTP and a DFly on a
+Llama-shaped target,
 check `rollout --engine vllm` against ours, and load a DSpark export through vLLM's model class. The work is
 `angelspec.pipelines.vllm_check`; this script sets the process up for vLLM on CPU and prints the table.
 
     .venv-vllm/bin/python benchmarks/vllm_check.py [--out runs/vllm-check] [--dflash-data FILE.jsonl]
-        [--only llama | --no-llama]
+        [--only llama | --only llama-eagle3 | --only llama-mtp | --only llama-dfly | --no-llama]
 
 Needs the vLLM venv (`make vllm-venv`). Exit code 0 when every check passes, 1 otherwise.
 """
@@ -24,7 +25,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from angelspec.errors import EXIT_BAD_INPUT, is_user_error  # noqa: E402
-from angelspec.pipelines.vllm_check import VllmCheckSettings, run_vllm_check  # noqa: E402
+from angelspec.pipelines.vllm_check import LLAMA_ONLY, VllmCheckSettings, run_vllm_check  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,16 +38,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="conversations to train the DFlash on (default: make drafters' rollouts if present, else "
                         "the check's own rollouts)")
     p.add_argument("--dflash-minutes", type=float, default=defaults.dflash_minutes)
-    p.add_argument("--llama-minutes", type=float, default=defaults.llama_minutes,
-                   help="training budget of the Llama-shaped target's EAGLE-3")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--only", choices=["llama"], default=None,
-                       help="llama: only the Llama-shaped target's EAGLE-3 (no rollout, Qwen3 drafters or DSpark)")
+    which.add_argument("--only", choices=list(LLAMA_ONLY), default=None,
+                       help="llama: only the Llama-shaped target's drafters (EAGLE-3, MTP, DFly; no rollout, Qwen3 "
+                            "drafters or DSpark); llama-eagle3 / llama-mtp / llama-dfly: one of them")
     which.add_argument("--no-llama", action="store_true", help="leave the Llama-shaped target out")
     args = p.parse_args(argv)
     settings = VllmCheckSettings(out_dir=args.out, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                                  dflash_data=args.dflash_data, dflash_minutes=args.dflash_minutes,
-                                 llama=not args.no_llama, llama_minutes=args.llama_minutes, only=args.only)
+                                 llama=not args.no_llama, only=args.only)
     try:
         report = run_vllm_check(settings, log=lambda line: print(line, flush=True))
     except Exception as e:

@@ -940,3 +940,45 @@ def test_inference_gathers_rope_from_a_table_with_the_per_call_values() -> None:
             assert all(g.dtype == dtype and g.shape == w.shape and torch.equal(g, w)
                        for g, w in zip(got, want, strict=True))
         assert model.rope_table(10, torch.float32)[0].shape[0] == 60  # a longer table serves smaller sizes
+
+
+def test_for_target_builds_the_shipped_dflys_qwen3_layers_and_proposes_the_same(tmp_path) -> None:
+    """Every new block drafter gets Qwen3 draft layers (q/k norm) whatever the target, as vLLM's DFlash-based classes
+    build them. On the embedded Qwen3 target that is the layer the shipped DFly has: `for_target` with its design
+    gives its config field for field, and a drafter built from that config with the shipped weights proposes
+    bit-identically to the shipped folder loaded as it is."""
+    from safetensors.torch import load_file
+
+    from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+    from angelspec.models import load_target
+
+    folder = DEFAULT_DRAFTERS / "dfly"
+    if not (folder / "config.json").is_file() or not (DEFAULT_TARGET / "config.json").is_file():
+        pytest.skip("the shipped DFly or the embedded target is not in this checkout")
+    target = load_target(DEFAULT_TARGET, dtype=torch.float32)
+    shipped, _ = read_block_config(folder)
+    assert (shipped.model_type, shipped.qk_norm) == ("qwen3", True)
+    design = {k: getattr(shipped, k) for k in (
+        "head_intermediate_size", "fusion_prior_temperature", "confidence_target", "confidence_temperatures",
+        "anchor_fusion", "draft_vocab_size")}
+    rebuilt = BlockDrafterConfig.for_target(
+        target.config, mask_token_id=shipped.mask_token_id, block_size=shipped.block_size,
+        num_draft_layers=shipped.num_draft_layers, target_layer_ids=shipped.target_layer_ids,
+        conditioning=shipped.conditioning, head=shipped.head, markov_rank=shipped.markov_rank,
+        confidence_head=shipped.confidence_head, intermediate_size=shipped.intermediate_size,
+        context_injection=shipped.context_injection, fc_bias=shipped.fc_bias, **design)
+    assert rebuilt == shipped
+    loaded = load_block_drafter(folder, target, dtype=torch.float32)
+    model = BlockDrafter(rebuilt, target.embed_tokens, target.lm_head).eval()
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert set(dict(model.state_dict())) == set(dict(loaded.state_dict()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(),
+                                                   strict=True))
+    model.refresh_inference_tables()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(6, target.config.vocab_size, (2, 20), generator=g)
+    lengths = torch.tensor([20, 11])
+    with torch.no_grad():
+        taps = concat_taps(target(ids, hidden_layers=list(shipped.target_layer_ids), compute_logits=False).hidden)
+        props = [m.propose_from_taps(taps, lengths - 1, ids[torch.arange(2), lengths - 1]) for m in (loaded, model)]
+    assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].logits, props[1].logits)

@@ -1,5 +1,6 @@
 """Llama-family targets end to end: a random Llama-shaped target (no q/k norm, untied LM head, llama3 RoPE scaling),
-drafters trained for it for two steps, decoded losslessly, exported in vLLM's Llama EAGLE-3 / Qwen3 DFlash layouts,
+drafters trained for it for two steps, decoded losslessly, exported in vLLM's Llama EAGLE-3 / Qwen3 DFlash layouts
+(and the angelspec[vllm] plugin's MTP with a Llama layer, DFly with Qwen3 layers),
 read back by `angelspec import` with the same weights and logits, and the refusals that name why."""
 
 from __future__ import annotations
@@ -155,10 +156,12 @@ def test_dflash_and_dspark_for_llama_get_qwen3_layers_and_export(tmp_path, llama
         assert all(torch.equal(ours[k], back[k]) for k in back)
 
 
-def test_a_block_drafter_without_qk_norm_is_refused_naming_vllms_qwen3_layers(tmp_path, llama_dir, conversations):
+@pytest.mark.parametrize("kind", ["dflash", "dfly"])
+def test_a_block_drafter_without_qk_norm_is_refused_naming_vllms_qwen3_layers(tmp_path, llama_dir, conversations,
+                                                                              kind):
     from angelspec.models.block.config import BlockDrafterConfig
 
-    src = _train_block(tmp_path / "dflash", llama_dir, conversations, "dflash")
+    src = _train_block(tmp_path / kind, llama_dir, conversations, kind)
     raw = json.loads((src / "config.json").read_text())
     raw["block_drafter_config"].update(qk_norm=False, model_type="llama")  # a drafter that took the target's layer
     BlockDrafterConfig.from_dict(raw["block_drafter_config"])
@@ -191,27 +194,67 @@ def test_other_families_are_refused_in_one_line(tmp_path, llama_dir, eagle3_dir,
     assert_bad_input(code, err, "qwen3 and llama targets", "'qwen2'")
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dfly"])
-def test_the_other_families_train_and_decode_losslessly_on_a_llama_target(tmp_path, llama_dir, conversations, capsys,
-                                                                          kind):
-    """MTP and DFly take the target's layer (no q/k norm). The plugin's MTP builds a Llama layer for it and exports;
-    every DFlash-based class (the plugin's DFly too) builds Qwen3 layers, so the DFly is refused, naming why."""
+def _train_cli(capsys, tmp_path: Path, llama_dir: Path, conversations: Path, kind: str) -> dict:
+    """`angelspec train --drafter KIND` for two steps on the Llama target, then `angelspec eval` (lossless); returns
+    the drafter's config entry."""
     code, _, err = run_cli(capsys, "train", "--drafter", kind, "--target", llama_dir, "--data", conversations,
                            "--out", tmp_path / kind, "--preset", "tiny_debug", "--quiet", "steps=2")
     assert code == 0, err
-    raw = json.loads((tmp_path / kind / "config.json").read_text())
-    cfg = raw.get("mtp_config") or raw["block_drafter_config"]
-    assert cfg["qk_norm"] is False and cfg["model_type"] == "llama"
     prompts = write_domain_prompts(tmp_path / "prompts.jsonl")
     code, out, err = run_cli(capsys, "eval", "--target", llama_dir, "--drafter", tmp_path / kind, "--prompts",
                              prompts, "--max-new-tokens", "8", "--quiet")
     assert code == 0 and "lossless: yes (3/3" in out, err
-    if kind == "dfly":
-        with pytest.raises(ExportRefused, match="no q/k norm"):
-            export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
-        return
-    export_drafter(tmp_path / kind, tmp_path / "vllm", target=llama_dir)
+    raw = json.loads((tmp_path / kind / "config.json").read_text())
+    return raw.get("mtp_config") or raw["block_drafter_config"]
+
+
+LAYER = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+         *(f"mlp.{p}_proj" for p in ("gate", "up", "down")))
+
+
+def test_mtp_on_a_llama_target_exports_the_plugins_llama_layer(tmp_path, llama_dir, conversations, capsys):
+    """MTP takes the target's layer (no q/k norm); the plugin's AngelSpecMTPEagle3 builds vLLM's Llama layer for
+    model_type llama and loads our names with that layer split (layers.0.*), the one tap as EAGLE-3's aux layer."""
+    cfg = _train_cli(capsys, tmp_path, llama_dir, conversations, "mtp")
+    assert cfg["qk_norm"] is False and cfg["model_type"] == "llama"
+    result = export_drafter(tmp_path / "mtp", tmp_path / "vllm", target=llama_dir)
+    assert result.speculative_config["method"] == "eagle3"
+    assert result.speculative_config["num_speculative_tokens"] == cfg["num_depths"]
     out = json.loads((tmp_path / "vllm" / "config.json").read_text())
-    tensors = read_tensors(tmp_path / "vllm" / "model.safetensors")
     assert out["architectures"] == ["AngelSpecMTPEagle3"] and out["model_type"] == "llama"
-    assert "layers.0.self_attn.q_proj.weight" in tensors and not any("q_norm" in k for k in tensors)
+    assert out["eagle_aux_hidden_state_layer_ids"] == [cfg["target_layer_id"] + 1]
+    assert out["rope_scaling"] is None and out["rope_theta"] == 500000.0  # the drafter's plain RoPE, as ours
+    assert out["target_hidden_size"] == out["hidden_size"] == 32 and out["num_hidden_layers"] == 1
+    tensors = read_tensors(tmp_path / "vllm" / "model.safetensors")
+    assert sorted(tensors) == sorted(["hidden_norm.weight", "embed_norm.weight", "proj.weight", "norm.weight",
+                                      *(f"layers.0.{n}.weight" for n in LAYER)])
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (2 * 16, 32)  # the layer reads W_proj's output
+    check_vllm_folder(tmp_path / "vllm", load_target(llama_dir).config)
+
+
+def test_dfly_on_a_llama_target_gets_qwen3_layers_and_exports_for_the_plugin(tmp_path, llama_dir, conversations,
+                                                                            capsys):
+    """vLLM's DFlash-based classes (the plugin's DFly too) build Qwen3 draft layers for any target, so a new DFly
+    gets q/k norm on a Llama target, decodes losslessly and exports every tensor under the names the plugin loads."""
+    cfg = _train_cli(capsys, tmp_path, llama_dir, conversations, "dfly")
+    assert cfg["qk_norm"] is True and cfg["model_type"] == "qwen3"
+    result = export_drafter(tmp_path / "dfly", tmp_path / "vllm", target=llama_dir)
+    assert result.speculative_config == {"method": "dflash", "model": str((tmp_path / "vllm").resolve()),
+                                         "num_speculative_tokens": cfg["block_size"] - 1}
+    out = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert out["architectures"] == ["AngelSpecDFlyDFlash"] and out["model_type"] == "qwen3"
+    assert out["dflash_config"]["target_layer_ids"] == cfg["target_layer_ids"]
+    assert out["rope_scaling"] is None and out["rope_theta"] == 500000.0
+    assert out["angelspec_block"]["conditioning"] == "dfly"
+    tensors = read_tensors(tmp_path / "vllm" / "model.safetensors")
+    layers = cfg["num_draft_layers"]
+    want = ["fusion_logits", "norm.weight", "fc.weight", *(f"context_norms.{i}.weight" for i in range(layers)),
+            *(f"layers.{i}.{n}.weight" for i in range(layers) for n in (*LAYER, "self_attn.q_norm",
+                                                                        "self_attn.k_norm"))]
+    want += ["fc.bias"] if cfg["fc_bias"] else []
+    want += [f"head.{n}.weight" for n in ("z_norm", "e_norm", "gate_up_proj", "down_proj")] \
+        if cfg["head"] == "hidden" else []
+    want += ["anchor_norm.weight", "anchor_fuse.weight"] if cfg["anchor_fusion"] else []
+    want += ["lm_head.weight", "d2t"] if cfg["draft_vocab_size"] else []
+    assert sorted(tensors) == sorted(want)
+    check_vllm_folder(tmp_path / "vllm", load_target(llama_dir).config)

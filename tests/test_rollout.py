@@ -151,6 +151,23 @@ def test_split_response_thinking(tiny_target_dir: Path) -> None:
     assert cut["content"] == "" and "reasoning_content" in cut
 
 
+
+def test_split_response_drops_control_tokens_written_mid_answer(tiny_target_dir: Path) -> None:
+    """A target may write <think> (or spell a control token out of ordinary pieces) anywhere; the message keeps the
+    text around it and stays trainable (encode_conversation refuses control-token strings in a content)."""
+    from angelspec.data.chat import encode_conversation
+
+    tok = load_tokenizer(tiny_target_dir)
+    think = tok.token_to_id("<think>")
+    spelled = tok.encode("a <") + tok.encode("think>b")
+    for generated in ([*tok.encode("one"), think, *tok.encode(" two")], spelled):
+        for thinking in (False, True):
+            msg = split_response(generated, "length", tok, tok.eos_token_ids, thinking)
+            assert "<think>" not in msg["content"]
+            encode_conversation(tok, [{"role": "user", "content": "q"}, msg], enable_thinking=thinking)
+    assert split_response(spelled, "length", tok, tok.eos_token_ids, False)["content"] == "a b"
+
+
 # ----- decontamination -----
 
 

@@ -106,32 +106,45 @@ def test_every_drafter_the_check_serves_is_exportable(tmp_path):
                        "dflash": "dflash", "dflare": "dflash", "dspark": "dspark"}
 
 
-def test_the_llama_case_builds_a_llama_target_trains_exports_and_decodes_before_vllm(tmp_path, monkeypatch):
-    """Check 3 up to the vLLM engine: a Llama 3-shaped target (no q/k norm, untied head, llama3 RoPE), its
-    rollouts, an EAGLE-3 trained on them and exported as vLLM's Llama class, and our engine's row, handed to
-    `_serve_in_vllm` with the Llama target."""
+def test_the_llama_case_builds_a_llama_target_and_echo_drafters_exports_and_decodes_before_vllm(tmp_path, monkeypatch):
+    """Check 3 up to the vLLM engine: a Llama 3-shaped target (no q/k norm, untied head, llama3 RoPE); the echo
+    EAGLE-3 (vLLM's Llama class), MTP (a Llama layer, the plugin's class) and DFly (Qwen3 layers, the plugin's
+    class), whose first drafts our engine accepts; each with our engine's row, handed to `_serve_in_vllm` with the
+    Llama target."""
     import json
 
     from angelspec.models import read_config
     from angelspec.pipelines import vllm_check
 
-    handed = {}
+    handed = []
 
     def serve(served, prompts, ar, settings, log, target):
-        handed.update(served=served, prompts=prompts, ar=ar, target=target)
+        handed.append(dict(served=served, prompts=prompts, ar=ar, target=target))
         return _row(name=served.name, k=served.k)
 
     monkeypatch.setattr(vllm_check, "_serve_in_vllm", serve)
-    settings = VllmCheckSettings(out_dir=tmp_path, per_domain=1, max_new_tokens=6, rollout_prompts=4,
-                                 rollout_tokens=8, llama_steps=2, llama_minutes=None, only="llama")
+    settings = VllmCheckSettings(out_dir=tmp_path, per_domain=1, max_new_tokens=24, only="llama")
     rows = vllm_check._llama_check(settings, tmp_path, log=lambda *_: None)
-    target = read_config(handed["target"])
-    assert (target.model_type, target.qk_norm, target.tie_word_embeddings, target.rope_type) == (
-        "llama", False, False, "llama3")
-    served = handed["served"]
-    cfg = json.loads((served.export / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
-    assert served.outputs == handed["ar"] and len(handed["prompts"]) == 3  # ours is lossless on the Llama target
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [t + 1 for t in served.taps]
+    want = {"eagle3": (["LlamaForCausalLMEagle3"], "llama", "eagle3"),
+            "mtp": (["AngelSpecMTPEagle3"], "llama", "eagle3"),
+            "dfly": (["AngelSpecDFlyDFlash"], "qwen3", "dflash")}
+    assert [h["served"].name.split()[0] for h in handed] == list(want)
+    for h in handed:
+        target = read_config(h["target"])
+        assert (target.model_type, target.qk_norm, target.tie_word_embeddings, target.rope_type) == (
+            "llama", False, False, "llama3")
+        served = h["served"]
+        cfg = json.loads((served.export / "config.json").read_text())
+        kind = served.name.split()[0]
+        assert (cfg["architectures"], cfg["model_type"]) == want[kind][:2]
+        assert json.loads((served.export / "speculative_config.json").read_text())["method"] == want[kind][2]
+        assert served.outputs == h["ar"] and len(h["prompts"]) == 3  # ours is lossless on the Llama target
+        taps = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg["dflash_config"]["target_layer_ids"]
+        assert taps == ([t + 1 for t in served.taps] if kind != "dfly" else served.taps)  # vLLM adds 1 for DFlash
+        assert served.metrics.acceptance[0] > 0.1, (kind, served.metrics.acceptance)  # enough to compare p_1
     report = VllmCheckReport(settings, rows, {}, {}, "0.32.0", 1.0)
     assert report.passed and "rollout" not in report.format() and "dspark (load only)" not in report.format()
+    one = VllmCheckSettings(out_dir=tmp_path / "one", per_domain=1, max_new_tokens=4, only="llama-mtp")
+    handed.clear()
+    vllm_check._llama_check(one, tmp_path / "one", log=lambda *_: None)
+    assert [h["served"].name.split()[0] for h in handed] == ["mtp"]

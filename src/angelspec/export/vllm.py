@@ -10,7 +10,7 @@ The EAGLE-3 (and plugin MTP) layer follows the drafter's own layer: ours takes t
 target's drafter has no q/k norm and is written as vLLM's `llama_eagle3.py` reads it (`midlayer.*` without `q_norm` /
 `k_norm`, `model_type: llama`). vLLM's DFlash and DSpark classes (and the plugin's DFly / DFlare, built on them) make
 Qwen3 draft layers (`qwen3_dflash.py`) whatever the target, so a block drafter exports only when its layers have q/k
-norm (new DFlash / DSpark drafters do for every target, `BlockDrafterConfig.for_target`); one without is refused.
+norm (every new block drafter has, for every target, `BlockDrafterConfig.for_target`); one without is refused.
 
 Name mapping (ours -> vLLM, no `model.` prefix; a fused q/k/v or gate/up projection is split by rows):
 
@@ -196,7 +196,8 @@ def _block(raw: dict[str, Any], state: dict[str, torch.Tensor], target: DecoderC
         raise ExportRefused(f"this {cfg.drafter} drafter's layers have no q/k norm (they took the {target.model_type} "
                             "target's layer shape), but vLLM 0.32's DFlash-based classes (DFlash, DSpark and the "
                             "angelspec[vllm] plugin's DFly / DFlare) build Qwen3 draft layers with q/k norm "
-                            "(qwen3_dflash.py); train a new DFlash / DSpark drafter (they get Qwen3 layers) to export")
+                            "(qwen3_dflash.py); train the drafter again (new block drafters get Qwen3 layers for "
+                            "every target) to export it")
     if cfg.conditioning in PLUGIN_CONDITIONINGS:
         return _fused_block_plugin(cfg, state, target, target_dir, out)
     if cfg.conditioning != "dflash":

@@ -16,9 +16,13 @@ Runs in the vLLM venv (`make vllm-venv`), in one process: our engine first, then
    step; vLLM's `spec_decode_num_accepted_tokens_per_pos` / `num_drafts`) within `tolerance` of ours. Our draft LM
    runs without its draft vocabulary and without its early stop, as vLLM's `draft_model` does.
 3. A Llama-shaped target (`llama_target`: the embedded target's tokenizer and width, Llama 3's layer without q/k
-   norm, an untied LM head and llama3 RoPE scaling, random weights) with an EAGLE-3 trained here on that target's own
-   greedy rollouts (`train_llama_eagle3`), exported as vLLM's `LlamaForCausalLMEagle3` and served by vLLM on the Llama
-   target, checked as in 2 (`llama=False` leaves it out; `only="llama"` runs it alone).
+   norm, an untied LM head and llama3 RoPE scaling, random weights) with three drafters, each exported and served by
+   vLLM on the Llama target, checked as in 2: an EAGLE-3 (a Llama draft layer, vLLM's `LlamaForCausalLMEagle3`), an
+   MTP (a Llama draft layer, the plugin's `AngelSpecMTPEagle3`) and a DFly (Qwen3 draft layers, the plugin's
+   `AngelSpecDFlyDFlash`), each with random weights around an echo of the newest token (`echo_eagle3`, `echo_mtp`,
+   `echo_dfly`), so that their drafts are accepted often enough to compare p_j (a drafter trained for a couple of
+   CPU minutes on a random target's outputs learns none of them). `llama=False` leaves check 3 out; `only="llama"`
+   runs it alone, `only="llama-mtp"` (and so on) one of its drafters.
 4. DSpark, which vLLM 0.32 serves only on its GPU model runner: a small bias-free DSpark with random weights (the
    shipped one has a context bias the exporter refuses), built with the shared fused context vLLM serves, is
    exported, built as vLLM's `Qwen3DSparkForCausalLM` from the export's config and loaded with its `load_weights`,
@@ -45,6 +49,8 @@ from angelspec.assets import DEFAULT_DRAFT_LM, DEFAULT_DRAFTERS, DEFAULT_TARGET,
 from angelspec.fileio import write_json_atomic
 
 TOLERANCE = 0.05
+LLAMA_KINDS = ("eagle3", "mtp", "dfly")  # the drafters check 3 serves on the Llama-shaped target
+LLAMA_ONLY = ("llama", *(f"llama-{k}" for k in LLAMA_KINDS))  # `only` values that run check 3 (or one of it) alone
 DEFAULT_OUT = Path("runs/vllm-check")
 # A DFlash small enough to learn something in a couple of CPU minutes: one draft layer, K = 4, no confidence head
 # (vLLM's DFlash has none); the whole cosine schedule runs within `dflash_steps`.
@@ -66,10 +72,10 @@ class VllmCheckSettings:
     dflash_minutes: float = 2.5
     dflash_steps: int = 160
     tolerance: float = TOLERANCE
-    llama: bool = True  # the Llama-shaped target's EAGLE-3 (check 3)
-    llama_minutes: float = 1.5
-    llama_steps: int = 120
-    only: str | None = None  # "llama": the Llama check alone (no rollout, Qwen3 drafters or DSpark rows)
+    llama: bool = True  # the Llama-shaped target's drafters (check 3)
+    # "llama": the Llama checks alone (no rollout, Qwen3 drafters or DSpark rows); "llama-eagle3" / "llama-mtp" /
+    # "llama-dfly": one of them
+    only: str | None = None
 
 
 @dataclass
@@ -113,7 +119,7 @@ class VllmCheckReport:
     @property
     def passed(self) -> bool:
         tol = self.settings.tolerance
-        alone = self.settings.only == "llama"  # the rollout and DSpark checks did not run
+        alone = self.settings.only in LLAMA_ONLY  # the rollout and DSpark checks did not run
         return (alone or bool(self.rollout.get("identical")) and bool(self.dspark.get("passed"))) and bool(
             self.drafters) and all(d.passed(tol) for d in self.drafters)
 
@@ -121,7 +127,8 @@ class VllmCheckReport:
         tol = self.settings.tolerance
         p = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         n = self.drafters[0].prompts if self.drafters else 0
-        lines = [f"vLLM {self.vllm_version} vs AngelSpec on the embedded target, fp32, T=0, {n} held-out prompts x "
+        where = "the Llama-shaped target" if self.settings.only in LLAMA_ONLY else "the embedded target"
+        lines = [f"vLLM {self.vllm_version} vs AngelSpec on {where}, fp32, T=0, {n} held-out prompts x "
                  f"{self.settings.max_new_tokens} new tokens, tolerance {tol} on p_j",
                  "| drafter | vLLM method | K | vLLM taps (ours + 1) | outputs = AR: ours / vLLM | p_1..p_K ours | "
                  "p_1..p_K vLLM | max abs diff | verify steps ours / vLLM | result |",
@@ -132,7 +139,7 @@ class VllmCheckReport:
                          f"{d.vllm_equal_ar}/{d.prompts} | {p(d.ours)} | {p(d.vllm)} | {d.max_delta:.3f} | "
                          f"{d.ours_steps} / {d.vllm_steps} | {'pass' if d.passed(tol) else 'FAIL'} |")
         r, s = self.rollout, self.dspark
-        if self.settings.only == "llama":
+        if self.settings.only in LLAMA_ONLY:
             r = s = {}
         if r:
             lines.append(f"| rollout (AR) | - | - | - | JSONL byte-identical: {'yes' if r.get('identical') else 'NO'} "
@@ -177,7 +184,7 @@ def run_vllm_check(settings: VllmCheckSettings = VllmCheckSettings(), log: Calla
     t0 = time.perf_counter()
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if settings.only == "llama":
+    if settings.only in LLAMA_ONLY:
         drafters = _llama_check(settings, out, log)
         report = VllmCheckReport(settings, drafters, {}, {}, vllm.__version__, time.perf_counter() - t0)
         write_json_atomic(out / "vllm_check.json", report.to_dict())
@@ -367,12 +374,16 @@ def _serve_in_vllm(served: _Served, prompts: list[list[int]], ar: list[list[int]
 LLAMA_LAYERS = 6  # EAGLE-3's default taps (1, L//2, L-2) need at least 5 layers
 LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 256}
+# The Llama target's attention and MLP outputs (o_proj, down_proj) scaled by this after init: the newest token's
+# embedding then decides about 40% of its greedy next tokens (the echo drafters' share; measured on its outputs from
+# random prompts), the context the rest.
+LLAMA_BRANCH_SCALE = 0.01
 
 
 def llama_target(folder: Path, seed: int = 0) -> Path:
     """A Llama 3-shaped target in HF layout (`LlamaForCausalLM`): the embedded target's tokenizer, vocabulary and
     width, `LLAMA_LAYERS` layers without q/k norm, an untied LM head, rope_theta 5e5 with llama3 scaling; random
-    weights (`Decoder.init_weights`, std 0.1 so its greedy outputs are peaked enough for a drafter to learn)."""
+    weights (`Decoder.init_weights`, std 0.1, the residual branches then scaled by `LLAMA_BRANCH_SCALE`)."""
     import shutil
 
     from angelspec.models import Decoder, read_config, save_target
@@ -389,44 +400,113 @@ def llama_target(folder: Path, seed: int = 0) -> Path:
             shutil.copy2(f, folder / f.name)
     model = Decoder(cfg)
     model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(LLAMA_BRANCH_SCALE)
     save_target(model, folder)
     return folder
 
 
-def train_llama_eagle3(target: Path, data: Path, out: Path, *, steps: int, minutes: float | None,
-                       log: Callable[[str], None] = print) -> Path:
-    """An EAGLE-3 for the Llama target, `eagle3_embedded`'s recipe cut to `steps` (or `minutes`), on `data`."""
-    from angelspec.train.runs import train_drafter
+def _echo(weight: torch.Tensor, part: int, rows: slice = slice(None), scale: float = 1.0) -> None:
+    """Add `scale` x the identity to the `part`-th C x C block of the columns of `weight` [R, n*C] (its `rows`;
+    in place)."""
+    w = weight[rows]
+    c = w.shape[0]
+    w[:, part * c:(part + 1) * c] += scale * torch.eye(c, dtype=weight.dtype)
 
-    result = train_drafter("eagle3", data, out, target=target, preset="eagle3_embedded",
-                           overrides=[f"steps={steps}", f"switch_step={max(1, steps // 3)}"], force=True,
-                           progress=False, max_minutes=minutes, log=lambda *_: None)
-    log(result.format())
-    return out
+
+ECHO_QK = 1.5  # echo_eagle3's q/k gain: a position's score on itself (about 18) dwarfs those on other tokens
+
+
+def echo_eagle3(target_dir: Path, folder: Path, seed: int = 0) -> Path:
+    """An EAGLE-3 for the Llama target (its layer: no q/k norm; a key/value head per query head, so that values carry
+    the whole width) with random weights (std 0.02) plus the identity on the embedding half of q, k and v (q and k
+    times `ECHO_QK`) and on o_proj: each position attends to itself and adds RMSNorm(E(x)) of its input token to the
+    residual stream, so it drafts the target's "next token from the newest embedding" guess; the fused taps, the
+    attention to other positions, the MLP and the TTT recurrence move it. Saved to `folder`, returned."""
+    from angelspec.models import load_target
+    from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
+    from angelspec.models.mtp_io import save_mtp
+
+    target = load_target(target_dir, dtype=torch.float32)
+    t = target.config
+    model = Eagle3DraftModel(Eagle3Config.for_target(t, num_key_value_heads=t.num_attention_heads),
+                             target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    attn = model.layer.attn
+    q = attn.o_proj.in_features  # q, k and v are as wide: [q; k; v] rows of qkv_proj, reading [E(x); h]
+    with torch.no_grad():
+        for part, gain in enumerate((ECHO_QK, ECHO_QK, 1.0)):
+            _echo(attn.qkv_proj.weight, 0, slice(part * q, (part + 1) * q), gain)
+        attn.o_proj.weight += torch.eye(*attn.o_proj.weight.shape, dtype=attn.o_proj.weight.dtype)
+    return save_mtp(model, folder)
+
+
+def echo_mtp(target_dir: Path, folder: Path, seed: int = 0) -> Path:
+    """An MTP for the Llama target (its layer: no q/k norm; tap: the last layer) with random weights (std 0.02) plus
+    the identity on W_proj's embedding half: each depth's hidden state starts as RMSNorm(E(x)) of its input token, so
+    it drafts the target's "next token from the newest embedding" guess, with the tap, the draft layer's attention
+    and MLP and the TTT recurrence each moving the drafts a little. Saved to `folder`, returned."""
+    from angelspec.models import load_target
+    from angelspec.models.mtp import MTPConfig, MTPDraftModel
+    from angelspec.models.mtp_io import save_mtp
+
+    target = load_target(target_dir, dtype=torch.float32)
+    model = MTPDraftModel(MTPConfig.for_target(target.config), target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        _echo(model.proj.weight, 1)
+    return save_mtp(model, folder)
+
+
+def echo_dfly(target_dir: Path, folder: Path, seed: int = 0) -> Path:
+    """A DFly for the Llama target (`BlockDrafterConfig.for_target`: Qwen3 draft layers, two of them, K = 3, the
+    hidden-correction head, the fused anchor input, a trained-style fc bias, no confidence head, which vLLM's DFlash
+    proposer has no use for) with random weights (std 0.02, the head's and the bias's too) plus the identity on W_a's
+    embedding half: every block entry gets RMSNorm(E(anchor)), so the first draft is the target's "next token from
+    the newest embedding" guess; the per-layer tap fusion (context keys / values), the layers and the head move it.
+    Saved to `folder`, returned."""
+    from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.models import load_target
+    from angelspec.models.block.config import BlockDrafterConfig
+    from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.block.io import save_block_drafter
+    from angelspec.train.block import resolve_mask_token
+
+    target = load_target(target_dir, dtype=torch.float32)
+    mask = resolve_mask_token(load_tokenizer(target_dir), None, target.config.vocab_size)
+    cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=mask, block_size=4, num_draft_layers=2,
+                                        num_taps=3, conditioning="dfly", head="hidden", confidence_head=False,
+                                        anchor_fusion=True, fc_bias=True)
+    model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in (model.head.down_proj.weight, model.fc.bias):  # zero after init_weights
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        _echo(model.anchor_fuse.weight, 1)
+    model.refresh_inference_tables()
+    save_block_drafter(model, folder)
+    return folder
 
 
 def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], None]) -> list[DrafterCheck]:
-    """Check 3 (module docstring): the Llama target, its rollouts, its EAGLE-3, our engine, then vLLM."""
+    """Check 3 (module docstring): the Llama target, its drafters (`LLAMA_KINDS`, or the one `only` names), our
+    engine, then vLLM, one drafter at a time."""
     from angelspec.data.prompts import load_prompts
     from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter, run_engine
     from angelspec.decoding.sampling import SamplingParams
     from angelspec.eval.prompts import eval_prompts
     from angelspec.export import export_drafter
-    from angelspec.train.rollout import rollout
 
+    kinds = [k for k in LLAMA_KINDS if settings.only in (None, "llama", f"llama-{k}")]
     work = out / "llama"
     target_dir = llama_target(work / "target")
-    log(f"llama: a random Llama 3-shaped target in {target_dir}; rolling out {settings.rollout_prompts} prompts")
-    data = rollout(target_dir, _rollout_prompts(work / "prompts.jsonl", settings.rollout_prompts),
-                   work / "rollout.jsonl", max_new_tokens=settings.rollout_tokens, batch_size=16, force=True)
-    log(f"llama: {data.format()}")
-    src = train_llama_eagle3(target_dir, work / "rollout.jsonl", work / "eagle3", steps=settings.llama_steps,
-                             minutes=settings.llama_minutes, log=log)
-    result = export_drafter(src, work / "export", target=target_dir, force=True)
+    log(f"llama: a random Llama 3-shaped target in {target_dir}")
     model, tokenizer = load_target_and_tokenizer(target_dir)
     prompts = [p.ids for p in eval_prompts(tokenizer, load_prompts(EVAL_PROMPTS), source=str(EVAL_PROMPTS),
                                            context=model.config.max_position_embeddings, limit=settings.per_domain)]
-    k = int(result.speculative_config["num_speculative_tokens"])
 
     def decode(drafter: Any, depth: int) -> tuple[list[list[int]], Any]:
         results, metrics = run_engine(model, prompts, max_new_tokens=settings.max_new_tokens,
@@ -435,14 +515,28 @@ def _llama_check(settings: VllmCheckSettings, out: Path, log: Callable[[str], No
         return [list(r.token_ids) for r in results], metrics
 
     ar, _ = decode(None, 1)
-    drafter = resolve_drafter(str(src), model, target_dir)
-    outputs, metrics = decode(drafter, k)
-    log(f"ours, eagle3 (llama target): K={k}, {metrics.format()}")
-    served = _Served("eagle3 (llama target, trained here)", work / "export", k, outputs, metrics,
-                     list(drafter.target_layer_ids), [f"{LLAMA_LAYERS}-layer random Llama 3-shaped target; "
-                                                      f"exported as {result.speculative_config['method']} "
-                                                      "LlamaForCausalLMEagle3", *result.notes])
-    return [_serve_in_vllm(served, prompts, ar, settings, log, target=target_dir)]
+    checks = []
+    for kind in kinds:
+        if kind == "eagle3":
+            src = echo_eagle3(target_dir, work / "eagle3")
+            name, how = "eagle3 (llama target, random echo)", "LlamaForCausalLMEagle3"
+        elif kind == "mtp":
+            src = echo_mtp(target_dir, work / "mtp")
+            name, how = "mtp (llama target, random echo)", "the plugin's AngelSpecMTPEagle3 with a Llama layer"
+        else:
+            src = echo_dfly(target_dir, work / "dfly")
+            name, how = "dfly (llama target, random echo)", "the plugin's AngelSpecDFlyDFlash with Qwen3 layers"
+        export = work / "exports" / kind
+        result = export_drafter(src, export, target=target_dir, force=True)
+        k = int(result.speculative_config["num_speculative_tokens"])
+        drafter = resolve_drafter(str(src), model, target_dir)
+        outputs, metrics = decode(drafter, k)
+        log(f"ours, {name}: K={k}, {metrics.format()}")
+        served = _Served(name, export, k, outputs, metrics, list(drafter.target_layer_ids),
+                         [f"{LLAMA_LAYERS}-layer random Llama 3-shaped target; exported as "
+                          f"{result.speculative_config['method']} {how}", *result.notes])
+        checks.append(_serve_in_vllm(served, prompts, ar, settings, log, target=target_dir))
+    return checks
 
 
 def vllm_aux_layers(vllm_config: Any) -> tuple[int, ...] | None:

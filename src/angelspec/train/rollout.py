@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
+from angelspec.data.chat import SPECIAL_TOKENS
 from angelspec.data.fingerprint import checkpoint_fingerprint, file_sha256, model_fingerprint
 from angelspec.data.prompts import load_prompts
 from angelspec.fileio import check_writable_path, refuse_same_file, write_json_atomic
@@ -138,8 +139,10 @@ def split_response(token_ids: Sequence[int], finish_reason: str, tokenizer: Any,
 
     The stop token is dropped (the template adds ``<|im_end|>`` itself). In thinking mode the target
     writes ``<think>\\n{reasoning}\\n</think>\\n\\n{content}``; the ids are split at ``</think>`` so the
-    reasoning lands in ``reasoning_content``. Special tokens inside the text are skipped when decoding:
-    a message content may not carry control tokens (they would forge turn boundaries).
+    reasoning lands in ``reasoning_content``. Special tokens inside the text are skipped when decoding, and any
+    control-token string left in the text (``<think>`` written mid-answer, which the tokenizer decodes as text, or
+    one spelled out of ordinary pieces) is removed: a message content may not carry control tokens (they would forge
+    turn boundaries, and training refuses such a conversation).
     """
     ids = list(token_ids)
     if finish_reason == "stop" and ids and ids[-1] in stop_ids:
@@ -150,15 +153,23 @@ def split_response(token_ids: Sequence[int], finish_reason: str, tokenizer: Any,
     if enable_thinking and think_start is not None and ids and ids[0] == think_start:
         if think_end in ids:
             cut = ids.index(think_end)
-            reasoning = tokenizer.decode(ids[1:cut], skip_special_tokens=True)
-            content = tokenizer.decode(ids[cut + 1:], skip_special_tokens=True).removeprefix("\n\n")
+            reasoning = _text(tokenizer, ids[1:cut])
+            content = _text(tokenizer, ids[cut + 1:]).removeprefix("\n\n")
         else:  # ran out of tokens while thinking
-            reasoning, content = tokenizer.decode(ids[1:], skip_special_tokens=True), ""
+            reasoning, content = _text(tokenizer, ids[1:]), ""
         message["content"] = content
         message["reasoning_content"] = reasoning.removeprefix("\n").removesuffix("\n")
     else:
-        message["content"] = tokenizer.decode(ids, skip_special_tokens=True)
+        message["content"] = _text(tokenizer, ids)
     return message
+
+
+def _text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """`ids` decoded without special tokens and without any control-token string (`split_response`)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "")
+    return text
 
 
 def _progress_path(out: Path) -> Path:

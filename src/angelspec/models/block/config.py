@@ -226,8 +226,10 @@ class BlockDrafterConfig(DraftModelConfig):
         with `num_taps` (default: one per draft layer, at most the target's layer count). `context_injection` None
         = "same_layer" for a DSpark (the dflash conditioning with a Markov-family head, Uraion §3.3), else "shared";
         `fc_bias` None = a bias only for DFly (Eq. 12): the DFlash backbone's fc is built without one, as vLLM's
-        DFlash / DSpark fc has none (`export.vllm`). The dflash conditioning's layers are Qwen3 layers (q/k norm)
-        whatever the target (a Llama target's have none), as vLLM serves DFlash / DSpark. `design` takes the
+        DFlash / DSpark fc has none (`export.vllm`). The draft layers are Qwen3 layers (q/k norm) whatever the target
+        (a Llama target's layers have none): vLLM's DFlash-based classes, which serve every block drafter (DFlash,
+        DSpark, and DFlare / DFly through the angelspec[vllm] plugin), build Qwen3 draft layers. A Qwen3 target's
+        layer is that layer already. `design` takes the
         remaining fields (head_intermediate_size, fusion_prior_temperature, confidence_target,
         confidence_temperatures, anchor_fusion)."""
         if target_layer_ids is None:
@@ -236,8 +238,7 @@ class BlockDrafterConfig(DraftModelConfig):
         shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
                                  num_key_value_heads=num_key_value_heads, head_dim=head_dim,
                                  intermediate_size=intermediate_size)
-        if conditioning == "dflash":  # DFlash's draft layer is a Qwen3 layer (q/k norm) for every target, as in
-            shape.update(model_type="qwen3", qk_norm=True)  # vLLM's DFlash / DSpark classes (`export.vllm`)
+        shape.update(model_type="qwen3", qk_norm=True)  # a Qwen3 draft layer for every target (docstring)
         if context_injection is None:
             context_injection = "same_layer" if conditioning == "dflash" and head in MARKOV_HEADS else "shared"
         return cls(
