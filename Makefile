@@ -62,7 +62,7 @@ $(VLLM_STAMP): pyproject.toml
 
 # Serve the embedded target in vLLM with each exportable drafter (MTP and DFly through the angelspec[vllm] plugin,
 # which the editable install above registers with vLLM) and compare outputs and acceptance with our engine, check
-# rollouts through vLLM, load a DSpark export through vLLM's model class (about 10 minutes).
+# rollouts through vLLM, load a DSpark export through vLLM's model class (a few minutes on 2 cores).
 VLLM_CHECK_ARGS ?=
 vllm-check: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/vllm_check.py $(VLLM_CHECK_ARGS)

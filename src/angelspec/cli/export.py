@@ -47,11 +47,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_import(sub: common.Subparsers) -> None:
-    """Read a drafter folder in a serving engine's layout (vLLM 0.32: EAGLE-3 for a Qwen3 target,
-    Eagle3Qwen3ForCausalLM, or DFlash, DFlashDraftModel; an `angelspec export` output or one trained elsewhere) and
-    write it as an AngelSpec drafter folder, so `angelspec eval --drafter OUT_DIR` measures it on our engine and
-    policies. Folders our models cannot compute exactly (their own LM head or embedding, the LLaMA EAGLE-3 layout,
-    fc norms, sliding windows, ...) are refused with what does not fit."""
+    """Read a drafter folder in a serving engine's layout (vLLM 0.32: EAGLE-3, Eagle3Qwen3ForCausalLM for a Qwen3
+    target or LlamaForCausalLMEagle3 for a Llama target, or DFlash, DFlashDraftModel; an `angelspec export` output or
+    one trained elsewhere) and write it as an AngelSpec drafter folder, so `angelspec eval --drafter OUT_DIR`
+    measures it on our engine and policies. Folders our models cannot compute exactly (their own LM head or
+    embedding, an EAGLE-3 layout other than the target's layer, fc norms, sliding windows, ...) are refused with what
+    does not fit."""
     p = sub.add_parser("import", help="import a vLLM-format EAGLE-3 or DFlash drafter", description=add_import.__doc__)
     _folder_flags(p, ("vllm",), "source format",
                   ("src_dir", "VLLM_DIR", "the vLLM drafter folder (config.json + safetensors)"),
