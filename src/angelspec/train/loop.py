@@ -91,6 +91,7 @@ class TrainRun:
     # Training seconds of the segments before this one (a resumed run: what its checkpoint recorded).
     seconds_before: list[float] = field(default_factory=lambda: [0.0])
     placement: Placement = Placement(torch.device("cpu"), torch.float32)
+    _weights_ids: dict[int, str] = field(default_factory=dict, repr=False)  # `target_weights`, per target object
 
     @property
     def device(self) -> torch.device:
@@ -153,13 +154,12 @@ class TrainRun:
 
     def target_weights(self, target: Decoder) -> str:
         """The target's `target_weights_fingerprint` (what the drafter records and a resume compares), also for a
-        `parts="head"` load: its layers, left on meta, are read from the checkpoint one tensor at a time."""
-        from angelspec.data.fingerprint import target_weights_fingerprint
-        from angelspec.models.hf_io import iter_state_dict
+        `parts="head"` load: its layers, left on meta, are read from the checkpoint one tensor at a time (once)."""
+        from angelspec.decoding.loading import target_weights_id
 
-        if all(t.device.type != "meta" for t in target.state_dict().values()):
-            return target_weights_fingerprint(target)
-        return target_weights_fingerprint(target, iter_state_dict(target, self.target_dir))
+        if id(target) not in self._weights_ids:
+            self._weights_ids[id(target)] = target_weights_id(self.target_dir, target)
+        return self._weights_ids[id(target)]
 
     def drafter_report(self, head: dict[str, Any], model: nn.Module, stats: dict[str, int], rows: PackedRows,
                        tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
