@@ -190,6 +190,57 @@ def test_one_run_per_out_folder(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert not (out / LOCK_NAME).exists() and (out / "train_report.json").is_file()
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_out_folder_that_is_not_a_training_run_is_refused_without_force(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path, data: Path, resume: bool) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "photos").mkdir()
+    code, _, err = train(capsys, tiny_target_dir, data, out, *(["--resume"] if resume else []))
+    assert_bad_input(code, err, f"--out {out} holds files that are not a training run of AngelSpec (notes.txt, "
+                     "photos)", "empty or new folder", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "photos"]
+    if not resume:
+        code, _, err = train(capsys, tiny_target_dir, data, out, "--force")
+        assert code == 0, err
+        assert (out / "train_report.json").is_file() and not (out / "notes.txt").exists()
+
+
+def _target_build(capsys: pytest.CaptureFixture[str], out: Path, work: Path, *extra: object) -> tuple[int, str, str]:
+    return run_cli(capsys, "target", "build", "--out", out, "--work-dir", work, "--preset", "tiny_debug", "--quiet",
+                   *extra)
+
+
+def test_target_build_refuses_an_unfinished_build_a_foreign_work_dir_and_a_running_build(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The drafter runs' protection (train.safety), for `target build`'s --work-dir: an unfinished build needs
+    --resume or --force, a folder that is not a build needs --force, and one build at a time."""
+    out, work = tmp_path / "t", tmp_path / "w"
+    work.mkdir()
+    (work / "train_log.jsonl").write_text('{"step": 1}\n')  # killed before its first checkpoint
+    code, _, err = _target_build(capsys, out, work)
+    assert_bad_input(code, err, f"--work-dir {work} holds an unfinished target build (it stopped before its first "
+                     "checkpoint)", "--resume", "--force")
+    assert (work / "train_log.jsonl").read_text() == '{"step": 1}\n' and not out.exists()
+    (work / "train_log.jsonl").unlink()
+    (work / "thesis.tex").write_text("mine")
+    code, _, err = _target_build(capsys, out, work)
+    assert_bad_input(code, err, f"--work-dir {work} holds files that are not a target build of AngelSpec (thesis.tex)",
+                     "--force")
+    (work / "thesis.tex").unlink()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (work / LOCK_NAME).write_text(f"{alive.pid}\n")
+        code, _, err = _target_build(capsys, out, work, "--force")
+        assert_bad_input(code, err, f"another training run (pid {alive.pid}) is writing to {work}",
+                         "give --work-dir another folder")
+    finally:
+        alive.kill()
+        alive.wait()
+    assert sorted(p.name for p in work.iterdir()) == [LOCK_NAME] and not out.exists()
+
+
 def test_resume_with_other_data_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path,
                                            data: Path, finished_run: Path) -> None:
     out = unfinished_copy(finished_run, tmp_path / "out")

@@ -29,9 +29,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.device import Placement, autocast, enable_tf32, placement_of
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
-    find_checkpoint,
     make_checkpoint_saver,
-    read_trainer_state,
     refuse_resume_over_model,
     resume_training,
     run_identity,
@@ -62,7 +60,7 @@ from angelspec.train.losses import (
     global_denominators,
 )
 from angelspec.train.optim import cosine_lr, set_lr
-from angelspec.train.safety import LOCK_NAME, stop_if_not_finite
+from angelspec.train.safety import LOCK_NAME, TRAIN_LOG, refuse_foreign_files, stop_if_not_finite, unfinished_run
 from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 if TYPE_CHECKING:
@@ -216,9 +214,13 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     return run
 
 
+RUN_FILES = ("config.json", "model.safetensors", "train_report.json", "training")  # what a run writes in --out
+
+
 def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
     """Refuse a training run's output folder, before anything is loaded or written: one that is a file or cannot
-    be written (UsageError); one that holds a model while neither `force` nor `resume` is given
+    be written (UsageError); one that holds files but none a run writes (`RUN_FILES`) while `force` is not given
+    (UsageError: not a training run); one that holds a model while neither `force` nor `resume` is given
     (FileExistsError); one that holds an unfinished run (a checkpoint or a training log, no model yet) while
     neither is given (UsageError: a fresh run would overwrite its checkpoint and log); and a `resume` (without
     `force`) that finds a model but no checkpoint to continue from (ResumeError): training from scratch would
@@ -230,16 +232,12 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
     if force:
         return
     work = out_dir / "training"
+    refuse_foreign_files(out_dir, RUN_FILES)
     if not (out_dir / "config.json").exists():
         if resume:
             return
-        ckpt = find_checkpoint(work / "checkpoint")
-        if ckpt is not None or (work / "train_log.jsonl").is_file():
-            try:
-                where = f"its last checkpoint is at step {read_trainer_state(ckpt)['step']}" if ckpt else \
-                    "it stopped before its first checkpoint"
-            except ValueError:
-                where = "its checkpoint is damaged"
+        where = unfinished_run(work)
+        if where is not None:
             raise UsageError(f"--out {out_dir} holds an unfinished training run ({where}); pass --resume to "
                              "continue it, or --force to start over (it deletes that run)")
         return
@@ -409,7 +407,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     if features is not None:
         features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)
-    log_path = run.work / "train_log.jsonl"
+    log_path = run.work / TRAIN_LOG
     trim_log(log_path, step, run.main)
     max_minutes = run.job.max_minutes
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
