@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -60,7 +59,13 @@ from angelspec.train.losses import (
     global_denominators,
 )
 from angelspec.train.optim import cosine_lr, set_lr
-from angelspec.train.safety import LOCK_NAME, TRAIN_LOG, refuse_foreign_files, stop_if_not_finite, unfinished_run
+from angelspec.train.safety import (
+    TRAIN_LOG,
+    empty_folder,
+    refuse_foreign_files,
+    stop_if_not_finite,
+    unfinished_run,
+)
 from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 if TYPE_CHECKING:
@@ -129,13 +134,7 @@ class TrainRun:
         has looked at it."""
         barrier()
         if self.main and self.job.force and not self.job.resume and self.out_dir.exists():
-            for item in self.out_dir.iterdir():  # all but the run's lock (`train.safety.run_guard`)
-                if item.name == LOCK_NAME:
-                    continue
-                if item.is_dir() and not item.is_symlink():
-                    shutil.rmtree(item)
-                else:
-                    item.unlink()
+            empty_folder(self.out_dir)  # all but the run's lock (`train.safety.run_guard`)
         barrier()
 
     def frozen_target(self, features: str | None = None) -> tuple[Decoder, Any]:

@@ -211,6 +211,17 @@ def refuse_foreign_files(folder: Path, ours: tuple[str, ...], flag: str = "--out
                          f"empty or new folder, or pass --force to delete them")
 
 
+def empty_folder(folder: Path) -> None:
+    """Delete everything in `folder` but the run's lock (`--force` starting a run over an old one)."""
+    for item in folder.iterdir():
+        if item.name == LOCK_NAME:
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
+
+
 def _lock_owner(lock: Path) -> int | None:
     try:
         text = lock.read_text(encoding="utf-8").strip()

@@ -26,7 +26,7 @@ from angelspec.models.hf_io import load_target, save_target, write_json_atomic
 from angelspec.train.checkpoint import refuse_resume_over_model
 from angelspec.train.config import LMRunConfig
 from angelspec.train.lm import heldout_loss, train_causal_lm
-from angelspec.train.safety import LOCK_NAME, TRAIN_LOG, refuse_foreign_files, run_guard, unfinished_run
+from angelspec.train.safety import TRAIN_LOG, empty_folder, refuse_foreign_files, run_guard, unfinished_run
 
 DOMAINS = ("code", "chat", "math", "docs")
 
@@ -178,13 +178,7 @@ def check_build_folders(out_dir: Path, work_dir: Path, *, resume: bool, force: b
         if not force:
             raise UsageError(f"--work-dir {work_dir} holds an unfinished target build ({where}); pass --resume to "
                              "continue it, or --force to start over (it deletes that build)")
-        for path in work_dir.iterdir():  # all of it (a new build may want another tokenizer) but the lock
-            if path.name == LOCK_NAME:
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+        empty_folder(work_dir)  # all of it (a new build may want another tokenizer) but the lock
 
 
 def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: bool, progress: bool,
