@@ -624,6 +624,17 @@ def test_import_for_a_target_with_other_weights_is_refused_and_records_the_weigh
     assert meta["target_weights"] == target_weights_id(other) != target_weights_id(DEFAULT_TARGET)
 
 
+def test_draft_vocab_for_a_target_with_other_weights_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                data: Path) -> None:
+    from angelspec.assets import DEFAULT_DRAFTERS
+
+    other = _shipped_target_with_other_weights(tmp_path / "target")
+    code, _, err = run_cli(capsys, "draft-vocab", "--drafter", Path(DEFAULT_DRAFTERS) / "mtp", "--data", data,
+                           "--size", 64, "--target", other, "--out", tmp_path / "out")
+    assert_bad_input(code, err, "was trained for a target with weights fingerprint", "--target")
+    assert not (tmp_path / "out").exists()
+
+
 def test_init_from_a_drafter_for_other_weights_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                          data: Path) -> None:
     from angelspec.assets import DEFAULT_DRAFTERS
