@@ -324,6 +324,13 @@ def test_settings_out_of_range_are_refused_before_work(capsys: pytest.CaptureFix
     assert not out.exists()
 
 
+def test_a_block_drafters_tap_depth_is_bounded(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                               tiny_target_dir: Path, data: Path) -> None:
+    code, _, err = train(capsys, tiny_target_dir, data, tmp_path / "out", "taps_for_depth=-5", kind="dfly")
+    assert_bad_input(code, err, "taps_for_depth=-5 is out of range", ">= 1", "the layer count of the target")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("minutes", ["nan", "inf", "0", "-1"])
 def test_max_minutes_must_be_a_finite_positive_number(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                       tiny_target_dir: Path, data: Path, minutes: str) -> None:

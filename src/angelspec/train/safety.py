@@ -109,6 +109,7 @@ BOUNDS: dict[str, tuple[float, float, bool, str]] = {
     "num_taps": (1, 1024, False, ""),
     "target_layer_id": (0, 4096, False, ""),
     "target_layer_ids": (0, 4096, False, ""),
+    "taps_for_depth": (1, 4096, False, " (the layer count of the target the taps were chosen for)"),
     "mask_token_id": (0, 1 << 24, False, ""),
     "ce_coef": (0.0, 1e6, False, ""),
     "tv_coef": (0.0, 1e6, False, ""),
