@@ -339,6 +339,9 @@ def test_the_kv_cache_is_checked_against_the_memory_of_its_device(monkeypatch: p
                        r"of memory free; lower --batch-size"):
         check_fits_target(config, rows=64, device=cuda)
     check_fits_target(config, rows=64, device=torch.device("cpu"))  # the host has room
+    check_fits_target(config, rows=6, device=cuda)  # 36 MiB of cache fit in 90% of 64 MiB; with the weights a bench
+    with pytest.raises(UsageError, match=r"the KV cache of 6 row\(s\) of 1024 tokens and the target's weights"):
+        check_fits_target(config, rows=6, device=cuda, with_weights=True)  # loads after the check (26 MiB), not
     check_fits_target(config, rows=64)
     check_fits_target(config, rows=64, device=torch.device("meta"))  # no free memory to read: not checked
     monkeypatch.setattr(fileio, "available_memory_bytes", lambda: 64 * 1024**2)

@@ -67,13 +67,14 @@ def free_memory(device: Any = None) -> tuple[int | None, str] | None:
 
 def check_fits_target(config: DecoderConfig, *, rows: int, num_draft_tokens: int | None = 0,
                       batch_flag: str = "--batch-size", dtype_bytes: int = 4, device: Any = None,
-                      available: int | None = None) -> None:
+                      available: int | None = None, with_weights: bool = False) -> None:
     """Refuse, from the target's config alone, more drafts per step than its context can verify (`num_draft_tokens`
     None: the drafter's own depth, checked where it is known) and a number of rows decoded at once (`rows`, set by
     `batch_flag`) whose KV cache could not fit in the memory free where it lives (`available`; default: a CUDA
     `device`'s free memory, the host's for `device` None or a CPU, see `free_memory`; not checked on other
-    accelerators). A `--max-new-tokens` beyond the context needs no refusal: every request is capped to fit it and
-    ends with finish_reason "length"."""
+    accelerators). `with_weights`: the target is not loaded yet, and its weights (in `dtype_bytes` a parameter) will
+    take that memory too. A `--max-new-tokens` beyond the context needs no refusal: every request is capped to fit it
+    and ends with finish_reason "length"."""
     context = config.max_position_embeddings
     k = num_draft_tokens or 0
     if k:
@@ -86,4 +87,8 @@ def check_fits_target(config: DecoderConfig, *, rows: int, num_draft_tokens: int
             return
         available, where = found
     need = kv_cache_bytes(config, rows, context + k + 2, dtype_bytes)
-    require_memory(batch_flag, need, f"the KV cache of {rows} row(s) of {context} tokens", available, where=where)
+    what = f"the KV cache of {rows} row(s) of {context} tokens"
+    if with_weights:
+        need += config.num_parameters() * dtype_bytes
+        what += " and the target's weights"
+    require_memory(batch_flag, need, what, available, where=where)

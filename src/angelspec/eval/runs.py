@@ -294,7 +294,8 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
 
     where = placement_of(placement)  # the KV cache's device and dtype, before the weights are loaded
     check_fits_target(config, rows=max(levels, default=1), num_draft_tokens=num_draft_tokens,
-                      batch_flag="--concurrency", dtype_bytes=where.dtype.itemsize, device=where.device)
+                      batch_flag="--concurrency", dtype_bytes=where.dtype.itemsize, device=where.device,
+                      with_weights=True)
     if warmup_tokens > config.max_position_embeddings:
         require_range("--warmup-tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
     column = None

@@ -313,7 +313,7 @@ def rollout(
 
         where = placement_of(placement)
         check_fits_target(read_config(target_dir), rows=min(batch_size, max(len(conversations), 1)),
-                          dtype_bytes=where.dtype.itemsize, device=where.device)
+                          dtype_bytes=where.dtype.itemsize, device=where.device, with_weights=True)
     tokenizer = load_tokenizer(target_dir)
     generator, target_id, legacy_target, context = _start_engine(engine, target_dir, batch_size, placement, vllm)
     try:
