@@ -10,6 +10,8 @@
   one line naming the path and the fix instead of a traceback.
 * `check_not_input`: an output folder that is one of the run's inputs, or holds one, is refused (`--force` would
   delete the input, and training would write over it).
+* `unfinished_run`, `refuse_foreign_files`, `empty_folder`: what a killed run left in its folder, a folder that is
+  not a run of ours, and `--force` emptying a run's folder: shared by `train` and `target build`.
 """
 
 from __future__ import annotations
