@@ -152,7 +152,7 @@ def test_cache_from_another_target_or_spec_is_refused(tiny_target_dir: Path, tar
         other.layers[0].mlp.down_proj.weight.mul_(1.5)
     with pytest.raises(FeatureCacheError, match="built from target .* another model"):
         OfflineFeatureCache.open(root, target=other)
-    with pytest.raises(FeatureCacheError, match="target_fingerprint"):
+    with pytest.raises(FeatureCacheError, match="target_weights"):
         OfflineFeatureCache.build(other, TOPK_SPEC, batches[:1], root, resume=True)
     with pytest.raises(FeatureCacheError, match="spec"):
         OfflineFeatureCache.open(root, target=target, spec=FeatureSpec(layer_ids=(1, 0), with_logits=True,

@@ -253,6 +253,9 @@ def _bounds_cases(tmp: Path, prompts: Path, data: Path) -> list[tuple[list[objec
         (["eval-server", "--watch", tmp, "--temperatures", "0,nan"], ["--temperatures must be finite"]),
         (["eval-server", "--watch", tmp, "--max-new-tokens", HUGE], [new]),
         (["eval-server", "--watch", tmp, "--num-draft-tokens", HUGE], [k64]),
+        (["eval-server", "--watch", tmp, "--trainer-pid", 0, "--once"], ["--trainer-pid must be at least 1"]),
+        (["build-drafters", "--work-dir", tmp / "w", "--no-export", "--max-minutes", -1],
+         ["--max-minutes must be a number of minutes > 0"]),
         (["decontam", "--train", data, "--eval", prompts, "--out", tmp / "d.jsonl", "--ngram", HUGE],
          ["--ngram) must be at most 1024"]),
         (["prompt-pool", "--out", tmp / "pool.jsonl", "--min-total", HUGE, "--quiet"],
@@ -311,6 +314,48 @@ def test_the_decoding_bounds_as_library_calls() -> None:
         check_fits_target(config, rows=200, available=1024**3)  # 200 rows x 1026 tokens x 6 KiB: 1.2 GiB
     with pytest.raises(UsageError, match=r"--num-draft-tokens must be at least 1 and at most 64, got nan"):
         check_counts(num_draft_tokens=float("nan"))
+
+
+def test_the_kv_cache_is_checked_against_the_memory_of_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA device the KV cache is compared with the GPU's free memory (torch.cuda.mem_get_info), on the CPU
+    with the host's; another accelerator, whose free memory torch does not report, is not checked."""
+    import angelspec.fileio as fileio
+    from angelspec.decoding.limits import check_fits_target, free_memory
+    from angelspec.errors import UsageError
+    from angelspec.models import read_config
+
+    config = read_config(TARGET)
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(device)
+        return 64 * 1024**2, 80 * 1024**3
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(fileio, "available_memory_bytes", lambda: 1024**4)  # a host with 1 TiB free
+    cuda = torch.device("cuda", 1)
+    assert free_memory(cuda) == (64 * 1024**2, "the GPU cuda:1") and asked == [cuda]
+    with pytest.raises(UsageError, match=r"--batch-size: the KV cache of 64 row\(s\).*but the GPU cuda:1 has 64.0 MiB "
+                       r"of memory free; lower --batch-size"):
+        check_fits_target(config, rows=64, device=cuda)
+    check_fits_target(config, rows=64, device=torch.device("cpu"))  # the host has room
+    check_fits_target(config, rows=6, device=cuda)  # 36 MiB of cache fit in 90% of 64 MiB; with the weights a bench
+    with pytest.raises(UsageError, match=r"the KV cache of 6 row\(s\) of 1024 tokens and the target's weights"):
+        check_fits_target(config, rows=6, device=cuda, with_weights=True)  # loads after the check (26 MiB), not
+    check_fits_target(config, rows=64)
+    check_fits_target(config, rows=64, device=torch.device("meta"))  # no free memory to read: not checked
+    monkeypatch.setattr(fileio, "available_memory_bytes", lambda: 64 * 1024**2)
+    with pytest.raises(UsageError, match="but this machine has 64.0 MiB of memory free"):
+        check_fits_target(config, rows=64, device=torch.device("cpu"))
+
+
+def test_one_byte_formatter_for_both_unit_names() -> None:
+    from angelspec.fileio import human_bytes
+    from angelspec.models import hf_io
+
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(3 * 1024**3) == "3.0 GiB" and human_bytes(12) == "12 B"
+    assert human_bytes(1536, units="KB") == "1.5 KB" and human_bytes(5 * 1024**5, units="KB") == "5120.0 TB"
+    assert not hasattr(hf_io, "_human")  # the checkpoint checks format through it
 
 
 # ----- 4. faults of the file system, outputs that are inputs, folders that are not what a command expects -----

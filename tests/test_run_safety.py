@@ -190,6 +190,57 @@ def test_one_run_per_out_folder(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert not (out / LOCK_NAME).exists() and (out / "train_report.json").is_file()
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_out_folder_that_is_not_a_training_run_is_refused_without_force(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path, data: Path, resume: bool) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "photos").mkdir()
+    code, _, err = train(capsys, tiny_target_dir, data, out, *(["--resume"] if resume else []))
+    assert_bad_input(code, err, f"--out {out} holds files that are not a training run of AngelSpec (notes.txt, "
+                     "photos)", "empty or new folder", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "photos"]
+    if not resume:
+        code, _, err = train(capsys, tiny_target_dir, data, out, "--force")
+        assert code == 0, err
+        assert (out / "train_report.json").is_file() and not (out / "notes.txt").exists()
+
+
+def _target_build(capsys: pytest.CaptureFixture[str], out: Path, work: Path, *extra: object) -> tuple[int, str, str]:
+    return run_cli(capsys, "target", "build", "--out", out, "--work-dir", work, "--preset", "tiny_debug", "--quiet",
+                   *extra)
+
+
+def test_target_build_refuses_an_unfinished_build_a_foreign_work_dir_and_a_running_build(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The drafter runs' protection (train.safety), for `target build`'s --work-dir: an unfinished build needs
+    --resume or --force, a folder that is not a build needs --force, and one build at a time."""
+    out, work = tmp_path / "t", tmp_path / "w"
+    work.mkdir()
+    (work / "train_log.jsonl").write_text('{"step": 1}\n')  # killed before its first checkpoint
+    code, _, err = _target_build(capsys, out, work)
+    assert_bad_input(code, err, f"--work-dir {work} holds an unfinished target build (it stopped before its first "
+                     "checkpoint)", "--resume", "--force")
+    assert (work / "train_log.jsonl").read_text() == '{"step": 1}\n' and not out.exists()
+    (work / "train_log.jsonl").unlink()
+    (work / "thesis.tex").write_text("mine")
+    code, _, err = _target_build(capsys, out, work)
+    assert_bad_input(code, err, f"--work-dir {work} holds files that are not a target build of AngelSpec (thesis.tex)",
+                     "--force")
+    (work / "thesis.tex").unlink()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (work / LOCK_NAME).write_text(f"{alive.pid}\n")
+        code, _, err = _target_build(capsys, out, work, "--force")
+        assert_bad_input(code, err, f"another training run (pid {alive.pid}) is writing to {work}",
+                         "give --work-dir another folder")
+    finally:
+        alive.kill()
+        alive.wait()
+    assert sorted(p.name for p in work.iterdir()) == [LOCK_NAME] and not out.exists()
+
+
 def test_resume_with_other_data_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path,
                                            data: Path, finished_run: Path) -> None:
     out = unfinished_copy(finished_run, tmp_path / "out")
@@ -271,6 +322,13 @@ def test_settings_out_of_range_are_refused_before_work(capsys: pytest.CaptureFix
     code, _, err = train(capsys, tiny_target_dir, data, out, setting)
     assert_bad_input(code, err, *needles)
     assert not out.exists()
+
+
+def test_a_block_drafters_tap_depth_is_bounded(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                               tiny_target_dir: Path, data: Path) -> None:
+    code, _, err = train(capsys, tiny_target_dir, data, tmp_path / "out", "taps_for_depth=-5", kind="dfly")
+    assert_bad_input(code, err, "taps_for_depth=-5 is out of range", ">= 1", "the layer count of the target")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("minutes", ["nan", "inf", "0", "-1"])
@@ -517,3 +575,155 @@ def test_the_weights_fingerprint_follows_the_weights_not_the_load_dtype(tiny_tar
     assert meta["target_weights"] == fp32
     assert json.loads((finished_run / "training" / "checkpoint" / "trainer_state.json").read_text())[
         "target_weights"] == fp32
+
+
+# ----- one weights fingerprint everywhere: export, import, --init-from, rollout, feature caches -----
+
+
+def test_the_weights_id_of_a_folder_is_the_loaded_models(tmp_path: Path) -> None:
+    """`target_weights_id` reads the weights from the folder (nothing loaded: an export, an import) and gives the id
+    of a loaded model and the one the shipped drafters record, tied LM head included."""
+    from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+    from angelspec.data.fingerprint import target_weights_fingerprint
+    from angelspec.decoding.loading import target_weights_id
+    from angelspec.models.hf_io import load_target
+
+    fp = target_weights_id(DEFAULT_TARGET)
+    assert fp == target_weights_fingerprint(load_target(DEFAULT_TARGET))
+    assert fp == target_weights_id(DEFAULT_TARGET, load_target(DEFAULT_TARGET, parts="head"))
+    assert json.loads((Path(DEFAULT_DRAFTERS) / "mtp" / "config.json").read_text())["angelspec"][
+        "target_weights"] == fp
+    assert target_weights_id(_shipped_target_with_other_weights(tmp_path / "other")) != fp
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "dfly", "draft_lm"])
+def test_export_for_a_target_with_other_weights_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                          name: str) -> None:
+    from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+
+    drafter = Path(DEFAULT_TARGET).parent / name if name == "draft_lm" else Path(DEFAULT_DRAFTERS) / name
+    other = _shipped_target_with_other_weights(tmp_path / "target")
+    code, _, err = run_cli(capsys, "export", drafter, tmp_path / "out", "--target", other)
+    assert_bad_input(code, err, "was trained for a target with weights fingerprint", "--target")
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli(capsys, "export", drafter, tmp_path / "out")  # its own target
+    assert code == 0, err
+
+
+def test_import_for_a_target_with_other_weights_is_refused_and_records_the_weights(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+    from angelspec.decoding.loading import target_weights_id
+
+    code, _, err = run_cli(capsys, "export", Path(DEFAULT_DRAFTERS) / "eagle3", tmp_path / "vllm")
+    assert code == 0, err
+    other = _shipped_target_with_other_weights(tmp_path / "target")
+    code, _, err = run_cli(capsys, "import", tmp_path / "vllm", tmp_path / "back", "--target", other)
+    assert_bad_input(code, err, "was exported for a target with weights fingerprint", "--target")
+    assert not (tmp_path / "back").exists()
+    vllm_cfg = tmp_path / "vllm" / "config.json"  # a folder trained elsewhere records no weights: the target's
+    raw = json.loads(vllm_cfg.read_text())
+    del raw["angelspec"]
+    vllm_cfg.write_text(json.dumps(raw))
+    code, _, err = run_cli(capsys, "import", tmp_path / "vllm", tmp_path / "back", "--target", other)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "back" / "config.json").read_text())["angelspec"]
+    assert meta["target_weights"] == target_weights_id(other) != target_weights_id(DEFAULT_TARGET)
+
+
+def test_draft_vocab_for_a_target_with_other_weights_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                                data: Path) -> None:
+    from angelspec.assets import DEFAULT_DRAFTERS
+
+    other = _shipped_target_with_other_weights(tmp_path / "target")
+    code, _, err = run_cli(capsys, "draft-vocab", "--drafter", Path(DEFAULT_DRAFTERS) / "mtp", "--data", data,
+                           "--size", 64, "--target", other, "--out", tmp_path / "out")
+    assert_bad_input(code, err, "was trained for a target with weights fingerprint", "--target")
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_from_a_drafter_for_other_weights_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         data: Path) -> None:
+    from angelspec.assets import DEFAULT_DRAFTERS
+
+    other = _shipped_target_with_other_weights(tmp_path / "target")
+    code, _, err = run_cli(capsys, "train", "--drafter", "dfly", "--target", other, "--data", data, "--out",
+                           tmp_path / "out", "--init-from", Path(DEFAULT_DRAFTERS) / "dfly", "--only", "confidence",
+                           "--quiet", "steps=1")
+    assert_bad_input(code, err, f"init_from={Path(DEFAULT_DRAFTERS) / 'dfly'} was trained for a target with weights "
+                     "fingerprint", "--target")
+    assert not (tmp_path / "out").exists()
+
+
+def _rollout(capsys: pytest.CaptureFixture[str], target: Path, prompts: Path, out: Path,
+             *extra: object) -> tuple[int, str, str]:
+    return run_cli(capsys, "rollout", "--target", target, "--prompts", prompts, "--out", out, "--max-new-tokens", 2,
+                   "--quiet", *extra)
+
+
+def _kill_after_first_line(out: Path) -> None:
+    """`out` as a kill leaves it after its first chunk of one line (a rollout run with --batch-size 1)."""
+    progress = out.with_name(out.name + ".progress.json")
+    state = json.loads(progress.read_text())
+    first = out.read_bytes().split(b"\n")[0] + b"\n"
+    out.write_bytes(first)
+    state.update(lines_done=1, bytes=len(first), complete=False)
+    progress.write_text(json.dumps(state))
+
+
+def test_rollout_records_the_weights_id_and_refuses_to_resume_with_other_weights(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_target_dir: Path, data: Path) -> None:
+    from angelspec.data.fingerprint import model_fingerprint
+    from angelspec.decoding.loading import target_weights_id
+    from angelspec.models.hf_io import load_target
+
+    out = tmp_path / "r.jsonl"
+    code, _, err = _rollout(capsys, tiny_target_dir, data, out, "--batch-size", 1)
+    assert code == 0, err
+    whole = out.read_bytes()
+    progress = out.with_name(out.name + ".progress.json")
+    config = json.loads(progress.read_text())["config"]
+    assert config["target_weights"] == target_weights_id(tiny_target_dir) and config["target_dtype"] == "float32"
+    _kill_after_first_line(out)
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    weights = load_file(str(target / "model.safetensors"))
+    name = next(k for k in sorted(weights) if k.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name] * 1.5
+    save_file(weights, str(target / "model.safetensors"), {"format": "pt"})
+    code, _, err = _rollout(capsys, target, data, out, "--batch-size", 1, "--resume")
+    assert_bad_input(code, err, "cannot resume", "target_weights", "--force")
+    # A sidecar written before the weights id (its load-dtype fingerprint under "target") still resumes.
+    state = json.loads(progress.read_text())
+    for key in ("target_weights", "target_dtype"):
+        del state["config"][key]
+    state["config"]["target"] = model_fingerprint(load_target(tiny_target_dir))
+    progress.write_text(json.dumps(state))
+    code, _, err = _rollout(capsys, tiny_target_dir, data, out, "--batch-size", 1, "--resume")
+    assert code == 0, err
+    assert out.read_bytes() == whole
+
+
+def test_a_feature_cache_records_the_weights_id_and_dtype_and_old_caches_still_open(
+        tiny_target_dir: Path, tmp_path: Path, data: Path) -> None:
+    from angelspec.data.fingerprint import model_fingerprint
+    from angelspec.decoding.loading import target_weights_id
+    from angelspec.models.hf_io import load_target
+    from angelspec.train.features import FeatureCacheError, OfflineFeatureCache, build_feature_cache
+
+    cache = tmp_path / "cache"
+    build_feature_cache(tiny_target_dir, data, cache, seq_len=64, log=lambda *_: None)
+    manifest_file = cache / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["target_weights"] == target_weights_id(tiny_target_dir) and manifest["target_dtype"] == "float32"
+    assert "target_fingerprint" not in manifest
+    fp32, bf16 = load_target(tiny_target_dir), load_target(tiny_target_dir, dtype=torch.bfloat16)
+    OfflineFeatureCache.open(cache, target=fp32)
+    with pytest.raises(FeatureCacheError, match="in float32, but this run loads the target in bfloat16"):
+        OfflineFeatureCache.open(cache, target=bf16)  # same weights id, features of another dtype
+    head = load_target(tiny_target_dir, parts="head")
+    OfflineFeatureCache.open(cache, target=head, target_dir=tiny_target_dir)
+    legacy = {k: v for k, v in manifest.items() if k not in ("target_weights", "target_dtype")}
+    manifest_file.write_text(json.dumps({**legacy, "target_fingerprint": model_fingerprint(fp32)}))
+    OfflineFeatureCache.open(cache, target=head, target_dir=tiny_target_dir)
+    with pytest.raises(FeatureCacheError, match="another model"):
+        OfflineFeatureCache.open(cache, target=bf16)

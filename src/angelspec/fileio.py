@@ -56,23 +56,29 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def human_bytes(nbytes: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
+BYTE_UNITS = {"KiB": ("B", "KiB", "MiB", "GiB", "TiB"),  # the IEC names
+              "KB": ("B", "KB", "MB", "GB", "TB")}  # the same powers of 1024, under the older names
+
+
+def human_bytes(nbytes: float, units: str = "KiB") -> str:
+    """A size in powers of 1024, named by `units` (a key of BYTE_UNITS): 1536 -> '1.5 KiB', or '1.5 KB'."""
+    names = BYTE_UNITS[units]
+    for unit in names:
+        if nbytes < 1024 or unit == names[-1]:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
+    raise AssertionError("unreachable: the last unit always returns")
 
 
 def require_memory(name: str, need_bytes: int, what: str, available: int | None = None,
-                   lower: str | None = None) -> None:
+                   lower: str | None = None, where: str = "this machine") -> None:
     """Refuse, before any work, a setting (`name`, the flag the message names; `lower`, what to lower, default
-    `name`) whose buffers (`what`, `need_bytes`) exceed 90% of the memory this machine has free (`available`,
-    default /proc/meminfo's), instead of being killed by the kernel later. Skipped where it cannot be read."""
+    `name`) whose buffers (`what`, `need_bytes`) exceed 90% of the memory free (`available`, default
+    /proc/meminfo's; `where` names whose it is, e.g. a GPU's), instead of being killed by the kernel later. Skipped
+    where it cannot be read."""
     available = available_memory_bytes() if available is None else available
     if available is not None and need_bytes > 0.9 * available:
-        raise UsageError(f"{name}: {what} need about {human_bytes(need_bytes)}, but this machine has "
+        raise UsageError(f"{name}: {what} need about {human_bytes(need_bytes)}, but {where} has "
                          f"{human_bytes(available)} of memory free; lower {lower or name}")
 
 

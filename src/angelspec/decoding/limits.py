@@ -3,7 +3,8 @@ checked before any weights are read, so a typo such as 10^9 is one line instead 
 kernel kills it.
 
 `check_counts` holds the fixed bounds; `check_fits_target` those that come from the target's config.json (its
-context) and from the machine: the KV cache of the rows decoded at once against the memory this machine has free.
+context) and from the machine: the KV cache of the rows decoded at once against the memory free where it lives (a
+CUDA device's, or the host's).
 Each message names the setting (the CLI's flag) and its range.
 """
 
@@ -46,20 +47,48 @@ def kv_cache_bytes(config: DecoderConfig, rows: int, tokens: int, dtype_bytes: i
     return rows * tokens * per_token
 
 
+def free_memory(device: Any = None) -> tuple[int | None, str] | None:
+    """(bytes free, where) for a KV cache on `device`: a CUDA device's free memory (`torch.cuda.mem_get_info`), the
+    host's for the CPU or None (None bytes: `fileio.require_memory` reads /proc/meminfo's); None for another kind of
+    accelerator, whose free memory torch does not report."""
+    kind = getattr(device, "type", None if device is None else str(device).partition(":")[0])
+    if kind is None or kind == "cpu":
+        return None, "this machine"
+    if kind != "cuda":
+        return None
+    import torch
+
+    try:
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+    except (RuntimeError, AssertionError, ValueError):  # no usable CUDA runtime: nothing to compare with
+        return None
+    return int(free), f"the GPU {device}"
+
+
 def check_fits_target(config: DecoderConfig, *, rows: int, num_draft_tokens: int | None = 0,
                       batch_flag: str = "--batch-size", dtype_bytes: int = 4, device: Any = None,
-                      available: int | None = None) -> None:
+                      available: int | None = None, with_weights: bool = False) -> None:
     """Refuse, from the target's config alone, more drafts per step than its context can verify (`num_draft_tokens`
     None: the drafter's own depth, checked where it is known) and a number of rows decoded at once (`rows`, set by
-    `batch_flag`) whose KV cache could not fit in the memory this machine has free (`available`, default
-    /proc/meminfo's; checked for a cache in host memory: `device` None or a CPU). A `--max-new-tokens` beyond the
-    context needs no refusal: every request is capped to fit it and ends with finish_reason "length"."""
+    `batch_flag`) whose KV cache could not fit in the memory free where it lives (`available`; default: a CUDA
+    `device`'s free memory, the host's for `device` None or a CPU, see `free_memory`; not checked on other
+    accelerators). `with_weights`: the target is not loaded yet, and its weights (in `dtype_bytes` a parameter) will
+    take that memory too. A `--max-new-tokens` beyond the context needs no refusal: every request is capped to fit it
+    and ends with finish_reason "length"."""
     context = config.max_position_embeddings
     k = num_draft_tokens or 0
     if k:
         require_range("--num-draft-tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
                       f" (the target's context is {context} tokens)")
-    if device is not None and getattr(device, "type", str(device)) != "cpu":
-        return  # /proc/meminfo says nothing about an accelerator's memory
+    where = "this machine"
+    if available is None:
+        found = free_memory(device)
+        if found is None:
+            return
+        available, where = found
     need = kv_cache_bytes(config, rows, context + k + 2, dtype_bytes)
-    require_memory(batch_flag, need, f"the KV cache of {rows} row(s) of {context} tokens", available)
+    what = f"the KV cache of {rows} row(s) of {context} tokens"
+    if with_weights:
+        need += config.num_parameters() * dtype_bytes
+        what += " and the target's weights"
+    require_memory(batch_flag, need, what, available, where=where)

@@ -8,6 +8,7 @@ arguments or prints.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,23 +143,53 @@ def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
     return drafter
 
 
+def target_weights_id(target_dir: str | Path, target: Decoder | None = None) -> str:
+    """The one id of a target's weights that every command records and compares (drafters, resumed runs,
+    `--init-from`, exports, imports, rollouts, feature caches): `data.fingerprint.target_weights_fingerprint`, the
+    same for a float32 and a bfloat16 load. `target`: the loaded model, whose tensors left on the meta device (a
+    `parts="head"` load) are read from `target_dir` one at a time; None: nothing is loaded, every tensor is read
+    from `target_dir` that way (an export or an import, which never runs the target)."""
+    import torch
+
+    from angelspec.data.fingerprint import target_weights_fingerprint
+    from angelspec.models.hf_io import iter_state_dict, load_target
+
+    if target is None:
+        target = load_target(target_dir, dtype=torch.bfloat16, device="meta")  # the layout alone
+    if all(t.device.type != "meta" for t in target.state_dict().values()):
+        return target_weights_fingerprint(target)
+    return target_weights_fingerprint(target, iter_state_dict(target, target_dir))
+
+
+def other_weights(recorded: Any, have: str | Callable[[], str]) -> str | None:
+    """What is wrong when a folder records the weights of the target it was made for (`recorded`, a
+    `"target_weights"` entry; anything but a string is no record: a folder written before the weights were
+    recorded, checked on its config fingerprint alone) and the target at hand has `have` (its `target_weights_id`,
+    or a callable computing it only when there is a record): None when they agree, else "weights fingerprint
+    RECORDED, but this target's weights have HAVE (...)", for the caller to put after "made for a target with "."""
+    if not isinstance(recorded, str):
+        return None
+    have = have() if callable(have) else have
+    if have == recorded:
+        return None
+    return (f"weights fingerprint {recorded}, but this target's weights have {have} (same shape, other weights: a "
+            "retrained or fine-tuned model)")
+
+
 def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> None:
     """DrafterMismatchError when the drafter folder's config.json records the weights of the target it was trained
-    for (`"angelspec": {"target_weights": ...}`, `data.fingerprint.target_weights_fingerprint`) and `target` has
-    other weights: a retrained or fine-tuned target of the same shape, which the config fingerprint cannot tell.
-    A folder saved before the weights were recorded is checked on the config fingerprint alone."""
+    for (`"angelspec": {"target_weights": ...}`, `target_weights_id`) and `target` has other weights: a retrained or
+    fine-tuned target of the same shape, which the config fingerprint cannot tell (`other_weights`)."""
     from angelspec.data.fingerprint import target_weights_fingerprint
     from angelspec.decoding.drafters.base import DrafterMismatchError
 
     recorded = meta.get("target_weights") if isinstance(meta, dict) else None
-    if not isinstance(recorded, str) or any(t.device.type == "meta" for t in target.state_dict().values()):
-        return  # nothing recorded, or a target without weights (a layout on `meta`): nothing to compare
-    have = target_weights_fingerprint(target)
-    if have != recorded:
-        raise DrafterMismatchError(f"{path} was trained for a target with weights fingerprint {recorded}, but this "
-                                   f"target's weights have {have} (same shape, other weights: a retrained or "
-                                   "fine-tuned model); pass --target with the drafter's own target, or train a drafter "
-                                   "for this one")
+    if any(t.device.type == "meta" for t in target.state_dict().values()):
+        return  # a target without weights (a layout on `meta`): nothing to compare
+    problem = other_weights(recorded, lambda: target_weights_fingerprint(target))
+    if problem is not None:
+        raise DrafterMismatchError(f"{path} was trained for a target with {problem}; pass --target with the "
+                                   "drafter's own target, or train a drafter for this one")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # K for drafters without a trained depth (n-gram lookup, the draft LM)

@@ -88,7 +88,7 @@ class EvalRun:
 
 
 def _check_fits(model: Any, *, rows: int, num_draft_tokens: int | None, batch_flag: str = "--batch-size") -> None:
-    """`check_fits_target` for a loaded target: its KV cache in its own dtype, checked where it lives on the host."""
+    """`check_fits_target` for a loaded target: its KV cache in its own dtype, checked where it lives (GPU or host)."""
     w = model.embed_tokens.weight
     check_fits_target(model.config, rows=rows, num_draft_tokens=num_draft_tokens, batch_flag=batch_flag,
                       dtype_bytes=w.element_size(), device=w.device)
@@ -290,8 +290,12 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     target_dir = resolve_target_dir(target)
     config = _target_config(target_dir)
-    check_fits_target(config, rows=max(levels, default=1),
-                      num_draft_tokens=num_draft_tokens, batch_flag="--concurrency")
+    from angelspec.models.device import placement_of
+
+    where = placement_of(placement)  # the KV cache's device and dtype, before the weights are loaded
+    check_fits_target(config, rows=max(levels, default=1), num_draft_tokens=num_draft_tokens,
+                      batch_flag="--concurrency", dtype_bytes=where.dtype.itemsize, device=where.device,
+                      with_weights=True)
     if warmup_tokens > config.max_position_embeddings:
         require_range("--warmup-tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
     column = None

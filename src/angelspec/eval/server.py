@@ -343,6 +343,8 @@ def run_eval_server(run_dir: str | Path, target_dir: str | Path | None = None, *
 
     run_dir = Path(run_dir)
     require_range("--wait", wait_s, 0, 10**9, " (seconds)")
+    if trainer_pid is not None:  # 0 and negative ids name process groups: "alive" for as long as this one runs
+        require_range("--trainer-pid", trainer_pid, 1, 2**31 - 1, " (a process id)")
     deadline = time.time() + wait_s
     while not work_dir(run_dir).is_dir() and time.time() < deadline:  # a trainer starting there makes training/
         time.sleep(min(settings.poll_s, 5.0) or 1.0)

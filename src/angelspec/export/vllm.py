@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from angelspec.assets import resolve_target_dir
+from angelspec.decoding.loading import other_weights, target_weights_id
 from angelspec.export.checks import (
     EAGLE3_LLAMA_ARCHS,
     EAGLE3_QWEN3_ARCH,
@@ -396,6 +397,11 @@ def export_vllm(drafter_dir: str | Path, out_dir: str | Path, *, target: str | P
                  ] if meta.get("draft_vocab") else []
     else:
         raise ExportRefused(f"{src} is not a drafter the vLLM exporter knows (angelspec.drafter = {kind!r})")
+    # The config fingerprint was checked above (`check_target`); the weights, when the drafter records them, here.
+    problem = other_weights(meta.get("target_weights"), lambda: target_weights_id(target_dir))
+    if problem is not None:
+        raise ExportRefused(f"{src} was trained for a target with {problem}; pass --target with the drafter's own "
+                            "target (the engine would serve it against this one's hidden states)")
     prepare_out_dir(src, out, force, target_dir=target_dir)
     with staged_folder(out) as stage:
         if tensors is not None:

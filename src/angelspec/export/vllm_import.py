@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from angelspec.assets import resolve_target_dir
+from angelspec.decoding.loading import other_weights, target_weights_id
 from angelspec.export.checks import (
     EAGLE3_LLAMA_ARCHS,
     EAGLE3_QWEN3_ARCH,
@@ -286,6 +287,10 @@ def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path 
     if meta.get("target_fingerprint") not in (None, target_cfg.fingerprint()):
         raise ImportRefused(f"{src} was exported for a target with fingerprint {meta['target_fingerprint']}, this "
                             f"target's is {target_cfg.fingerprint()}: pass --target with the drafter's target")
+    target_weights = target_weights_id(target_dir)  # recorded in OUT_DIR, so a later load checks the weights too
+    problem = other_weights(meta.get("target_weights"), target_weights)
+    if problem is not None:
+        raise ImportRefused(f"{src} was exported for a target with {problem}: pass --target with the drafter's target")
     weights = sorted(src.glob("*.safetensors"))
     if not weights:
         raise ImportRefused(f"{src} has no safetensors weights")
@@ -298,7 +303,7 @@ def import_vllm(src_dir: str | Path, out_dir: str | Path, *, target: str | Path 
         raise ImportRefused(f"{src} holds tensors AngelSpec's drafter has no place for: {sorted(state)[:6]}")
     derived = MTP_META_KEYS if is_eagle3 else BLOCK_META_KEYS
     extra = {k: v for k, v in meta.items() if k not in derived and k != "exported_from"}
-    extra.update(imported_from=str(src.resolve()), imported_format=f"vllm:{arch}")
+    extra.update(imported_from=str(src.resolve()), imported_format=f"vllm:{arch}", target_weights=target_weights)
     prepare_out_dir(src, out, force, target_dir=target_dir)
     with staged_folder(out) as stage:  # swapped in whole once written: a failure leaves OUT_DIR as it was
         (save_mtp if is_eagle3 else save_block_drafter)(model, stage, extra)  # type: ignore[operator]

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from angelspec.fileio import replace_atomic, write_json_atomic
+from angelspec.fileio import human_bytes, replace_atomic, write_json_atomic
 from angelspec.models.config import ConfigError, DecoderConfig, rope_inv_freq
 from angelspec.models.decoder import Decoder
 
@@ -253,27 +253,20 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if nbytes < 1024 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TB"
-
-
 def check_size_fits(source: Path, n_params: int, held_bytes: int, what: str, dtype_bytes: int = 4,
                     host: bool = True) -> None:
     """Refuse a config whose parameters (`n_params`, loaded at `dtype_bytes` each) could not fit this machine's
     memory (`host`: they are loaded into host memory, not onto an accelerator), or that the weights on disk
     (`held_bytes`, at most 4 bytes a parameter) cannot possibly hold."""
     need = n_params * dtype_bytes
+    size = human_bytes(need, "KB")
     if held_bytes and n_params > 8 * held_bytes:  # more than 8x the parameters even 1-byte weights could hold
-        raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}) but the weights "
-                              f"hold only {_human(held_bytes)}; {what} does not describe these weights")
+        raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({size}) but the weights hold only "
+                              f"{human_bytes(held_bytes, 'KB')}; {what} does not describe these weights")
     mem = available_memory_bytes() if host else None
     if mem is not None and need > mem:
-        raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({_human(need)}), more than this "
-                              f"machine's {_human(mem)} of memory; check the config or use a smaller model")
+        raise CheckpointError(f"{source}: {what} implies {n_params:,} parameters ({size}), more than this machine's "
+                              f"{human_bytes(mem, 'KB')} of memory; check the config or use a smaller model")
 
 
 def check_weights(source: Path, found: dict[str, tuple[tuple[int, ...], str]],
@@ -470,9 +463,13 @@ def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, tor
     for hf_name, (ours, row) in hf_slices(model.config).items():
         pieces.setdefault(ours, []).append((hf_name, row))
     where = {name: file for file in _weight_files(path) for name in read_safetensors_header(file)}
+    embedding = None  # a tied LM head is the embedding (a layout wholly on meta has neither loaded)
     for name, t in sorted(model.state_dict().items()):
         if t.device.type != "meta":
             yield name, t
+            continue
+        if name == "lm_head.weight" and name not in pieces and embedding is not None:
+            yield name, embedding
             continue
         out = torch.empty(t.shape, dtype=t.dtype)
         for hf_name, row in pieces[name]:
@@ -480,6 +477,8 @@ def iter_state_dict(model: Decoder, path: str | Path) -> Iterator[tuple[str, tor
                 piece = f.get_tensor(hf_name)
                 check_finite(where[hf_name], {hf_name: piece})
             out[row:row + piece.shape[0]].copy_(piece)
+        if name == "embed_tokens.weight" and model.config.tie_word_embeddings:
+            embedding = out
         yield name, out
 
 

@@ -226,9 +226,15 @@ def build_shipped_drafters(names: Sequence[str] = tuple(SHIPPED), *, work_dir: s
     """Run the stages of the module docstring for `names`; returns the exported folders (or the run folders when
     `export` is False). `max_minutes` bounds each drafter's training in this call (None: to the end); `train`
     False exports the runs as they are (a partly trained drafter, with its train report saying how far it got)."""
+    from angelspec.errors import require_positive
+    from angelspec.train.safety import check_minutes
+
     unknown = [n for n in names if n not in SHIPPED]
     if unknown:
         raise UsageError(f"unknown shipped drafter(s) {unknown}; choose from {', '.join(SHIPPED)}")
+    check_minutes(max_minutes)  # before the pool and the rollouts, which take a while
+    if eval_every is not None:
+        require_positive("eval_every", eval_every)
     work_dir, out_root = Path(work_dir), Path(out_root)
     if train:
         pool = ensure_pool(work_dir, log=log, progress=progress)

@@ -612,6 +612,22 @@ def check_init_from(cfg: BlockDrafterTrainConfig, out_dir: Path) -> None:
         raise ConfigError(f"init_from={source} lies in --out {out_dir}, which the run writes: pick another --out")
 
 
+def check_init_weights(cfg: BlockDrafterTrainConfig, weights: Callable[[], str]) -> None:
+    """Refuse an `init_from` folder whose config.json records the weights of another target than this run's
+    (`weights()`: its `target_weights_id`, computed only when the folder records one); a folder that records none is
+    checked on the config fingerprint alone (when it is loaded)."""
+    if cfg.init_from is None:
+        return
+    from angelspec.decoding.loading import other_weights
+    from angelspec.fileio import read_json_object
+
+    meta = (read_json_object(Path(cfg.init_from) / "config.json") or {}).get("angelspec")
+    problem = other_weights(meta.get("target_weights") if isinstance(meta, dict) else None, weights)
+    if problem is not None:
+        raise ConfigError(f"init_from={cfg.init_from} was trained for a target with {problem}; pass --target with "
+                          "the drafter's own target, or train this one from scratch (no --init-from)")
+
+
 def warm_start_drafter(folder: str | Path, target: Decoder, *, kind: str, anchor_fusion: bool, seed: int,
                        init_std: float) -> BlockDrafter:
     """The block drafter in `folder` (of `kind`, trained for `target`) to train on, on the target's device and dtype:
@@ -647,6 +663,7 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
         mcfg = model.config
     else:
         mcfg = cfg.model_config(tcfg, resolve_mask_token(tok, cfg.mask_token_id, tcfg.vocab_size))
+    check_init_weights(cfg, lambda: run.target_weights(target))  # after the folder's config check, which is clearer
     kind = mcfg.drafter
     sp.check_heads(mcfg.layer_config().num_attention_heads)
     check_sp_design(mcfg, sp)

@@ -21,7 +21,7 @@ from typing import Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.vocab import coverage, frequent_tokens, token_counts
-from angelspec.decoding.loading import load_target_and_tokenizer
+from angelspec.decoding.loading import load_target_and_tokenizer, other_weights, target_weights_id
 from angelspec.errors import UsageError, require_positive
 from angelspec.fileio import copy_files, same_path
 from angelspec.train.checkpoint import repair_folder, replace_folder
@@ -88,6 +88,11 @@ def apply_draft_vocab(drafter: str | Path, data: str | Path, size: int, *, targe
                          "drafter with its draft vocabulary there, or --force to rewrite it in place")
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir)
+    problem = other_weights(meta.get("target_weights") if isinstance(meta, dict) else None,
+                            lambda: target_weights_id(target_dir, model))
+    if problem is not None:
+        raise UsageError(f"--drafter {src} was trained for a target with {problem}; pass --target with the "
+                         "drafter's own target")
     docs, stats = load_conversations(tokenizer, Path(data), model.config.max_position_embeddings)
     counts = token_counts(docs, vocab_size)
     ids = frequent_tokens(counts, size, always=model.config.eos_token_ids)

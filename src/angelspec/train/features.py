@@ -15,8 +15,9 @@ hidden states of some layers, DFlash/DFly read several, KL-style losses read the
 
 Cache layout (``DIR/``)::
 
-    manifest.json            {"format", "spec", "target_fingerprint", "rows_per_shard", "dataset", "complete",
-                              "num_batches", "shards": [{"file", "batches", "rows", "bytes", "sha256", "inputs"}]}
+    manifest.json            {"format", "spec", "target_weights", "target_dtype", "rows_per_shard", "dataset",
+                              "complete", "num_batches",
+                              "shards": [{"file", "batches", "rows", "bytes", "sha256", "inputs"}]}
     shard-00000.safetensors  tensors "{j}.{field}" for the j-th batch of the shard (fields of FeatureBatch.to_tensors)
 
 A shard holds whole input batches (never split), so a batch read back is exactly the batch the online
@@ -25,7 +26,9 @@ Each shard is written atomically (temp file + rename) and only then recorded in 
 atomic), so after a kill the manifest lists only complete shards. ``resume=True`` skips listed shards
 whose size (and input digest) match, and rebuilds a shard that is missing, truncated or unlisted. The
 reader checks sizes on open (and every SHA-256 with ``verify=True``), each shard's SHA-256 before its first
-read in any case (once per shard and process), and refuses a cache built from another target (fingerprint) or
+read in any case (once per shard and process), and refuses a cache built from another target (its weights id,
+`decoding.loading.target_weights_id`, and the dtype it ran in; a cache made before the weights id was recorded is
+matched on its `"target_fingerprint"`, the fingerprint at the load dtype) or
 with another spec.
 
 Training from a cache (``train.mtp`` / ``train.block``, config ``features=DIR``; made by ``angelspec
@@ -275,9 +278,7 @@ class OfflineFeatureCache:
             raise FeatureCacheError(f"rows_per_shard must be an int >= 1, got {rows_per_shard!r}")
         root = Path(root)
         online = OnlineFeatures(target, spec)
-        fingerprint = model_fingerprint(target)
-        manifest = cls._start_manifest(root, spec, fingerprint, rows_per_shard, dataset, resume=resume,
-                                       force=force)
+        manifest = cls._start_manifest(root, spec, target, rows_per_shard, dataset, resume=resume, force=force)
         old = {s["file"]: s for s in manifest["shards"]}
         shards: list[dict[str, Any]] = []
         num_batches = 0
@@ -319,9 +320,10 @@ class OfflineFeatureCache:
         return cls(root, manifest)
 
     @staticmethod
-    def _start_manifest(root: Path, spec: FeatureSpec, fingerprint: str, rows_per_shard: int,
+    def _start_manifest(root: Path, spec: FeatureSpec, target: Decoder, rows_per_shard: int,
                         dataset: dict[str, Any] | None, *, resume: bool, force: bool) -> dict[str, Any]:
-        fresh = {"format": CACHE_FORMAT, "spec": spec.to_json(), "target_fingerprint": fingerprint,
+        identity = target_identity(target)
+        fresh = {"format": CACHE_FORMAT, "spec": spec.to_json(), **identity,
                  "rows_per_shard": rows_per_shard, "dataset": dataset, "complete": False, "num_batches": 0,
                  "shards": []}
         path = root / MANIFEST
@@ -343,7 +345,9 @@ class OfflineFeatureCache:
             raise FileExistsError(f"feature cache {root} already exists; pass resume=True (`angelspec features "
                                   "--resume`) to continue it or force=True (--force) to rebuild it")
         manifest = _read_manifest(root)
-        for key, want in (("spec", spec.to_json()), ("target_fingerprint", fingerprint),
+        if "target_weights" not in manifest and manifest.get("target_fingerprint") == model_fingerprint(target):
+            manifest = {**{k: v for k, v in manifest.items() if k != "target_fingerprint"}, **identity}  # upgraded
+        for key, want in (("spec", spec.to_json()), *identity.items(),
                           ("rows_per_shard", rows_per_shard), ("dataset", dataset)):
             have = manifest.get(key)
             if key == "dataset":  # its notes (e.g. the source path) may change; the data may not
@@ -357,23 +361,23 @@ class OfflineFeatureCache:
     # ----- reader -----
     @classmethod
     def open(cls, root: str | Path, *, target: Decoder | None = None, spec: FeatureSpec | None = None,
-             verify: bool = False, fingerprint: str | None = None) -> OfflineFeatureCache:
+             verify: bool = False, target_dir: str | Path | None = None) -> OfflineFeatureCache:
         """Open a complete cache; refuse it if it was built from another target or with another spec.
 
-        ``target`` is fingerprinted (cheap, see :mod:`angelspec.data.fingerprint`), or ``fingerprint`` given is
-        its fingerprint (`target_fingerprint`: a target whose layers were not loaded); ``verify=True`` also
-        re-hashes every shard (reads the whole cache once).
+        ``target``'s weights id is compared (`decoding.loading.target_weights_id`, cheap: see
+        :mod:`angelspec.data.fingerprint`) and the dtype it runs in; ``target_dir``: its checkpoint folder, for a
+        target whose layers were not loaded (`parts="head"`). ``verify=True`` also re-hashes every shard (reads the
+        whole cache once).
         """
         root = Path(root)
         manifest = _read_manifest(root)
         if not manifest.get("complete"):
             raise FeatureCacheError(f"feature cache {root} is incomplete (its build was interrupted); finish it "
                                     "with OfflineFeatureCache.build(..., resume=True)")
-        fp = fingerprint if fingerprint is not None else model_fingerprint(target) if target is not None else None
-        if fp is not None and manifest["target_fingerprint"] != fp:
-            raise FeatureCacheError(f"feature cache {root} was built from target {manifest['target_fingerprint']}, "
-                                    f"but this target is {fp}: the features belong to another model (or dtype); "
-                                    "rebuild the cache for this target")
+        problem = None if target is None else _other_target(manifest, target, target_dir)
+        if problem is not None:
+            raise FeatureCacheError(f"feature cache {root} was built from target {problem}; rebuild the cache for "
+                                    "this target")
         if spec is not None and manifest["spec"] != spec.to_json():
             raise FeatureCacheError(f"feature cache {root} has spec {manifest['spec']}, but {spec.to_json()} is "
                                     "needed; rebuild the cache with this spec")
@@ -669,9 +673,37 @@ def features_command(target_dir: Path, data: Path, out: str | Path, layer_ids: l
             f"--seq-len {seq_len}{flags}")
 
 
+def target_identity(target: Decoder, target_dir: str | Path | None = None) -> dict[str, str]:
+    """What a cache records of the target it was built from: its weights id (`target_weights_id`, the one every
+    command shares; `target_dir` for a `parts="head"` load) and the dtype it ran in, which the features depend on."""
+    from angelspec.decoding.loading import target_weights_id
+
+    return {"target_weights": target_weights_id(target_dir or "", target),
+            "target_dtype": dtype_name(target.embed_tokens.weight.dtype)}
+
+
+def _other_target(manifest: dict[str, Any], target: Decoder, target_dir: str | Path | None) -> str | None:
+    """None when the cache of `manifest` was built from `target`; else what differs, for "was built from target "."""
+    if "target_weights" not in manifest:  # built before the weights id was recorded: its load-dtype fingerprint
+        recorded = manifest.get("target_fingerprint")
+        have = model_fingerprint(target) if target_dir is None else target_fingerprint(target, target_dir)
+        return None if recorded == have else (f"{recorded}, but this target is {have}: the features belong to "
+                                              "another model (or dtype)")
+    have = target_identity(target, target_dir)
+    if manifest["target_weights"] != have["target_weights"]:
+        return (f"weights {manifest['target_weights']}, but this target's weights are {have['target_weights']}: the "
+                "features belong to another model")
+    if manifest.get("target_dtype", have["target_dtype"]) != have["target_dtype"]:
+        return (f"in {manifest['target_dtype']}, but this run loads the target in {have['target_dtype']}, which "
+                f"gives other features (train with --dtype {manifest['target_dtype']})")
+    return None
+
+
 def target_fingerprint(target: Decoder, target_dir: str | Path) -> str:
-    """`model_fingerprint` of the target, also for one loaded with `parts="head"`: its layers, never loaded, are read
-    from the checkpoint in `target_dir` one tensor at a time (`iter_state_dict`), so the id is the whole model's."""
+    """`model_fingerprint` of the target at its load dtype, also for one loaded with `parts="head"`: its layers,
+    never loaded, are read from the checkpoint in `target_dir` one tensor at a time (`iter_state_dict`), so the id
+    is the whole model's. What a feature stream's plan names (its servers must run the trainer's dtype too), and
+    what caches recorded before `target_identity`."""
     if all(t.device.type != "meta" for t in target.state_dict().values()):
         return model_fingerprint(target)
     return tensors_fingerprint(target.config, iter_state_dict(target, target_dir))
@@ -703,7 +735,7 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
                 "seed": rows.seed}
         return TargetFeatures(target, layer_ids, stream=stream, plan=plan, sp=sp, halo=halo)
     try:
-        cache = OfflineFeatureCache.open(cache_dir, fingerprint=target_fingerprint(target, target_dir))
+        cache = OfflineFeatureCache.open(cache_dir, target=target, target_dir=target_dir)
         cache.require(need, dataset_identity(rows.packed))
     except FeatureCacheError as e:
         fix = features_command(target_dir, data, cache_dir, need, rows.packed.seq_len, enable_thinking)

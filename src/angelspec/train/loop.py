@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -29,9 +28,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.device import Placement, autocast, enable_tf32, placement_of
 from angelspec.models.hf_io import load_target, write_json_atomic
 from angelspec.train.checkpoint import (
-    find_checkpoint,
     make_checkpoint_saver,
-    read_trainer_state,
     refuse_resume_over_model,
     resume_training,
     run_identity,
@@ -62,7 +59,13 @@ from angelspec.train.losses import (
     global_denominators,
 )
 from angelspec.train.optim import cosine_lr, set_lr
-from angelspec.train.safety import LOCK_NAME, stop_if_not_finite
+from angelspec.train.safety import (
+    TRAIN_LOG,
+    empty_folder,
+    refuse_foreign_files,
+    stop_if_not_finite,
+    unfinished_run,
+)
 from angelspec.train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 if TYPE_CHECKING:
@@ -91,6 +94,7 @@ class TrainRun:
     # Training seconds of the segments before this one (a resumed run: what its checkpoint recorded).
     seconds_before: list[float] = field(default_factory=lambda: [0.0])
     placement: Placement = Placement(torch.device("cpu"), torch.float32)
+    _weights_ids: dict[int, str] = field(default_factory=dict, repr=False)  # `target_weights`, per target object
 
     @property
     def device(self) -> torch.device:
@@ -130,13 +134,7 @@ class TrainRun:
         has looked at it."""
         barrier()
         if self.main and self.job.force and not self.job.resume and self.out_dir.exists():
-            for item in self.out_dir.iterdir():  # all but the run's lock (`train.safety.run_guard`)
-                if item.name == LOCK_NAME:
-                    continue
-                if item.is_dir() and not item.is_symlink():
-                    shutil.rmtree(item)
-                else:
-                    item.unlink()
+            empty_folder(self.out_dir)  # all but the run's lock (`train.safety.run_guard`)
         barrier()
 
     def frozen_target(self, features: str | None = None) -> tuple[Decoder, Any]:
@@ -153,13 +151,12 @@ class TrainRun:
 
     def target_weights(self, target: Decoder) -> str:
         """The target's `target_weights_fingerprint` (what the drafter records and a resume compares), also for a
-        `parts="head"` load: its layers, left on meta, are read from the checkpoint one tensor at a time."""
-        from angelspec.data.fingerprint import target_weights_fingerprint
-        from angelspec.models.hf_io import iter_state_dict
+        `parts="head"` load: its layers, left on meta, are read from the checkpoint one tensor at a time (once)."""
+        from angelspec.decoding.loading import target_weights_id
 
-        if all(t.device.type != "meta" for t in target.state_dict().values()):
-            return target_weights_fingerprint(target)
-        return target_weights_fingerprint(target, iter_state_dict(target, self.target_dir))
+        if id(target) not in self._weights_ids:
+            self._weights_ids[id(target)] = target_weights_id(self.target_dir, target)
+        return self._weights_ids[id(target)]
 
     def drafter_report(self, head: dict[str, Any], model: nn.Module, stats: dict[str, int], rows: PackedRows,
                        tcfg: DecoderConfig, features: TargetFeatures) -> dict[str, Any]:
@@ -216,9 +213,13 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     return run
 
 
+RUN_FILES = ("config.json", "model.safetensors", "train_report.json", "training")  # what a run writes in --out
+
+
 def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
     """Refuse a training run's output folder, before anything is loaded or written: one that is a file or cannot
-    be written (UsageError); one that holds a model while neither `force` nor `resume` is given
+    be written (UsageError); one that holds files but none a run writes (`RUN_FILES`) while `force` is not given
+    (UsageError: not a training run); one that holds a model while neither `force` nor `resume` is given
     (FileExistsError); one that holds an unfinished run (a checkpoint or a training log, no model yet) while
     neither is given (UsageError: a fresh run would overwrite its checkpoint and log); and a `resume` (without
     `force`) that finds a model but no checkpoint to continue from (ResumeError): training from scratch would
@@ -230,16 +231,12 @@ def check_out_dir(out_dir: str | Path, *, resume: bool, force: bool) -> None:
     if force:
         return
     work = out_dir / "training"
+    refuse_foreign_files(out_dir, RUN_FILES)
     if not (out_dir / "config.json").exists():
         if resume:
             return
-        ckpt = find_checkpoint(work / "checkpoint")
-        if ckpt is not None or (work / "train_log.jsonl").is_file():
-            try:
-                where = f"its last checkpoint is at step {read_trainer_state(ckpt)['step']}" if ckpt else \
-                    "it stopped before its first checkpoint"
-            except ValueError:
-                where = "its checkpoint is damaged"
+        where = unfinished_run(work)
+        if where is not None:
             raise UsageError(f"--out {out_dir} holds an unfinished training run ({where}); pass --resume to "
                              "continue it, or --force to start over (it deletes that run)")
         return
@@ -409,7 +406,7 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, mode
     if features is not None:
         features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)
-    log_path = run.work / "train_log.jsonl"
+    log_path = run.work / TRAIN_LOG
     trim_log(log_path, step, run.main)
     max_minutes = run.job.max_minutes
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes

@@ -27,10 +27,11 @@ Lines are processed in fixed chunks. After each chunk the output is appended and
 moment leaves the sidecar describing a prefix of complete chunks; ``resume=True`` truncates the output
 to the recorded byte count (dropping a partially written chunk or line) and continues at ``lines_done``.
 Request seeds derive from (seed, line index, turn), and the engine draws the same tokens for a request
-in any batch, so a resumed file is byte-identical to an uninterrupted one. The sidecar's ``config``
-(target fingerprint, prompts hash, sampling settings, and the engine when it is vLLM) must match, or resuming is
-refused. With vLLM the target is not loaded in this process, so its fingerprint is the folder's
-(:func:`~angelspec.data.fingerprint.checkpoint_fingerprint`); at T>0 vLLM draws other samples than our engine, so
+in any batch, so a resumed file is byte-identical to an uninterrupted one. The sidecar's ``config`` (the
+target's weights id, :func:`~angelspec.decoding.loading.target_weights_id`, and its dtype, prompts hash, sampling
+settings, and the engine when it is vLLM) must match, or resuming is refused. With vLLM the target is not loaded
+in this process, so its fingerprint is the folder's (:func:`~angelspec.data.fingerprint.checkpoint_fingerprint`);
+at T>0 vLLM draws other samples than our engine, so
 a file is continued only by the engine that started it.
 """
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from angelspec.models.device import Placement
 
 PROGRESS_SUFFIX = ".progress.json"
+_TARGET_KEYS = ("target_weights", "target_dtype")  # the target's identity in a sidecar's config (our engine)
 SIDECAR_VERSION = 1
 LINES_PER_CHUNK_PER_ROW = 8  # chunk = 8 x batch size: enough requests to keep the engine's rows busy
 ENGINES = ("ours", "vllm")  # our SpecEngine; vLLM's offline batch API (optional, its own venv)
@@ -189,8 +191,11 @@ def _append_chunk(out: Path, lines: list[str]) -> int:
         return f.tell()
 
 
-def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: bool) -> dict[str, Any]:
-    """Validate the output path and return the progress state to start from (fresh or resumed)."""
+def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: bool,
+                    legacy_target: Callable[[], str] | None = None) -> dict[str, Any]:
+    """Validate the output path and return the progress state to start from (fresh or resumed). `legacy_target`:
+    the target's id as sidecars recorded it before the weights id (`"target"`, the fingerprint at the load dtype),
+    for resuming such a sidecar: it is compared instead of `"target_weights"` and `"target_dtype"`."""
     progress = _progress_path(out)
     if out.is_dir():
         raise RolloutError(f"--out {out} is a directory; give a file name such as {out / 'rollout.jsonl'}")
@@ -206,6 +211,8 @@ def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: b
             raise RolloutError(f"cannot resume: {progress} is unreadable ({e}); start over with --force") from None
         if state.get("version") != SIDECAR_VERSION or not isinstance(state.get("config"), dict):
             raise RolloutError(f"cannot resume: {progress} was written by another rollout format; use --force")
+        if legacy_target is not None and "target" in state["config"] and "target_weights" not in state["config"]:
+            config = {**{k: v for k, v in config.items() if k not in _TARGET_KEYS}, "target": legacy_target()}
         changed = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
         if changed:
             detail = ", ".join(f"{k}: {state['config'].get(k)!r} -> {config.get(k)!r}" for k in changed)
@@ -256,8 +263,8 @@ def rollout(
     with one line saying how to install it). ``batch_size``: concurrent requests (None: 8 for ours, 256 for vLLM,
     its `max_num_seqs`). ``vllm``: dtype, tensor parallelism, memory share and context of the vLLM engine
     (`VllmSettings`; only with engine "vllm"). ``placement``: the device and dtype our engine runs the target in
-    (None: the default of `angelspec.models.device.resolve_placement`; the target's fingerprint, which a resumed
-    file must match, covers the dtype). Returns the :class:`RolloutSummary` of the whole file.
+    (None: the default of `angelspec.models.device.resolve_placement`; a resumed file must match the target's
+    weights and this dtype). Returns the :class:`RolloutSummary` of the whole file.
     """
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.decoding.sampling import SamplingParams
@@ -301,17 +308,22 @@ def rollout(
     from angelspec.models import read_config
 
     check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
-    check_fits_target(read_config(target_dir), rows=min(batch_size, max(len(conversations), 1)))
+    if engine == "ours":  # vLLM holds its cache in the memory share it is given (--gpu-memory-utilization)
+        from angelspec.models.device import placement_of
+
+        where = placement_of(placement)
+        check_fits_target(read_config(target_dir), rows=min(batch_size, max(len(conversations), 1)),
+                          dtype_bytes=where.dtype.itemsize, device=where.device, with_weights=True)
     tokenizer = load_tokenizer(target_dir)
-    generator, target_id, context = _start_engine(engine, target_dir, batch_size, placement, vllm)
+    generator, target_id, legacy_target, context = _start_engine(engine, target_dir, batch_size, placement, vllm)
     try:
         stop_ids = tuple(tokenizer.eos_token_ids)
-        config = {"target": target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
+        config = {**target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
                   "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                   "max_new_tokens": max_new_tokens}
         if engine != "ours":  # absent for our engine, so sidecars written before engines existed still resume
             config["engine"] = engine
-        state = _prepare_output(out, config, resume=resume, force=force)
+        state = _prepare_output(out, config, resume=resume, force=force, legacy_target=legacy_target)
         summary = _run_chunks(conversations, state, out, generator, tokenizer, context=context, chunk=chunk,
                               stop_ids=stop_ids, sampling=(temperature, top_k, top_p, seed),
                               max_new_tokens=max_new_tokens, enable_thinking=enable_thinking, progress=progress)
@@ -324,14 +336,18 @@ def rollout(
 
 
 def _start_engine(engine: str, target_dir: Path, batch_size: int, placement: Placement | None = None,
-                  vllm: VllmSettings | None = None) -> tuple[Any, str, int]:
-    """(the engine with a `generate(requests, progress=...)`, the target's fingerprint, its context length)."""
+                  vllm: VllmSettings | None = None) -> tuple[Any, dict[str, str], Callable[[], str] | None, int]:
+    """(the engine with a `generate(requests, progress=...)`, the target's identity as the sidecar records it, the
+    id older sidecars recorded (`_prepare_output`'s `legacy_target`), its context length). Our engine: the weights id
+    every command shares (`target_weights_id`) and the dtype it runs in (which changes the tokens); vLLM, whose
+    target is not loaded here: the folder's `checkpoint_fingerprint`."""
     if engine == "vllm":
         from angelspec.decoding.vllm_engine import VllmEngine
 
         generator = VllmEngine(target_dir, max_batch_size=batch_size, settings=vllm)
-        return generator, checkpoint_fingerprint(target_dir), generator.context
+        return generator, {"target": checkpoint_fingerprint(target_dir)}, None, generator.context
     from angelspec.decoding.engine import EngineConfig, SpecEngine
+    from angelspec.decoding.loading import target_weights_id
     from angelspec.models import load_target
     from angelspec.models.device import placement_of
 
@@ -339,7 +355,9 @@ def _start_engine(engine: str, target_dir: Path, batch_size: int, placement: Pla
     where.use_attention()
     target = load_target(target_dir, dtype=where.dtype, device=where.device)
     generator = SpecEngine(target, config=EngineConfig(max_batch_size=batch_size))
-    return generator, model_fingerprint(target), target.config.max_position_embeddings
+    identity = {"target_weights": target_weights_id(target_dir, target),
+                "target_dtype": str(where.dtype).removeprefix("torch.")}
+    return generator, identity, lambda: model_fingerprint(target), target.config.max_position_embeddings
 
 
 def _run_chunks(conversations: list[_Conversation], state: dict[str, Any], out: Path, engine: Any, tokenizer: Any,

@@ -10,6 +10,8 @@
   one line naming the path and the fix instead of a traceback.
 * `check_not_input`: an output folder that is one of the run's inputs, or holds one, is refused (`--force` would
   delete the input, and training would write over it).
+* `unfinished_run`, `refuse_foreign_files`, `empty_folder`: what a killed run left in its folder, a folder that is
+  not a run of ours, and `--force` emptying a run's folder: shared by `train` and `target build`.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ BOUNDS: dict[str, tuple[float, float, bool, str]] = {
     "num_taps": (1, 1024, False, ""),
     "target_layer_id": (0, 4096, False, ""),
     "target_layer_ids": (0, 4096, False, ""),
+    "taps_for_depth": (1, 4096, False, " (the layer count of the target the taps were chosen for)"),
     "mask_token_id": (0, 1 << 24, False, ""),
     "ce_coef": (0.0, 1e6, False, ""),
     "tv_coef": (0.0, 1e6, False, ""),
@@ -180,6 +183,48 @@ def check_not_input(out: str | os.PathLike[str], *inputs: tuple[str, str | os.Pa
                              f"which training writes (and --force empties first), so give {flag} another folder")
 
 
+TRAIN_LOG = "train_log.jsonl"  # in a run's work folder, beside `checkpoint/`
+
+
+def unfinished_run(work: Path) -> str | None:
+    """What a killed or stopped run left in its work folder `work` (a drafter run's `--out`/training, `target
+    build`'s --work-dir): "its last checkpoint is at step N", "it stopped before its first checkpoint" (a log, no
+    checkpoint) or "its checkpoint is damaged"; None when there is neither a checkpoint nor a log."""
+    from angelspec.train.checkpoint import find_checkpoint, read_trainer_state
+
+    ckpt = find_checkpoint(work / "checkpoint")
+    if ckpt is None:
+        return "it stopped before its first checkpoint" if (work / TRAIN_LOG).is_file() else None
+    try:
+        return f"its last checkpoint is at step {read_trainer_state(ckpt)['step']}"
+    except ValueError:
+        return "its checkpoint is damaged"
+
+
+def refuse_foreign_files(folder: Path, ours: tuple[str, ...], flag: str = "--out", what: str = "training run") -> None:
+    """Refuse (the caller skips it under --force) a `folder` that holds files but none of the names a run of ours
+    writes there (`ours`): it is not a run of ours, and a run would mix its files with someone else's. Hidden
+    names (the lock, temp files of atomic writes) do not count."""
+    if not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    if names and not any(name in ours for name in names):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UsageError(f"{flag} {folder} holds files that are not a {what} of AngelSpec ({shown}); give {flag} an "
+                         f"empty or new folder, or pass --force to delete them")
+
+
+def empty_folder(folder: Path) -> None:
+    """Delete everything in `folder` but the run's lock (`--force` starting a run over an old one)."""
+    for item in folder.iterdir():
+        if item.name == LOCK_NAME:
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
+
+
 def _lock_owner(lock: Path) -> int | None:
     try:
         text = lock.read_text(encoding="utf-8").strip()
@@ -188,10 +233,10 @@ def _lock_owner(lock: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def acquire_lock(out_dir: Path) -> bool:
+def acquire_lock(out_dir: Path, flag: str = "--out") -> bool:
     """Take the output folder's lock for this process: True when taken now, False when this process holds it
-    already (a nested call); UsageError when another running process holds it. A lock left by a process that no
-    longer runs (a killed run) is taken over."""
+    already (a nested call); UsageError (naming `flag`, the option that gave the folder) when another running
+    process holds it. A lock left by a process that no longer runs (a killed run) is taken over."""
     lock = out_dir / LOCK_NAME
     out_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
@@ -203,13 +248,13 @@ def acquire_lock(out_dir: Path) -> bool:
                 return False
             if owner is not None and pid_alive(owner):
                 raise UsageError(f"another training run (pid {owner}) is writing to {out_dir}; wait for it to "
-                                 f"finish, stop it, or give --out another folder") from None
+                                 f"finish, stop it, or give {flag} another folder") from None
             lock.unlink(missing_ok=True)  # stale: its process is gone (or it never got to write its pid)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
         return True
-    raise UsageError(f"could not take the lock {lock} (other runs keep starting in {out_dir}); give --out another "
+    raise UsageError(f"could not take the lock {lock} (other runs keep starting in {out_dir}); give {flag} another "
                      "folder")
 
 
@@ -223,17 +268,19 @@ def release_lock(out_dir: Path) -> None:
 # Errors of the file system that are the machine's state, not a bug: one line with the path and the fix.
 _FS_ERRORS = {errno.ENOSPC: "the disk is full: free some space",
               errno.EDQUOT: "the disk quota is exhausted: free some space",
-              errno.EROFS: "the file system is read-only: give --out a writable folder",
-              errno.EACCES: "permission denied: give --out a folder you can write to",
-              errno.EPERM: "permission denied: give --out a folder you can write to",
-              errno.ENOENT: "a folder of the run vanished while it ran: do not remove --out during training"}
+              errno.EROFS: "the file system is read-only: give {flag} a writable folder",
+              errno.EACCES: "permission denied: give {flag} a folder you can write to",
+              errno.EPERM: "permission denied: give {flag} a folder you can write to",
+              errno.ENOENT: "a folder of the run vanished while it ran: do not remove {flag} during training"}
 
 
-def file_system_fault(e: OSError, out_dir: Path) -> UsageError | None:
-    """The one-line error for an OSError the run hit while writing under `out_dir` (None: not such a fault)."""
+def file_system_fault(e: OSError, out_dir: Path, flag: str = "--out") -> UsageError | None:
+    """The one-line error for an OSError the run hit while writing under `out_dir` (given by the option `flag`;
+    None: not such a fault)."""
     fix = _FS_ERRORS.get(e.errno)
     if fix is None:
         return None
+    fix = fix.format(flag=flag)
     name = e.filename
     if e.errno == errno.ENOENT:
         if name is None or not str(Path(name).resolve()).startswith(str(out_dir.resolve())):
@@ -258,20 +305,21 @@ def disk_full(folder: Path) -> bool:
 
 
 @contextmanager
-def run_guard(out_dir: Path, main: bool = True) -> Iterator[None]:
-    """Hold `out_dir`'s lock for the run (`main`: this process writes the folder, rank 0 under torchrun) and turn
-    file-system faults under it into one line (`file_system_fault`)."""
+def run_guard(out_dir: Path, main: bool = True, flag: str = "--out") -> Iterator[None]:
+    """Hold `out_dir`'s lock for the run (`main`: this process writes the folder, rank 0 under torchrun; `flag`: the
+    option that gave the folder, for the messages) and turn file-system faults under it into one line
+    (`file_system_fault`)."""
     out_dir = Path(out_dir)
     taken, created = False, not out_dir.exists()
     if main:
         try:
-            taken = acquire_lock(out_dir)
+            taken = acquire_lock(out_dir, flag)
         except OSError as e:
-            raise file_system_fault(e, out_dir) or e from None
+            raise file_system_fault(e, out_dir, flag) or e from None
     try:
         yield
     except OSError as e:
-        fault = file_system_fault(e, out_dir)
+        fault = file_system_fault(e, out_dir, flag)
         if fault is None:
             raise
         raise fault from None
@@ -279,7 +327,7 @@ def run_guard(out_dir: Path, main: bool = True) -> Iterator[None]:
         if not disk_full(out_dir):
             raise
         raise file_system_fault(OSError(errno.ENOSPC, f"{e}".splitlines()[0] if str(e) else "write failed"),
-                                out_dir) from None
+                                out_dir, flag) from None
     finally:
         if taken:
             release_lock(out_dir)

@@ -23,9 +23,10 @@ from angelspec.fileio import require_memory
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
-from angelspec.train.checkpoint import find_checkpoint, refuse_resume_over_model
+from angelspec.train.checkpoint import refuse_resume_over_model
 from angelspec.train.config import LMRunConfig
 from angelspec.train.lm import heldout_loss, train_causal_lm
+from angelspec.train.safety import TRAIN_LOG, empty_folder, refuse_foreign_files, run_guard, unfinished_run
 
 DOMAINS = ("code", "chat", "math", "docs")
 
@@ -143,25 +144,50 @@ def build_target(
     """Run (or resume) the whole build and export the model to `out_dir`. Returns the build report.
 
     `max_minutes` stops training early at a checkpoint (resume later with `resume=True`); the
-    export still happens so a usable model exists after any budget.
+    export still happens so a usable model exists after any budget. The folders are checked first
+    (`check_build_folders`).
     """
-    from angelspec.data.corpus import build_corpus
-    from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
-
     cfg = config or embedded_target()
     cfg.check_bounds()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
+    # One build per folder at a time (`train.safety`): the lock of --work-dir (checkpoints, log) and of --out.
+    with run_guard(work_dir, flag="--work-dir"), run_guard(out_dir):
+        check_build_folders(out_dir, work_dir, resume=resume, force=force)
+        return _build(out_dir, work_dir, cfg, resume=resume, progress=progress, max_minutes=max_minutes,
+                      corpus_dir=corpus_dir, log=log)
+
+
+BUILD_FILES = ("corpus", "tokenizer", "checkpoint", TRAIN_LOG)  # what a build writes in --work-dir
+
+
+def check_build_folders(out_dir: Path, work_dir: Path, *, resume: bool, force: bool) -> None:
+    """Refuse, before any work: an --out that holds files without --force or --resume; a --work-dir that holds files
+    a build does not write (`BUILD_FILES`) without --force; an unfinished build (a checkpoint or a log) in --work-dir
+    without --resume or --force (a fresh build would overwrite it; --force deletes it); a --resume with nothing to
+    resume over a finished model (the default --out is the shipped target: never retrain over it by accident)."""
     ckpt_dir = work_dir / "checkpoint"
-    if out_dir.exists() and any(out_dir.iterdir()) and not (force or resume):
+    if out_dir.is_dir() and any(not p.name.startswith(".") for p in out_dir.iterdir()) and not (force or resume):
         raise FileExistsError(f"{out_dir} already exists and is not empty; pass --force to overwrite it "
                               "or --resume to continue the build")
-    if resume and not force:  # the default `out_dir` is the shipped target: never retrain over it by accident
+    if not force:
+        refuse_foreign_files(work_dir, BUILD_FILES, flag="--work-dir", what="target build")
+    if resume and not force:
         refuse_resume_over_model(out_dir, ckpt_dir)
-    if find_checkpoint(ckpt_dir) is not None and not resume:
+    where = None if resume else unfinished_run(work_dir)
+    if where is not None:
         if not force:
-            raise FileExistsError(f"{work_dir} holds a previous build's checkpoint; pass --resume to continue it "
-                                  "or --force to start over")
-        shutil.rmtree(work_dir)
+            raise UsageError(f"--work-dir {work_dir} holds an unfinished target build ({where}); pass --resume to "
+                             "continue it, or --force to start over (it deletes that build)")
+        empty_folder(work_dir)  # all of it (a new build may want another tokenizer) but the lock
+
+
+def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: bool, progress: bool,
+           max_minutes: float | None, corpus_dir: str | Path | None, log: Any) -> dict[str, Any]:
+    """`build_target` once its folders are checked and locked."""
+    from angelspec.data.corpus import build_corpus
+    from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
+
+    ckpt_dir = work_dir / "checkpoint"
     work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
@@ -205,7 +231,7 @@ def build_target(
     torch.manual_seed(cfg.seed)
     model = Decoder(cfg.model_config(special))
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
-    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work_dir / "train_log.jsonl",
+    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work_dir / TRAIN_LOG,
                            resume=resume, progress=progress, max_minutes=max_minutes, desc="target", log=log)
 
     # 5. evaluate and export
