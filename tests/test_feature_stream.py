@@ -30,7 +30,6 @@ import torch
 from conftest import QUIET, same_weights, train_log, write_conversations
 
 import angelspec
-from angelspec.data.fingerprint import model_fingerprint
 from angelspec.data.tokenizer import load_tokenizer
 from angelspec.models import load_target
 from angelspec.train.data import dataset_identity, pack_conversations, pad_token_id
@@ -41,6 +40,7 @@ from angelspec.train.stream import (
     StreamError,
     StreamPlan,
     serve_files,
+    stream_target_id,
     wanted_items,
 )
 
@@ -97,8 +97,8 @@ def plan(tiny_target_dir: Path, data: Path) -> StreamPlan:
     """What `train_mtp` with `tiny_debug` publishes (its tap 0 plus the last layer, 2 rows a step, one rank)."""
     target = load_target(tiny_target_dir)
     rows, _ = pack_conversations(load_tokenizer(tiny_target_dir), data, 64, False, pad_token_id(target.config), 0)
-    return StreamPlan(model_fingerprint(target), (0, 1), dataset_identity(rows.packed, source=str(data)), False,
-                      seed=0, batch_size=2, world_size=1)
+    return StreamPlan(stream_target_id(target, tiny_target_dir), (0, 1),
+                      dataset_identity(rows.packed, source=str(data)), False, seed=0, batch_size=2, world_size=1)
 
 
 def test_producers_stop_when_buffer_batches_wait_and_publish_the_inline_batch(

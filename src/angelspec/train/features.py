@@ -81,7 +81,7 @@ from angelspec.train.data import PackedRows, dataset_identity, pack_conversation
 from angelspec.train.distributed import DistInfo
 from angelspec.train.losses import TeacherHead
 from angelspec.train.sequence_parallel import NO_SP, SequenceParallel, target_forward
-from angelspec.train.stream import FeatureStream, FileFeatureStream, StreamPlan
+from angelspec.train.stream import FeatureStream, FileFeatureStream, StreamPlan, stream_target_id
 
 CACHE_FORMAT = "angelspec-features/1"
 MANIFEST = "manifest.json"
@@ -702,8 +702,7 @@ def _other_target(manifest: dict[str, Any], target: Decoder, target_dir: str | P
 def target_fingerprint(target: Decoder, target_dir: str | Path) -> str:
     """`model_fingerprint` of the target at its load dtype, also for one loaded with `parts="head"`: its layers,
     never loaded, are read from the checkpoint in `target_dir` one tensor at a time (`iter_state_dict`), so the id
-    is the whole model's. What a feature stream's plan names (its servers must run the trainer's dtype too), and
-    what caches recorded before `target_identity`."""
+    is the whole model's: what caches recorded before `target_identity`."""
     if all(t.device.type != "meta" for t in target.state_dict().values()):
         return model_fingerprint(target)
     return tensors_fingerprint(target.config, iter_state_dict(target, target_dir))
@@ -730,7 +729,7 @@ def target_features(target: Decoder, layer_ids: list[int], cache_dir: str | None
     need = sorted({*layer_ids, target.config.num_hidden_layers - 1})
     stream = open_stream(cache_dir)
     if stream is not None:
-        plan = {"target_fingerprint": target_fingerprint(target, target_dir), "layer_ids": tuple(need),
+        plan = {"target_fingerprint": stream_target_id(target, target_dir), "layer_ids": tuple(need),
                 "dataset": dataset_identity(rows.packed, source=str(data)), "enable_thinking": enable_thinking,
                 "seed": rows.seed}
         return TargetFeatures(target, layer_ids, stream=stream, plan=plan, sp=sp, halo=halo)

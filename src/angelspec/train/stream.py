@@ -55,9 +55,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from angelspec.data.fingerprint import model_fingerprint
 from angelspec.errors import require_range
 from angelspec.fileio import read_json_object, write_json_atomic
+from angelspec.models.decoder import Decoder
 from angelspec.models.device import Placement, dtype_label, placement_of
 from angelspec.models.hf_io import load_target, nonfinite_problem, save_safetensors_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, pad_token_id
@@ -153,6 +153,14 @@ def all_finished(cursors: dict[int, Cursor], world_size: int) -> bool:
 # ----- the producer: the frozen target over a plan's items (both backends) -----
 
 
+def stream_target_id(target: Decoder, target_dir: str | Path) -> str:
+    """What a stream's plan names as its target (`StreamPlan.target_fingerprint`): the weights id every command
+    records (`decoding.loading.target_weights_id`) and the load dtype, which changes the features served."""
+    from angelspec.decoding.loading import target_weights_id
+
+    return f"{target_weights_id(target_dir, target)}/{dtype_label(target.embed_tokens.weight.dtype)}"
+
+
 class FeatureProducer:
     """A target worker: the frozen target and the packed rows of `plan`, made from `target_dir` and `data` the way
     the trainer made them; `item(step, rank)` -> the tensors published for item (step, rank).
@@ -171,7 +179,7 @@ class FeatureProducer:
         self.target = load_target(target_dir, dtype=where.dtype, device=where.device)
         for p in self.target.parameters():
             p.requires_grad_(False)
-        fp = model_fingerprint(self.target)
+        fp = stream_target_id(self.target, target_dir)
         if fp != plan.target_fingerprint:
             raise StreamError(f"the feature server's target {target_dir} (fingerprint {fp}) is not the trainer's "
                               f"({plan.target_fingerprint}); start the server with the trainer's --target")
