@@ -20,14 +20,20 @@ import torch
 from conftest import generate_twice_without_recompiles
 from torch import Tensor
 
-from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter, get_drafter, registered_drafters
+from angelspec.decoding.drafters import (
+    DrafterFamily,
+    DraftLMDrafter,
+    NGramDrafter,
+    get_drafter,
+    register_family,
+    registered_drafters,
+)
 from angelspec.decoding.drafters.base import (
     Commit,
     Drafter,
     DrafterMismatchError,
     DraftState,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.drafters.ngram import MatchAcceptance, reference_lookup
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
@@ -606,9 +612,9 @@ def test_registry():
     with pytest.raises(KeyError, match="unknown drafter 'nope'"):
         get_drafter("nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_drafter("ngram")(OracleDrafter)
+        register_family(DrafterFamily("ngram", OracleDrafter, None, saved=False))
     with pytest.raises(TypeError, match="Drafter subclass"):
-        register_drafter("not-a-drafter")(int)
+        DrafterFamily("not-a-drafter", int, None, saved=False)
 
 
 def test_ngram_lookup_matches_reference():

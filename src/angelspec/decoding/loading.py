@@ -192,19 +192,24 @@ def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> N
                                    "drafter's own target, or train a drafter for this one")
 
 
-DEFAULT_NUM_DRAFT_TOKENS = 4  # K for drafters without a trained depth (n-gram lookup, the draft LM)
-
-
 def draft_depth(drafter: Drafter | None, requested: int | None = None) -> int:
     """The K a command drafts with: `requested` (`--num-draft-tokens`) when given, else the depth the drafter was
     trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP / EAGLE-3 model's depth count),
-    else `DEFAULT_NUM_DRAFT_TOKENS`. A requested K must be positive."""
+    else its family's `default_depth` (`DEFAULT_NUM_DRAFT_TOKENS` for a drafter of no family). A requested K must be
+    positive."""
+    from angelspec.decoding.drafters.families import DEFAULT_NUM_DRAFT_TOKENS, family_of
+
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise UsageError(f"--num-draft-tokens must be a positive integer, got {requested!r}")
         return requested
-    trained = None if drafter is None else drafter.trained_depth
-    return trained if isinstance(trained, int) and trained > 0 else DEFAULT_NUM_DRAFT_TOKENS
+    if drafter is None:
+        return DEFAULT_NUM_DRAFT_TOKENS
+    trained = drafter.trained_depth
+    if isinstance(trained, int) and trained > 0:
+        return trained
+    family = family_of(drafter)
+    return DEFAULT_NUM_DRAFT_TOKENS if family is None else family.default_depth
 
 
 HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
@@ -255,10 +260,9 @@ def drafter_path(spec: str) -> Path:
 
 def drafter_forms(include_none: bool = True) -> str:
     """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
-    from angelspec.decoding.drafters import get_drafter, registered_drafters
+    from angelspec.decoding.drafters.families import families
 
-    kinds = [k for k in registered_drafters() if callable(getattr(get_drafter(k), "from_pretrained", None))]
-    saved = ", ".join(f"{k}:DIR" for k in kinds)
+    saved = ", ".join(f"{f.name}:DIR" for f in families() if f.saved)
     none = "none, " if include_none else ""
     return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
            f"`angelspec train`); a model drafter's {HYBRID_FORM} puts n-gram lookup in front of it"
@@ -285,8 +289,9 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
     A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
     import inspect
 
-    from angelspec.decoding.drafters import get_drafter, registered_drafters
+    from angelspec.decoding.drafters.families import families, get_family
 
+    known = tuple(f.name for f in families())
     if not path.is_dir():
         problem = "is a file, not a folder" if path.exists() else "does not exist"
         raise UsageError(f"drafter {spec!r}: {path} {problem}; valid forms: {drafter_forms()}")
@@ -305,20 +310,21 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
             raise UsageError(f'drafter {spec!r}: {path} is not an AngelSpec drafter folder (its config.json has no '
                              f'"angelspec": {{"drafter": ...}} entry); to use a plain HF causal LM that shares the '
                              f"target's tokenizer as a draft model, pass draft-lm:{path}")
-        if recorded not in registered_drafters():
+        if recorded not in known:
             raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, which this version of AngelSpec "
-                             f"cannot load (known kinds: {', '.join(registered_drafters())})")
+                             f"cannot load (known kinds: {', '.join(known)})")
         kind = recorded
     elif recorded is not None and recorded != kind:
         raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
                          f"pass --drafter {path} (or {recorded}:{path})")
     check_target_weights(spec, path, meta, target)
-    loader = getattr(get_drafter(kind), "from_pretrained", None)
-    if not callable(loader):
+    family = get_family(kind)
+    if not family.saved:
         raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
                          f"valid forms: {drafter_forms()}")
     from angelspec.decoding.policies.sts import with_calibration
 
+    loader = family.drafter.from_pretrained  # type: ignore[attr-defined]
     accepted = inspect.signature(loader).parameters
     given = (("target", target), ("dtype", dtype), ("device", target.embed_tokens.weight.device))
     drafter = loader(path, **{k: v for k, v in given if k in accepted})

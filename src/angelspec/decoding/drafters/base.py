@@ -18,8 +18,7 @@ Rows are KV-cache slots. A request joins a free row (`prefill`) and leaves it (`
 A drafter that wants target hidden states lists tap ids in `target_layer_ids` (id i = output of target
 decoder layer i, docs/design.md trap 2); the engine hands the taps of the prefill and verify forwards over.
 
-A drafter family registers itself once with `@register_drafter(name)`; `angelspec.decoding.drafters` imports
-every built-in family and looks them up by name (`get_drafter`).
+A drafter family is one record in `angelspec.decoding.drafters.families` (`get_family(name)`).
 
 Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt length, V vocab, D model dim.
 """
@@ -27,7 +26,7 @@ Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt len
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +226,13 @@ class Drafter(ABC):
         """Lay the draft model's linear weights out for few-row GEMMs on a CPU (`models.linear.transpose_weights`;
         the engine calls it on CPU, before any compile). Default: no model weights."""
 
+    @contextmanager
+    def full_depth(self) -> Iterator[None]:
+        """Inside, every proposal has all K drafts: what calibration and cost profiling must observe. A drafter that
+        ends a proposal early (the draft LM's `stop_below`) or drafts only some rows (the n-gram lookup) switches
+        that off here and back on after. Default: proposals are always full."""
+        yield
+
     def ensure_compiled(self) -> None:
         """`compile()` once per drafter: engines may share one."""
         if not self.__dict__.get("_compiled", False):
@@ -304,6 +310,11 @@ class WrappedDrafter(Drafter):
     def transpose_weights(self) -> None:
         self.inner.transpose_weights()
 
+    @contextmanager
+    def full_depth(self) -> Iterator[None]:
+        with self.inner.full_depth():
+            yield
+
     def compile(self) -> None:
         self.inner.ensure_compiled()  # engines may share the inner drafter: compile its hot calls once
 
@@ -363,37 +374,6 @@ class PendingCommits:
 
 @contextmanager
 def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:
-    """Switch off a drafter's early stop (`stop_below`, the draft LM's) and have a lookup draft every row
-    (`draft_every_row`, the n-gram's: rows without a match get K padding drafts) for the block, so every proposal
-    has all K drafts: what calibration and cost profiling must observe. A `CalibratedDrafter` is looked through."""
-    inner = getattr(drafter, "inner", drafter)
-    saved = getattr(inner, "stop_below", None)
-    every_row = getattr(inner, "draft_every_row", None)
-    if saved is not None:
-        inner.stop_below = None
-    if every_row is not None:
-        inner.draft_every_row = True
-    try:
+    """`drafter.full_depth()` as a function: every proposal inside has all K drafts (see `Drafter.full_depth`)."""
+    with drafter.full_depth():
         yield drafter
-    finally:
-        if saved is not None:
-            inner.stop_below = saved
-        if every_row is not None:
-            inner.draft_every_row = every_row
-
-
-_REGISTRY: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
-    """Class decorator: make a drafter findable by `name` (one registry entry per drafter family)."""
-
-    def wrap(cls: type[Drafter]) -> type[Drafter]:
-        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-            raise TypeError(f"register_drafter({name!r}) expects a Drafter subclass, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"drafter name {name!r} is already registered to {_REGISTRY[name].__name__}")
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap

@@ -43,7 +43,6 @@ from angelspec.decoding.drafters.base import (
     ModelConfigDrafter,
     PendingCommits,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.block.drafter import BlockDrafter
@@ -236,7 +235,7 @@ def _block_kind(kind: str, class_name: str, doc: str) -> type[BlockDrafterAdapte
     """The registered adapter of one block-drafter kind: the kinds differ only in what the saved folder holds
     (conditioning and head come from its config), so each is `BlockDrafterAdapter` with its name."""
     cls = type(class_name, (BlockDrafterAdapter,), {"kind": kind, "__doc__": doc, "__module__": __name__})
-    return register_drafter(kind)(cls)
+    return cls
 
 
 DFlashDrafter = _block_kind("dflash", "DFlashDrafter", "DFlash (report Eq. 10): shared fc context, no sequential head.")

@@ -47,7 +47,6 @@ from angelspec.decoding.drafters.base import (
     ModelConfigDrafter,
     PendingCommits,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.config import ConfigError, DecoderConfig
@@ -57,7 +56,6 @@ from angelspec.models.mtp import MTPDraftModel, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
 
 
-@register_drafter("mtp")
 class MTPDrafter(ModelConfigDrafter):
     """Drafts with any MTP-family model (`MTPDraftModel` or a subclass); `kind` is the folder kind `from_pretrained`
     loads (`Eagle3Drafter` only changes it)."""
