@@ -82,38 +82,23 @@ def _eagle3() -> tuple[Trainer, Presets]:
     return train_eagle3, PRESETS
 
 
-def _dflash() -> tuple[Trainer, Presets]:
-    from angelspec.train.block import PRESETS, train_dflash
+def _block(kind: str) -> Callable[[], tuple[Trainer, Presets]]:
+    def load() -> tuple[Trainer, Presets]:
+        from angelspec.train.block import KIND_TRAINERS, PRESETS
 
-    return train_dflash, PRESETS
+        return KIND_TRAINERS[kind], PRESETS
 
-
-def _dflare() -> tuple[Trainer, Presets]:
-    from angelspec.train.block import PRESETS, train_dflare
-
-    return train_dflare, PRESETS
-
-
-def _dfly() -> tuple[Trainer, Presets]:
-    from angelspec.train.block import PRESETS, train_dfly
-
-    return train_dfly, PRESETS
-
-
-def _dspark() -> tuple[Trainer, Presets]:
-    from angelspec.train.block import PRESETS, train_dspark
-
-    return train_dspark, PRESETS
+    return load
 
 
 TRAINABLE: dict[str, TrainableFamily] = {f.name: f for f in (
     TrainableFamily("draft-lm", _draft_lm, "draft_lm_embedded", sequence_parallel=False),
     TrainableFamily("mtp", _mtp, "mtp_embedded"),
     TrainableFamily("eagle3", _eagle3, "eagle3_embedded"),
-    TrainableFamily("dflash", _dflash, "dflash_embedded", block=True),
-    TrainableFamily("dflare", _dflare, "dflare_embedded", block=True),
-    TrainableFamily("dfly", _dfly, "dfly_embedded", real_size_preset="qwen3_8b_dfly", block=True),
-    TrainableFamily("dspark", _dspark, "dspark_embedded", real_size_preset="qwen3_8b_dspark", block=True),
+    TrainableFamily("dflash", _block("dflash"), "dflash_embedded", block=True),
+    TrainableFamily("dflare", _block("dflare"), "dflare_embedded", block=True),
+    TrainableFamily("dfly", _block("dfly"), "dfly_embedded", real_size_preset="qwen3_8b_dfly", block=True),
+    TrainableFamily("dspark", _block("dspark"), "dspark_embedded", real_size_preset="qwen3_8b_dspark", block=True),
 )}
 TRAINABLE_DRAFTERS = tuple(TRAINABLE)
 BLOCK_DRAFTERS = tuple(f.name for f in TRAINABLE.values() if f.block)  # the kinds that take --head

@@ -167,6 +167,19 @@ class Drafter(ABC):
         depth (n-gram lookup, the draft LM: `DEFAULT_NUM_DRAFT_TOKENS`)."""
         return None
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The most drafts one proposal can hold (a block drafter's block size - 1); None = no bound of its own."""
+        return None
+
+    def check_depth(self, k: int) -> None:
+        """Raise DrafterMismatchError when this drafter cannot propose `k` drafts per step (above
+        `max_draft_tokens`); K's own range is `limits.check_num_draft_tokens`."""
+        bound = self.max_draft_tokens
+        if bound is not None and not 0 <= k <= bound:
+            raise DrafterMismatchError(f"{type(self).__name__} proposes at most {bound} drafts per step, but {k} "
+                                       f"were asked for: set num_draft_tokens <= {bound}")
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         """Raise DrafterMismatchError if this drafter cannot serve `target`; called before any decoding."""
         name = type(self).__name__
@@ -291,6 +304,13 @@ class WrappedDrafter(Drafter):
     def trained_depth(self) -> int | None:
         return self.inner.trained_depth
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        return self.inner.max_draft_tokens
+
+    def check_depth(self, k: int) -> None:
+        self.inner.check_depth(k)
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         self.inner.check_compatible(target, max_seq_len)
 
@@ -370,6 +390,17 @@ class PendingCommits:
             x = torch.cat([t[i] for t, _ in items], dim=1)  # [B, ΣT, ...]
             joined.append(x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x)))
         return tuple(joined), counts.sum(dim=1)
+
+
+@contextmanager
+def switched(obj: object, name: str, value: Any) -> Iterator[None]:
+    """Set attribute `name` of `obj` to `value` inside the block and restore it after (the `full_depth` switches)."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 @contextmanager

@@ -28,8 +28,8 @@ Shape legend: B rows, K draft depth, V vocab.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
-from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, switched
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
@@ -99,14 +99,9 @@ class DraftLMDrafter(Drafter):
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")
         self._step_fn = try_compile(self._step_logits, "draft LM's step")
 
-    @contextmanager
-    def full_depth(self) -> Iterator[None]:
+    def full_depth(self) -> AbstractContextManager[None]:
         """No early stop inside (`Drafter.full_depth`)."""
-        saved, self.stop_below = self.stop_below, None
-        try:
-            yield
-        finally:
-            self.stop_below = saved
+        return switched(self, "stop_below", None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -19,13 +19,13 @@ Shape legend: B rows, K draft depth.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, switched
 
 
 class MatchAcceptance:
@@ -100,14 +100,9 @@ class NGramDrafter(Drafter):
             for n in range(lo, min(hi, i) + 1):
                 index[tuple(h[i - n: i])] = i
 
-    @contextmanager
-    def full_depth(self) -> Iterator[None]:
+    def full_depth(self) -> AbstractContextManager[None]:
         """Rows without a match draft K padding tokens inside (`Drafter.full_depth`)."""
-        saved, self.draft_every_row = self.draft_every_row, True
-        try:
-            yield
-        finally:
-            self.draft_every_row = saved
+        return switched(self, "draft_every_row", True)
 
     def lookup(self, r: int, k: int) -> list[int]:
         """Up to k drafts for row r ([] when nothing matches)."""
