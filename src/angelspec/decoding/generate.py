@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafter_spec import DrafterSpec, parse_drafter_spec
 from angelspec.decoding.limits import check_counts, check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
@@ -100,9 +101,9 @@ class GenerateSummary:
 
 
 def generate_completions(prompts: str | Path, out: str | Path, *, target: str | Path | None = None,
-                         drafter: str = "none", num_draft_tokens: int | None = None, temperature: float = 0.0,
-                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_new_tokens: int = 256,
-                         batch_size: int = 8, think: bool = False, policy: str = "full",
+                         drafter: str | DrafterSpec = "none", num_draft_tokens: int | None = None,
+                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                         max_new_tokens: int = 256, batch_size: int = 8, think: bool = False, policy: str = "full",
                          cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
                          progress: bool = True,
                          log: Callable[[str], None] | None = None,
@@ -121,7 +122,9 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     Everything that can be checked without the weights is checked before they are loaded.
     """
     check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens)
-    if spec_gate and drafter == "none":
+    spec = parse_drafter_spec(drafter)
+    drafter = spec.text
+    if spec_gate and spec.is_none:
         raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
                          "--spec-gate")
     out = Path(out)
@@ -133,11 +136,11 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     check_fits_target(model.config, rows=min(batch_size, len(records)),
-                      num_draft_tokens=0 if drafter == "none" else num_draft_tokens,
+                      num_draft_tokens=0 if spec.is_none else num_draft_tokens,
                       dtype_bytes=model.embed_tokens.weight.element_size(), device=model.embed_tokens.weight.device)
     context = model.config.max_position_embeddings
     prompt_ids = encode_prompts(tokenizer, records, context=context, think=think, source=str(prompts))
-    draft = resolve_drafter(drafter, model, target_dir)
+    draft = resolve_drafter(spec, model, target_dir)
     num_draft_tokens = draft_depth(draft, num_draft_tokens)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, log=log)

@@ -12,6 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from angelspec.decoding.drafter_spec import (
+    NGRAM,
+    DrafterSpec,
+    LookupSpec,
+    drafter_forms,
+    parse_drafter_spec,
+)
 from angelspec.errors import UsageError
 
 if TYPE_CHECKING:
@@ -99,47 +106,43 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     return results, engine.metrics
 
 
-def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
+def resolve_drafter(spec: str | DrafterSpec | None, target: Decoder, target_dir: Path,
                     dtype: torch.dtype | None = None) -> Drafter | None:
-    """Turn `--drafter SPEC` into a drafter for the engine (None = plain autoregressive decoding).
+    """Turn `--drafter SPEC` (text, parsed by `drafter_spec.parse_drafter_spec`, or parsed already) into a drafter for
+    the engine (None = plain autoregressive decoding).
 
     Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
     drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
     target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
-    `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
+    `"angelspec": {"drafter": KIND}`; `SPEC+ngram[:N[:M[:D]]]`. Saved drafters load through their family's adapter,
     `from_pretrained(DIR, *, target=..., dtype=..., device=...)` (each keyword passed when the loader takes it: a
     draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's embedding),
-    found via the registry, so a new drafter kind needs no change here. The drafter is checked against the target
-    before it is returned: a drafter for another target fails here, before any decoding.
+    found via the family records, so a new drafter kind needs no change here. The drafter is checked against the
+    target before it is returned: a drafter for another target fails here, before any decoding.
     """
-    if spec is None or spec == "none":
-        return None
-    from angelspec.decoding.drafters import registered_drafters
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
-    base, lookup = split_hybrid_spec(spec)
-    if lookup is not None:
-        return _hybrid(spec, resolve_drafter(base, target, target_dir, dtype), lookup)
-    kind, sep, arg = spec.partition(":")
+    parsed = parse_drafter_spec(spec)
+    if parsed.is_none:
+        return None
+    if parsed.lookup is not None:
+        return _hybrid(parsed.text, resolve_drafter(parsed.base, target, target_dir, dtype), parsed.lookup)
+    text = parsed.text
     dtype = dtype or target.embed_tokens.weight.dtype
     drafter: Drafter
     try:
-        if kind == "ngram":
-            drafter = NGramDrafter(max_ngram=_ngram_size(spec, arg) if sep else 3)
-        elif kind in registered_drafters():
-            if not sep or not arg:
-                raise UsageError(f"drafter {spec!r} needs the folder it was saved in: {kind}:DIR; "
-                                 f"valid forms: {drafter_forms()}")
-            drafter = _load_saved_drafter(spec, Path(arg), kind, target, dtype)
-        elif Path(spec).exists():
-            drafter = _load_saved_drafter(spec, Path(spec), None, target, dtype)
+        if parsed.kind == NGRAM:
+            drafter = NGramDrafter(max_ngram=parsed.max_ngram)
+        elif parsed.kind is not None or parsed.folder.exists():
+            drafter = _load_saved_drafter(text, parsed.folder, parsed.kind, target, dtype)
         else:
+            kind, sep, _ = text.partition(":")
             what = f"{kind!r} is not a drafter kind" if sep else "not a drafter name, and no such directory"
-            raise UsageError(f"unknown drafter {spec!r} ({what}); valid forms: {drafter_forms()}")
+            raise UsageError(f"unknown drafter {text!r} ({what}); valid forms: {drafter_forms()}")
         drafter.check_compatible(target.config)
     except DrafterMismatchError as e:
-        raise DrafterMismatchError(f"drafter {spec!r} does not fit the target {target_dir}: {e}") from None
+        raise DrafterMismatchError(f"drafter {text!r} does not fit the target {target_dir}: {e}") from None
     return drafter
 
 
@@ -195,13 +198,13 @@ def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> N
 def draft_depth(drafter: Drafter | None, requested: int | None = None) -> int:
     """The K a command drafts with: `requested` (`--num-draft-tokens`) when given, else the depth the drafter was
     trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP / EAGLE-3 model's depth count),
-    else its family's `default_depth` (`DEFAULT_NUM_DRAFT_TOKENS` for a drafter of no family). A requested K must be
-    positive."""
+    else its family's `default_depth` (`DEFAULT_NUM_DRAFT_TOKENS` for a drafter of no family). A requested K is
+    checked by `limits.check_num_draft_tokens`."""
     from angelspec.decoding.drafters.families import DEFAULT_NUM_DRAFT_TOKENS, family_of
+    from angelspec.decoding.limits import check_num_draft_tokens
 
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise UsageError(f"--num-draft-tokens must be a positive integer, got {requested!r}")
+        check_num_draft_tokens(requested)
         return requested
     if drafter is None:
         return DEFAULT_NUM_DRAFT_TOKENS
@@ -212,76 +215,23 @@ def draft_depth(drafter: Drafter | None, requested: int | None = None) -> int:
     return DEFAULT_NUM_DRAFT_TOKENS if family is None else family.default_depth
 
 
-HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
-HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
-
-
-def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int, int | None] | None]:
-    """`SPEC+ngram[:N[:M[:D]]]` -> (SPEC, (N, M, D)): the longest n-gram N to match (default 3), the shortest match M
-    whose drafts replace the model's (default 1) and the most drafts D the model proposes in a round (default None:
-    the engine's K, as the lookup); any other spec -> (spec, None)."""
-    base, plus, tail = spec.rpartition(HYBRID_SUFFIX)
-    if not plus or (tail and not tail.startswith(":")):
-        return spec, None
-    parts = tail[1:].split(":") if tail else []
-    if len(parts) > 3:
-        raise UsageError(f"drafter {spec!r}: expected {HYBRID_FORM} (N the longest n-gram to match, M the shortest "
-                         "match that replaces the model's drafts, D the most drafts the model proposes in a round)")
-    n = _ngram_size(spec, parts[0]) if parts else 3
-    m = _ngram_size(spec, parts[1], what=f"{HYBRID_SUFFIX}:N:M needs a positive integer M (the shortest match that "
-                    "replaces the model's drafts)") if len(parts) >= 2 else 1
-    d = _ngram_size(spec, parts[2], what=f"{HYBRID_SUFFIX}:N:M:D needs a positive integer D (the most drafts the "
-                    "model proposes in a round)") if len(parts) == 3 else None
-    return base, (n, m, d)
-
-
-def _hybrid(spec: str, inner: Drafter | None, lookup: tuple[int, int, int | None]) -> Drafter:
+def _hybrid(spec: str, inner: Drafter | None, lookup: LookupSpec) -> Drafter:
     from angelspec.decoding.drafters.hybrid import HybridDrafter
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
-    if inner is None or isinstance(inner, NGramDrafter):
-        raise UsageError(f"drafter {spec!r}: {HYBRID_SUFFIX} puts n-gram lookup in front of a model drafter, "
-                         f"e.g. dfly:DIR{HYBRID_SUFFIX}; for lookup alone pass ngram")
-    max_ngram, min_match, model_depth = lookup
+    assert inner is not None  # parse_drafter_spec refuses none+ngram and ngram+ngram
+    max_ngram, min_match, model_depth = lookup.as_tuple()
     try:
         return HybridDrafter(inner, NGramDrafter(max_ngram=max_ngram), min_match=min_match, model_depth=model_depth)
     except ValueError as e:
         raise UsageError(f"drafter {spec!r}: {e}") from None
 
 
-def drafter_path(spec: str) -> Path:
-    """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR, else the spec itself); not checked."""
-    from angelspec.decoding.drafters import registered_drafters
-
-    spec = split_hybrid_spec(spec)[0]
-    kind, sep, arg = spec.partition(":")
-    return Path(arg) if sep and kind in registered_drafters() else Path(spec)
-
-
-def drafter_forms(include_none: bool = True) -> str:
-    """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
-    from angelspec.decoding.drafters.families import families
-
-    saved = ", ".join(f"{f.name}:DIR" for f in families() if f.saved)
-    none = "none, " if include_none else ""
-    return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
-           f"`angelspec train`); a model drafter's {HYBRID_FORM} puts n-gram lookup in front of it"
-
-
-def _ngram_size(spec: str, arg: str,
-                what: str = "ngram:N needs a positive integer N (the longest n-gram to match)") -> int:
-    from angelspec.decoding.limits import MAX_NGRAM
-
-    try:
-        n = int(arg)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise UsageError(f"drafter {spec!r}: {what}, got {arg!r}")
-    if n > MAX_NGRAM:
-        raise UsageError(f"drafter {spec!r}: {what.partition(' needs ')[0]} must be at least 1 and at most "
-                         f"{MAX_NGRAM}, got {n}")
-    return n
+def drafter_path(spec: str | DrafterSpec) -> Path:
+    """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR or of DIR, else the spec itself); its
+    existence is not checked."""
+    parsed = parse_drafter_spec(spec)
+    return parsed.folder if parsed.folder is not None else Path(parsed.base)
 
 
 def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:

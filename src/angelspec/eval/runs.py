@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafter_spec import DrafterSpec, parse_drafter_spec
 from angelspec.decoding.generate import build_depth_policy, parse_depth_policy, sampling_params
 from angelspec.decoding.limits import MAX_BATCH_SIZE, MAX_REPEATS, MAX_REQUESTS, check_counts, check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
     drafter_forms,
-    drafter_path,
     encode_prompts,
     load_target_and_tokenizer,
     resolve_drafter,
@@ -101,7 +101,7 @@ def _target_config(target_dir: Path) -> DecoderConfig:
     return read_config(target_dir)
 
 
-def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | None = None,
+def evaluate_drafters(drafters: str | DrafterSpec | Sequence[str | DrafterSpec], *, target: str | Path | None = None,
                       prompts: str | Path | None = None, limit: int | None = None, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, seed: int | None = 0, max_new_tokens: int = 128,
                       num_draft_tokens: int | None = None, batch_size: int = 8, think: bool = False,
@@ -122,10 +122,11 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     from angelspec.decoding.policies.sts import CalibratedDrafter
     from angelspec.eval.speculative import EvalSettings, evaluate_many, format_comparison
 
-    specs = [drafters] if isinstance(drafters, str) else list(drafters)
+    parsed = [parse_drafter_spec(d) for d in ([drafters] if isinstance(drafters, str | DrafterSpec) else drafters)]
+    specs = [p.text for p in parsed]
     if not specs:
         raise UsageError(f"no drafter to evaluate; pass --drafter: {drafter_forms(include_none=False)}")
-    if "none" in specs:
+    if any(p.is_none for p in parsed):
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
                          f"choose a drafter: {drafter_forms(include_none=False)}")
     check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens, limit=limit)
@@ -147,8 +148,8 @@ def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | Non
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
                           source=str(prompts_path), limit=limit, think=think)
     runs, depths = [], []
-    for spec, policy_spec in zip(specs, policy_specs, strict=True):
-        draft = resolve_drafter(spec, model, target_dir)
+    for spec, drafter_spec, policy_spec in zip(specs, parsed, policy_specs, strict=True):
+        draft = resolve_drafter(drafter_spec, model, target_dir)
         assert draft is not None
         k = draft_depth(draft, num_draft_tokens)  # default: the depth each drafter was trained for
         depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=k,
@@ -194,7 +195,8 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
         require_range("--batch-sizes", b, 1, MAX_BATCH_SIZE)
     require_range("--repeats", repeats, 1, MAX_REPEATS)
     require_range("--warmup", warmup, 0, MAX_REPEATS)
-    if drafter == "none":
+    spec = parse_drafter_spec(drafter)
+    if spec.is_none:
         raise UsageError("--drafter none has no speculative step to profile; choose a drafter: "
                          f"{drafter_forms(include_none=False)}")
     path = Path(out) if out is not None else None
@@ -216,7 +218,7 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     model, _ = load_target_and_tokenizer(target_dir, placement)
     if sizes:
         _check_fits(model, rows=sizes[-1], num_draft_tokens=num_draft_tokens, batch_flag="--batch-sizes")
-    draft = resolve_drafter(drafter, model, target_dir)
+    draft = resolve_drafter(spec, model, target_dir)
     assert draft is not None
     return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens),
                            force=force,
@@ -283,7 +285,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         raise UsageError(f"--out {out_dir} already holds a sweep (results.json); pass --force to overwrite it or "
                          "give another --out")
     for c in parsed:  # a missing drafter folder fails before the target is loaded
-        folder = None if c.drafter == "none" or c.drafter.partition(":")[0] == "ngram" else drafter_path(c.drafter)
+        folder = parse_drafter_spec(c.drafter).folder
         if folder is not None and not folder.exists():
             raise UsageError(f"--config {c.name}={c.drafter}: drafter folder {folder} does not exist; train it with "
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
