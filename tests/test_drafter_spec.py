@@ -95,3 +95,23 @@ def test_a_drafter_bounds_its_depth_through_wrappers() -> None:
     NGramDrafter().check_depth(64)
     with pytest.raises(DrafterMismatchError, match=f"at most {bound} drafts per step"):
         wrapped.check_depth(bound + 1)
+
+
+def test_the_command_line_builds_the_typed_settings_the_library_takes() -> None:
+    """`generate` and `eval` parse their flags once into a `DecodeSettings` (and the drafter into a DrafterSpec)."""
+    from angelspec.cli import build_parser
+    from angelspec.cli.common import decode_settings
+    from angelspec.decoding.settings import DecodeSettings
+
+    args = build_parser().parse_args(
+        ["eval", "--drafter", "ngram:2", "--num-draft-tokens", "5", "--max-new-tokens", "9", "--batch-size", "3",
+         "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7", "--seed", "4", "--policy", "dcut", "--spec-gate",
+         "--compile"])
+    assert decode_settings(args, compile=args.compile) == DecodeSettings(
+        num_draft_tokens=5, max_new_tokens=9, batch_size=3, temperature=0.5, top_p=0.9, top_k=7, seed=4,
+        policy="dcut", spec_gate=True, compile=True)
+    generate = build_parser().parse_args(["generate", "--prompts", "p.jsonl", "--out", "o.jsonl"])
+    settings = decode_settings(generate)
+    assert settings.num_draft_tokens is None and settings.seed is None and settings.max_new_tokens == 256
+    with pytest.raises(UsageError, match="--num-draft-tokens must be at least 1"):
+        DecodeSettings(num_draft_tokens=0).check_counts()

@@ -83,11 +83,12 @@ def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: in
 
 def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
                batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
-               progress: bool = True, depth_policy: Any = None, spec_gate: bool = False) -> tuple[list[Any], Any]:
+               progress: bool = True, depth_policy: Any = None, spec_gate: bool = False,
+               compile: bool = False) -> tuple[list[Any], Any]:
     """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
     `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used). depth_policy: drafts each row
     verifies (`angelspec.decoding.policies.factory.make_policy`); None = all K. spec_gate: skip drafting where
-    plain steps are faster (`EngineConfig.spec_gate`).
+    plain steps are faster (`EngineConfig.spec_gate`); compile: `EngineConfig.compile`.
 
     Each request's budget is capped so prompt + completion fits the context; such rows end with
     finish_reason "length" like any other that ran out of tokens.
@@ -97,7 +98,7 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     context = model.config.max_position_embeddings
     engine = SpecEngine(model, drafter=drafter,
                         config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens,
-                                            spec_gate=spec_gate and drafter is not None),
+                                            spec_gate=spec_gate and drafter is not None, compile=compile),
                         depth_policy=depth_policy)
     requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
                         request_id=i)
