@@ -612,9 +612,9 @@ def test_registry():
     with pytest.raises(KeyError, match="unknown drafter 'nope'"):
         get_drafter("nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_family(DrafterFamily("ngram", OracleDrafter, None, saved=False))
+        register_family(DrafterFamily("ngram", OracleDrafter, None))
     with pytest.raises(TypeError, match="Drafter subclass"):
-        DrafterFamily("not-a-drafter", int, None, saved=False)
+        DrafterFamily("not-a-drafter", int, None)
 
 
 def test_ngram_lookup_matches_reference():

@@ -115,10 +115,9 @@ def resolve_drafter(spec: str | DrafterSpec | None, target: Decoder, target_dir:
     Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
     drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
     target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
-    `"angelspec": {"drafter": KIND}`; `SPEC+ngram[:N[:M[:D]]]`. Saved drafters load through their family's adapter,
-    `from_pretrained(DIR, *, target=..., dtype=..., device=...)` (each keyword passed when the loader takes it: a
-    draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's embedding),
-    found via the family records, so a new drafter kind needs no change here. The drafter is checked against the
+    `"angelspec": {"drafter": KIND}`; `SPEC+ngram[:N[:M[:D]]]`. Saved drafters load through their family record's
+    `load` (a draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's
+    embedding), so a new drafter kind needs no change here. The drafter is checked against the
     target before it is returned: a drafter for another target fails here, before any decoding.
     """
     from angelspec.decoding.drafters.base import DrafterMismatchError
@@ -238,8 +237,6 @@ def drafter_path(spec: str | DrafterSpec) -> Path:
 def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
     """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`.
     A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
-    import inspect
-
     from angelspec.decoding.drafters.families import families, get_family
 
     known = tuple(f.name for f in families())
@@ -275,8 +272,6 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
                          f"valid forms: {drafter_forms()}")
     from angelspec.decoding.policies.sts import with_calibration
 
-    loader = family.drafter.from_pretrained  # type: ignore[attr-defined]
-    accepted = inspect.signature(loader).parameters
-    given = (("target", target), ("dtype", dtype), ("device", target.embed_tokens.weight.device))
-    drafter = loader(path, **{k: v for k, v in given if k in accepted})
+    assert family.load is not None
+    drafter = family.load(path, target, dtype)
     return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences

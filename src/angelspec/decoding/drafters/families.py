@@ -12,8 +12,11 @@ outside the package).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
 from torch import nn
 
 from angelspec.decoding.drafters.base import Drafter
@@ -29,16 +32,30 @@ from angelspec.models.mtp import MTPDraftModel
 
 DEFAULT_NUM_DRAFT_TOKENS = 4  # K for drafters without a trained depth (n-gram lookup, the draft LM)
 
+# A saved family's loader: (folder, target, dtype) -> the drafter, on the target's device.
+Loader = Callable[[Path, Decoder, torch.dtype], Drafter]
+
+
+def on_target(cls: type) -> Loader:
+    """The loader of a family that shares the target's embedding and LM head (`from_pretrained(DIR, target=...)`):
+    its weights take the target's device and dtype."""
+    return lambda path, target, dtype: cls.from_pretrained(path, target=target)
+
+
+def own_weights(cls: type) -> Loader:
+    """The loader of a family with weights of its own (a draft LM): read in `dtype` onto the target's device."""
+    return lambda path, target, dtype: cls.from_pretrained(path, dtype=dtype, device=target.embed_tokens.weight.device)
+
 
 @dataclass(frozen=True)
 class DrafterFamily:
     """One drafter family.
 
     name: the kind `--drafter KIND:DIR` names and a saved folder records (`"angelspec": {"drafter": KIND}`).
-    drafter: the engine adapter (`Drafter` subclass); a family with a saved form loads through its
-        `from_pretrained(DIR, *, target=..., dtype=..., device=...)` (each keyword passed when it takes it).
+    drafter: the engine adapter (`Drafter` subclass).
     model: the pure PyTorch model in `models/` the adapter drives (None: a lookup with no weights).
-    saved: the family's drafters are folders (`KIND:DIR`); False: built from settings (`ngram[:N]`).
+    load: how a saved folder becomes a drafter (`on_target`, `own_weights`); None: the family has no saved form
+        and is built from settings (`ngram[:N]`).
     block: a block-parallel drafter (one forward drafts the whole block; the kinds that take a `--head`).
     exports: the `angelspec export --format` values that can write this family.
     default_depth: K when neither the command nor the drafter names one; a drafter with a trained depth
@@ -49,7 +66,7 @@ class DrafterFamily:
     name: str
     drafter: type[Drafter]
     model: type[nn.Module] | None
-    saved: bool = True
+    load: Loader | None = None
     block: bool = False
     exports: tuple[str, ...] = ()
     default_depth: int = DEFAULT_NUM_DRAFT_TOKENS
@@ -57,20 +74,22 @@ class DrafterFamily:
     def __post_init__(self) -> None:
         if not (isinstance(self.drafter, type) and issubclass(self.drafter, Drafter)):
             raise TypeError(f"drafter family {self.name!r} needs a Drafter subclass, got {self.drafter!r}")
-        if self.saved and not callable(getattr(self.drafter, "from_pretrained", None)):
-            raise TypeError(f"drafter family {self.name!r} has a saved form, so {self.drafter.__name__} needs a "
-                            "from_pretrained classmethod")
+
+    @property
+    def saved(self) -> bool:
+        """The family's drafters are folders (`KIND:DIR`)."""
+        return self.load is not None
 
 
 def _block(name: str, drafter: type[Drafter], exports: tuple[str, ...] = ("vllm",)) -> DrafterFamily:
-    return DrafterFamily(name, drafter, BlockDrafter, block=True, exports=exports)
+    return DrafterFamily(name, drafter, BlockDrafter, on_target(drafter), block=True, exports=exports)
 
 
 _FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (
-    DrafterFamily("ngram", NGramDrafter, None, saved=False),
-    DrafterFamily("draft-lm", DraftLMDrafter, Decoder, exports=("vllm", "sglang")),
-    DrafterFamily("mtp", MTPDrafter, MTPDraftModel, exports=("vllm",)),
-    DrafterFamily("eagle3", Eagle3Drafter, Eagle3DraftModel, exports=("vllm",)),
+    DrafterFamily("ngram", NGramDrafter, None),
+    DrafterFamily("draft-lm", DraftLMDrafter, Decoder, own_weights(DraftLMDrafter), exports=("vllm", "sglang")),
+    DrafterFamily("mtp", MTPDrafter, MTPDraftModel, on_target(MTPDrafter), exports=("vllm",)),
+    DrafterFamily("eagle3", Eagle3Drafter, Eagle3DraftModel, on_target(Eagle3Drafter), exports=("vllm",)),
     _block("dflash", DFlashDrafter, exports=("vllm", "sglang")),
     _block("dflare", DFlareDrafter),
     _block("dfly", DFlyDrafter),
