@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from angelspec.decoding.generate import build_depth_policy, parse_depth_policy
     from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
     from angelspec.decoding.policies.sts import CalibratedDrafter
-    from angelspec.eval.commit_prediction import predicted_vs_measured
     from angelspec.eval.prompts import eval_prompts
+    from angelspec_research.commit_prediction import predicted_vs_measured
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """Workload routing on the embedded target: MTP for chat, DFly for code/maths, against the best single drafter.
 
 The mixed held-out workload (the shipped `EVAL_PROMPTS`, code / math / chat, shuffled into one queue with
-`--seed`) is decoded five ways, every one through `angelspec.decoding.router.route_and_generate` so the bookkeeping
+`--seed`) is decoded five ways, every one through `angelspec_research.router.route_and_generate` so the bookkeeping
 is identical (tokens/s = output tokens over the summed engine wall-clock of the drafter pools, MAL = tokens
 committed per verify step):
 
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     from angelspec.assets import DEFAULT_TARGET, EVAL_PROMPTS
     from angelspec.decoding.engine import EngineConfig, Request
     from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
-    from angelspec.decoding.router import WorkloadRouter, classifier_accuracy, classify_prompt, route_and_generate
     from angelspec.decoding.sampling import SamplingParams
+    from angelspec_research.router import WorkloadRouter, classifier_accuracy, classify_prompt, route_and_generate
 
     target_dir = Path(args.target) if args.target else DEFAULT_TARGET
     for flag, path in (("--mtp", args.mtp), ("--dfly", args.dfly)):

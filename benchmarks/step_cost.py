@@ -44,11 +44,11 @@ import torch
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.drafters.ngram import NGramDrafter
-from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer
 from angelspec.decoding.policies.gate import SpecGate
 from angelspec.decoding.sampling import SamplingParams
+from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
 PHASES = ("forward", "verify", "policy", "commit", "drafter")
 

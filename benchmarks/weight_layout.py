@@ -23,9 +23,9 @@ import torch
 
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
-from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer, resolve_drafter
+from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
 
 @contextmanager

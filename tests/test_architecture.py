@@ -2,6 +2,8 @@
 
     fileio, errors, assets  ->  models | data  ->  decoding  ->  train | eval | export  ->  pipelines  ->  cli  ->  demo
 
+(`angelspec_research`, the research tools, sits above all of them and is never imported by the library.)
+
 A module may import its own layer and the layers below it, never a layer above or a sibling on the same
 level (`models` and `data` do not import each other, nor do `train`, `eval` and `export`). Every import counts:
 at module level, inside functions, and under `TYPE_CHECKING`. The module graph has no cycles.
@@ -117,3 +119,22 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+RESEARCH = PACKAGE.parent / "angelspec_research"
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+    return {name.split(".")[0] for name in names}
+
+
+def test_the_library_never_imports_the_research_tools():
+    """`angelspec_research` (routing, commit prediction, oracle drafters) sits on top of the library: it may import
+    `angelspec`, the library never imports it."""
+    users = sorted(_module_name(p) for p in FILES if "angelspec_research" in _top_level_imports(p))
+    assert not users, f"library modules import the research package: {users}"
+    assert RESEARCH.is_dir() and any(
+        "angelspec" in _top_level_imports(p) for p in RESEARCH.rglob("*.py")), "the research package moved"

@@ -28,7 +28,6 @@ from angelspec.decoding.policies.sts import (
     load_calibration,
 )
 from angelspec.decoding.sampling import SamplingParams
-from angelspec.eval.commit_prediction import CommitPredictionRecorder, predicted_commits
 from angelspec.eval.sts_fit import collect_outcomes
 from angelspec.models import ConfigError, load_target
 from angelspec.models.block.config import BlockDrafterConfig
@@ -37,6 +36,7 @@ from angelspec.models.block.heads import ConfidenceHead, temperature_weights
 from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_dfly
 from angelspec.train.confidence import argmax_drafts, confidence_targets, protocol_acceptance
 from angelspec.train.losses import dspark_loss, dspark_position_weights
+from angelspec_research.commit_prediction import CommitPredictionRecorder, predicted_commits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -442,8 +442,8 @@ def test_predicted_commits_by_hand():
 
 @pytest.mark.parametrize("reject", [False, True])
 def test_prediction_bookkeeping_counts_active_rows_at_the_chosen_depth(reject):
-    from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
     from angelspec.decoding.engine import reference_generate
+    from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
     target = tiny_target()
     prompts = [[4, 5, 6], [7], [8, 9, 10, 11], [12, 13], [5]]

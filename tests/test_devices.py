@@ -260,6 +260,7 @@ def test_the_process_group_backend_can_be_forced(monkeypatch):
 
 
 def test_generate_and_eval_run_in_bf16(capsys, tmp_path, tiny_target_dir):
+    from angelspec.decoding.settings import DecodeSettings
     from angelspec.eval.runs import evaluate_drafters
 
     prompts = tmp_path / "p.jsonl"
@@ -269,8 +270,8 @@ def test_generate_and_eval_run_in_bf16(capsys, tmp_path, tiny_target_dir):
                              "--quiet")
     assert code == 0, err
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
-    run = evaluate_drafters("ngram", target=tiny_target_dir, prompts=prompts, max_new_tokens=8, progress=False,
-                            placement=resolve_placement("cpu", "bf16"))
+    run = evaluate_drafters("ngram", DecodeSettings(max_new_tokens=8), target=tiny_target_dir, prompts=prompts,
+                            progress=False, placement=resolve_placement("cpu", "bf16"))
     report = run.reports[0]
     assert report.lossless is not None and report.to_dict()  # measured and checked against AR in bf16
 

@@ -20,14 +20,20 @@ import torch
 from conftest import generate_twice_without_recompiles
 from torch import Tensor
 
-from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter, get_drafter, registered_drafters
+from angelspec.decoding.drafters import (
+    DrafterFamily,
+    DraftLMDrafter,
+    NGramDrafter,
+    get_drafter,
+    register_family,
+    registered_drafters,
+)
 from angelspec.decoding.drafters.base import (
     Commit,
     Drafter,
     DrafterMismatchError,
     DraftState,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.drafters.ngram import MatchAcceptance, reference_lookup
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
@@ -526,8 +532,8 @@ def test_t1_spec_is_seeded_and_batch_independent(dist_case):
 
 @pytest.mark.parametrize("batch_size, k", [(1, 4), (5, 7), (16, 2)])
 def test_library_oracle_accepts_everything_and_its_reject_twin_nothing(target, greedy_case, batch_size, k):
-    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
-    from angelspec.decoding.drafters.oracle import greedy_continuations
+    from angelspec_research.oracle import OracleDrafter as LibOracle
+    from angelspec_research.oracle import greedy_continuations
 
     requests, ar_tokens, _ = greedy_case
     table = greedy_continuations([r.prompt_ids for r in requests], ar_tokens)
@@ -546,7 +552,7 @@ def test_library_oracle_accepts_everything_and_its_reject_twin_nothing(target, g
 
 
 def test_library_oracle_refuses_an_unknown_prompt(target):
-    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
+    from angelspec_research.oracle import OracleDrafter as LibOracle
 
     engine = SpecEngine(target, LibOracle({(1, 2): [5]}), EngineConfig(max_batch_size=1))
     with pytest.raises(KeyError, match="no continuation"):
@@ -558,7 +564,7 @@ def test_library_oracle_refuses_an_unknown_prompt(target):
 @pytest.mark.parametrize("reject", [False, True], ids=["oracle", "oracle-reject"])
 def test_t1_library_oracle_matches_ar(dist_case, reject):
     """At T=1 the oracle's greedy drafts go through the deterministic-draft protocol: exact in distribution."""
-    from angelspec.decoding.drafters.oracle import OracleDrafter as LibOracle
+    from angelspec_research.oracle import OracleDrafter as LibOracle
 
     tgt, _, joint = dist_case
     greedy = SpecEngine(tgt, config=EngineConfig(max_batch_size=1)).generate([Request(PROMPT, 8, stop_ids=())])
@@ -606,9 +612,9 @@ def test_registry():
     with pytest.raises(KeyError, match="unknown drafter 'nope'"):
         get_drafter("nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_drafter("ngram")(OracleDrafter)
+        register_family(DrafterFamily("ngram", OracleDrafter, None))
     with pytest.raises(TypeError, match="Drafter subclass"):
-        register_drafter("not-a-drafter")(int)
+        DrafterFamily("not-a-drafter", int, None)
 
 
 def test_ngram_lookup_matches_reference():

@@ -11,11 +11,12 @@ from test_block_engine import sampling_block_drafter
 from test_engine_spec import _sample_spec, assert_target_distributed, dist_case  # noqa: F401
 from test_spec_gate import block_case, eagle3_case, mtp_case, requests
 
+from angelspec.decoding.drafter_spec import split_hybrid_spec
 from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter
 from angelspec.decoding.drafters import hybrid as hybrid_module
 from angelspec.decoding.drafters.hybrid import HybridDrafter
 from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
-from angelspec.decoding.loading import resolve_drafter, split_hybrid_spec
+from angelspec.decoding.loading import resolve_drafter
 from angelspec.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

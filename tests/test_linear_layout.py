@@ -67,7 +67,7 @@ def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_the_engine_on_cpu_transposes_and_decodes_what_the_row_major_model_decodes(k):
-    from angelspec.decoding.drafters.oracle import OracleDrafter, greedy_continuations
+    from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
     target = tiny_decoder(vocab=64)
     untouched = copy.deepcopy(target)

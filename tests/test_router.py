@@ -13,7 +13,7 @@ from angelspec.assets import EVAL_PROMPTS
 from angelspec.decoding.drafters.block import DFlyDrafter
 from angelspec.decoding.drafters.ngram import NGramDrafter
 from angelspec.decoding.engine import EngineConfig, Request, Result, reference_generate
-from angelspec.decoding.router import (
+from angelspec_research.router import (
     RouterError,
     WorkloadRouter,
     classifier_accuracy,

@@ -228,7 +228,7 @@ def stage_headline(state: DemoState) -> dict[str, str]:
 def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str | None = None,
                        policy: str = "full", spec_gate: bool = False) -> dict[str, str]:
     """Decode the demo prompts with drafter `spec` (`--drafter` syntax) at depth `k` (default: the demo's K;
-    "natural": what the drafter was trained for, `natural_depth`) and depth policy `policy`, with the speculation
+    "natural": what the drafter was trained for, `draft_depth`) and depth policy `policy`, with the speculation
     gate when `spec_gate`, against the AR baseline."""
     from dataclasses import replace
 
@@ -237,9 +237,9 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
 
     drafter = resolve_drafter(spec, state.model, state.target_dir)
     if k == "natural":
-        from angelspec.eval.server import natural_depth
+        from angelspec.decoding.loading import draft_depth
 
-        k = natural_depth(drafter, default=MTP_DEPTHS)
+        k = draft_depth(drafter)
     settings = replace(state.settings, num_draft_tokens=k or state.num_draft_tokens, spec_gate=spec_gate)
     depth_policy = None
     if policy != "full":
@@ -259,7 +259,6 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
                   f"(K={settings.num_draft_tokens}{gated}), {r.speedup:.2f}x vs AR; {report.lossless_line()}"}
 
 
-MTP_DEPTHS = 3  # MTP-3 / EAGLE-3 unroll three depths in training
 # The shipped drafters the headline table measures: (folder name, `--drafter` suffix, table name, depth policy,
 # speculation gate), each at the depth it was trained for. The gated rows show what `--spec-gate` makes of a drafter
 # that loses to AR (MTP-3) and of the best one (DFly + D-cut); "+ngram" puts n-gram lookup in front of DFly.
@@ -339,26 +338,24 @@ def demo_rollout(state: DemoState) -> Path:
 
 def _train_and_decode(state: DemoState, kind: str, name: str) -> dict[str, str]:
     """Train drafter `kind` with its demo preset for `state.train_minutes` on the rollouts, then decode."""
-    import importlib
     from dataclasses import replace
 
-    from angelspec.train.registry import TRAINERS
+    from angelspec.train.registry import trainable
 
     if state.train_minutes <= 0:
         return {name: "skipped (--train-minutes 0)"}
-    module_name, fn_name, _ = TRAINERS[kind]
-    module = importlib.import_module(module_name)
+    train_fn, presets = trainable(kind).load()
     data = demo_rollout(state)
     out = state.work_dir / kind
-    config = module.PRESETS[f"{kind}_demo"]()
+    config = presets[f"{kind}_demo"]()
     taps = getattr(config, "target_layer_ids", None)
     if taps and max(taps) >= state.model.config.num_hidden_layers:
         # The demo presets tap the embedded target's layers; another (shallower) --target gets the default taps.
         config = replace(config, target_layer_ids=None)
     if getattr(config, "draft_vocab_size", 0) >= state.model.config.vocab_size:  # a small --target: whole vocab
         config = replace(config, draft_vocab_size=0)
-    getattr(module, fn_name)(state.target_dir, data, out, config=config, force=True,
-                             max_minutes=state.train_minutes, progress=True, log=print, placement=state.placement)
+    train_fn(state.target_dir, data, out, config=config, force=True, max_minutes=state.train_minutes, progress=True,
+             log=print, placement=state.placement)
     return {"rollout": str(data), **_speculative_stage(state, f"{kind}:{out}", name, k="natural")}
 
 

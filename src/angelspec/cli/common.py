@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from angelspec.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOT_LOSSLESS
 
 if TYPE_CHECKING:
+    from angelspec.decoding.settings import DecodeSettings
     from angelspec.models.device import Placement  # torch is imported when a handler calls `placement`
 
 TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
@@ -90,6 +91,17 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="skip drafting on steps where plain decoding has been committing tokens faster at the "
                         "current batch size (measured online; outputs stay exact, sampled ones are not "
                         "bit-reproducible across runs)")
+
+
+def decode_settings(args: argparse.Namespace, *, compile: bool = False) -> DecodeSettings:
+    """The `DecodeSettings` of a decoding command's flags (`add_sampling_flags`, `add_num_draft_tokens_flag`,
+    `add_batch_size_flag`, `add_think_flag`, `add_policy_flags`, --max-new-tokens)."""
+    from angelspec.decoding.settings import DecodeSettings
+
+    return DecodeSettings(num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed, think=args.think, policy=args.policy, cost_table=args.cost_table,
+                          spec_gate=args.spec_gate, compile=compile)
 
 
 def add_overrides(p: argparse.ArgumentParser) -> None:

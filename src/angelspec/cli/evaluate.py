@@ -16,6 +16,7 @@ from angelspec.cli.common import (
     add_sampling_flags,
     add_target_flag,
     add_think_flag,
+    decode_settings,
     placement,
     warn,
 )
@@ -55,14 +56,13 @@ def add_eval(sub: Subparsers) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`angelspec eval`: AR and each drafter on the same prompts; acceptance, speed-up and the T=0 lossless check."""
+    from angelspec.decoding.drafter_spec import parse_drafter_spec
     from angelspec.eval.runs import evaluate_drafters
 
     run = evaluate_drafters(
-        args.drafter, target=args.target, prompts=args.prompts, limit=args.limit, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
-        cost_table=args.cost_table, compile=args.compile, spec_gate=args.spec_gate, json_out=args.json,
-        force=args.force, progress=not args.quiet, log=None if args.quiet else print, placement=placement(args))
+        [parse_drafter_spec(d) for d in args.drafter], decode_settings(args, compile=args.compile),
+        target=args.target, prompts=args.prompts, limit=args.limit, json_out=args.json, force=args.force,
+        progress=not args.quiet, log=None if args.quiet else print, placement=placement(args))
     print(run.format())
     if run.lossless is False:
         warn(run.lossless_banner())

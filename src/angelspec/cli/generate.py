@@ -30,14 +30,12 @@ def add_generate(sub: common.Subparsers) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """`angelspec generate`: complete every prompt of a JSONL file with the target (optionally a drafter)."""
+    from angelspec.decoding.drafter_spec import parse_drafter_spec
     from angelspec.decoding.generate import generate_completions
 
     summary = generate_completions(
-        args.prompts, args.out, target=args.target, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, think=args.think, policy=args.policy,
-        cost_table=args.cost_table, spec_gate=args.spec_gate, force=args.force, progress=not args.quiet,
-        log=None if args.quiet else print,
-        warn=common.warn, placement=common.placement(args))
+        args.prompts, args.out, parse_drafter_spec(args.drafter), common.decode_settings(args), target=args.target,
+        force=args.force, progress=not args.quiet, log=None if args.quiet else print, warn=common.warn,
+        placement=common.placement(args))
     print(summary.format())
     return 0

@@ -305,16 +305,3 @@ def iter_docs_files(root: str | os.PathLike[str]) -> Iterator[Path]:
         if rel[0] in skip or path.name in {"changelog.rst.txt", "license.rst.txt", "contents.rst.txt"}:
             continue
         yield path
-
-
-# --------------------------------------------------------------------------------------- all
-
-
-def fetch_sources(
-    cache_dir: str | os.PathLike[str] | None = None, *, docs: bool = True
-) -> Sources:
-    """Locate the required sources and fetch the optional docs; raises :class:`SourceError` if one is missing."""
-    stdlib = stdlib_dir()
-    sharegpt = locate_sharegpt(cache_dir)
-    docs_dir = fetch_docs(cache_dir) if docs else None
-    return Sources(stdlib=stdlib, sharegpt=sharegpt, docs=docs_dir)

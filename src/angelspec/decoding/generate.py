@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import resolve_target_dir
 from angelspec.data.prompts import load_prompts
-from angelspec.decoding.limits import check_counts, check_fits_target
+from angelspec.decoding.drafter_spec import DrafterSpec, parse_drafter_spec
+from angelspec.decoding.limits import check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
     encode_prompts,
@@ -23,6 +24,7 @@ from angelspec.decoding.loading import (
     resolve_drafter,
     run_engine,
 )
+from angelspec.decoding.settings import DecodeSettings
 from angelspec.errors import UsageError
 from angelspec.fileio import check_output_path, refuse_same_file, write_jsonl_atomic
 
@@ -99,51 +101,53 @@ class GenerateSummary:
                 f"drafter {self.drafter}{policy}{mal})")
 
 
-def generate_completions(prompts: str | Path, out: str | Path, *, target: str | Path | None = None,
-                         drafter: str = "none", num_draft_tokens: int | None = None, temperature: float = 0.0,
-                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_new_tokens: int = 256,
-                         batch_size: int = 8, think: bool = False, policy: str = "full",
-                         cost_table: str | Path | None = None, spec_gate: bool = False, force: bool = False,
-                         progress: bool = True,
-                         log: Callable[[str], None] | None = None,
+def generate_completions(prompts: str | Path, out: str | Path, drafter: str | DrafterSpec = "none",
+                         settings: DecodeSettings | None = None, *, target: str | Path | None = None,
+                         force: bool = False, progress: bool = True, log: Callable[[str], None] | None = None,
                          warn: Callable[[str], None] | None = None,
                          placement: Placement | None = None) -> GenerateSummary:
     """Complete every line of the JSONL prompts file `prompts` ({"prompt": str} or {"messages": [...]},
     rendered with the target's chat template) and write one JSON line per prompt to `out`: the input record
     plus completion, token_ids and finish_reason.
 
-    target: HF checkpoint folder (None: the embedded target); drafter: a `--drafter` spec
-    (`decoding.loading.resolve_drafter`); num_draft_tokens: K (None: the depth the drafter was trained for,
-    `decoding.loading.draft_depth`); policy: a `--policy` spec; log: the cost-table profiler's progress;
-    warn: a note when some prompts leave less than `max_new_tokens` of the context, or when the drafter's confidence
-    calibration has no fit near `temperature`; placement: the target's device and dtype (None: a GPU in bfloat16
-    where torch sees one, else the CPU in float32; `angelspec.models.device.resolve_placement`).
-    Everything that can be checked without the weights is checked before they are loaded.
+    drafter: a `--drafter` spec (`decoding.drafter_spec`); settings: how to decode (`DecodeSettings`; None: its
+    defaults, K the depth the drafter was trained for); target: HF checkpoint folder (None: the embedded target);
+    log: the cost-table profiler's progress; warn: a note when some prompts leave less than `max_new_tokens` of the
+    context, or when the drafter's confidence calibration has no fit near the temperature; placement: the target's
+    device and dtype (None: a GPU in bfloat16 where torch sees one, else the CPU in float32;
+    `angelspec.models.device.resolve_placement`). Everything that can be checked without the weights is checked
+    before they are loaded.
     """
-    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens)
-    if spec_gate and drafter == "none":
+    settings = settings or DecodeSettings()
+    settings.check_counts()
+    spec = parse_drafter_spec(drafter)
+    drafter = spec.text
+    batch_size, max_new_tokens, cost_table = settings.batch_size, settings.max_new_tokens, settings.cost_table
+    if settings.spec_gate and spec.is_none:
         raise UsageError("--spec-gate decides when to draft, but --drafter is none; pick a drafter or drop "
                          "--spec-gate")
     out = Path(out)
     refuse_same_file(out, ("--prompts", prompts), ("--cost-table", cost_table))
     check_output_path(out, force)
-    policy_spec = parse_depth_policy(policy, drafter)
+    policy_spec = parse_depth_policy(settings.policy, drafter)
     records = load_prompts(prompts)
-    sampling = sampling_params(len(records), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = sampling_params(len(records), temperature=settings.temperature, top_k=settings.top_k,
+                               top_p=settings.top_p, seed=settings.seed)
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     check_fits_target(model.config, rows=min(batch_size, len(records)),
-                      num_draft_tokens=0 if drafter == "none" else num_draft_tokens,
+                      num_draft_tokens=0 if spec.is_none else settings.num_draft_tokens,
                       dtype_bytes=model.embed_tokens.weight.element_size(), device=model.embed_tokens.weight.device)
     context = model.config.max_position_embeddings
-    prompt_ids = encode_prompts(tokenizer, records, context=context, think=think, source=str(prompts))
-    draft = resolve_drafter(drafter, model, target_dir)
-    num_draft_tokens = draft_depth(draft, num_draft_tokens)
+    prompt_ids = encode_prompts(tokenizer, records, context=context, think=settings.think, source=str(prompts))
+    draft = resolve_drafter(spec, model, target_dir)
+    num_draft_tokens = draft_depth(draft, settings.num_draft_tokens)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                      batch_size=batch_size, cost_table=cost_table, log=log)
+                                      batch_size=batch_size, cost_table=cost_table, compile=settings.compile,
+                                      log=log)
     from angelspec.decoding.policies.sts import CalibratedDrafter
 
-    note = draft.temperature_note(temperature) if isinstance(draft, CalibratedDrafter) else None
+    note = draft.temperature_note(settings.temperature) if isinstance(draft, CalibratedDrafter) else None
     if note is not None and warn is not None:  # calibrated only far from `temperature`
         warn(note)
     capped = sum(len(ids) + max_new_tokens > context for ids in prompt_ids)
@@ -153,7 +157,8 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
 
     results, metrics = run_engine(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                   batch_size=batch_size, drafter=draft, num_draft_tokens=num_draft_tokens,
-                                  progress=progress, depth_policy=depth_policy, spec_gate=spec_gate)
+                                  progress=progress, depth_policy=depth_policy, spec_gate=settings.spec_gate,
+                                  compile=settings.compile)
     lines = []
     for p, res in zip(records, results, strict=True):
         ids = [int(t) for t in res.token_ids]
@@ -161,7 +166,7 @@ def generate_completions(prompts: str | Path, out: str | Path, *, target: str | 
                       "token_ids": ids, "finish_reason": res.finish_reason})
     write_jsonl_atomic(out, lines)
     return GenerateSummary(out=out, completions=len(lines), metrics=metrics, batch_size=batch_size,
-                           drafter=drafter, policy=policy)
+                           drafter=drafter, policy=settings.policy)
 
 
 def preview_lines(text: str, max_lines: int, indent: str = "    ") -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from angelspec.errors import require_range
+from angelspec.errors import UsageError, require_range
 from angelspec.fileio import require_memory
 
 if TYPE_CHECKING:
@@ -26,6 +26,22 @@ MAX_REQUESTS = 1_000_000  # requests one run makes (bench --min-requests)
 MAX_REPEATS = 10_000  # timed or untimed steps per profiled cell
 
 
+def check_num_draft_tokens(k: int, context: int | None = None) -> None:
+    """The one check of a requested K (`--num-draft-tokens`, `num_draft_tokens` of the library calls): an integer
+    from 1 to MAX_DRAFT_TOKENS, and with the target's `context` known, at most context - 2 (the verify forward
+    takes K + 1 positions after at least one token). A drafter's own bound (a block drafter's block size - 1) is
+    its `Drafter.check_depth`."""
+    if isinstance(k, bool) or not isinstance(k, int | float):
+        raise UsageError(f"--num-draft-tokens must be a positive integer, got {k!r}")
+    if context is None:
+        require_range("--num-draft-tokens", k, 1, MAX_DRAFT_TOKENS)
+    else:
+        require_range("--num-draft-tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
+                      f" (the target's context is {context} tokens)")
+    if k != int(k):
+        raise UsageError(f"--num-draft-tokens must be a positive integer, got {k!r}")
+
+
 def check_counts(*, max_new_tokens: int | None = None, batch_size: int | None = None,
                  num_draft_tokens: int | None = None, limit: int | None = None,
                  batch_flag: str = "--batch-size") -> None:
@@ -36,7 +52,7 @@ def check_counts(*, max_new_tokens: int | None = None, batch_size: int | None = 
     if batch_size is not None:
         require_range(batch_flag, batch_size, 1, MAX_BATCH_SIZE)
     if num_draft_tokens is not None:
-        require_range("--num-draft-tokens", num_draft_tokens, 1, MAX_DRAFT_TOKENS)
+        check_num_draft_tokens(num_draft_tokens)
     if limit is not None:
         require_range("--limit", limit, 1, 1 << 31)
 
@@ -78,8 +94,7 @@ def check_fits_target(config: DecoderConfig, *, rows: int, num_draft_tokens: int
     context = config.max_position_embeddings
     k = num_draft_tokens or 0
     if k:
-        require_range("--num-draft-tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
-                      f" (the target's context is {context} tokens)")
+        check_num_draft_tokens(k, context)
     where = "this machine"
     if available is None:
         found = free_memory(device)

@@ -12,6 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from angelspec.decoding.drafter_spec import (
+    NGRAM,
+    DrafterSpec,
+    LookupSpec,
+    drafter_forms,
+    parse_drafter_spec,
+)
 from angelspec.errors import UsageError
 
 if TYPE_CHECKING:
@@ -76,11 +83,12 @@ def encode_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, context: in
 
 def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: int, sampling: list[Any],
                batch_size: int, drafter: Drafter | None = None, num_draft_tokens: int = 4,
-               progress: bool = True, depth_policy: Any = None, spec_gate: bool = False) -> tuple[list[Any], Any]:
+               progress: bool = True, depth_policy: Any = None, spec_gate: bool = False,
+               compile: bool = False) -> tuple[list[Any], Any]:
     """Generate for every prompt through the engine; returns the results (in prompt order) and the run's
     `DecodeMetrics` (tokens/s, steps, and acceptance once a drafter is used). depth_policy: drafts each row
     verifies (`angelspec.decoding.policies.factory.make_policy`); None = all K. spec_gate: skip drafting where
-    plain steps are faster (`EngineConfig.spec_gate`).
+    plain steps are faster (`EngineConfig.spec_gate`); compile: `EngineConfig.compile`.
 
     Each request's budget is capped so prompt + completion fits the context; such rows end with
     finish_reason "length" like any other that ran out of tokens.
@@ -90,7 +98,7 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     context = model.config.max_position_embeddings
     engine = SpecEngine(model, drafter=drafter,
                         config=EngineConfig(max_batch_size=batch_size, num_draft_tokens=num_draft_tokens,
-                                            spec_gate=spec_gate and drafter is not None),
+                                            spec_gate=spec_gate and drafter is not None, compile=compile),
                         depth_policy=depth_policy)
     requests = [Request(prompt_ids=ids, max_new_tokens=min(max_new_tokens, context - len(ids)), sampling=s,
                         request_id=i)
@@ -99,47 +107,42 @@ def run_engine(model: Decoder, prompt_ids: list[list[int]], *, max_new_tokens: i
     return results, engine.metrics
 
 
-def resolve_drafter(spec: str | None, target: Decoder, target_dir: Path,
+def resolve_drafter(spec: str | DrafterSpec | None, target: Decoder, target_dir: Path,
                     dtype: torch.dtype | None = None) -> Drafter | None:
-    """Turn `--drafter SPEC` into a drafter for the engine (None = plain autoregressive decoding).
+    """Turn `--drafter SPEC` (text, parsed by `drafter_spec.parse_drafter_spec`, or parsed already) into a drafter for
+    the engine (None = plain autoregressive decoding).
 
     Forms: `none`; `ngram` or `ngram:N` (prompt lookup, longest n-gram N, default 3); `KIND:DIR` (a saved
     drafter of a registered kind, e.g. `draft-lm:DIR`, which also accepts any HF causal LM that shares the
     target's tokenizer); a bare `DIR` written by `angelspec train`, whose config.json names its kind in
-    `"angelspec": {"drafter": KIND}`. Saved drafters load through their class's
-    `from_pretrained(DIR, *, target=..., dtype=..., device=...)` (each keyword passed when the loader takes it: a
-    draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's embedding),
-    found via the registry, so a new drafter kind needs no change here. The drafter is checked against the target
-    before it is returned: a drafter for another target fails here, before any decoding.
+    `"angelspec": {"drafter": KIND}`; `SPEC+ngram[:N[:M[:D]]]`. Saved drafters load through their family record's
+    `load` (a draft LM has its own weights in `dtype` on the target's device, an MTP head shares the target's
+    embedding), so a new drafter kind needs no change here. The drafter is checked against the
+    target before it is returned: a drafter for another target fails here, before any decoding.
     """
-    if spec is None or spec == "none":
-        return None
-    from angelspec.decoding.drafters import registered_drafters
     from angelspec.decoding.drafters.base import DrafterMismatchError
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
-    base, lookup = split_hybrid_spec(spec)
-    if lookup is not None:
-        return _hybrid(spec, resolve_drafter(base, target, target_dir, dtype), lookup)
-    kind, sep, arg = spec.partition(":")
+    parsed = parse_drafter_spec(spec)
+    if parsed.is_none:
+        return None
+    if parsed.lookup is not None:
+        return _hybrid(parsed.text, resolve_drafter(parsed.base, target, target_dir, dtype), parsed.lookup)
+    text = parsed.text
     dtype = dtype or target.embed_tokens.weight.dtype
     drafter: Drafter
     try:
-        if kind == "ngram":
-            drafter = NGramDrafter(max_ngram=_ngram_size(spec, arg) if sep else 3)
-        elif kind in registered_drafters():
-            if not sep or not arg:
-                raise UsageError(f"drafter {spec!r} needs the folder it was saved in: {kind}:DIR; "
-                                 f"valid forms: {drafter_forms()}")
-            drafter = _load_saved_drafter(spec, Path(arg), kind, target, dtype)
-        elif Path(spec).exists():
-            drafter = _load_saved_drafter(spec, Path(spec), None, target, dtype)
+        if parsed.kind == NGRAM:
+            drafter = NGramDrafter(max_ngram=parsed.max_ngram)
+        elif parsed.kind is not None or parsed.folder.exists():
+            drafter = _load_saved_drafter(text, parsed.folder, parsed.kind, target, dtype)
         else:
+            kind, sep, _ = text.partition(":")
             what = f"{kind!r} is not a drafter kind" if sep else "not a drafter name, and no such directory"
-            raise UsageError(f"unknown drafter {spec!r} ({what}); valid forms: {drafter_forms()}")
+            raise UsageError(f"unknown drafter {text!r} ({what}); valid forms: {drafter_forms()}")
         drafter.check_compatible(target.config)
     except DrafterMismatchError as e:
-        raise DrafterMismatchError(f"drafter {spec!r} does not fit the target {target_dir}: {e}") from None
+        raise DrafterMismatchError(f"drafter {text!r} does not fit the target {target_dir}: {e}") from None
     return drafter
 
 
@@ -192,101 +195,51 @@ def check_target_weights(spec: str, path: Path, meta: Any, target: Decoder) -> N
                                    "drafter's own target, or train a drafter for this one")
 
 
-DEFAULT_NUM_DRAFT_TOKENS = 4  # K for drafters without a trained depth (n-gram lookup, the draft LM)
-
-
 def draft_depth(drafter: Drafter | None, requested: int | None = None) -> int:
     """The K a command drafts with: `requested` (`--num-draft-tokens`) when given, else the depth the drafter was
     trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP / EAGLE-3 model's depth count),
-    else `DEFAULT_NUM_DRAFT_TOKENS`. A requested K must be positive."""
+    else its family's `default_depth` (`DEFAULT_NUM_DRAFT_TOKENS` for a drafter of no family). A requested K is
+    checked by `limits.check_num_draft_tokens`."""
+    from angelspec.decoding.drafters.families import DEFAULT_NUM_DRAFT_TOKENS, family_of
+    from angelspec.decoding.limits import check_num_draft_tokens
+
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise UsageError(f"--num-draft-tokens must be a positive integer, got {requested!r}")
+        check_num_draft_tokens(requested)
         return requested
-    trained = None if drafter is None else drafter.trained_depth
-    return trained if isinstance(trained, int) and trained > 0 else DEFAULT_NUM_DRAFT_TOKENS
+    if drafter is None:
+        return DEFAULT_NUM_DRAFT_TOKENS
+    trained = drafter.trained_depth
+    if isinstance(trained, int) and trained > 0:
+        return trained
+    family = family_of(drafter)
+    return DEFAULT_NUM_DRAFT_TOKENS if family is None else family.default_depth
 
 
-HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a model drafter (`HybridDrafter`)
-HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
-
-
-def split_hybrid_spec(spec: str) -> tuple[str, tuple[int, int, int | None] | None]:
-    """`SPEC+ngram[:N[:M[:D]]]` -> (SPEC, (N, M, D)): the longest n-gram N to match (default 3), the shortest match M
-    whose drafts replace the model's (default 1) and the most drafts D the model proposes in a round (default None:
-    the engine's K, as the lookup); any other spec -> (spec, None)."""
-    base, plus, tail = spec.rpartition(HYBRID_SUFFIX)
-    if not plus or (tail and not tail.startswith(":")):
-        return spec, None
-    parts = tail[1:].split(":") if tail else []
-    if len(parts) > 3:
-        raise UsageError(f"drafter {spec!r}: expected {HYBRID_FORM} (N the longest n-gram to match, M the shortest "
-                         "match that replaces the model's drafts, D the most drafts the model proposes in a round)")
-    n = _ngram_size(spec, parts[0]) if parts else 3
-    m = _ngram_size(spec, parts[1], what=f"{HYBRID_SUFFIX}:N:M needs a positive integer M (the shortest match that "
-                    "replaces the model's drafts)") if len(parts) >= 2 else 1
-    d = _ngram_size(spec, parts[2], what=f"{HYBRID_SUFFIX}:N:M:D needs a positive integer D (the most drafts the "
-                    "model proposes in a round)") if len(parts) == 3 else None
-    return base, (n, m, d)
-
-
-def _hybrid(spec: str, inner: Drafter | None, lookup: tuple[int, int, int | None]) -> Drafter:
+def _hybrid(spec: str, inner: Drafter | None, lookup: LookupSpec) -> Drafter:
     from angelspec.decoding.drafters.hybrid import HybridDrafter
     from angelspec.decoding.drafters.ngram import NGramDrafter
 
-    if inner is None or isinstance(inner, NGramDrafter):
-        raise UsageError(f"drafter {spec!r}: {HYBRID_SUFFIX} puts n-gram lookup in front of a model drafter, "
-                         f"e.g. dfly:DIR{HYBRID_SUFFIX}; for lookup alone pass ngram")
-    max_ngram, min_match, model_depth = lookup
+    assert inner is not None  # parse_drafter_spec refuses none+ngram and ngram+ngram
+    max_ngram, min_match, model_depth = lookup.as_tuple()
     try:
         return HybridDrafter(inner, NGramDrafter(max_ngram=max_ngram), min_match=min_match, model_depth=model_depth)
     except ValueError as e:
         raise UsageError(f"drafter {spec!r}: {e}") from None
 
 
-def drafter_path(spec: str) -> Path:
-    """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR, else the spec itself); not checked."""
-    from angelspec.decoding.drafters import registered_drafters
-
-    spec = split_hybrid_spec(spec)[0]
-    kind, sep, arg = spec.partition(":")
-    return Path(arg) if sep and kind in registered_drafters() else Path(spec)
-
-
-def drafter_forms(include_none: bool = True) -> str:
-    """The valid `--drafter` forms, with the saved-drafter kinds read from the registry."""
-    from angelspec.decoding.drafters import get_drafter, registered_drafters
-
-    kinds = [k for k in registered_drafters() if callable(getattr(get_drafter(k), "from_pretrained", None))]
-    saved = ", ".join(f"{k}:DIR" for k in kinds)
-    none = "none, " if include_none else ""
-    return f"{none}ngram, ngram:N (longest n-gram to match, default 3), {saved}, or DIR (a folder written by " \
-           f"`angelspec train`); a model drafter's {HYBRID_FORM} puts n-gram lookup in front of it"
-
-
-def _ngram_size(spec: str, arg: str,
-                what: str = "ngram:N needs a positive integer N (the longest n-gram to match)") -> int:
-    from angelspec.decoding.limits import MAX_NGRAM
-
-    try:
-        n = int(arg)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise UsageError(f"drafter {spec!r}: {what}, got {arg!r}")
-    if n > MAX_NGRAM:
-        raise UsageError(f"drafter {spec!r}: {what.partition(' needs ')[0]} must be at least 1 and at most "
-                         f"{MAX_NGRAM}, got {n}")
-    return n
+def drafter_path(spec: str | DrafterSpec) -> Path:
+    """The folder a saved-drafter `--drafter` spec names (DIR of KIND:DIR or of DIR, else the spec itself); its
+    existence is not checked."""
+    parsed = parse_drafter_spec(spec)
+    return parsed.folder if parsed.folder is not None else Path(parsed.base)
 
 
 def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder, dtype: torch.dtype) -> Drafter:
     """Load a drafter folder. `kind` None = read it from config.json's `"angelspec": {"drafter": ...}`.
     A `calibration.json` in the folder (from `angelspec calibrate`) wraps it in a `CalibratedDrafter`."""
-    import inspect
+    from angelspec.decoding.drafters.families import families, get_family
 
-    from angelspec.decoding.drafters import get_drafter, registered_drafters
-
+    known = tuple(f.name for f in families())
     if not path.is_dir():
         problem = "is a file, not a folder" if path.exists() else "does not exist"
         raise UsageError(f"drafter {spec!r}: {path} {problem}; valid forms: {drafter_forms()}")
@@ -305,21 +258,20 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
             raise UsageError(f'drafter {spec!r}: {path} is not an AngelSpec drafter folder (its config.json has no '
                              f'"angelspec": {{"drafter": ...}} entry); to use a plain HF causal LM that shares the '
                              f"target's tokenizer as a draft model, pass draft-lm:{path}")
-        if recorded not in registered_drafters():
+        if recorded not in known:
             raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, which this version of AngelSpec "
-                             f"cannot load (known kinds: {', '.join(registered_drafters())})")
+                             f"cannot load (known kinds: {', '.join(known)})")
         kind = recorded
     elif recorded is not None and recorded != kind:
         raise UsageError(f"drafter {spec!r}: {path} holds a {recorded!r} drafter, not {kind!r}; "
                          f"pass --drafter {path} (or {recorded}:{path})")
     check_target_weights(spec, path, meta, target)
-    loader = getattr(get_drafter(kind), "from_pretrained", None)
-    if not callable(loader):
+    family = get_family(kind)
+    if not family.saved:
         raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
                          f"valid forms: {drafter_forms()}")
     from angelspec.decoding.policies.sts import with_calibration
 
-    accepted = inspect.signature(loader).parameters
-    given = (("target", target), ("dtype", dtype), ("device", target.embed_tokens.weight.device))
-    drafter = loader(path, **{k: v for k, v in given if k in accepted})
+    assert family.load is not None
+    drafter = family.load(path, target, dtype)
     return with_calibration(drafter, path)  # a calibration.json beside the weights calibrates its confidences

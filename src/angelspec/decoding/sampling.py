@@ -184,8 +184,8 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
         the same, without the sort. Not checked (that would read the parameters back: a device sync).
 
     Rows must have at least one finite logit. One descending sort per row serves both filters; that
-    O(V log V) sort is the main cost (at V = 8,192 on one CPU core, 2.7 of 2.8 ms for [1, 5, V] and 43 ms for
-    [16, 5, V]) and is paid by every row of a batch in which some row filters, to keep shapes static.
+    O(V log V) sort is the main cost (measured: docs/design.md §12) and is paid by every row of a batch in which
+    some row filters, to keep shapes static.
     """
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be [B, V] or [B, K, V], got shape {tuple(logits.shape)}")
@@ -288,8 +288,8 @@ def _mix64(z: Tensor) -> Tensor:
 
 
 def _mix64_(z: Tensor) -> Tensor:
-    """`_mix64` in place, with one scratch buffer: the same numbers, without the ten temporaries a [B, V] hash
-    allocated (at [16, 8,192] on one CPU core the noise took 2.8 ms with them, 1.1 ms without)."""
+    """`_mix64` in place, with one scratch buffer: the same numbers, without the ten temporaries of a [B, V] hash
+    (measured: docs/design.md §12)."""
     t = torch.empty_like(z)
     for shift, mask, mul in ((30, 2**34 - 1, _MUL1), (27, 2**37 - 1, _MUL2), (31, 2**33 - 1, None)):
         torch.bitwise_right_shift(z, shift, out=t)

@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
+from angelspec.decoding.drafter_spec import DrafterSpec, parse_drafter_spec
 from angelspec.decoding.generate import build_depth_policy, parse_depth_policy, sampling_params
 from angelspec.decoding.limits import MAX_BATCH_SIZE, MAX_REPEATS, MAX_REQUESTS, check_counts, check_fits_target
 from angelspec.decoding.loading import (
     draft_depth,
     drafter_forms,
-    drafter_path,
     encode_prompts,
     load_target_and_tokenizer,
     resolve_drafter,
 )
+from angelspec.decoding.settings import DecodeSettings
 from angelspec.errors import UsageError, require_range
 from angelspec.eval.prompts import eval_prompts
 from angelspec.fileio import check_output_path, check_writable_path, refuse_same_file, write_json_atomic
@@ -101,72 +102,71 @@ def _target_config(target_dir: Path) -> DecoderConfig:
     return read_config(target_dir)
 
 
-def evaluate_drafters(drafters: str | Sequence[str], *, target: str | Path | None = None,
-                      prompts: str | Path | None = None, limit: int | None = None, temperature: float = 0.0,
-                      top_p: float = 1.0, top_k: int = 0, seed: int | None = 0, max_new_tokens: int = 128,
-                      num_draft_tokens: int | None = None, batch_size: int = 8, think: bool = False,
-                      policy: str = "full",
-                      cost_table: str | Path | None = None, compile: bool = False, spec_gate: bool = False,
-                      json_out: str | Path | None = None, force: bool = False,
+def evaluate_drafters(drafters: str | DrafterSpec | Sequence[str | DrafterSpec], settings: DecodeSettings | None = None,
+                      *, target: str | Path | None = None, prompts: str | Path | None = None,
+                      limit: int | None = None, json_out: str | Path | None = None, force: bool = False,
                       progress: bool = True, log: Callable[[str], None] | None = None,
                       placement: Placement | None = None) -> EvalRun:
     """Decode the same prompts autoregressively, once, and with each of `drafters` (`--drafter` specs other than
-    none) under the same settings (`angelspec.eval.speculative.evaluate_many`); write the numbers to `json_out`
-    when given (one drafter: its report; several: a list under "runs").
+    none) under the same `settings` (`DecodeSettings`, None: its defaults; its policy applies to every drafter, K
+    None is each drafter's trained depth; `angelspec.eval.speculative.evaluate_many`); write the numbers to
+    `json_out` when given (one drafter: its report; several: a list under "runs").
 
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
-    limit: at most that many prompts per domain; seed S: request i uses S + i; policy: a `--policy` spec, for
-    every drafter; spec_gate: the speculative runs skip drafting where plain steps are faster
-    (`EngineConfig.spec_gate`); log: the cost-table profiler's progress.
+    limit: at most that many prompts per domain; log: the cost-table profiler's progress.
     """
     from angelspec.decoding.policies.sts import CalibratedDrafter
     from angelspec.eval.speculative import EvalSettings, evaluate_many, format_comparison
 
-    specs = [drafters] if isinstance(drafters, str) else list(drafters)
+    parsed = [parse_drafter_spec(d) for d in ([drafters] if isinstance(drafters, str | DrafterSpec) else drafters)]
+    specs = [p.text for p in parsed]
     if not specs:
         raise UsageError(f"no drafter to evaluate; pass --drafter: {drafter_forms(include_none=False)}")
-    if "none" in specs:
+    if any(p.is_none for p in parsed):
         raise UsageError(f"--drafter none leaves nothing to compare with autoregressive decoding; "
                          f"choose a drafter: {drafter_forms(include_none=False)}")
-    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=num_draft_tokens, limit=limit)
+    settings = settings or DecodeSettings()
+    settings.check_counts(limit)
+    batch_size, cost_table, compile = settings.batch_size, settings.cost_table, settings.compile
     if cost_table is not None and len(specs) > 1:
         raise UsageError(f"--cost-table holds one drafter's step costs, and {len(specs)} drafters were given; "
                          "evaluate them one at a time with --cost-table, or leave it out (each drafter then uses "
                          "its own cached table)")
-    policy_specs = [parse_depth_policy(policy, spec) for spec in specs]
+    policy_specs = [parse_depth_policy(settings.policy, spec) for spec in specs]
     json_path = Path(json_out) if json_out is not None else None
     prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     if json_path is not None:
         refuse_same_file(json_path, ("--prompts", prompts_path), ("--cost-table", cost_table), flag="--json")
         check_output_path(json_path, force, "--json", "eval.json")
     records = load_prompts(prompts_path)
-    sampling = sampling_params(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)[0]
+    sampling = sampling_params(1, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                               seed=settings.seed)[0]
     target_dir = resolve_target_dir(target)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
-    _check_fits(model, rows=batch_size, num_draft_tokens=num_draft_tokens)
+    _check_fits(model, rows=batch_size, num_draft_tokens=settings.num_draft_tokens)
     chosen = eval_prompts(tokenizer, records, context=model.config.max_position_embeddings,
-                          source=str(prompts_path), limit=limit, think=think)
+                          source=str(prompts_path), limit=limit, think=settings.think)
     runs, depths = [], []
-    for spec, policy_spec in zip(specs, policy_specs, strict=True):
-        draft = resolve_drafter(spec, model, target_dir)
+    for spec, drafter_spec, policy_spec in zip(specs, parsed, policy_specs, strict=True):
+        draft = resolve_drafter(drafter_spec, model, target_dir)
         assert draft is not None
-        k = draft_depth(draft, num_draft_tokens)  # default: the depth each drafter was trained for
+        k = draft_depth(draft, settings.num_draft_tokens)  # default: the depth each drafter was trained for
         depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=k,
                                           batch_size=batch_size, cost_table=cost_table, compile=compile, log=log)
-        runs.append((spec, draft, depth_policy, policy))
+        runs.append((spec, draft, depth_policy, settings.policy))
         depths.append(k)
-    settings = EvalSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, num_draft_tokens=depths[0],
-                            sampling=sampling, compile=compile,
-                            spec_gate=spec_gate)  # evaluate gives request i the seed S + i
-    baseline, reports = evaluate_many(model, runs, chosen, settings, progress=progress, depths=depths)
+    eval_settings = EvalSettings(max_new_tokens=settings.max_new_tokens, batch_size=batch_size,
+                                 num_draft_tokens=depths[0], sampling=sampling, compile=compile,
+                                 spec_gate=settings.spec_gate)  # evaluate gives request i the seed S + i
+    baseline, reports = evaluate_many(model, runs, chosen, eval_settings, progress=progress, depths=depths)
     calibrations: list[str | None] = []  # described, for the printout
     numbers = []  # per drafter, for --json
     for (_, draft, _, _), report in zip(runs, reports, strict=True):
         calibrated = isinstance(draft, CalibratedDrafter)
         described = None
         if calibrated:
-            note = draft.temperature_note(temperature)
-            described = draft.describe(temperature) + ("" if note is None else f"\n{note}")
+            note = draft.temperature_note(settings.temperature)
+            described = draft.describe(settings.temperature) + ("" if note is None else f"\n{note}")
         calibrations.append(described)
         numbers.append({"calibration": draft.calibration.to_json() if calibrated else None, **report.to_dict()})
     if json_path is not None:
@@ -194,7 +194,8 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
         require_range("--batch-sizes", b, 1, MAX_BATCH_SIZE)
     require_range("--repeats", repeats, 1, MAX_REPEATS)
     require_range("--warmup", warmup, 0, MAX_REPEATS)
-    if drafter == "none":
+    spec = parse_drafter_spec(drafter)
+    if spec.is_none:
         raise UsageError("--drafter none has no speculative step to profile; choose a drafter: "
                          f"{drafter_forms(include_none=False)}")
     path = Path(out) if out is not None else None
@@ -216,7 +217,7 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     model, _ = load_target_and_tokenizer(target_dir, placement)
     if sizes:
         _check_fits(model, rows=sizes[-1], num_draft_tokens=num_draft_tokens, batch_flag="--batch-sizes")
-    draft = resolve_drafter(drafter, model, target_dir)
+    draft = resolve_drafter(spec, model, target_dir)
     assert draft is not None
     return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens),
                            force=force,
@@ -283,7 +284,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         raise UsageError(f"--out {out_dir} already holds a sweep (results.json); pass --force to overwrite it or "
                          "give another --out")
     for c in parsed:  # a missing drafter folder fails before the target is loaded
-        folder = None if c.drafter == "none" or c.drafter.partition(":")[0] == "ngram" else drafter_path(c.drafter)
+        folder = parse_drafter_spec(c.drafter).folder
         if folder is not None and not folder.exists():
             raise UsageError(f"--config {c.name}={c.drafter}: drafter folder {folder} does not exist; train it with "
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")

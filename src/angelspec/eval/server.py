@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.decoding.limits import check_counts
-from angelspec.decoding.loading import resolve_drafter
+from angelspec.decoding.loading import draft_depth, resolve_drafter
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError, require_range
 from angelspec.eval.speculative import ALL, EvalPrompt, EvalReport, EvalSettings, evaluate
@@ -156,13 +156,6 @@ def snapshot_checkpoint(src: Path, step: int, dest_root: Path) -> Path | None:
     return dest
 
 
-def natural_depth(drafter: Any, default: int = 4) -> int:
-    """The depth the drafter was trained for (`Drafter.trained_depth`: a block drafter's block size - 1, an MTP /
-    EAGLE-3 model's depth count; wrappers pass their inner drafter's); `default` for drafters without one."""
-    v = getattr(drafter, "trained_depth", None)
-    return v if isinstance(v, int) and v > 0 else default
-
-
 def _cpu_speedup(comparison: Any) -> float | None:
     """The speed-up per CPU-second (`cpu_speedup`), None for a GPU run (its engine measures no CPU time)."""
     return round(comparison.cpu_speedup, 4) if comparison.ar.cpu_s > 0 else None
@@ -192,7 +185,7 @@ def evaluate_checkpoint(target: Any, target_dir: Path, ckpt: Path, prompts: Sequ
                         progress: bool = False) -> list[dict[str, Any]]:
     """Decode `prompts` with the checkpoint's drafter at every temperature of `settings`; one record each."""
     drafter = resolve_drafter(str(ckpt), target, target_dir)
-    k = settings.num_draft_tokens or natural_depth(drafter)
+    k = draft_depth(drafter, settings.num_draft_tokens or None)
     records = []
     for temperature in settings.temperatures:
         t0 = time.time()

@@ -112,10 +112,6 @@ class DecoderConfig(LayerShape):
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
     @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()

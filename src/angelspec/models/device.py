@@ -87,10 +87,6 @@ class Placement:
     dtype: torch.dtype
     attention: str = "auto"  # the attention kernels (`models.attention.ATTENTION_BACKENDS`)
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
     def use_attention(self) -> None:
         """Make `attention` the kernels of every model this process runs (`set_default_attention_backend`)."""
         from angelspec.models.attention import set_default_attention_backend

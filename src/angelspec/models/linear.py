@@ -3,8 +3,8 @@
 `nn.Linear` stores W as [out, in] rows and computes x @ Wᵀ. For one row of x (an AR decode step) a CPU GEMM
 reads W once and is bound by memory either way. For a few rows (verifying K + 1 drafted tokens, a block
 drafter's B positions, a batch of requests) the fp32 GEMM kernels behind `F.linear` run far below what the same
-multiply costs with W stored transposed, as a contiguous [in, out] matrix (`benchmarks/weight_layout.py`): on
-the embedded target a compiled K = 7 verify step went from 3.26 to 2.46 ms, an AR step stayed the same.
+multiply costs with W stored transposed, as a contiguous [in, out] matrix (`benchmarks/weight_layout.py`;
+numbers: docs/design.md §10 and §12).
 
 `Linear` is `nn.Linear` with that choice made by the weight's memory layout alone: a weight whose transpose is
 contiguous (`transpose_weights`) is multiplied as x @ (Wᵀ), any other as `F.linear`. The values, the parameter's
@@ -49,8 +49,8 @@ class Linear(nn.Linear):
 
 
 # A Linear whose weight is tied to an embedding (a tied LM head) gets its own transposed copy: the embedding must
-# stay row-major, since gathering a token's row from a transposed table touches one cache line per element (on the
-# embedded target that alone cost 0.1 ms per verify step). Above this size the copy's memory is not worth it and the
+# stay row-major, since gathering a token's row from a transposed table touches one cache line per element
+# (docs/design.md §12). Above this size the copy's memory is not worth it and the
 # head keeps F.linear.
 TIED_COPY_MAX_BYTES = 64 * 2**20
 

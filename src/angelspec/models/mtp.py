@@ -194,10 +194,6 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         """`DecoderLayer.forward`'s MLP residual, the layer's last step: x [B, T, C] -> h [B, T, C]."""
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def attend_out(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The rest of `DecoderLayer.forward` after attention: x [B, T, C], attn_out [B, H, T, Dh] -> h [B, T, C]."""
-        return self.mlp_residual(self.attention_residual(x, attn_out))
-
     # ----- depth 0, teacher-forced (base MTP and the "one causal pass" of benchmarks/ttt_memory.py) -----
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:

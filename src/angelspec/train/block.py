@@ -760,3 +760,4 @@ train_dflash = _kind_trainer("dflash", dflash_embedded)
 train_dflare = _kind_trainer("dflare", dflare_embedded)
 train_dfly = _kind_trainer("dfly", dfly_embedded)
 train_dspark = _kind_trainer("dspark", dspark_embedded)
+KIND_TRAINERS = {"dflash": train_dflash, "dflare": train_dflare, "dfly": train_dfly, "dspark": train_dspark}

@@ -18,8 +18,7 @@ Rows are KV-cache slots. A request joins a free row (`prefill`) and leaves it (`
 A drafter that wants target hidden states lists tap ids in `target_layer_ids` (id i = output of target
 decoder layer i, docs/design.md trap 2); the engine hands the taps of the prefill and verify forwards over.
 
-A drafter family registers itself once with `@register_drafter(name)`; `angelspec.decoding.drafters` imports
-every built-in family and looks them up by name (`get_drafter`).
+A drafter family is one record in `angelspec.decoding.drafters.families` (`get_family(name)`).
 
 Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt length, V vocab, D model dim.
 """
@@ -27,7 +26,7 @@ Shape legend: B batch rows, K draft depth, T tokens in one forward, P prompt len
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +167,19 @@ class Drafter(ABC):
         depth (n-gram lookup, the draft LM: `DEFAULT_NUM_DRAFT_TOKENS`)."""
         return None
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The most drafts one proposal can hold (a block drafter's block size - 1); None = no bound of its own."""
+        return None
+
+    def check_depth(self, k: int) -> None:
+        """Raise DrafterMismatchError when this drafter cannot propose `k` drafts per step (above
+        `max_draft_tokens`); K's own range is `limits.check_num_draft_tokens`."""
+        bound = self.max_draft_tokens
+        if bound is not None and not 0 <= k <= bound:
+            raise DrafterMismatchError(f"{type(self).__name__} proposes at most {bound} drafts per step, but {k} "
+                                       f"were asked for: set num_draft_tokens <= {bound}")
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         """Raise DrafterMismatchError if this drafter cannot serve `target`; called before any decoding."""
         name = type(self).__name__
@@ -227,6 +239,13 @@ class Drafter(ABC):
         """Lay the draft model's linear weights out for few-row GEMMs on a CPU (`models.linear.transpose_weights`;
         the engine calls it on CPU, before any compile). Default: no model weights."""
 
+    @contextmanager
+    def full_depth(self) -> Iterator[None]:
+        """Inside, every proposal has all K drafts: what calibration and cost profiling must observe. A drafter that
+        ends a proposal early (the draft LM's `stop_below`) or drafts only some rows (the n-gram lookup) switches
+        that off here and back on after. Default: proposals are always full."""
+        yield
+
     def ensure_compiled(self) -> None:
         """`compile()` once per drafter: engines may share one."""
         if not self.__dict__.get("_compiled", False):
@@ -285,6 +304,13 @@ class WrappedDrafter(Drafter):
     def trained_depth(self) -> int | None:
         return self.inner.trained_depth
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        return self.inner.max_draft_tokens
+
+    def check_depth(self, k: int) -> None:
+        self.inner.check_depth(k)
+
     def check_compatible(self, target: DecoderConfig, max_seq_len: int | None = None) -> None:
         self.inner.check_compatible(target, max_seq_len)
 
@@ -303,6 +329,11 @@ class WrappedDrafter(Drafter):
 
     def transpose_weights(self) -> None:
         self.inner.transpose_weights()
+
+    @contextmanager
+    def full_depth(self) -> Iterator[None]:
+        with self.inner.full_depth():
+            yield
 
     def compile(self) -> None:
         self.inner.ensure_compiled()  # engines may share the inner drafter: compile its hot calls once
@@ -362,38 +393,18 @@ class PendingCommits:
 
 
 @contextmanager
-def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:
-    """Switch off a drafter's early stop (`stop_below`, the draft LM's) and have a lookup draft every row
-    (`draft_every_row`, the n-gram's: rows without a match get K padding drafts) for the block, so every proposal
-    has all K drafts: what calibration and cost profiling must observe. A `CalibratedDrafter` is looked through."""
-    inner = getattr(drafter, "inner", drafter)
-    saved = getattr(inner, "stop_below", None)
-    every_row = getattr(inner, "draft_every_row", None)
-    if saved is not None:
-        inner.stop_below = None
-    if every_row is not None:
-        inner.draft_every_row = True
+def switched(obj: object, name: str, value: Any) -> Iterator[None]:
+    """Set attribute `name` of `obj` to `value` inside the block and restore it after (the `full_depth` switches)."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
     try:
-        yield drafter
+        yield
     finally:
-        if saved is not None:
-            inner.stop_below = saved
-        if every_row is not None:
-            inner.draft_every_row = every_row
+        setattr(obj, name, saved)
 
 
-_REGISTRY: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
-    """Class decorator: make a drafter findable by `name` (one registry entry per drafter family)."""
-
-    def wrap(cls: type[Drafter]) -> type[Drafter]:
-        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-            raise TypeError(f"register_drafter({name!r}) expects a Drafter subclass, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"drafter name {name!r} is already registered to {_REGISTRY[name].__name__}")
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+@contextmanager
+def full_depth_drafting(drafter: Drafter) -> Iterator[Drafter]:
+    """`drafter.full_depth()` as a function: every proposal inside has all K drafts (see `Drafter.full_depth`)."""
+    with drafter.full_depth():
+        yield drafter

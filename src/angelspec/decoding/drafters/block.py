@@ -43,7 +43,6 @@ from angelspec.decoding.drafters.base import (
     ModelConfigDrafter,
     PendingCommits,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.block.drafter import BlockDrafter
@@ -70,9 +69,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         self._pending = PendingCommits()  # commits whose taps are not in the cache yet
         # Prefill's context append, and the catch-up before rows change, stay eager under `compile`: prefill's row
         # count is the number of requests admitted at once (all rows at the start, then 1, 2, ... as requests
-        # finish), a catch-up's width the commits left waiting when a request ended, and each new shape compiled
-        # another graph mid-run (~20 s each on 2 cores: a compiled serving point at C=16 ran at 0.05x of AR). Bound
-        # from the class, so a model another adapter already compiled (its methods shadowed) still runs eagerly here.
+        # finish), a catch-up's width the commits left waiting when a request ended, and each new shape would compile
+        # another graph mid-run (what that costs: docs/design.md §12). Bound from the class, so a model another
+        # adapter already compiled (its methods shadowed) still runs eagerly here.
         self._eager_append = type(self.model).append_context.__get__(self.model)
 
     @classmethod
@@ -167,8 +166,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                                with_logits=False, temperature=s.temperature)
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=p.confidences, deterministic=False)
 
-    # False: a greedy round's catch-up and its drafting pass run as two calls, as they did before the joined call
-    # (`benchmarks/joined_calls.py` measures one against the other; same drafts either way).
+    # False: a greedy round's catch-up and its drafting pass run as two calls (`benchmarks/joined_calls.py` measures
+    # one against the other; same drafts either way).
     join_catch_up = True
 
     def _greedy_round(self, state: DraftState) -> Proposal:
@@ -236,7 +235,7 @@ def _block_kind(kind: str, class_name: str, doc: str) -> type[BlockDrafterAdapte
     """The registered adapter of one block-drafter kind: the kinds differ only in what the saved folder holds
     (conditioning and head come from its config), so each is `BlockDrafterAdapter` with its name."""
     cls = type(class_name, (BlockDrafterAdapter,), {"kind": kind, "__doc__": doc, "__module__": __name__})
-    return register_drafter(kind)(cls)
+    return cls
 
 
 DFlashDrafter = _block_kind("dflash", "DFlashDrafter", "DFlash (report Eq. 10): shared fc context, no sequential head.")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
-from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, switched
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target
@@ -46,7 +47,6 @@ from angelspec.models.linear import transpose_weights as transpose_linear_weight
 from angelspec.models.vocab import expand_logits
 
 
-@register_drafter("draft-lm")
 class DraftLMDrafter(Drafter):
     def __init__(self, model: Decoder, *, target_fingerprint: str | None = None,
                  stop_below: float | None = 0.4, draft_vocab: Sequence[int] | Tensor | None = None) -> None:
@@ -98,6 +98,10 @@ class DraftLMDrafter(Drafter):
     def compile(self) -> None:
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")
         self._step_fn = try_compile(self._step_logits, "draft LM's step")
+
+    def full_depth(self) -> AbstractContextManager[None]:
+        """No early stop inside (`Drafter.full_depth`)."""
+        return switched(self, "stop_below", None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,

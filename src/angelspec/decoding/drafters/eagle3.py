@@ -7,11 +7,9 @@ a target without the folder's tap layers is refused with DrafterMismatchError) o
 
 from __future__ import annotations
 
-from angelspec.decoding.drafters.base import register_drafter
 from angelspec.decoding.drafters.mtp import MTPDrafter
 
 
-@register_drafter("eagle3")
 class Eagle3Drafter(MTPDrafter):
     """EAGLE-3 drafts through the MTP family's engine drafter; only the saved-folder kind differs."""
 

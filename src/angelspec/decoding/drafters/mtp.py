@@ -47,7 +47,6 @@ from angelspec.decoding.drafters.base import (
     ModelConfigDrafter,
     PendingCommits,
     Proposal,
-    register_drafter,
 )
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.config import ConfigError, DecoderConfig
@@ -57,15 +56,14 @@ from angelspec.models.mtp import MTPDraftModel, concat_taps
 from angelspec.models.mtp_io import load_mtp, read_mtp_config
 
 
-@register_drafter("mtp")
 class MTPDrafter(ModelConfigDrafter):
     """Drafts with any MTP-family model (`MTPDraftModel` or a subclass); `kind` is the folder kind `from_pretrained`
     loads (`Eagle3Drafter` only changes it)."""
 
     kind = "mtp"
     context_from_commits = True
-    # False: a one-row greedy round's catch-up and its K depths run as two calls, as they did before the joined call
-    # (`benchmarks/joined_calls.py` measures one against the other; same drafts either way).
+    # False: a one-row greedy round's catch-up and its K depths run as two calls (`benchmarks/joined_calls.py`
+    # measures one against the other; same drafts either way).
     join_catch_up = True
 
     def __init__(self, model: MTPDraftModel) -> None:
@@ -80,8 +78,8 @@ class MTPDrafter(ModelConfigDrafter):
         self._pending_bound = 1  # `_bound` when the oldest of them was proposed
         # Prefill's cached forward, and the catch-up before rows change, stay eager under `compile`: their shapes
         # are the admitted rows and their longest prompt (or the commits left waiting when a request ended), new at
-        # almost every admission, and each compiled another graph mid-run (a compiled serving point at C=16 ran at
-        # 0.07x of AR). Bound from the class, so a model another adapter already compiled still runs eagerly here.
+        # almost every admission, and each would compile another graph mid-run (docs/design.md §12). Bound from the
+        # class, so a model another adapter already compiled still runs eagerly here.
         self._eager_forward = type(self.model).forward_cached.__get__(self.model)
 
     @classmethod
@@ -195,8 +193,7 @@ class MTPDrafter(ModelConfigDrafter):
         Under `compile` a one-row round runs as this one graph: at batch 1 the per-call cost dominates. With more
         rows each depth is its own graph (`greedy_depth`, compiled too): a graph that writes the cache and then
         reads it back copies the whole cache, which costs more than the calls it saves from a few rows up
-        (`benchmarks/drafter_cost.py --compile --drafters mtp`: one graph 28–31% of a verify step at batch 1 vs
-        38–44% per depth; 31–34% at batch 16 vs 27–29%)."""
+        (`benchmarks/drafter_cost.py --compile --drafters mtp`; numbers: docs/design.md §12)."""
         tokens, confs = [], []
         for j in range(k):
             d, conf, h = self.greedy_depth(h, cache, act, bound + j, j < k - 1)

@@ -20,11 +20,12 @@ Shape legend: B rows, K draft depth.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, register_drafter
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, switched
 
 
 class MatchAcceptance:
@@ -59,7 +60,6 @@ class MatchAcceptance:
                 hits[m] *= 0.5
 
 
-@register_drafter("ngram")
 class NGramDrafter(Drafter):
     """Prompt-lookup drafter. `Proposal.lengths` = matched length (0 when no n-gram matches), so unmatched rows
     verify nothing; confidences are each matched draft's learned acceptance (`MatchAcceptance`), 0.0 for padding."""
@@ -75,7 +75,7 @@ class NGramDrafter(Drafter):
         self._hist: list[list[int]] = []
         self._index: list[dict[tuple[int, ...], int]] = []  # per row; keys of every n share one dict
         self._matched: list[int] = []  # per row, the match length behind its last proposal (0: none)
-        # Cost profiling (`full_depth_drafting`): rows that matched nothing propose K copies of their last token
+        # Cost profiling (`full_depth`): rows that matched nothing propose K copies of their last token
         # (confidence 0), so every step verifies as many positions as the profile asks for.
         self.draft_every_row = False
 
@@ -99,6 +99,10 @@ class NGramDrafter(Drafter):
             h.append(t)
             for n in range(lo, min(hi, i) + 1):
                 index[tuple(h[i - n: i])] = i
+
+    def full_depth(self) -> AbstractContextManager[None]:
+        """Rows without a match draft K padding tokens inside (`Drafter.full_depth`)."""
+        return switched(self, "draft_every_row", True)
 
     def lookup(self, r: int, k: int) -> list[int]:
         """Up to k drafts for row r ([] when nothing matches)."""

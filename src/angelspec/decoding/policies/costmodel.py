@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters import get_drafter, registered_drafters
 from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal, full_depth_drafting
+from angelspec.decoding.drafters.families import family_of
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.fileio import write_json_atomic
 from angelspec.models.decoder import Decoder
@@ -115,7 +115,8 @@ def drafter_id(drafter: Drafter) -> str:
     """Registry kind of the drafter (class name when unregistered), plus its own model's config fingerprint
     when it wraps a `Decoder` (two draft LMs of one kind but other sizes cost differently)."""
     inner = getattr(drafter, "inner", drafter)  # calibration wrappers cost what the wrapped drafter costs
-    kind = next((k for k in registered_drafters() if get_drafter(k) is type(inner)), type(inner).__name__)
+    family = family_of(inner)
+    kind = type(inner).__name__ if family is None else family.name
     model = getattr(inner, "model", None)
     return f"{kind}:{model.config.fingerprint()}" if isinstance(model, Decoder) else kind
 

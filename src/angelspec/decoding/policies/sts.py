@@ -92,10 +92,6 @@ def survival_labels(accepted: Tensor) -> Tensor:
     return torch.cumprod(accepted.double(), dim=-1)
 
 
-def confidences_from_logits(logits: Tensor) -> Tensor:
-    return torch.sigmoid(logits.double())
-
-
 def apply_temperatures(logits: Tensor, temperatures: Tensor | Sequence[float]) -> Tensor:
     """Raw confidence logits [..., K] -> calibrated confidences [..., K]: c~_k = sigmoid(z_k)^{1/T_k}
     computed as exp(logsigmoid(z_k) / T_k) (no underflow for very negative logits)."""
@@ -133,9 +129,6 @@ class StsCalibration:
     def apply(self, logits: Tensor) -> Tensor:
         """Raw confidence logits [..., K] -> calibrated confidences [..., K]."""
         return apply_temperatures(logits, self.temperatures)
-
-    def apply_to_confidences(self, conf: Tensor) -> Tensor:
-        return apply_temperatures_to_confidences(conf, self.temperatures)
 
     def to_json(self) -> dict[str, object]:
         return {"method": self.method, "temperatures": list(self.temperatures), "num_bins": self.num_bins,

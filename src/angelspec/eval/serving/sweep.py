@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MIN_REQUESTS = 8
 MAX_CONCURRENCY = 4096
-GATE_SUFFIX = "+gate"  # NAME=SPEC[@POLICY]+gate: the speculation gate on
-COMPILE_SUFFIX = "+compile"  # NAME=SPEC[@POLICY]+compile: the engine's torch.compile on (EngineConfig.compile)
 DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
 # Eq. 25's two terms, as medians over decode steps (decoding/metrics.py `median_step_seconds`): T_exec the target's
 # verification, T_sample the drafter's work (propose and on_commit) and the depth selection.
@@ -77,32 +75,21 @@ class ServingConfig:
 
 
 def parse_config(text: str) -> ServingConfig:
-    """`NAME=SPEC[@POLICY][+gate][+compile]` -> ServingConfig (SPEC as `--drafter` takes it, `none` for AR; POLICY
-    default full; trailing `+gate` turns the speculation gate on, `+compile` the engine's torch.compile, in either
-    order)."""
+    """`NAME=SPEC[@POLICY][+gate][+compile]` -> ServingConfig, in the grammar of `decoding.drafter_spec`
+    (`parse_bench_entry`; SPEC as `--drafter` takes it, `none` for AR; POLICY default full; trailing `+gate` turns the
+    speculation gate on, `+compile` the engine's torch.compile, in either order)."""
+    from angelspec.decoding.drafter_spec import parse_bench_entry, parse_drafter_spec
     from angelspec.decoding.policies.factory import parse_policy
+    from angelspec.errors import UsageError
 
-    name, sep, rest = text.partition("=")
-    name, rest = name.strip(), rest.strip()
-    suffixes = set()
-    while found := next((x for x in (GATE_SUFFIX, COMPILE_SUFFIX) if rest.endswith(x)), None):
-        suffixes.add(found)
-        rest = rest.removesuffix(found).strip()
-    gate = GATE_SUFFIX in suffixes
-    if not sep or not name or not rest:
-        raise ServingError(f"--config {text!r}: expected NAME=SPEC[@POLICY], e.g. AR=none, DFly=dfly:DIR or "
-                           "DFly+D-cut=dfly:DIR@dcut")
-    spec, at, policy = rest.rpartition("@")
-    if not at:
-        spec, policy = rest, "full"
-    if not spec.strip():
-        raise ServingError(f"--config {text!r}: the drafter SPEC before '@' is empty; expected NAME=SPEC[@POLICY]")
-    parse_policy(policy)  # PolicyError names the valid forms
-    config = ServingConfig(name=name, drafter=spec.strip(), policy=policy.strip(), spec_gate=gate,
-                           compile=COMPILE_SUFFIX in suffixes)
-    if gate and config.is_ar:
-        raise ServingError(f"--config {text!r}: +gate decides when to draft, but AR (drafter none) never drafts")
-    return config
+    try:
+        entry = parse_bench_entry(text)
+        parse_drafter_spec(entry.drafter)
+    except UsageError as e:
+        raise ServingError(str(e)) from None
+    parse_policy(entry.policy)  # PolicyError names the valid forms
+    return ServingConfig(name=entry.name, drafter=entry.drafter, policy=entry.policy, spec_gate=entry.spec_gate,
+                         compile=entry.compile)
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -181,17 +168,14 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
         if c.drafter not in drafters:
             drafters[c.drafter] = resolve_drafter(c.drafter, target, target_dir)
         drafter = drafters[c.drafter]
-        inner = getattr(drafter, "inner", drafter)
         k = 0 if drafter is None else (c.num_draft_tokens or num_draft_tokens or draft_depth(drafter))
-        if k == DRAFTER_MAX_DEPTH:
-            k = int(getattr(inner, "max_draft_tokens", draft_depth(drafter)))
         if drafter is not None:
-            check = getattr(inner, "check_depth", None)
-            if callable(check):
-                try:
-                    check(k)
-                except ValueError as e:
-                    raise ServingError(f"configuration {c.name!r}: {e}") from None
+            if k == DRAFTER_MAX_DEPTH:
+                k = drafter.max_draft_tokens or draft_depth(drafter)
+            try:
+                drafter.check_depth(k)
+            except ValueError as e:
+                raise ServingError(f"configuration {c.name!r}: {e}") from None
         if drafter is not None and parse_policy(c.policy).needs_cost_model and c.drafter not in warmed:
             _warm_drafter(target, drafter, max(k, 1))  # a cold first profile cell would skew the cost table
             warmed.add(c.drafter)
