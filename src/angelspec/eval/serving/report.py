@@ -2,7 +2,8 @@
 table, results.json / results.md, and through breakeven.py and plots.py the Eq. 25 table and the PNGs).
 
 Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s =
-the mean over requests of emitted tokens / (admission to last token); MAL; speed-up over the AR configuration
+the mean over requests of emitted tokens / (admission to last token); p50 / p95 over requests of the time to first
+token (TTFT) and of the time per output token after it (TPOT), and p95 TPOT over the AR run's at the same C; MAL; speed-up over the AR configuration
 at the same C; mean verified drafts per request-step; per-step seconds of target verification (`verify`, the
 report's execute_model) and of drafting + depth selection (`draft` + `select`, its sample_tokens); and at
 T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM column (vllm.py) four
@@ -145,7 +146,8 @@ class ServingReport:
     def format_table(self) -> str:
         """A markdown table, readable as plain text too (with the vLLM columns when a row has vLLM's numbers)."""
         head = ["config", "policy", "K", "C", "requests", "tok/s", "per-user tok/s", "speed-up", "MAL",
-                "depth", "verify ms/step", "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
+                "depth", "TTFT p50/p95 ms", "TPOT p50/p95 ms", "TPOT p95 vs AR", "verify ms/step",
+                "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
         vllm = self.has_vllm
         if vllm:
             head += ["vLLM tok/s", "ours/vLLM", "vLLM MAL", "vLLM = ours"]
@@ -162,6 +164,9 @@ class ServingReport:
                 body.append([r.config, r.policy, str(r.num_draft_tokens), str(c), str(r.requests),
                              f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
                              "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
+                             f"{r.ttft_p50_s * 1e3:.1f}/{r.ttft_p95_s * 1e3:.1f}",
+                             f"{r.tpot_p50_s * 1e3:.2f}/{r.tpot_p95_s * 1e3:.2f}",
+                             "-" if r.tpot_p95_vs_ar is None else f"{r.tpot_p95_vs_ar:.2f}x",
                              f"{r.exec_s_per_step * 1e3:.2f}", f"{r.sample_s_per_step * 1e3:.2f}", lossless])
                 if vllm:
                     body[-1] += _vllm_cells(r)
@@ -172,7 +177,7 @@ class ServingReport:
     def format(self, breakeven: bool = False) -> str:
         s = self.settings
         lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
-                 f"N = max(2C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
+                 f"N = max(4C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
                  f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._stall_lines(),
                  *self._vllm_lines(), self.goal_line()]
         if breakeven:
@@ -181,7 +186,8 @@ class ServingReport:
 
     # ----- files (plots.py) ------------------------------------------------------------------
     def plot(self, out_dir: str | Path) -> tuple[list[Path], str | None]:
-        """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`.
+        """serving.png (Figure 4's two panels), phases.png (median per-step verify vs draft+select) and latency.png
+        (p50 / p95 TTFT and TPOT against concurrency) in `out_dir`.
         Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
         return plot_sweep(self.rows, out_dir, self.goal_pair())
 
