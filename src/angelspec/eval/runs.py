@@ -263,8 +263,9 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
     folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
-    (`eval.serving.vllm`; its log goes to `out`/vllm.log). `compile`: every configuration compiled. Drafter folders and the vLLM venv are checked before
-    the target is loaded; a folder that already holds a sweep is refused unless `force`."""
+    (`eval.serving.vllm`; its log goes to `out`/vllm.log). `compile`: every configuration compiled. Drafter folders
+    and the vLLM venv are checked before the target is loaded; a folder that already holds a sweep is refused
+    unless `force`."""
     from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
 

@@ -1,13 +1,14 @@
 """The result of a serving sweep and its tables: `ServingReport` (rows, lookups, the D-cut goal, the markdown
 table, results.json / results.md, and through breakeven.py and plots.py the Eq. 25 table and the PNGs).
 
-Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s =
-the mean over requests of emitted tokens / (admission to last token); p50 / p95 over requests of the time to first
-token (TTFT) and of the time per output token after it (TPOT), and p95 TPOT over the AR run's at the same C; MAL; speed-up over the AR configuration
-at the same C; mean verified drafts per request-step; per-step seconds of target verification (`verify`, the
-report's execute_model) and of drafting + depth selection (`draft` + `select`, its sample_tokens); and at
-T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM column (vllm.py) four
-more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with drafts, and how many of
+Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s = the mean
+over requests of emitted tokens / (admission to last token); p50 / p95 over requests of the time to first token
+(TTFT) and of the time per output token after it (TPOT), and p95 TPOT over the AR run's at the same C; MAL; speed-up
+over the AR configuration at the same C; mean verified drafts per request-step; per-step seconds of target
+verification (`verify`, the report's execute_model) and of drafting + depth selection (`draft` + `select`, its
+sample_tokens); and at T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM
+column (vllm.py) four more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with
+drafts, and how many of
 vLLM's outputs equal this configuration's.
 
 Goal (AngelSpec report §4.4): at the highest concurrency, D-cut gives at least +10% throughput over full
