@@ -8,8 +8,7 @@ over the AR configuration at the same C; mean verified drafts per request-step; 
 verification (`verify`, the report's execute_model) and of drafting + depth selection (`draft` + `select`, its
 sample_tokens); and at T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM
 column (vllm.py) four more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with
-drafts, and how many of
-vLLM's outputs equal this configuration's.
+drafts, and how many of vLLM's outputs equal this configuration's.
 
 Goal (AngelSpec report §4.4): at the highest concurrency, D-cut gives at least +10% throughput over full
 verification of the same drafter and K while losing at most 3% MAL.
