@@ -120,6 +120,19 @@ def test_goal_line_met_and_not_met() -> None:
     assert "not evaluated" in no_pair.goal_line()
 
 
+def test_the_auto_line_compares_auto_with_ar_and_the_best_other_config() -> None:
+    from dataclasses import replace
+
+    report = _report(221, 2.95)
+    report.rows += [replace(_row("DFly auto", "dfly", "auto", c, tps, 2.0, 0.02, 0.005), speedup=tps / 100,
+                            tpot_p95_vs_ar=0.9) for c, tps in ((1, 190), (64, 110))]
+    (line,) = report.auto_lines()
+    assert line.startswith("auto (DFly auto;")
+    assert "C=1 1.90x AR, 0.86x DFly+D-cut, p95 TPOT 0.90x AR's" in line and "C=64 1.10x AR, 0.50x DFly+D-cut" in line
+    assert report.to_json()["auto"] == [line] and line in report.format()
+    assert _report(221, 2.95).auto_lines() == []
+
+
 def test_a_point_with_a_stalled_step_is_flagged(tmp_path: Path) -> None:
     """A step of seconds (a graph compiled mid-run) makes a point's throughput meaningless: the table says so."""
     from dataclasses import replace

@@ -72,12 +72,12 @@ def test_verification_narrows_with_load_before_drafting_stops():
 
 
 def test_noise_within_the_margin_never_flips_the_decision():
-    """Speculation wins by ~3% (inside the 5% hysteresis): +-2% noise on every step must not switch it off, and a
-    gate that is off because plain wins by ~3% stays off."""
+    """Plain steps win by ~3% (inside the 10% hysteresis): drafting, which was on, stays on under +-2% noise on every
+    step; where plain steps win by ~15%, drafting goes off and stays off under the same noise."""
     def flat(b, n):
         return 0.02 if n > b else 0.01
 
-    for accept, plain_s, expect_on in ((1, 0.0097, True), (1, 0.0094, False)):
+    for accept, plain_s, expect_on in ((1, 0.0097, True), (1, 0.0085, False)):
         gate = ServingGate(K, cost=flat, probe_every=4)
         # rate(drafting) = (1 + s_1) / 20 ms, s_1 -> 1 with one accepted draft a row: ~100 tokens/s
         m = Machine(flat, lambda b, p=plain_s: p, accept=accept)
@@ -123,10 +123,10 @@ def test_acceptance_changes_move_the_decision_within_a_request():
         machine.step(gate, 1)
     assert gate.summary()["rows 1-1"]["drafting"]
     machine.accept = [0]
-    run = [machine.step(gate, 1) for _ in range(40)]
+    run = [machine.step(gate, 1) for _ in range(50)]
     assert not gate.summary()["rows 1-1"]["drafting"] and run[-12:].count(0) >= 8  # probes: 2 drafted steps in 6
     machine.accept = [K]
-    run = [machine.step(gate, 1) for _ in range(40)]
+    run = [machine.step(gate, 1) for _ in range(50)]
     assert gate.summary()["rows 1-1"]["drafting"] and run[-8:].count(0) <= 1
 
 

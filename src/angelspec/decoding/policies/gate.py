@@ -202,7 +202,7 @@ class SpecGate:
 class _Lane:
     """What `ServingGate` measured in one batch-size bucket."""
 
-    plain_s: float = 0.0  # EMA of a plain step's seconds
+    plain_s: float = 0.0  # EMA of a plain step's seconds / the cost table's for verifying 0 drafts (seconds without)
     plain_n: int = 0
     plain_out: int = 0  # slow outliers in a row, left out
     scale: float = 0.0  # EMA of a timed drafted step's seconds / the cost table's seconds for it (1 s without one)
@@ -228,7 +228,9 @@ class ServingGate:
                    C(B, rho) with a uniform depth), scaled by what drafted steps of the bucket took against the table
                    (the machine's load now); without a table only n = K, T = the measured seconds
         n*       = argmax_n A(n) / T(B, n): the depth that commits most tokens per second at this load
-        plain    = 1 / (EMA of a plain step's seconds)
+        plain    = 1 / (EMA of a plain step's seconds), measured as a share of the table's cost(B, B) when there is
+                   one (so the rows of one bucket share it, and a bucket with nothing measured yet starts from its
+                   nearest measured neighbour's shares instead of warming up)
         drafting stays on while A(n*) / T(B, n*) >= (1 - hysteresis) * plain, and turns on only once it is
         > (1 + hysteresis) * plain: noise within the margin never flips it.
 
@@ -251,7 +253,7 @@ class ServingGate:
     num_draft_tokens: int
     cost: Callable[[int, int], float] | None = None  # the step-cost table C(B, N) (budget.CostModel)
     warmup: int = 2
-    hysteresis: float = 0.05
+    hysteresis: float = 0.1
     confident: float = 0.25
     probe_every: int = 8
     max_probe_every: int = 64
@@ -329,12 +331,14 @@ class ServingGate:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
         lane = self._lane(num_active)
+        if not (lane.spec_n and lane.plain_n):
+            self._borrow(lane)
         if lane.spec_n < self.warmup:
             return self.best_depth(num_active)[0] if lane.spec_n else self.num_draft_tokens
         if lane.plain_n < self.warmup:
             return 0
         n, rate = self.best_depth(num_active)
-        plain = 1.0 / lane.plain_s
+        plain = 1.0 / (lane.plain_s * self._plain_unit(num_active))
         if lane.probe > 0:
             return n
         if lane.on:
@@ -364,6 +368,29 @@ class ServingGate:
             return n + 1
         return n
 
+    def _plain_unit(self, num_active: int) -> float:
+        """What a plain step's seconds are measured in: the table's step verifying no draft (it grows with the batch
+        as a plain step does, so a bucket's rows 9 and 16 share one scale), 1 s without a table."""
+        return 1.0 if self.cost is None else self._table(num_active)[0]
+
+    def _borrow(self, lane: _Lane) -> None:
+        """A bucket with nothing measured starts from the nearest bucket's scales (with a cost table they are shares
+        of the table's seconds, which the machine's load moves alike at every batch size): no warm-up of its own, which
+        at the end of a run (the batch draining through every bucket) would cost a few slow steps per bucket."""
+        if self.cost is None:
+            return
+        key = next(k for k, v in self._lanes.items() if v is lane)
+        donors = sorted((abs(k - key), k) for k, v in self._lanes.items()
+                        if v is not lane and v.spec_n >= self.warmup and v.plain_n >= self.warmup)
+        if not donors:
+            return
+        d = self._lanes[donors[0][1]]
+        if not lane.spec_n:
+            lane.scale, lane.spec_n = d.scale, self.warmup
+        if not lane.plain_n:
+            lane.plain_s, lane.plain_n = d.plain_s, self.warmup
+        lane.on = d.on
+
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
         return min(2 * lane.gap, self.max_probe_every) if confident else self.probe_every
 
@@ -382,7 +409,7 @@ class ServingGate:
         if depth <= 0:
             if seconds > 0:
                 lane.plain_s, lane.plain_n, lane.plain_out = self._fold(lane.plain_s, lane.plain_n, lane.plain_out,
-                                                                        seconds)
+                                                                        seconds / self._plain_unit(num_active))
                 if lane.plain_n == self.warmup and lane.spec_n >= self.warmup:
                     lane.run = 0  # warmed up: the first probe gap starts now
             self._after_plain = True
@@ -422,8 +449,9 @@ class ServingGate:
             lo, hi = (1, 1) if key == 0 else (2 ** (key - 1) + 1, 2 ** key)
             ready = lane.spec_n and lane.plain_n
             n, rate = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
+            plain = 1.0 / (lane.plain_s * self._plain_unit(hi)) if lane.plain_s else 0.0
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
-                                      "plain_rate": round(1.0 / lane.plain_s, 2) if lane.plain_s else 0.0,
+                                      "plain_rate": round(plain, 2),
                                       "probe_gap": lane.gap}
         return out
 

@@ -120,6 +120,31 @@ class ServingReport:
             f"{g.full} {g.full_tps:.1f} tok/s = {g.gain:+.1%}; MAL {g.dcut_mal:.2f} vs {g.full_mal:.2f} = "
             f"{g.mal_loss:.1%} loss)" for g in goals)
 
+    # ----- the serving setting `auto` ----------------------------------------------------------
+    def auto_lines(self) -> list[str]:
+        """Per configuration under the policy auto, per C: its throughput over AR's and over the best other
+        configuration's (AR included), and its p95 TPOT over AR's; the goals: >= 0.97x AR and >= 0.95x the best."""
+        lines = []
+        for name in self.configs:
+            first = next(r for r in self.rows if r.config == name)
+            if first.policy != "auto":
+                continue
+            cells = []
+            for c in self.concurrency:
+                r = self.row(name, c)
+                others = [o for o in self.rows if o.concurrency == c and o.policy != "auto"]
+                if r is None or not others:
+                    continue
+                best = max(others, key=lambda o: o.tokens_per_s)
+                ratio = r.tokens_per_s / best.tokens_per_s if best.tokens_per_s else 0.0
+                ar = "" if r.speedup is None else f"{r.speedup:.2f}x AR, "
+                tpot = "" if r.tpot_p95_vs_ar is None else f", p95 TPOT {r.tpot_p95_vs_ar:.2f}x AR's"
+                cells.append(f"C={c} {ar}{ratio:.2f}x {best.config}{tpot}")
+            if cells:
+                lines.append(f"auto ({name}; goals >= 0.97x AR and >= 0.95x the best other config): "
+                             + "; ".join(cells))
+        return lines
+
     # ----- Eq. 25 (breakeven.py) ---------------------------------------------------------------
     def breakeven(self, reference: str | None = None) -> BreakEven | None:
         """Eq. 25 for every speculative configuration against `reference` (None = the first MTP
@@ -137,6 +162,7 @@ class ServingReport:
             "rows": [asdict(r) for r in self.rows],
             "breakeven": breakeven_json(self.rows, reference),
             "goal": None if g is None else {**asdict(g), "met": g.met, "line": self.goal_line()},
+            "auto": self.auto_lines(),
         }
 
     @property
@@ -179,7 +205,7 @@ class ServingReport:
         lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
                  f"N = max(4C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
                  f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._stall_lines(),
-                 *self._vllm_lines(), self.goal_line()]
+                 *self._vllm_lines(), *self.auto_lines(), self.goal_line()]
         if breakeven:
             lines += ["", self.format_breakeven()]
         return "\n".join(lines)
@@ -198,7 +224,7 @@ class ServingReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / "results.json", self.to_json())
         md = ["# Serving sweep", "", "```", *self._settings_lines(), "```", "", self.format_table(), "",
-              *self._stall_lines(), *self._vllm_lines(), self.goal_line(), ""]
+              *self._stall_lines(), *self._vllm_lines(), *self.auto_lines(), self.goal_line(), ""]
         if breakeven:
             md += ["```", self.format_breakeven(), "```", ""]
         replace_atomic(out_dir / "results.md", lambda tmp: tmp.write_text("\n".join(md), encoding="utf-8"))
