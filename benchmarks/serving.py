@@ -16,8 +16,8 @@ Timing needs an otherwise idle machine. The full sweep takes long on 2 CPU cores
     .venv/bin/python benchmarks/serving.py --concurrency 1,2 --max-new-tokens 8 --no-compile --out /tmp/serving
 
 Writes results.json, results.md, serving.png, phases.png and latency.png into --out and prints the table, the auto
-and D-cut goal lines and the break-even committed lengths (Eq. 25, MTP as the reference). With --vllm, vLLM (its own venv, `make
-vllm-venv`) also serves the AR configuration's requests at each concurrency (the vLLM columns of the table).
+and D-cut goal lines and the break-even committed lengths (Eq. 25, MTP as the reference). With --vllm, vLLM (its
+own venv, `make vllm-venv`) also serves the AR configuration's requests at each concurrency (the vLLM columns).
 """
 
 from __future__ import annotations
