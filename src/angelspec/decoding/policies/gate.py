@@ -223,6 +223,7 @@ class ServingGate:
 
         s_k      = share of rows that accepted >= k drafts among those that verified >= k (all buckets: acceptance
                    does not depend on the batch), an exponentially decayed count over the last ~`memory` row-steps
+                   (a probe's row-steps weigh 4x: they are all that is seen while drafting is off)
         A(n)     = 1 + s_1 + ... + s_n, expected committed tokens per row when verifying n drafts (Eq. 21)
         T(B, n)  = scale * cost(B, B (n + 1)): the cost table's seconds of a step verifying n drafts per row (D-cut's
                    C(B, rho) with a uniform depth), scaled by what drafted steps of the bucket took against the table
@@ -242,8 +243,9 @@ class ServingGate:
     plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`), a cost of switching rather than
     of drafting: it is not timed (its acceptance counts). Probes keep the state that is not running measured: while
     off, two drafted steps (the second is timed) after `gap` plain ones; while on, one plain step after `gap` drafted
-    ones. The gap starts at `probe_every` and doubles up to `max_probe_every` while the running state wins by more
-    than `confident` (a probe that cannot change the decision is wasted), back to `probe_every` otherwise. A step more
+    ones. The gap starts at `probe_every` and grows after each probe that leaves the state as it was (doubling while
+    the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
+    drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. A step more
     than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
     three in a row.
 
@@ -256,7 +258,7 @@ class ServingGate:
     hysteresis: float = 0.1
     confident: float = 0.25
     probe_every: int = 8
-    max_probe_every: int = 64
+    max_probe_every: int = 32
     decay: float = 0.7  # EMA weight of the history for step seconds
     memory: float = 16.0  # row-steps the acceptance estimate remembers
     outlier: float = 10.0
@@ -392,7 +394,10 @@ class ServingGate:
         lane.on = d.on
 
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
-        return min(2 * lane.gap, self.max_probe_every) if confident else self.probe_every
+        """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
+        half (a probe that does not change the state was not needed yet); a switch resets it to `probe_every`."""
+        grown = 2 * lane.gap if confident else lane.gap + max(lane.gap // 2, 1)
+        return min(grown, self.max_probe_every)
 
     def _lane(self, num_active: int) -> _Lane:
         lane = self._lanes.setdefault(batch_bucket(num_active), _Lane())
@@ -416,7 +421,8 @@ class ServingGate:
             return
         if lane.probe > 0:
             lane.probe -= 1
-        self._count_accepts(accepted, depths)
+        # A probe (drafting is off) weighs 4x: two steps every `gap` must be able to show that acceptance came back.
+        self._count_accepts(accepted, depths, self.memory if lane.on else max(self.memory / 4.0, 2.0))
         if not self._after_plain and seconds > 0:  # a step right after a plain one paid the catch-up: not timed
             unit = 1.0 if self.cost is None else self._table(num_active)[min(depth, self.num_draft_tokens)]
             lane.scale, lane.spec_n, lane.spec_out = self._fold(lane.scale, lane.spec_n, lane.spec_out,
@@ -430,8 +436,8 @@ class ServingGate:
         fresh = n == 0 or out >= 3 or x * self.outlier < ema
         return (x if fresh else self.decay * ema + (1.0 - self.decay) * x), n + 1, 0
 
-    def _count_accepts(self, accepted: Sequence[int], depths: Sequence[int]) -> None:
-        w = 1.0 - 1.0 / self.memory
+    def _count_accepts(self, accepted: Sequence[int], depths: Sequence[int], memory: float) -> None:
+        w = 1.0 - 1.0 / memory
         for k in range(1, self.num_draft_tokens + 1):
             tried = sum(d >= k for d in depths)
             if not tried:
