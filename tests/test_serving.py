@@ -333,3 +333,30 @@ def test_demo_serving_stage_skips_without_drafters(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) == 1 and "no drafter in" in facts["serving"]
     assert "make drafters" in facts["serving"]
+
+
+def test_demo_serving_stage_runs_the_recommended_setting_at_trained_depths(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's sweep: its own small settings, AR beside the shipped drafters at full depth and DFly under auto, every
+    drafter at the depth it was trained for (no fixed K), eager."""
+    from angelspec import demo
+    from angelspec.eval import serving
+
+    seen = {}
+
+    def fake_bench(model, tokenizer, target_dir, configs, **kwargs):
+        seen.update(configs=configs, **kwargs)
+        rows = [ServingRow(config=c.name, drafter=c.drafter, kind="ar" if c.is_ar else "dfly", policy=c.policy,
+                           num_draft_tokens=0, concurrency=cc, requests=4, output_tokens=8, wall_s=1.0,
+                           tokens_per_s=8.0, per_user_tokens_per_s=8.0, mal=1.0, mean_depth=0.0, steps=8,
+                           exec_s_per_step=0.1, sample_s_per_step=0.0, speedup=1.0, identical=4)
+                for c in configs for cc in demo.SERVING_CONCURRENCY]
+        return ServingReport(settings={}, rows=rows)
+
+    monkeypatch.setattr(serving, "bench", fake_bench)
+    facts = demo.stage_serving(demo.DemoState(target=None, work_dir=tmp_path))
+    assert [(c.name, c.policy) for c in seen["configs"]] == [("AR", "full"), ("MTP", "full"), ("DFly", "full"),
+                                                              ("DFly auto", "auto")]
+    assert seen["num_draft_tokens"] is None and not seen.get("compile")
+    assert seen["max_new_tokens"] <= 32 and seen["concurrency"] == (1, 4, 16)
+    assert facts["serving auto"].startswith("auto (DFly auto;") and facts["serving lossless"].startswith("every")
