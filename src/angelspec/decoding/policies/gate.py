@@ -213,6 +213,7 @@ class _Lane:
     gap: int = 0  # steps of the current state before the next probe of the other one
     probe: int = 0  # drafted probe steps still to run while off
     deep: int = 0  # drafted steps since one verified past n*
+    catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
 
 
 @dataclass
@@ -245,7 +246,9 @@ class ServingGate:
     off, two drafted steps (the second is timed) after `gap` plain ones; while on, one plain step after `gap` drafted
     ones. The gap starts at `probe_every` and grows after each probe that leaves the state as it was (doubling while
     the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
-    drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. A step more
+    drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. While off,
+    the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
+    steps between them (at a large batch a probe, catch-up included, costs several plain steps). A step more
     than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
     three in a row.
 
@@ -258,7 +261,8 @@ class ServingGate:
     hysteresis: float = 0.1
     confident: float = 0.25
     probe_every: int = 8
-    max_probe_every: int = 32
+    max_probe_every: int = 128
+    probe_budget: float = 0.03  # what drafted probes may cost, as a share of the plain steps between them
     decay: float = 0.7  # EMA weight of the history for step seconds
     memory: float = 16.0  # row-steps the acceptance estimate remembers
     outlier: float = 10.0
@@ -345,7 +349,8 @@ class ServingGate:
             return n
         if lane.on:
             if rate < (1.0 - self.hysteresis) * plain:
-                lane.on, lane.run, lane.gap = False, 0, self.probe_every
+                lane.on, lane.run = False, 0
+                lane.gap = self._probe_gap(lane, num_active, n, self.probe_every)
                 return 0
             if lane.run >= lane.gap:  # a plain probe keeps the plain rate current
                 lane.gap = self._next_gap(lane, rate > (1.0 + self.confident) * plain)
@@ -356,7 +361,7 @@ class ServingGate:
             lane.on, lane.run, lane.gap = True, 0, self.probe_every
             return n
         if lane.run >= lane.gap:  # a drafted probe (two steps: the first pays the catch-up)
-            lane.gap = self._next_gap(lane, rate < (1.0 - self.confident) * plain)
+            lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
             lane.run, lane.probe = 0, 2
             return n
         return 0
@@ -393,6 +398,20 @@ class ServingGate:
             lane.plain_s, lane.plain_n = d.plain_s, self.warmup
         lane.on = d.on
 
+    def _probe_gap(self, lane: _Lane, num_active: int, n: int, gap: int) -> int:
+        """`gap`, or more plain steps between drafted probes where a probe costs more than `probe_budget` of them:
+        a probe's two drafted steps (the first with the drafter's catch-up) take longer than the plain steps that would
+        commit their tokens, and at a large batch on a CPU (a catch-up over every skipped position of every row) that
+        excess is several plain steps."""
+        unit = 1.0 if self.cost is None else self._table(num_active)[n]
+        plain_s = lane.plain_s * self._plain_unit(num_active)
+        gain = 1.0 + sum(self.survival()[:n])
+        catch = lane.catch or lane.scale
+        excess = (catch + lane.scale) * unit - 2.0 * gain * plain_s  # seconds a probe costs over plain steps
+        if excess <= 0.0 or plain_s <= 0.0:
+            return gap
+        return max(gap, min(math.ceil(excess / (self.probe_budget * plain_s)), self.max_probe_every))
+
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
         """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
         half (a probe that does not change the state was not needed yet); a switch resets it to `probe_every`."""
@@ -423,10 +442,13 @@ class ServingGate:
             lane.probe -= 1
         # A probe (drafting is off) weighs 4x: two steps every `gap` must be able to show that acceptance came back.
         self._count_accepts(accepted, depths, self.memory if lane.on else max(self.memory / 4.0, 2.0))
+        unit = 1.0 if self.cost is None else self._table(num_active)[min(depth, self.num_draft_tokens)]
         if not self._after_plain and seconds > 0:  # a step right after a plain one paid the catch-up: not timed
-            unit = 1.0 if self.cost is None else self._table(num_active)[min(depth, self.num_draft_tokens)]
             lane.scale, lane.spec_n, lane.spec_out = self._fold(lane.scale, lane.spec_n, lane.spec_out,
                                                                 seconds / unit)
+        elif seconds > 0:  # ... but what it cost sizes the gap between drafted probes (`_probe_gap`)
+            x = seconds / unit
+            lane.catch = x if not lane.catch else self.decay * lane.catch + (1.0 - self.decay) * x
         self._after_plain = False
 
     def _fold(self, ema: float, n: int, out: int, x: float) -> tuple[float, int, int]:
