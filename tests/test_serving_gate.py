@@ -204,3 +204,35 @@ def test_a_drafters_context_is_complete_after_narrowed_and_skipped_steps(case):
     assert {len(d) for _, d in drafted} >= {1, 2, 3}
     for seq, drafts in drafted[::3]:
         assert recompute(seq)[:len(drafts)] == drafts
+
+
+def test_while_drafting_is_off_joining_requests_cost_a_block_drafter_nothing():
+    """A request's prompt taps wait with the commits (a row that leaves drops its waiting entries): an engine whose
+    gate never drafts calls no drafter model at admission either; outputs stay AR's."""
+    target, drafter, vocab, _ = block_case()
+    calls = []
+    real = drafter.model.append_context
+    drafter._eager_append = lambda *a, **k: calls.append("prefill") or real(*a, **k)
+    drafter.model.append_context = lambda *a, **k: calls.append("append") or real(*a, **k)
+    engine = gated_engine(target, drafter, ScriptedDepthGate([0]), max_batch_size=2, num_draft_tokens=3)
+    reqs = requests(vocab, 5, 12, seed=4)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert calls == []
+
+
+def test_waiting_prompt_entries_bound_the_joined_width():
+    import torch
+
+    from angelspec.decoding.drafters.base import PendingCommits
+
+    p = PendingCommits()
+    x = torch.arange(2 * 3, dtype=torch.float32).view(2, 3, 1)
+    p.add([x], torch.tensor([2, 1]))  # a commit of width 3
+    p.drop_rows(torch.tensor([1]))  # row 1's request left ...
+    prompt = torch.full((2, 10, 1), -1.0)
+    p.add([prompt], torch.tensor([0, 4]), starts=True)  # ... and a prompt of 4 (padded to 10) joined it
+    p.add([x + 100], torch.tensor([1, 1]))
+    (joined,), count = p.take()
+    assert count.tolist() == [3, 5]
+    assert joined.shape[1] == 13  # the prompt's width and the commit after it, not 3 + 10 + 3
+    assert joined[0, :3, 0].tolist() == [0.0, 1.0, 100.0] and joined[1, :5, 0].tolist() == [-1.0] * 4 + [103.0]
