@@ -186,10 +186,11 @@ def add_bench(sub: Subparsers) -> None:
                    help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="use the first N prompts of each domain (default: every prompt that fits)")
-    p.add_argument("--vllm", default=None, metavar="DIR",
-                   help="run vLLM from the venv DIR on the same requests for every AR and full-depth n-gram config: "
-                        "its tokens/s, ours/vLLM, its MAL and whether its outputs equal ours (log: --out/vllm.log); "
-                        "default: .venv-vllm when it exists (`make vllm-venv`)")
+    p.add_argument("--vllm", nargs="?", const=".venv-vllm", default=None, metavar="DIR",
+                   help="run vLLM from the venv DIR (bare --vllm: .venv-vllm, which must exist) on the same requests "
+                        "for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and whether its "
+                        "outputs equal ours (log: --out/vllm.log); default: .venv-vllm when it exists "
+                        "(`make vllm-venv`)")
     p.add_argument("--no-vllm", action="store_true", help="no vLLM column, even where .venv-vllm exists")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
     p.add_argument("--force", action="store_true", help="overwrite the sweep that --out already holds")
