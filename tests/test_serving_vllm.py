@@ -200,3 +200,21 @@ def test_bench_vllm_venv_that_cannot_import_vllm_is_one_line(capsys: pytest.Capt
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "cannot import" in err and "make vllm-venv" in err and "vllm.log" in err
     assert "cannot import" in (tmp_path / "o" / "vllm.log").read_text()
+
+
+def test_bench_uses_the_vllm_venv_where_it_exists_unless_no_vllm(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path, tiny_target_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import angelspec.eval.serving.vllm as vllm_module
+
+    monkeypatch.chdir(tmp_path)
+    opened = []
+    monkeypatch.setattr(vllm_module, "open_vllm_column", lambda venv, *a, **k: opened.append(venv) or None)
+    args = _bench(tmp_path, tiny_target_dir, "--no-compile", "--force")
+    assert main(args) == 0 and opened == []  # no .venv-vllm here: no vLLM column
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").write_text("")
+    assert main(args) == 0 and opened == [".venv-vllm"]  # found: the column is on by default
+    assert main([*args, "--no-vllm"]) == 0 and opened == [".venv-vllm"]
+    assert main([*args, "--no-vllm", "--vllm", "x"]) == 2
+    assert "contradict" in capsys.readouterr().err
