@@ -1,22 +1,23 @@
-"""The serving sweep of the issue "Runtime-adaptive verification and serving benchmarks": AR, MTP, DFlash, DFly,
-DFly + D-cut (the report's rho* = argmax U/C, and bounded to <= 3% expected acceptance loss), DFly + Algorithm 1
-and DFly + confidence threshold as closed-loop clients at concurrency 1..64, greedy, fixed-length generations
+"""The serving sweep of the issue "Runtime-adaptive verification and serving benchmarks": AR, MTP, DFlash, DFly under
+the recommended serving setting `auto`, DFly, DFly + D-cut (the report's rho* = argmax U/C, and bounded to <= 3%
+expected acceptance loss), DFly + Algorithm 1 and DFly + confidence threshold as closed-loop clients at concurrency
+1..32, greedy, fixed-length generations
 (AngelSpec report §4.4 Figure 4, §5 Eq. 25 / Table 8 in miniature).
 
 Everything is measured by `angelspec.eval.serving` (the code behind `angelspec bench`); this script only
 picks the configurations and their K: MTP verifies K = --mtp-k drafts (the report's MTP-3), the block
 drafters their full block (K = block size - 1) unless --block-k says otherwise. A drafter folder that is
-missing is skipped with the `angelspec train` command that makes it. D-cut, Algorithm 1 and production
+missing is skipped with the `angelspec train` command that makes it. D-cut, Algorithm 1, production and auto
 read a cost table profiled once per drafter on first use (cached under .cache/angelspec-costs).
 
 Timing needs an otherwise idle machine. The full sweep takes long on 2 CPU cores (an hour or more):
 
     .venv/bin/python benchmarks/serving.py                                  # everything, .cache/serving
-    .venv/bin/python benchmarks/serving.py --concurrency 1,2 --max-new-tokens 8 --out /tmp/serving  # smoke
+    .venv/bin/python benchmarks/serving.py --concurrency 1,2 --max-new-tokens 8 --no-compile --out /tmp/serving
 
-Writes results.json, results.md, serving.png and phases.png into --out and prints the table, the D-cut goal
-line and the break-even committed lengths (Eq. 25, MTP as the reference). With --vllm, vLLM (its own venv, `make
-vllm-venv`) also serves the AR configuration's requests at each concurrency (the vLLM columns of the table).
+Writes results.json, results.md, serving.png, phases.png and latency.png into --out and prints the table, the auto
+and D-cut goal lines and the break-even committed lengths (Eq. 25, MTP as the reference). With --vllm, vLLM (its
+own venv, `make vllm-venv`) also serves the AR configuration's requests at each concurrency (the vLLM columns).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from angelspec.decoding.loading import load_target_and_tokenizer
 from angelspec.errors import EXIT_BAD_INPUT, is_user_error
 from angelspec.eval.serving import (
     DEFAULT_CONCURRENCY,
+    DEFAULT_MAX_NEW_TOKENS,
     DRAFTER_MAX_DEPTH,
     ServingConfig,
     bench,
@@ -63,7 +65,8 @@ def configs_for(args: argparse.Namespace) -> list[ServingConfig]:
         configs.append(ServingConfig("DFlash", f"dflash:{present['dflash']}", num_draft_tokens=block_k))
     if "dfly" in present:
         dfly = f"dfly:{present['dfly']}"
-        configs += [ServingConfig("DFly", dfly, num_draft_tokens=block_k),
+        configs += [ServingConfig("DFly auto", dfly, "auto", num_draft_tokens=block_k),  # the recommended setting
+                    ServingConfig("DFly", dfly, num_draft_tokens=block_k),
                     ServingConfig("DFly+D-cut", dfly, "dcut", num_draft_tokens=block_k),
                     ServingConfig("DFly+D-cut<=3%", dfly, "dcut:max-loss=0.03", num_draft_tokens=block_k),
                     ServingConfig("DFly+Alg1", dfly, "alg1", num_draft_tokens=block_k),
@@ -79,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="(default: .cache/serving/dflash)")
     parser.add_argument("--dfly", default=".cache/demo/dfly", metavar="DIR", help="(default: .cache/demo/dfly)")
     parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)), metavar="C,C,...",
-                        help="(default: 1,2,4,8,16,32,64)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
+                        help="(default: 1,2,4,8,16,32)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"per request (default: {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--min-requests", type=int, default=16, metavar="N",
-                        help="requests per point are max(2C, N) (default: 16)")
+                        help="requests per point are max(4C, N) (default: 16)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run every configuration eager")
     parser.add_argument("--mtp-k", type=int, default=3, metavar="K", help="MTP drafts per step (default: 3)")
     parser.add_argument("--block-k", type=int, default=None, metavar="K",
                         help="DFlash / DFly drafts per step (default: the drafter's block size - 1)")
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_target_and_tokenizer(target_dir)
         report = bench(model, tokenizer, target_dir, configs, concurrency=concurrency,
                        max_new_tokens=args.max_new_tokens, min_requests=args.min_requests, out_dir=Path(args.out),
-                       breakeven=True, vllm=column, log=log)
+                       breakeven=True, vllm=column, log=log, compile=args.compile)
     except Exception as e:
         if not is_user_error(e):
             raise

@@ -177,7 +177,7 @@ def test_bench_configs_take_the_suffix_before_their_own():
     c = parse_config("DFly+NG=dfly:DIR+ngram:3:2@dcut+gate+compile")
     assert (c.drafter, c.policy, c.spec_gate, c.compile) == ("dfly:DIR+ngram:3:2", "dcut", True, True)
     c = parse_config("DFly+NG=DIR+ngram+compile")
-    assert (c.drafter, c.policy, c.compile) == ("DIR+ngram", "full", True)
+    assert (c.drafter, c.policy, c.compile) == ("DIR+ngram", "auto", True)  # no @POLICY: the serving setting
 
 
 def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_not():

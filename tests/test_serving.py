@@ -50,6 +50,28 @@ def test_parse_config_forms() -> None:
         parse_config("X=ngram@dcut:0.3")
 
 
+def test_a_drafter_config_without_a_policy_runs_auto_and_full_stays_available() -> None:
+    assert parse_config("DFly=dfly:/x/y") == ServingConfig("DFly", "dfly:/x/y", "auto")
+    assert parse_config("DFly=dfly:/x/y+compile") == ServingConfig("DFly", "dfly:/x/y", "auto", compile=True)
+    assert parse_config("DFly-full=dfly:/x/y@full") == ServingConfig("DFly-full", "dfly:/x/y", "full")
+    assert parse_config("AR=none+compile") == ServingConfig("AR", "none", "full", compile=True)
+
+
+def test_latency_percentiles_of_a_point() -> None:
+    from angelspec.decoding.engine import Result
+    from angelspec.eval.serving.base import percentile
+    from angelspec.eval.serving.sweep import latency_percentiles
+
+    assert percentile([], 50) == 0.0 and percentile([3.0], 95) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile(list(map(float, range(101))), 95) == 95.0
+    # 5 tokens in 0.5 s after a 0.1 s first token: 0.1 s per token after it; one single-token request has no TPOT.
+    results = [Result(i, [1] * 5, "length", 5, 3, latency_s=0.1 + 0.4 * (i + 1), first_token_s=0.1) for i in range(4)]
+    results.append(Result(9, [1], "length", 1, 3, latency_s=0.2, first_token_s=0.2))
+    got = latency_percentiles(results)
+    assert got["tpot_p50_s"] == pytest.approx(0.25) and got["tpot_p95_s"] == pytest.approx(0.385)
+    assert got["ttft_p50_s"] == pytest.approx(0.1) and got["ttft_p95_s"] == pytest.approx(0.18)
+
+
 def test_parse_concurrency_and_configs() -> None:
     assert parse_concurrency("4, 1,2") == (1, 2, 4)
     for bad, needle in (("1,x", "not an integer"), ("0,2", "not a usable"), ("2,2", "twice"), ("", "not an integer")):
@@ -96,6 +118,19 @@ def test_goal_line_met_and_not_met() -> None:
     assert "NOT met" in _report(dcut_tps=210, dcut_mal=3.0).goal_line()  # +5% only
     no_pair = ServingReport(settings={}, rows=[r for r in met.rows if r.config != "DFly"])
     assert "not evaluated" in no_pair.goal_line()
+
+
+def test_the_auto_line_compares_auto_with_ar_and_the_best_other_config() -> None:
+    from dataclasses import replace
+
+    report = _report(221, 2.95)
+    report.rows += [replace(_row("DFly auto", "dfly", "auto", c, tps, 2.0, 0.02, 0.005), speedup=tps / 100,
+                            tpot_p95_vs_ar=0.9) for c, tps in ((1, 190), (64, 110))]
+    (line,) = report.auto_lines()
+    assert line.startswith("auto (DFly auto;")
+    assert "C=1 1.90x AR, 0.86x DFly+D-cut, p95 TPOT 0.90x AR's" in line and "C=64 1.10x AR, 0.50x DFly+D-cut" in line
+    assert report.to_json()["auto"] == [line] and line in report.format()
+    assert _report(221, 2.95).auto_lines() == []
 
 
 def test_a_point_with_a_stalled_step_is_flagged(tmp_path: Path) -> None:
@@ -203,7 +238,8 @@ def test_table_json_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     obj = report.to_json()
     assert obj["goal"]["met"] and obj["breakeven"]["reference"] == "MTP" and len(obj["rows"]) == 8
     paths, note = report.write(tmp_path / "out", breakeven=True)
-    assert note is None and {p.name for p in paths} == {"results.json", "results.md", "serving.png", "phases.png"}
+    assert note is None and {p.name for p in paths} == {"results.json", "results.md", "serving.png", "phases.png",
+                                                        "latency.png"}
     assert "break-even" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "serving.png").read_bytes()[:4] == b"\x89PNG"
     real_import = builtins.__import__
@@ -225,9 +261,9 @@ def test_bench_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path
     monkeypatch.chdir(tmp_path)  # the dcut cost table goes to ./.cache/angelspec-costs
     out = tmp_path / "bench"
     code = main(["bench", "--target", str(tiny_target_dir), "--prompts", str(prompts_file), "--config", "AR=none",
-                 "--config", "NG=ngram", "--config", "NG+D-cut=ngram@dcut",
+                 "--config", "NG=ngram@full", "--config", "NG+D-cut=ngram@dcut", "--config", "NG-auto=ngram",
                  "--concurrency", "1,2", "--max-new-tokens", "4", "--min-requests", "3", "--num-draft-tokens", "2",
-                 "--warmup-tokens", "2",
+                 "--warmup-tokens", "2", "--no-compile",
                  "--out", str(out), "--breakeven", "--quiet"])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
@@ -235,13 +271,21 @@ def test_bench_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert "break-even committed length" in stdout and "no MTP configuration" in stdout
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    assert len(rows) == 6 and {r["concurrency"] for r in rows} == {1, 2}
+    assert len(rows) == 8 and {r["concurrency"] for r in rows} == {1, 2}
     assert all(r["identical"] == r["requests"] for r in rows)  # lossless against AR at T=0
-    assert [r["requests"] for r in rows if r["config"] == "AR"] == [3, 4]  # max(2C, 3)
+    assert [r["requests"] for r in rows if r["config"] == "AR"] == [4, 8]  # max(4C, 3)
+    assert {r["config"]: r["policy"] for r in rows}["NG-auto"] == "auto"  # a drafter without @POLICY: auto
+    assert not any(c["compile"] for c in data["settings"]["configs"])  # --no-compile
+    for r in rows:  # per-request latency: p50 <= p95, TTFT and TPOT measured, TPOT against the AR run of the point
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p95_s"]
+        assert r["tpot_p95_vs_ar"] == pytest.approx(r["tpot_p95_s"] / next(
+            a["tpot_p95_s"] for a in rows if a["config"] == "AR" and a["concurrency"] == r["concurrency"]))
+    assert "TPOT p50/p95 ms" in stdout and "TTFT p50/p95 ms" in stdout
     assert all(r["output_tokens"] == 4 * r["requests"] for r in rows)  # fixed length, stop tokens ignored
     assert all(r["speedup"] == 1.0 for r in rows if r["config"] == "AR")
     assert data["goal"]["dcut"] == "NG+D-cut" and data["goal"]["full"] == "NG"
     assert (out / "results.md").is_file() and (out / "serving.png").is_file() and (out / "phases.png").is_file()
+    assert (out / "latency.png").is_file()
     assert list((tmp_path / ".cache" / "angelspec-costs").glob("*.json"))
 
 
@@ -289,3 +333,30 @@ def test_demo_serving_stage_skips_without_drafters(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) == 1 and "no drafter in" in facts["serving"]
     assert "make drafters" in facts["serving"]
+
+
+def test_demo_serving_stage_runs_the_recommended_setting_at_trained_depths(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's sweep: its own small settings, AR beside the shipped drafters at full depth and DFly under auto, every
+    drafter at the depth it was trained for (no fixed K), eager."""
+    from angelspec import demo
+    from angelspec.eval import serving
+
+    seen = {}
+
+    def fake_bench(model, tokenizer, target_dir, configs, **kwargs):
+        seen.update(configs=configs, **kwargs)
+        rows = [ServingRow(config=c.name, drafter=c.drafter, kind="ar" if c.is_ar else "dfly", policy=c.policy,
+                           num_draft_tokens=0, concurrency=cc, requests=4, output_tokens=8, wall_s=1.0,
+                           tokens_per_s=8.0, per_user_tokens_per_s=8.0, mal=1.0, mean_depth=0.0, steps=8,
+                           exec_s_per_step=0.1, sample_s_per_step=0.0, speedup=1.0, identical=4)
+                for c in configs for cc in demo.SERVING_CONCURRENCY]
+        return ServingReport(settings={}, rows=rows)
+
+    monkeypatch.setattr(serving, "bench", fake_bench)
+    facts = demo.stage_serving(demo.DemoState(target=None, work_dir=tmp_path))
+    assert [(c.name, c.policy) for c in seen["configs"]] == [("AR", "full"), ("MTP", "full"), ("DFly", "full"),
+                                                              ("DFly auto", "auto")]
+    assert seen["num_draft_tokens"] is None and not seen.get("compile")
+    assert seen["max_new_tokens"] <= 32 and seen["concurrency"] == (1, 4, 16)
+    assert facts["serving auto"].startswith("auto (DFly auto;") and facts["serving lossless"].startswith("every")

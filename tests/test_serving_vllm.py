@@ -41,7 +41,8 @@ def _contender(spec: str, k: int = 3, **ngram: int) -> Contender:
 def test_vllm_setup_matches_ar_and_full_depth_ngram_only() -> None:
     assert _contender("AR=none").vllm_setup() == _contender("ARc=none+compile").vllm_setup() == VllmSetup("ar")
     assert VllmSetup("ar").speculative_config() is None
-    ng = _contender("N=ngram:4", k=5, max_ngram=4, min_ngram=2).vllm_setup()
+    ng = _contender("N=ngram:4@full", k=5, max_ngram=4, min_ngram=2).vllm_setup()
+    assert _contender("N=ngram:4", k=5).vllm_setup() is None  # no @POLICY: auto, which vLLM does not have
     assert ng is not None and ng.speculative_config() == {"method": "ngram", "num_speculative_tokens": 5,
                                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     assert _contender("N=ngram@threshold:0.5").vllm_setup() is None  # vLLM has no depth policy
@@ -96,7 +97,7 @@ def test_sweep_adds_vllm_cells_from_the_same_requests(tiny_target_dir: Path) -> 
                                                                                             "ngram"]
     assert [j["concurrency"] for j in stand_in.jobs] == [1, 2, 1, 2]
     for job in stand_in.jobs:
-        n = max(2 * job["concurrency"], 3)
+        n = max(4 * job["concurrency"], 3)
         assert job["prompts"] == [r.prompt_ids for r in _requests(workload, n, 6)]
         assert job["max_new_tokens"] == 6 and job["warmup_tokens"] == 2 and job["target"] == str(tiny_target_dir)
     assert stand_in.jobs[2]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2,
@@ -113,12 +114,12 @@ def test_sweep_adds_vllm_cells_from_the_same_requests(tiny_target_dir: Path) -> 
             assert r.vllm_identical == r.requests - 1 and r.vllm_mal == pytest.approx(1.9)
     table = report.format_table().splitlines()
     assert table[0].rstrip(" |").endswith("vLLM = ours")
-    assert [line.split("|")[-2].strip() for line in table[2:]] == ["yes", "yes", "NO (1/3 differ)",
-                                                                   "NO (1/4 differ)", "-", "-"]
+    assert [line.split("|")[-2].strip() for line in table[2:]] == ["yes", "yes", "NO (1/4 differ)",
+                                                                   "NO (1/8 differ)", "-", "-"]  # N = max(4C, 3)
     text = report.format()
     assert "vLLM columns: vLLM stand-in" in text and "FAILED" not in text
     assert report.settings["vllm"]["setups"] == {"AR": "AR", "NG": "ngram K=2 n=1..2"}
-    assert report.to_json()["rows"][0]["vllm_identical"] == 3
+    assert report.to_json()["rows"][0]["vllm_identical"] == 4
 
 
 def test_a_failed_vllm_run_keeps_what_was_measured(tiny_target_dir: Path) -> None:
@@ -199,3 +200,21 @@ def test_bench_vllm_venv_that_cannot_import_vllm_is_one_line(capsys: pytest.Capt
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "cannot import" in err and "make vllm-venv" in err and "vllm.log" in err
     assert "cannot import" in (tmp_path / "o" / "vllm.log").read_text()
+
+
+def test_bench_uses_the_vllm_venv_where_it_exists_unless_no_vllm(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path, tiny_target_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import angelspec.eval.serving.vllm as vllm_module
+
+    monkeypatch.chdir(tmp_path)
+    opened = []
+    monkeypatch.setattr(vllm_module, "open_vllm_column", lambda venv, *a, **k: opened.append(venv) or None)
+    args = _bench(tmp_path, tiny_target_dir, "--no-compile", "--force")
+    assert main(args) == 0 and opened == []  # no .venv-vllm here: no vLLM column
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").write_text("")
+    assert main(args) == 0 and opened == [".venv-vllm"]  # found: the column is on by default
+    assert main([*args, "--no-vllm"]) == 0 and opened == [".venv-vllm"]
+    assert main([*args, "--no-vllm", "--vllm", "x"]) == 2
+    assert "contradict" in capsys.readouterr().err

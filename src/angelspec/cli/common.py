@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
 POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "
-               "alg1:TAU | production (default: full; dcut, alg1 and production read a measured cost table, "
-               "profiled on first use and cached)")
+               "alg1:TAU | production | auto (default: full; auto: per step the depth that commits most tokens per "
+               "second at the current load, or plain steps; dcut, alg1, production and auto read a measured cost "
+               "table, profiled on first use and cached)")
 THINK_HELP = "render the chat template in thinking mode (default: --no-think)"
 
 Subparsers = argparse._SubParsersAction
@@ -85,7 +86,7 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
     """--policy and --cost-table (the depth policy of `angelspec.decoding.policies.factory`)."""
     p.add_argument("--policy", default="full", metavar="SPEC", help=POLICY_HELP)
     p.add_argument("--cost-table", default=None, metavar="FILE.json",
-                   help="cost table of --policy dcut / alg1 / production (default: "
+                   help="cost table of --policy dcut / alg1 / production / auto (default: "
                         ".cache/angelspec-costs/<model>-<key digest>.json; re-profiled when stale)")
     p.add_argument("--spec-gate", action="store_true",
                    help="skip drafting on steps where plain decoding has been committing tokens faster at the "

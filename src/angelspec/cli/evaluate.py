@@ -4,6 +4,7 @@ one function of `angelspec.eval.runs` and print what it returns."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from angelspec.cli.common import (
     DRAFTER_SPECS,
@@ -145,16 +146,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_bench(sub: Subparsers) -> None:
-    """For each --config and each concurrency C, run max(2C, --min-requests) greedy requests of --max-new-tokens tokens
+    """For each --config and each concurrency C, run max(4C, --min-requests) greedy requests of --max-new-tokens tokens
     (a chat/code/math mix of the held-out prompts) through one engine with C rows (continuous batching = C
-    closed-loop clients), after an untimed warm-up. Print aggregate and per-user tokens/s, MAL, speed-up over the AR
-    config, the median per-step verify and draft (propose + on_commit) + select time, and whether D-cut beats full
-    verification at the highest C (dcut, alg1 and production profile a cost table per drafter on first use, cached
-    under .cache/angelspec-costs); write
-    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. With --vllm,
-    vLLM (its own venv, `make vllm-venv`) serves the same requests at each C for every AR and full-depth n-gram
-    config, and the table gains its tokens/s, ours/vLLM and whether its outputs equal ours. Exits 1 if a
-    speculative output differs from AR's (a bug)."""
+    closed-loop clients), compiled unless --no-compile, after an untimed warm-up; at each C every config runs beside
+    the AR config's run. A drafter config without @POLICY runs the recommended serving setting `auto` (per step, the
+    depth that commits most tokens per second at the current load, or plain steps where none beats them); @full or
+    any other policy runs a fixed one. Print aggregate and per-user tokens/s, MAL, speed-up over the AR
+    config, p50 / p95 time to first token and time per output token, the median per-step verify and draft (propose +
+    on_commit) + select time, and whether D-cut beats full verification at the highest C (dcut, alg1, production and
+    auto profile a cost table per drafter on first use, cached under .cache/angelspec-costs); write
+    results.json, results.md and plots (needs matplotlib: pip install 'angelspec[bench]') into --out. vLLM (its own
+    venv, `make vllm-venv`; --vllm DIR names another, --no-vllm skips it) serves the same requests at each C for
+    every AR and full-depth n-gram config when its venv exists, and the table gains its tokens/s, ours/vLLM and
+    whether its outputs equal ours. Exits 1 if a speculative output differs from AR's (a bug)."""
     p = sub.add_parser(
         "bench", help="closed-loop serving sweep: throughput vs concurrency for AR and drafters under depth policies",
         description=add_bench.__doc__)
@@ -162,26 +166,32 @@ def add_bench(sub: Subparsers) -> None:
     add_device_flags(p)
     p.add_argument("--config", action="append", required=True, metavar="NAME=SPEC[@POLICY][+gate]",
                    help="one curve (repeatable): SPEC as --drafter takes it (none = AR), POLICY a depth policy "
-                        "(default full), +gate the speculation gate (skip drafting where plain steps are faster), "
-                        "+compile torch.compile in the engine (about a minute per config on a 2-core CPU), "
-                        "e.g. AR=none MTP=.cache/demo/mtp DFly+D-cut=.cache/demo/dfly@dcut "
-                        "DFly+gate=.cache/demo/dfly@dcut+gate AR-compiled=none+compile")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", metavar="C,C,...",
-                   help="concurrent requests per point (default: 1,2,4,8,16,32,64)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per request (default: 64)")
+                        "(default auto for a drafter: the recommended serving setting; full = every draft, a fixed "
+                        "config), +gate the speculation gate (skip drafting where plain steps are faster), "
+                        "+compile torch.compile in the engine (the default for every config; see --no-compile), "
+                        "e.g. AR=none DFly=.cache/demo/dfly DFly-full=.cache/demo/dfly@full "
+                        "DFly+D-cut=.cache/demo/dfly@dcut")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", metavar="C,C,...",
+                   help="concurrent requests per point (default: 1,2,4,8,16,32)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="per request (default: 128)")
     add_num_draft_tokens_flag(p, "drafts per step for configs that do not name one")
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
-                   help="requests per point are max(2C, N) (default: 8)")
+                   help="requests per point are max(4C, N) (default: 8)")
     p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",
                    help="new tokens of the untimed warm-up batch per config (default: 8)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run eager (configs with +compile stay compiled); compiling costs about a minute per config "
+                        "on a 2-core CPU")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="workload prompts with a \"domain\" key (default: the shipped held-out prompts)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="use the first N prompts of each domain (default: every prompt that fits)")
     p.add_argument("--vllm", nargs="?", const=".venv-vllm", default=None, metavar="DIR",
-                   help="also run vLLM from the venv DIR (default .venv-vllm, built by `make vllm-venv`) on the same "
-                        "requests for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and "
-                        "whether its outputs equal ours (log: --out/vllm.log)")
+                   help="run vLLM from the venv DIR (bare --vllm: .venv-vllm, which must exist) on the same requests "
+                        "for every AR and full-depth n-gram config: its tokens/s, ours/vLLM, its MAL and whether its "
+                        "outputs equal ours (log: --out/vllm.log); default: .venv-vllm when it exists "
+                        "(`make vllm-venv`)")
+    p.add_argument("--no-vllm", action="store_true", help="no vLLM column, even where .venv-vllm exists")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for results.json, results.md and the plots")
     p.add_argument("--force", action="store_true", help="overwrite the sweep that --out already holds")
     p.add_argument("--breakeven", action="store_true",
@@ -192,13 +202,17 @@ def add_bench(sub: Subparsers) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """`angelspec bench`: closed-loop serving sweep of AR and drafters under depth policies."""
-    from angelspec.eval.runs import run_bench
+    from angelspec.eval.runs import DEFAULT_VLLM_VENV, run_bench
     from angelspec.eval.serving import lossless
 
+    if args.no_vllm and args.vllm is not None:
+        raise UsageError("--vllm DIR and --no-vllm contradict each other; give one")
+    vllm = None if args.no_vllm else args.vllm if args.vllm is not None else (
+        DEFAULT_VLLM_VENV if (Path(DEFAULT_VLLM_VENV) / "bin" / "python").is_file() else None)
     report = run_bench(args.config, args.out, target=args.target, concurrency=args.concurrency,
                        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                        min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
-                       breakeven=args.breakeven, limit=args.limit, vllm=args.vllm,
+                       breakeven=args.breakeven, limit=args.limit, vllm=vllm, compile=args.compile,
                        log=None if args.quiet else print, placement=placement(args), force=args.force)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 

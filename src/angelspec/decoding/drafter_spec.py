@@ -24,7 +24,6 @@ HYBRID_SUFFIX = "+ngram"  # SPEC+ngram[:N[:M[:D]]]: n-gram lookup in front of a 
 HYBRID_FORM = f"SPEC{HYBRID_SUFFIX}[:N[:M[:D]]]"
 GATE_SUFFIX = "+gate"  # NAME=SPEC[@POLICY]+gate: the speculation gate on
 COMPILE_SUFFIX = "+compile"  # NAME=SPEC[@POLICY]+compile: the engine's torch.compile on (EngineConfig.compile)
-DEFAULT_POLICY = "full"
 
 
 @dataclass(frozen=True)
@@ -142,19 +141,20 @@ def drafter_forms(include_none: bool = True) -> str:
 class BenchEntry:
     """One `angelspec bench --config NAME=SPEC[@POLICY][+gate][+compile]`: the curve's name, its drafter spec (kept
     as text: `parse_drafter_spec` reads it when the drafter is loaded), the depth-policy spec as text (the policy
-    factory owns that grammar), and the two switches."""
+    factory owns that grammar; None when the entry names none, so the sweep picks its default), and the two
+    switches."""
 
     name: str
     drafter: str
-    policy: str = DEFAULT_POLICY
+    policy: str | None = None
     spec_gate: bool = False
     compile: bool = False
 
 
 def parse_bench_entry(text: str) -> BenchEntry:
-    """`NAME=SPEC[@POLICY][+gate][+compile]` -> BenchEntry (SPEC `none` for AR; POLICY default full; `+gate` turns the
-    speculation gate on, `+compile` the engine's torch.compile, in either order). Syntax only: UsageError naming
-    the expected form; the policy and the drafter are checked by their own parsers."""
+    """`NAME=SPEC[@POLICY][+gate][+compile]` -> BenchEntry (SPEC `none` for AR; POLICY None when not given;
+    `+gate` turns the speculation gate on, `+compile` the engine's torch.compile, in either order). Syntax only:
+    UsageError naming the expected form; the policy and the drafter are checked by their own parsers."""
     name, sep, rest = text.partition("=")
     name, rest = name.strip(), rest.strip()
     suffixes = set()
@@ -167,10 +167,11 @@ def parse_bench_entry(text: str) -> BenchEntry:
                          "DFly+D-cut=dfly:DIR@dcut")
     spec, at, policy = rest.rpartition("@")
     if not at:
-        spec, policy = rest, DEFAULT_POLICY
+        spec, policy = rest, None
     if not spec.strip():
         raise UsageError(f"--config {text!r}: the drafter SPEC before '@' is empty; expected NAME=SPEC[@POLICY]")
-    entry = BenchEntry(name=name, drafter=spec.strip(), policy=policy.strip(), spec_gate=gate,
+    entry = BenchEntry(name=name, drafter=spec.strip(), policy=None if policy is None else policy.strip(),
+                       spec_gate=gate,
                        compile=COMPILE_SUFFIX in suffixes)
     if gate and entry.drafter == NONE:
         raise UsageError(f"--config {text!r}: +gate decides when to draft, but AR (drafter none) never drafts")

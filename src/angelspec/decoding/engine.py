@@ -61,7 +61,7 @@ from angelspec.decoding.compiled import static_attention, try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
 from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
-from angelspec.decoding.policies.gate import SpecGate
+from angelspec.decoding.policies.gate import ServingGate, SpecGate
 from angelspec.decoding.sampling import (
     BatchSampling,
     NoiseStream,
@@ -115,6 +115,13 @@ class Result:
     prompt_len: int
     queued_s: float = field(default=0.0, compare=False)  # generate() call to admission (wall seconds)
     latency_s: float = field(default=0.0, compare=False)  # admission to last token (per-user speed = tokens / this)
+    first_token_s: float = field(default=0.0, compare=False)  # admission to the first token (its prefill)
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """Seconds per token after the first (TPOT); 0.0 for a single token."""
+        n = len(self.token_ids) - 1
+        return (self.latency_s - self.first_token_s) / n if n > 0 else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -170,6 +177,7 @@ class _Slot:
     steps: int = 1  # the prefill emitted the first token
     finish: FinishReason | None = None
     admitted_at: float = 0.0  # perf_counter() at admission
+    first_at: float = 0.0  # perf_counter() once the first token is on the host
 
     def emit(self, new: Sequence[int]) -> None:
         """Append tokens until a stop token (kept) or max_new_tokens."""
@@ -218,11 +226,15 @@ class SpecEngine:
         static = policy_static_depth(self.depth_policy)
         if static is not None and not 0 <= static <= self.k:
             raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {self.k}")
-        if static is None and type(self.depth_policy) is FixedDepth:  # FixedDepth() verifies all K: static too
+        if static is None and isinstance(self.depth_policy, FixedDepth):  # FixedDepth() verifies all K: static too
             static = self.k
         self._static_depth = static  # every row's depth when the policy fixes one (no host read for the width)
         self._policy_uses_proposal = policy_uses_proposal(self.depth_policy)
-        self.gate: SpecGate | None = SpecGate() if config.spec_gate and drafter is not None else None
+        # The gate: the policy's own (`auto` builds a ServingGate) or, with spec_gate, the plain SpecGate.
+        make_gate = getattr(self.depth_policy, "make_gate", None)
+        self.gate: SpecGate | ServingGate | None = (
+            None if drafter is None else make_gate(self.k) if callable(make_gate) else SpecGate() if config.spec_gate
+            else None)
         self._taps: tuple[int, ...] = ()
         if drafter is not None:
             # Before any decoding: a drafter for another target/tokenizer fails here, not mid-generation.
@@ -319,7 +331,8 @@ class SpecEngine:
                                               finish_reason=s.finish, num_steps=s.steps,
                                               prompt_len=len(s.request.prompt_ids),
                                               queued_s=s.admitted_at - t_start,
-                                              latency_s=time.perf_counter() - s.admitted_at)
+                                              latency_s=time.perf_counter() - s.admitted_at,
+                                              first_token_s=s.first_at - s.admitted_at)
                     self.metrics.output_tokens += len(s.tokens)
                     self._slots[r] = None
                 self._release(done)
@@ -458,6 +471,7 @@ class SpecEngine:
         # The first emitted token sits at position P: that is its noise counter.
         first = self._choose(out.logits[:, 0], joiners, p_lens, all(p.is_greedy for p in params))  # [n]
         first_host = first.tolist()  # host sync: once per admission
+        t_first = time.perf_counter()
 
         self._last[idx] = first
         self._seq_lens[idx] = p_lens + 1
@@ -467,7 +481,7 @@ class SpecEngine:
         for r, i, req, tok in zip(rows, indices, reqs, first_host, strict=True):
             stop = req.stop_ids if req.stop_ids is not None else self.target.config.eos_token_ids
             slot = _Slot(index=i, request=req, stop=frozenset(stop), seq_len=len(req.prompt_ids) + 1,
-                         admitted_at=t0)
+                         admitted_at=t0, first_at=t_first)
             slot.emit([tok])
             self._slots[r] = slot
         self._refresh_rows()
@@ -597,9 +611,10 @@ class SpecEngine:
                            sampling=self._sampling, draft_round=self._draft_round, num_draft_tokens=k,
                            deterministic=self._policy_uses_proposal, all_greedy=self._all_greedy,
                            seq_len_bound=bound)
-        drafting = self.gate is None or self.gate.should_draft(len(rows))
-        if not drafting:  # the gate skipped drafting: a plain step; the drafter sees a round of 0 drafts
-            state = replace(state, num_draft_tokens=0)
+        cap = k if self.gate is None else self.gate.choose_depth(len(rows), k)  # drafts to verify, 0: a plain step
+        drafting = cap > 0
+        if cap < k:  # the gate skipped drafting (a plain step: a round of 0 drafts) or narrowed this step's depth
+            state = replace(state, num_draft_tokens=cap)
         proposal = self.drafter.propose(state)
         proposal.check(b, state.num_draft_tokens, self.vocab_size)
         if not drafting:
@@ -607,7 +622,7 @@ class SpecEngine:
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
         t1 = clock.mark()
         if drafting:
-            depth, width, num_keep = self._select(proposal, state)  # [B], host ints n and sum of (depth + 1)
+            depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
         else:
             depth, width, num_keep = torch.zeros_like(self._seq_lens), 0, len(rows)
         t2 = clock.mark()
@@ -662,7 +677,7 @@ class SpecEngine:
             self.metrics.skipped_steps += 1
         t4 = clock.mark()
         if self.gate is not None:
-            self.gate.observe(len(rows), drafting, sum(accepted) / len(accepted) + 1.0, time.perf_counter() - h0)
+            self.gate.observe_step(len(rows), cap, time.perf_counter() - h0, accepted, depths)
         clock.step(self.metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4),
                    on_commit=on_commit)
 
@@ -700,18 +715,23 @@ class SpecEngine:
             logits, hidden = self._verify_fn(tokens, cache, bound + width)
         return self._verify(protocol, drafts, proposal, logits, depth, width), hidden
 
-    def _select(self, proposal: Proposal, state: DraftState) -> tuple[Tensor, int, int]:
+    def _select(self, proposal: Proposal, state: DraftState, cap: int | None = None) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
-        positions sum over active rows of (depth + 1) (host ints)."""
+        positions sum over active rows of (depth + 1) (host ints). cap: the gate's most drafts per row this step."""
         k = self.k
         raw = self.depth_policy(proposal, state)
         if not isinstance(raw, Tensor) or raw.shape != self._active.shape or raw.is_floating_point():
             raise ValueError(f"depth policy must return an integer tensor [B] = [{self._active.shape[0]}], got "
                              f"{getattr(raw, 'dtype', type(raw).__name__)} {tuple(getattr(raw, 'shape', ()))}")
         raw = raw.long()
+        capped = cap is not None and cap < k
+        if capped:
+            raw = raw.clamp(max=cap)
         depth = raw if proposal.lengths is None else torch.minimum(raw, proposal.lengths)
         depth = torch.where(self._active, depth, 0)
         static = self._static_depth
+        if static is not None and capped:
+            static = min(static, cap)
         if static is not None:
             if proposal.lengths is None:
                 return depth, static, len(self._active_rows) * (static + 1)

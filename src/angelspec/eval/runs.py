@@ -252,17 +252,21 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
                              temperature=temperature, force=force, progress=progress)
 
 
+DEFAULT_VLLM_VENV = ".venv-vllm"  # `make vllm-venv`: bench runs the vLLM column from it when it exists
+
+
 def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
-              concurrency: Sequence[int] | str = "1,2,4,8,16,32,64", max_new_tokens: int = 64,
+              concurrency: Sequence[int] | str = "1,2,4,8,16,32", max_new_tokens: int = 128,
               num_draft_tokens: int | None = None, min_requests: int = 8, warmup_tokens: int = 8,
               prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
               vllm: str | Path | None = None, log: Callable[[str], None] | None = None,
-              placement: Placement | None = None, force: bool = False) -> ServingReport:
+              placement: Placement | None = None, force: bool = False, compile: bool = False) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
     NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
     folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
-    (`eval.serving.vllm`; its log goes to `out`/vllm.log). Drafter folders and the vLLM venv are checked before
-    the target is loaded; a folder that already holds a sweep is refused unless `force`."""
+    (`eval.serving.vllm`; its log goes to `out`/vllm.log). `compile`: every configuration compiled. Drafter folders
+    and the vLLM venv are checked before the target is loaded; a folder that already holds a sweep is refused
+    unless `force`."""
     from angelspec.decoding.policies.factory import PolicyError
     from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
 
@@ -308,4 +312,5 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
     return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
                  num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
-                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log)
+                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log,
+                 compile=compile)

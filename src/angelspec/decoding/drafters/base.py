@@ -354,23 +354,48 @@ class PendingCommits:
 
     def __init__(self) -> None:
         self._items: list[tuple[tuple[Tensor, ...], Tensor]] = []
+        self._starts: list[bool] = []  # per item: it starts its rows' context (a prompt), so earlier entries of them
+        # were dropped (`drop_rows`): what bounds the joined width on the host
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, tensors: Sequence[Tensor], count: Tensor) -> None:
-        """One commit: tensors [B, T, ...] (the same T), count [B] int64 new entries per row (0: none)."""
+    def add(self, tensors: Sequence[Tensor], count: Tensor, starts: bool = False) -> None:
+        """One commit: tensors [B, T, ...] (the same T), count [B] int64 new entries per row (0: none). starts: the
+        item begins its rows' context (a prompt, after `drop_rows` of them): `take` then joins fewer columns."""
         self._items.append((tuple(tensors), count))
+        self._starts.append(starts)
 
     def clear(self) -> None:
         self._items.clear()
+        self._starts.clear()
+
+    def _width_bound(self) -> int:
+        """Host upper bound of any row's waiting entries: a row that a prompt item started holds that item's width
+        and the later ones; any other row at most the widths of the items that start nothing."""
+        widths = [t[0].shape[1] for t, _ in self._items]
+        bound = sum(w for w, st in zip(widths, self._starts, strict=True) if not st)
+        for j, st in enumerate(self._starts):
+            if st:
+                bound = max(bound, widths[j] + sum(w for w, s2 in zip(widths[j + 1:], self._starts[j + 1:],
+                                                                       strict=True) if not s2))
+        return bound
+
+    def drop_rows(self, rows: Tensor) -> None:
+        """Forget the waiting entries of `rows` [n] int64 (their requests left: what they committed is no one's
+        context any more). Device ops only."""
+        for i, (tensors, count) in enumerate(self._items):
+            count = count.clone()
+            count[rows] = 0
+            self._items[i] = (tensors, count)
 
     def take(self) -> tuple[tuple[Tensor, ...], Tensor] | None:
         """Every waiting commit, joined (class docstring), and forget them; None when nothing waits. A width of one
         comes back padded to two (a placeholder column, counts unchanged): torch.compile specialises a size of 1, so
         a catch-up of one position (one gate-skipped step, or a step that verified no draft) would otherwise compile
         a graph of its own the first time it happens, in the middle of a run (seconds, at batch 1)."""
-        items, self._items = self._items, []
+        bound = self._width_bound() if self._items else 0
+        items, self._items, self._starts = self._items, [], []
         if not items:
             return None
         if len(items) == 1:
@@ -385,10 +410,12 @@ class PendingCommits:
         total = valid.shape[1]
         # New entries first, each group in its original order: sort by (padding?, time), keys all distinct.
         order = torch.argsort((~valid).long() * total + torch.arange(total, device=dev), dim=1)  # [B, ΣT]
+        order = order[:, :max(bound, 2)]  # past the bound only padding: dropped entries and prompts' padding
         joined = []
         for i in range(len(items[0][0])):
             x = torch.cat([t[i] for t, _ in items], dim=1)  # [B, ΣT, ...]
-            joined.append(x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x)))
+            joined.append(x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand(
+                *order.shape, *x.shape[2:])))
         return tuple(joined), counts.sum(dim=1)
 
 

@@ -137,12 +137,27 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                 target_hidden: tuple[Tensor, ...]) -> None:
         cache = self.cache
         assert cache is not None, "allocate() before prefill()"
-        self._catch_up(eager=True)  # the rows' waiting commits belong to the requests that left them
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)  # [n]
         lengths = torch.as_tensor([len(p) for p in prompts], dtype=torch.int64, device=cache.device)  # [n]
         cache.lengths[idx] = 0
         # Context = the P prompt positions; the first emitted token (position P) is the first anchor.
-        self._eager_append(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
+        if not self.defer_prefill:
+            self._catch_up(eager=True)  # the rows' waiting commits belong to the requests that left them
+            self._eager_append(concat_taps(target_hidden), cache, num_new=lengths, rows=idx)
+            return
+        # Deferred like a commit: the rows' waiting entries belong to the requests that left them (dropped), and the
+        # prompt's taps wait, scattered into all B rows, for the next round that drafts (`PendingCommits`): while the
+        # speculation gate runs plain steps a joining request costs the drafter nothing.
+        self._pending.drop_rows(idx)
+        b = cache.batch_size
+        taps = []
+        for t in target_hidden:  # [n, P_max, D] -> [B, P_max, D]
+            full = t.new_zeros(b, *t.shape[1:])
+            full[idx] = t
+            taps.append(full)
+        count = torch.zeros(b, dtype=torch.int64, device=cache.device)
+        count[idx] = lengths
+        self._pending.add(taps, count, starts=True)
 
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
@@ -169,6 +184,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
     # False: a greedy round's catch-up and its drafting pass run as two calls (`benchmarks/joined_calls.py` measures
     # one against the other; same drafts either way).
     join_catch_up = True
+    # True: a joining request's prompt taps wait with the commits for the next round that drafts, and the rows of a
+    # request that left drop their waiting entries (no catch-up forced by admissions). False: appended at once.
+    defer_prefill = True
 
     def _greedy_round(self, state: DraftState) -> Proposal:
         """Argmax drafts: the waiting commits' context append and the drafting pass as ONE call (`caught_up_step`,
@@ -216,7 +234,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
-        self._catch_up(eager=True)
+        if self.defer_prefill:  # the rows' waiting entries belong to the requests that left: no one's context now
+            self._pending.drop_rows(torch.as_tensor(list(rows), dtype=torch.int64, device=self.cache.device))
+        else:
+            self._catch_up(eager=True)
         self.cache.reset_rows(list(rows))
 
     def compile(self) -> None:

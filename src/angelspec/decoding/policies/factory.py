@@ -17,8 +17,11 @@ Forms (K = drafts proposed per step, B = concurrent requests):
                  Theta = tau * SPS(B)); TAU is the candidate threshold of Algorithm 1's line
                  "C <- {(r, j) | a_{r,j} > eps}", a prefix survival in [0, 1) (default 1e-6).
 * `production`   DSpark's production scheduler (budget sized from confidences two steps old, global search).
+* `auto`         the serving setting: one depth for every row per step, chosen from the cost table and the measured
+                 acceptance to commit the most tokens per second at the current batch size, narrowing with load,
+                 and plain steps where no depth beats them (`gate.AutoDepth` / `gate.ServingGate`).
 
-Policies with a cost model (`dcut`, `alg1`, `production`) read it from `costmodel.load_or_profile`: a table
+Policies with a cost model (`dcut`, `alg1`, `production`, `auto`) read it from `costmodel.load_or_profile`: a table
 cached on disk per (target, drafter, K, dtype, torch, machine), profiled when missing and re-profiled when
 stale or when it lacks one of the batch sizes asked for.
 
@@ -42,9 +45,9 @@ if TYPE_CHECKING:
     from angelspec.models.decoder import Decoder
 
 POLICY_FORMS = ("full | fixed:N (0 <= N <= K) | threshold:C (C in [0, 1]) | dcut | dcut:RHO (RHO in 0.25, 0.5, "
-                "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production")
-POLICY_KINDS = ("full", "fixed", "threshold", "dcut", "alg1", "production")
-COST_POLICIES = ("dcut", "alg1", "production")  # kinds that may need a measured cost table
+                "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production | auto")
+POLICY_KINDS = ("full", "fixed", "threshold", "dcut", "alg1", "production", "auto")
+COST_POLICIES = ("dcut", "alg1", "production", "auto")  # kinds that may need a measured cost table
 DEFAULT_ALG1_EPS = 1e-6
 
 
@@ -64,7 +67,7 @@ class PolicySpec:
     @property
     def needs_cost_model(self) -> bool:
         """True when building the policy reads (or profiles) the cost table."""
-        return self.kind in ("alg1", "production") or (self.kind == "dcut" and self.arg is None)
+        return self.kind in ("alg1", "production", "auto") or (self.kind == "dcut" and self.arg is None)
 
     @property
     def uses_drafts(self) -> bool:
@@ -99,7 +102,7 @@ def parse_policy(spec: str) -> PolicySpec:
         raise _bad(spec, f"unknown policy {kind!r}")
     if sep and not arg:
         raise _bad(spec, f"{kind}: is missing its value after the colon")
-    if kind in ("full", "production"):
+    if kind in ("full", "production", "auto"):
         if sep:
             raise _bad(spec, f"{kind} takes no value")
         return PolicySpec(text, kind)
@@ -170,6 +173,7 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
     from angelspec.decoding.policies.budget import LinearCost
     from angelspec.decoding.policies.dcut import DCut
+    from angelspec.decoding.policies.gate import AutoDepth
     from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
 
     parsed = spec if isinstance(spec, PolicySpec) else parse_policy(spec)
@@ -202,6 +206,8 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
         log(f"policy {parsed.text}: cost table {what}")
     if kind == "dcut":
         return DCut(cost=table, max_loss=parsed.max_loss)
+    if kind == "auto":
+        return AutoDepth(cost=table)
     if kind == "alg1":
         return PrefixScheduler(cost=table, eps=DEFAULT_ALG1_EPS if arg is None else arg)
     return ProductionScheduler(table)

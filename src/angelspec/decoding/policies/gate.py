@@ -44,7 +44,12 @@ the gate off when a seeded run must repeat token for token.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from angelspec.decoding.policies.base import FixedDepth
 
 
 def batch_bucket(num_active: int) -> int:
@@ -178,3 +183,314 @@ class SpecGate:
             out[f"rows {lo}-{hi}"] = {"drafted": b.drafted, "skipped": b.skipped, "probe_gap": b.gap,
                                       "spec_rate": round(b.spec.rate, 2), "plain_rate": round(b.plain.rate, 2)}
         return out
+
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        """The engine's per-step question: verify `num_draft_tokens` drafts (draft) or 0 (a plain step)."""
+        return num_draft_tokens if self.should_draft(num_active) else 0
+
+    def observe_step(self, num_active: int, depth: int, seconds: float, accepted: Sequence[int],
+                     depths: Sequence[int]) -> None:
+        """The engine's per-step report (the same for every gate): the depth it was given (0: skipped), the step's
+        host seconds, and per active row the drafts accepted and verified."""
+        self.observe(num_active, depth > 0, sum(accepted) / len(accepted) + 1.0 if accepted else 1.0, seconds)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The serving gate (policy `auto`)
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Lane:
+    """What `ServingGate` measured in one batch-size bucket."""
+
+    plain_s: float = 0.0  # EMA of a plain step's seconds / the cost table's for verifying 0 drafts (seconds without)
+    plain_n: int = 0
+    plain_out: int = 0  # slow outliers in a row, left out
+    scale: float = 0.0  # EMA of a timed drafted step's seconds / the cost table's seconds for it (1 s without one)
+    spec_n: int = 0
+    spec_out: int = 0
+    on: bool = True  # drafting (the state the hysteresis holds)
+    run: int = 0  # steps since the last switch or probe
+    gap: int = 0  # steps of the current state before the next probe of the other one
+    probe: int = 0  # drafted probe steps still to run while off
+    deep: int = 0  # drafted steps since one verified past n*
+    catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
+
+
+@dataclass
+class ServingGate:
+    """Per step: how many drafts every row verifies, 0 for a plain step (`SpecEngine` asks `choose_depth`).
+
+    The rule, per batch-size bucket (`batch_bucket`), host arithmetic only:
+
+        s_k      = share of rows that accepted >= k drafts among those that verified >= k (all buckets: acceptance
+                   does not depend on the batch), an exponentially decayed count over the last ~`memory` row-steps
+                   (a probe's row-steps weigh 4x: they are all that is seen while drafting is off)
+        A(n)     = 1 + s_1 + ... + s_n, expected committed tokens per row when verifying n drafts (Eq. 21)
+        T(B, n)  = scale * cost(B, B (n + 1)): the cost table's seconds of a step verifying n drafts per row (D-cut's
+                   C(B, rho) with a uniform depth), scaled by what drafted steps of the bucket took against the table
+                   (the machine's load now); without a table only n = K, T = the measured seconds
+        n*       = argmax_n A(n) / T(B, n): the depth that commits most tokens per second at this load
+        plain    = 1 / (EMA of a plain step's seconds), measured as a share of the table's cost(B, B) when there is
+                   one (so the rows of one bucket share it, and a bucket with nothing measured yet starts from its
+                   nearest measured neighbour's shares instead of warming up)
+        drafting stays on while A(n*) / T(B, n*) >= (1 - hysteresis) * plain, and turns on only once it is
+        > (1 + hysteresis) * plain: noise within the margin never flips it.
+
+    So verification narrows with load (n* falls as T grows with the verified positions) before drafting stops, and
+    the depth is a function of earlier steps only, the same for every row: no host sync, no packing, and standard
+    speculative sampling stays exact (trap 1; `AutoDepth.uses_proposal` is False).
+
+    Measuring: a bucket first runs `warmup` timed drafted steps and `warmup` plain ones. A drafted step right after a
+    plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`), a cost of switching rather than
+    of drafting: it is not timed (its acceptance counts). Probes keep the state that is not running measured: while
+    off, two drafted steps (the second is timed) after `gap` plain ones; while on, one plain step after `gap` drafted
+    ones. The gap starts at `probe_every` and grows after each probe that leaves the state as it was (doubling while
+    the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
+    drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. While off,
+    the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
+    steps between them (at a large batch a probe, catch-up included, costs several plain steps). A step more
+    than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
+    three in a row.
+
+    Exactness: the depth reads only what earlier steps measured; timings differ between runs, so sampled outputs are
+    exact in distribution but not bit-reproducible across runs (T = 0 outputs equal AR's)."""
+
+    num_draft_tokens: int
+    cost: Callable[[int, int], float] | None = None  # the step-cost table C(B, N) (budget.CostModel)
+    warmup: int = 2
+    hysteresis: float = 0.1
+    confident: float = 0.25
+    probe_every: int = 8
+    max_probe_every: int = 128
+    probe_budget: float = 0.03  # what drafted probes may cost, as a share of the plain steps between them
+    decay: float = 0.7  # EMA weight of the history for step seconds
+    memory: float = 16.0  # row-steps the acceptance estimate remembers
+    outlier: float = 10.0
+    _lanes: dict[int, _Lane] = field(default_factory=dict, init=False, repr=False)
+    _tried: list[float] = field(default_factory=list, init=False, repr=False)
+    _passed: list[float] = field(default_factory=list, init=False, repr=False)
+    _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
+    _after_plain: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
+                or self.num_draft_tokens < 1:
+            raise ValueError(f"ServingGate needs num_draft_tokens >= 1, got {self.num_draft_tokens!r}")
+        if self.warmup < 1 or self.probe_every < 1 or self.max_probe_every < self.probe_every:
+            raise ValueError(f"ServingGate needs warmup >= 1 and 1 <= probe_every <= max_probe_every, got "
+                             f"{self.warmup}, {self.probe_every}, {self.max_probe_every}")
+        if not 0.0 <= self.hysteresis < 1.0 or self.confident < self.hysteresis:
+            raise ValueError(f"ServingGate needs 0 <= hysteresis < 1 and confident >= hysteresis, got "
+                             f"{self.hysteresis}, {self.confident}")
+        if not 0.0 <= self.decay < 1.0 or self.memory < 1.0 or self.outlier <= 1.0:
+            raise ValueError(f"ServingGate needs decay in [0, 1), memory >= 1, outlier > 1; got {self.decay}, "
+                             f"{self.memory}, {self.outlier}")
+        k = self.num_draft_tokens
+        self._tried, self._passed = [1.0] * (k + 1), [0.5] * (k + 1)  # prior s_k = 0.5, worth one row
+
+    def reset(self) -> None:
+        """Forget every measurement (a new machine load, another drafter)."""
+        self._lanes.clear()
+        self._costs.clear()
+        self.__post_init__()
+        self._after_plain = False
+
+    # ----- estimates -------------------------------------------------------------------------------------------
+    def survival(self) -> list[float]:
+        """[s_1, ..., s_K]: the estimated share of rows that accept at least k drafts (non-increasing)."""
+        out, prev = [], 1.0
+        for k in range(1, self.num_draft_tokens + 1):
+            prev = min(prev, self._passed[k] / self._tried[k])
+            out.append(prev)
+        return out
+
+    def _table(self, num_active: int) -> list[float]:
+        """cost(B, B (n + 1)) for n = 0..K (cached: the table does not change during a run)."""
+        got = self._costs.get(num_active)
+        if got is None:
+            assert self.cost is not None
+            got = [float(self.cost(num_active, num_active * (n + 1))) for n in range(self.num_draft_tokens + 1)]
+            if not all(math.isfinite(c) and c > 0 for c in got):
+                raise ValueError(f"the cost table gave non-positive or non-finite step seconds at B={num_active}: "
+                                 f"{got}")
+            self._costs[num_active] = got
+        return got
+
+    def best_depth(self, num_active: int) -> tuple[int, float]:
+        """(n*, its expected committed tokens per row per second) at this batch size from what was measured."""
+        lane = self._lane(num_active)
+        s = self.survival()
+        if self.cost is None:
+            return self.num_draft_tokens, (1.0 + sum(s)) / max(lane.scale, 1e-12)
+        table, gain, best = self._table(num_active), 1.0, (self.num_draft_tokens, -1.0)
+        for n in range(1, self.num_draft_tokens + 1):
+            gain += s[n - 1]
+            rate = gain / (max(lane.scale, 1e-12) * table[n])
+            if rate > best[1]:
+                best = (n, rate)
+        return best
+
+    # ----- decisions -------------------------------------------------------------------------------------------
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        """Drafts every row verifies this step (0: a plain step); `num_draft_tokens` must be the gate's K."""
+        if num_draft_tokens != self.num_draft_tokens:
+            raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
+                             f"{num_draft_tokens}")
+        lane = self._lane(num_active)
+        if not (lane.spec_n and lane.plain_n):
+            self._borrow(lane)
+        if lane.spec_n < self.warmup:
+            return self.best_depth(num_active)[0] if lane.spec_n else self.num_draft_tokens
+        if lane.plain_n < self.warmup:
+            return 0
+        n, rate = self.best_depth(num_active)
+        plain = 1.0 / (lane.plain_s * self._plain_unit(num_active))
+        if lane.probe > 0:
+            return n
+        if lane.on:
+            if rate < (1.0 - self.hysteresis) * plain:
+                lane.on, lane.run = False, 0
+                lane.gap = self._probe_gap(lane, num_active, n, self.probe_every)
+                return 0
+            if lane.run >= lane.gap:  # a plain probe keeps the plain rate current
+                lane.gap = self._next_gap(lane, rate > (1.0 + self.confident) * plain)
+                lane.run = 0
+                return 0
+            return self._explore(lane, n)
+        if rate > (1.0 + self.hysteresis) * plain:
+            lane.on, lane.run, lane.gap = True, 0, self.probe_every
+            return n
+        if lane.run >= lane.gap:  # a drafted probe (two steps: the first pays the catch-up)
+            lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
+            lane.run, lane.probe = 0, 2
+            return n
+        return 0
+
+    def _explore(self, lane: _Lane, n: int) -> int:
+        """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
+        is verified, and it must stay current for n* to grow again when the prompts get easier."""
+        lane.deep += 1
+        if n < self.num_draft_tokens and lane.deep >= self.probe_every:
+            lane.deep = 0
+            return n + 1
+        return n
+
+    def _plain_unit(self, num_active: int) -> float:
+        """What a plain step's seconds are measured in: the table's step verifying no draft (it grows with the batch
+        as a plain step does, so a bucket's rows 9 and 16 share one scale), 1 s without a table."""
+        return 1.0 if self.cost is None else self._table(num_active)[0]
+
+    def _borrow(self, lane: _Lane) -> None:
+        """A bucket with nothing measured starts from the nearest bucket's scales (with a cost table they are shares
+        of the table's seconds, which the machine's load moves alike at every batch size): no warm-up of its own, which
+        at the end of a run (the batch draining through every bucket) would cost a few slow steps per bucket."""
+        if self.cost is None:
+            return
+        key = next(k for k, v in self._lanes.items() if v is lane)
+        donors = sorted((abs(k - key), k) for k, v in self._lanes.items()
+                        if v is not lane and v.spec_n >= self.warmup and v.plain_n >= self.warmup)
+        if not donors:
+            return
+        d = self._lanes[donors[0][1]]
+        if not lane.spec_n:
+            lane.scale, lane.spec_n = d.scale, self.warmup
+        if not lane.plain_n:
+            lane.plain_s, lane.plain_n = d.plain_s, self.warmup
+        lane.on = d.on
+
+    def _probe_gap(self, lane: _Lane, num_active: int, n: int, gap: int) -> int:
+        """`gap`, or more plain steps between drafted probes where a probe costs more than `probe_budget` of them:
+        a probe's two drafted steps (the first with the drafter's catch-up) take longer than the plain steps that would
+        commit their tokens, and at a large batch on a CPU (a catch-up over every skipped position of every row) that
+        excess is several plain steps."""
+        unit = 1.0 if self.cost is None else self._table(num_active)[n]
+        plain_s = lane.plain_s * self._plain_unit(num_active)
+        gain = 1.0 + sum(self.survival()[:n])
+        catch = lane.catch or lane.scale
+        excess = (catch + lane.scale) * unit - 2.0 * gain * plain_s  # seconds a probe costs over plain steps
+        if excess <= 0.0 or plain_s <= 0.0:
+            return gap
+        return max(gap, min(math.ceil(excess / (self.probe_budget * plain_s)), self.max_probe_every))
+
+    def _next_gap(self, lane: _Lane, confident: bool) -> int:
+        """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
+        half (a probe that does not change the state was not needed yet); a switch resets it to `probe_every`."""
+        grown = 2 * lane.gap if confident else lane.gap + max(lane.gap // 2, 1)
+        return min(grown, self.max_probe_every)
+
+    def _lane(self, num_active: int) -> _Lane:
+        lane = self._lanes.setdefault(batch_bucket(num_active), _Lane())
+        lane.gap = lane.gap or self.probe_every
+        return lane
+
+    # ----- measurements ----------------------------------------------------------------------------------------
+    def observe_step(self, num_active: int, depth: int, seconds: float, accepted: Sequence[int],
+                     depths: Sequence[int]) -> None:
+        """One step: the depth `choose_depth` gave (0: plain), its host seconds, and per active row the drafts it
+        accepted and verified."""
+        lane = self._lane(num_active)
+        lane.run += (depth > 0) == lane.on  # steps of the running state since the last switch or probe
+        if depth <= 0:
+            if seconds > 0:
+                lane.plain_s, lane.plain_n, lane.plain_out = self._fold(lane.plain_s, lane.plain_n, lane.plain_out,
+                                                                        seconds / self._plain_unit(num_active))
+                if lane.plain_n == self.warmup and lane.spec_n >= self.warmup:
+                    lane.run = 0  # warmed up: the first probe gap starts now
+            self._after_plain = True
+            return
+        if lane.probe > 0:
+            lane.probe -= 1
+        # A probe (drafting is off) weighs 4x: two steps every `gap` must be able to show that acceptance came back.
+        self._count_accepts(accepted, depths, self.memory if lane.on else max(self.memory / 4.0, 2.0))
+        unit = 1.0 if self.cost is None else self._table(num_active)[min(depth, self.num_draft_tokens)]
+        if not self._after_plain and seconds > 0:  # a step right after a plain one paid the catch-up: not timed
+            lane.scale, lane.spec_n, lane.spec_out = self._fold(lane.scale, lane.spec_n, lane.spec_out,
+                                                                seconds / unit)
+        elif seconds > 0:  # ... but what it cost sizes the gap between drafted probes (`_probe_gap`)
+            x = seconds / unit
+            lane.catch = x if not lane.catch else self.decay * lane.catch + (1.0 - self.decay) * x
+        self._after_plain = False
+
+    def _fold(self, ema: float, n: int, out: int, x: float) -> tuple[float, int, int]:
+        """x into an EMA (ema, samples, slow outliers in a row) -> the new triple (see the class docstring)."""
+        if n and x > self.outlier * ema and out < 3:
+            return ema, n, out + 1
+        fresh = n == 0 or out >= 3 or x * self.outlier < ema
+        return (x if fresh else self.decay * ema + (1.0 - self.decay) * x), n + 1, 0
+
+    def _count_accepts(self, accepted: Sequence[int], depths: Sequence[int], memory: float) -> None:
+        w = 1.0 - 1.0 / memory
+        for k in range(1, self.num_draft_tokens + 1):
+            tried = sum(d >= k for d in depths)
+            if not tried:
+                break
+            passed = sum(a >= k for a, d in zip(accepted, depths, strict=True) if d >= k)
+            f = w ** tried
+            self._tried[k] = self._tried[k] * f + tried
+            self._passed[k] = self._passed[k] * f + passed
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per bucket (label "rows a-b"): the state, n* and the two rates (tokens/row/s), and the survival estimate."""
+        out: dict[str, Any] = {"survival": [round(x, 3) for x in self.survival()]}
+        for key in sorted(self._lanes):
+            lane = self._lanes[key]
+            lo, hi = (1, 1) if key == 0 else (2 ** (key - 1) + 1, 2 ** key)
+            ready = lane.spec_n and lane.plain_n
+            n, rate = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
+            plain = 1.0 / (lane.plain_s * self._plain_unit(hi)) if lane.plain_s else 0.0
+            out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
+                                      "plain_rate": round(plain, 2),
+                                      "probe_gap": lane.gap}
+        return out
+
+
+@dataclass(frozen=True)
+class AutoDepth(FixedDepth):
+    """The depth policy `auto`: every row verifies what the engine's `ServingGate` (which this policy has the engine
+    build, `make_gate`) chooses per step from the cost table and the measured acceptance, all K until it has measured
+    anything; 0 is a plain step. Uniform depths from earlier steps only: `uses_proposal` stays False."""
+
+    cost: Callable[[int, int], float] | None = None
+
+    def make_gate(self, num_draft_tokens: int) -> ServingGate:
+        return ServingGate(num_draft_tokens, cost=self.cost)

@@ -36,7 +36,15 @@ class ServingRow:
     sample_s_per_step: float  # drafting (propose + on_commit) + depth selection (its sample_tokens), median
     seconds: dict[str, float] = field(default_factory=dict)  # whole run, per phase
     slowest_step_s: float = 0.0  # the longest step; over `metrics.STALL_S`: a graph compiled mid-run
+    # Per-request latency (closed loop: a request arrives when its client's previous one returns, i.e. at admission):
+    # TTFT = admission to the first token (its prefill); TPOT = the seconds per token after it. Percentiles over the
+    # point's requests (linear interpolation).
+    ttft_p50_s: float = 0.0
+    ttft_p95_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p95_s: float = 0.0
     speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
+    tpot_p95_vs_ar: float | None = None  # p95 TPOT over the AR configuration's at the same concurrency (< 1: faster)
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
     near_ties: int = 0  # other outputs: they part from AR's where the target's best logits nearly tie (eval.lossless)
     # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent
@@ -59,6 +67,18 @@ class ServingRow:
         """Eq. 25's decode-step latency proxy: T_exec + T_sample, the sum of the two medians (as in the report, not
         the median of the steps' sums)."""
         return self.exec_s_per_step + self.sample_s_per_step
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (q in [0, 100]) of `values` with linear interpolation between ranks (numpy's default);
+    0.0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def config_names(rows: Sequence[ServingRow]) -> list[str]:

@@ -1,6 +1,7 @@
 """PNG plots of a serving sweep: serving.png (AngelSpec report §4.4, Figure 4's two panels: throughput against
-per-user speed and against concurrency) and phases.png (median per-step T_exec = verify and T_sample =
-draft + select, the drafter's on_commit included: the two terms of Eq. 25). matplotlib is an optional dependency
+per-user speed and against concurrency), phases.png (median per-step T_exec = verify and T_sample =
+draft + select, the drafter's on_commit included: the two terms of Eq. 25) and latency.png (p50 / p95 time per
+output token and time to first token against concurrency). matplotlib is an optional dependency
 (the `bench` extra), imported only when plotting.
 """
 
@@ -18,7 +19,8 @@ BENCH_EXTRA_HINT = "pip install 'angelspec[bench]'"
 
 def plot_sweep(rows: Sequence[ServingRow], out_dir: str | Path,
                pair: tuple[str, str] | None = None) -> tuple[list[Path], str | None]:
-    """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`;
+    """serving.png (Figure 4's two panels), phases.png (median per-step verify vs draft+select) and latency.png (p50 /
+    p95 TPOT and TTFT) in `out_dir`;
     `pair` = (D-cut config, full config) labels the D-cut curve with its gain over full verification.
     Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
     try:
@@ -70,6 +72,25 @@ def plot_sweep(rows: Sequence[ServingRow], out_dir: str | Path,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / "phases.png"))
+
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    ax_tpot, ax_ttft = fig.subplots(1, 2)
+    for name in config_names(rows):
+        series = _series(rows, name, concurrency)
+        xs = [r.concurrency for r in series]
+        (line,) = ax_tpot.plot(xs, [r.tpot_p50_s * 1e3 for r in series], marker="o", label=f"{name} p50")
+        ax_tpot.plot(xs, [r.tpot_p95_s * 1e3 for r in series], marker="^", linestyle="--", color=line.get_color(),
+                     label=f"{name} p95")
+        ax_ttft.plot(xs, [r.ttft_p50_s * 1e3 for r in series], marker="o", color=line.get_color(), label=f"{name} p50")
+        ax_ttft.plot(xs, [r.ttft_p95_s * 1e3 for r in series], marker="^", linestyle="--", color=line.get_color(),
+                     label=f"{name} p95")
+    ax_tpot.set(xlabel="concurrency (requests)", ylabel="ms per output token", title="time per output token (TPOT)")
+    ax_ttft.set(xlabel="concurrency (requests)", ylabel="ms", title="time to first token (TTFT)")
+    for ax in (ax_tpot, ax_ttft):
+        _concurrency_axis(ax, concurrency)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    paths.append(_save(fig, out_dir / "latency.png"))
     return paths, None
 
 

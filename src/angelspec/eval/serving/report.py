@@ -1,13 +1,14 @@
 """The result of a serving sweep and its tables: `ServingReport` (rows, lookups, the D-cut goal, the markdown
 table, results.json / results.md, and through breakeven.py and plots.py the Eq. 25 table and the PNGs).
 
-Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s =
-the mean over requests of emitted tokens / (admission to last token); MAL; speed-up over the AR configuration
-at the same C; mean verified drafts per request-step; per-step seconds of target verification (`verify`, the
-report's execute_model) and of drafting + depth selection (`draft` + `select`, its sample_tokens); and at
-T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM column (vllm.py) four
-more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with drafts, and how many of
-vLLM's outputs equal this configuration's.
+Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s = the mean
+over requests of emitted tokens / (admission to last token); p50 / p95 over requests of the time to first token
+(TTFT) and of the time per output token after it (TPOT), and p95 TPOT over the AR run's at the same C; MAL; speed-up
+over the AR configuration at the same C; mean verified drafts per request-step; per-step seconds of target
+verification (`verify`, the report's execute_model) and of drafting + depth selection (`draft` + `select`, its
+sample_tokens); and at T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM
+column (vllm.py) four more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with
+drafts, and how many of vLLM's outputs equal this configuration's.
 
 Goal (AngelSpec report §4.4): at the highest concurrency, D-cut gives at least +10% throughput over full
 verification of the same drafter and K while losing at most 3% MAL.
@@ -119,6 +120,31 @@ class ServingReport:
             f"{g.full} {g.full_tps:.1f} tok/s = {g.gain:+.1%}; MAL {g.dcut_mal:.2f} vs {g.full_mal:.2f} = "
             f"{g.mal_loss:.1%} loss)" for g in goals)
 
+    # ----- the serving setting `auto` ----------------------------------------------------------
+    def auto_lines(self) -> list[str]:
+        """Per configuration under the policy auto, per C: its throughput over AR's and over the best other
+        configuration's (AR included), and its p95 TPOT over AR's; the goals: >= 0.97x AR and >= 0.95x the best."""
+        lines = []
+        for name in self.configs:
+            first = next(r for r in self.rows if r.config == name)
+            if first.policy != "auto":
+                continue
+            cells = []
+            for c in self.concurrency:
+                r = self.row(name, c)
+                others = [o for o in self.rows if o.concurrency == c and o.policy != "auto"]
+                if r is None or not others:
+                    continue
+                best = max(others, key=lambda o: o.tokens_per_s)
+                ratio = r.tokens_per_s / best.tokens_per_s if best.tokens_per_s else 0.0
+                ar = "" if r.speedup is None else f"{r.speedup:.2f}x AR, "
+                tpot = "" if r.tpot_p95_vs_ar is None else f", p95 TPOT {r.tpot_p95_vs_ar:.2f}x AR's"
+                cells.append(f"C={c} {ar}{ratio:.2f}x {best.config}{tpot}")
+            if cells:
+                lines.append(f"auto ({name}; goals >= 0.97x AR and >= 0.95x the best other config): "
+                             + "; ".join(cells))
+        return lines
+
     # ----- Eq. 25 (breakeven.py) ---------------------------------------------------------------
     def breakeven(self, reference: str | None = None) -> BreakEven | None:
         """Eq. 25 for every speculative configuration against `reference` (None = the first MTP
@@ -136,6 +162,7 @@ class ServingReport:
             "rows": [asdict(r) for r in self.rows],
             "breakeven": breakeven_json(self.rows, reference),
             "goal": None if g is None else {**asdict(g), "met": g.met, "line": self.goal_line()},
+            "auto": self.auto_lines(),
         }
 
     @property
@@ -145,7 +172,8 @@ class ServingReport:
     def format_table(self) -> str:
         """A markdown table, readable as plain text too (with the vLLM columns when a row has vLLM's numbers)."""
         head = ["config", "policy", "K", "C", "requests", "tok/s", "per-user tok/s", "speed-up", "MAL",
-                "depth", "verify ms/step", "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
+                "depth", "TTFT p50/p95 ms", "TPOT p50/p95 ms", "TPOT p95 vs AR", "verify ms/step",
+                "draft+select ms/step", "lossless"]  # medians over steps (T_exec, T_sample)
         vllm = self.has_vllm
         if vllm:
             head += ["vLLM tok/s", "ours/vLLM", "vLLM MAL", "vLLM = ours"]
@@ -162,6 +190,9 @@ class ServingReport:
                 body.append([r.config, r.policy, str(r.num_draft_tokens), str(c), str(r.requests),
                              f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
                              "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
+                             f"{r.ttft_p50_s * 1e3:.1f}/{r.ttft_p95_s * 1e3:.1f}",
+                             f"{r.tpot_p50_s * 1e3:.2f}/{r.tpot_p95_s * 1e3:.2f}",
+                             "-" if r.tpot_p95_vs_ar is None else f"{r.tpot_p95_vs_ar:.2f}x",
                              f"{r.exec_s_per_step * 1e3:.2f}", f"{r.sample_s_per_step * 1e3:.2f}", lossless])
                 if vllm:
                     body[-1] += _vllm_cells(r)
@@ -172,16 +203,17 @@ class ServingReport:
     def format(self, breakeven: bool = False) -> str:
         s = self.settings
         lines = [f"serving sweep: {s.get('max_new_tokens')} new tokens per request, greedy, closed loop, "
-                 f"N = max(2C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
+                 f"N = max(4C, {s.get('min_requests')}) requests per point from {s.get('workload_prompts')} "
                  f"prompts ({s.get('workload_domains')})", "", self.format_table(), "", *self._stall_lines(),
-                 *self._vllm_lines(), self.goal_line()]
+                 *self._vllm_lines(), *self.auto_lines(), self.goal_line()]
         if breakeven:
             lines += ["", self.format_breakeven()]
         return "\n".join(lines)
 
     # ----- files (plots.py) ------------------------------------------------------------------
     def plot(self, out_dir: str | Path) -> tuple[list[Path], str | None]:
-        """serving.png (Figure 4's two panels) and phases.png (median per-step verify vs draft+select) in `out_dir`.
+        """serving.png (Figure 4's two panels), phases.png (median per-step verify vs draft+select) and latency.png
+        (p50 / p95 TTFT and TPOT against concurrency) in `out_dir`.
         Returns (written paths, None) or ([], a one-line reason) when matplotlib is missing."""
         return plot_sweep(self.rows, out_dir, self.goal_pair())
 
@@ -192,7 +224,7 @@ class ServingReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / "results.json", self.to_json())
         md = ["# Serving sweep", "", "```", *self._settings_lines(), "```", "", self.format_table(), "",
-              *self._stall_lines(), *self._vllm_lines(), self.goal_line(), ""]
+              *self._stall_lines(), *self._vllm_lines(), *self.auto_lines(), self.goal_line(), ""]
         if breakeven:
             md += ["```", self.format_breakeven(), "```", ""]
         replace_atomic(out_dir / "results.md", lambda tmp: tmp.write_text("\n".join(md), encoding="utf-8"))

@@ -3,13 +3,16 @@ concurrency level, the code behind `angelspec bench` (AngelSpec report §4.4, Fi
 
 Protocol, per configuration (name, drafter or None, policy spec) and concurrency C:
 
-* N = max(2C, min_requests) requests drawn round-robin from a mixed chat / code / math workload (the shipped
+* N = max(4C, min_requests) requests drawn round-robin from a mixed chat / code / math workload (the shipped
   held-out prompts by default, interleaved by domain), greedy (T=0), every request exactly `max_new_tokens`
   new tokens (stop tokens ignored, like a benchmark client with ignore_eos), so every configuration does the
   same work.
 * One `SpecEngine` with max_batch_size=C runs all N: continuous batching, so a finished request's row takes
   the next queued one at once, which is C closed-loop clients that each send their next request as soon as
-  the last one returns.
+  the last one returns. Per request: time to first token (admission to its prefill's token; in a closed loop a
+  request arrives when a row frees) and time per output token after it, as p50 / p95 over the point's requests.
+* Points run concurrency-major: at each C every configuration in turn, so each one's AR run is beside it in time
+  (a machine whose load drifts moves both), and ratios are to the AR run of the same point.
 * Each configuration decodes one short untimed batch first (warm-up); a compiled one (`+compile`) one per point, at
   that point's batch size (a compiled step specialises on a batch of one). Cost tables for the budget policies are
   loaded or profiled before anything is timed.
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS
-from angelspec.eval.serving.base import ServingError, ServingRow
+from angelspec.eval.serving.base import ServingError, ServingRow, percentile
 from angelspec.eval.serving.report import ServingReport
 from angelspec.eval.serving.vllm import VllmColumn, VllmSetup, add_vllm
 
@@ -43,8 +46,11 @@ if TYPE_CHECKING:
     from angelspec.eval.speculative import EvalPrompt
     from angelspec.models.decoder import Decoder
 
-DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CONCURRENCY: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 DEFAULT_MIN_REQUESTS = 8
+DEFAULT_MAX_NEW_TOKENS = 128  # long enough for the gate and the depth policies to settle within a request
+REQUESTS_PER_ROW = 4  # N = max(REQUESTS_PER_ROW * C, min_requests): every row serves a few requests in turn
+DEFAULT_SERVING_POLICY = "auto"  # what a drafter configuration without @POLICY runs (factory.py: `auto`)
 MAX_CONCURRENCY = 4096
 DRAFTER_MAX_DEPTH = -1  # ServingConfig.num_draft_tokens: K = the drafter's own maximum (block size - 1)
 # Eq. 25's two terms, as medians over decode steps (decoding/metrics.py `median_step_seconds`): T_exec the target's
@@ -59,7 +65,8 @@ EXEC_PHASES, SAMPLE_PHASES = ("verify",), ("draft", "select", "on_commit")
 class ServingConfig:
     """One curve of the sweep: `drafter` as `--drafter` takes it ("none" = AR), `policy` a depth-policy spec,
     `num_draft_tokens` K (None = the sweep's default, DRAFTER_MAX_DEPTH = the drafter's `max_draft_tokens`;
-    ignored for AR), `spec_gate` the engine's speculation gate (`EngineConfig.spec_gate`), `compile` the engine's
+    ignored for AR), `policy` `auto` for the recommended serving setting (`parse_config` gives it to drafters named
+    without a policy), `spec_gate` the engine's speculation gate (`EngineConfig.spec_gate`), `compile` the engine's
     torch.compile of the target's forwards and the drafter's hot calls (`EngineConfig.compile`)."""
 
     name: str
@@ -76,8 +83,9 @@ class ServingConfig:
 
 def parse_config(text: str) -> ServingConfig:
     """`NAME=SPEC[@POLICY][+gate][+compile]` -> ServingConfig, in the grammar of `decoding.drafter_spec`
-    (`parse_bench_entry`; SPEC as `--drafter` takes it, `none` for AR; POLICY default full; trailing `+gate` turns the
-    speculation gate on, `+compile` the engine's torch.compile, in either order)."""
+    (`parse_bench_entry`; SPEC as `--drafter` takes it, `none` for AR; POLICY default `auto` for a drafter, the
+    recommended serving setting (`@full` or any other policy runs a fixed one), full for AR; trailing `+gate` turns
+    the speculation gate on, `+compile` the engine's torch.compile, in either order)."""
     from angelspec.decoding.drafter_spec import parse_bench_entry, parse_drafter_spec
     from angelspec.decoding.policies.factory import parse_policy
     from angelspec.errors import UsageError
@@ -87,8 +95,11 @@ def parse_config(text: str) -> ServingConfig:
         parse_drafter_spec(entry.drafter)
     except UsageError as e:
         raise ServingError(str(e)) from None
-    parse_policy(entry.policy)  # PolicyError names the valid forms
-    return ServingConfig(name=entry.name, drafter=entry.drafter, policy=entry.policy, spec_gate=entry.spec_gate,
+    policy = entry.policy
+    if policy is None:
+        policy = "full" if entry.drafter == "none" else DEFAULT_SERVING_POLICY
+    parse_policy(policy)  # PolicyError names the valid forms
+    return ServingConfig(name=entry.name, drafter=entry.drafter, policy=policy, spec_gate=entry.spec_gate,
                          compile=entry.compile)
 
 
@@ -241,8 +252,8 @@ def interleave_domains(prompts: Sequence[EvalPrompt]) -> list[EvalPrompt]:
 # Running
 # --------------------------------------------------------------------------------------------------
 def point_requests(concurrency: int, min_requests: int) -> int:
-    """N, the requests of one point: max(2C, min_requests)."""
-    return max(2 * concurrency, min_requests)
+    """N, the requests of one point: max(4C, min_requests)."""
+    return max(REQUESTS_PER_ROW * concurrency, min_requests)
 
 
 def _requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None) -> list[Any]:
@@ -271,7 +282,7 @@ def _near_ties(target: Decoder, workload: Sequence[EvalPrompt], n: int, ar: list
 
 def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], concurrency: int, *,
               max_new_tokens: int, min_requests: int = DEFAULT_MIN_REQUESTS) -> tuple[ServingRow, list[list[int]]]:
-    """N = max(2C, min_requests) requests through one engine with max_batch_size = C; -> (row without
+    """N = max(4C, min_requests) requests through one engine with max_batch_size = C; -> (row without
     speed-up / lossless columns, the emitted tokens per request)."""
     n = point_requests(concurrency, min_requests)
     engine, requests = _engine(target, contender, workload, concurrency, n, max_new_tokens)
@@ -286,8 +297,17 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
                      per_user_tokens_per_s=per_user, mal=m.mean_accepted_length, mean_depth=depth, steps=m.steps,
                      exec_s_per_step=m.median_step_seconds(EXEC_PHASES),
                      sample_s_per_step=m.median_step_seconds(SAMPLE_PHASES),
-                     seconds=dict(m.seconds), slowest_step_s=m.slowest_step_seconds())
+                     seconds=dict(m.seconds), slowest_step_s=m.slowest_step_seconds(),
+                     **latency_percentiles(results))
     return row, [list(map(int, r.token_ids)) for r in results]
+
+
+def latency_percentiles(results: Sequence[Any]) -> dict[str, float]:
+    """p50 / p95 of the requests' time to first token and time per output token (`Result`), seconds."""
+    ttft = [r.first_token_s for r in results]
+    tpot = [r.time_per_output_token_s for r in results if len(r.token_ids) > 1]
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95)}
 
 
 def warm_up(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt], *, batch: int,
@@ -315,7 +335,7 @@ def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
 
 
 def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequence[EvalPrompt], *,
-              concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64,
+              concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
               min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
               log: Callable[[str], None] | None = print, settings: dict[str, Any] | None = None,
               vllm: VllmColumn | None = None) -> ServingReport:
@@ -329,18 +349,23 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
         raise ServingError("empty workload")
     concurrency = sorted(set(concurrency))
     raw: list[tuple[ServingRow, list[list[int]]]] = []
-    for ct in contenders:
-        if not ct.config.compile:
-            warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
-        for c in concurrency:
+    warmed: set[str] = set()
+    for c in concurrency:  # concurrency-major: every configuration's run beside the AR run of its point
+        for ct in contenders:
             if ct.config.compile:  # compiled graphs specialise on a batch of one: warm each point's own shapes
                 warm_up(target, ct, workload, batch=c, tokens=warmup_tokens)
+            elif ct.config.name not in warmed:
+                warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
+            warmed.add(ct.config.name)
             t0 = time.perf_counter()
             row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens, min_requests=min_requests)
             raw.append((row, outputs))
             if log is not None:
                 log(f"{ct.config.name} C={c}: {row.tokens_per_s:.1f} tok/s, per-user {row.per_user_tokens_per_s:.1f} "
-                    f"tok/s, MAL {row.mal:.2f} ({time.perf_counter() - t0:.1f} s)")
+                    f"tok/s, MAL {row.mal:.2f}, TPOT p50/p95 {row.tpot_p50_s * 1e3:.1f}/{row.tpot_p95_s * 1e3:.1f} "
+                    f"ms ({time.perf_counter() - t0:.1f} s)")
+    order = {ct.config.name: i for i, ct in enumerate(contenders)}
+    raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major, as before
     ar_name = next((ct.config.name for ct in contenders if ct.drafter is None), None)
     ar = {row.concurrency: (row, out) for row, out in raw if row.config == ar_name}
     rows = []
@@ -350,9 +375,10 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             rows.append(row)
             continue
         speedup = row.tokens_per_s / ref[0].tokens_per_s if ref[0].tokens_per_s > 0 else None
+        tpot = row.tpot_p95_s / ref[0].tpot_p95_s if ref[0].tpot_p95_s > 0 else None
         identical = sum(a == b for a, b in zip(ref[1], out, strict=True))
         near = _near_ties(target, workload, row.requests, ref[1], out) if identical < len(out) else 0
-        rows.append(replace(row, speedup=speedup, identical=identical, near_ties=near))
+        rows.append(replace(row, speedup=speedup, tpot_p95_vs_ar=tpot, identical=identical, near_ties=near))
     extra: dict[str, Any] = {}
     if vllm is not None:
         rows, extra["vllm"] = _vllm_column(vllm, contenders, workload, rows, [out for _, out in raw],
@@ -409,8 +435,9 @@ def _machine(target: Decoder | None) -> dict[str, Any]:
 
 
 def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig], *,
-          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = 64,
+          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
           num_draft_tokens: int | None = None, min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
+          compile: bool = False,
           out_dir: str | Path | None = None,
           breakeven: bool = False, prompts_path: str | Path = EVAL_PROMPTS,
           workload: Sequence[EvalPrompt] | None = None, cost_table_path: str | Path | None = None,
@@ -419,8 +446,10 @@ def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[Se
     """The whole benchmark on a loaded target: check the configs, build the workload (`workload` when given,
     else every prompt of `prompts_path` that fits, the first `limit` per domain when given), load drafters and
     policies, sweep (with vLLM on the same requests when `vllm` is given), print the table (and Eq. 25 with
-    `breakeven`), write results into `out_dir`."""
+    `breakeven`), write results into `out_dir`. compile: run every configuration compiled (`+compile` on each)."""
     check_configs(configs)
+    if compile:
+        configs = [replace(c, compile=True) for c in configs]
     if any(c < 1 for c in concurrency) or not concurrency:
         raise ServingError(f"concurrency values must be positive integers, got {list(concurrency)}")
     if max_new_tokens < 1:

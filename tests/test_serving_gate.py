@@ -1,0 +1,238 @@
+"""The serving gate behind the depth policy `auto` (`decoding/policies/gate.py`: `ServingGate`, `AutoDepth`): its
+per-step depth from synthetic timings and acceptances (deterministic, no wall clock), and that an engine whose
+depth it narrows or zeroes stays exact and keeps the drafter's context complete."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_decoder
+from test_spec_gate import block_case, eagle3_case, gated_engine, mtp_case, perfect_draft_lm, requests
+
+from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
+from angelspec.decoding.policies.budget import LinearCost
+from angelspec.decoding.policies.factory import make_policy, parse_policy
+from angelspec.decoding.policies.gate import AutoDepth, ServingGate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+K = 4
+
+
+class Machine:
+    """A synthetic machine: a drafted step at batch B verifying n drafts per row takes `table(B, B (n + 1))` seconds
+    times `load`, a plain step `plain(B)` times `load`, the first drafted step after a plain one `catch_up` more;
+    rows accept `accept` drafts (an int, or a pattern cycled over row-steps), at most the depth."""
+
+    def __init__(self, table, plain, accept, load: float = 1.0, catch_up: float = 0.0) -> None:
+        self.table, self.plain, self.load, self.catch_up = table, plain, load, catch_up
+        self.accept = [accept] if isinstance(accept, int) else list(accept)
+        self.after_plain, self.rows = False, 0
+
+    def step(self, gate: ServingGate, b: int, jitter: float = 0.0) -> int:
+        n = gate.choose_depth(b, K)
+        if n == 0:
+            seconds = self.plain(b)
+        else:
+            seconds = self.table(b, b * (n + 1)) + (self.catch_up if self.after_plain else 0.0)
+        self.after_plain = n == 0
+        seconds *= self.load * (1.0 + jitter)
+        accepted = [min(self.accept[(self.rows + i) % len(self.accept)], n) for i in range(b)]
+        self.rows += b
+        gate.observe_step(b, n, seconds, accepted, [n] * b)
+        return n
+
+
+def cpu_like(b: int, n: int) -> float:
+    """A drafted step verifying n positions: 10 ms plus 1.5 ms a position (cheap at batch 1, compute-bound at 32)."""
+    return 0.010 + 0.0015 * n
+
+
+def plain_cost(b: int) -> float:
+    return 0.009 + 0.001 * b
+
+
+def test_warms_up_with_drafted_then_plain_steps_then_drafts_where_it_wins():
+    gate = ServingGate(K, cost=cpu_like)
+    m = Machine(cpu_like, plain_cost, accept=3)
+    decisions = [m.step(gate, 1) for _ in range(12)]
+    assert decisions[0] == K and decisions[1] > 0 and decisions[2:4] == [0, 0]  # two timed steps of each kind
+    assert all(d > 0 for d in decisions[4:12])  # ~3.7 tokens in 15 ms against 1 in 10 ms: draft
+    assert gate.summary()["rows 1-1"]["drafting"]
+
+
+def test_verification_narrows_with_load_before_drafting_stops():
+    """The same acceptance (s = 7/8, 6/8, 4/8, 2/8) at batch 1, 4 and 32 on a machine where every verified position
+    costs: the depth falls with the batch, and where no depth pays, the gate runs plain steps."""
+    depths = {}
+    for b in (1, 4, 32):
+        gate = ServingGate(K, cost=cpu_like)
+        m = Machine(cpu_like, plain_cost, accept=[4, 3, 2, 1, 0, 4, 2, 3])
+        run = [m.step(gate, b) for _ in range(60)]
+        depths[b] = max(set(run[20:]), key=run[20:].count)  # the depth it settles on
+    assert depths[1] >= 3 and 0 < depths[4] < depths[1] and depths[32] == 0, depths
+
+
+def test_noise_within_the_margin_never_flips_the_decision():
+    """Plain steps win by ~3% (inside the 10% hysteresis): drafting, which was on, stays on under +-2% noise on every
+    step; where plain steps win by ~15%, drafting goes off and stays off under the same noise."""
+    def flat(b, n):
+        return 0.02 if n > b else 0.01
+
+    for accept, plain_s, expect_on in ((1, 0.0097, True), (1, 0.0085, False)):
+        gate = ServingGate(K, cost=flat, probe_every=4)
+        # rate(drafting) = (1 + s_1) / 20 ms, s_1 -> 1 with one accepted draft a row: ~100 tokens/s
+        m = Machine(flat, lambda b, p=plain_s: p, accept=accept)
+        states = []
+        for i in range(300):
+            m.step(gate, 1, jitter=0.02 * (-1) ** i)
+            states.append(gate.summary()["rows 1-1"]["drafting"])
+        settled = states[60:]  # once the acceptance estimate has left its prior (s_k = 0.5) behind
+        assert len(set(settled)) == 1 and settled[0] is expect_on, (accept, plain_s, settled.count(True))
+
+
+def test_the_catch_up_step_after_plain_steps_is_not_timed():
+    """The drafter's catch-up over skipped steps is a cost of switching: a probe that pays it must not make
+    speculation look slower than it is."""
+    gate = ServingGate(K, cost=cpu_like, probe_every=4)
+    m = Machine(cpu_like, plain_cost, accept=K, catch_up=1.0)  # a catch-up that takes a whole second
+    run = [m.step(gate, 1) for _ in range(60)]
+    assert run[-20:].count(0) <= 3  # drafting stays on (plain probes only)
+    assert gate.summary()["rows 1-1"]["drafting"]
+
+
+def test_probes_back_off_while_one_kind_clearly_wins():
+    """At a load where drafting never pays, drafted probes get rarer (the gap doubles up to max_probe_every); where
+    drafting clearly wins, plain probes do."""
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32)
+    m = Machine(cpu_like, plain_cost, accept=0)
+    run = [m.step(gate, 32) for _ in range(300)]
+    assert sum(d > 0 for d in run[100:]) <= 2 * 200 // 32 + 2  # two steps per probe, one probe per 32
+    assert gate.summary()["rows 17-32"]["probe_gap"] == 32
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32)
+    m = Machine(cpu_like, plain_cost, accept=K)
+    run = [m.step(gate, 1) for _ in range(300)]
+    assert run[100:].count(0) <= 200 // 32 + 1
+
+
+def test_acceptance_changes_move_the_decision_within_a_request():
+    """Prompts change mid-run (maths where the drafter hits, then code where it misses, then maths again): the gate
+    turns drafting off and back on within a few dozen steps at batch 1 (the acceptance estimate remembers ~16
+    row-steps: one row's acceptance is too noisy to follow faster)."""
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16)
+    machine = Machine(cpu_like, plain_cost, accept=K)
+    for _ in range(30):
+        machine.step(gate, 1)
+    assert gate.summary()["rows 1-1"]["drafting"]
+    machine.accept = [0]
+    run = [machine.step(gate, 1) for _ in range(50)]
+    assert not gate.summary()["rows 1-1"]["drafting"] and run[-12:].count(0) >= 8  # probes: 2 drafted steps in 6
+    machine.accept = [K]
+    run = [machine.step(gate, 1) for _ in range(50)]
+    assert gate.summary()["rows 1-1"]["drafting"] and run[-8:].count(0) <= 1
+
+
+def test_without_a_cost_table_it_verifies_all_drafts_or_none():
+    gate = ServingGate(K)
+    m = Machine(cpu_like, plain_cost, accept=2)
+    assert {m.step(gate, 1) for _ in range(30)} <= {0, K}
+
+
+def test_serving_gate_refuses_bad_settings_and_another_k():
+    for kwargs in ({"num_draft_tokens": 0}, {"num_draft_tokens": K, "warmup": 0},
+                   {"num_draft_tokens": K, "probe_every": 8, "max_probe_every": 4},
+                   {"num_draft_tokens": K, "hysteresis": 1.0}, {"num_draft_tokens": K, "decay": 1.0}):
+        with pytest.raises(ValueError):
+            ServingGate(**kwargs)
+    with pytest.raises(ValueError, match="K=4"):
+        ServingGate(K).choose_depth(1, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy and the engine
+# ---------------------------------------------------------------------------------------------------------
+def test_auto_is_a_policy_spec_that_needs_a_drafter_and_a_cost_table():
+    spec = parse_policy("auto")
+    assert spec.kind == "auto" and spec.needs_cost_model and spec.uses_drafts
+    target = tiny_decoder(64, layers=2, heads=2, kv=1)
+    with pytest.raises(ValueError, match="no drafter"):
+        make_policy("auto", target=target, drafter=None, num_draft_tokens=K)
+    with pytest.raises(ValueError, match="takes no value"):
+        parse_policy("auto:2")
+
+
+def test_an_auto_engine_builds_its_serving_gate_and_verifies_all_k_at_first():
+    target = tiny_decoder(64, layers=2, heads=2, kv=1)
+    engine = SpecEngine(target, perfect_draft_lm(target), EngineConfig(num_draft_tokens=3),
+                        depth_policy=AutoDepth(cost=LinearCost()))
+    assert isinstance(engine.gate, ServingGate) and engine.gate.num_draft_tokens == 3
+    assert engine._static_depth == 3 and not engine._policy_uses_proposal  # uniform depth: no host sync, trap 1 safe
+
+
+class ScriptedDepthGate(ServingGate):
+    """Gives the depths of `pattern` (cycled) whatever was measured."""
+
+    def __init__(self, pattern: list[int]) -> None:
+        super().__init__(3)
+        self.pattern, self.calls = pattern, 0
+
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+
+def test_narrowed_and_skipped_steps_are_exact_at_t0_and_a_perfect_draft_lm_stays_in_sync():
+    target = tiny_decoder(64, layers=2, heads=2, kv=1)
+    engine = gated_engine(target, perfect_draft_lm(target), ScriptedDepthGate([3, 1, 0, 2, 0, 0, 3]),
+                          max_batch_size=3, num_draft_tokens=3)
+    reqs = requests(64, 5, 30, seed=0)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    m = engine.metrics
+    assert m.skipped_steps > 0
+    hist = m.depth_hist
+    assert hist[1] > 0 and hist[2] > 0 and hist[3] > 0  # every depth of the pattern ran
+    # A draft LM equal to the target accepts every draft it verified, at every depth, after skipped steps too.
+    assert sum(a * c for a, c in enumerate(m.accept_hist)) == sum(d * c for d, c in enumerate(hist))
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+def test_a_drafters_context_is_complete_after_narrowed_and_skipped_steps(case):
+    target, drafter, vocab, recompute = case()
+    engine = gated_engine(target, drafter, ScriptedDepthGate([1, 0, 3, 2, 0, 0, 3]), max_batch_size=4,
+                          num_draft_tokens=3)
+    reqs = requests(vocab, 8, 40, seed=1)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]
+    assert {len(d) for _, d in drafted} >= {1, 2, 3}
+    for seq, drafts in drafted[::3]:
+        assert recompute(seq)[:len(drafts)] == drafts
+
+
+def test_while_drafting_is_off_joining_requests_cost_a_block_drafter_nothing():
+    """A request's prompt taps wait with the commits (a row that leaves drops its waiting entries): an engine whose
+    gate never drafts calls no drafter model at admission either; outputs stay AR's."""
+    target, drafter, vocab, _ = block_case()
+    calls = []
+    real = drafter.model.append_context
+    drafter._eager_append = lambda *a, **k: calls.append("prefill") or real(*a, **k)
+    drafter.model.append_context = lambda *a, **k: calls.append("append") or real(*a, **k)
+    engine = gated_engine(target, drafter, ScriptedDepthGate([0]), max_batch_size=2, num_draft_tokens=3)
+    reqs = requests(vocab, 5, 12, seed=4)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert calls == []
+
+
+def test_waiting_prompt_entries_bound_the_joined_width():
+    import torch
+
+    from angelspec.decoding.drafters.base import PendingCommits
+
+    p = PendingCommits()
+    x = torch.arange(2 * 3, dtype=torch.float32).view(2, 3, 1)
+    p.add([x], torch.tensor([2, 1]))  # a commit of width 3
+    p.drop_rows(torch.tensor([1]))  # row 1's request left ...
+    prompt = torch.full((2, 10, 1), -1.0)
+    p.add([prompt], torch.tensor([0, 4]), starts=True)  # ... and a prompt of 4 (padded to 10) joined it
+    p.add([x + 100], torch.tensor([1, 1]))
+    (joined,), count = p.take()
+    assert count.tolist() == [3, 5]
+    assert joined.shape[1] == 13  # the prompt's width and the commit after it, not 3 + 10 + 3
+    assert joined[0, :3, 0].tolist() == [0.0, 1.0, 100.0] and joined[1, :5, 0].tolist() == [-1.0] * 4 + [103.0]
