@@ -26,13 +26,11 @@ Run:  .venv/bin/python benchmarks/attention_scale.py --quick                # CP
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from ttt_memory import peak_bytes  # a sibling script: the CPU profiler's allocation peak, CUDA's own counter
 
 from angelspec.models.attention import (
     AttentionPlan,
@@ -48,30 +46,9 @@ GiB = float(1 << 30)
 
 
 def measure(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
-    """-> (peak bytes allocated inside fn over its start, seconds)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, time.perf_counter() - t0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(node.children)
-    live = peak = 0
-    for _, delta in sorted(events):
-        live += delta
-        peak = max(peak, live)
-    return float(peak), dt
+    """-> (peak bytes allocated inside fn over its start, seconds): `ttt_memory.peak_bytes`."""
+    peak, dt, _ = peak_bytes(fn, device)
+    return peak, dt
 
 
 def computed(kind: str, T: int, S: int, dtype_bytes: int, train: bool) -> float:
