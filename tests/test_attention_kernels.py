@@ -219,3 +219,16 @@ def test_flex_gradients_equal_the_references_cuda() -> None:
     errs = check_flex_gradients("cuda")
     assert errs["fp32"] <= 1e-5 and errs["decoder"] <= 1e-5, errs
     assert errs["bf16"] <= 2 * errs["bf16_reference"], errs
+
+
+@pytest.mark.parametrize("kind", ["mask", "expand"])
+def test_a_compiled_cached_forward_has_no_graph_break_under_dynamic_shapes(kind: str) -> None:
+    """The engine compiles with dynamic=True, where head counts read from shapes are symbolic: the GQA switch must
+    come out as a plain bool, or SDPA refuses it and every layer falls out of the graph (one recompile per layer,
+    then eager once the recompile limit is hit)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    plan = AttentionPlan(kind, kv_len=7, mask=torch.ones(2, 1, 3, 7, dtype=torch.bool))
+    torch._dynamo.reset()
+    compiled = torch.compile(plan.__call__, dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), plan(q, k, v))

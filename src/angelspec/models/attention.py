@@ -357,13 +357,23 @@ def _index_inputs_shapes(q_last: Tensor, num_keys: int, q_doc: Tensor | None, k_
     return tuple(x.long().expand(B, x.shape[-1]) for x in (q_doc, q_last, k_doc, q_first))  # type: ignore[return-value]
 
 
+def grouped_query(q: Tensor, k: Tensor) -> bool:
+    """Whether q [B, H, ...] has more heads than k [B, Hkv, ...] (SDPA's / FlexAttention's enable_gqa), as a plain
+    bool: compiled with dynamic shapes the head counts are symbolic, and a symbolic bool is refused by SDPA (a graph
+    break in every layer of a compiled forward). Branching on it makes the compiler guard on the comparison and hand
+    back a constant; `bool(...)` would keep it symbolic."""
+    if q.shape[1] != k.shape[1]:
+        return True
+    return False
+
+
 def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, *, lse: bool = False
                           ) -> Tensor | tuple[Tensor, Tensor]:
     """Compiled FlexAttention of q [B, H, Q, Dh] over k, v [B, Hkv, S, Dh] under `block_mask` (GQA native) ->
     out [B, H, Q, Dh] (and lse [B, H, Q] fp32 with lse=True; out = 0, lse = -inf where a query sees no key)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    gqa = q.shape[1] != k.shape[1]
+    gqa = grouped_query(q, k)
     if not lse:
         return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     # The CPU lowering of the compiled kernel takes neither the LSE nor a backward: there the eager FlexAttention
@@ -425,7 +435,7 @@ class AttentionPlan:
         """q [B, H, T, Dh], k, v [B, Hkv, S, Dh] (a cache's whole buffers, or this call's keys) -> [B, H, T, Dh]."""
         if self.kv_len is not None:
             k, v = k[:, :, :self.kv_len], v[:, :, :self.kv_len]
-        gqa = q.shape[1] != k.shape[1]
+        gqa = grouped_query(q, k)
         if self.kind == "flex":
             return flex_prefix_attention(q, k, v, self.block_mask)  # type: ignore[return-value]
         if self.kind == "expand" and gqa:
