@@ -613,7 +613,11 @@ class SpecEngine:
                            seq_len_bound=bound)
         cap = k if self.gate is None else self.gate.choose_depth(len(rows), k)  # drafts to verify, 0: a plain step
         drafting = cap > 0
-        if cap < k:  # the gate skipped drafting (a plain step: a round of 0 drafts) or narrowed this step's depth
+        # The gate skipped drafting (a plain step: a round of 0 drafts) or narrowed this step's depth. A compiled
+        # drafter's step is specialised on its number of drafts (an unrolled loop): asked for each depth the gate
+        # picks, it compiled a graph per depth in the middle of timed decoding, so under compile it drafts all K and
+        # the verification keeps the first `cap` (a prefix of the drafts: exact at any temperature).
+        if cap == 0 or (cap < k and not self.config.compile):
             state = replace(state, num_draft_tokens=cap)
         proposal = self.drafter.propose(state)
         proposal.check(b, state.num_draft_tokens, self.vocab_size)
