@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
     from angelspec.decoding.generate import build_depth_policy, parse_depth_policy
     from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
-    from angelspec.decoding.policies.sts import CalibratedDrafter
     from angelspec.eval.prompts import eval_prompts
     from angelspec_research.commit_prediction import predicted_vs_measured
 

@@ -18,11 +18,11 @@ from conftest import QUIET, tiny_decoder
 from test_calibrate_cli import FixedConfidences
 
 from angelspec.decoding.drafters.block import BlockDrafterAdapter, DFlyDrafter
+from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
-    CalibratedDrafter,
     StsCalibration,
     StsCalibrationSet,
     load_calibration,

@@ -145,7 +145,7 @@ def generate_completions(prompts: str | Path, out: str | Path, drafter: str | Dr
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, compile=settings.compile,
                                       log=log)
-    from angelspec.decoding.policies.sts import CalibratedDrafter
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 
     note = draft.temperature_note(settings.temperature) if isinstance(draft, CalibratedDrafter) else None
     if note is not None and warn is not None:  # calibrated only far from `temperature`

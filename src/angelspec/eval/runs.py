@@ -115,7 +115,7 @@ def evaluate_drafters(drafters: str | DrafterSpec | Sequence[str | DrafterSpec],
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
     limit: at most that many prompts per domain; log: the cost-table profiler's progress.
     """
-    from angelspec.decoding.policies.sts import CalibratedDrafter
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
     from angelspec.eval.speculative import EvalSettings, evaluate_many, format_comparison
 
     parsed = [parse_drafter_spec(d) for d in ([drafters] if isinstance(drafters, str | DrafterSpec) else drafters)]
