@@ -170,6 +170,7 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
     from angelspec.decoding.loading import draft_depth, resolve_drafter
     from angelspec.decoding.policies.costmodel import drafter_id
     from angelspec.decoding.policies.factory import make_policy, parse_policy
+    from angelspec.eval.cost_profile import load_or_profile
 
     check_configs(configs)
     drafters: dict[str, Drafter | None] = {}
@@ -192,7 +193,7 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
             warmed.add(c.drafter)
         policy = make_policy(c.policy, target=target, drafter=drafter, num_draft_tokens=max(k, 1),
                              cost_table_path=cost_table_path, batch_sizes=sorted(set(concurrency)),
-                             compile=c.compile, log=log)
+                             compile=c.compile, cost_source=load_or_profile, log=log)
         kind = "ar" if drafter is None else drafter_id(drafter).split(":")[0]
         out.append(Contender(config=c, drafter=drafter, policy=policy, num_draft_tokens=k, kind=kind))
     return out
