@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrated = isinstance(drafter, CalibratedDrafter)
         if calibrated and args.raw:
             drafter = drafter.inner
-        k = args.num_draft_tokens or getattr(getattr(drafter, "inner", drafter), "max_draft_tokens", 4)
+        k = args.num_draft_tokens or drafter.max_draft_tokens  # a calibrated drafter's is its inner drafter's
         policy = build_depth_policy(spec, target=target, drafter=drafter, num_draft_tokens=k,
                                     batch_size=args.batch_size, cost_source=load_or_profile, log=log)
         label = confidence_label(folder) + (" +STS" if calibrated and not args.raw else "")

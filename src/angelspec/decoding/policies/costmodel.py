@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
-from angelspec.decoding.drafters.base import Drafter
+from angelspec.decoding.drafters.base import Drafter, unwrap
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.families import family_of
 from angelspec.fileio import write_json_atomic
 from angelspec.models.decoder import Decoder
@@ -107,11 +108,10 @@ def _cpu_model() -> str:
 def drafter_id(drafter: Drafter) -> str:
     """Registry kind of the drafter (class name when unregistered), plus its own model's config fingerprint
     when it wraps a `Decoder` (two draft LMs of one kind but other sizes cost differently)."""
-    inner = getattr(drafter, "inner", drafter)  # calibration wrappers cost what the wrapped drafter costs
+    inner = unwrap(drafter)  # calibration wrappers cost what the wrapped drafter costs
     family = family_of(inner)
     kind = type(inner).__name__ if family is None else family.name
-    model = getattr(inner, "model", None)
-    return f"{kind}:{model.config.fingerprint()}" if isinstance(model, Decoder) else kind
+    return f"{kind}:{inner.model.config.fingerprint()}" if isinstance(inner, DraftLMDrafter) else kind
 
 
 def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: str | None = None, *,

@@ -149,13 +149,16 @@ class Contender:
         """What vLLM runs for this configuration (vllm.py): AR, or n-gram prompt lookup at full depth without the
         gate, with our K and n-gram sizes; None where vLLM has nothing equivalent (depth policies, the gate, model
         drafters). Eager and compiled configurations map to the same setup."""
+        from angelspec.decoding.drafters.base import unwrap
+        from angelspec.decoding.drafters.ngram import NGramDrafter
+
         c = self.config
         if c.spec_gate or c.policy != "full":
             return None
         if self.drafter is None:
             return VllmSetup("ar")
-        inner = getattr(self.drafter, "inner", self.drafter)
-        if self.kind != "ngram" or not hasattr(inner, "max_ngram"):
+        inner = unwrap(self.drafter)
+        if self.kind != "ngram" or not isinstance(inner, NGramDrafter):
             return None
         return VllmSetup("ngram", self.num_draft_tokens, int(inner.max_ngram), int(inner.min_ngram))
 
