@@ -369,7 +369,7 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
                     f"tok/s, MAL {row.mal:.2f}, TPOT p50/p95 {row.tpot_p50_s * 1e3:.1f}/{row.tpot_p95_s * 1e3:.1f} "
                     f"ms ({time.perf_counter() - t0:.1f} s)")
     order = {ct.config.name: i for i, ct in enumerate(contenders)}
-    raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major, as before
+    raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major
     ar_name = next((ct.config.name for ct in contenders if ct.drafter is None), None)
     ar = {row.concurrency: (row, out) for row, out in raw if row.config == ar_name}
     rows = []

@@ -92,8 +92,8 @@ def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_
 
     The same softmax attention as `scaled_dot_product_attention` over the concatenated keys [ctx; own] under the
     matching mask (query head h reads kv head h // (H / Hkv)), but the two key segments are scored separately
-    and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys copies the whole context
-    K/V every step, which at batch 1 on CPU cost as much as the attention itself.
+    and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys would copy the whole context
+    K/V every step (what that cost: docs/design.md §12).
 
     With `block_mask` (a FlexAttention BlockMask of the valid slots, `context_block_mask`; ctx_valid unused) the
     context part is FlexAttention with its log-sum-exp (no [.., Tq, S] scores, slots past every row's length
