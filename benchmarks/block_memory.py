@@ -29,7 +29,7 @@ from ttt_memory import MiB, limit_heap_fragmentation, peak_bytes
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.models import DecoderConfig
-from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.drafter import BackboneOptions, BlockDrafter
 from angelspec.models.block.presets import dfly_embedded
 from angelspec.train.block import block_chunked_loss_batch, block_loss_batch, confidence_loss
 from angelspec.train.confidence import confidence_targets
@@ -68,7 +68,7 @@ def variants(T: int, legacy: bool, device: torch.device | str = "cpu") -> dict[s
 
     def linear(ckpt: bool) -> Callable[[], float]:
         def run() -> float:
-            out = forward(compute_logits=False, checkpoint_layers=ckpt)
+            out = forward(compute_logits=False, backbone=BackboneOptions(checkpoint_layers=ckpt))
             clb = block_chunked_loss_batch(model, out, teacher, confidence_targets=targets)
             loss = with_confidence_term(objective, 1.0)(clb, config).loss
             loss.backward()
@@ -77,7 +77,7 @@ def variants(T: int, legacy: bool, device: torch.device | str = "cpu") -> dict[s
         return run
 
     def dense() -> float:
-        lb = block_loss_batch(forward(attention="dense"), teacher, targets)
+        lb = block_loss_batch(forward(backbone=BackboneOptions(attention="dense")), teacher, targets)
         loss = objective(lb, config).loss + confidence_loss(lb.confidence_logits, lb.confidence_targets, lb.mask,
                                                             lb.mask.sum())
         loss.backward()

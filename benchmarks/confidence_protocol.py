@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
     from angelspec.data.prompts import load_prompts
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
     from angelspec.decoding.generate import build_depth_policy, parse_depth_policy
     from angelspec.decoding.loading import load_target_and_tokenizer, resolve_drafter
-    from angelspec.decoding.policies.sts import CalibratedDrafter
+    from angelspec.eval.cost_profile import load_or_profile
     from angelspec.eval.prompts import eval_prompts
     from angelspec_research.commit_prediction import predicted_vs_measured
 
@@ -100,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         calibrated = isinstance(drafter, CalibratedDrafter)
         if calibrated and args.raw:
             drafter = drafter.inner
-        k = args.num_draft_tokens or getattr(getattr(drafter, "inner", drafter), "max_draft_tokens", 4)
+        k = args.num_draft_tokens or drafter.max_draft_tokens  # a calibrated drafter's is its inner drafter's
         policy = build_depth_policy(spec, target=target, drafter=drafter, num_draft_tokens=k,
-                                    batch_size=args.batch_size, log=log)
+                                    batch_size=args.batch_size, cost_source=load_or_profile, log=log)
         label = confidence_label(folder) + (" +STS" if calibrated and not args.raw else "")
         for t in temperatures:
             r = predicted_vs_measured(target, drafter, ids, depth_policy=policy, temperature=t, num_draft_tokens=k,

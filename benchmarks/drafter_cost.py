@@ -95,8 +95,8 @@ def build_drafter(kind: str, target: Decoder, dtype: torch.dtype, draft_lm: Path
                             **overrides)
         model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
         model.init_weights(generator=gen)
-        model.factor_hidden_head = kind != "dfly-plain"
         adapter = BlockDrafterAdapter(model.to(dtype))
+        adapter.proposer.factor_hidden_head = kind != "dfly-plain"
         assert adapter.kind == kind.removesuffix("-plain"), (adapter.kind, kind)
         return adapter, block_k or cfg.num_drafts
     if kind == "mtp":

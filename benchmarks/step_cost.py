@@ -184,13 +184,14 @@ def main() -> None:
         for k in [int(x) for x in args.ks.split(",")]:
             if args.policy != "full":
                 from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
+                from angelspec.eval.cost_profile import load_or_profile
 
                 # The oracle drafts only the prompts it knows, so the cost table (D-cut, Algorithm 1) is profiled
                 # with the n-gram lookup drafting every row on the profiler's random prompts: the same verify
                 # forwards, and a proposal that costs about as little.
                 policy_obj = make_policy(args.policy, target=target, drafter=OracleDrafter(table),
                                          num_draft_tokens=k, batch_sizes=cost_batch_sizes(b), compile=args.compile,
-                                         cost_drafter=NGramDrafter(), log=None)
+                                         cost_drafter=NGramDrafter(), cost_source=load_or_profile, log=None)
             acc = run(target, prompts, k, b, OracleDrafter(table), sampling, args.compile, policy_obj, args.repeats)
             rej = run(target, prompts, k, b, OracleDrafter(table, reject=True, vocab_size=vocab), sampling,
                       args.compile, policy_obj, args.repeats)

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from angelspec.decoding.drafters.block_propose import BlockProposer
 from angelspec.models import CheckpointError, ConfigError, Decoder, DecoderConfig
 from angelspec.models.block.config import (
     CONDITIONINGS,
@@ -201,7 +202,7 @@ def test_propose_equals_teacher_forced_training_on_its_own_drafts(conditioning: 
     lengths = torch.tensor([6, 9])  # committed context; the anchor sits at position `lengths`
     anchors_tok = ids[torch.arange(2), lengths]
     taps = taps_of(target, model, ids)
-    prop = model.propose_from_taps(taps, lengths, anchors_tok)
+    prop = BlockProposer(model).propose_from_taps(taps, lengths, anchors_tok)
     assert prop.tokens.shape == (2, 4) and prop.confidences.shape == (2, 4) and prop.probs is None
     assert torch.equal(prop.tokens, prop.logits.argmax(-1))
     assert ((prop.confidences > 0) & (prop.confidences < 1)).all()
@@ -221,19 +222,19 @@ def test_propose_cache_appends_in_pieces_and_rolls_back() -> None:
     model = tiny_drafter(target, head="rnn")
     ids = torch.randint(6, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
     taps = taps_of(target, model, ids)
-    whole = model.propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
+    whole = BlockProposer(model).propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
     cache = model.new_cache(1, 12, slack=4, dtype=torch.float64, device="cpu")
     model.append_context(taps[:, :5], cache)
     model.append_context(taps[:, 5:11], cache, num_new=torch.tensor([6]))  # 5..10 written: 3 too many
     cache.truncate(torch.tensor([8]))  # roll back to 8 committed entries
-    step = model.propose(ids[:, 8], cache, kv_len=11)
+    step = BlockProposer(model).propose(ids[:, 8], cache, kv_len=11)
     torch.testing.assert_close(step.logits, whole.logits, rtol=1e-10, atol=1e-10)
     # Prefill of a subset of rows (a request joining row 2 of 3) writes only that row.
     big = model.new_cache(3, 12, slack=4, dtype=torch.float64, device="cpu")
     big.lengths[:] = torch.tensor([4, 0, 6])
     model.append_context(taps[:, :8], big, num_new=torch.tensor([8]), rows=torch.tensor([1]))
     assert big.lengths.tolist() == [4, 8, 6] and torch.stack(big.k)[:, 0].abs().sum() == 0
-    row = model.propose(ids[:, 8].expand(3), big, kv_len=8)
+    row = BlockProposer(model).propose(ids[:, 8].expand(3), big, kv_len=8)
     torch.testing.assert_close(row.logits[1], whole.logits[0], rtol=1e-10, atol=1e-10)
 
 
@@ -248,7 +249,7 @@ def test_propose_with_sampling_rule_returns_its_probabilities() -> None:
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=gen)[:, 0], probs
 
-    prop = model.propose_from_taps(taps, torch.tensor([4, 7]), ids[:, 8], select=select)
+    prop = BlockProposer(model).propose_from_taps(taps, torch.tensor([4, 7]), ids[:, 8], select=select)
     assert prop.probs.shape == (2, 3, VOCAB)
     torch.testing.assert_close(prop.probs, torch.softmax(prop.logits, -1))
 
@@ -479,8 +480,9 @@ def test_new_drafters_pick_the_injection_and_fc_bias_old_folders_keep_theirs(tmp
     assert loaded.config == old and torch.equal(loaded.fc.bias, model.fc.bias)
     ids = torch.randint(6, VOCAB, (1, 10))
     taps = taps_of(target, model, ids)
-    torch.testing.assert_close(loaded.propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits,
-                               model.propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits, rtol=0, atol=0)
+    torch.testing.assert_close(BlockProposer(loaded).propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits,
+                               BlockProposer(model).propose_from_taps(taps, torch.tensor([6]), ids[:, 6]).logits,
+                               rtol=0, atol=0)
 
 
 def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
@@ -517,7 +519,7 @@ def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
         with torch.no_grad():
             taps = concat_taps(target(ids, hidden_layers=list(model.config.target_layer_ids),
                                       compute_logits=False).hidden)
-            props.append(model.propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1]))
+            props.append(BlockProposer(model).propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1]))
     prop, prop_old = props
     assert torch.equal(prop.tokens, prop_old.tokens) and torch.equal(prop.logits, prop_old.logits)
     assert model.config.anchor_fusion
@@ -561,16 +563,18 @@ def test_anchor_fusion_cache_rolls_back_resets_rows_and_starts_as_the_plain_draf
     model = tiny_drafter(target, anchor_fusion=True)
     ids = torch.randint(6, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
     taps = taps_of(target, model, ids)
-    whole = model.propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
+    whole = BlockProposer(model).propose_from_taps(taps[:, :8], torch.tensor([8]), ids[:, 8])
     cache = model.new_cache(2, 12, slack=4, dtype=torch.float64, device="cpu")
     model.append_context(taps[:, :5].expand(2, -1, -1), cache)
     model.append_context(taps[:, 5:11].expand(2, -1, -1), cache, num_new=torch.tensor([6, 6]))
     cache.truncate(torch.tensor([8, 8]))  # the newest committed feature is slot 7's again, not slot 10's
-    torch.testing.assert_close(model.propose(ids[:, 8].expand(2), cache, kv_len=11).logits[0], whole.logits[0],
+    drafting = BlockProposer(model)
+    torch.testing.assert_close(drafting.propose(ids[:, 8].expand(2), cache, kv_len=11).logits[0], whole.logits[0],
                                rtol=1e-10, atol=1e-10)
     cache.reset_rows([1])  # a new request with an empty context: no predecessor feature
-    empty = model.propose(ids[:, 8].expand(2), cache, kv_len=11)
-    fresh = model.propose(ids[:, 8], model.new_cache(1, 12, slack=4, dtype=torch.float64, device="cpu"), kv_len=11)
+    empty = BlockProposer(model).propose(ids[:, 8].expand(2), cache, kv_len=11)
+    fresh = BlockProposer(model).propose(ids[:, 8], model.new_cache(1, 12, slack=4, dtype=torch.float64, device="cpu"),
+                                         kv_len=11)
     torch.testing.assert_close(empty.logits[1], fresh.logits[0], rtol=1e-10, atol=1e-10)
 
     # W_a starts at zero: before training, the drafter proposes exactly what the same weights without it do, so a
@@ -580,8 +584,8 @@ def test_anchor_fusion_cache_rolls_back_resets_rows_and_starts_as_the_plain_draf
     fused.init_weights()
     missing, unexpected = fused.load_state_dict(plain.state_dict(), strict=False)
     assert sorted(missing) == ["anchor_fuse.weight", "anchor_norm.weight"] and not unexpected
-    a = plain.propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
-    b = fused.eval().propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
+    a = BlockProposer(plain).propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
+    b = BlockProposer(fused.eval()).propose_from_taps(taps, torch.tensor([8]), ids[:, 8])
     torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0)
     with pytest.raises(ConfigError, match="anchor_fusion must be true or false"):
         replace(plain.config, anchor_fusion="yes")
@@ -656,7 +660,7 @@ def test_dfly_embedded_preset_builds_and_runs() -> None:
     taps = torch.randn(1, 12, 3 * 256)
     with torch.no_grad():
         out = model.forward_train(taps, ids, torch.arange(12)[None], torch.tensor([[3]]))
-        prop = model.propose_from_taps(taps, torch.tensor([5]), ids[:, 5])
+        prop = BlockProposer(model).propose_from_taps(taps, torch.tensor([5]), ids[:, 5])
     assert out.logits.shape == (1, 1, 7, 8192) and prop.tokens.shape == (1, 7)
 
 
@@ -679,7 +683,7 @@ def test_qwen3_8b_presets_have_paper_shapes_and_build_scaled_down(preset) -> Non
     out.logits.logsumexp(-1).sum().backward()
     assert target.embed_tokens.weight.grad is None and target.lm_head.weight.grad is None  # frozen by reference
     assert model.layers[0].attn.qkv_proj.weight.grad is not None
-    assert model.propose_from_taps(taps, torch.tensor([11]), ids[:, 11]).tokens.shape == (1, 7)
+    assert BlockProposer(model).propose_from_taps(taps, torch.tensor([11]), ids[:, 11]).tokens.shape == (1, 7)
 
 
 # ----- bad input -----
@@ -737,7 +741,7 @@ def test_bad_forward_inputs() -> None:
     with pytest.raises(ValueError, match=r"anchors \[R, N\]"):
         model.forward_train(taps, ids, torch.arange(8)[None], torch.tensor([1]))
     with pytest.raises(ValueError, match=r"anchor_tokens must be \[B\]"):
-        model.propose_from_taps(taps, torch.tensor([4]), torch.tensor([[1]]))
+        BlockProposer(model).propose_from_taps(taps, torch.tensor([4]), torch.tensor([[1]]))
     with pytest.raises(ConfigError, match="do not match"):
         BlockDrafter(model.config, torch.nn.Embedding(VOCAB + 1, 32), target.lm_head)
 
@@ -770,8 +774,8 @@ def test_propose_equals_the_one_position_at_a_time_head(conditioning: str, head:
 
     rule = select if sampled else None
     with torch.no_grad():
-        fast = model.propose(anchors, cache, kv_len=T, select=rule)
-    ref = model.reference_propose(anchors, cache, kv_len=T, select=rule)
+        fast = BlockProposer(model).propose(anchors, cache, kv_len=T, select=rule)
+    ref = BlockProposer(model).reference_propose(anchors, cache, kv_len=T, select=rule)
     assert torch.equal(fast.tokens, ref.tokens)
     torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fast.confidences, ref.confidences)  # fp32 outputs
@@ -803,15 +807,15 @@ def test_propose_fewer_drafts_runs_the_head_over_a_prefix_of_the_block(condition
 
     with torch.no_grad():
         for rule in (None, select):
-            full = model.propose(ids[:, T], cache, kv_len=T, select=rule)
-            part = model.propose(ids[:, T], cache, kv_len=T, select=rule, num_drafts=3)
+            full = BlockProposer(model).propose(ids[:, T], cache, kv_len=T, select=rule)
+            part = BlockProposer(model).propose(ids[:, T], cache, kv_len=T, select=rule, num_drafts=3)
             assert part.tokens.shape == (B, 3) and part.confidences.shape == (B, 3)
             assert torch.equal(part.tokens, full.tokens[:, :3])
             torch.testing.assert_close(part.logits, full.logits[:, :3])
             torch.testing.assert_close(part.confidences, full.confidences[:, :3])
         for bad in (0, 8):
             with pytest.raises(ValueError, match=r"proposes 1\.\.7 drafts"):
-                model.propose(ids[:, T], cache, kv_len=T, num_drafts=bad)
+                BlockProposer(model).propose(ids[:, T], cache, kv_len=T, num_drafts=bad)
 
 
 @pytest.mark.parametrize("head", ["none", "markov", "hidden"])
@@ -823,8 +827,9 @@ def test_a_select_rule_without_probs_gives_a_proposal_without_probs(head: str) -
     cache = model.new_cache(2, 6, slack=4, dtype=torch.float64, device="cpu")
     model.append_context(taps_of(target, model, ids)[:, :6], cache)
     with torch.no_grad():
-        got = model.propose(ids[:, 6], cache, kv_len=6, select=lambda logits, k: (logits.argmax(-1), None))
-        greedy = model.propose(ids[:, 6], cache, kv_len=6)
+        got = BlockProposer(model).propose(ids[:, 6], cache, kv_len=6,
+                                           select=lambda logits, k: (logits.argmax(-1), None))
+        greedy = BlockProposer(model).propose(ids[:, 6], cache, kv_len=6)
     assert got.probs is None and torch.equal(got.tokens, greedy.tokens)
 
 
@@ -851,10 +856,8 @@ def test_context_block_attention_equals_sdpa_over_the_concatenated_keys(S: int) 
 def factored_and_plain(model: BlockDrafter, anchors: torch.Tensor, cache, kv_len: int) -> tuple:
     """Greedy proposals with the hidden-correction head factored and plain."""
     with torch.no_grad():
-        fast = model.propose(anchors, cache, kv_len=kv_len)
-        model.factor_hidden_head = False
-        plain = model.propose(anchors, cache, kv_len=kv_len)
-        model.factor_hidden_head = True
+        fast = BlockProposer(model).propose(anchors, cache, kv_len=kv_len)
+        plain = BlockProposer(model, factor_hidden_head=False).propose(anchors, cache, kv_len=kv_len)
     return fast, plain
 
 
@@ -873,7 +876,7 @@ def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes()
         with torch.no_grad():
             for p in model.head.parameters():
                 p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
-        assert model.factored_head()
+        assert BlockProposer(model).factored_head()
         B, T = 2, 10  # the factored head runs for at most FACTORED_HEAD_MAX_ROWS rows
         ids = torch.randint(6, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(4))
         cache = model.new_cache(B, T, slack=8, dtype=torch.float64, device="cpu")
@@ -894,18 +897,19 @@ def test_factored_hidden_head_equals_the_plain_head_and_follows_weight_changes()
 
 
 def test_factored_head_is_off_without_a_hidden_head_or_with_too_large_tables(monkeypatch) -> None:
-    from angelspec.models.block import drafter as block_drafter
+    from angelspec.decoding.drafters import block_propose
 
     target = tiny_target()
-    assert not tiny_drafter(target, conditioning="dflash", head="markov").factored_head()
-    assert not tiny_drafter(target, conditioning="dfly", head="none").factored_head()
+    assert not BlockProposer(tiny_drafter(target, conditioning="dflash", head="markov")).factored_head()
+    assert not BlockProposer(tiny_drafter(target, conditioning="dfly", head="none")).factored_head()
     model = tiny_drafter(target)
-    assert model.factored_head() and model.factored_head(rows=2) and not model.factored_head(rows=3)
-    monkeypatch.setattr(block_drafter, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·(32+32+64)·8 bytes
-    assert not model.factored_head()
+    drafting = BlockProposer(model)
+    assert drafting.factored_head() and drafting.factored_head(rows=2) and not drafting.factored_head(rows=3)
+    monkeypatch.setattr(block_propose, "FACTORED_HEAD_MAX_BYTES", 1024)  # the tables take 64·(32+32+64)·8 bytes
+    assert not BlockProposer(model).factored_head()
     ids = torch.randint(6, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        prop = model.propose_from_taps(taps_of(target, model, ids)[:, :6], torch.tensor([6]), ids[:, 6])
+        prop = BlockProposer(model).propose_from_taps(taps_of(target, model, ids)[:, :6], torch.tensor([6]), ids[:, 6])
     assert "factored head" not in model._derived and prop.tokens.shape == (1, 3)
 
 
@@ -919,8 +923,8 @@ def test_greedy_propose_without_logits_gives_the_same_drafts_and_confidences(con
     cache = model.new_cache(1, 8, slack=6, dtype=torch.float64, device="cpu")
     model.append_context(taps_of(target, model, ids)[:, :8], cache)
     with torch.no_grad():
-        full = model.propose(ids[:, 8], cache, kv_len=8)
-        lean = model.propose(ids[:, 8], cache, kv_len=8, with_logits=False)
+        full = BlockProposer(model).propose(ids[:, 8], cache, kv_len=8)
+        lean = BlockProposer(model).propose(ids[:, 8], cache, kv_len=8, with_logits=False)
     assert torch.equal(full.tokens, lean.tokens) and torch.equal(full.token_index, lean.token_index)
     torch.testing.assert_close(full.confidences, lean.confidences)
     assert (lean.logits is None) == confidence
@@ -974,11 +978,12 @@ def test_for_target_builds_the_shipped_dflys_qwen3_layers_and_proposes_the_same(
     assert set(dict(model.state_dict())) == set(dict(loaded.state_dict()))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(),
                                                    strict=True))
-    model.refresh_inference_tables()
+    BlockProposer(model).refresh_inference_tables()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(6, target.config.vocab_size, (2, 20), generator=g)
     lengths = torch.tensor([20, 11])
     with torch.no_grad():
         taps = concat_taps(target(ids, hidden_layers=list(shipped.target_layer_ids), compute_logits=False).hidden)
-        props = [m.propose_from_taps(taps, lengths - 1, ids[torch.arange(2), lengths - 1]) for m in (loaded, model)]
+        props = [BlockProposer(m).propose_from_taps(taps, lengths - 1, ids[torch.arange(2), lengths - 1])
+                 for m in (loaded, model)]
     assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].logits, props[1].logits)

@@ -18,7 +18,7 @@ from test_ttt_memory import _assert_same, _grads, _Shapes
 
 from angelspec.data.packing import Doc, pack_documents
 from angelspec.models import Decoder, attention
-from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.drafter import BackboneOptions, BlockDrafter
 from angelspec.models.block.targets import sample_anchors
 from angelspec.train.block import block_chunked_loss_batch, block_loss_batch, confidence_loss
 from angelspec.train.confidence import confidence_targets
@@ -86,7 +86,8 @@ def test_linear_path_equals_the_reference_loss_and_every_gradient(head, conditio
     def targets(lb):
         return confidence_targets(model.config, lb.student_logits.detach(), lb.teacher_logits, lb.mask, config.top_k)
 
-    ref = block_loss_batch(_forward(model, packed, anchor, valid, taps, attention="dense"), teacher, targets)
+    dense = _forward(model, packed, anchor, valid, taps, backbone=BackboneOptions(attention="dense"))
+    ref = block_loss_batch(dense, teacher, targets)
     assert (ref.confidence_targets is None) == (not confidence)
     loss = LOSSES[name](ref, config).loss
     if with_conf:
@@ -94,7 +95,8 @@ def test_linear_path_equals_the_reference_loss_and_every_gradient(head, conditio
     loss.backward()
     ref_loss, ref_grads = loss.detach(), _grads(model)
 
-    out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
+    out = _forward(model, packed, anchor, valid, taps, compute_logits=False,
+                   backbone=BackboneOptions(checkpoint_layers=True))
     assert out.logits is None
     K = model.config.block_size - 1
     clb = block_chunked_loss_batch(model, out, teacher, max_logits=5 * K * 64,  # 5 anchors per chunk
@@ -115,7 +117,8 @@ def test_a_block_step_creates_no_t_by_t_tensor_and_never_the_whole_logits(monkey
     monkeypatch.setattr(attention, "DEFAULT_Q_CHUNK", 32)  # tiles far below T, as they are at real lengths
     monkeypatch.setattr(attention, "DEFAULT_K_CHUNK", 64)
     with _Shapes() as rec:
-        out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
+        out = _forward(model, packed, anchor, valid, taps, compute_logits=False,
+                   backbone=BackboneOptions(checkpoint_layers=True))
         clb = block_chunked_loss_batch(model, out, teacher, max_logits=R * N * K * V // 8)
         with_confidence_term(LOSSES["e2e_tv"], 1.0)(clb, LossConfig()).loss.backward()
     square = [(f, s) for f, s in rec.shapes if sum(d >= T for d in s) >= 2]
@@ -136,7 +139,8 @@ def test_block_trainer_runs_the_linear_path(tmp_path, tiny_target_dir, monkeypat
     forward_train, chunked = BlockDrafter.forward_train, block.block_chunked_loss_batch
 
     def spy_forward(self, *a, **kw):
-        seen.append(("forward", kw.get("attention", "linear"), kw["compute_logits"], kw["checkpoint_layers"]))
+        backbone = kw.get("backbone") or BackboneOptions()
+        seen.append(("forward", backbone.attention, kw["compute_logits"], backbone.checkpoint_layers))
         return forward_train(self, *a, **kw)
 
     def spy_chunked(*a, **kw):

@@ -14,13 +14,13 @@ import torch
 from angelspec.cli import main
 from angelspec.data.tokenizer import load_tokenizer
 from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal
+from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.decoding.loading import resolve_drafter
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
-    CalibratedDrafter,
     CalibrationError,
     StsCalibration,
     temperatures_for,

@@ -124,8 +124,8 @@ def test_calibrated_drafter_compiles_its_inner_drafter_once():
     """EngineConfig(compile=True) calls `ensure_compiled` on the engine's drafter: a calibrated wrapper must pass
     it to the drafter it wraps (whose hot calls are the ones worth compiling), once however many engines share
     it."""
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
     from angelspec.decoding.drafters.ngram import NGramDrafter
-    from angelspec.decoding.policies.sts import CalibratedDrafter
 
     class Counting(NGramDrafter):
         calls = 0

@@ -18,11 +18,12 @@ from conftest import QUIET, tiny_decoder
 from test_calibrate_cli import FixedConfidences
 
 from angelspec.decoding.drafters.block import BlockDrafterAdapter, DFlyDrafter
+from angelspec.decoding.drafters.block_propose import BlockProposer
+from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
-    CalibratedDrafter,
     StsCalibration,
     StsCalibrationSet,
     load_calibration,
@@ -186,10 +187,10 @@ def test_shipped_folders_keep_the_tv_head_and_ignore_the_temperature(kind):
         from angelspec.models.mtp import concat_taps
 
         args = (concat_taps(taps)[:, :5].expand(2, -1, -1), torch.tensor([5, 5]), ids[:, 5].expand(2))
-        plain = model.propose_from_taps(*args)
+        plain = BlockProposer(model).propose_from_taps(*args)
         cache = model.new_cache(2, 5, slack=0, dtype=taps[0].dtype, device="cpu")
         model.append_context(args[0], cache, num_new=args[1])
-        at_t = model.propose(args[2], cache, kv_len=5, temperature=torch.tensor([0.0, 1.0]))
+        at_t = BlockProposer(model).propose(args[2], cache, kv_len=5, temperature=torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(at_t.confidences, plain.confidences, rtol=0, atol=0)
     # The one-output head's formula, from the saved tensors: σ(w·[h; W1 x_prev] + b).
     h = model.norm(model.backbone_step(args[2], cache, 5)[:, 1:])
@@ -306,8 +307,9 @@ def test_init_from_without_only_warm_starts_the_whole_drafter(capsys, tmp_path, 
     assert new.config.anchor_fusion and new.config.block_size == old.config.block_size != 3  # the folder's design
     taps = torch.randn(1, 6, old.config.num_taps * old.config.hidden_size)
     anchor = torch.tensor([5])
-    torch.testing.assert_close(new.propose_from_taps(taps, torch.tensor([6]), anchor).logits,
-                               old.propose_from_taps(taps, torch.tensor([6]), anchor).logits, rtol=0, atol=0)
+    torch.testing.assert_close(BlockProposer(new).propose_from_taps(taps, torch.tensor([6]), anchor).logits,
+                               BlockProposer(old).propose_from_taps(taps, torch.tensor([6]), anchor).logits,
+                               rtol=0, atol=0)
 
     code, _, err = conftest.run_cli(capsys, *args(base, "moved", "steps=2"))
     assert code == 0, err

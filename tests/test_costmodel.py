@@ -1,5 +1,6 @@
-"""The start-up cost profiler (spec/costmodel.py): interpolation of the table, keys, stale/foreign table
-detection, step timing through the engine's on_verify hook with a fake clock, and `angelspec profile`."""
+"""The start-up cost profiler (eval/cost_profile.py) and its table (decoding/policies/costmodel.py): interpolation of
+the table, keys, stale/foreign table detection, step timing through the engine's on_verify hook with a fake clock,
+and `angelspec profile`."""
 
 from __future__ import annotations
 
@@ -20,19 +21,17 @@ from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.policies.budget import LinearCost
 from angelspec.decoding.policies.costmodel import (
     CostKey,
+    CostSettings,
     CostTable,
     CostTableError,
-    SpreadDepth,
     StaleCostTableError,
     cost_key,
     default_table_path,
-    load_or_profile,
     machine_id,
-    profile_costs,
-    token_grid,
 )
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.scheduler import prefix_schedule
+from angelspec.eval.cost_profile import SpreadDepth, load_or_profile, profile_costs, token_grid
 from angelspec.models import load_target
 
 KEY = CostKey(model="m" * 16, drafter="draft-lm:abc", num_draft_tokens=3, dtype="float32", torch_version="2.x",
@@ -159,8 +158,8 @@ def test_on_verify_hook_reports_each_step(target) -> None:
 
 def test_profile_with_a_fake_clock_takes_the_median(target, one_thread) -> None:
     ticks = itertools.accumulate(itertools.cycle([1.0, 1.0, 1.0, 50.0]))  # every 4th step an outlier
-    table = profile_costs(target, NGramDrafter(), batch_sizes=(1, 2), num_draft_tokens=2, repeats=3, warmup=1,
-                          clock=lambda: next(ticks), machine="fake")
+    table = profile_costs(target, NGramDrafter(), CostSettings(batch_sizes=(1, 2), num_draft_tokens=2, repeats=3,
+                                                               warmup=1, machine="fake"), clock=lambda: next(ticks))
     assert table.batch_sizes == (1, 2) and [n for n, _ in table.rows[2]] == [2, 4, 6]
     assert all(c == 1.0 for row in table.rows.values() for _, c in row)  # the median ignores the outlier
     assert table.key.machine == "fake" and table.settings["repeats"] == 3
@@ -185,26 +184,26 @@ def test_ngram_drafts_every_row_for_a_profile() -> None:
 
 def test_a_compiled_profile_is_keyed_compiled(target, tmp_path: Path, one_thread) -> None:
     kw = {"batch_sizes": (1,), "num_draft_tokens": 2, "repeats": 1, "warmup": 1, "machine": "here"}
-    table, what = load_or_profile(target, NGramDrafter(), tmp_path / "c.json", compile=True, **kw)
+    table, what = load_or_profile(target, NGramDrafter(), CostSettings(compile=True, **kw), tmp_path / "c.json")
     assert table.key.compiled and what.startswith("profiled")
-    _, what = load_or_profile(target, NGramDrafter(), tmp_path / "c.json", **kw)
+    _, what = load_or_profile(target, NGramDrafter(), CostSettings(**kw), tmp_path / "c.json")
     assert "stale" in what and "compiled" in what  # the eager engine does not take the compiled table
 
 
 def test_load_or_profile_reprofiles_stale_tables(target, tmp_path: Path, one_thread) -> None:
     path = tmp_path / "costs.json"
     kw = {"batch_sizes": (1,), "num_draft_tokens": 2, "repeats": 1, "warmup": 0, "machine": "here"}
-    table, what = load_or_profile(target, NGramDrafter(), path, **kw)
+    table, what = load_or_profile(target, NGramDrafter(), CostSettings(**kw), path)
     assert what.startswith("profiled (no table yet)") and path.exists()
-    again, what = load_or_profile(target, NGramDrafter(), path, **kw)
+    again, what = load_or_profile(target, NGramDrafter(), CostSettings(**kw), path)
     assert again == table and what == f"loaded {path}"
     foreign = {**kw, "machine": "another machine"}
     with pytest.raises(StaleCostTableError, match="machine"):
-        load_or_profile(target, NGramDrafter(), path, reprofile=False, **foreign)
-    fresh, what = load_or_profile(target, NGramDrafter(), path, **foreign)
+        load_or_profile(target, NGramDrafter(), CostSettings(**foreign), path, reprofile=False)
+    fresh, what = load_or_profile(target, NGramDrafter(), CostSettings(**foreign), path)
     assert "stale" in what and "machine" in what and fresh.key.machine == "another machine"
     assert CostTable.load(path).key.machine == "another machine"
-    _, what = load_or_profile(target, NGramDrafter(), path, **{**foreign, "batch_sizes": (1, 2)})
+    _, what = load_or_profile(target, NGramDrafter(), CostSettings(**{**foreign, "batch_sizes": (1, 2)}), path)
     assert "batch sizes [2] not measured" in what
 
 
@@ -220,9 +219,9 @@ def test_a_policy_can_take_its_cost_table_from_a_stand_in_drafter(target, tmp_pa
     path = tmp_path / "c.json"
     with pytest.raises(KeyError, match="no continuation"):
         make_policy("dcut", target=target, drafter=Picky(), num_draft_tokens=2, cost_table_path=path,
-                    batch_sizes=(1,), log=None)
+                    batch_sizes=(1,), cost_source=load_or_profile, log=None)
     policy = make_policy("dcut", target=target, drafter=Picky(), num_draft_tokens=2, cost_table_path=path,
-                         batch_sizes=(1,), cost_drafter=NGramDrafter(), log=None)
+                         batch_sizes=(1,), cost_drafter=NGramDrafter(), cost_source=load_or_profile, log=None)
     assert isinstance(policy, DCut) and CostTable.load(path).key.drafter == "ngram"
 
 

@@ -26,6 +26,7 @@ from test_engine_spec import (  # noqa: F401  (dist_case is a fixture)
 from angelspec.data.packing import Doc
 from angelspec.data.vocab import count_tokens, coverage, frequent_tokens, token_counts
 from angelspec.decoding.drafters.block import BlockDrafterAdapter
+from angelspec.decoding.drafters.block_propose import BlockProposer
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import ConfigError
 from angelspec.models.block.drafter import BlockDrafter
@@ -79,14 +80,14 @@ def test_draft_vocab_propose_is_the_full_head_restricted_to_the_vocabulary(head,
 
     rule = select if sampled else None
     with torch.no_grad():
-        ref = full.propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        ref = BlockProposer(full).propose_from_taps(taps, lengths, ids[:, T], select=rule)
         # A permuted whole vocabulary changes nothing but the index order.
-        same = with_vocab(full, perm).propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        same = BlockProposer(with_vocab(full, perm)).propose_from_taps(taps, lengths, ids[:, T], select=rule)
         sub_ids = perm[: VOCAB // 4]
         sub = with_vocab(full, sub_ids)
-        got = sub.propose_from_taps(taps, lengths, ids[:, T], select=rule)
-        slow = sub.reference_propose(anchor_tokens=ids[:, T], cache=_cache_of(sub, taps, lengths), kv_len=T,
-                                     select=rule)
+        got = BlockProposer(sub).propose_from_taps(taps, lengths, ids[:, T], select=rule)
+        slow = BlockProposer(sub).reference_propose(anchor_tokens=ids[:, T], cache=_cache_of(sub, taps, lengths),
+                                                    kv_len=T, select=rule)
     assert torch.equal(same.tokens, ref.tokens)
     torch.testing.assert_close(same.logits, ref.logits[..., perm])
     assert torch.equal(sub.draft_vocab[got.token_index], got.tokens)

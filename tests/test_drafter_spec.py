@@ -84,7 +84,8 @@ def test_a_drafter_bounds_its_depth_through_wrappers() -> None:
     from test_block_engine import tiny_block_drafter, tiny_target
 
     from angelspec.decoding.drafters.block import BlockDrafterAdapter
-    from angelspec.decoding.policies.sts import CalibratedDrafter, StsCalibration
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
+    from angelspec.decoding.policies.sts import StsCalibration
 
     target = tiny_target()
     block = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))

@@ -12,8 +12,9 @@ from conftest import tiny_decoder
 from angelspec.decoding.drafters import DraftLMDrafter, NGramDrafter, families, family_of, get_family
 from angelspec.decoding.drafters.base import full_depth_drafting
 from angelspec.decoding.drafters.block import BlockDrafterAdapter
+from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 from angelspec.decoding.loading import draft_depth, drafter_forms
-from angelspec.decoding.policies.sts import CalibratedDrafter, StsCalibration
+from angelspec.decoding.policies.sts import StsCalibration
 from angelspec.export.checks import ExportRefused
 from angelspec.models.block.config import DRAFTER_KINDS
 from angelspec.models.mtp_io import MTP_FAMILY

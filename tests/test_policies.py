@@ -18,6 +18,7 @@ from angelspec.decoding.policies.costmodel import CostTable
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.factory import POLICY_FORMS, PolicyError, cost_batch_sizes, make_policy, parse_policy
 from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
+from angelspec.eval.cost_profile import load_or_profile
 from angelspec.models import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,7 +81,7 @@ def test_cost_policies_load_or_profile_the_table(target, tmp_path: Path) -> None
     path = tmp_path / "costs.json"
     lines: list[str] = []
     kw = dict(target=target, drafter=NGramDrafter(), num_draft_tokens=2, cost_table_path=path, batch_sizes=(1, 2),
-              log=lines.append)
+              cost_source=load_or_profile, log=lines.append)
     dcut = make_policy("dcut", **kw)
     assert isinstance(dcut, DCut) and isinstance(dcut.cost, CostTable) and dcut.cost.batch_sizes == (1, 2)
     assert path.is_file() and any("profiled" in x for x in lines)
@@ -103,7 +104,7 @@ def test_every_policy_is_lossless_at_t0(target, tmp_path: Path, spec: str) -> No
     requests = [Request(p, max_new_tokens=10, stop_ids=()) for p in prompts]
     ar = SpecEngine(target, config=EngineConfig(max_batch_size=2)).generate(requests)
     policy = make_policy(spec, target=target, drafter=NGramDrafter(), num_draft_tokens=3,
-                         cost_table_path=tmp_path / "c.json", batch_sizes=(1, 2), log=None)
+                         cost_table_path=tmp_path / "c.json", batch_sizes=(1, 2), cost_source=load_or_profile, log=None)
     spec_out = SpecEngine(target, NGramDrafter(), EngineConfig(max_batch_size=2, num_draft_tokens=3),
                           depth_policy=policy).generate(requests)
     assert [r.token_ids for r in spec_out] == [r.token_ids for r in ar]

@@ -20,7 +20,7 @@ from test_ttt_memory import _setup as mtp_setup
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.drafter import BackboneOptions, BlockDrafter
 from angelspec.train.block import block_chunked_loss_batch
 from angelspec.train.confidence import confidence_targets
 from angelspec.train.losses import (
@@ -156,7 +156,7 @@ def test_block_teacher_head_equals_the_whole_teacher_logits(head, conditioning, 
     def step(t):
         out = model.forward_train(taps, packed.input_ids, packed.positions, anchor, document_ids=packed.document_ids,
                                   loss_mask=packed.loss_mask, anchor_valid=valid, compute_logits=False,
-                                  checkpoint_layers=True)
+                                  backbone=BackboneOptions(checkpoint_layers=True))
         K = model.config.block_size - 1
         clb = block_chunked_loss_batch(model, out, t, max_logits=5 * K * 64, confidence_targets=targets,
                                        train_vocab=vocab)

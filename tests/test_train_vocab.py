@@ -26,7 +26,7 @@ from test_block_memory import _forward, _protocol
 from test_ttt_memory import _grads
 
 from angelspec.data.packing import Doc, pack_documents
-from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.block.drafter import BackboneOptions, BlockDrafter
 from angelspec.models.block.targets import sample_anchors
 from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
@@ -253,7 +253,8 @@ def test_a_block_step_on_the_whole_vocabulary_as_draft_vocabulary_equals_the_ful
             return confidence_targets(model.config, lb.student_logits.detach(), lb.teacher_logits, lb.mask, None,
                                       model.draft_vocab, draft_columns=lb.draft_vocab is not None)
 
-        out = _forward(model, packed, anchor, valid, taps, compute_logits=False, checkpoint_layers=True)
+        out = _forward(model, packed, anchor, valid, taps, compute_logits=False,
+                       backbone=BackboneOptions(checkpoint_layers=True))
         clb = block_chunked_loss_batch(model, out, teacher, max_logits=5 * K * V, confidence_targets=targets,
                                        train_vocab=train_vocab)
         objective = LOSSES[name] if name == "dspark" else with_confidence_term(LOSSES[name], 0.7)

@@ -233,6 +233,7 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
     from dataclasses import replace
 
     from angelspec.decoding.policies.factory import cost_batch_sizes, make_policy
+    from angelspec.eval.cost_profile import load_or_profile
     from angelspec.eval.speculative import evaluate
 
     drafter = resolve_drafter(spec, state.model, state.target_dir)
@@ -247,7 +248,7 @@ def _speculative_stage(state: DemoState, spec: str, name: str, *, k: int | str |
                                    num_draft_tokens=settings.num_draft_tokens,
                                    cost_table_path=state.work_dir / f"{name}-cost-table.json",
                                    batch_sizes=cost_batch_sizes(state.batch_size), compile=settings.compile,
-                                   log=print)
+                                   cost_source=load_or_profile, log=print)
     report = evaluate(state.model, drafter, state.prompts, settings, name=name, baseline=state.baseline,
                       depth_policy=depth_policy, policy=policy)
     state.reports.append(report)

@@ -32,10 +32,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """`angelspec generate`: complete every prompt of a JSONL file with the target (optionally a drafter)."""
     from angelspec.decoding.drafter_spec import parse_drafter_spec
     from angelspec.decoding.generate import generate_completions
+    from angelspec.eval.cost_profile import load_or_profile
 
     summary = generate_completions(
         args.prompts, args.out, parse_drafter_spec(args.drafter), common.decode_settings(args), target=args.target,
         force=args.force, progress=not args.quiet, log=None if args.quiet else print, warn=common.warn,
-        placement=common.placement(args))
+        placement=common.placement(args), cost_source=load_or_profile)
     print(summary.format())
     return 0

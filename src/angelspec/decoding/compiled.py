@@ -39,9 +39,9 @@ def try_compile(fn: Callable[..., R], what: str, *, cuda_graphs: bool = False) -
 
     Duck sizing is off while `fn` runs (so while dynamo traces it): with it on, two input sizes that happen to be
     equal when a graph is traced share one symbol, and when one of them is fixed by the weights the other is
-    fixed with it. A KV cache of capacity 64 traced beside a head_dim of 64 gave a graph for capacity 64 only,
-    and the next engine with another capacity compiled again mid-run (~20 s on this CPU; `angelspec bench`'s
-    warm-up has a shorter capacity than its timed run). The switch costs ~3 us a call. cuda_graphs:
+    fixed with it: a KV cache of capacity 64 traced beside a head_dim of 64 gives a graph for capacity 64 only,
+    and the next engine with another capacity compiles again mid-run (`angelspec bench`'s warm-up has a shorter
+    capacity than its timed run). The switch is cheap (numbers: docs/design.md §12). cuda_graphs:
     `compile_options`; for callers whose every call has the same shapes (`static_attention`)."""
     compiled = torch.compile(fn, dynamic=True, options=compile_options(cuda_graphs))
     state: dict[str, Callable[..., R]] = {"fn": compiled}

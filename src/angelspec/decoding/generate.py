@@ -31,6 +31,7 @@ from angelspec.fileio import check_output_path, refuse_same_file, write_jsonl_at
 if TYPE_CHECKING:
     from angelspec.decoding.drafters.base import Drafter
     from angelspec.decoding.metrics import DecodeMetrics
+    from angelspec.decoding.policies.costmodel import CostSource
     from angelspec.decoding.policies.factory import PolicySpec
     from angelspec.decoding.sampling import SamplingParams
     from angelspec.models import Decoder
@@ -68,15 +69,16 @@ def parse_depth_policy(policy: str, drafter: str = "none") -> PolicySpec:
 
 def build_depth_policy(spec: PolicySpec, *, target: Decoder, drafter: Drafter | None, num_draft_tokens: int,
                        batch_size: int, cost_table: str | Path | None = None, compile: bool = False,
-                       log: Callable[[str], None] | None = None) -> Any:
+                       cost_source: CostSource | None = None, log: Callable[[str], None] | None = None) -> Any:
     """The depth policy for the engine; a cost table covers batch sizes up to `batch_size`, measured compiled
-    when the engine is (`compile`)."""
+    when the engine is (`compile`), and comes from `cost_source` (None: read from disk, never profiled;
+    `policies.factory.make_policy`)."""
     from angelspec.decoding.policies.factory import PolicyError, cost_batch_sizes, make_policy
 
     try:
         return make_policy(spec, target=target, drafter=drafter, num_draft_tokens=num_draft_tokens,
                            cost_table_path=cost_table, batch_sizes=cost_batch_sizes(batch_size), compile=compile,
-                           log=log)
+                           cost_source=cost_source, log=log)
     except PolicyError as e:
         raise UsageError(f"--policy: {e}") from None
 
@@ -104,8 +106,8 @@ class GenerateSummary:
 def generate_completions(prompts: str | Path, out: str | Path, drafter: str | DrafterSpec = "none",
                          settings: DecodeSettings | None = None, *, target: str | Path | None = None,
                          force: bool = False, progress: bool = True, log: Callable[[str], None] | None = None,
-                         warn: Callable[[str], None] | None = None,
-                         placement: Placement | None = None) -> GenerateSummary:
+                         warn: Callable[[str], None] | None = None, placement: Placement | None = None,
+                         cost_source: CostSource | None = None) -> GenerateSummary:
     """Complete every line of the JSONL prompts file `prompts` ({"prompt": str} or {"messages": [...]},
     rendered with the target's chat template) and write one JSON line per prompt to `out`: the input record
     plus completion, token_ids and finish_reason.
@@ -115,8 +117,9 @@ def generate_completions(prompts: str | Path, out: str | Path, drafter: str | Dr
     log: the cost-table profiler's progress; warn: a note when some prompts leave less than `max_new_tokens` of the
     context, or when the drafter's confidence calibration has no fit near the temperature; placement: the target's
     device and dtype (None: a GPU in bfloat16 where torch sees one, else the CPU in float32;
-    `angelspec.models.device.resolve_placement`). Everything that can be checked without the weights is checked
-    before they are loaded.
+    `angelspec.models.device.resolve_placement`); cost_source: where a budget policy's cost table comes from
+    (None: read from disk, never profiled; the command passes `eval.cost_profile.load_or_profile`). Everything
+    that can be checked without the weights is checked before they are loaded.
     """
     settings = settings or DecodeSettings()
     settings.check_counts()
@@ -144,8 +147,8 @@ def generate_completions(prompts: str | Path, out: str | Path, drafter: str | Dr
     num_draft_tokens = draft_depth(draft, settings.num_draft_tokens)
     depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=num_draft_tokens,
                                       batch_size=batch_size, cost_table=cost_table, compile=settings.compile,
-                                      log=log)
-    from angelspec.decoding.policies.sts import CalibratedDrafter
+                                      cost_source=cost_source, log=log)
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 
     note = draft.temperature_note(settings.temperature) if isinstance(draft, CalibratedDrafter) else None
     if note is not None and warn is not None:  # calibrated only far from `temperature`

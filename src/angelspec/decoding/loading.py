@@ -270,7 +270,7 @@ def _load_saved_drafter(spec: str, path: Path, kind: str | None, target: Decoder
     if not family.saved:
         raise UsageError(f"drafter {spec!r}: {kind!r} drafters are built from settings and have no saved form; "
                          f"valid forms: {drafter_forms()}")
-    from angelspec.decoding.policies.sts import with_calibration
+    from angelspec.decoding.drafters.calibrated import with_calibration
 
     assert family.load is not None
     drafter = family.load(path, target, dtype)

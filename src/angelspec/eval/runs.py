@@ -115,7 +115,8 @@ def evaluate_drafters(drafters: str | DrafterSpec | Sequence[str | DrafterSpec],
     prompts: a prompts file whose lines may carry a "domain" key (None: the shipped held-out prompts);
     limit: at most that many prompts per domain; log: the cost-table profiler's progress.
     """
-    from angelspec.decoding.policies.sts import CalibratedDrafter
+    from angelspec.decoding.drafters.calibrated import CalibratedDrafter
+    from angelspec.eval.cost_profile import load_or_profile
     from angelspec.eval.speculative import EvalSettings, evaluate_many, format_comparison
 
     parsed = [parse_drafter_spec(d) for d in ([drafters] if isinstance(drafters, str | DrafterSpec) else drafters)]
@@ -152,7 +153,8 @@ def evaluate_drafters(drafters: str | DrafterSpec | Sequence[str | DrafterSpec],
         assert draft is not None
         k = draft_depth(draft, settings.num_draft_tokens)  # default: the depth each drafter was trained for
         depth_policy = build_depth_policy(policy_spec, target=model, drafter=draft, num_draft_tokens=k,
-                                          batch_size=batch_size, cost_table=cost_table, compile=compile, log=log)
+                                          batch_size=batch_size, cost_table=cost_table, compile=compile,
+                                          cost_source=load_or_profile, log=log)
         runs.append((spec, draft, depth_policy, settings.policy))
         depths.append(k)
     eval_settings = EvalSettings(max_new_tokens=settings.max_new_tokens, batch_size=batch_size,
@@ -186,7 +188,8 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
     """Measure (or reuse, when a cached table for this setup is up to date) the cost table C(B, N) of the target
     and `drafter`; returns (table, what happened). out: the table file (None: the per-setup cache file); compile:
     the table of a compiled engine (what `--compile` runs of eval and bench use)."""
-    from angelspec.decoding.policies.costmodel import load_or_profile
+    from angelspec.decoding.policies.costmodel import CostSettings
+    from angelspec.eval.cost_profile import load_or_profile
 
     sizes = sorted(set(batch_sizes))
     check_counts(num_draft_tokens=num_draft_tokens)
@@ -219,9 +222,9 @@ def profile_cost_table(drafter: str, *, target: str | Path | None = None, batch_
         _check_fits(model, rows=sizes[-1], num_draft_tokens=num_draft_tokens, batch_flag="--batch-sizes")
     draft = resolve_drafter(spec, model, target_dir)
     assert draft is not None
-    return load_or_profile(model, draft, path, batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens),
-                           force=force,
-                           repeats=repeats, warmup=warmup, compile=compile, log=log)
+    cost = CostSettings(batch_sizes=sizes, num_draft_tokens=draft_depth(draft, num_draft_tokens), repeats=repeats,
+                        warmup=warmup, compile=compile)
+    return load_or_profile(model, draft, cost, path, force=force, log=log)
 
 
 def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = None, max_new_tokens: int = 64,

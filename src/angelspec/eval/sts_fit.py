@@ -31,12 +31,12 @@ import torch
 from torch import Tensor
 
 from angelspec.decoding.drafters.base import Drafter, full_depth_drafting
+from angelspec.decoding.drafters.calibrated import CalibratedDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.decoding.loading import drafter_path
 from angelspec.decoding.policies.base import FixedDepth
 from angelspec.decoding.policies.sts import (
     CALIBRATION_FILE,
-    CalibratedDrafter,
     CalibrationError,
     StsCalibration,
     StsCalibrationSet,

@@ -468,6 +468,7 @@ def echo_dfly(target_dir: Path, folder: Path, seed: int = 0) -> Path:
     the newest embedding" guess; the per-layer tap fusion (context keys / values), the layers and the head move it.
     Saved to `folder`, returned."""
     from angelspec.data.tokenizer import load_tokenizer
+    from angelspec.decoding.drafters.block_propose import BlockProposer
     from angelspec.models import load_target
     from angelspec.models.block.config import BlockDrafterConfig
     from angelspec.models.block.drafter import BlockDrafter
@@ -486,7 +487,7 @@ def echo_dfly(target_dir: Path, folder: Path, seed: int = 0) -> Path:
         for p in (model.head.down_proj.weight, model.fc.bias):  # zero after init_weights
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         _echo(model.anchor_fuse.weight, 1)
-    model.refresh_inference_tables()
+    BlockProposer(model).refresh_inference_tables()
     save_block_drafter(model, folder)
     return folder
 

@@ -72,7 +72,7 @@ from angelspec.models.block.config import (
     BlockDrafterConfig,
     check_confidence_target,
 )
-from angelspec.models.block.drafter import BlockDrafter, BlockTrainOutput
+from angelspec.models.block.drafter import BackboneOptions, BlockDrafter, BlockTrainOutput
 from angelspec.models.block.io import save_block_drafter
 from angelspec.models.block.targets import block_targets, sample_anchors
 from angelspec.models.config import ConfigError, DecoderConfig
@@ -579,7 +579,7 @@ def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, a
     if sp is None or not sp.enabled:
         return model.forward_train(taps, batch.input_ids, batch.positions, anchors, document_ids=batch.document_ids,
                                    loss_mask=batch.loss_mask, anchor_valid=valid, compute_logits=False,
-                                   checkpoint_layers=checkpoint_layers)
+                                   backbone=BackboneOptions(checkpoint_layers=checkpoint_layers))
     check_sp_design(model.config, sp)
     Bk = model.config.block_size
     mine = shard_anchors(anchors, valid, sp, batch.seq_len)
@@ -587,9 +587,10 @@ def block_forward_train(model: BlockDrafter, taps: Tensor, batch: PackedBatch, a
     targets = block_targets(win.input_ids, mine.local, Bk, document_ids=win.document_ids, loss_mask=win.loss_mask,
                             anchor_valid=mine.local_valid)
     return model.forward_train(taps, sp.shard(batch.input_ids), sp.shard(batch.positions), mine.local,
-                               anchor_valid=mine.local_valid, compute_logits=False,
-                               checkpoint_layers=checkpoint_layers, targets=targets,
-                               block_attention=block_attention(sp, mine, Bk, batch.document_ids))
+                               anchor_valid=mine.local_valid, compute_logits=False, targets=targets,
+                               backbone=BackboneOptions(checkpoint_layers=checkpoint_layers,
+                                                        block_attention=block_attention(sp, mine, Bk,
+                                                                                        batch.document_ids)))
 
 
 def confidence_loss(confidence_logits: Tensor, targets: Tensor, mask: Tensor, denominator: Tensor) -> Tensor:

@@ -339,6 +339,11 @@ class WrappedDrafter(Drafter):
         self.inner.ensure_compiled()  # engines may share the inner drafter: compile its hot calls once
 
 
+def unwrap(drafter: Drafter) -> Drafter:
+    """The drafter a `WrappedDrafter` (a calibration wrapper) wraps, else `drafter` itself."""
+    return drafter.inner if isinstance(drafter, WrappedDrafter) else drafter
+
+
 class PendingCommits:
     """Committed positions a drafter was told about (`on_commit`) but has not yet added to its context.
 

@@ -3,7 +3,7 @@
 One class, `BlockDrafterAdapter`, drafts with any `models.block.BlockDrafter`; it is registered under
 the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step it runs ONE backbone pass over
 the block `[last, m, …, m]` and then the small sequential head left to right over the first K ≤ B−1 positions
-only (`BlockDrafter.propose`), and returns those K drafts.
+only (`block_propose.BlockProposer.propose`), and returns those K drafts.
 
 Draft context cache convention, per row, whenever a round drafts: the cache holds the injected K/V of every
 committed position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's
@@ -44,6 +44,7 @@ from angelspec.decoding.drafters.base import (
     PendingCommits,
     Proposal,
 )
+from angelspec.decoding.drafters.block_propose import BlockProposer
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.io import load_block_drafter, read_block_config
@@ -63,6 +64,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
 
     def __init__(self, model: BlockDrafter) -> None:
         self.model = model.eval()
+        self.proposer = BlockProposer(self.model)  # the drafting loop (`factor_hidden_head` switches its CPU head)
         self.kind = model.config.drafter
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None
@@ -177,8 +179,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             counter = draft_noise_counter(state.seq_lens + j, state.draft_round)
             return sample(q, s.seeds, counter, NoiseStream.DRAFT), q
 
-        p = self.model.propose(state.last_tokens, cache, kv_len=state.seq_len_bound, select=select, num_drafts=k,
-                               with_logits=False, temperature=s.temperature)
+        p = self.proposer.propose(state.last_tokens, cache, kv_len=state.seq_len_bound, select=select, num_drafts=k,
+                                  with_logits=False, temperature=s.temperature)
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=p.confidences, deterministic=False)
 
     # False: a greedy round's catch-up and its drafting pass run as two calls (`benchmarks/joined_calls.py` measures
@@ -194,7 +196,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         or the drafting pass alone when nothing waits."""
         cache, m = self.cache, self.model
         assert cache is not None
-        m.refresh_inference_tables()  # outside any compiled graph
+        self.proposer.refresh_inference_tables()  # outside any compiled graph
         waiting = self._pending.take()
         args = (state.last_tokens, cache, state.seq_len_bound, state.num_draft_tokens, False,
                 state.sampling.temperature)
@@ -202,7 +204,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             m.append_context(concat_taps(waiting[0]), cache, num_new=waiting[1])
             waiting = None
         if waiting is None:
-            tokens, _, _, conf = m.greedy_propose(*args)
+            tokens, _, _, conf = self.proposer.greedy_propose(*args)
         else:
             hidden, count = waiting
             tokens, conf = self.caught_up_step(concat_taps(hidden), count, *args)
@@ -212,9 +214,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
                        num_drafts: int, with_logits: bool, temperature: Tensor) -> tuple[Tensor, Tensor]:
         """Append the waiting commits' taps [B, T, n·C] (`count` [B] new positions per row) to the context, then
         draft greedily from it -> (tokens [B, K], confidences [B, K]); tensors only."""
-        m = self.model  # under `compile` its calls are compiled too; traced into this graph, they run as one
-        m.append_context(taps, cache, num_new=count)
-        tokens, _, _, conf = m.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits, temperature)
+        # Under `compile` these calls are compiled too; traced into this graph, they run as one.
+        self.model.append_context(taps, cache, num_new=count)
+        tokens, _, _, conf = self.proposer.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits,
+                                                          temperature)
         return tokens, conf
 
     def on_commit(self, commit: Commit) -> None:
@@ -244,8 +247,8 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         """The whole greedy step (backbone pass and head) as one graph, the backbone pass alone for sampled
         drafts (whose head runs eagerly around `select`), and the context append of the commits' catch-up (instance
         attributes shadow the methods, so the adapter picks them up). Prefill's append stays eager (`__init__`)."""
-        m = self.model
-        m.greedy_propose = try_compile(m.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
+        m, p = self.model, self.proposer
+        p.greedy_propose = try_compile(p.greedy_propose, f"{self.kind} greedy step")  # type: ignore[method-assign]
         m.backbone_step = try_compile(m.backbone_step, f"{self.kind} backbone pass")  # type: ignore[method-assign]
         m.append_context = try_compile(m.append_context, f"{self.kind} context append")  # type: ignore[method-assign]
         self.caught_up_step = try_compile(self.caught_up_step,  # type: ignore[method-assign]
@@ -272,10 +275,10 @@ DSparkDrafter = _block_kind("dspark", "DSparkDrafter",
 @torch.no_grad()
 def reference_drafts(model: BlockDrafter, target: Decoder, sequence: Sequence[int], k: int) -> list[int]:
     """Slow reference for greedy `propose`: from scratch, a target forward over the committed `sequence`, its taps
-    at positions 0..s−2 as the context and the newest token as the anchor (`propose_from_taps`)."""
+    at positions 0..s−2 as the context and the newest token as the anchor (`BlockProposer.propose_from_taps`)."""
     ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
     s = ids.shape[1]
     hidden = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden
     taps = concat_taps(hidden)[:, : s - 1]  # [1, s−1, n·C]
     lengths = torch.tensor([s - 1], device=ids.device)
-    return model.propose_from_taps(taps, lengths, ids[:, -1]).tokens[0, :k].tolist()
+    return BlockProposer(model).propose_from_taps(taps, lengths, ids[:, -1]).tokens[0, :k].tolist()

@@ -24,12 +24,10 @@ T = 0 and exact in distribution at T > 0: which drafter drafts depends only on t
 Every match of `min_match` tokens or more (default 1: the model drafts where the lookup finds nothing) drafts from
 the lookup. With `adaptive=True` a match drafts only where it has paid so far (`LookupChooser`: accepted drafts
 per round of the lookup after an n-token match and of the model, per request, against the measured seconds of a
-round of each kind). How often a short match pays depends on the drafter and the text (with the shipped drafters a
-1-token match paid in code and chat and lost to the model in maths), but measured side by side the adaptive choice
-was not reliably faster (`benchmarks/hybrid.py --measured`: ahead for MTP-3, behind for DFly), so it is not the
-default. It reads host timings, so which drafter drafted a round can differ between runs: outputs stay exact
-(identical to AR at T = 0), but sampled outputs at T > 0 are not bit-reproducible across runs, as with the
-speculation gate.
+round of each kind). How often a short match pays depends on the drafter and the text, and the adaptive choice is
+not the default (why: docs/design.md §12, `benchmarks/hybrid.py --measured`). It reads host timings, so which
+drafter drafted a round can differ between runs: outputs stay exact (identical to AR at T = 0), but sampled outputs
+at T > 0 are not bit-reproducible across runs, as with the speculation gate.
 
 `model_depth` D < K caps the model's drafts: the lookup still verifies up to the engine's K after a match (a copied
 stretch is often right for many tokens), while the model proposes D argmax drafts (`Proposal.lengths`), so its rounds

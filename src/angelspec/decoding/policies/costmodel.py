@@ -1,11 +1,7 @@
-"""The start-up cost profiler: measured step latencies C(B, N) for the verification budgets (issue 6, "Cost model").
-
-`profile_costs` runs the real engine on synthetic prompts and times whole speculative steps: draft +
-select + pack + verify + commit, the interval between two consecutive verifications of a batch of B
-requests that verify N positions in total (anchors included, the convention of `spec/budget.py`). The N
-positions are spread over the rows the way a budget policy keeps them (every anchor, then drafts as evenly
-as possible), and the policy declares itself data-dependent like D-cut, so the second host sync of the
-verify width is paid too. Each cell keeps the median of `repeats` steps after `warmup` untimed ones.
+"""The measured step-cost table the verification budgets read: latencies C(B, N) of whole speculative steps of B
+requests that verify N positions in total (anchors included, the convention of `budget.py`), and its loader. The
+profiler that measures it runs the engine and lives above this layer (`eval/cost_profile.py`); a policy receives the
+table, or a `CostSource` that hands one over.
 
 `CostTable` implements the `CostModel` protocol from those measurements:
 * in N, for a measured B: piecewise-linear between the measured N, linear extrapolation from the end
@@ -16,8 +12,9 @@ SPS(B, N) = 1 / C(B, N) is Algorithm 1's steps-per-second curve (`CostTable.sps`
 
 Tables are cached as JSON, keyed by `CostKey`: the target's `DecoderConfig.fingerprint()`, the drafter
 (registry kind plus its own model fingerprint when it has one), K, dtype, torch version and a machine id
-(CUDA device name, or hostname + CPU model + cores + intra-op threads). `load_or_profile` re-profiles a
-stale or foreign table, or raises `StaleCostTableError` naming what differs when re-profiling is off.
+(CUDA device name, or hostname + CPU model + cores + intra-op threads). `load_cost_table` reads the table of a
+setup and raises `StaleCostTableError` naming what differs (or what is missing) when there is no usable one;
+`eval.cost_profile.load_or_profile`, a `CostSource` of the same shape, measures it instead.
 
 Shape legend: B requests (batch rows), K draft depth, N verified positions per step (B <= N <= B(K+1)).
 """
@@ -30,19 +27,16 @@ import math
 import os
 import platform
 import socket
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
 
-from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal, full_depth_drafting
+from angelspec.decoding.drafters.base import Drafter, unwrap
+from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.families import family_of
-from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, VerifyEvent
 from angelspec.fileio import write_json_atomic
 from angelspec.models.decoder import Decoder
 
@@ -114,11 +108,10 @@ def _cpu_model() -> str:
 def drafter_id(drafter: Drafter) -> str:
     """Registry kind of the drafter (class name when unregistered), plus its own model's config fingerprint
     when it wraps a `Decoder` (two draft LMs of one kind but other sizes cost differently)."""
-    inner = getattr(drafter, "inner", drafter)  # calibration wrappers cost what the wrapped drafter costs
+    inner = unwrap(drafter)  # calibration wrappers cost what the wrapped drafter costs
     family = family_of(inner)
     kind = type(inner).__name__ if family is None else family.name
-    model = getattr(inner, "model", None)
-    return f"{kind}:{model.config.fingerprint()}" if isinstance(model, Decoder) else kind
+    return f"{kind}:{inner.model.config.fingerprint()}" if isinstance(inner, DraftLMDrafter) else kind
 
 
 def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: str | None = None, *,
@@ -245,136 +238,63 @@ class CostTable:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Profiling
+# What a table is measured for, and where it comes from
 # ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SpreadDepth:
-    """Depth policy verifying `num_tokens` positions in total: every active row's anchor, then the drafts
-    spread as evenly as possible (the first rows get one more). Declares itself data-dependent and
-    proposal-reading, like D-cut, so the profiled step pays what a budget policy's step pays."""
+class CostSettings:
+    """How a cost table is measured: the batch sizes B it must cover, the draft depth K, the N measured per B
+    (`token_counts`, None: B(d+1) for every uniform depth d = 0..K), the timed steps per cell (`repeats`, after
+    `warmup` untimed ones), the random prompts (`prompt_len` tokens, `seed`), the machine id of the key (None:
+    `machine_id` of the target's device) and whether the engine runs compiled (a key of its own)."""
 
-    num_tokens: int
-    uses_proposal: bool = True
-    static_depth: int | None = None
+    batch_sizes: Sequence[int] = (1, 2, 4, 8)
+    num_draft_tokens: int = 4
+    token_counts: Sequence[int] | None = None
+    repeats: int = 5
+    warmup: int = 2
+    prompt_len: int = 16
+    seed: int = 0
+    machine: str | None = None
+    compile: bool = False
 
-    def __call__(self, proposal: Proposal, state: DraftState) -> Tensor:
-        rows = state.active_rows
-        q, r = divmod(max(self.num_tokens - len(rows), 0), len(rows))
-        depth = [0] * state.seq_lens.shape[0]
-        for j, row in enumerate(rows):
-            depth[row] = min(q + (j < r), state.num_draft_tokens)
-        return torch.tensor(depth, dtype=torch.int64, device=state.seq_lens.device)
-
-
-class _Enough(Exception):
-    """Raised by the step timer to end a profiling run once it has its samples."""
-
-
-def token_grid(batch_size: int, k: int, token_counts: Sequence[int] | None = None) -> list[int]:
-    """The N measured for one B: B(d+1) for every uniform depth d = 0..K by default; else `token_counts`
-    clipped to [B, B(K+1)], always with both ends so interpolation covers the whole range."""
-    lo, hi = batch_size, batch_size * (k + 1)
-    ns = {batch_size * (d + 1) for d in range(k + 1)} if token_counts is None else \
-        {min(max(int(n), lo), hi) for n in token_counts} | {lo, hi}
-    return sorted(ns)
+    def key(self, target: Decoder, drafter: Drafter) -> CostKey:
+        """The key a table measured with these settings carries."""
+        return cost_key(target, drafter, self.num_draft_tokens, self.machine, compiled=self.compile)
 
 
-def profile_costs(target: Decoder, drafter: Drafter, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                  token_counts: Sequence[int] | None = None, num_draft_tokens: int = 4, repeats: int = 5,
-                  warmup: int = 2, prompt_len: int = 16, seed: int = 0,
-                  clock: Callable[[], float] = time.perf_counter, machine: str | None = None,
-                  compile: bool = False, log: Callable[[str], None] | None = None) -> CostTable:
-    """Measure C(B, N) for every B in `batch_sizes` and N in `token_grid(B, K, token_counts)`; with `compile`, on
-    a compiled engine (`EngineConfig.compile`: the table of a compiled engine, whose steps cost far less).
+class CostSource(Protocol):
+    """Hands a policy the cost table of a setup: (table, what happened). `load_cost_table` only reads;
+    `eval.cost_profile.load_or_profile` measures a missing or stale one."""
 
-    Per cell: B greedy requests on random prompts of `prompt_len` tokens (seeded), decoded by a `SpecEngine`
-    whose `SpreadDepth(N)` policy verifies N positions per step; `clock` is read once per verification
-    (the engine's `on_verify` hook), so consecutive readings are one whole step apart. The first `warmup`
-    intervals are dropped, the median of the next `repeats` is kept. Every row drafts all K for the profile
-    (`full_depth_drafting`: a draft LM's early stop is off, the n-gram lookup pads rows that matched nothing), so
-    each step verifies N positions."""
-    if repeats < 1 or warmup < 0 or prompt_len < 1 or num_draft_tokens < 1:
-        raise CostTableError(f"profile needs repeats >= 1, warmup >= 0, prompt_len >= 1 and K >= 1; got {repeats}, "
-                             f"{warmup}, {prompt_len}, {num_draft_tokens}")
-    if not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise CostTableError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
-    k = num_draft_tokens
-    intervals = warmup + repeats
-    # A step commits at most K+1 tokens per row: with this budget no row finishes before the last reading.
-    new_tokens = (intervals + 2) * (k + 1)
-    context = min(target.config.max_position_embeddings, drafter.max_positions or target.config.max_position_embeddings)
-    if prompt_len + new_tokens > context:
-        raise CostTableError(f"profiling {intervals} steps at K={k} needs {prompt_len + new_tokens} positions, more "
-                             f"than the context of {context}; lower repeats, warmup or prompt_len")
-    gen = torch.Generator().manual_seed(seed)
-    vocab = target.config.vocab_size
-    rows: dict[int, tuple[tuple[int, float], ...]] = {}
-    for b in sorted(set(batch_sizes)):
-        requests = [Request(prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(),
-                            max_new_tokens=new_tokens, stop_ids=()) for _ in range(b)]
-        cells = []
-        for n in token_grid(b, k, token_counts):
-            times: list[float] = []
-
-            def tick(_: VerifyEvent, times: list[float] = times) -> None:
-                times.append(clock())
-                if len(times) > intervals:
-                    raise _Enough
-
-            engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=b, num_draft_tokens=k,
-                                                              max_seq_len=prompt_len + new_tokens, compile=compile),
-                                depth_policy=SpreadDepth(n), on_verify=tick)
-            try:
-                with full_depth_drafting(drafter):  # an early-stopping drafter would verify fewer than N
-                    engine.generate(requests)
-            except _Enough:
-                pass
-            steps = [t1 - t0 for t0, t1 in zip(times, times[1:], strict=False)][warmup:]
-            if len(steps) < repeats:
-                raise CostTableError(f"B={b}, N={n}: the run ended after {len(steps)} timed steps, {repeats} needed")
-            cells.append((n, statistics.median(steps)))
-            if log is not None:
-                log(f"B={b} N={n}: {cells[-1][1] * 1e3:.2f} ms/step (median of {repeats})")
-        rows[b] = tuple(cells)
-    key = cost_key(target, drafter, k, machine, compiled=compile)
-    return CostTable(key=key, rows=rows, settings={"repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
-                                                   "seed": seed, "token_counts": None if token_counts is None
-                                                   else [int(n) for n in token_counts]})
+    def __call__(self, target: Decoder, drafter: Drafter, settings: CostSettings, path: str | Path | None = None, *,
+                 log: Callable[[str], None] | None = None) -> tuple[CostTable, str]: ...
 
 
-def load_or_profile(target: Decoder, drafter: Drafter, path: str | Path | None = None, *,
-                    batch_sizes: Sequence[int] = (1, 2, 4, 8), num_draft_tokens: int = 4,
-                    token_counts: Sequence[int] | None = None, repeats: int = 5, warmup: int = 2,
-                    reprofile: bool = True, force: bool = False, machine: str | None = None,
-                    clock: Callable[[], float] = time.perf_counter, compile: bool = False,
+def usable_table(path: Path, expected: CostKey, batch_sizes: Sequence[int]) -> tuple[CostTable | None, str]:
+    """(the table at `path`, "loaded PATH") when it was measured under `expected` and covers `batch_sizes`; else
+    (None, why not). A malformed file raises `CostTableError`."""
+    if not path.exists():
+        return None, "no table yet"
+    try:
+        table = CostTable.load(path, expected)
+    except StaleCostTableError as e:
+        return None, f"stale: {e}"
+    missing = sorted(set(batch_sizes) - set(table.rows))
+    if missing:
+        return None, f"batch sizes {missing} not measured"
+    return table, f"loaded {path}"
+
+
+def load_cost_table(target: Decoder, drafter: Drafter, settings: CostSettings, path: str | Path | None = None, *,
                     log: Callable[[str], None] | None = None) -> tuple[CostTable, str]:
-    """The cost table for this setup from `path` (default: `default_table_path` of its key), profiled and
-    saved when missing, stale/foreign (other key), lacking a batch size, or when `force`. With
-    `reprofile=False` a stale or missing table is an error instead. compile: the table of a compiled engine
-    (a key of its own). Returns (table, what happened)."""
-    expected = cost_key(target, drafter, num_draft_tokens, machine, compiled=compile)
+    """The cost table of this setup from `path` (default: `default_table_path` of its key), never measured:
+    a missing, stale or too small table raises `StaleCostTableError` (measure one with `angelspec profile`).
+    A `CostSource`; `log` is unused (nothing is profiled)."""
+    expected = settings.key(target, drafter)
     path = Path(path) if path is not None else default_table_path(expected)
-    reason = "forced" if force else None
-    if reason is None and not path.exists():
-        reason = "no table yet"
-    if reason is None:
-        try:
-            table = CostTable.load(path, expected)
-        except StaleCostTableError as e:
-            if not reprofile:
-                raise
-            reason = f"stale: {e}"
-        else:
-            missing = sorted(set(batch_sizes) - set(table.rows))
-            if not missing:
-                return table, f"loaded {path}"
-            reason = f"batch sizes {missing} not measured"
-    if not reprofile:
-        raise StaleCostTableError(f"no usable cost table at {path} ({reason}) and re-profiling is disabled")
-    table = profile_costs(target, drafter, batch_sizes=batch_sizes, token_counts=token_counts,
-                          num_draft_tokens=num_draft_tokens, repeats=repeats, warmup=warmup, clock=clock,
-                          machine=machine, compile=compile, log=log)
-    table.save(path)
-    return table, f"profiled ({reason}), wrote {path}"
+    table, what = usable_table(path, expected, settings.batch_sizes)
+    if table is None:
+        raise StaleCostTableError(f"no usable cost table at {path} ({what}); measure one with `angelspec profile`")
+    return table, what

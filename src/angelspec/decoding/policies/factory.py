@@ -21,9 +21,10 @@ Forms (K = drafts proposed per step, B = concurrent requests):
                  acceptance to commit the most tokens per second at the current batch size, narrowing with load,
                  and plain steps where no depth beats them (`gate.AutoDepth` / `gate.ServingGate`).
 
-Policies with a cost model (`dcut`, `alg1`, `production`, `auto`) read it from `costmodel.load_or_profile`: a table
-cached on disk per (target, drafter, K, dtype, torch, machine), profiled when missing and re-profiled when
-stale or when it lacks one of the batch sizes asked for.
+Policies with a cost model (`dcut`, `alg1`, `production`, `auto`) receive the measured table from a
+`costmodel.CostSource`: a table cached on disk per (target, drafter, K, dtype, torch, machine). The default source
+only reads it (`costmodel.load_cost_table`); the commands pass `eval.cost_profile.load_or_profile`, which profiles a
+missing table and re-profiles a stale one or one that lacks a batch size asked for.
 
 `parse_policy` checks a spec without any model (so the command line can refuse a typo before loading
 weights); `make_policy` builds the policy object for `SpecEngine(depth_policy=...)`.
@@ -42,6 +43,7 @@ from angelspec.decoding.policies.dcut import DCUT_RATIOS
 if TYPE_CHECKING:
     from angelspec.decoding.drafters.base import Drafter
     from angelspec.decoding.policies.base import DepthPolicy
+    from angelspec.decoding.policies.costmodel import CostSource
     from angelspec.models.decoder import Decoder
 
 POLICY_FORMS = ("full | fixed:N (0 <= N <= K) | threshold:C (C in [0, 1]) | dcut | dcut:RHO (RHO in 0.25, 0.5, "
@@ -157,6 +159,7 @@ def cost_batch_sizes(max_batch: int) -> tuple[int, ...]:
 def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | None, num_draft_tokens: int,
                 cost_table_path: str | Path | None = None, batch_sizes: Sequence[int] = (1, 2, 4, 8),
                 compile: bool = False, cost_drafter: Drafter | None = None,
+                cost_source: CostSource | None = None,
                 log: Callable[[str], None] | None = print) -> DepthPolicy | None:
     """The depth policy for `SpecEngine(target, drafter, depth_policy=...)`, or None (= the engine's
     default, full depth) for `full`.
@@ -167,8 +170,9 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     request counts the table must cover (see `cost_batch_sizes`); compile: the engine runs compiled, so the
     table is a compiled engine's (a compiled step costs far less, and in other proportions); cost_drafter: the
     drafter the table is profiled with when it is not `drafter` itself (a stand-in whose steps cost the same, for a
-    drafter that cannot draft on the profiler's random prompts, such as `benchmarks/step_cost.py`'s oracle); log:
-    progress of a (re-)profile.
+    drafter that cannot draft on the profiler's random prompts, such as `benchmarks/step_cost.py`'s oracle);
+    cost_source: where the table comes from (None: `costmodel.load_cost_table`, which reads it and never profiles;
+    `eval.cost_profile.load_or_profile` measures it); log: progress of a (re-)profile.
     """
     from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
     from angelspec.decoding.policies.budget import LinearCost
@@ -198,10 +202,11 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
         return ConfidenceThreshold(arg)
     if kind == "dcut" and arg is not None:
         return DCut(cost=LinearCost(), ratios=(arg,))  # one ratio: the cost never decides
-    from angelspec.decoding.policies.costmodel import load_or_profile
+    from angelspec.decoding.policies.costmodel import CostSettings, load_cost_table
 
-    table, what = load_or_profile(target, cost_drafter or drafter, cost_table_path, batch_sizes=tuple(batch_sizes),
-                                  num_draft_tokens=num_draft_tokens, compile=compile, log=log)
+    source = load_cost_table if cost_source is None else cost_source
+    settings = CostSettings(batch_sizes=tuple(batch_sizes), num_draft_tokens=num_draft_tokens, compile=compile)
+    table, what = source(target, cost_drafter or drafter, settings, cost_table_path, log=log)
     if log is not None:
         log(f"policy {parsed.text}: cost table {what}")
     if kind == "dcut":

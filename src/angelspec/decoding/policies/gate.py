@@ -16,17 +16,15 @@ Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoot
                 to measure it), or rate_spec > (1 + margin) * rate_plain and fewer than `probe_every` steps were
                 drafted in a row, or the bucket's probe gap of steps was skipped in a row. Probes both ways keep
                 both rates current: acceptance changes with the prompts (so the EMAs also weigh the newest step by
-                half: with a slower EMA the gate kept skipping on the demo's maths prompts, where DFly wins, after
-                learning on its code prompts, where it loses), and a plain step's cost changes with the machine's
-                load (without plain probes one slow plain step early in a run, e.g. the first at a shape, kept a
-                batch of 16 drafting for the rest of the run: 0.54x of AR where plain steps win).
+                half), and a plain step's cost changes with the machine's load (one slow plain step early in a run,
+                e.g. the first at a shape, must not decide the rest of it; what happened without: docs/design.md
+                §12).
     outliers    a step more than `outlier` (10) times slower than its kind's EMA of step seconds is left out of the
                 EMAs (up to three in a row), and one more than 10 times faster replaces them: a compiled engine
                 recompiles a graph mid-run now and then (a new shape), and such a step takes seconds where its kind
-                takes milliseconds. Taken as a measurement, one of them made the gate believe plain steps (or
-                drafted ones) ~1000x slower than they are, and it then kept the wrong kind of step for the rest of
-                the run (compiled EAGLE-3 at batch 1 with the gate: 0.25x of AR on the maths prompts). A bucket
-                measures plain steps until one of them counts.
+                takes milliseconds; taken as a measurement, one of them would make the gate believe one kind of
+                step ~1000x slower than it is and keep the other for the rest of the run (docs/design.md §12). A
+                bucket measures plain steps until one of them counts.
     probe gap   `probe_every`; with `max_probe_every` set (off by default), doubled up to it by each probe after
                 which speculation still runs below `backoff_below` (0.75) of the plain rate, back to `probe_every`
                 when speculation wins. Meant for where drafting never pays (a batch of 16 on two cores: a fixed gap of

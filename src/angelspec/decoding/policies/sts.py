@@ -15,9 +15,9 @@ them). For a confidence head c = sigmoid(z) this is exp(logsigmoid(z) / T): orde
 fixed, and differs from classic sigmoid(z / T) temperature scaling. Temperatures are stored as JSON next to
 the drafter checkpoint (`calibration.json`) so the checkpoint directory stays self-describing.
 
-Calibrated confidences for any drafter: `CalibratedDrafter` wraps a drafter whose folder holds a
-`calibration.json` (written by `angelspec calibrate`) so every consumer of its proposals (depth policies,
-schedulers, reports) sees STS-calibrated confidences c_k^{1/T_k} without further plumbing.
+Calibrated confidences for any drafter: `decoding/drafters/calibrated.py:CalibratedDrafter` wraps a drafter whose
+folder holds a `calibration.json` (written by `angelspec calibrate`) so every consumer of its proposals (depth
+policies, schedulers, reports) sees STS-calibrated confidences c_k^{1/T_k} without further plumbing.
 
 Per sampling temperature: a draft's acceptance depends on the request's temperature (the confidence-driven policies
 verify argmax drafts: at T = 0 greedily, at T > 0 with probability p_T(draft)), so one fit cannot serve every
@@ -26,13 +26,13 @@ temperature. `angelspec calibrate --temperature T` fits STS on runs at T and add
 uses the fit of the NEAREST fitted sampling temperature (ties to the lower one); a request more than
 `MAX_FIT_DISTANCE` from every fit still uses the nearest fit, and the commands that know the request temperature
 (`generate`, `eval`) print a note saying so (`CalibratedDrafter.temperature_note`). File format: one fit is written
-as before (`{"method": "sts", "temperatures": [...], ..., "sampling_temperature": T}`), several as
+as `{"method": "sts", "temperatures": [...], ..., "sampling_temperature": T}`, several as
 `{"method": "sts", "fits": [one such object per temperature]}`; a file without `sampling_temperature` (every file
 written before fits were keyed by temperature) is a fit at T = 0, where they were all made.
 
 Why a drafter wrapper rather than `CalibratedPolicy`: the temperatures belong to the drafter checkpoint,
 so loading the checkpoint is the one place that knows about them; `generate`, `eval` and any depth policy
-then get them for free. The confidences are also sanitised here with `drafter.sanitize_confidences`
+then get them for free. The wrapper also sanitises the confidences with `policies.base.sanitize_confidences`
 (NaN / -inf -> 0, +inf and > 1 -> 1, < 0 -> 0), so values outside [0, 1] never reach a scheduler even
 through policies without their own guard (`ConfidenceThreshold`). Sanitising comes first (c in [0, 1] keeps
 c^(1/T) in [0, 1]); the replaced raw entries are counted on the device (`bad_count` reads them: a host sync).
@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from angelspec.decoding.drafters.base import Drafter, DraftState, Proposal, WrappedDrafter
-from angelspec.decoding.policies.base import policy_static_depth, policy_uses_proposal, sanitize_confidences
+from angelspec.decoding.drafters.base import DraftState, Proposal
+from angelspec.decoding.policies.base import policy_static_depth, policy_uses_proposal
 from angelspec.fileio import write_json_atomic
 
 CALIBRATION_FILE = "calibration.json"
@@ -320,63 +320,3 @@ def temperatures_for(calibration: StsCalibration, k: int) -> list[float]:
     """K temperatures: the first K fitted ones, the last one repeated when K exceeds the fitted depth."""
     temps = list(calibration.temperatures[:k])
     return temps + [temps[-1]] * (k - len(temps))
-
-
-class CalibratedDrafter(WrappedDrafter):
-    """A drafter whose proposals carry calibrated, sanitised confidences; everything else is delegated. Each row
-    uses the fit of the nearest fitted sampling temperature (`StsCalibrationSet`)."""
-
-    def __init__(self, inner: Drafter, calibration: StsCalibration | StsCalibrationSet,
-                 source: str | Path | None = None) -> None:
-        super().__init__(inner)
-        self.calibration = StsCalibrationSet.of(calibration)
-        self.source = None if source is None else Path(source)
-        self._bad: Tensor | None = None
-
-    @property
-    def name(self) -> str:
-        return type(self.inner).__name__
-
-    def propose(self, state: DraftState) -> Proposal:
-        p = self.inner.propose(state)
-        if p.confidences is None:
-            raise CalibrationError(f"{self.source or 'the drafter folder'} holds {CALIBRATION_FILE}, but "
-                                   f"{self.name} reports no confidences to calibrate; delete the file")
-        # Sanitise the raw values first (that is where a bad value is the drafter's): c in [0, 1] keeps
-        # c^(1/T) in [0, 1], so the calibrated confidences are clean too.
-        conf, bad = sanitize_confidences(p.confidences)  # [B, K] float32, 0-dim count
-        self._bad = bad if self._bad is None or self._bad.device != bad.device else self._bad + bad
-        fits, k = self.calibration.fits, conf.shape[-1]
-        if k > 0 and len(fits) == 1:
-            conf = apply_temperatures_to_confidences(conf, temperatures_for(fits[0], k))
-        elif k > 0:  # each row the fit of its request temperature
-            conf = conf ** (1.0 / self.calibration.row_temperatures(state.sampling.temperature, k).to(conf.device))
-        return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf, lengths=p.lengths,
-                        deterministic=p.deterministic, host_lengths=p.host_lengths)
-
-    @property
-    def bad_count(self) -> int:
-        """Confidences replaced so far (NaN, inf, outside [0, 1]). Host sync: read it once per interval."""
-        return 0 if self._bad is None else int(self._bad)
-
-    def describe(self, temperature: float | None = None) -> str:
-        """One line per fit; with the request `temperature`, the fit its rows use is marked."""
-        where = f" from {self.source / CALIBRATION_FILE}" if self.source is not None else ""
-        used = None if temperature is None else self.calibration.fit_for(temperature)
-        lines = []
-        for fit in self.calibration.fits:
-            temps = ", ".join(f"{t:.2f}" for t in fit.temperatures)
-            at = f" at sampling temperature {fit.sampling_temperature:g}" if len(self.calibration.fits) > 1 else ""
-            mark = f" (used at temperature {temperature:g})" if fit is used and len(self.calibration.fits) > 1 else ""
-            lines.append(f"calibrated confidences (STS{where}){at}: T_1..T_{len(fit.temperatures)} = [{temps}]{mark}")
-        return "\n".join(lines)
-
-    def temperature_note(self, temperature: float) -> str | None:
-        """`StsCalibrationSet.temperature_note`: a note when `temperature` is far from every fit."""
-        return self.calibration.temperature_note(temperature)
-
-
-def with_calibration(drafter: Drafter, folder: str | Path) -> Drafter:
-    """`drafter` wrapped in `CalibratedDrafter` when `folder` holds a calibration.json, else unchanged."""
-    calibration = load_calibration(folder)
-    return drafter if calibration is None else CalibratedDrafter(drafter, calibration, source=folder)

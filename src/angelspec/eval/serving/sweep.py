@@ -149,13 +149,16 @@ class Contender:
         """What vLLM runs for this configuration (vllm.py): AR, or n-gram prompt lookup at full depth without the
         gate, with our K and n-gram sizes; None where vLLM has nothing equivalent (depth policies, the gate, model
         drafters). Eager and compiled configurations map to the same setup."""
+        from angelspec.decoding.drafters.base import unwrap
+        from angelspec.decoding.drafters.ngram import NGramDrafter
+
         c = self.config
         if c.spec_gate or c.policy != "full":
             return None
         if self.drafter is None:
             return VllmSetup("ar")
-        inner = getattr(self.drafter, "inner", self.drafter)
-        if self.kind != "ngram" or not hasattr(inner, "max_ngram"):
+        inner = unwrap(self.drafter)
+        if self.kind != "ngram" or not isinstance(inner, NGramDrafter):
             return None
         return VllmSetup("ngram", self.num_draft_tokens, int(inner.max_ngram), int(inner.min_ngram))
 
@@ -170,6 +173,7 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
     from angelspec.decoding.loading import draft_depth, resolve_drafter
     from angelspec.decoding.policies.costmodel import drafter_id
     from angelspec.decoding.policies.factory import make_policy, parse_policy
+    from angelspec.eval.cost_profile import load_or_profile
 
     check_configs(configs)
     drafters: dict[str, Drafter | None] = {}
@@ -192,7 +196,7 @@ def build_contenders(target: Decoder, target_dir: Path, configs: Sequence[Servin
             warmed.add(c.drafter)
         policy = make_policy(c.policy, target=target, drafter=drafter, num_draft_tokens=max(k, 1),
                              cost_table_path=cost_table_path, batch_sizes=sorted(set(concurrency)),
-                             compile=c.compile, log=log)
+                             compile=c.compile, cost_source=load_or_profile, log=log)
         kind = "ar" if drafter is None else drafter_id(drafter).split(":")[0]
         out.append(Contender(config=c, drafter=drafter, policy=policy, num_draft_tokens=k, kind=kind))
     return out
@@ -365,7 +369,7 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
                     f"tok/s, MAL {row.mal:.2f}, TPOT p50/p95 {row.tpot_p50_s * 1e3:.1f}/{row.tpot_p95_s * 1e3:.1f} "
                     f"ms ({time.perf_counter() - t0:.1f} s)")
     order = {ct.config.name: i for i, ct in enumerate(contenders)}
-    raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major, as before
+    raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major
     ar_name = next((ct.config.name for ct in contenders if ct.drafter is None), None)
     ar = {row.concurrency: (row, out) for row, out in raw if row.config == ar_name}
     rows = []

@@ -41,8 +41,10 @@ from the anchor's last key and document; tiles below the anchors' documents skip
 (`training_mask`) for one SDPA call. `reference_forward_backbone` is the slow per-anchor reference the tests hold
 both to.
 
-Inference (`propose`): the committed context's injected K/V in a `StaticKVCache`, one backbone pass per step,
-then the head (`reference_propose`: the slow strictly-sequential reference).
+Inference: the committed context's injected K/V in a `StaticKVCache` (`new_cache`, `append_context`), one backbone
+pass per step (`backbone_step`) and the head one position at a time (`head_step`). The drafting loop that drives
+them, the selection of each draft and the factored CPU form of the hidden-correction head are the engine's:
+`decoding/drafters/block_propose.py` (`BlockProposer`).
 
 Shape legend: R packed rows (batch), T time, N anchors per row, B block size, K = B−1 draft positions,
 C model dim (= the target's), n taps, L draft layers, H heads, Hkv kv heads, Dh head dim, V vocab, r rank.
@@ -50,7 +52,7 @@ C model dim (= the target's), n taps, L draft layers, H heads, Hkv kv heads, Dh 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -75,20 +77,12 @@ from angelspec.models.block.targets import BlockTargets, block_targets
 from angelspec.models.config import ConfigError
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm, rotate_half
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.linear import Linear, linear, transposed_copy
-from angelspec.models.mtp import concat_taps
+from angelspec.models.linear import Linear, linear
 from angelspec.models.vocab import DraftVocabulary
-
-FACTORED_HEAD_MAX_BYTES = 64 << 20  # the largest tables `BlockDrafter.factored_head` builds
-FACTORED_HEAD_MAX_ROWS = 2  # and the most rows a step may have to run it (beyond, FLOPs, not bytes, bound a step)
-
 
 # A training attention over block entries and context (`BlockDrafter.forward_backbone(block_attention=...)`):
 # (q [R, H, Q, Dh], own k, v [R, Hkv, Q, Dh], ctx_k, ctx_v [R, Hkv, T, Dh]) -> [R, H, Q, Dh].
 ContextAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-
-# Selection rule for `propose`: (logits [B, V] fp32, draft index k) -> (tokens [B] int64, probs [B, V] or None).
-Select = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
 
 
 def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_valid: Tensor | None,
@@ -98,8 +92,8 @@ def context_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_
 
     The same softmax attention as `scaled_dot_product_attention` over the concatenated keys [ctx; own] under the
     matching mask (query head h reads kv head h // (H / Hkv)), but the two key segments are scored separately
-    and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys copies the whole context
-    K/V every step, which at batch 1 on CPU cost as much as the attention itself.
+    and joined only in the small [.., Tq, S + Tq] score matrix: concatenating the keys would copy the whole context
+    K/V every step (what that cost: docs/design.md §12).
 
     With `block_mask` (a FlexAttention BlockMask of the valid slots, `context_block_mask`; ctx_valid unused) the
     context part is FlexAttention with its log-sum-exp (no [.., Tq, S] scores, slots past every row's length
@@ -174,6 +168,18 @@ def anchored_block_attention(q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx
 
 
 @dataclass(frozen=True)
+class BackboneOptions:
+    """How `forward_train` runs the parallel backbone (`forward_backbone`'s keywords): `attention` "linear"
+    (`anchored_block_attention`, memory O(N·B + T) per layer) or "dense" (the masked reference), `checkpoint_layers`
+    (recompute each draft layer in the backward), `block_attention` (a caller's attention for every layer, e.g.
+    sequence parallelism's)."""
+
+    attention: Literal["linear", "dense"] = "linear"
+    checkpoint_layers: bool = False
+    block_attention: ContextAttention | None = None
+
+
+@dataclass(frozen=True)
 class BlockTrainOutput:
     """`forward_train`'s result; flatten (R, N) with `.flatten(0, 1)` for the losses' [N, K, V] layout."""
 
@@ -182,21 +188,6 @@ class BlockTrainOutput:
     #                                   temperature), None without a confidence head
     hidden: Tensor  # [R, N, K, C] backbone output at the draft positions (pre-norm)
     targets: BlockTargets
-
-
-@dataclass(frozen=True)
-class BlockProposal:
-    """`propose`'s result: K = B−1 drafts per row, left to right through the head."""
-
-    tokens: Tensor  # [B, K] int64 target token ids
-    logits: Tensor | None  # [B, K, V'] fp32, the head's logits given the chosen predecessors, over the draft
-    #                        vocabulary (V' = draft_vocab_size; V when the drafter drafts from the whole vocabulary);
-    #                        may be None when `propose(with_logits=False)` (the engine's greedy steps)
-    probs: Tensor | None  # [B, K, V] what `select` sampled from (None for greedy), over the whole vocabulary
-    confidences: Tensor  # [B, K] in [0, 1], per position (not cumulative): σ(confidence logits) with a confidence
-    #                      head (a "protocol" head's at each row's sampling temperature), else each draft's own
-    #                      probability under the head's temperature-1 logits
-    token_index: Tensor  # [B, K] each draft's index along `logits`' last dim (= tokens without a draft vocabulary)
 
 
 class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
@@ -243,9 +234,6 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._init_draft_vocab()
         self._special_init()
-        # Inference switch (not part of the checkpoint): greedy drafting runs the hidden-correction head in its
-        # factored form when `factored_head()` allows it. Off: the plain per-position head (A/B benchmarks).
-        self.factor_hidden_head = True
 
     def _special_init(self) -> None:
         """Distance prior for W_fuse; zero W2 / SwiGLU down projection so every head starts as the backbone; zero
@@ -279,6 +267,10 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         """E(x) [..., C], the target's, frozen."""
         return F.embedding(token_ids, self._shared[0].weight.detach())
 
+    def target_weights(self) -> tuple[Tensor, Tensor]:
+        """The target's E and W_lm weights, [V, C] each (held by reference, never saved)."""
+        return self._shared[0].weight, self._shared[1].weight
+
     def lm_logits(self, h: Tensor) -> Tensor:
         """W_lm h -> fp32 logits [..., V] (h already normalised; W_lm frozen)."""
         return linear(h, self._shared[1].weight.detach()).float()
@@ -294,95 +286,6 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
         if not self.config.draft_vocab_size:
             return self.head.out(u)
         return linear(u, self._vocab_weights()[1])
-
-    # ----- the hidden-correction head, factored for greedy drafting -----
-    def factored_head(self, rows: int = 1) -> bool:
-        """Whether greedy drafting of `rows` rows runs the hidden-correction head factored (`_factored_hidden`):
-        a CPU drafter whose tables (`_factored_tables`) take at most FACTORED_HEAD_MAX_BYTES, for at most
-        FACTORED_HEAD_MAX_ROWS rows. At batch 1 on CPU a step costs the weight bytes it reads, and the factored
-        head reads one [I, V'] table and one T_e row per draft position instead of W_e, W_down and the LM-head
-        rows; but it multiplies V'-wide twice per position (W' z_k and the table), so with more rows, where FLOPs
-        bound the step, the plain head is faster (`benchmarks/drafter_cost.py --drafters dfly,dfly-plain`). On an
-        accelerator the per-position products are cheap and the tables not worth their memory."""
-        head = self.head
-        if not (self.factor_hidden_head and isinstance(head, HiddenCorrectionHead)) or rows > FACTORED_HEAD_MAX_ROWS:
-            return False
-        w = head.down_proj.weight
-        cfg = self.config
-        v_draft = cfg.draft_vocab_size or cfg.vocab_size
-        # W', Mᵀ; T_e and, with a draft vocabulary, its rows T_e'
-        elements = v_draft * (head.hidden + head.inter) + (cfg.vocab_size + cfg.draft_vocab_size) * 2 * head.inter
-        return w.device.type == "cpu" and elements * w.element_size() <= FACTORED_HEAD_MAX_BYTES
-
-    def _factored_tables(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The hidden-correction head's inference tables, over the draft vocabulary V' (the whole vocabulary
-        without one) and, for T_e, over the whole vocabulary (the anchor, a predecessor too, may lie outside V'),
-        cached until a weight or the vocabulary changes (taken as they are inside a compiled graph, like the
-        vocabulary rows: `refresh_inference_tables` runs eagerly first):
-
-            W' = W_lm[V'] diag(γ)         [V', C]   γ: the final RMSNorm's weight
-            Mᵀ = (W' W_down)ᵀ             [I, V']
-            T_e = W_e RMSNorm_e(E)        [V, 2I]   the predecessor's half of the gate/up projection, per token
-            T_e' = T_e[V']                [V', 2I]  the same rows by draft index (T_e itself without a vocabulary),
-                                                    so a draft's argmax index picks its successor's row directly"""
-        head = self.head
-        assert isinstance(head, HiddenCorrectionHead)
-        lm, emb = self._shared[1].weight, self._shared[0].weight
-        vocab = (self.draft_vocab,) if self.config.draft_vocab_size else ()
-
-        def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            rows = self._vocab_weights()[0] if vocab else lm.detach()
-            w_lm = transposed_copy(rows * self.norm.weight)  # multiplied by a block of rows (`models.linear`)
-            m_t = (w_lm @ head.down_proj.weight).t().contiguous()
-            t_e = linear(head.e_norm(emb.detach()), head.gate_up_proj.weight[:, head.hidden:]).contiguous()
-            return w_lm, m_t, t_e, t_e[self.draft_vocab] if vocab else t_e
-
-        return self.derived("factored head", (lm, emb, *vocab, self.norm.weight, head.e_norm.weight,
-                                              head.gate_up_proj.weight, head.down_proj.weight), build)
-
-    def refresh_inference_tables(self) -> None:
-        """Bring the draft vocabulary's rows and the factored head's tables up to date, outside any compiled
-        graph (`propose` calls it before every step)."""
-        self.refresh_draft_vocab()
-        if self.factored_head():
-            self._factored_tables()
-
-    def _factored_hidden(self, z: Tensor, anchor_tokens: Tensor, with_logits: bool = True
-                         ) -> tuple[Tensor | None, Tensor]:
-        """Greedy drafts of the hidden-correction head (Eq. 15) over z [B, K, C], factored -> (logits [B, K, V']
-        fp32 or, without `with_logits`, None; index [B, K] along V'). With a_k = SiLU(g_k) ⊙ u_k,
-        [g_k; u_k] = W_z RMSNorm(z_k) + W_e RMSNorm(E(x_{k−1})), ẑ_k = z_k + W_down a_k and r_k = 1 / rms(ẑ_k):
-
-            logits_k = W_lm RMSNorm(ẑ_k) = r_k (W' z_k + (W' W_down) a_k)
-
-        W' z_k runs for the whole block at once; per position only the predecessor's row of T_e, the SwiGLU and
-        one [I]x[I, V'] product remain, and since r_k > 0 the argmax needs no norm: six kernel calls per position,
-        the draft's own index picking the next row (T_e', no mapping to target ids inside the loop). r_k and the
-        logits are formed after the loop. The same maths as `head_step`, rounded differently."""
-        head = self.head
-        assert isinstance(head, HiddenCorrectionHead)
-        w_lm, m_t, t_e, t_e_draft = self._factored_tables()
-        z = z.contiguous()  # a slice of the block: as a strided 3-D input, F.linear becomes a per-row bmm
-        K = z.shape[1]
-        zg = head.z_part(z).unbind(1)  # K x [B, 2I]
-        base = linear(z, w_lm).unbind(1)  # K x [B, V'] W' z_k
-        row = t_e.index_select(0, anchor_tokens)  # [B, 2I] the predecessor's T_e row: the anchor's, then a draft's
-        acts, scores, picks = [], [], []
-        for k in range(K):
-            gate, up = (zg[k] + row).split(head.inter, dim=-1)  # [B, I] each
-            a = F.silu(gate) * up  # [B, I]
-            s = torch.addmm(base[k], a, m_t)  # [B, V'] = W' ẑ_k
-            acts.append(a)
-            scores.append(s)
-            picks.append(s.argmax(dim=-1))  # [B] along V'
-            if k + 1 < K:
-                row = t_e_draft.index_select(0, picks[-1])
-        if not with_logits:
-            return None, torch.stack(picks, dim=1)
-        z_hat = z + head.down_proj(torch.stack(acts, dim=1))  # [B, K, C]
-        wide = torch.promote_types(z.dtype, torch.float32)  # RMSNorm's precision
-        r = torch.rsqrt(z_hat.to(wide).pow(2).mean(-1, keepdim=True) + self.norm.eps)
-        return (torch.stack(scores, dim=1).to(wide) * r).float(), torch.stack(picks, dim=1)
 
     def fusion_weights(self) -> Tensor:
         """α of Eq. 11: softmax(W_fuse) [L, n] (dflare / dfly)."""
@@ -588,17 +491,18 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
     def forward_train(self, taps: Tensor, input_ids: Tensor, positions: Tensor, anchors: Tensor, *,
                       document_ids: Tensor | None = None, loss_mask: Tensor | None = None,
                       anchor_valid: Tensor | None = None, compute_logits: bool = True,
-                      attention: Literal["linear", "dense"] = "linear", checkpoint_layers: bool = False,
-                      block_attention: ContextAttention | None = None, targets: BlockTargets | None = None
+                      targets: BlockTargets | None = None, backbone: BackboneOptions | None = None
                       ) -> BlockTrainOutput:
-        """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`;
-        loss_mask [R, T] and anchor_valid [R, N] only shape `targets.valid`). compute_logits=False leaves the
-        head to the caller (`head_logits` on chunks of anchors: no [R, N, K, V] logits). `targets`: the anchors'
-        labels and predecessors when the caller builds them from other columns than `input_ids` (a sequence-parallel
-        shard's, from its shard plus halo); None: `block_targets` of these inputs."""
-        z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids, attention=attention,
-                                  checkpoint_layers=checkpoint_layers,
-                                  block_attention=block_attention)[:, :, 1:]  # [R, N, K, C]
+        """Backbone + teacher-forced head for N anchors per packed row (arguments as `forward_backbone`, whose
+        keywords `backbone` carries; None: `BackboneOptions()`; loss_mask [R, T] and anchor_valid [R, N] only shape
+        `targets.valid`). compute_logits=False leaves the head to the caller (`head_logits` on chunks of anchors: no
+        [R, N, K, V] logits). `targets`: the anchors' labels and predecessors when the caller builds them from other
+        columns than `input_ids` (a sequence-parallel shard's, from its shard plus halo); None: `block_targets` of
+        these inputs."""
+        opts = backbone or BackboneOptions()
+        z = self.forward_backbone(taps, input_ids, positions, anchors, document_ids, attention=opts.attention,
+                                  checkpoint_layers=opts.checkpoint_layers,
+                                  block_attention=opts.block_attention)[:, :, 1:]  # [R, N, K, C]
         if targets is None:
             targets = block_targets(input_ids, anchors, self.config.block_size, document_ids=document_ids,
                                     loss_mask=loss_mask, anchor_valid=anchor_valid)
@@ -609,7 +513,7 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             conf = self.confidence.training_logits(self.norm(z), self.markov_embed(targets.prev_tokens))
         return BlockTrainOutput(logits=logits, confidence_logits=conf, hidden=z, targets=targets)
 
-    # ----- inference: context K/V in a static cache, one backbone pass per step, then the head -----
+    # ----- inference: context K/V in a static cache, one backbone pass per step (`BlockProposer` drafts) -----
     def new_cache(self, batch_size: int, max_len: int, *, slack: int, dtype: torch.dtype,
                   device: torch.device | str) -> StaticKVCache:
         """Per-layer context K/V of committed positions (slot == position). Block entries are never cached. With the
@@ -679,146 +583,6 @@ class BlockDrafter(DraftRope, DraftVocabulary, nn.Module):
             x = self.layer_forward(i, x, cos, sin, cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len], None,
                                    ctx_valid=ctx, ctx_mask=ctx_mask)
         return x
-
-    def propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                select: Select | None = None, num_drafts: int | None = None, with_logits: bool = True,
-                temperature: Tensor | None = None) -> BlockProposal:
-        """One backbone pass over the whole block, then the head (Eq. 13) over its first `num_drafts` positions
-        (default and at most K = B−1): -> that many drafts per row.
-
-        `select(logits [B, V], k)` picks draft k from the head's logits and returns (tokens [B], probs [B, V] or
-        None); default: argmax (deterministic drafts), which runs as `greedy_propose`, tensors only, so that
-        `compile` makes the whole step one graph. The chosen token is the predecessor of draft k+1.
-        `with_logits=False` lets a greedy step skip forming logits it does not need (the factored head's, when a
-        confidence head gives the confidences): `logits` may then be None. `temperature` [B]: each row's sampling
-        temperature, which a "protocol" confidence head reads (None = 0, greedy)."""
-        if select is None:
-            self.refresh_inference_tables()  # outside any compiled graph
-            tokens, logits, index, conf = self.greedy_propose(anchor_tokens, cache, kv_len, num_drafts, with_logits,
-                                                              temperature)
-            return BlockProposal(tokens=tokens, logits=logits, probs=None, confidences=conf, token_index=index)
-        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, probs, conf = self._run_head(z, anchor_tokens, select, temperature=temperature)
-        return BlockProposal(tokens=tokens, logits=logits, probs=probs, confidences=conf, token_index=index)
-
-    def greedy_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, kv_len: int | None = None,
-                       num_drafts: int | None = None, with_logits: bool = True, temperature: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """`propose` with argmax drafts, tensors only: -> (tokens [B, K], logits [B, K, V'] (or None: see
-        `propose`), index [B, K], confidences [B, K]) for K = `num_drafts` (default B−1)."""
-        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1: self._num_drafts(num_drafts) + 1]  # [B, K, C]
-        tokens, logits, index, _, conf = self._run_head(z, anchor_tokens, None, with_logits, temperature)
-        return tokens, logits, index, conf
-
-    def _run_head(self, z: Tensor, anchor_tokens: Tensor, select: Select | None, with_logits: bool = True,
-                  temperature: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
-        """The head over backbone outputs z [B, K, C], left to right in its predecessors -> (tokens [B, K],
-        logits [B, K, V'] (None only when not `with_logits` and not needed), index [B, K], probs [B, K, V] or None,
-        confidences [B, K]).
-
-        Only what depends on the predecessor runs per position; everything else runs for the whole block at once:
-        the backbone's logits W_lm RMSNorm(z) (no head: they are the drafts' logits; a Markov-family head adds its
-        rank-r bias to them per position), and the hidden-correction head's W_z RMSNorm(z) half (its W_e half, the
-        final norm and the LM head over the draft vocabulary run per position: the predecessor goes through them,
-        Eq. 15; greedy steps of few rows on CPU run it factored instead, `_factored_hidden`). Confidences: the
-        confidence head's σ(logit) when the drafter has one (at the rows' sampling temperatures `temperature` [B], for
-        a "protocol" head), else each draft's own probability under the head's (temperature-1) logits."""
-        head = self.head
-        h = self.norm(z)  # [B, K, C]
-        if head is None:
-            logits = self.draft_logits(h)  # [B, K, V'] the drafts do not depend on each other
-            index, tokens, probs = self._pick(logits, select, 0)
-        elif select is None and self.factored_head(z.shape[0]):
-            logits, index = self._factored_hidden(z, anchor_tokens, with_logits or not self.config.confidence_head)
-            tokens, probs = self.to_target_ids(index), None
-        else:
-            hidden = isinstance(head, HiddenCorrectionHead)
-            if hidden:
-                zg = head.z_part(z)  # [B, K, 2I]
-                state = None
-            else:
-                assert isinstance(head, MarkovHead)
-                base = self.draft_logits(h)  # [B, K, V']
-                state = head.init_state(anchor_tokens.shape, z)
-            prev = anchor_tokens
-            cols: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []
-            for k in range(z.shape[1]):
-                if hidden:
-                    lg = self.draft_logits(self.norm(head.step(z[:, k], zg[:, k], self.embed(prev))))  # Eq. 15
-                else:
-                    u, state = head.features(h[:, k], prev, state)
-                    lg = base[:, k] + self.draft_bias(u).float()  # Eq. 14 / DSpark §3.1
-                idx, tok, p = self._pick(lg[:, None], select, k)
-                prev = tok[:, 0]
-                cols.append((lg, idx[:, 0], prev, None if p is None else p[:, 0]))
-            logits = torch.stack([c[0] for c in cols], dim=1)
-            index = torch.stack([c[1] for c in cols], dim=1)
-            tokens = torch.stack([c[2] for c in cols], dim=1)
-            probs = None if any(c[3] is None for c in cols) else torch.stack([c[3] for c in cols], dim=1)
-        if self.config.confidence_head:
-            prev_all = torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)  # [B, K]
-            temps = None if temperature is None else temperature[:, None]  # [B, 1]: one per row, every position
-            conf = torch.sigmoid(self.confidence(h, self.markov_embed(prev_all), temps).float())
-        else:
-            conf = torch.softmax(logits, dim=-1).gather(-1, index[..., None])[..., 0]
-        return tokens, logits, index, probs, conf
-
-    def _num_drafts(self, n: int | None) -> int:
-        """K: `n` drafts (default B−1), checked against the block."""
-        k = self.config.num_drafts
-        if n is None:
-            return k
-        if not 1 <= n <= k:
-            raise ValueError(f"a block of {self.config.block_size} proposes 1..{k} drafts, {n} were asked for")
-        return n
-
-    def _pick(self, logits: Tensor, select: Select | None, start: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Drafts at positions start.. from logits [B, n, V'] (draft vocabulary): argmax over all at once, or
-        `select` per position (its draft index k = start + j) on the logits over the whole vocabulary
-        -> (index along V' [B, n], target ids [B, n], probs [B, n, V] or None)."""
-        if select is None:
-            index = logits.argmax(dim=-1)
-            return index, self.to_target_ids(index), None
-        picks = [select(self.full_logits(logits[:, j]), start + j) for j in range(logits.shape[1])]
-        tokens = torch.stack([t for t, _ in picks], dim=1)
-        probs = None if any(p is None for _, p in picks) else torch.stack([p for _, p in picks], dim=1)
-        return self.to_draft_index(tokens), tokens, probs  # sampled ids lie in the draft vocabulary
-
-    @torch.no_grad()
-    def reference_propose(self, anchor_tokens: Tensor, cache: StaticKVCache, *, kv_len: int | None = None,
-                          select: Select | None = None, temperature: Tensor | None = None) -> BlockProposal:
-        """Slow reference for `propose`: the whole head strictly left to right, one position (one LM-head call,
-        `head_step`) at a time, as Eq. 13 reads."""
-        z = self.backbone_step(anchor_tokens, cache, kv_len)[:, 1:]  # [B, K, C]
-        state = self.head.init_state(anchor_tokens.shape, z) if isinstance(self.head, MarkovHead) else None
-        prev = anchor_tokens
-        index, tokens, logits_out, probs, confs = [], [], [], [], []
-        for k in range(self.config.num_drafts):
-            logits, conf, state = self.head_step(z[:, k], prev, state, temperature)
-            idx, tok, p = self._pick(logits[:, None], select, k)
-            index.append(idx[:, 0])
-            tokens.append(tok[:, 0])
-            logits_out.append(logits)
-            probs.append(None if p is None else p[:, 0])
-            confs.append(torch.softmax(logits, dim=-1).gather(-1, idx)[:, 0] if conf is None
-                         else torch.sigmoid(conf.float()))
-            prev = tok[:, 0]
-        return BlockProposal(
-            tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits_out, dim=1),
-            probs=None if any(p is None for p in probs) else torch.stack(probs, dim=1),
-            confidences=torch.stack(confs, dim=1), token_index=torch.stack(index, dim=1))
-
-    @torch.no_grad()
-    def propose_from_taps(self, taps: Sequence[Tensor] | Tensor, lengths: Tensor, anchor_tokens: Tensor,
-                          select: Select | None = None) -> BlockProposal:
-        """Stateless convenience (tests, references): context = taps [B, T, n·C] (or the n taps) of positions
-        0..lengths[b]−1, anchor at position lengths[b]."""
-        taps = taps if isinstance(taps, Tensor) else concat_taps(taps)
-        B, T, _ = taps.shape
-        cache = self.new_cache(B, max(T, 1), slack=0, dtype=taps.dtype, device=taps.device)
-        if T:
-            self.append_context(taps, cache, num_new=lengths)
-        return self.propose(anchor_tokens, cache, kv_len=T, select=select)
 
 
 @torch.no_grad()
