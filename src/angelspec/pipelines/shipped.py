@@ -124,7 +124,7 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
     Returns the last stage's run folder (unfinished when `max_minutes` ran out: run it again to continue)."""
     from angelspec.eval.server import spawn_eval_server
     from angelspec.train.registry import get_trainer
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     presets = get_trainer(d.kind)[1]
     start: Path | None = None
@@ -132,14 +132,14 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
         steps = presets[preset]().steps
         if not run_finished(run, steps):
             resume = (run / "training").is_dir()
-            overrides = [] if eval_every is None else [f"ckpt_every={eval_every}"]
+            overrides = () if eval_every is None else (f"ckpt_every={eval_every}",)
             server = spawn_eval_server(run, limit=3, max_new_tokens=64)
             log(f"{d.name}: {'resuming' if resume else 'training'} {d.kind} ({preset}) in {run}"
                 f"{'' if start is None else f' from {start}'}; eval-server pid {server.pid} -> "
                 f"{run}/training/eval_log.jsonl")
-            result = train_drafter(d.kind, data, run, preset=preset, overrides=overrides, resume=resume,
-                                   progress=progress, max_minutes=max_minutes, log=log,
-                                   init_from=None if start is None else str(start))
+            settings = TrainSettings(preset=preset, overrides=overrides, resume=resume, progress=progress,
+                                     max_minutes=max_minutes, init_from=None if start is None else str(start))
+            result = train_drafter(d.kind, data, run, settings, log=log)
             log(result.format())
             if not run_finished(run, steps):
                 return run  # time is up: the next stage waits for this one

@@ -317,7 +317,7 @@ def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], N
     from angelspec.models.hf_io import save_safetensors_atomic
     from angelspec.pipelines.shipped import DEFAULT_WORK, ROLLOUT_FILE
     from angelspec.train.block import BlockDrafterTrainConfig
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     data = settings.dflash_data
     if data is None:
@@ -329,8 +329,9 @@ def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], N
         overrides.append("fc_bias=false")
     folder = out / "dflash"
     log(f"training a DFlash on {data} for up to {settings.dflash_minutes} min ({' '.join(overrides)})")
-    result = train_drafter("dflash", data, folder, preset="dflash_embedded", overrides=overrides, force=True,
-                           progress=False, max_minutes=settings.dflash_minutes, log=lambda *_: None)
+    run = TrainSettings(preset="dflash_embedded", overrides=tuple(overrides), force=True, progress=False,
+                        max_minutes=settings.dflash_minutes)
+    result = train_drafter("dflash", data, folder, run, log=lambda *_: None)
     log(result.format())
     notes = [f"trained here for {result.report.get('steps')} steps ({result.report.get('train_seconds', 0):.0f} s) on "
              f"{data}"]

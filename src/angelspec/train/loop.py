@@ -184,16 +184,17 @@ class TrainRun:
 
 def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
               error: type[Exception] = ValueError) -> TrainRun:
-    """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
-    the global `batch_size` divides over the data-parallel ranks (else `error`) and that `job.out_dir` may be
-    written (`check_out_dir`). `seq_len`: the row length a sequence-parallel run (`job.sp` > 1) shards, which must
-    divide by `job.sp`; None: the trainer has no sequence parallelism and refuses `job.sp` > 1."""
-    if job.sp != 1 and seq_len is None:
-        raise UsageError(f"--sp {job.sp}: sequence parallelism trains the MTP family and the block drafters, not "
+    """Join the process group, resolve `job.parallel.distributed` and check, before anything is loaded or written,
+    that the global `batch_size` divides over the data-parallel ranks (else `error`) and that `job.out_dir` may be
+    written (`check_out_dir`). `seq_len`: the row length a sequence-parallel run (`job.parallel.sp` > 1) shards,
+    which must divide by the group size; None: the trainer has no sequence parallelism and refuses sp > 1."""
+    sp_size = job.parallel.sp
+    if sp_size != 1 and seq_len is None:
+        raise UsageError(f"--sp {sp_size}: sequence parallelism trains the MTP family and the block drafters, not "
                          "this model; drop --sp")
     info = init_distributed()
-    strategy = resolve_strategy(job.distributed, info)
-    sp = init_sequence_parallel(job.sp, info, strategy)
+    strategy = resolve_strategy(job.parallel.distributed, info)
+    sp = init_sequence_parallel(sp_size, info, strategy)
     if seq_len is not None and sp.enabled:
         sp.bounds(seq_len)
     dp = sp.dp.world_size
