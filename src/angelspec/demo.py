@@ -324,13 +324,14 @@ def stage_draft_lm(state: DemoState) -> dict[str, str]:
 
 def demo_rollout(state: DemoState) -> Path:
     """Roll out the shipped training prompts with the target once (the drafters train on its own answers)."""
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
     if state.rollout_data is None:
         state.work_dir.mkdir(parents=True, exist_ok=True)
         data = state.work_dir / "rollout.jsonl"
-        summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
-                          batch_size=16, force=True, progress=True, placement=state.placement)
+        settings = RolloutSettings(max_new_tokens=state.max_new_tokens, batch_size=16)
+        summary = rollout(state.target_dir, state.train_prompts, data, settings, force=True, progress=True,
+                          placement=state.placement)
         print(summary.format())
         state.rollout_data = data
     return state.rollout_data

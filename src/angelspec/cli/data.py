@@ -66,15 +66,16 @@ def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     """`angelspec rollout`: run :func:`angelspec.train.rollout.rollout` and print its summary."""
-    from angelspec.train.rollout import RolloutError, rollout
+    from angelspec.train.rollout import RolloutError, RolloutSettings, rollout
 
     if args.resume and args.force:
         raise RolloutError("--resume and --force contradict each other: pick one")
     vllm = vllm_settings(args)
-    summary = rollout(args.target, args.prompts, args.out, enable_thinking=args.think, temperature=args.temperature,
-                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet,
-                      engine=args.engine, placement=placement(args), vllm=vllm)
+    settings = RolloutSettings(enable_thinking=args.think, temperature=args.temperature, top_p=args.top_p,
+                               top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                               batch_size=args.batch_size, engine=args.engine)
+    summary = rollout(args.target, args.prompts, args.out, settings, resume=args.resume, force=args.force,
+                      progress=not args.quiet, placement=placement(args), vllm=vllm)
     print(summary.format())
     print(f"wrote {args.out}")
     if summary.truncated_turns:

@@ -91,15 +91,15 @@ def rollout_state(out: Path) -> dict[str, Any] | None:
 def ensure_rollouts(work_dir: Path, pool: Path, *, log: Callable[[str], None] = print,
                     progress: bool = True) -> Path:
     """Greedy rollouts of the pool by the target, resumed where a kill left them."""
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
     out = work_dir / ROLLOUT_FILE
     state = rollout_state(out)
     if state is not None and state.get("complete"):
         return out
     log(f"rollouts of {pool} -> {out}" + (f" (resuming at line {state['lines_done']})" if state else ""))
-    summary = rollout(None, pool, out, max_new_tokens=ROLLOUT_NEW_TOKENS, batch_size=ROLLOUT_BATCH,
-                      resume=state is not None, progress=progress)
+    settings = RolloutSettings(max_new_tokens=ROLLOUT_NEW_TOKENS, batch_size=ROLLOUT_BATCH)
+    summary = rollout(None, pool, out, settings, resume=state is not None, progress=progress)
     log(summary.format())
     return out
 

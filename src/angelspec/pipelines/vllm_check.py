@@ -215,10 +215,10 @@ def _rollout_prompts(path: Path, n: int) -> Path:
 
 
 def _rollout(engine: str, prompts: Path, out: Path, settings: VllmCheckSettings, log: Callable[[str], None]) -> Any:
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
-    summary = rollout(DEFAULT_TARGET, prompts, out, max_new_tokens=settings.rollout_tokens, batch_size=16,
-                      force=True, engine=engine)
+    run = RolloutSettings(max_new_tokens=settings.rollout_tokens, batch_size=16, engine=engine)
+    summary = rollout(DEFAULT_TARGET, prompts, out, run, force=True)
     log(f"rollout --engine {engine}: {summary.format()}")
     return summary
 
