@@ -203,6 +203,7 @@ def _check_block(sp) -> None:
 
     from angelspec.models.block.config import BlockDrafterConfig
     from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.config import DraftShape
     from angelspec.train.block import block_chunked_loss_batch, block_forward_train
     from angelspec.train.distributed import global_sum
     from angelspec.train.losses import LOSSES, LossConfig, global_denominators, with_confidence_term
@@ -211,8 +212,8 @@ def _check_block(sp) -> None:
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, layers=4, heads=4, kv=2)
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=5, block_size=Bk, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning="dfly", head="hidden", markov_rank=8,
-                                        confidence_head=True, num_attention_heads=2, num_key_value_heads=1,
-                                        draft_vocab_size=16)
+                                        confidence_head=True, draft_vocab_size=16,
+                                        shape=DraftShape(num_attention_heads=2, num_key_value_heads=1))
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
     model.set_draft_vocab(torch.arange(1, vocab, 4))

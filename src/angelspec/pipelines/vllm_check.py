@@ -427,12 +427,13 @@ def echo_eagle3(target_dir: Path, folder: Path, seed: int = 0) -> Path:
     residual stream, so it drafts the target's "next token from the newest embedding" guess; the fused taps, the
     attention to other positions, the MLP and the TTT recurrence move it. Saved to `folder`, returned."""
     from angelspec.models import load_target
+    from angelspec.models.config import DraftShape
     from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from angelspec.models.mtp_io import save_mtp
 
     target = load_target(target_dir, dtype=torch.float32)
     t = target.config
-    model = Eagle3DraftModel(Eagle3Config.for_target(t, num_key_value_heads=t.num_attention_heads),
+    model = Eagle3DraftModel(Eagle3Config.for_target(t, shape=DraftShape(num_key_value_heads=t.num_attention_heads)),
                              target.embed_tokens, target.lm_head)
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
     attn = model.layer.attn

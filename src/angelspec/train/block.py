@@ -267,7 +267,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
             context_injection=self.context_injection, fc_bias=self.fc_bias,
             confidence_target=self.confidence_target, confidence_temperatures=self.protocol_temperatures,
-            anchor_fusion=self.anchor_fusion, **self.layer_shape())
+            anchor_fusion=self.anchor_fusion, shape=self.layer_shape())
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         """What a checkpoint written before `tv_norm`, `context_injection` and `fc_bias` existed ran with, for

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from angelspec.models.config import DraftShape
     from angelspec.models.device import Placement
 
 C = TypeVar("C")
@@ -86,10 +87,12 @@ class DrafterRunConfig(RunConfig):
     # inference runs, and an LM head draft_vocab_size / vocab_size as large in every training step.
     train_vocab: str = "full"
 
-    def layer_shape(self) -> dict[str, int | None]:
-        """The draft layers' shape overrides, as the keyword arguments of the models' `for_target`."""
-        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-                "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
+    def layer_shape(self) -> DraftShape:
+        """The draft layers' shape overrides, as the models' `for_target` take them."""
+        from angelspec.models.config import DraftShape
+
+        return DraftShape(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                          head_dim=self.head_dim, intermediate_size=self.intermediate_size)
 
     def check_train_vocab(self, error: type[Exception] = ValueError, *, draft_vocab_size: int | None = None,
                           name_only: bool = False) -> None:

@@ -111,7 +111,7 @@ class MTPTrainConfig(MTPFamilyTrainConfig):
 
     def model_config(self, target: DecoderConfig) -> MTPConfig:
         return MTPConfig.for_target(target, num_depths=self.num_depths, target_layer_id=self.target_layer_id,
-                                    **self.layer_shape())
+                                    shape=self.layer_shape())
 
 
 def mtp_embedded() -> MTPTrainConfig:
