@@ -196,12 +196,12 @@ def cmd_prompt_pool(args: argparse.Namespace) -> int:
     import json
 
     from angelspec.assets import resolve_target_dir
-    from angelspec.data.prompt_pool import DEFAULT_HELDOUT_PATHS, build_prompt_pool
+    from angelspec.data.prompt_pool import DEFAULT_HELDOUT_PATHS, PoolSettings, build_prompt_pool
 
-    summary = build_prompt_pool(args.out, per_domain=args.per_domain, min_total=args.min_total, seed=args.seed,
-                                heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS, cache_dir=args.cache_dir,
-                                target_dir=resolve_target_dir(args.target), progress=not args.quiet,
-                                force=args.force)
+    settings = PoolSettings(per_domain=args.per_domain, min_total=args.min_total, seed=args.seed)
+    summary = build_prompt_pool(args.out, settings, heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS,
+                                cache_dir=args.cache_dir, target_dir=resolve_target_dir(args.target),
+                                progress=not args.quiet, force=args.force)
     print(json.dumps({k: summary[k] for k in ("total", "selected", "decontam_dropped")}, indent=2))
     print(f"wrote {args.out}; roll it out with: angelspec rollout --prompts {args.out} --out ROLLOUTS.jsonl")
     return 0
