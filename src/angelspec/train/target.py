@@ -184,7 +184,7 @@ def check_build_folders(out_dir: Path, work_dir: Path, *, resume: bool, force: b
 def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: bool, progress: bool,
            max_minutes: float | None, corpus_dir: str | Path | None, log: Any) -> dict[str, Any]:
     """`build_target` once its folders are checked and locked."""
-    from angelspec.data.corpus import build_corpus
+    from angelspec.data.corpus import CorpusConfig, build_corpus
     from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
 
     ckpt_dir = work_dir / "checkpoint"
@@ -194,8 +194,8 @@ def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: boo
     # 1. corpus and tokenizer (both idempotent: skipped when already built with the same settings)
     if corpus_dir is None:
         corpus = work_dir / "corpus"
-        manifest = build_corpus(corpus, seed=cfg.seed, max_examples=dict(cfg.corpus_limits) or None,
-                                progress=progress)
+        corpus_config = CorpusConfig(seed=cfg.seed, max_examples=dict(cfg.corpus_limits))
+        manifest = build_corpus(corpus, corpus_config, progress=progress)
     else:  # a prepared corpus in the same layout (<domain>/{train,heldout}.jsonl)
         corpus, manifest = Path(corpus_dir), {"corpus_dir": str(corpus_dir)}
     domains = [d for d in DOMAINS if (corpus / d / "train.jsonl").is_file()]
