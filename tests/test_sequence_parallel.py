@@ -160,7 +160,7 @@ def _check_mtp(sp, kind: str) -> None:
     from angelspec.models.mtp import MTPConfig, MTPDraftModel
     from angelspec.train.distributed import global_sum
     from angelspec.train.losses import LOSSES, LossConfig, global_denominators
-    from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+    from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
     vocab, T = 64, 24
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2, layers=3)
@@ -180,8 +180,9 @@ def _check_mtp(sp, kind: str) -> None:
 
     def step(name, vocab_, sp_=None):
         h, t = whole if sp_ is None else sharded  # the target's taps and teacher: whole rows, or SP's shard + halo
-        out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
-                          checkpoint_depths=True, query_chunk=5, key_chunk=8, sp=sp_, train_vocab=vocab_)
+        out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, sp=sp_,
+                          train_vocab=vocab_,
+                          memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=5, key_chunk=8))
         clb = mtp_chunked_loss_batch(model, out, packed, t, max_logits=5 * D * vocab, sp=sp_, train_vocab=vocab_)
         with global_denominators(global_sum) if sp_ is not None else nullcontext():
             loss = LOSSES[name](clb, config).loss

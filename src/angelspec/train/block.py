@@ -88,7 +88,14 @@ from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.loop import (
+    Trainee,
+    drafter_checkpoints,
+    logs_after,
+    scheduled_loss,
+    start_run,
+    train_drafter_steps,
+)
 from angelspec.train.losses import (
     NO_LOSS,
     ChunkedLossBatch,
@@ -730,9 +737,8 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
             extra["objective"] = objective
         return loss, alpha, extra
 
-    step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1",
-                               features=features)
+    step = train_drafter_steps(run, cfg, step, Trainee(model, wrapped, opt, save_ckpt), rows=rows, schedule=schedule,
+                               step_loss=step_loss, desc=kind, alpha_label="a1", features=features)
     final = model_to_save()
     report = run.drafter_report({"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
                                  "draft_layers": mcfg.num_draft_layers,

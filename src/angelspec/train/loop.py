@@ -389,18 +389,28 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     return step, snapshot, save
 
 
-def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, model: nn.Module,
-                        wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
-                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0",
+@dataclass(frozen=True)
+class Trainee:
+    """What a drafter-training loop updates: the `model`, the same under DDP / FSDP2 (`wrapped`; `model` itself
+    without), its optimizer `opt` and `save(step)`, which writes a checkpoint (`drafter_checkpoints`)."""
+
+    model: nn.Module
+    wrapped: nn.Module
+    opt: torch.optim.Optimizer
+    save: Callable[[int], None]
+
+
+def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, trainee: Trainee, *, rows: PackedRows,
+                        schedule: LossSchedule, step_loss: StepLoss, desc: str, alpha_label: str = "a0",
                         features: TargetFeatures | None = None) -> int:
     """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
-    batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
-    DDP / FSDP2), the backward (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
+    batch `step` (this rank's share), warm-up + cosine lr, `step_loss(trainee.wrapped, ...)`, the backward
+    (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
     `log_every` steps a JSONL line with the loss, lr, gradient norm and per-depth α over all ranks; checkpoints
     and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`.
     `features` (the ones `step_loss` reads) is told where the loop starts and stops, which a feature stream needs
     (`TargetFeatures.start` / `.finish`)."""
-    info = run.info
+    info, model, wrapped, opt, save = run.info, trainee.model, trainee.wrapped, trainee.opt, trainee.save
     if features is not None and features.stream is not None and run.sp.enabled:
         raise UsageError(f"--sp {run.sp.size} does not read a feature stream yet (features={features.source}); train "
                          "with the target in the step or from an offline cache (features=DIR)")
