@@ -1,7 +1,7 @@
-"""The measuring commands as library calls with plain keyword arguments: `evaluate_drafters` (`angelspec eval`:
+"""The measuring commands as library calls taking typed settings: `evaluate_drafters` (`angelspec eval`:
 AR vs drafters on the same prompts, with the T=0 lossless check), `profile_cost_table` (`angelspec profile`: the
 step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`: STS temperatures, report §4.1)
-and `run_bench` (`angelspec bench`: the closed-loop serving sweep).
+and `run_bench` (`angelspec bench`: the closed-loop serving sweep, its shape one `BenchSettings`).
 
 Each checks every setting it can before the target's weights are loaded, then loads the target (on `placement`'s
 device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes; the
