@@ -197,7 +197,7 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: Teacher | None,
                      step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout, LM head and loss in one forward, in memory linear in T: no [T, T] tensor, no [N, D, V] logits
-        (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
+        (`ttt_rollout` without kept logits, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
                           pad_id=pad_id, memory=RolloutMemory(keep_logits=False,

@@ -39,9 +39,10 @@ are skipped), O(B·H·T·Dh·k) for (b). Memory: scores exist only transiently, 
 tile at a time, in the forward and again in the backward, which recomputes them flash-style; autograd keeps
 O(B·H·T·Dh) per depth. No tensor is [T, T], let alone D×T×T or (D·T)².
 
-Training step in memory linear in T (docs/design.md "Memory linear in T"): `ttt_rollout(keep_logits=False)` +
-`mtp_chunked_loss_batch` (the LM head and the loss a chunk of positions at a time, recomputed in the backward)
-+ `checkpoint_depths=True` (each depth recomputed in the backward). `benchmarks/ttt_memory.py` measures it.
+Training step in memory linear in T (docs/design.md "Memory linear in T"): `ttt_rollout` with
+`RolloutMemory(keep_logits=False, checkpoint_depths=True)` (each depth recomputed in the backward) +
+`mtp_chunked_loss_batch` (the LM head and the loss a chunk of positions at a time, recomputed in the backward).
+`benchmarks/ttt_memory.py` measures it.
 
 Slow reference (`ttt_attention_reference`): builds the full (D·T)×(D·T) boolean mask of the pattern
 (`ttt_reference_mask`) and runs plain SDPA over the concatenated keys; tests check both agree.
