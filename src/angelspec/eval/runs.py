@@ -4,7 +4,8 @@ step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`:
 and `run_bench` (`angelspec bench`: the closed-loop serving sweep, its shape one `BenchSettings`).
 
 Each checks every setting it can before the target's weights are loaded, then loads the target (on `placement`'s
-device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes; the
+device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes. A bad
+field of `BenchSettings` raises a `SettingError` that names the field (the command line shows its flag); the other
 messages name the command-line flags, since that is where the values usually come from.
 """
 
@@ -29,7 +30,7 @@ from angelspec.decoding.loading import (
     resolve_drafter,
 )
 from angelspec.decoding.settings import DecodeSettings
-from angelspec.errors import UsageError, require_range
+from angelspec.errors import SettingError, UsageError, require_range
 from angelspec.eval.prompts import eval_prompts
 from angelspec.fileio import check_output_path, check_writable_path, refuse_same_file, write_json_atomic
 
@@ -276,11 +277,11 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, settings:
     levels, num_draft_tokens, warmup_tokens = tuple(s.concurrency), s.num_draft_tokens, s.warmup_tokens
     check_counts(max_new_tokens=s.max_new_tokens, num_draft_tokens=num_draft_tokens, limit=s.limit)
     if not levels:
-        raise UsageError("--concurrency needs at least one level, e.g. 1,2,4")
+        raise SettingError("{concurrency} needs at least one level, e.g. 1,2,4")
     for c in levels:
-        require_range("--concurrency", c, 1, MAX_BATCH_SIZE)
-    require_range("--min-requests", s.min_requests, 1, MAX_REQUESTS)
-    require_range("--warmup-tokens", warmup_tokens, 0, 1 << 24)
+        require_range("concurrency", c, 1, MAX_BATCH_SIZE)
+    require_range("min_requests", s.min_requests, 1, MAX_REQUESTS)
+    require_range("warmup_tokens", warmup_tokens, 0, 1 << 24)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")
@@ -301,7 +302,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, settings:
                       batch_flag="--concurrency", dtype_bytes=where.dtype.itemsize, device=where.device,
                       with_weights=True)
     if warmup_tokens > config.max_position_embeddings:
-        require_range("--warmup-tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
+        require_range("warmup_tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
     column = None
     if vllm is not None:
         from angelspec.eval.serving.vllm import find_vllm_python, open_vllm_column

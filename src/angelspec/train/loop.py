@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
-from angelspec.errors import UsageError
+from angelspec.errors import SettingError, UsageError
 from angelspec.fileio import check_writable_path, replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
@@ -190,8 +190,8 @@ def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
     which must divide by the group size; None: the trainer has no sequence parallelism and refuses sp > 1."""
     sp_size = job.parallel.sp
     if sp_size != 1 and seq_len is None:
-        raise UsageError(f"--sp {sp_size}: sequence parallelism trains the MTP family and the block drafters, not "
-                         "this model; drop --sp")
+        raise SettingError(f"{{sp}} {sp_size}: sequence parallelism trains the MTP family and the block drafters, "
+                           "not this model; drop {sp}")
     info = init_distributed()
     strategy = resolve_strategy(job.parallel.distributed, info)
     sp = init_sequence_parallel(sp_size, info, strategy)
@@ -412,8 +412,8 @@ def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, trainee
     (`TargetFeatures.start` / `.finish`)."""
     info, model, wrapped, opt, save = run.info, trainee.model, trainee.wrapped, trainee.opt, trainee.save
     if features is not None and features.stream is not None and run.sp.enabled:
-        raise UsageError(f"--sp {run.sp.size} does not read a feature stream yet (features={features.source}); train "
-                         "with the target in the step or from an offline cache (features=DIR)")
+        raise SettingError(f"{{sp}} {run.sp.size} does not read a feature stream yet (features={features.source}); "
+                           "train with the target in the step or from an offline cache (features=DIR)")
     if features is not None:
         features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)

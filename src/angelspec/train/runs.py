@@ -3,8 +3,9 @@
 (`angelspec feature-server`), plus the preset handling they share (`preset_config`: a named preset with
 `key=value` overrides) and the summaries they print.
 
-Each checks its settings before any data or weights are read; the messages name the command-line flags,
-since that is where the values usually come from.
+Each checks its settings before any data or weights are read. A bad field of `TrainSettings` raises a
+`SettingError` that names the field (the command line shows its flag); the other messages name the command-line
+flags, since that is where the values usually come from.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
-from angelspec.errors import UsageError, require_positive
+from angelspec.errors import SettingError, UsageError, require_positive, require_range
 from angelspec.fileio import available_memory_bytes
 from angelspec.train.config import Parallelism
 from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
@@ -242,12 +243,13 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, settings: TrainS
     """
     settings = TrainSettings() if settings is None else settings
     sp = settings.parallel.sp
-    require_positive("--sp", sp)
+    require_positive("sp", sp)
     if sp > 1 and kind not in SP_DRAFTERS:
-        raise UsageError(f"--sp {sp}: sequence parallelism trains {', '.join(SP_DRAFTERS)}, not {kind}; drop --sp")
+        raise SettingError(f"{{sp}} {sp}: sequence parallelism trains {', '.join(SP_DRAFTERS)}, not {kind}; "
+                           "drop {sp}")
     if sp > 1 and settings.feature_workers is not None:
-        raise UsageError(f"--sp {sp} does not read a feature stream yet; drop --feature-workers (the target then "
-                         "runs in the step)")
+        raise SettingError(f"{{sp}} {sp} does not read a feature stream yet; drop {{feature_workers}} (the target "
+                           "then runs in the step)")
     if settings.feature_workers is not None:
         return _train_with_feature_servers(kind, data, out, settings, target=target, log=log, placement=placement)
     if kind not in TRAINABLE_DRAFTERS:
@@ -256,15 +258,12 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, settings: TrainS
         raise UsageError(f"cannot train drafter {kind!r}: the drafters that can be trained today are "
                          f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
     overrides, preset = list(settings.overrides), settings.preset
-    if settings.head is not None:
-        if kind not in BLOCK_DRAFTERS:
-            raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
-        overrides.append(f"head={settings.head}")
-    for flag, value in (("--init-from", settings.init_from), ("--only", settings.only)):
+    for name, value in (("head", settings.head), ("init_from", settings.init_from), ("only", settings.only)):
         if value is not None:
             if kind not in BLOCK_DRAFTERS:
-                raise UsageError(f"{flag} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
-            overrides.append(f"{flag.strip('-').replace('-', '_')}={value}")
+                raise SettingError(f"{{{name}}} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not "
+                                   f"{kind}")
+            overrides.append(f"{name}={value}")
     if settings.only is not None and preset is None:
         preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
@@ -312,14 +311,12 @@ def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, se
 
     workers, backend = settings.feature_workers, settings.feature_backend
     assert workers is not None
-    require_positive("--feature-workers", workers)
-    if workers > 256:
-        raise UsageError(f"--feature-workers must be at most 256 (one target each), got {workers}")
+    require_range("feature_workers", workers, 1, 256, " (one target each)")
     if backend not in ("files", "ray"):
-        raise UsageError(f"--feature-backend must be files or ray, got {backend!r}")
+        raise SettingError(f"{{feature_backend}} must be files or ray, got {backend!r}")
     if any(o.startswith("features=") for o in settings.overrides):
-        raise UsageError("--feature-workers starts the run's own feature servers; drop features=... (or drop "
-                         "--feature-workers to read features you serve yourself)")
+        raise SettingError("{feature_workers} starts the run's own feature servers; drop features=... (or drop "
+                           "{feature_workers} to read features you serve yourself)")
     check_out_dir(out, resume=settings.resume, force=settings.force)  # before the servers start beside it
     target_dir = resolve_target_dir(target)
     procs = []
