@@ -60,7 +60,7 @@ from angelspec.train.block import (
 from angelspec.train.confidence import confidence_targets
 from angelspec.train.features import TargetFeatures
 from angelspec.train.losses import LOSSES, LossBatch, LossConfig, with_confidence_term
-from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
 MiB = 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -202,7 +202,7 @@ def train_rows(device: torch.device, quick: bool, B: int, T: int, dtype: torch.d
         def mtp_loss(mtp: MTPDraftModel = mtp, features: TargetFeatures = features) -> torch.Tensor:
             taps, teacher = features(packed, rows)
             o = ttt_rollout(mtp, concat_taps(taps), packed.input_ids, packed.positions, packed.document_ids, D,
-                            keep_logits=False, checkpoint_depths=True)
+                            memory=RolloutMemory(keep_logits=False, checkpoint_depths=True))
             return LOSSES["e2e_tv"](mtp_chunked_loss_batch(mtp, o, packed, teacher), LossConfig()).loss
 
         run(kind, mtp, mtp_loss)

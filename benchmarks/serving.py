@@ -33,6 +33,7 @@ from angelspec.eval.serving import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_NEW_TOKENS,
     DRAFTER_MAX_DEPTH,
+    BenchSettings,
     ServingConfig,
     bench,
     lossless,
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         column = None if args.vllm is None else open_vllm_column(args.vllm, target_dir, Path(args.out) / "vllm.log",
                                                                  log=log)
         model, tokenizer = load_target_and_tokenizer(target_dir)
-        report = bench(model, tokenizer, target_dir, configs, concurrency=concurrency,
-                       max_new_tokens=args.max_new_tokens, min_requests=args.min_requests, out_dir=Path(args.out),
-                       breakeven=True, vllm=column, log=log, compile=args.compile)
+        settings = BenchSettings(concurrency=concurrency, max_new_tokens=args.max_new_tokens,
+                                 min_requests=args.min_requests, compile=args.compile, breakeven=True)
+        report = bench(model, tokenizer, target_dir, configs, settings, out_dir=Path(args.out), vllm=column, log=log)
     except Exception as e:
         if not is_user_error(e):
             raise

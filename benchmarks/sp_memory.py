@@ -46,7 +46,7 @@ from angelspec.train.distributed import global_sum, init_distributed, shutdown
 from angelspec.train.features import TargetFeatures
 from angelspec.train.losses import LOSSES, LossConfig, global_denominators
 from angelspec.train.sequence_parallel import NO_SP, SequenceParallel, init_sequence_parallel, target_forward
-from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
 D = 3
 
@@ -85,8 +85,8 @@ def step_fn(target: Decoder, model: MTPDraftModel, packed: PackedBatch, sp: Sequ
         taps, teacher = features(packed, [0])
         if features_only:
             return 0.0
-        out = ttt_rollout(model, concat_taps(taps), packed.input_ids, packed.positions, packed.document_ids, D,
-                          keep_logits=False, checkpoint_depths=True, sp=sp)
+        out = ttt_rollout(model, concat_taps(taps), packed.input_ids, packed.positions, packed.document_ids, D, sp=sp,
+                          memory=RolloutMemory(keep_logits=False, checkpoint_depths=True))
         with global_denominators(global_sum) if sp.enabled else nullcontext():
             loss = LOSSES["e2e_tv"](mtp_chunked_loss_batch(model, out, packed, teacher, sp=sp), LossConfig()).loss
         loss.backward()

@@ -52,7 +52,7 @@ from angelspec.train.losses import (
     loss_chunk_logits,
     teacher_logits,
 )
-from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
 GiB, MiB = 2**30, 2**20
 OLD_MAX_LOGITS = 1 << 23  # the chunk budget every device had before it came from the device's memory
@@ -96,7 +96,7 @@ def step_fn(variant: str, target: Decoder, model: MTPDraftModel, packed: PackedB
         if variant == "old":
             teacher, max_logits = teacher_logits(teacher), OLD_MAX_LOGITS  # [B, T, V] fp32, as before
         out = ttt_rollout(model, concat_taps(taps), packed.input_ids, packed.positions, packed.document_ids, D,
-                          keep_logits=False, checkpoint_depths=True)
+                          memory=RolloutMemory(keep_logits=False, checkpoint_depths=True))
         loss = objective(mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=max_logits), config).loss
         loss.backward()
         model.zero_grad(set_to_none=True)

@@ -52,6 +52,7 @@ from angelspec.models import DecoderConfig
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.losses import LOSSES, LossBatch, LossConfig
 from angelspec.train.ttt import (
+    RolloutMemory,
     depth0_inputs,
     depth_labels,
     mtp_chunked_loss_batch,
@@ -138,7 +139,8 @@ def variants(model: MTPDraftModel, packed: PackedBatch, hidden: torch.Tensor, te
 
     def linear(depths: int, ckpt: bool) -> Callable[[], float]:
         def run() -> float:
-            out = ttt_rollout(model, hidden, ids, pos, doc, depths, keep_logits=False, checkpoint_depths=ckpt)
+            out = ttt_rollout(model, hidden, ids, pos, doc, depths,
+                              memory=RolloutMemory(keep_logits=False, checkpoint_depths=ckpt))
             value = objective(mtp_chunked_loss_batch(model, out, packed, teacher), config).loss
             value.backward()
             return value.item()

@@ -251,3 +251,18 @@ def test_line_separators_inside_json_strings_are_not_line_ends(tmp_path: Path) -
     turns = [{"role": "user", "content": "a\u2028b\u2029c\x85d"}, {"role": "assistant", "content": "ok\u2028fine"}]
     data.write_text(json.dumps({"messages": turns}, ensure_ascii=False) + "\n", encoding="utf-8")
     assert check_conversations(data) == 1
+
+
+def test_library_errors_name_the_setting_and_the_cli_its_flag(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """A bad field of a typed setting: the library's message names the field, the command line's the flag."""
+    from angelspec.errors import SettingError
+    from angelspec.train.config import Parallelism
+    from angelspec.train.runs import TrainSettings, train_drafter
+
+    with pytest.raises(SettingError, match=r"^sp 2: sequence parallelism trains .*not draft-lm; drop sp$") as info:
+        train_drafter("draft-lm", tmp_path / "data.jsonl", tmp_path / "out", TrainSettings(parallel=Parallelism(sp=2)))
+    assert info.value.settings == ("sp", "sp")
+    code = main(["train", "--drafter", "draft-lm", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "o"),
+                 "--sp", "2"])
+    assert_bad_input(code, capsys.readouterr().err, "--sp 2: sequence parallelism trains", "drop --sp")

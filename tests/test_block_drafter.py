@@ -955,6 +955,7 @@ def test_for_target_builds_the_shipped_dflys_qwen3_layers_and_proposes_the_same(
 
     from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
     from angelspec.models import load_target
+    from angelspec.models.config import DraftShape
 
     folder = DEFAULT_DRAFTERS / "dfly"
     if not (folder / "config.json").is_file() or not (DEFAULT_TARGET / "config.json").is_file():
@@ -969,7 +970,7 @@ def test_for_target_builds_the_shipped_dflys_qwen3_layers_and_proposes_the_same(
         target.config, mask_token_id=shipped.mask_token_id, block_size=shipped.block_size,
         num_draft_layers=shipped.num_draft_layers, target_layer_ids=shipped.target_layer_ids,
         conditioning=shipped.conditioning, head=shipped.head, markov_rank=shipped.markov_rank,
-        confidence_head=shipped.confidence_head, intermediate_size=shipped.intermediate_size,
+        confidence_head=shipped.confidence_head, shape=DraftShape(intermediate_size=shipped.intermediate_size),
         context_injection=shipped.context_injection, fc_bias=shipped.fc_bias, **design)
     assert rebuilt == shipped
     loaded = load_block_drafter(folder, target, dtype=torch.float32)

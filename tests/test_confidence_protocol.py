@@ -36,7 +36,7 @@ from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.heads import ConfidenceHead, temperature_weights
 from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_dfly
 from angelspec.train.confidence import argmax_drafts, confidence_targets, protocol_acceptance
-from angelspec.train.losses import dspark_loss, dspark_position_weights
+from angelspec.train.losses import LossConfig, dspark_loss, dspark_position_weights
 from angelspec_research.commit_prediction import CommitPredictionRecorder, predicted_commits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +113,7 @@ def test_dspark_loss_fits_the_given_protocol_targets():
     m = torch.rand(n, k, generator=g) > 0.3
     c = torch.randn(n, k, 2, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.rand(n, k, 2, generator=g, dtype=torch.float64)
-    loss = dspark_loss(s, t, y, m, c, gamma=2.0, confidence_targets=targets).loss
+    loss = dspark_loss(s, t, y, m, c, LossConfig(gamma=2.0), confidence_targets=targets).loss
     (g_c,) = torch.autograd.grad(loss, c)
     # ∂/∂c_j of the position-weighted mean of BCE averaged over the two temperatures: w_k (σ(c_j) − y_j) / (2 Σ w).
     pos = (dspark_position_weights(k, 2.0, dtype=torch.float64) * m)[..., None]

@@ -20,7 +20,7 @@ from angelspec.data.corpus.chat import (
     is_english,
 )
 from angelspec.data.corpus.code import build_code_examples, code_pairs_from_source
-from angelspec.data.corpus.common import SPLITS, ChatFilter, DocsFilter, Example, split_examples
+from angelspec.data.corpus.common import SPLITS, ChatFilter, CorpusConfig, DocsFilter, Example, split_examples
 from angelspec.data.corpus.docs import clean_rst, docs_examples_from_rst, rst_sections
 from angelspec.data.corpus.maths import MATH_TEMPLATES, generate_math_problems
 
@@ -172,10 +172,9 @@ def fake_sources(tmp_path: Path) -> S.Sources:
 SMALL = {"code": 1000, "chat": 1000, "math": 200, "docs": 1000}
 
 
-def _build(out: Path, sources: S.Sources, **kw):
+def _build(out: Path, sources: S.Sources, *, force: bool = False, **kw):
     kw.setdefault("max_examples", SMALL)
-    kw.setdefault("progress", False)
-    return build_corpus(out, sources=sources, min_heldout=3, **kw)
+    return build_corpus(out, CorpusConfig(min_heldout=3, **kw), sources=sources, force=force, progress=False)
 
 
 def _lines(path: Path) -> list[dict]:

@@ -81,11 +81,12 @@ def test_taps_named_for_a_run_are_used_as_given() -> None:
 def test_dfly_trains_on_a_two_layer_target(tmp_path, tiny_target_dir) -> None:
     """The default dfly preset on the 2-layer tiny target (it had the embedded target's taps 1, 3, 5: "do not
     fit")."""
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     data = conftest.write_conversations(tmp_path / "conv.jsonl", 12, seed=3)
-    result = train_drafter("dfly", data, tmp_path / "d", target=tiny_target_dir, progress=False, log=lambda _: None,
-                           overrides=["steps=1", "seq_len=64", "batch_size=1", "num_anchors=2", "warmup=1"])
+    settings = TrainSettings(overrides=("steps=1", "seq_len=64", "batch_size=1", "num_anchors=2", "warmup=1"),
+                             progress=False)
+    result = train_drafter("dfly", data, tmp_path / "d", settings, target=tiny_target_dir, log=lambda _: None)
     config = json.loads((result.out / "config.json").read_text(encoding="utf-8"))
     assert config["angelspec"]["target_layer_ids"] == [0, 1]
 
@@ -93,12 +94,12 @@ def test_dfly_trains_on_a_two_layer_target(tmp_path, tiny_target_dir) -> None:
 def test_preset_rows_are_cut_to_a_short_target_context(tmp_path, tiny_target_dir) -> None:
     """dfly_embedded packs 512-token rows; the tiny target's context is 256: the rows follow it (a seq_len the run
     names itself is refused instead, tests/test_bad_input.py)."""
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     data = conftest.write_conversations(tmp_path / "conv.jsonl", 12, seed=3)
     said: list[str] = []
-    result = train_drafter("dfly", data, tmp_path / "d", target=tiny_target_dir, progress=False, log=said.append,
-                           overrides=["steps=1", "batch_size=1", "num_anchors=2", "warmup=1"])
+    settings = TrainSettings(overrides=("steps=1", "batch_size=1", "num_anchors=2", "warmup=1"), progress=False)
+    result = train_drafter("dfly", data, tmp_path / "d", settings, target=tiny_target_dir, log=said.append)
     assert any(line.startswith(f"seq_len {conftest.TINY_CONTEXT}:") for line in said), said
     config = json.loads((result.out / "config.json").read_text(encoding="utf-8"))
     assert config["angelspec"]["train_config"]["seq_len"] == conftest.TINY_CONTEXT

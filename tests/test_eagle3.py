@@ -29,7 +29,7 @@ from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.hf_io import CheckpointError
 from angelspec.models.mtp import concat_taps
 from angelspec.models.mtp_io import load_mtp, save_mtp
-from angelspec.train.ttt import ttt_rollout
+from angelspec.train.ttt import RolloutMemory, ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +82,7 @@ def test_fast_ttt_matches_explicit_mask_reference():
                       hidden_layers=list(TAPS), compute_logits=False)
     taps = concat_taps(tout.hidden)  # [B, T, 3C]
     args = (model, taps, packed.input_ids, packed.positions, packed.document_ids, 4)
-    fast, ref = ttt_rollout(*args, query_chunk=6), ttt_rollout(*args, attention="reference")
+    fast, ref = ttt_rollout(*args, memory=RolloutMemory(query_chunk=6)), ttt_rollout(*args, attention="reference")
     assert torch.equal(fast.inputs, ref.inputs)
     torch.testing.assert_close(fast.hidden, ref.hidden, atol=1e-10, rtol=0)
     torch.testing.assert_close(fast.logits, ref.logits, atol=1e-10, rtol=0)

@@ -267,12 +267,12 @@ def test_masked_losses_match_brute_force(top_k):
     den = sum(w[i][k] for i in range(N) for k in range(K) if mask[i][k])
     assert dpace_lk_loss(st, te, y, m, top_k, eta, rho, eps).item() == pytest.approx(num / (den + eps), abs=1e-12)
 
-    out = dspark_loss(st, te, y, m, b.confidence_logits, top_k, gamma=2.0)
+    out = dspark_loss(st, te, y, m, b.confidence_logits, LossConfig(top_k=top_k, gamma=2.0))
     assert out.loss.item() == pytest.approx(ref_dspark(s, t, labels, conf, mask, 2.0, top_k), abs=1e-12)
     assert set(out.parts) == {"ce", "tv", "conf"} and not any(v.requires_grad for v in out.parts.values())
-    default_gamma = dspark_loss(st, te, y, m, b.confidence_logits, top_k).loss  # γ = K
+    default_gamma = dspark_loss(st, te, y, m, b.confidence_logits, LossConfig(top_k=top_k)).loss  # γ = K
     assert default_gamma.item() == pytest.approx(ref_dspark(s, t, labels, conf, mask, float(K), top_k), abs=1e-12)
-    half = dspark_loss(st, te, y, m, b.confidence_logits, top_k, gamma=2.0, tv_norm="half_l1").loss
+    half = dspark_loss(st, te, y, m, b.confidence_logits, LossConfig(top_k=top_k, gamma=2.0, tv_norm="half_l1")).loss
     assert half.item() == pytest.approx(ref_dspark(s, t, labels, conf, mask, 2.0, top_k, l1_scale=1.0), abs=1e-12)
 
     per_depth = acceptance_per_depth(st, te, m, top_k)
@@ -303,7 +303,7 @@ def test_gradcheck_losses_without_stop_gradient(top_k):
     _gradcheck(lambda x: lk_alpha_loss(x, te, m, WEIGHTS, top_k, 1e-6), x)
     _gradcheck(lambda x: e2e_tv_loss(x, te, m, top_k), x)
     # DSpark's confidence term: the only path from the loss to the confidence head.
-    _gradcheck(lambda c: dspark_loss(x.detach(), te, y, m, c, top_k).loss, b.confidence_logits)
+    _gradcheck(lambda c: dspark_loss(x.detach(), te, y, m, c, LossConfig(top_k=top_k)).loss, b.confidence_logits)
 
 
 def _surrogate_depth_mean(per_token, mask, weights):
@@ -446,7 +446,7 @@ def test_dspark_tv_term_is_the_reports_l1_distance_by_default():
     assert report.loss.item() == pytest.approx(0.1 * ce + 0.9 * 0.8 + math.log(2), abs=1e-12)
     assert report.parts["tv"].item() == pytest.approx(0.8, abs=1e-12)
     assert report.parts["conf"].item() == pytest.approx(math.log(2), abs=1e-12)  # target α = 1 − ½‖·‖₁ either way
-    old = dspark_loss(student, teacher, labels, mask, conf, tv_norm="half_l1")
+    old = dspark_loss(student, teacher, labels, mask, conf, LossConfig(tv_norm="half_l1"))
     assert old.loss.item() == pytest.approx(0.1 * ce + 0.9 * 0.4 + math.log(2), abs=1e-12)
     batch = LossBatch(student_logits=student, mask=mask, teacher_logits=teacher, labels=labels, confidence_logits=conf)
     assert LOSSES["dspark"](batch, LossConfig()).loss.item() == pytest.approx(report.loss.item(), abs=1e-15)
@@ -508,10 +508,10 @@ def test_dspark_weights_and_confidence_target_are_detached():
     b = make_batch(11)
     te, y, m, c = b.teacher_logits, b.labels, b.mask, b.confidence_logits
     x = b.student_logits.detach().requires_grad_()
-    full = dspark_loss(x, te, y, m, c, gamma=2.0).loss
+    full = dspark_loss(x, te, y, m, c, LossConfig(gamma=2.0)).loss
     g_x, g_c = torch.autograd.grad(full, (x, c))
     # The BCE term sends nothing to the drafter: its student gradient is that of 0.1·CE + 0.9·TV alone.
-    assert torch.allclose(g_x, _grad(dspark_loss(x, te, y, m, None, gamma=2.0).loss, x), atol=1e-14)
+    assert torch.allclose(g_x, _grad(dspark_loss(x, te, y, m, None, LossConfig(gamma=2.0)).loss, x), atol=1e-14)
     # And ∂/∂c of BCE(σ(c), sg[α]) is w_k (σ(c) − α) / Σ w over valid rows.
     pos = dspark_position_weights(K, 2.0, dtype=torch.float64) * m
     expected = pos * (torch.sigmoid(c.detach()) - token_alpha(x, te).detach()) / pos.sum()

@@ -40,7 +40,14 @@ from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, referen
 from angelspec.models import Decoder
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.losses import LossConfig, get_loss
-from angelspec.train.ttt import depth0_inputs, mtp_loss_batch, teacher_for_depths, ttt_reference_mask, ttt_rollout
+from angelspec.train.ttt import (
+    RolloutMemory,
+    depth0_inputs,
+    mtp_loss_batch,
+    teacher_for_depths,
+    ttt_reference_mask,
+    ttt_rollout,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,7 +81,7 @@ def test_fast_ttt_matches_explicit_mask_reference(dtype, std):
     assert packed.num_rows >= 2 and (packed.document_ids == -1).any()  # several docs per row and padding
     h = torch.randn(*packed.input_ids.shape, 32, dtype=dtype, generator=torch.Generator().manual_seed(2))
     args = (model, h, packed.input_ids, packed.positions, packed.document_ids, 4)
-    fast, ref = ttt_rollout(*args, query_chunk=6), ttt_rollout(*args, attention="reference")
+    fast, ref = ttt_rollout(*args, memory=RolloutMemory(query_chunk=6)), ttt_rollout(*args, attention="reference")
     assert torch.equal(fast.inputs, ref.inputs)  # same argmax chain
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(fast.hidden, ref.hidden, atol=tol, rtol=0)
@@ -84,7 +91,7 @@ def test_fast_ttt_matches_explicit_mask_reference(dtype, std):
     gr = torch.autograd.grad(ref.logits.square().mean(), model.proj.weight)[0]
     torch.testing.assert_close(gf, gr, atol=tol, rtol=1e-4)
     # per-depth activation checkpointing recomputes the same graph: bit-identical values and gradients
-    ck = ttt_rollout(*args, checkpoint_depths=True, query_chunk=6)
+    ck = ttt_rollout(*args, memory=RolloutMemory(checkpoint_depths=True, query_chunk=6))
     assert torch.equal(ck.logits, fast.logits)
     assert torch.equal(torch.autograd.grad(ck.logits.square().mean(), model.proj.weight)[0], gf)
 

@@ -176,8 +176,8 @@ def test_build_prompt_pool_files(tmp_path: Path) -> None:
     heldout.write_text(json.dumps({"prompt": f"Please answer: {chat_prompt} Thanks!", "domain": "chat"}) + "\n")
     out = tmp_path / "pool" / "prompts.jsonl"
     quotas = {"code": 20, "chat": 5, "math": 5, "docs": 10}
-    summary = P.build_prompt_pool(out, per_domain=quotas, min_total=40, heldout_paths=[heldout], sources=sources,
-                                  tokenizer=WordTokenizer(), progress=False)
+    summary = P.build_prompt_pool(out, P.PoolSettings(per_domain=quotas, min_total=40), heldout_paths=[heldout],
+                                  sources=sources, tokenizer=WordTokenizer(), progress=False)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(load_prompts(out)) == len(lines) == summary["total"] == 40
     assert all(set(r) == {"prompt", "domain", "id"} for r in lines)

@@ -4,6 +4,7 @@ the tiny target."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import load_target
 from angelspec.train import rollout as rollout_mod
-from angelspec.train.rollout import RolloutError, rollout, split_response
+from angelspec.train.rollout import RolloutError, RolloutSettings, rollout, split_response
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +55,7 @@ def reference_generate(target_dir: Path, messages: list[dict], max_new_tokens: i
 def test_schema_multiturn_and_greedy_equals_generate(tiny_target_dir: Path, tmp_path: Path) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES[:3])
     out = tmp_path / "out.jsonl"
-    summary = rollout(tiny_target_dir, prompts, out, temperature=0.0, max_new_tokens=6, batch_size=2)
+    summary = rollout(tiny_target_dir, prompts, out, RolloutSettings(temperature=0.0, max_new_tokens=6, batch_size=2))
     rows = read_jsonl(out)
     assert len(rows) == 3 and summary.written == 3 and summary.turns == 1 + 2 + 2
     assert rows[0]["domain"] == "math" and rows[0]["id"] == 7 and "prompt" not in rows[0]
@@ -85,9 +86,9 @@ def test_schema_multiturn_and_greedy_equals_generate(tiny_target_dir: Path, tmp_
 def test_resume_after_kill_mid_line_is_byte_identical(tiny_target_dir: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
-    kw = dict(temperature=0.9, top_p=0.95, seed=3, max_new_tokens=5, batch_size=2, chunk_lines=2)
+    kw = RolloutSettings(temperature=0.9, top_p=0.95, seed=3, max_new_tokens=5, batch_size=2, chunk_lines=2)
     full = tmp_path / "full.jsonl"
-    rollout(tiny_target_dir, prompts, full, **kw)
+    rollout(tiny_target_dir, prompts, full, kw)
 
     out = tmp_path / "killed.jsonl"
     real_write = rollout_mod._write_progress
@@ -103,19 +104,19 @@ def test_resume_after_kill_mid_line_is_byte_identical(tiny_target_dir: Path, tmp
 
     monkeypatch.setattr(rollout_mod, "_write_progress", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        rollout(tiny_target_dir, prompts, out, **kw)
+        rollout(tiny_target_dir, prompts, out, kw)
     monkeypatch.setattr(rollout_mod, "_write_progress", real_write)
     assert out.read_bytes() != full.read_bytes() and not out.read_bytes().endswith(b"\n")
 
     with pytest.raises(FileExistsError, match="--resume"):
-        rollout(tiny_target_dir, prompts, out, **kw)
+        rollout(tiny_target_dir, prompts, out, kw)
     with pytest.raises(RolloutError, match="settings differ.*seed"):
-        rollout(tiny_target_dir, prompts, out, **{**kw, "seed": 4}, resume=True)
-    summary = rollout(tiny_target_dir, prompts, out, **kw, resume=True)
+        rollout(tiny_target_dir, prompts, out, replace(kw, seed=4), resume=True)
+    summary = rollout(tiny_target_dir, prompts, out, kw, resume=True)
     assert summary.resumed_at == 2 and summary.written == len(LINES)
     assert out.read_bytes() == full.read_bytes()
     # Resuming a finished run changes nothing.
-    rollout(tiny_target_dir, prompts, out, **kw, resume=True)
+    rollout(tiny_target_dir, prompts, out, kw, resume=True)
     assert out.read_bytes() == full.read_bytes()
 
 
@@ -124,10 +125,10 @@ def test_refusals_and_force(tiny_target_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     out.write_text("not ours\n")
     with pytest.raises(FileExistsError, match="--force"):
-        rollout(tiny_target_dir, prompts, out, max_new_tokens=2)
+        rollout(tiny_target_dir, prompts, out, RolloutSettings(max_new_tokens=2))
     with pytest.raises(RolloutError, match="no progress file"):
-        rollout(tiny_target_dir, prompts, out, max_new_tokens=2, resume=True)
-    summary = rollout(tiny_target_dir, prompts, out, max_new_tokens=1, force=True)
+        rollout(tiny_target_dir, prompts, out, RolloutSettings(max_new_tokens=2), resume=True)
+    summary = rollout(tiny_target_dir, prompts, out, RolloutSettings(max_new_tokens=1), force=True)
     row = read_jsonl(out)[0]
     # One token: either a stop token at once or a response cut by max_new_tokens, kept but flagged.
     assert row["rollout"]["num_tokens"] == 1
@@ -281,7 +282,7 @@ def test_context_overflow_skips_or_cuts_conversations(tiny_target_dir: Path, tmp
         {"prompt": "The cache returns the answer.", "id": "ok"},
     ])
     out = tmp_path / "out.jsonl"
-    summary = rollout(tiny_target_dir, prompts, out, enable_thinking=think, max_new_tokens=4)
+    summary = rollout(tiny_target_dir, prompts, out, RolloutSettings(enable_thinking=think, max_new_tokens=4))
     rows = read_jsonl(out)
     assert [r["id"] for r in rows] == ["cut", "ok"]
     assert summary.skipped_too_long == 1 and summary.dropped_turns == 2 and summary.written == 2
@@ -299,8 +300,8 @@ def test_batch_size_and_chunking_do_not_change_the_file(tiny_target_dir: Path, t
     outs = []
     for bs, chunk in [(1, 2), (4, None)]:
         out = tmp_path / f"o{bs}.jsonl"
-        rollout(tiny_target_dir, prompts, out, temperature=0.9, seed=5, max_new_tokens=6, batch_size=bs,
-                chunk_lines=chunk)
+        rollout(tiny_target_dir, prompts, out, RolloutSettings(temperature=0.9, seed=5, max_new_tokens=6, batch_size=bs,
+                                                               chunk_lines=chunk))
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
 
@@ -383,15 +384,16 @@ def test_engine_vllm_writes_our_greedy_file_and_records_the_engine(tiny_target_d
         monkeypatch.setitem(sys.modules, name, module)
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
     ours, theirs = tmp_path / "ours.jsonl", tmp_path / "vllm.jsonl"
-    rollout(tiny_target_dir, prompts, ours, max_new_tokens=12, batch_size=2)
-    rollout(tiny_target_dir, prompts, theirs, max_new_tokens=12, batch_size=2, engine="vllm")
+    rollout(tiny_target_dir, prompts, ours, RolloutSettings(max_new_tokens=12, batch_size=2))
+    rollout(tiny_target_dir, prompts, theirs, RolloutSettings(max_new_tokens=12, batch_size=2, engine="vllm"))
     assert theirs.read_bytes() == ours.read_bytes()
     assert fake.calls[0]["dtype"] == "float32" and fake.calls[0]["enforce_eager"] is True
     config = json.loads(theirs.with_name(theirs.name + ".progress.json").read_text())["config"]
     assert config["engine"] == "vllm"
     assert "engine" not in json.loads(ours.with_name(ours.name + ".progress.json").read_text())["config"]
     with pytest.raises(RolloutError, match="engine"):  # a file is continued by the engine that started it
-        rollout(tiny_target_dir, prompts, ours, max_new_tokens=12, batch_size=2, engine="vllm", resume=True)
+        rollout(tiny_target_dir, prompts, ours, RolloutSettings(max_new_tokens=12, batch_size=2, engine="vllm"),
+                resume=True)
 
 
 def test_vllm_settings_reach_the_llm_constructor_and_default_to_bf16_and_256_sequences_on_a_gpu(

@@ -160,7 +160,7 @@ def _check_mtp(sp, kind: str) -> None:
     from angelspec.models.mtp import MTPConfig, MTPDraftModel
     from angelspec.train.distributed import global_sum
     from angelspec.train.losses import LOSSES, LossConfig, global_denominators
-    from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+    from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
     vocab, T = 64, 24
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=2, layers=3)
@@ -180,8 +180,9 @@ def _check_mtp(sp, kind: str) -> None:
 
     def step(name, vocab_, sp_=None):
         h, t = whole if sp_ is None else sharded  # the target's taps and teacher: whole rows, or SP's shard + halo
-        out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
-                          checkpoint_depths=True, query_chunk=5, key_chunk=8, sp=sp_, train_vocab=vocab_)
+        out = ttt_rollout(model, h, packed.input_ids, packed.positions, packed.document_ids, D, sp=sp_,
+                          train_vocab=vocab_,
+                          memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=5, key_chunk=8))
         clb = mtp_chunked_loss_batch(model, out, packed, t, max_logits=5 * D * vocab, sp=sp_, train_vocab=vocab_)
         with global_denominators(global_sum) if sp_ is not None else nullcontext():
             loss = LOSSES[name](clb, config).loss
@@ -203,6 +204,7 @@ def _check_block(sp) -> None:
 
     from angelspec.models.block.config import BlockDrafterConfig
     from angelspec.models.block.drafter import BlockDrafter
+    from angelspec.models.config import DraftShape
     from angelspec.train.block import block_chunked_loss_batch, block_forward_train
     from angelspec.train.distributed import global_sum
     from angelspec.train.losses import LOSSES, LossConfig, global_denominators, with_confidence_term
@@ -211,8 +213,8 @@ def _check_block(sp) -> None:
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, layers=4, heads=4, kv=2)
     cfg = BlockDrafterConfig.for_target(target.config, mask_token_id=5, block_size=Bk, num_draft_layers=2,
                                         target_layer_ids=(0, 2, 3), conditioning="dfly", head="hidden", markov_rank=8,
-                                        confidence_head=True, num_attention_heads=2, num_key_value_heads=1,
-                                        draft_vocab_size=16)
+                                        confidence_head=True, draft_vocab_size=16,
+                                        shape=DraftShape(num_attention_heads=2, num_key_value_heads=1))
     model = BlockDrafter(cfg, target.embed_tokens, target.lm_head)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
     model.set_draft_vocab(torch.arange(1, vocab, 4))

@@ -344,8 +344,8 @@ def test_demo_serving_stage_runs_the_recommended_setting_at_trained_depths(tmp_p
 
     seen = {}
 
-    def fake_bench(model, tokenizer, target_dir, configs, **kwargs):
-        seen.update(configs=configs, **kwargs)
+    def fake_bench(model, tokenizer, target_dir, configs, settings, **kwargs):
+        seen.update(configs=configs, **vars(settings), **kwargs)
         rows = [ServingRow(config=c.name, drafter=c.drafter, kind="ar" if c.is_ar else "dfly", policy=c.policy,
                            num_draft_tokens=0, concurrency=cc, requests=4, output_tokens=8, wall_s=1.0,
                            tokens_per_s=8.0, per_user_tokens_per_s=8.0, mal=1.0, mean_depth=0.0, steps=8,

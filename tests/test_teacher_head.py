@@ -33,7 +33,13 @@ from angelspec.train.losses import (
     teacher_logits,
     with_confidence_term,
 )
-from angelspec.train.ttt import depth_teacher_rows, mtp_chunked_loss_batch, teacher_for_depths, ttt_rollout
+from angelspec.train.ttt import (
+    RolloutMemory,
+    depth_teacher_rows,
+    mtp_chunked_loss_batch,
+    teacher_for_depths,
+    ttt_rollout,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,8 +105,9 @@ def test_trainer_features_give_the_teacher_as_states_and_head():
 
 
 def _mtp_step(model, packed, hidden, teacher, name, config, train_vocab="full"):
-    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
-                      checkpoint_depths=True, query_chunk=5, key_chunk=8, train_vocab=train_vocab)
+    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D,
+                      train_vocab=train_vocab,
+                      memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=5, key_chunk=8))
     clb = mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=7 * D * 64, track_alpha=True,
                                  train_vocab=train_vocab)
     lo = LOSSES[name](clb, config)

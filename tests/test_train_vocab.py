@@ -41,7 +41,7 @@ from angelspec.train.losses import (
     token_alpha,
     with_confidence_term,
 )
-from angelspec.train.ttt import mtp_chunked_loss_batch, mtp_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, mtp_loss_batch, ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,8 +186,9 @@ def _mtp_setup(kind="mtp", vocab=64, draft=None, seed=0):
 
 
 def _mtp_step(model, packed, hidden, teacher, name, train_vocab):
-    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, 3, keep_logits=False,
-                      checkpoint_depths=True, query_chunk=5, key_chunk=8, train_vocab=train_vocab)
+    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, 3,
+                      train_vocab=train_vocab,
+                      memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=5, key_chunk=8))
     clb = mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=7 * 3 * 64, train_vocab=train_vocab,
                                  track_alpha=True)
     lo = LOSSES[name](clb, LossConfig())
@@ -209,16 +210,16 @@ def test_ttt_next_depth_tokens_are_draft_vocabulary_ids():
     vocab = torch.tensor([3, 17, 40, 8, 61, 25])
     model, packed, hidden, teacher = _mtp_setup(draft=vocab)
     args = (model, hidden, packed.input_ids, packed.positions, packed.document_ids, 3)
-    full = ttt_rollout(*args, keep_logits=False)
+    full = ttt_rollout(*args, memory=RolloutMemory(keep_logits=False))
     assert not bool(torch.isin(full.inputs[:, :, 1:], vocab).all())  # the full head picks ids outside V' here
     for keep in (False, True):
-        out = ttt_rollout(*args, keep_logits=keep, train_vocab="draft")
+        out = ttt_rollout(*args, train_vocab="draft", memory=RolloutMemory(keep_logits=keep))
         assert bool(torch.isin(out.inputs[:, :, 1:], vocab).all())
     assert out.logits.shape[-1] == len(vocab)
     # the kept-logits reference and the chunked path agree in the draft space too
     lb = mtp_loss_batch(out, packed, teacher, draft_vocab=model.draft_vocab)
     ref = LOSSES["e2e_tv"](lb, LossConfig()).loss
-    chunked = ttt_rollout(*args, keep_logits=False, train_vocab="draft")
+    chunked = ttt_rollout(*args, train_vocab="draft", memory=RolloutMemory(keep_logits=False))
     got = LOSSES["e2e_tv"](mtp_chunked_loss_batch(model, chunked, packed, teacher, max_logits=5 * 3 * 64,
                                                   train_vocab="draft"), LossConfig()).loss
     torch.testing.assert_close(got, ref, **TOL)

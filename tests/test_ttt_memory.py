@@ -22,7 +22,7 @@ from angelspec.data.packing import Doc, pack_documents
 from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.losses import LOSSES, LossConfig, acceptance_per_depth
-from angelspec.train.ttt import mtp_chunked_loss_batch, mtp_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, mtp_loss_batch, ttt_rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,8 +69,8 @@ def _reference_step(model, packed, hidden, teacher, name, config):
 def _linear_step(model, packed, hidden, teacher, name, config, max_logits=7 * D * 64, **kw):
     """The linear path (as the trainer runs it): tiled attention, checkpointed depths, chunked head + loss (7 rows
     per chunk here: several chunks and a remainder)."""
-    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False,
-                      checkpoint_depths=True, query_chunk=5, key_chunk=8)
+    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D,
+                      memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=5, key_chunk=8))
     assert out.logits is None
     clb = mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=max_logits, **kw)
     lo = LOSSES[name](clb, config)
@@ -121,7 +121,8 @@ def test_chunk_size_changes_nothing_and_alpha_is_logged_from_the_chunks():
         losses.append(lo.loss.detach())
     for x in losses[1:]:
         torch.testing.assert_close(x, losses[0], rtol=RTOL, atol=ATOL)
-    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D, keep_logits=False)
+    out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D,
+                      memory=RolloutMemory(keep_logits=False))
     clb = replace(mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=7 * D * 64), checkpoint=False)
     torch.testing.assert_close(LOSSES["lk_alpha"](clb, config).loss.detach(), losses[0], rtol=RTOL, atol=ATOL)
 
@@ -152,7 +153,7 @@ def test_a_training_step_creates_no_t_by_t_tensor_and_never_the_whole_logits():
     B = packed.num_rows
     with _Shapes() as rec:
         out = ttt_rollout(model, hidden, packed.input_ids, packed.positions, packed.document_ids, D,
-                          keep_logits=False, checkpoint_depths=True, query_chunk=32, key_chunk=64)
+                          memory=RolloutMemory(keep_logits=False, checkpoint_depths=True, query_chunk=32, key_chunk=64))
         clb = mtp_chunked_loss_batch(model, out, packed, teacher, max_logits=B * T * D * V // 8)
         LOSSES["e2e_tv"](clb, LossConfig()).loss.backward()
     assert len(rec.shapes) > 500
@@ -188,7 +189,7 @@ def test_trainer_runs_the_linear_path(tmp_path, tiny_target_dir, conversations, 
     rollout, chunked = mtp.ttt_rollout, mtp.mtp_chunked_loss_batch
 
     def spy_rollout(*a, **kw):
-        seen.append(("rollout", kw["keep_logits"], kw["checkpoint_depths"]))
+        seen.append(("rollout", kw["memory"].keep_logits, kw["memory"].checkpoint_depths))
         return rollout(*a, **kw)
 
     def spy_chunked(*a, **kw):

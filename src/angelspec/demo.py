@@ -325,13 +325,14 @@ def stage_draft_lm(state: DemoState) -> dict[str, str]:
 
 def demo_rollout(state: DemoState) -> Path:
     """Roll out the shipped training prompts with the target once (the drafters train on its own answers)."""
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
     if state.rollout_data is None:
         state.work_dir.mkdir(parents=True, exist_ok=True)
         data = state.work_dir / "rollout.jsonl"
-        summary = rollout(state.target_dir, state.train_prompts, data, max_new_tokens=state.max_new_tokens,
-                          batch_size=16, force=True, progress=True, placement=state.placement)
+        settings = RolloutSettings(max_new_tokens=state.max_new_tokens, batch_size=16)
+        summary = rollout(state.target_dir, state.train_prompts, data, settings, force=True, progress=True,
+                          placement=state.placement)
         print(summary.format())
         state.rollout_data = data
     return state.rollout_data
@@ -380,7 +381,7 @@ def stage_serving(state: DemoState) -> dict[str, str]:
     generations, eager (a minute or two on 2 CPU cores; the full sweep is `angelspec bench` or
     `benchmarks/serving.py`)."""
     from angelspec.decoding.drafters.base import DrafterMismatchError
-    from angelspec.eval.serving import ServingConfig, bench, lossless
+    from angelspec.eval.serving import BenchSettings, ServingConfig, bench, lossless
 
     mtp, dfly = state.drafters / "mtp", state.drafters / "dfly"
     missing = [str(d) for d in (mtp, dfly) if not (d / "config.json").is_file()]
@@ -393,10 +394,11 @@ def stage_serving(state: DemoState) -> dict[str, str]:
                ServingConfig("DFly auto", f"dfly:{dfly}", "auto")]
     out_dir = state.work_dir / "serving"
     try:
-        report = bench(state.model, state.tokenizer, state.target_dir, configs, concurrency=SERVING_CONCURRENCY,
-                       max_new_tokens=min(SERVING_NEW_TOKENS, state.max_new_tokens),
-                       num_draft_tokens=SERVING_K, min_requests=SERVING_MIN_REQUESTS, warmup_tokens=4,
-                       out_dir=out_dir, workload=state.prompts, cost_table_path=out_dir / "dfly-cost-table.json")
+        settings = BenchSettings(concurrency=SERVING_CONCURRENCY,
+                                 max_new_tokens=min(SERVING_NEW_TOKENS, state.max_new_tokens),
+                                 num_draft_tokens=SERVING_K, min_requests=SERVING_MIN_REQUESTS, warmup_tokens=4)
+        report = bench(state.model, state.tokenizer, state.target_dir, configs, settings, out_dir=out_dir,
+                       workload=state.prompts, cost_table_path=out_dir / "dfly-cost-table.json")
     except DrafterMismatchError as e:
         note = f"skipped: {e}"
         print(note)

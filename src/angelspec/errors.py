@@ -8,11 +8,34 @@ Bad input gets one of AngelSpec's own exception classes (this module's, or a mod
 from __future__ import annotations
 
 import errno
+import re
+from collections.abc import Callable
+
+_SETTING = re.compile(r"\{(\w+)\}")
 
 
 class UsageError(ValueError):
     """Bad input that argparse cannot see: values, combinations, missing artefacts. The message names the
     problem and the fix."""
+
+
+class SettingError(UsageError):
+    """Bad input in a field of a library call's typed settings (`TrainSettings.sp`, `BenchSettings.min_requests`,
+    ...). The message names the settings it is about as `{field}` placeholders: `str()` spells each by its field
+    name, and a caller that knows them by other names words it with `worded` (the command line: its flags)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.worded(str))
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The fields the message names, in order."""
+        return tuple(_SETTING.findall(self.template))
+
+    def worded(self, name_of: Callable[[str], str]) -> str:
+        """The message with every setting named `name_of(field)`."""
+        return _SETTING.sub(lambda m: name_of(m.group(1)), self.template)
 
 
 # Exit codes of the command line, the demo and the benchmarks.
@@ -51,14 +74,22 @@ def describe_error(exc: BaseException) -> str:
     return str(exc)
 
 
+def _refuse(name: str, problem: str) -> UsageError:
+    """The error for `name` (a flag such as "--sp", or a setting's field name such as "sp": a `SettingError`)."""
+    if name.isidentifier():
+        return SettingError(f"{{{name}}} {problem}")
+    return UsageError(f"{name} {problem}")
+
+
 def require_positive(name: str, value: int) -> None:
-    """Refuse a count below 1 (`name` is the flag or argument the message names)."""
+    """Refuse a count below 1 (`name` is the flag, argument or setting the message names; a setting's field name
+    raises a `SettingError`)."""
     if value < 1:
-        raise UsageError(f"{name} must be at least 1, got {value}")
+        raise _refuse(name, f"must be at least 1, got {value}")
 
 
 def require_range(name: str, value: float, low: float, high: float, what: str = "") -> None:
-    """Refuse a number outside [low, high], NaN included (`name` is the flag or setting the message names, `what`
-    says what the bound comes from, e.g. " (the target's context)")."""
+    """Refuse a number outside [low, high], NaN included (`name` is the flag or setting the message names, as in
+    `require_positive`; `what` says what the bound comes from, e.g. " (the target's context)")."""
     if not low <= value <= high:
-        raise UsageError(f"{name} must be at least {low} and at most {high}{what}, got {value}")
+        raise _refuse(name, f"must be at least {low} and at most {high}{what}, got {value}")

@@ -21,8 +21,8 @@ import sys
 
 from angelspec import __version__
 from angelspec.cli import data, evaluate, export, generate, train
-from angelspec.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from angelspec.errors import describe_error, is_user_error
+from angelspec.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
+from angelspec.errors import is_user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,5 +66,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not is_user_error(e):
             raise
-        print(f"angelspec: error: {describe_error(e)}", file=sys.stderr)
+        print(f"angelspec: error: {error_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

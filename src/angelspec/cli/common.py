@@ -17,6 +17,25 @@ if TYPE_CHECKING:
     from angelspec.decoding.settings import DecodeSettings
     from angelspec.models.device import Placement  # torch is imported when a handler calls `placement`
 
+# The flag each setting of the library's typed settings comes from, where a library error names it
+# (`errors.SettingError`); a setting not listed keeps its field name.
+SETTING_FLAGS = {
+    "sp": "--sp", "distributed": "--distributed", "feature_workers": "--feature-workers",
+    "feature_backend": "--feature-backend", "head": "--head", "init_from": "--init-from", "only": "--only",
+    "concurrency": "--concurrency", "min_requests": "--min-requests", "warmup_tokens": "--warmup-tokens",
+}
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a user error is shown as (`errors.describe_error`), the settings a `SettingError` names
+    spelled as the flags they come from (`SETTING_FLAGS`)."""
+    from angelspec.errors import SettingError, describe_error
+
+    if isinstance(exc, SettingError):
+        return exc.worded(lambda name: SETTING_FLAGS.get(name, name))
+    return describe_error(exc)
+
+
 TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
 POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "

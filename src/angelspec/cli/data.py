@@ -66,15 +66,16 @@ def add_rollout(sub: Subparsers) -> argparse.ArgumentParser:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     """`angelspec rollout`: run :func:`angelspec.train.rollout.rollout` and print its summary."""
-    from angelspec.train.rollout import RolloutError, rollout
+    from angelspec.train.rollout import RolloutError, RolloutSettings, rollout
 
     if args.resume and args.force:
         raise RolloutError("--resume and --force contradict each other: pick one")
     vllm = vllm_settings(args)
-    summary = rollout(args.target, args.prompts, args.out, enable_thinking=args.think, temperature=args.temperature,
-                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                      batch_size=args.batch_size, resume=args.resume, force=args.force, progress=not args.quiet,
-                      engine=args.engine, placement=placement(args), vllm=vllm)
+    settings = RolloutSettings(enable_thinking=args.think, temperature=args.temperature, top_p=args.top_p,
+                               top_k=args.top_k, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                               batch_size=args.batch_size, engine=args.engine)
+    summary = rollout(args.target, args.prompts, args.out, settings, resume=args.resume, force=args.force,
+                      progress=not args.quiet, placement=placement(args), vllm=vllm)
     print(summary.format())
     print(f"wrote {args.out}")
     if summary.truncated_turns:
@@ -195,12 +196,12 @@ def cmd_prompt_pool(args: argparse.Namespace) -> int:
     import json
 
     from angelspec.assets import resolve_target_dir
-    from angelspec.data.prompt_pool import DEFAULT_HELDOUT_PATHS, build_prompt_pool
+    from angelspec.data.prompt_pool import DEFAULT_HELDOUT_PATHS, PoolSettings, build_prompt_pool
 
-    summary = build_prompt_pool(args.out, per_domain=args.per_domain, min_total=args.min_total, seed=args.seed,
-                                heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS, cache_dir=args.cache_dir,
-                                target_dir=resolve_target_dir(args.target), progress=not args.quiet,
-                                force=args.force)
+    settings = PoolSettings(per_domain=args.per_domain, min_total=args.min_total, seed=args.seed)
+    summary = build_prompt_pool(args.out, settings, heldout_paths=args.heldout or DEFAULT_HELDOUT_PATHS,
+                                cache_dir=args.cache_dir, target_dir=resolve_target_dir(args.target),
+                                progress=not args.quiet, force=args.force)
     print(json.dumps({k: summary[k] for k in ("total", "selected", "decontam_dropped")}, indent=2))
     print(f"wrote {args.out}; roll it out with: angelspec rollout --prompts {args.out} --out ROLLOUTS.jsonl")
     return 0

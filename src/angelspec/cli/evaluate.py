@@ -202,17 +202,20 @@ def add_bench(sub: Subparsers) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """`angelspec bench`: closed-loop serving sweep of AR and drafters under depth policies."""
+    from angelspec.assets import EVAL_PROMPTS
     from angelspec.eval.runs import DEFAULT_VLLM_VENV, run_bench
-    from angelspec.eval.serving import lossless
+    from angelspec.eval.serving import BenchSettings, lossless, parse_concurrency
 
     if args.no_vllm and args.vllm is not None:
         raise UsageError("--vllm DIR and --no-vllm contradict each other; give one")
     vllm = None if args.no_vllm else args.vllm if args.vllm is not None else (
         DEFAULT_VLLM_VENV if (Path(DEFAULT_VLLM_VENV) / "bin" / "python").is_file() else None)
-    report = run_bench(args.config, args.out, target=args.target, concurrency=args.concurrency,
-                       max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                       min_requests=args.min_requests, warmup_tokens=args.warmup_tokens, prompts=args.prompts,
-                       breakeven=args.breakeven, limit=args.limit, vllm=vllm, compile=args.compile,
+    settings = BenchSettings(concurrency=parse_concurrency(args.concurrency), max_new_tokens=args.max_new_tokens,
+                             num_draft_tokens=args.num_draft_tokens, min_requests=args.min_requests,
+                             warmup_tokens=args.warmup_tokens, compile=args.compile, limit=args.limit,
+                             prompts=EVAL_PROMPTS if args.prompts is None else Path(args.prompts),
+                             breakeven=args.breakeven)
+    report = run_bench(args.config, args.out, settings, target=args.target, vllm=vllm,
                        log=None if args.quiet else print, placement=placement(args), force=args.force)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0
 

@@ -87,8 +87,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`angelspec train`: train a drafter for a target and write a self-describing drafter folder."""
     import os
 
+    from angelspec.train.config import Parallelism
     from angelspec.train.loop import check_out_dir
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     overrides = list(args.overrides)
     where = placement(args)  # a device that is not there fails before anything starts
@@ -103,11 +104,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                                        dtype=args.dtype, attention=args.attention)
             print(f"eval-server: pid {server.pid}, evaluating every {args.eval_every} steps into "
                   f"{args.out}/training/eval_log.jsonl")
-    result = train_drafter(args.drafter, args.data, args.out, target=args.target, preset=args.preset, head=args.head,
-                           overrides=overrides, resume=args.resume, force=args.force, progress=not args.quiet,
-                           max_minutes=args.max_minutes, distributed=args.distributed,
-                           feature_workers=args.feature_workers, feature_backend=args.feature_backend,
-                           init_from=args.init_from, only=args.only, sp=args.sp, log=print, placement=where)
+    settings = TrainSettings(preset=args.preset, overrides=tuple(overrides), head=args.head, init_from=args.init_from,
+                             only=args.only, resume=args.resume, force=args.force, max_minutes=args.max_minutes,
+                             progress=not args.quiet, parallel=Parallelism(args.distributed, args.sp),
+                             feature_workers=args.feature_workers, feature_backend=args.feature_backend)
+    result = train_drafter(args.drafter, args.data, args.out, settings, target=args.target, log=print,
+                           placement=where)
     print(result.format())
     return 0
 

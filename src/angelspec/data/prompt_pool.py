@@ -290,36 +290,47 @@ def select_pool(
 # ---------------------------------------------------------------------------------- build
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    """What `build_prompt_pool` selects: `per_domain` quotas (default :data:`DEFAULT_PER_DOMAIN`; its keys are the
+    domains mined); `min_total`, the pool's minimum size, whose shortfalls go to `fill_domains` (maths is regenerated
+    with more problems when it is the one that runs out); `seed`; the length caps `max_chars` and
+    `max_prompt_tokens` (target tokens); `ngram`, the decontamination n-gram length."""
+
+    per_domain: Mapping[str, int] | None = None
+    min_total: int = DEFAULT_MIN_TOTAL
+    fill_domains: Sequence[str] = DEFAULT_FILL_DOMAINS
+    seed: int = 0
+    max_chars: int = DEFAULT_MAX_CHARS
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    ngram: int = DEFAULT_NGRAM
+
+
 def build_prompt_pool(
     out_path: str | os.PathLike[str],
+    settings: PoolSettings | None = None,
     *,
-    per_domain: Mapping[str, int] | None = None,
-    min_total: int = DEFAULT_MIN_TOTAL,
-    fill_domains: Sequence[str] = DEFAULT_FILL_DOMAINS,
-    seed: int = 0,
     heldout_paths: Sequence[str | os.PathLike[str]] = DEFAULT_HELDOUT_PATHS,
     cache_dir: str | os.PathLike[str] | None = None,
     sources: Sources | None = None,
     target_dir: str | os.PathLike[str] = DEFAULT_TARGET_DIR,
     tokenizer: Any = None,
-    max_chars: int = DEFAULT_MAX_CHARS,
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-    ngram: int = DEFAULT_NGRAM,
     progress: bool = True,
     force: bool = False,
 ) -> dict[str, Any]:
-    """Build the prompt pool into ``out_path`` (plus its summary and decontamination report); return the summary.
-    An existing ``out_path`` is refused unless ``force``, and one of the held-out files always.
+    """Build the prompt pool that `settings` describe (`PoolSettings`; None: the defaults) into ``out_path`` (plus
+    its summary and decontamination report); return the summary. An existing ``out_path`` is refused unless
+    ``force``, and one of the held-out files always.
 
     Args:
-        per_domain: quota per domain (default :data:`DEFAULT_PER_DOMAIN`); its keys are the domains mined.
-        min_total: the pool's minimum size; shortfalls go to ``fill_domains`` (maths is regenerated with
-            more problems when it is the one that runs out).
         heldout_paths: prompts files (default: the shipped ``eval.jsonl``) nothing in the pool may overlap.
         cache_dir / sources: where the raw sources live (:mod:`angelspec.data.sources`); tests pass fakes.
         target_dir / tokenizer: the target whose tokens the length cap and the n-gram rule count.
     """
     t0 = time.perf_counter()
+    s = PoolSettings() if settings is None else settings
+    per_domain, min_total, fill_domains, seed = s.per_domain, s.min_total, s.fill_domains, s.seed
+    max_chars, max_prompt_tokens, ngram = s.max_chars, s.max_prompt_tokens, s.ngram
     say: Callable[[str], None] = (lambda msg: print(f"prompt-pool: {msg}", file=sys.stderr)) if progress else (
         lambda msg: None)
     if per_domain is not None and not isinstance(per_domain, Mapping):

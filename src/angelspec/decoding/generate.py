@@ -1,5 +1,5 @@
 """Completing a prompts file with the target (optionally a drafter under a depth policy): the work behind
-`angelspec generate`, as one call with plain keyword arguments.
+`angelspec generate`, as one call taking a parsed `DrafterSpec` and a typed `DecodeSettings`.
 
 Also the settings checks every decoding command shares: one `SamplingParams` per request (`sampling_params`),
 a `--policy` spec checked before any weights load (`parse_depth_policy`) and built once the target and

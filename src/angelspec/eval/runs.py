@@ -1,10 +1,11 @@
-"""The measuring commands as library calls with plain keyword arguments: `evaluate_drafters` (`angelspec eval`:
+"""The measuring commands as library calls taking typed settings: `evaluate_drafters` (`angelspec eval`:
 AR vs drafters on the same prompts, with the T=0 lossless check), `profile_cost_table` (`angelspec profile`: the
 step-latency table C(B, N) of report §4.2), `calibrate` (`angelspec calibrate`: STS temperatures, report §4.1)
-and `run_bench` (`angelspec bench`: the closed-loop serving sweep).
+and `run_bench` (`angelspec bench`: the closed-loop serving sweep, its shape one `BenchSettings`).
 
 Each checks every setting it can before the target's weights are loaded, then loads the target (on `placement`'s
-device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes; the
+device and dtype; None: `angelspec.models.device.resolve_placement()`) and the drafter, measures and writes. A bad
+field of `BenchSettings` raises a `SettingError` that names the field (the command line shows its flag); the other
 messages name the command-line flags, since that is where the values usually come from.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +30,13 @@ from angelspec.decoding.loading import (
     resolve_drafter,
 )
 from angelspec.decoding.settings import DecodeSettings
-from angelspec.errors import UsageError, require_range
+from angelspec.errors import SettingError, UsageError, require_range
 from angelspec.eval.prompts import eval_prompts
 from angelspec.fileio import check_output_path, check_writable_path, refuse_same_file, write_json_atomic
 
 if TYPE_CHECKING:
     from angelspec.decoding.policies.costmodel import CostTable
-    from angelspec.eval.serving import ServingConfig, ServingReport
+    from angelspec.eval.serving import BenchSettings, ServingConfig, ServingReport
     from angelspec.eval.speculative import EvalReport
     from angelspec.models import DecoderConfig
     from angelspec.models.device import Placement
@@ -258,32 +259,32 @@ def calibrate(drafter: str, prompts: str | Path, *, target: str | Path | None = 
 DEFAULT_VLLM_VENV = ".venv-vllm"  # `make vllm-venv`: bench runs the vLLM column from it when it exists
 
 
-def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target: str | Path | None = None,
-              concurrency: Sequence[int] | str = "1,2,4,8,16,32", max_new_tokens: int = 128,
-              num_draft_tokens: int | None = None, min_requests: int = 8, warmup_tokens: int = 8,
-              prompts: str | Path | None = None, breakeven: bool = False, limit: int | None = None,
-              vllm: str | Path | None = None, log: Callable[[str], None] | None = None,
-              placement: Placement | None = None, force: bool = False, compile: bool = False) -> ServingReport:
+def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, settings: BenchSettings | None = None, *,
+              target: str | Path | None = None, vllm: str | Path | None = None,
+              log: Callable[[str], None] | None = None, placement: Placement | None = None,
+              force: bool = False) -> ServingReport:
     """The closed-loop serving sweep (`angelspec.eval.serving.bench`) of `configs` (`ServingConfig`s or
-    NAME=SPEC[@POLICY] texts) at each concurrency, writing results.json, results.md and the plots into the
-    folder `out`. `limit`: the first N workload prompts per domain. `vllm`: the vLLM venv for the vLLM column
-    (`eval.serving.vllm`; its log goes to `out`/vllm.log). `compile`: every configuration compiled. Drafter folders
-    and the vLLM venv are checked before the target is loaded; a folder that already holds a sweep is refused
-    unless `force`."""
+    NAME=SPEC[@POLICY] texts) in the shape `settings` give (`BenchSettings`; None: the defaults), writing
+    results.json, results.md and the plots into the folder `out`. `vllm`: the vLLM venv for the vLLM column
+    (`eval.serving.vllm`; its log goes to `out`/vllm.log). Drafter folders and the vLLM venv are checked before the
+    target is loaded; a folder that already holds a sweep is refused unless `force`."""
     from angelspec.decoding.policies.factory import PolicyError
-    from angelspec.eval.serving import ServingError, bench, check_configs, parse_concurrency, parse_config
+    from angelspec.eval.serving import BenchSettings, ServingError, bench, check_configs, parse_config
 
+    s = BenchSettings() if settings is None else settings
     try:
         parsed = [parse_config(c) if isinstance(c, str) else c for c in configs]
         check_configs(parsed)
-        levels = parse_concurrency(concurrency) if isinstance(concurrency, str) else tuple(concurrency)
     except (ServingError, PolicyError) as e:
         raise UsageError(str(e)) from None
-    check_counts(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, limit=limit)
+    levels, num_draft_tokens, warmup_tokens = tuple(s.concurrency), s.num_draft_tokens, s.warmup_tokens
+    check_counts(max_new_tokens=s.max_new_tokens, num_draft_tokens=num_draft_tokens, limit=s.limit)
+    if not levels:
+        raise SettingError("{concurrency} needs at least one level, e.g. 1,2,4")
     for c in levels:
-        require_range("--concurrency", c, 1, MAX_BATCH_SIZE)
-    require_range("--min-requests", min_requests, 1, MAX_REQUESTS)
-    require_range("--warmup-tokens", warmup_tokens, 0, 1 << 24)
+        require_range("concurrency", c, 1, MAX_BATCH_SIZE)
+    require_range("min_requests", s.min_requests, 1, MAX_REQUESTS)
+    require_range("warmup_tokens", warmup_tokens, 0, 1 << 24)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")
@@ -295,7 +296,6 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         if folder is not None and not folder.exists():
             raise UsageError(f"--config {c.name}={c.drafter}: drafter folder {folder} does not exist; train it with "
                              f"`angelspec train --drafter KIND --data DATA --out {folder}` or fix the path")
-    prompts_path = Path(prompts) if prompts is not None else EVAL_PROMPTS
     target_dir = resolve_target_dir(target)
     config = _target_config(target_dir)
     from angelspec.models.device import placement_of
@@ -305,7 +305,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
                       batch_flag="--concurrency", dtype_bytes=where.dtype.itemsize, device=where.device,
                       with_weights=True)
     if warmup_tokens > config.max_position_embeddings:
-        require_range("--warmup-tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
+        require_range("warmup_tokens", warmup_tokens, 0, config.max_position_embeddings, " (the target's context)")
     column = None
     if vllm is not None:
         from angelspec.eval.serving.vllm import find_vllm_python, open_vllm_column
@@ -313,7 +313,5 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, *, target
         find_vllm_python(vllm)  # a missing venv fails at once, before the import check
         column = open_vllm_column(vllm, target_dir, out_dir / "vllm.log", log=log)
     model, tokenizer = load_target_and_tokenizer(target_dir, placement)
-    return bench(model, tokenizer, target_dir, parsed, concurrency=levels, max_new_tokens=max_new_tokens,
-                 num_draft_tokens=num_draft_tokens, min_requests=min_requests, warmup_tokens=warmup_tokens,
-                 out_dir=out_dir, breakeven=breakeven, prompts_path=prompts_path, limit=limit, vllm=column, log=log,
-                 compile=compile)
+    return bench(model, tokenizer, target_dir, parsed, replace(s, concurrency=levels), out_dir=out_dir, vllm=column,
+                 log=log)

@@ -62,6 +62,17 @@ class LayerShape:
         return {f.name: getattr(self, f.name) for f in fields(LayerShape)}
 
 
+@dataclass(frozen=True)
+class DraftShape:
+    """The draft layers' attention and MLP shape where a drafter's differs from its target's (None: the target's),
+    as a trainer's config names it (`DrafterRunConfig.layer_shape`) and the models' `for_target` take it."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig(LayerShape):
     """Shape and family flags of a decoder-only target.
@@ -257,16 +268,16 @@ class DraftModelConfig(LayerShape):
     draft_vocab_size: int = 0  # inference drafts only from the N most frequent target tokens (0: the whole vocab)
 
     @staticmethod
-    def target_shape(target: DecoderConfig, *, num_attention_heads: int | None = None,
-                     num_key_value_heads: int | None = None, head_dim: int | None = None,
-                     intermediate_size: int | None = None) -> dict[str, Any]:
-        """The shape and target fields of a drafter for `target`: attention / MLP shape default to the target's."""
+    def target_shape(target: DecoderConfig, shape: DraftShape | None = None) -> dict[str, Any]:
+        """The shape and target fields of a drafter for `target`: attention / MLP shape default to the target's
+        (`shape`: the overrides)."""
+        shape = DraftShape() if shape is None else shape
         return {**target.layer_shape(), "target_fingerprint": target.fingerprint(),
                 "target_num_layers": target.num_hidden_layers,
-                "num_attention_heads": num_attention_heads or target.num_attention_heads,
-                "num_key_value_heads": num_key_value_heads or target.num_key_value_heads,
-                "head_dim": head_dim or target.head_dim,
-                "intermediate_size": intermediate_size or target.intermediate_size}
+                "num_attention_heads": shape.num_attention_heads or target.num_attention_heads,
+                "num_key_value_heads": shape.num_key_value_heads or target.num_key_value_heads,
+                "head_dim": shape.head_dim or target.head_dim,
+                "intermediate_size": shape.intermediate_size or target.intermediate_size}
 
     def layer_config(self) -> DecoderConfig:
         """The `DecoderConfig` the draft layers and their KV cache are built from: this shape with

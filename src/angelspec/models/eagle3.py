@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from angelspec.models.config import ConfigError, DecoderConfig
+from angelspec.models.config import ConfigError, DecoderConfig, DraftShape
 from angelspec.models.decoder import RMSNorm
 from angelspec.models.linear import Linear
 from angelspec.models.mtp import MTPDraftModel, MTPFamilyConfig
@@ -80,15 +80,13 @@ class Eagle3Config(MTPFamilyConfig):
 
     @classmethod
     def for_target(cls, target: DecoderConfig, *, num_depths: int = 3,
-                   target_layer_ids: tuple[int, int, int] | None = None, num_attention_heads: int | None = None,
-                   num_key_value_heads: int | None = None, head_dim: int | None = None,
-                   intermediate_size: int | None = None) -> Eagle3Config:
-        """A model for `target`: attention/MLP shape default to the target's, taps to (1, L//2, L-2)."""
-        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
-                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                                 intermediate_size=intermediate_size)
+                   target_layer_ids: tuple[int, int, int] | None = None,
+                   shape: DraftShape | None = None) -> Eagle3Config:
+        """A model for `target`: attention/MLP shape default to the target's (`shape`: the overrides), taps to
+        (1, L//2, L-2)."""
+        layers = cls.target_shape(target, shape)
         ids = default_eagle3_layer_ids(target.num_hidden_layers) if target_layer_ids is None else target_layer_ids
-        return cls(num_depths=num_depths, target_layer_ids=tuple(ids), **shape)
+        return cls(num_depths=num_depths, target_layer_ids=tuple(ids), **layers)
 
 
 class Eagle3DraftModel(MTPDraftModel):

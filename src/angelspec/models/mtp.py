@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from angelspec.models.attention import AttentionPlan, cache_span
-from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig, DraftShape
 from angelspec.models.decoder import DecoderLayer, DraftRope, RMSNorm
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.linear import Linear, linear
@@ -87,14 +87,12 @@ class MTPConfig(MTPFamilyConfig):
 
     @classmethod
     def for_target(cls, target: DecoderConfig, *, num_depths: int = 3, target_layer_id: int | None = None,
-                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
-                   head_dim: int | None = None, intermediate_size: int | None = None) -> MTPConfig:
-        """A model for `target`: attention/MLP shape default to the target's; tap defaults to its last layer."""
-        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
-                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                                 intermediate_size=intermediate_size)
+                   shape: DraftShape | None = None) -> MTPConfig:
+        """A model for `target`: attention/MLP shape default to the target's (`shape`: the overrides); tap defaults
+        to its last layer."""
+        layers = cls.target_shape(target, shape)
         tap = target.num_hidden_layers - 1 if target_layer_id is None else target_layer_id
-        return cls(num_depths=num_depths, target_layer_id=tap, **shape)
+        return cls(num_depths=num_depths, target_layer_id=tap, **layers)
 
 
 def concat_taps(taps: Sequence[torch.Tensor]) -> torch.Tensor:

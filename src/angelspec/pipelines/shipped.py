@@ -91,15 +91,15 @@ def rollout_state(out: Path) -> dict[str, Any] | None:
 def ensure_rollouts(work_dir: Path, pool: Path, *, log: Callable[[str], None] = print,
                     progress: bool = True) -> Path:
     """Greedy rollouts of the pool by the target, resumed where a kill left them."""
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
     out = work_dir / ROLLOUT_FILE
     state = rollout_state(out)
     if state is not None and state.get("complete"):
         return out
     log(f"rollouts of {pool} -> {out}" + (f" (resuming at line {state['lines_done']})" if state else ""))
-    summary = rollout(None, pool, out, max_new_tokens=ROLLOUT_NEW_TOKENS, batch_size=ROLLOUT_BATCH,
-                      resume=state is not None, progress=progress)
+    settings = RolloutSettings(max_new_tokens=ROLLOUT_NEW_TOKENS, batch_size=ROLLOUT_BATCH)
+    summary = rollout(None, pool, out, settings, resume=state is not None, progress=progress)
     log(summary.format())
     return out
 
@@ -124,7 +124,7 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
     Returns the last stage's run folder (unfinished when `max_minutes` ran out: run it again to continue)."""
     from angelspec.eval.server import spawn_eval_server
     from angelspec.train.registry import get_trainer
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     presets = get_trainer(d.kind)[1]
     start: Path | None = None
@@ -132,14 +132,14 @@ def train_shipped(d: ShippedDrafter, data: Path, work_dir: Path, *, max_minutes:
         steps = presets[preset]().steps
         if not run_finished(run, steps):
             resume = (run / "training").is_dir()
-            overrides = [] if eval_every is None else [f"ckpt_every={eval_every}"]
+            overrides = () if eval_every is None else (f"ckpt_every={eval_every}",)
             server = spawn_eval_server(run, limit=3, max_new_tokens=64)
             log(f"{d.name}: {'resuming' if resume else 'training'} {d.kind} ({preset}) in {run}"
                 f"{'' if start is None else f' from {start}'}; eval-server pid {server.pid} -> "
                 f"{run}/training/eval_log.jsonl")
-            result = train_drafter(d.kind, data, run, preset=preset, overrides=overrides, resume=resume,
-                                   progress=progress, max_minutes=max_minutes, log=log,
-                                   init_from=None if start is None else str(start))
+            settings = TrainSettings(preset=preset, overrides=overrides, resume=resume, progress=progress,
+                                     max_minutes=max_minutes, init_from=None if start is None else str(start))
+            result = train_drafter(d.kind, data, run, settings, log=log)
             log(result.format())
             if not run_finished(run, steps):
                 return run  # time is up: the next stage waits for this one

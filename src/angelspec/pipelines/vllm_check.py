@@ -215,10 +215,10 @@ def _rollout_prompts(path: Path, n: int) -> Path:
 
 
 def _rollout(engine: str, prompts: Path, out: Path, settings: VllmCheckSettings, log: Callable[[str], None]) -> Any:
-    from angelspec.train.rollout import rollout
+    from angelspec.train.rollout import RolloutSettings, rollout
 
-    summary = rollout(DEFAULT_TARGET, prompts, out, max_new_tokens=settings.rollout_tokens, batch_size=16,
-                      force=True, engine=engine)
+    run = RolloutSettings(max_new_tokens=settings.rollout_tokens, batch_size=16, engine=engine)
+    summary = rollout(DEFAULT_TARGET, prompts, out, run, force=True)
     log(f"rollout --engine {engine}: {summary.format()}")
     return summary
 
@@ -317,7 +317,7 @@ def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], N
     from angelspec.models.hf_io import save_safetensors_atomic
     from angelspec.pipelines.shipped import DEFAULT_WORK, ROLLOUT_FILE
     from angelspec.train.block import BlockDrafterTrainConfig
-    from angelspec.train.runs import train_drafter
+    from angelspec.train.runs import TrainSettings, train_drafter
 
     data = settings.dflash_data
     if data is None:
@@ -329,8 +329,9 @@ def _train_dflash(settings: VllmCheckSettings, out: Path, log: Callable[[str], N
         overrides.append("fc_bias=false")
     folder = out / "dflash"
     log(f"training a DFlash on {data} for up to {settings.dflash_minutes} min ({' '.join(overrides)})")
-    result = train_drafter("dflash", data, folder, preset="dflash_embedded", overrides=overrides, force=True,
-                           progress=False, max_minutes=settings.dflash_minutes, log=lambda *_: None)
+    run = TrainSettings(preset="dflash_embedded", overrides=tuple(overrides), force=True, progress=False,
+                        max_minutes=settings.dflash_minutes)
+    result = train_drafter("dflash", data, folder, run, log=lambda *_: None)
     log(result.format())
     notes = [f"trained here for {result.report.get('steps')} steps ({result.report.get('train_seconds', 0):.0f} s) on "
              f"{data}"]
@@ -426,12 +427,13 @@ def echo_eagle3(target_dir: Path, folder: Path, seed: int = 0) -> Path:
     residual stream, so it drafts the target's "next token from the newest embedding" guess; the fused taps, the
     attention to other positions, the MLP and the TTT recurrence move it. Saved to `folder`, returned."""
     from angelspec.models import load_target
+    from angelspec.models.config import DraftShape
     from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from angelspec.models.mtp_io import save_mtp
 
     target = load_target(target_dir, dtype=torch.float32)
     t = target.config
-    model = Eagle3DraftModel(Eagle3Config.for_target(t, num_key_value_heads=t.num_attention_heads),
+    model = Eagle3DraftModel(Eagle3Config.for_target(t, shape=DraftShape(num_key_value_heads=t.num_attention_heads)),
                              target.embed_tokens, target.lm_head)
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
     attn = model.layer.attn

@@ -88,7 +88,14 @@ from angelspec.train.config import DrafterRunConfig, Trainer, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shard_rows, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.loop import (
+    Trainee,
+    drafter_checkpoints,
+    logs_after,
+    scheduled_loss,
+    start_run,
+    train_drafter_steps,
+)
 from angelspec.train.losses import (
     NO_LOSS,
     ChunkedLossBatch,
@@ -267,7 +274,7 @@ class BlockDrafterTrainConfig(DrafterRunConfig):
             head_intermediate_size=self.head_intermediate_size, draft_vocab_size=self.draft_vocab_size,
             context_injection=self.context_injection, fc_bias=self.fc_bias,
             confidence_target=self.confidence_target, confidence_temperatures=self.protocol_temperatures,
-            anchor_fusion=self.anchor_fusion, **self.layer_shape())
+            anchor_fusion=self.anchor_fusion, shape=self.layer_shape())
 
     def checkpoint_defaults(self) -> dict[str, Any]:
         """What a checkpoint written before `tv_norm`, `context_injection` and `fc_bias` existed ran with, for
@@ -731,9 +738,8 @@ def train_block_job(job: TrainJob, cfg: BlockDrafterTrainConfig) -> dict[str, An
             extra["objective"] = objective
         return loss, alpha, extra
 
-    step = train_drafter_steps(run, cfg, step, model=model, wrapped=wrapped, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind, alpha_label="a1",
-                               features=features)
+    step = train_drafter_steps(run, cfg, step, Trainee(model, wrapped, opt, save_ckpt), rows=rows, schedule=schedule,
+                               step_loss=step_loss, desc=kind, alpha_label="a1", features=features)
     final = model_to_save()
     report = run.drafter_report({"drafter": kind, "steps": step, "head": mcfg.head, "block_size": mcfg.block_size,
                                  "draft_layers": mcfg.num_draft_layers,

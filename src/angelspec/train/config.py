@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from angelspec.models.config import DraftShape
     from angelspec.models.device import Placement
 
 C = TypeVar("C")
@@ -86,10 +87,12 @@ class DrafterRunConfig(RunConfig):
     # inference runs, and an LM head draft_vocab_size / vocab_size as large in every training step.
     train_vocab: str = "full"
 
-    def layer_shape(self) -> dict[str, int | None]:
-        """The draft layers' shape overrides, as the keyword arguments of the models' `for_target`."""
-        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-                "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
+    def layer_shape(self) -> DraftShape:
+        """The draft layers' shape overrides, as the models' `for_target` take them."""
+        from angelspec.models.config import DraftShape
+
+        return DraftShape(num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                          head_dim=self.head_dim, intermediate_size=self.intermediate_size)
 
     def check_train_vocab(self, error: type[Exception] = ValueError, *, draft_vocab_size: int | None = None,
                           name_only: bool = False) -> None:
@@ -112,6 +115,16 @@ class DrafterRunConfig(RunConfig):
 # ----- the trainer entry point -----
 
 
+@dataclass(frozen=True)
+class Parallelism:
+    """How a training run spreads over the processes of a torchrun launch: `distributed` None or "auto" (DDP under a
+    multi-process torchrun, else one process), "none", "ddp" or "fsdp2" (`train.distributed`); `sp` the
+    sequence-parallel group size (1 = none; `train.sequence_parallel`)."""
+
+    distributed: str | None = None
+    sp: int = 1
+
+
 class Trainer(Protocol):
     """`train_X(target_dir, data, out_dir, *, config, ...)`: train drafter X for the target at `target_dir` on
     `data` (a JSONL file of conversations or a corpus folder of <domain>/train.jsonl), write it to `out_dir` and
@@ -119,15 +132,14 @@ class Trainer(Protocol):
 
     `config` None takes the trainer's default preset; `resume` continues from the newest checkpoint, `force`
     overwrites an existing model; `max_minutes` stops at a checkpoint when the time runs out; `log` receives
-    the progress lines (rank 0 only); `distributed`: "auto"/None (DDP under a multi-process torchrun, else one
-    process), "none", "ddp" or "fsdp2" (`train.distributed`); `sp`: the sequence-parallel group size (1 = none;
-    `train.sequence_parallel`; the drafter trainers of the MTP family and the block drafters); `placement`: the
+    the progress lines (rank 0 only); `parallel`: data and sequence parallelism (`Parallelism`; sequence parallelism
+    in the drafter trainers of the MTP family and the block drafters); `placement`: the
     target's device and dtype (None: `angelspec.models.device.resolve_placement()`); the drafter trains in fp32
     master weights on that device, under autocast when the dtype is 16-bit."""
 
     def __call__(self, target_dir: str | Path, data: str | Path, out_dir: str | Path, *, config: Any = None,
                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                 log: Callable[[str], None] = print, distributed: str | None = None, sp: int = 1,
+                 log: Callable[[str], None] = print, parallel: Parallelism = Parallelism(),
                  placement: Placement | None = None) -> dict[str, Any]: ...
 
 
@@ -143,8 +155,7 @@ class TrainJob:
     progress: bool = True
     max_minutes: float | None = None
     log: Callable[[str], None] = print
-    distributed: str | None = None
-    sp: int = 1  # sequence-parallel group size
+    parallel: Parallelism = Parallelism()  # data and sequence parallelism
     placement: Placement | None = None  # the target's device and dtype (None: the default of resolve_placement)
 
 
@@ -155,9 +166,9 @@ def trainer(body: Callable[[TrainJob, C], dict[str, Any]], default: Callable[[],
     from angelspec.train.safety import check_bounds, is_main_process, run_guard
 
     def train(target_dir, data, out_dir, *, config=None, resume=False, force=False, progress=True,
-              max_minutes=None, log=print, distributed=None, sp=1, placement=None) -> dict[str, Any]:
+              max_minutes=None, log=print, parallel=Parallelism(), placement=None) -> dict[str, Any]:
         job = TrainJob(Path(target_dir), Path(data), Path(out_dir), resume, force, progress, max_minutes, log,
-                       distributed, sp, placement)
+                       parallel, placement)
         config = default() if config is None else config
         check_bounds(config)
         with run_guard(job.out_dir, main=is_main_process()):

@@ -25,7 +25,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, read_config, save_target, write_json_atomic
 from angelspec.train.config import LMRunConfig, TrainJob, trainer
 from angelspec.train.data import data_domains
-from angelspec.train.lm import heldout_loss, train_causal_lm
+from angelspec.train.lm import LMRun, heldout_loss, train_causal_lm
 from angelspec.train.loop import run_inputs, start_run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -133,10 +133,10 @@ def train_draft_lm_job(job: TrainJob, cfg: DraftLMTrainConfig) -> dict[str, Any]
         write_json_atomic(path / "config.json", raw)
 
     run.work.mkdir(parents=True, exist_ok=True)
-    step = train_causal_lm(model, stream, cfg, ckpt_dir=run.ckpt_dir, log_path=run.work / "train_log.jsonl",
-                           resume=job.resume, progress=job.progress, max_minutes=job.max_minutes, desc="draft-lm",
-                           save_model=save_model, log=run.log, strategy=run.strategy, dist_info=info,
-                           inputs=inputs, autocast_dtype=run.placement.dtype)
+    lm_run = LMRun(run.ckpt_dir, run.work / "train_log.jsonl", resume=job.resume, progress=job.progress,
+                   max_minutes=job.max_minutes, desc="draft-lm", log=run.log, strategy=run.strategy, dist_info=info)
+    step = train_causal_lm(model, stream, cfg, lm_run, save_model=save_model, inputs=inputs,
+                           autocast_dtype=run.placement.dtype)
     final = whole_copy(model, lambda: Decoder(model_cfg))  # a collective under FSDP2
     if main:
         save_model(final, out_dir)

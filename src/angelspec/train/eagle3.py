@@ -24,7 +24,7 @@ class Eagle3TrainConfig(MTPFamilyTrainConfig):
 
     def model_config(self, target: DecoderConfig) -> Eagle3Config:
         return Eagle3Config.for_target(target, num_depths=self.num_depths, target_layer_ids=self.target_layer_ids,
-                                       **self.layer_shape())
+                                       shape=self.layer_shape())
 
 
 def eagle3_embedded() -> Eagle3TrainConfig:

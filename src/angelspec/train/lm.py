@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,41 +46,44 @@ from angelspec.train.optim import build_adamw, cosine_lr, set_lr
 from angelspec.train.safety import stop_if_not_finite
 
 
-def train_causal_lm(
-    model: Decoder,
-    stream: PackedStream,
-    cfg: LMRunConfig,
-    *,
-    ckpt_dir: Path,
-    log_path: Path,
-    resume: bool,
-    progress: bool = True,
-    max_minutes: float | None = None,
-    desc: str = "train",
-    save_model: Callable[[Decoder, Path], Any] = save_target,
-    log: Callable[[str], None] = print,
-    strategy: Strategy = "none",
-    dist_info: DistInfo | None = None,
-    inputs: dict[str, Any] | None = None,
-    autocast_dtype: torch.dtype | None = None,
-) -> int:
-    """Train `model` in place (resuming from `ckpt_dir` when asked) and return the last step reached.
+@dataclass(frozen=True)
+class LMRun:
+    """Where a causal-LM run keeps its checkpoints (`ckpt_dir`) and its JSONL log (`log_path`), whether it
+    `resume`s from them, its progress bar (`progress`, labelled `desc`) and log lines (`log`), the time budget
+    (`max_minutes`: stop early at a checkpoint so the caller can export what exists and resume later), and its data
+    parallelism (`strategy` / `dist_info`, module docstring: the caller has run `init_distributed` and guards its own
+    writes by `dist_info.is_main`)."""
+
+    ckpt_dir: Path
+    log_path: Path
+    resume: bool = False
+    progress: bool = True
+    max_minutes: float | None = None
+    desc: str = "train"
+    log: Callable[[str], None] = print
+    strategy: Strategy = "none"
+    dist_info: DistInfo | None = None
+
+
+def train_causal_lm(model: Decoder, stream: PackedStream, cfg: LMRunConfig, run: LMRun, *,
+                    save_model: Callable[[Decoder, Path], Any] = save_target, inputs: dict[str, Any] | None = None,
+                    autocast_dtype: torch.dtype | None = None) -> int:
+    """Train `model` in place as `run` says (`LMRun`: folders, resume, progress, time budget, data parallelism) and
+    return the last step reached.
 
     The batches go to the model's device; the forward runs under autocast to bfloat16 when `cfg.bf16`, else to
     `autocast_dtype` when that is a 16-bit float (a drafter beside a bf16 target), with fp32 master weights.
-
-    `max_minutes` stops early at a checkpoint so the caller can export what exists and resume later.
-    `strategy` / `dist_info`: data parallelism (module docstring); the caller has run `init_distributed` and
-    guards its own writes by `dist_info.is_main`. Under FSDP2 the model's parameters end as DTensor shards:
-    get whole weights with `train.distributed.whole_copy`. `inputs`: what the checkpoint records of the run's
-    inputs, and a resume must match (`train.loop.run_inputs`).
+    Under FSDP2 the model's parameters end as DTensor shards: get whole weights with
+    `train.distributed.whole_copy`. `inputs`: what the checkpoint records of the run's inputs, and a resume must
+    match (`train.loop.run_inputs`).
     """
-    info = dist_info or DistInfo()
+    ckpt_dir, log_path, log, strategy = run.ckpt_dir, run.log_path, run.log, run.strategy
+    info = run.dist_info or DistInfo()
     main = info.is_main
     wrapped = wrap_model(model, strategy, info)  # after the model is built; the optimizer after this
     opt = build_adamw(model, cfg.lr, cfg.weight_decay)
     settings = {"train_config": run_identity(cfg), **(inputs or {})}
-    step, _ = resume_training(ckpt_dir, resume, settings,
+    step, _ = resume_training(ckpt_dir, run.resume, settings,
                               lambda c: load_full_state_dict(model, load_target(c).state_dict()),
                               opt, log, model=model)
     trim_log(log_path, step, main)
@@ -87,11 +91,11 @@ def train_causal_lm(
     save = make_checkpoint_saver(ckpt_dir, lambda: whole_copy(model, lambda: Decoder(model.config)), save_model,
                                  settings, opt, is_main=main, barrier=barrier, model=model)
 
-    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    deadline = None if run.max_minutes is None else time.time() + 60 * run.max_minutes
     device = model.embed_tokens.weight.device
     precision = torch.bfloat16 if cfg.bf16 else (autocast_dtype or torch.float32)
     model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=desc, disable=not (progress and main), unit="step")
+    bar = tqdm(total=cfg.steps, initial=step, desc=run.desc, disable=not (run.progress and main), unit="step")
     last_log, tok_seen = time.time(), 0
     losses: list[float] = []
     tokens_per_step = cfg.batch_size * cfg.seq_len

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from angelspec.data.packing import PackedBatch
-from angelspec.errors import UsageError
+from angelspec.errors import SettingError, UsageError
 from angelspec.fileio import check_writable_path, replace_atomic
 from angelspec.models.config import DecoderConfig
 from angelspec.models.decoder import Decoder
@@ -184,16 +184,17 @@ class TrainRun:
 
 def start_run(job: TrainJob, *, batch_size: int, seq_len: int | None = None,
               error: type[Exception] = ValueError) -> TrainRun:
-    """Join the process group, resolve `job.distributed` and check, before anything is loaded or written, that
-    the global `batch_size` divides over the data-parallel ranks (else `error`) and that `job.out_dir` may be
-    written (`check_out_dir`). `seq_len`: the row length a sequence-parallel run (`job.sp` > 1) shards, which must
-    divide by `job.sp`; None: the trainer has no sequence parallelism and refuses `job.sp` > 1."""
-    if job.sp != 1 and seq_len is None:
-        raise UsageError(f"--sp {job.sp}: sequence parallelism trains the MTP family and the block drafters, not "
-                         "this model; drop --sp")
+    """Join the process group, resolve `job.parallel.distributed` and check, before anything is loaded or written,
+    that the global `batch_size` divides over the data-parallel ranks (else `error`) and that `job.out_dir` may be
+    written (`check_out_dir`). `seq_len`: the row length a sequence-parallel run (`job.parallel.sp` > 1) shards,
+    which must divide by the group size; None: the trainer has no sequence parallelism and refuses sp > 1."""
+    sp_size = job.parallel.sp
+    if sp_size != 1 and seq_len is None:
+        raise SettingError(f"{{sp}} {sp_size}: sequence parallelism trains the MTP family and the block drafters, "
+                           "not this model; drop {sp}")
     info = init_distributed()
-    strategy = resolve_strategy(job.distributed, info)
-    sp = init_sequence_parallel(job.sp, info, strategy)
+    strategy = resolve_strategy(job.parallel.distributed, info)
+    sp = init_sequence_parallel(sp_size, info, strategy)
     if seq_len is not None and sp.enabled:
         sp.bounds(seq_len)
     dp = sp.dp.world_size
@@ -388,21 +389,31 @@ def drafter_checkpoints(run: TrainRun, cfg: DrafterRunConfig, target_fingerprint
     return step, snapshot, save
 
 
-def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, *, model: nn.Module,
-                        wrapped: nn.Module, rows: PackedRows, opt: torch.optim.Optimizer, schedule: LossSchedule,
-                        step_loss: StepLoss, save: Callable[[int], None], desc: str, alpha_label: str = "a0",
+@dataclass(frozen=True)
+class Trainee:
+    """What a drafter-training loop updates: the `model`, the same under DDP / FSDP2 (`wrapped`; `model` itself
+    without), its optimizer `opt` and `save(step)`, which writes a checkpoint (`drafter_checkpoints`)."""
+
+    model: nn.Module
+    wrapped: nn.Module
+    opt: torch.optim.Optimizer
+    save: Callable[[int], None]
+
+
+def train_drafter_steps(run: TrainRun, cfg: DrafterRunConfig, step: int, trainee: Trainee, *, rows: PackedRows,
+                        schedule: LossSchedule, step_loss: StepLoss, desc: str, alpha_label: str = "a0",
                         features: TargetFeatures | None = None) -> int:
     """Steps `step` .. `cfg.steps` of a drafter trainer and the last step reached: per step the rows of global
-    batch `step` (this rank's share), warm-up + cosine lr, `step_loss(wrapped, ...)` (`wrapped`: `model` under
-    DDP / FSDP2), the backward (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
+    batch `step` (this rank's share), warm-up + cosine lr, `step_loss(trainee.wrapped, ...)`, the backward
+    (× world size: DDP / FSDP2 average gradients), clipping and AdamW; every
     `log_every` steps a JSONL line with the loss, lr, gradient norm and per-depth α over all ranks; checkpoints
     and the `run.job.max_minutes` budget as `checkpoint_or_stop`; a progress bar when `run.job.progress`.
     `features` (the ones `step_loss` reads) is told where the loop starts and stops, which a feature stream needs
     (`TargetFeatures.start` / `.finish`)."""
-    info = run.info
+    info, model, wrapped, opt, save = run.info, trainee.model, trainee.wrapped, trainee.opt, trainee.save
     if features is not None and features.stream is not None and run.sp.enabled:
-        raise UsageError(f"--sp {run.sp.size} does not read a feature stream yet (features={features.source}); train "
-                         "with the target in the step or from an offline cache (features=DIR)")
+        raise SettingError(f"{{sp}} {run.sp.size} does not read a feature stream yet (features={features.source}); "
+                           "train with the target in the step or from an offline cache (features=DIR)")
     if features is not None:
         features.start(step, cfg.steps, cfg.batch_size, info, run.log)
     run.work.mkdir(parents=True, exist_ok=True)

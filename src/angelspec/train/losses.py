@@ -535,10 +535,10 @@ def _dpace_lk_finish(sums: LossSums, eps: float) -> Tensor:
 
 
 def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,
-                confidence_logits: Tensor | None = None, top_k: int | None = None, gamma: float | None = None,
-                ce_coef: float = 0.1, tv_coef: float = 0.9, conf_coef: float = 1.0, tv_norm: str = "l1",
+                confidence_logits: Tensor | None = None, config: LossConfig | None = None,
                 confidence_targets: Tensor | None = None) -> LossOutput:
-    """DSpark three-term loss: ce_coef·L_CE + tv_coef·L_TV + conf_coef·BCE(c, sg[1 − TV]).
+    """DSpark three-term loss: ce_coef·L_CE + tv_coef·L_TV + conf_coef·BCE(c, sg[1 − TV]), with `config`'s top_k,
+    gamma, coefficients and tv_norm (`LossConfig`; None: the defaults).
 
     Every term is a position-weighted mean over valid (i, k) with w_k = exp(−(k−1)/γ), k = 1..K:
     Σ_{i,k valid} w_k ℓ_{i,k} / Σ_{i,k valid} w_k. The confidence head is trained on the analytic
@@ -550,8 +550,10 @@ def dspark_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, 
     `confidence_targets` replaces c* (a "protocol" head's, `train.confidence`): [N, K], or [N, K, n] with
     confidence_logits [N, K, n] (the BCE averaged over the n outputs).
     """
-    return _dspark_finish(_dspark_sums(student_logits, teacher_logits, labels, mask, confidence_logits, top_k, gamma,
-                                       tv_norm, confidence_targets), ce_coef, tv_coef, conf_coef)
+    c = LossConfig() if config is None else config
+    sums = _dspark_sums(student_logits, teacher_logits, labels, mask, confidence_logits, c.top_k, c.gamma, c.tv_norm,
+                        confidence_targets)
+    return _dspark_finish(sums, c.ce_coef, c.tv_coef, c.conf_coef)
 
 
 def _dspark_sums(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, mask: Tensor,

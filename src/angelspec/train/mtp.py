@@ -57,10 +57,17 @@ from angelspec.train.config import DrafterRunConfig, TrainJob, trainer
 from angelspec.train.data import packed_conversations, pad_token_id
 from angelspec.train.distributed import FunctionModule, shutdown, wrap_model
 from angelspec.train.features import target_features
-from angelspec.train.loop import drafter_checkpoints, logs_after, scheduled_loss, start_run, train_drafter_steps
+from angelspec.train.loop import (
+    Trainee,
+    drafter_checkpoints,
+    logs_after,
+    scheduled_loss,
+    start_run,
+    train_drafter_steps,
+)
 from angelspec.train.losses import LossConfig, LossSchedule, Teacher, get_loss
 from angelspec.train.optim import build_adamw
-from angelspec.train.ttt import mtp_chunked_loss_batch, ttt_rollout
+from angelspec.train.ttt import RolloutMemory, mtp_chunked_loss_batch, ttt_rollout
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ class MTPTrainConfig(MTPFamilyTrainConfig):
 
     def model_config(self, target: DecoderConfig) -> MTPConfig:
         return MTPConfig.for_target(target, num_depths=self.num_depths, target_layer_id=self.target_layer_id,
-                                    **self.layer_shape())
+                                    shape=self.layer_shape())
 
 
 def mtp_embedded() -> MTPTrainConfig:
@@ -190,11 +197,12 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
     def forward_loss(b: MTPDraftModel, hidden: torch.Tensor, batch: PackedBatch, teacher: Teacher | None,
                      step: int, log_alpha: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout, LM head and loss in one forward, in memory linear in T: no [T, T] tensor, no [N, D, V] logits
-        (`ttt_rollout(keep_logits=False)`, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
+        (`ttt_rollout` without kept logits, `mtp_chunked_loss_batch`). The head runs inside the wrapped forward,
         where FSDP2 has the block's parameters gathered. -> (this rank's share of the loss, α per depth or [])."""
         out = ttt_rollout(b, hidden, batch.input_ids, batch.positions, batch.document_ids, cfg.train_depths,
-                          pad_id=pad_id, keep_logits=False, checkpoint_depths=cfg.activation_checkpointing, sp=sp,
-                          train_vocab=cfg.train_vocab)
+                          pad_id=pad_id, memory=RolloutMemory(keep_logits=False,
+                                                              checkpoint_depths=cfg.activation_checkpointing),
+                          sp=sp, train_vocab=cfg.train_vocab)
         clb = mtp_chunked_loss_batch(b, out, batch, teacher, track_alpha=log_alpha, sp=sp, train_vocab=cfg.train_vocab)
         lo = scheduled_loss(schedule, step, clb, run.info)
         return lo.loss, lo.parts.get("alpha_per_depth", lo.loss.new_zeros(0))  # tensors, so DDP / FSDP2 hook them
@@ -218,8 +226,8 @@ def train_mtp_job(job: TrainJob, cfg: MTPFamilyTrainConfig) -> dict[str, Any]:
         loss, alpha = wrapped(concat_taps(taps), batch, teacher, step, logs_after(step + 1, cfg))
         return loss, alpha, {}
 
-    step = train_drafter_steps(run, cfg, step, model=block, wrapped=model, rows=rows, opt=opt, schedule=schedule,
-                               step_loss=step_loss, save=save_ckpt, desc=kind, features=features)
+    step = train_drafter_steps(run, cfg, step, Trainee(block, model, opt, save_ckpt), rows=rows, schedule=schedule,
+                               step_loss=step_loss, desc=kind, features=features)
     final = block_to_save()
     report = run.drafter_report({"drafter": kind, "steps": step, "ttt": cfg.ttt, "num_depths": cfg.num_depths},
                                 block, stats, rows, tcfg, features)

@@ -234,42 +234,45 @@ def _prepare_output(out: Path, config: dict[str, Any], *, resume: bool, force: b
     return fresh
 
 
-def rollout(
-    target_dir: str | Path | None,
-    prompts_path: str | Path,
-    out_path: str | Path,
-    *,
-    enable_thinking: bool = False,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    max_new_tokens: int = 512,
-    batch_size: int | None = None,
-    resume: bool = False,
-    force: bool = False,
-    progress: bool = False,
-    chunk_lines: int | None = None,
-    engine: str = "ours",
-    placement: Placement | None = None,
-    vllm: VllmSettings | None = None,
-) -> RolloutSummary:
-    """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
-    embedded target).
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How `rollout` generates, one value the command line builds from its flags: `enable_thinking` renders the
+    prompts with the chat template's thinking on; `temperature` / `top_p` / `top_k` sample (temperature 0: greedy),
+    per-request seeds derived from `seed` (so a resume reproduces); `max_new_tokens` per assistant turn;
+    `batch_size` concurrent requests (None: 8 for ours, 256 for vLLM, its `max_num_seqs`); `chunk_lines` input lines
+    decoded and committed at a time (None: 8 x batch_size; smaller chunks lose less work to a kill, larger ones keep
+    more requests in flight between turns); `engine` "ours" (`SpecEngine`) or "vllm" (vLLM's `LLM.generate`)."""
 
-    ``chunk_lines`` input lines are decoded and committed at a time (default 8 x ``batch_size``); smaller
-    chunks lose less work to a kill, larger ones keep more requests in flight between turns.
-    ``engine``: "ours" (`SpecEngine`) or "vllm" (vLLM's `LLM.generate`; without vLLM installed this fails at once
-    with one line saying how to install it). ``batch_size``: concurrent requests (None: 8 for ours, 256 for vLLM,
-    its `max_num_seqs`). ``vllm``: dtype, tensor parallelism, memory share and context of the vLLM engine
-    (`VllmSettings`; only with engine "vllm"). ``placement``: the device and dtype our engine runs the target in
-    (None: the default of `angelspec.models.device.resolve_placement`; a resumed file must match the target's
-    weights and this dtype). Returns the :class:`RolloutSummary` of the whole file.
+    enable_thinking: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 512
+    batch_size: int | None = None
+    chunk_lines: int | None = None
+    engine: str = "ours"
+
+
+def rollout(target_dir: str | Path | None, prompts_path: str | Path, out_path: str | Path,
+            settings: RolloutSettings | None = None, *, resume: bool = False, force: bool = False,
+            progress: bool = False, placement: Placement | None = None,
+            vllm: VllmSettings | None = None) -> RolloutSummary:
+    """Regenerate every assistant turn of ``prompts_path`` with the target in ``target_dir`` (None: the
+    embedded target), as ``settings`` say (`RolloutSettings`; None: the defaults).
+
+    Engine "vllm" without vLLM installed fails at once with one line saying how to install it. ``vllm``: dtype,
+    tensor parallelism, memory share and context of the vLLM engine (`VllmSettings`; only with engine "vllm").
+    ``placement``: the device and dtype our engine runs the target in (None: the default of
+    `angelspec.models.device.resolve_placement`; a resumed file must match the target's weights and this dtype).
+    Returns the :class:`RolloutSummary` of the whole file.
     """
     from angelspec.data.tokenizer import load_tokenizer
     from angelspec.decoding.sampling import SamplingParams
 
     t0 = time.perf_counter()
+    s = RolloutSettings() if settings is None else settings
+    engine, batch_size, seed, max_new_tokens = s.engine, s.batch_size, s.seed, s.max_new_tokens
     if engine not in ENGINES:
         raise RolloutError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if vllm is not None and engine != "vllm":
@@ -284,11 +287,11 @@ def rollout(
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RolloutError(f"{name} must be an int >= 1, got {value!r}")
-    chunk = chunk_lines or LINES_PER_CHUNK_PER_ROW * batch_size
+    chunk = s.chunk_lines or LINES_PER_CHUNK_PER_ROW * batch_size
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise RolloutError(f"seed must be an int (per-line seeds derive from it, so a resume reproduces), got {seed!r}")
     try:
-        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
     except ValueError as e:
         raise RolloutError(f"invalid sampling settings: {e}") from None
     out = Path(out_path)
@@ -318,15 +321,14 @@ def rollout(
     generator, target_id, legacy_target, context = _start_engine(engine, target_dir, batch_size, placement, vllm)
     try:
         stop_ids = tuple(tokenizer.eos_token_ids)
-        config = {**target_id, "prompts": file_sha256(prompts_path), "enable_thinking": enable_thinking,
-                  "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+        config = {**target_id, "prompts": file_sha256(prompts_path), "enable_thinking": s.enable_thinking,
+                  "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": seed,
                   "max_new_tokens": max_new_tokens}
         if engine != "ours":  # absent for our engine, so sidecars written before engines existed still resume
             config["engine"] = engine
         state = _prepare_output(out, config, resume=resume, force=force, legacy_target=legacy_target)
-        summary = _run_chunks(conversations, state, out, generator, tokenizer, context=context, chunk=chunk,
-                              stop_ids=stop_ids, sampling=(temperature, top_k, top_p, seed),
-                              max_new_tokens=max_new_tokens, enable_thinking=enable_thinking, progress=progress)
+        summary = _run_chunks(conversations, state, out, generator, tokenizer, s, context=context, chunk=chunk,
+                              stop_ids=stop_ids, progress=progress)
     finally:
         close = getattr(generator, "close", None)
         if close is not None:
@@ -361,13 +363,15 @@ def _start_engine(engine: str, target_dir: Path, batch_size: int, placement: Pla
 
 
 def _run_chunks(conversations: list[_Conversation], state: dict[str, Any], out: Path, engine: Any, tokenizer: Any,
-                *, context: int, chunk: int, stop_ids: tuple[int, ...], sampling: tuple[float, int, float, int],
-                max_new_tokens: int, enable_thinking: bool, progress: bool) -> RolloutSummary:
-    """Generate and append the chunks from `state["lines_done"]` on; the summary of the whole file."""
+                settings: RolloutSettings, *, context: int, chunk: int, stop_ids: tuple[int, ...],
+                progress: bool) -> RolloutSummary:
+    """Generate and append the chunks from `state["lines_done"]` on, as `settings` say (its batch size and chunk
+    length resolved to `chunk`); the summary of the whole file."""
     from angelspec.decoding.engine import Request
     from angelspec.decoding.sampling import SamplingParams
 
-    temperature, top_k, top_p, seed = sampling
+    temperature, top_k, top_p, seed = settings.temperature, settings.top_k, settings.top_p, settings.seed
+    max_new_tokens, enable_thinking = settings.max_new_tokens, settings.enable_thinking
     out.parent.mkdir(parents=True, exist_ok=True)
     progress_file = _progress_path(out)
     summary = RolloutSummary(lines=len(conversations), resumed_at=state["lines_done"])

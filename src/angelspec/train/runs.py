@@ -1,24 +1,25 @@
-"""The training commands as library calls with plain keyword arguments: `train_drafter` (`angelspec train`),
+"""The training commands as library calls: `train_drafter` (`angelspec train`, its settings one `TrainSettings`),
 `build_target_model` (`angelspec target build`), `cache_features` (`angelspec features`) and `serve_features`
 (`angelspec feature-server`), plus the preset handling they share (`preset_config`: a named preset with
 `key=value` overrides) and the summaries they print.
 
-Each checks its settings before any data or weights are read; the messages name the command-line flags,
-since that is where the values usually come from.
+Each checks its settings before any data or weights are read. A bad field of `TrainSettings` raises a
+`SettingError` that names the field (the command line shows its flag); the other messages name the command-line
+flags, since that is where the values usually come from.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import DEFAULT_TARGET, resolve_target_dir
 from angelspec.decoding.generate import preview_lines
-from angelspec.errors import UsageError, require_positive
+from angelspec.errors import SettingError, UsageError, require_positive, require_range
 from angelspec.fileio import available_memory_bytes
+from angelspec.train.config import Parallelism
 from angelspec.train.registry import BLOCK_DRAFTERS, SP_DRAFTERS, TRAINABLE_DRAFTERS, get_trainer
 from angelspec.train.safety import check_not_input
 
@@ -199,60 +200,77 @@ class TrainResult:
         return "\n".join(lines)
 
 
-def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None = None,
-                  preset: str | None = None, head: str | None = None, overrides: Sequence[str] = (),
-                  resume: bool = False, force: bool = False, progress: bool = True, max_minutes: float | None = None,
-                  distributed: str = "auto", feature_workers: int | None = None, feature_backend: str = "files",
-                  init_from: str | Path | None = None, only: str | None = None, sp: int = 1,
-                  log: Callable[[str], None] = print, placement: Placement | None = None) -> TrainResult:
-    """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
-    file or a corpus folder) and write a self-describing drafter folder to `out`.
+@dataclass(frozen=True)
+class TrainSettings:
+    """How `train_drafter` trains, one value the command line builds from its flags.
 
-    preset: the trainer's preset (None: the kind's default); head: a block drafter's sequential head (the same
-    as the override head=NAME); overrides: `key=value` preset fields; distributed: auto | none | ddp | fsdp2;
-    feature_workers: run the target in that many feature servers of its own, separate processes that stream the
-    features to this trainer (`train.stream`; backend "files" or "ray"), instead of inside the training step.
+    preset: the trainer's preset (None: chosen from the target's size; `confidence_only` with `only`); overrides:
+    `key=value` preset fields; head: a block drafter's sequential head (the same as the override head=NAME);
     init_from / only: a block drafter folder to start from (the override init_from=DIR; `train.block`): its part
-    `only` ("confidence") alone is trained, everything else frozen (default preset then confidence_only); without
-    `only`, all of it trains on from its weights (a warm start, on the preset's schedule).
-    sp: split every packed row over sp processes of a torchrun launch (Ulysses sequence parallelism,
-    `train.sequence_parallel`; MTP family and block drafters; 1 = off).
-    placement: the target's device and dtype (None: `angelspec.models.device.resolve_placement()`, a GPU in bfloat16
-    where torch sees one); the drafter keeps fp32 master weights on that device and computes under autocast when
-    the dtype is 16-bit; under torchrun on CUDA each rank takes GPU LOCAL_RANK.
+    `only` ("confidence") alone is trained, everything else frozen; without `only`, all of it trains on from its
+    weights (a warm start, on the preset's schedule). resume / force: continue the run in the output folder / start
+    over; max_minutes: stop at a checkpoint when the time runs out; progress: progress bars. parallel: data and
+    sequence parallelism (`train.config.Parallelism`; distributed None = auto). feature_workers: run the target in
+    that many feature servers of its own, separate processes that stream the features to this trainer
+    (`train.stream`; feature_backend "files" or "ray"), instead of inside the training step."""
+
+    preset: str | None = None
+    overrides: tuple[str, ...] = ()
+    head: str | None = None
+    init_from: str | Path | None = None
+    only: str | None = None
+    resume: bool = False
+    force: bool = False
+    max_minutes: float | None = None
+    progress: bool = True
+    parallel: Parallelism = field(default_factory=Parallelism)
+    feature_workers: int | None = None
+    feature_backend: str = "files"
+
+
+def train_drafter(kind: str, data: str | Path, out: str | Path, settings: TrainSettings | None = None, *,
+                  target: str | Path | None = None, log: Callable[[str], None] = print,
+                  placement: Placement | None = None) -> TrainResult:
+    """Train a drafter of `kind` (one of `TRAINABLE_DRAFTERS`) for the target on `data` (a conversations JSONL
+    file or a corpus folder) and write a self-describing drafter folder to `out`, as `settings` say
+    (`TrainSettings`; None: the defaults).
+
+    Sequence parallelism (`settings.parallel.sp` > 1) splits every packed row over sp processes of a torchrun launch
+    (Ulysses, `train.sequence_parallel`; MTP family and block drafters). placement: the target's device and dtype
+    (None: `angelspec.models.device.resolve_placement()`, a GPU in bfloat16 where torch sees one); the drafter keeps
+    fp32 master weights on that device and computes under autocast when the dtype is 16-bit; under torchrun on CUDA
+    each rank takes GPU LOCAL_RANK.
     """
-    require_positive("--sp", sp)
+    settings = TrainSettings() if settings is None else settings
+    sp = settings.parallel.sp
+    require_positive("sp", sp)
     if sp > 1 and kind not in SP_DRAFTERS:
-        raise UsageError(f"--sp {sp}: sequence parallelism trains {', '.join(SP_DRAFTERS)}, not {kind}; drop --sp")
-    if sp > 1 and feature_workers is not None:
-        raise UsageError(f"--sp {sp} does not read a feature stream yet; drop --feature-workers (the target then "
-                         "runs in the step)")
-    if feature_workers is not None:
-        return _train_with_feature_servers(kind, data, out, target=target, preset=preset, head=head,
-                                           overrides=overrides, resume=resume, force=force, progress=progress,
-                                           max_minutes=max_minutes, distributed=distributed, workers=feature_workers,
-                                           backend=feature_backend, log=log, placement=placement)
+        raise SettingError(f"{{sp}} {sp}: sequence parallelism trains {', '.join(SP_DRAFTERS)}, not {kind}; "
+                           "drop {sp}")
+    if sp > 1 and settings.feature_workers is not None:
+        raise SettingError(f"{{sp}} {sp} does not read a feature stream yet; drop {{feature_workers}} (the target "
+                           "then runs in the step)")
+    if settings.feature_workers is not None:
+        return _train_with_feature_servers(kind, data, out, settings, target=target, log=log, placement=placement)
     if kind not in TRAINABLE_DRAFTERS:
         hint = ("; n-gram lookup needs no training: pass --drafter ngram to generate or eval"
                 if kind.partition(":")[0] == "ngram" else "")
         raise UsageError(f"cannot train drafter {kind!r}: the drafters that can be trained today are "
                          f"{', '.join(TRAINABLE_DRAFTERS)}{hint}")
-    if head is not None:
-        if kind not in BLOCK_DRAFTERS:
-            raise UsageError(f"--head applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
-        overrides = [*overrides, f"head={head}"]
-    for flag, value in (("--init-from", init_from), ("--only", only)):
+    overrides, preset = list(settings.overrides), settings.preset
+    for name, value in (("head", settings.head), ("init_from", settings.init_from), ("only", settings.only)):
         if value is not None:
             if kind not in BLOCK_DRAFTERS:
-                raise UsageError(f"{flag} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not {kind}")
-            overrides = [*overrides, f"{flag.strip('-').replace('-', '_')}={value}"]
-    if only is not None and preset is None:
+                raise SettingError(f"{{{name}}} applies to the block drafters ({', '.join(BLOCK_DRAFTERS)}), not "
+                                   f"{kind}")
+            overrides.append(f"{name}={value}")
+    if settings.only is not None and preset is None:
         preset = "confidence_only"  # a part alone: the fine-tuning schedule, not a from-scratch one
     train_fn, presets, default_preset = get_trainer(kind)
     target_dir = resolve_target_dir(target)
     if preset is None:
         preset = chosen_preset(kind, target_dir, log)
-    config = preset_config(presets, preset, default_preset, overrides, max_minutes)
+    config = preset_config(presets, preset, default_preset, overrides, settings.max_minutes)
     data = Path(data)
     if not data.exists():
         raise FileNotFoundError(f"--data {data} does not exist; expected a JSONL file of conversations or a corpus "
@@ -269,15 +287,9 @@ def train_drafter(kind: str, data: str | Path, out: str | Path, *, target: str |
     check_not_input(out, ("--data", data), ("--target", target_dir),
                     ("--init-from", getattr(config, "init_from", None)),
                     ("features=", _cache_dir(getattr(config, "features", None))))
-    extra: dict[str, Any] = {"sp": sp} if sp != 1 else {}
-    if placement is not None:
-        extra["placement"] = placement
-    if distributed != "auto":
-        if "distributed" not in inspect.signature(train_fn).parameters:
-            raise UsageError(f"--distributed is not supported by the {kind} trainer yet")
-        extra["distributed"] = distributed
-    report = train_fn(target_dir, data, out, config=config, resume=resume, force=force, progress=progress,
-                      max_minutes=max_minutes, log=log, **extra)
+    report = train_fn(target_dir, data, out, config=config, resume=settings.resume, force=settings.force,
+                      progress=settings.progress, max_minutes=settings.max_minutes, log=log,
+                      parallel=settings.parallel, placement=placement)
     return TrainResult(report=report, out=out, planned_steps=config.steps)
 
 
@@ -286,26 +298,26 @@ def _cache_dir(features: str | None) -> str | None:
     return None if features is None or features.startswith(("stream:", "ray:")) else features
 
 
-def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *, target: str | Path | None,
-                                overrides: Sequence[str], resume: bool, force: bool, workers: int, backend: str,
-                                log: Callable[[str], None], placement: Placement | None, **rest: Any) -> TrainResult:
-    """`train_drafter(..., feature_workers=N)`: the run's feature servers (`train.stream.spawn_feature_servers`,
-    started by the main process only) beside the trainer, which reads them through `features=`; the servers exit
-    after the trainer has finished, and are stopped if it fails."""
+def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, settings: TrainSettings, *,
+                                target: str | Path | None, log: Callable[[str], None],
+                                placement: Placement | None) -> TrainResult:
+    """`train_drafter` with `settings.feature_workers`: the run's feature servers
+    (`train.stream.spawn_feature_servers`, started by the main process only) beside the trainer, which reads them
+    through `features=`; the servers exit after the trainer has finished, and are stopped if it fails."""
     import os
 
     from angelspec.train.loop import check_out_dir
     from angelspec.train.stream import run_feature_stream, spawn_feature_servers, stop_feature_servers
 
-    require_positive("--feature-workers", workers)
-    if workers > 256:
-        raise UsageError(f"--feature-workers must be at most 256 (one target each), got {workers}")
+    workers, backend = settings.feature_workers, settings.feature_backend
+    assert workers is not None
+    require_range("feature_workers", workers, 1, 256, " (one target each)")
     if backend not in ("files", "ray"):
-        raise UsageError(f"--feature-backend must be files or ray, got {backend!r}")
-    if any(o.startswith("features=") for o in overrides):
-        raise UsageError("--feature-workers starts the run's own feature servers; drop features=... (or drop "
-                         "--feature-workers to read features you serve yourself)")
-    check_out_dir(out, resume=resume, force=force)  # before the servers start beside it
+        raise SettingError(f"{{feature_backend}} must be files or ray, got {backend!r}")
+    if any(o.startswith("features=") for o in settings.overrides):
+        raise SettingError("{feature_workers} starts the run's own feature servers; drop features=... (or drop "
+                           "{feature_workers} to read features you serve yourself)")
+    check_out_dir(out, resume=settings.resume, force=settings.force)  # before the servers start beside it
     target_dir = resolve_target_dir(target)
     procs = []
     if os.environ.get("RANK", "0") == "0":  # one set of servers per run, from the main process under torchrun
@@ -322,8 +334,8 @@ def _train_with_feature_servers(kind: str, data: str | Path, out: str | Path, *,
         spec = run_feature_stream(out, backend)
     ok = False
     try:
-        result = train_drafter(kind, data, out, target=target_dir, overrides=[*overrides, f"features={spec}"],
-                               resume=resume, force=force, log=log, placement=placement, **rest)
+        inline = replace(settings, overrides=(*settings.overrides, f"features={spec}"), feature_workers=None)
+        result = train_drafter(kind, data, out, inline, target=target_dir, log=log, placement=placement)
         ok = True
     finally:
         stop_feature_servers(procs, timeout_s=60.0 if ok else 0.0)

@@ -25,7 +25,7 @@ from angelspec.models.decoder import Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
 from angelspec.train.checkpoint import refuse_resume_over_model
 from angelspec.train.config import LMRunConfig
-from angelspec.train.lm import heldout_loss, train_causal_lm
+from angelspec.train.lm import LMRun, heldout_loss, train_causal_lm
 from angelspec.train.safety import TRAIN_LOG, empty_folder, refuse_foreign_files, run_guard, unfinished_run
 
 DOMAINS = ("code", "chat", "math", "docs")
@@ -184,7 +184,7 @@ def check_build_folders(out_dir: Path, work_dir: Path, *, resume: bool, force: b
 def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: bool, progress: bool,
            max_minutes: float | None, corpus_dir: str | Path | None, log: Any) -> dict[str, Any]:
     """`build_target` once its folders are checked and locked."""
-    from angelspec.data.corpus import build_corpus
+    from angelspec.data.corpus import CorpusConfig, build_corpus
     from angelspec.data.tokenizer import load_tokenizer, train_tokenizer
 
     ckpt_dir = work_dir / "checkpoint"
@@ -194,8 +194,8 @@ def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: boo
     # 1. corpus and tokenizer (both idempotent: skipped when already built with the same settings)
     if corpus_dir is None:
         corpus = work_dir / "corpus"
-        manifest = build_corpus(corpus, seed=cfg.seed, max_examples=dict(cfg.corpus_limits) or None,
-                                progress=progress)
+        corpus_config = CorpusConfig(seed=cfg.seed, max_examples=dict(cfg.corpus_limits))
+        manifest = build_corpus(corpus, corpus_config, progress=progress)
     else:  # a prepared corpus in the same layout (<domain>/{train,heldout}.jsonl)
         corpus, manifest = Path(corpus_dir), {"corpus_dir": str(corpus_dir)}
     domains = [d for d in DOMAINS if (corpus / d / "train.jsonl").is_file()]
@@ -231,8 +231,9 @@ def _build(out_dir: Path, work_dir: Path, cfg: TargetTrainConfig, *, resume: boo
     torch.manual_seed(cfg.seed)
     model = Decoder(cfg.model_config(special))
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
-    step = train_causal_lm(model, stream, cfg, ckpt_dir=ckpt_dir, log_path=work_dir / TRAIN_LOG,
-                           resume=resume, progress=progress, max_minutes=max_minutes, desc="target", log=log)
+    run = LMRun(ckpt_dir, work_dir / TRAIN_LOG, resume=resume, progress=progress, max_minutes=max_minutes,
+                desc="target", log=log)
+    step = train_causal_lm(model, stream, cfg, run)
 
     # 5. evaluate and export
     report = export_target(model, tok_dir, out_dir, held_doms, cfg, step, tok)

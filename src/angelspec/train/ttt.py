@@ -39,9 +39,10 @@ are skipped), O(B·H·T·Dh·k) for (b). Memory: scores exist only transiently, 
 tile at a time, in the forward and again in the backward, which recomputes them flash-style; autograd keeps
 O(B·H·T·Dh) per depth. No tensor is [T, T], let alone D×T×T or (D·T)².
 
-Training step in memory linear in T (docs/design.md "Memory linear in T"): `ttt_rollout(keep_logits=False)` +
-`mtp_chunked_loss_batch` (the LM head and the loss a chunk of positions at a time, recomputed in the backward)
-+ `checkpoint_depths=True` (each depth recomputed in the backward). `benchmarks/ttt_memory.py` measures it.
+Training step in memory linear in T (docs/design.md "Memory linear in T"): `ttt_rollout` with
+`RolloutMemory(keep_logits=False, checkpoint_depths=True)` (each depth recomputed in the backward) +
+`mtp_chunked_loss_batch` (the LM head and the loss a chunk of positions at a time, recomputed in the backward).
+`benchmarks/ttt_memory.py` measures it.
 
 Slow reference (`ttt_attention_reference`): builds the full (D·T)×(D·T) boolean mask of the pattern
 (`ttt_reference_mask`) and runs plain SDPA over the concatenated keys; tests check both agree.
@@ -157,18 +158,28 @@ def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor],
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k_all.shape[1])
 
 
+@dataclass(frozen=True)
+class RolloutMemory:
+    """How `ttt_rollout` trades compute for memory: `keep_logits`, `checkpoint_depths`, and the attention and argmax
+    tiles `query_chunk` × `key_chunk` (`ttt_rollout`'s docstring)."""
+
+    keep_logits: bool = True
+    checkpoint_depths: bool = False
+    query_chunk: int = 256
+    key_chunk: int = 1024
+
+
 def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positions: Tensor,
                 document_ids: Tensor | None, num_depths: int, *, pad_id: int = 0,
-                attention: AttentionImpl = "fast", keep_logits: bool = True,
-                checkpoint_depths: bool = False, query_chunk: int = 256, key_chunk: int = 1024,
+                attention: AttentionImpl = "fast", memory: RolloutMemory = RolloutMemory(),
                 sp: SequenceParallel | None = None, train_vocab: str = "full") -> TTTOutput:
     """Unroll the shared block for `num_depths` depths over packed rows (module docstring).
 
     hidden [B, T, n·Ct] target taps joined by `concat_taps` (detached here: the target is frozen; the block's
     `condition` maps them to h^(-1) [B, T, C], with gradient into its own weights); input_ids, positions,
     document_ids [B, T] (document-local positions; ids None = one document per row).
-    keep_logits=False computes each depth's logits only for the argmax (no grad, freed at once) and
-    returns logits=None: a caller that applies the head itself, e.g. chunk-wise from `hidden`, then never
+    `memory` (`RolloutMemory`): keep_logits=False computes each depth's logits only for the argmax (no grad, freed at
+    once) and returns logits=None: a caller that applies the head itself, e.g. chunk-wise from `hidden`, then never
     holds D×T×V logits.
     checkpoint_depths=True recomputes each depth's block activations in the backward (activation
     checkpointing per depth, in two pieces: fusion + attention, then the MLP): autograd then keeps only each
@@ -181,6 +192,8 @@ def ttt_rollout(block: MTPDraftModel, hidden: Tensor, input_ids: Tensor, positio
     the shard.
     `train_vocab` "draft": the head scores the block's draft vocabulary only (`block.draft_head`): kept logits are
     [B, T, D, V'] and each depth's argmax is taken over V' and mapped back to target ids (`block.to_target_ids`)."""
+    keep_logits, checkpoint_depths = memory.keep_logits, memory.checkpoint_depths
+    query_chunk, key_chunk = memory.query_chunk, memory.key_chunk
     sp = sp if sp is not None and sp.enabled else None
     draft = train_vocab == "draft"
     head = block.draft_head if draft else block.logits

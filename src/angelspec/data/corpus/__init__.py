@@ -23,7 +23,15 @@ splits when only the caps change. Output layout::
 """
 
 from angelspec.data.corpus.build import build_corpus, iter_examples, iter_texts
-from angelspec.data.corpus.common import DEFAULT_MAX_EXAMPLES, DOMAINS, SPLITS, ChatFilter, CodeFilter, DocsFilter
+from angelspec.data.corpus.common import (
+    DEFAULT_MAX_EXAMPLES,
+    DOMAINS,
+    SPLITS,
+    ChatFilter,
+    CodeFilter,
+    CorpusConfig,
+    DocsFilter,
+)
 
 __all__ = [
     "DEFAULT_MAX_EXAMPLES",
@@ -31,6 +39,7 @@ __all__ = [
     "SPLITS",
     "ChatFilter",
     "CodeFilter",
+    "CorpusConfig",
     "DocsFilter",
     "build_corpus",
     "iter_examples",

@@ -11,7 +11,8 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,8 @@ from angelspec.data.corpus.chat import build_chat_examples
 from angelspec.data.corpus.code import build_code_examples
 from angelspec.data.corpus.common import (
     DEFAULT_MAX_EXAMPLES,
-    DOMAINS,
     SPLITS,
-    ChatFilter,
-    CodeFilter,
     CorpusConfig,
-    DocsFilter,
     Example,
     cap_and_order,
     split_examples,
@@ -71,29 +68,22 @@ def _source_fingerprint(domains: Iterable[str]) -> dict[str, Any]:
 
 def build_corpus(
     out_dir: str | os.PathLike[str],
+    config: CorpusConfig | None = None,
     *,
-    seed: int = 0,
-    max_examples: Mapping[str, int] | None = None,
-    heldout_fraction: float = 0.02,
-    min_heldout: int = 50,
-    domains: Iterable[str] | None = None,
-    code: CodeFilter = CodeFilter(),
-    chat: ChatFilter = ChatFilter(),
-    docs: DocsFilter = DocsFilter(),
     sources: Sources | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Build (or reuse) the corpus in ``out_dir`` and return its manifest.
+    """Build (or reuse) the corpus that ``config`` describes (`CorpusConfig`; None: the defaults) in ``out_dir``
+    and return its manifest.
 
     Args:
-        max_examples: per-domain caps merged over :data:`DEFAULT_MAX_EXAMPLES`; for ``math`` it is
-            the number of problems generated.
-        heldout_fraction / min_heldout: held-out share per domain, topped up to
-            ``min(min_heldout, max(1, n // 10))`` examples (see :func:`split_examples`).
-        domains: subset of :data:`DOMAINS` (default all). ``docs`` is optional: when its source
-            cannot be fetched it is skipped with a warning and recorded under ``"skipped"``.
+        config: ``max_examples`` are per-domain caps merged over :data:`DEFAULT_MAX_EXAMPLES` (for ``math`` the
+            number of problems generated); ``heldout_fraction`` / ``min_heldout``: held-out share per domain,
+            topped up to ``min(min_heldout, max(1, n // 10))`` examples (see :func:`split_examples`);
+            ``domains``: subset of :data:`DOMAINS`. ``docs`` is optional: when its source cannot be fetched it is
+            skipped with a warning and recorded under ``"skipped"``.
         sources: explicit source locations (tests use tiny fakes); default: located/fetched via
             :mod:`angelspec.data.sources` in ``cache_dir``.
         force: rebuild even if ``out_dir/manifest.json`` records the same settings.
@@ -102,16 +92,9 @@ def build_corpus(
     finished domain leaves ``<domain>/stats.json``; an interrupted build reuses those domains.
     """
     out = Path(out_dir)
-    config = CorpusConfig(
-        seed=seed,
-        domains=tuple(domains) if domains is not None else DOMAINS,
-        max_examples={**DEFAULT_MAX_EXAMPLES, **(max_examples or {})},
-        heldout_fraction=heldout_fraction,
-        min_heldout=min_heldout,
-        code=code,
-        chat=chat,
-        docs=docs,
-    )
+    config = CorpusConfig() if config is None else config
+    config = replace(config, domains=tuple(config.domains),
+                     max_examples={**DEFAULT_MAX_EXAMPLES, **config.max_examples})
     wanted = config.domains
     settings = {"format_version": FORMAT_VERSION, **config.to_dict(), "sources": _source_fingerprint(wanted)}
     manifest_path = out / "manifest.json"

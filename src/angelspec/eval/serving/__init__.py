@@ -21,6 +21,7 @@ from angelspec.eval.serving.sweep import (
     EXEC_PHASES,
     MAX_CONCURRENCY,
     SAMPLE_PHASES,
+    BenchSettings,
     Contender,
     ServingConfig,
     bench,
@@ -37,8 +38,8 @@ from angelspec.eval.serving.sweep import (
 
 __all__ = ["BENCH_EXTRA_HINT", "DEFAULT_CONCURRENCY", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MIN_REQUESTS",
            "DEFAULT_SERVING_POLICY", "DRAFTER_MAX_DEPTH", "EXEC_PHASES",
-           "GOAL_GAIN", "GOAL_MAL_LOSS", "MAX_CONCURRENCY", "REFERENCE_COMMIT", "SAMPLE_PHASES", "BreakEven",
-           "Contender", "Goal", "ServingConfig", "ServingError", "ServingReport", "ServingRow", "bench",
+           "GOAL_GAIN", "GOAL_MAL_LOSS", "MAX_CONCURRENCY", "REFERENCE_COMMIT", "SAMPLE_PHASES", "BenchSettings",
+           "BreakEven", "Contender", "Goal", "ServingConfig", "ServingError", "ServingReport", "ServingRow", "bench",
            "build_contenders", "check_configs", "compute_breakeven", "format_breakeven", "interleave_domains",
            "lossless", "parse_concurrency", "parse_config", "plot_sweep", "run_point", "run_sweep",
            "serving_workload", "warm_up"]

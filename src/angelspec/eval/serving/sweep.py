@@ -438,42 +438,60 @@ def _machine(target: Decoder | None) -> dict[str, Any]:
     return out
 
 
-def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig], *,
-          concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-          num_draft_tokens: int | None = None, min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
-          compile: bool = False,
-          out_dir: str | Path | None = None,
-          breakeven: bool = False, prompts_path: str | Path = EVAL_PROMPTS,
-          workload: Sequence[EvalPrompt] | None = None, cost_table_path: str | Path | None = None,
-          limit: int | None = None, vllm: VllmColumn | None = None,
-          log: Callable[[str], None] | None = print, out: Callable[[str], None] = print) -> ServingReport:
-    """The whole benchmark on a loaded target: check the configs, build the workload (`workload` when given,
-    else every prompt of `prompts_path` that fits, the first `limit` per domain when given), load drafters and
-    policies, sweep (with vLLM on the same requests when `vllm` is given), print the table (and Eq. 25 with
-    `breakeven`), write results into `out_dir`. compile: run every configuration compiled (`+compile` on each)."""
+@dataclass(frozen=True)
+class BenchSettings:
+    """The shape of a serving sweep, one value the command line builds from its flags: the `concurrency` levels,
+    `max_new_tokens` per request, `num_draft_tokens` K for every drafter configuration that names none (None: the
+    depth each was trained for), at least `min_requests` requests per point, `warmup_tokens` per warm-up request,
+    `compile` every configuration (`+compile` on each), the workload from `prompts` (the first `limit` per domain
+    when given), and `breakeven`: also the break-even committed length (Eq. 25) in the table."""
+
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    num_draft_tokens: int | None = None
+    min_requests: int = DEFAULT_MIN_REQUESTS
+    warmup_tokens: int = 8
+    compile: bool = False
+    prompts: str | Path = EVAL_PROMPTS
+    limit: int | None = None
+    breakeven: bool = False
+
+
+def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig],
+          settings: BenchSettings | None = None, *, workload: Sequence[EvalPrompt] | None = None,
+          cost_table_path: str | Path | None = None, vllm: VllmColumn | None = None,
+          out_dir: str | Path | None = None, log: Callable[[str], None] | None = print,
+          out: Callable[[str], None] = print) -> ServingReport:
+    """The whole benchmark on a loaded target, as `settings` say (`BenchSettings`; None: the defaults): check the
+    configs, build the workload (`workload` when given, else every prompt of `settings.prompts` that fits), load
+    drafters and policies, sweep (with vLLM on the same requests when `vllm` is given), print the table, write
+    results into `out_dir`."""
+    s = BenchSettings() if settings is None else settings
+    concurrency, max_new_tokens = s.concurrency, s.max_new_tokens
     check_configs(configs)
-    if compile:
+    if s.compile:
         configs = [replace(c, compile=True) for c in configs]
     if any(c < 1 for c in concurrency) or not concurrency:
         raise ServingError(f"concurrency values must be positive integers, got {list(concurrency)}")
     if max_new_tokens < 1:
         raise ServingError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    prompts_path: str | Path = s.prompts
     if workload is None:
         workload = serving_workload(tokenizer, model.config.max_position_embeddings, max_new_tokens, prompts_path,
-                                    limit=limit)
+                                    limit=s.limit)
     else:
         workload = interleave_domains(workload)
         prompts_path = "(given workload)"
     contenders = build_contenders(model, target_dir, configs, concurrency=concurrency,
-                                  num_draft_tokens=num_draft_tokens, cost_table_path=cost_table_path, log=log)
+                                  num_draft_tokens=s.num_draft_tokens, cost_table_path=cost_table_path, log=log)
     t0 = time.perf_counter()
     report = run_sweep(model, contenders, workload, concurrency=concurrency, max_new_tokens=max_new_tokens,
-                       min_requests=min_requests, warmup_tokens=warmup_tokens, log=log, vllm=vllm,
-                       settings={"target": str(target_dir), "prompts": str(prompts_path), "limit": limit})
+                       min_requests=s.min_requests, warmup_tokens=s.warmup_tokens, log=log, vllm=vllm,
+                       settings={"target": str(target_dir), "prompts": str(prompts_path), "limit": s.limit})
     report.settings["sweep_s"] = round(time.perf_counter() - t0, 2)
-    out(report.format(breakeven=breakeven))
+    out(report.format(breakeven=s.breakeven))
     if out_dir is not None:
-        paths, note = report.write(out_dir, breakeven=breakeven)
+        paths, note = report.write(out_dir, breakeven=s.breakeven)
         if note:
             out(note)
         out("wrote " + ", ".join(str(p) for p in paths))

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig
+from angelspec.models.config import ConfigError, DecoderConfig, DraftModelConfig, DraftShape
 from angelspec.models.vocab import check_draft_vocab_size
 
 CONDITIONINGS = ("dflash", "dflare", "dfly")
@@ -215,15 +215,14 @@ class BlockDrafterConfig(DraftModelConfig):
 
     # ----- construction / serialisation -----
     @classmethod
-    def for_target(cls, target: DecoderConfig, *, mask_token_id: int | None, block_size: int = 8,
-                   num_draft_layers: int = 5, target_layer_ids: Sequence[int] | None = None,
-                   num_taps: int | None = None, conditioning: str = "dfly", head: str = "hidden",
-                   markov_rank: int = 256, confidence_head: bool = True, num_attention_heads: int | None = None,
-                   num_key_value_heads: int | None = None, head_dim: int | None = None,
-                   intermediate_size: int | None = None, context_injection: str | None = None,
-                   fc_bias: bool | None = None, **design: Any) -> BlockDrafterConfig:
-        """A new drafter for `target`: draft-layer shapes default to the target's, taps to `default_block_layer_ids`
-        with `num_taps` (default: one per draft layer, at most the target's layer count). `context_injection` None
+    def for_target(cls, target: DecoderConfig, *, mask_token_id: int | None, num_draft_layers: int = 5,
+                   target_layer_ids: Sequence[int] | None = None, num_taps: int | None = None,
+                   conditioning: str = "dfly", head: str = "hidden", shape: DraftShape | None = None,
+                   context_injection: str | None = None, fc_bias: bool | None = None,
+                   **design: Any) -> BlockDrafterConfig:
+        """A new drafter for `target`: draft-layer shapes default to the target's (`shape`: the overrides), taps to
+        `default_block_layer_ids` with `num_taps` (default: one per draft layer, at most the target's layer count).
+        `context_injection` None
         = "same_layer" for a DSpark (the dflash conditioning with a Markov-family head, Uraion §3.3), else "shared";
         `fc_bias` None = a bias only for DFly (Eq. 12): the DFlash backbone's fc is built without one, as vLLM's
         DFlash / DSpark fc has none (`export.vllm`). The draft layers are Qwen3 layers (q/k norm) whatever the target
@@ -231,19 +230,17 @@ class BlockDrafterConfig(DraftModelConfig):
         DSpark, and DFlare / DFly through the angelspec[vllm] plugin), build Qwen3 draft layers. A Qwen3 target's
         layer is that layer already. `design` takes the
         remaining fields (head_intermediate_size, fusion_prior_temperature, confidence_target,
-        confidence_temperatures, anchor_fusion)."""
+        confidence_temperatures, anchor_fusion), and block_size, markov_rank and confidence_head, whose defaults are
+        the class's."""
         if target_layer_ids is None:
             taps = num_taps or min(num_draft_layers, target.num_hidden_layers)
             target_layer_ids = default_block_layer_ids(target.num_hidden_layers, taps)
-        shape = cls.target_shape(target, num_attention_heads=num_attention_heads,
-                                 num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                                 intermediate_size=intermediate_size)
-        shape.update(model_type="qwen3", qk_norm=True)  # a Qwen3 draft layer for every target (docstring)
+        layers = cls.target_shape(target, shape)
+        layers.update(model_type="qwen3", qk_norm=True)  # a Qwen3 draft layer for every target (docstring)
         if context_injection is None:
             context_injection = "same_layer" if conditioning == "dflash" and head in MARKOV_HEADS else "shared"
         return cls(
-            target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id, block_size=block_size,
-            num_draft_layers=num_draft_layers, conditioning=conditioning, head=head, markov_rank=markov_rank,
-            confidence_head=confidence_head, context_injection=context_injection,
-            fc_bias=conditioning == "dfly" if fc_bias is None else fc_bias, **shape, **design,
+            target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id, num_draft_layers=num_draft_layers,
+            conditioning=conditioning, head=head, context_injection=context_injection,
+            fc_bias=conditioning == "dfly" if fc_bias is None else fc_bias, **layers, **design,
         )
