@@ -221,7 +221,7 @@ def test_the_sort_free_sampling_path_runs_only_when_no_active_sampled_row_filter
     """`process_logits(filtering=False)` promises that no sampled row has top-k or top-p on; the engine keeps
     `BatchSampling.filtering` in step with the rows that join and leave, and takes the sort-free path whenever it
     may (outputs equal the single-row loop, which always sorts)."""
-    import angelspec.decoding.engine as engine_module
+    import angelspec.decoding.engine.scheduler as engine_module
 
     seen = []
     real = engine_module.process_logits

@@ -400,7 +400,7 @@ def accept_every_draft(monkeypatch: pytest.MonkeyPatch) -> None:
     """A deliberately wrong sampler for negative controls: the engine's standard speculative sampling without the
     min(1, p/q) test. The target's distributions at the draft positions are replaced by the drafter's q (ratio 1),
     so every verified draft is accepted and the drafted tokens are distributed as q, not as the target."""
-    from angelspec.decoding import engine as engine_module
+    from angelspec.decoding.engine import step as engine_module
 
     real = engine_module.verify_speculative
 
@@ -693,7 +693,7 @@ def test_a_full_depth_step_reads_nothing_back_to_size_its_verify_forward(target,
 
     drafter = NGramDrafter() if drafter_kind == "ngram" else OracleDrafter(continuations, error=0.3, seed=1)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=3))
-    assert engine._static_depth == 3
+    assert engine.step.static_depth == 3
     monkeypatch.setattr(torch.Tensor, "tolist", spy)
     out = engine.generate(requests[:6])
     assert [r.token_ids for r in out] == ar_tokens[:6]
@@ -862,7 +862,7 @@ def test_a_compiled_engine_compiles_its_verify_graphs_up_front_for_any_cache_cap
         first.generate([replace(r, prompt_ids=r.prompt_ids[:4], max_new_tokens=1) for r in reqs[:4]])
         compiled = counters["frames"]["ok"]
         # the step without drafts and the verify graphs of this run's kind only (a step is greedy only if every row is)
-        assert first._graphs_compiled == {(2, "plain"), (2, "sampled" if temperature else "greedy")}
+        assert first.forwards.warmed == {(2, "plain"), (2, "sampled" if temperature else "greedy")}
         out = second.generate(reqs)
     assert counters["frames"]["ok"] == compiled
     if temperature == 0:
