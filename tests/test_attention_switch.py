@@ -127,7 +127,7 @@ def test_cuda_graph_options_and_the_engine_switch() -> None:
     set_attention_backend(model, "auto")
     plain = SpecEngine(model, config=EngineConfig(max_batch_size=1)).generate(reqs)
     graphs = SpecEngine(model, config=EngineConfig(max_batch_size=1, cuda_graphs=True))
-    assert not graphs._graphs  # without compile (and off CUDA) the switch changes nothing
+    assert not graphs.forwards.cuda_graphs  # without compile (and off CUDA) the switch changes nothing
     assert graphs.generate(reqs)[0].token_ids == plain[0].token_ids
 
 

@@ -42,12 +42,12 @@ VARIANTS: dict[str, tuple[str, Literal["ar", "spec"]]] = {
 
 class TargetForwards:
     """`VARIANTS` over one target; with compile, each variant the engine runs is replaced by its compiled twin
-    (`compiled.try_compile`, with CUDA graphs when cuda_graphs). `warmed` records which step graphs `warm_up`
+    (`compiled.try_compile`, captured as CUDA graphs when cuda_graphs). `warmed` records which step graphs `warm_up`
     compiled: (batch kind: 1, or 2 for larger batches; "plain" / "greedy" / "sampled")."""
 
     def __init__(self, target: Decoder, taps: tuple[int, ...], *, speculative: bool, compile: bool,
                  cuda_graphs: bool) -> None:
-        self.target, self.taps, self.compiled = target, taps, compile
+        self.target, self.taps, self.compiled, self.cuda_graphs = target, taps, compile, cuda_graphs
         self.warmed: set[tuple[int, str]] = set()
         mode = "spec" if speculative else "ar"
         for name, (what, used_by) in VARIANTS.items():
