@@ -11,8 +11,8 @@
 
 `tokens` = [last, d_1..d_n] per row; taps are the drafter's hidden-state taps of the target. The greedy variants
 accept inside the forward's call, so that compiled, the acceptance joins the forward's graph. The packed variants
-run only the positions a row verifies (`Decoder.forward` with `keep`). Every variant is a function of its
-own: dynamo keeps one list of compiled graphs per function, and checks their guards in turn on every call.
+run only the positions a row verifies (`CacheInputs.keep`). Every variant is a function of its own: dynamo keeps
+one list of compiled graphs per function, and checks their guards in turn on every call.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.sampling import greedy_accept
-from angelspec.models.decoder import Decoder, DecoderOutput
+from angelspec.models.decoder import CacheInputs, Decoder, DecoderOutput
 from angelspec.models.kv_cache import StaticKVCache
 
 Taps = tuple[Tensor, ...]
@@ -56,24 +56,26 @@ class TargetForwards:
 
     def decode(self, last: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
         """last [B] -> next-token logits [B, V]; the cache grows by num_new [B] (0 for idle rows)."""
-        return self.target(last[:, None], cache=cache, num_new=num_new, kv_len=kv_len).logits[:, 0]
+        out = self.target.forward_cached(last[:, None], CacheInputs(cache, num_new=num_new, kv_len=kv_len))
+        return out.logits[:, 0]
 
     def one_token(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, num_new: Tensor) -> tuple[Tensor, Taps]:
         """A step without drafts (tokens [B, 1], the newest committed token per row): the decode forward plus the
         taps, so it costs what a plain step costs; the cache grows by num_new [B] (1 for active rows, 0 for idle)."""
-        out = self.target(tokens, cache=cache, num_new=num_new, kv_len=kv_len, hidden_layers=self.taps)
+        out = self.target.forward_cached(tokens, CacheInputs(cache, num_new=num_new, kv_len=kv_len,
+                                                             hidden_layers=self.taps))
         return out.logits, out.hidden
 
     def verify(self, tokens: Tensor, cache: StaticKVCache, kv_len: int) -> tuple[Tensor, Taps]:
         """tokens [B, n+1] -> logits [B, n+1, V] and the taps; the cache grows by n+1."""
-        out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self.taps)
+        out = self.target.forward_cached(tokens, CacheInputs(cache, kv_len=kv_len, hidden_layers=self.taps))
         return out.logits, out.hidden
 
     def greedy_verify(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor
                       ) -> tuple[Tensor, Tensor, Taps]:
         """`verify` and greedy acceptance of at most depth [B] drafts per row: -> tokens [B, n+1] (accepted drafts,
         then the target's token, then placeholders), num_accepted [B], the taps."""
-        out = self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self.taps)
+        out = self.target.forward_cached(tokens, CacheInputs(cache, kv_len=kv_len, hidden_layers=self.taps))
         v = greedy_accept(tokens[:, 1:], out.logits, depth)
         return v.tokens, v.num_accepted, out.hidden
 
@@ -96,7 +98,8 @@ class TargetForwards:
     def _packed(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, depth: Tensor, active: Tensor,
                 num_keep: int) -> DecoderOutput:
         keep = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= depth[:, None]) & active[:, None]
-        return self.target(tokens, cache=cache, kv_len=kv_len, hidden_layers=self.taps, keep=keep, num_keep=num_keep)
+        return self.target.forward_cached(tokens, CacheInputs(cache, kv_len=kv_len, hidden_layers=self.taps, keep=keep,
+                                                              num_keep=num_keep))
 
     def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool) -> None:
         """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs

@@ -8,7 +8,7 @@ import torch
 
 from angelspec.decoding.engine.types import FinishReason, Request, Result
 from angelspec.decoding.sampling import BatchSampling, NoiseStream, SamplingParams, process_logits, sample
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import CacheInputs, Decoder
 
 
 def reference_generate(target: Decoder, requests: Sequence[Request],
@@ -28,7 +28,7 @@ def reference_generate(target: Decoder, requests: Sequence[Request],
             stop = set(r.stop_ids if r.stop_ids is not None else target.config.eos_token_ids)
             prompt = list(r.prompt_ids)
             cache = target.new_cache(1, len(prompt) + r.max_new_tokens + 1)
-            logits = target(torch.tensor([prompt]), cache=cache).logits[:, -1]  # [1, V]
+            logits = target.forward_cached(torch.tensor([prompt]), CacheInputs(cache)).logits[:, -1]  # [1, V]
             out: list[int] = []
             finish: FinishReason = "length"
             while len(out) < r.max_new_tokens:
@@ -42,7 +42,7 @@ def reference_generate(target: Decoder, requests: Sequence[Request],
                 if tok in stop:
                     finish = "stop"
                     break
-                logits = target(torch.tensor([[tok]]), cache=cache).logits[:, -1]
+                logits = target.forward_cached(torch.tensor([[tok]]), CacheInputs(cache)).logits[:, -1]
             results.append(Result(request_id=i if r.request_id is None else r.request_id, token_ids=out,
                                   finish_reason=finish, num_steps=len(out), prompt_len=len(prompt)))
     return results
