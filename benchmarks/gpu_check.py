@@ -47,6 +47,7 @@ from angelspec.eval.prompts import eval_prompts
 from angelspec.eval.speculative import EvalSettings, evaluate, run_decoding
 from angelspec.models import Decoder, DecoderConfig
 from angelspec.models.block.drafter import BlockDrafter
+from angelspec.models.decoder import CacheInputs
 from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.mtp import MTPConfig, MTPDraftModel, concat_taps
 from angelspec.train.block import (
@@ -241,7 +242,8 @@ def prefill_row(device: torch.device, quick: bool, T: int, dtype: torch.dtype) -
     try:
         with torch.no_grad(), Meter(device) as m:
             cache = target.new_cache(1, T + 1)
-            logits = target(ids, cache=cache, logits_index=torch.tensor([[T - 1]], device=device)).logits
+            last = torch.tensor([[T - 1]], device=device)
+            logits = target.forward_cached(ids, CacheInputs(cache, logits_index=last)).logits
             ok = bool(torch.isfinite(logits).all())
         return Row("prefill", f"1x{T} V={target.config.vocab_size} {str(dtype).removeprefix('torch.')}",
                    f"{T / m.seconds:.0f} tok/s", m.seconds, m.peak, ok=ok)

@@ -61,16 +61,16 @@ class NeverDraft(SpecGate):
 
 
 class PhaseClock:
-    """Splits an engine's step phases further with host timers around the verification sampler (`_verify`) and
+    """Splits an engine's step phases further with host timers around the verification sampler (`Step._accept`) and
     the drafter's `propose` / `on_commit`. The engine's own "verify" phase is the target forward plus the
     sampler, so forward = verify - sampler (it also holds two small tensor ops: the token concat and a length
-    copy; at T=0 also the greedy acceptance, which runs inside the forward's call and never calls `_verify`). On
+    copy; at T=0 also the greedy acceptance, which runs inside the forward's call and never calls `_accept`). On
     CPU every op is synchronous, so host time is compute time."""
 
     def __init__(self, engine: SpecEngine) -> None:
         self.seconds = {"verify": 0.0, "drafter": 0.0}
         self.engine = engine
-        self._wrap(engine, "_verify", "verify")
+        self._wrap(engine.step, "_accept", "verify")
         if engine.drafter is not None:
             self._wrap(engine.drafter, "propose", "drafter")
             self._wrap(engine.drafter, "on_commit", "drafter")

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from angelspec.models.decoder import TrainInputs
+
 # The suite is CPU-first and its numbers are fp32's: on a GPU machine it still runs on the CPU (the library's default
 # there is the GPU in bfloat16), and its torchrun launches use gloo, not NCCL. Set before anything is imported, so
 # subprocesses (CLI runs, torchrun ranks) inherit both.
@@ -226,7 +228,8 @@ def mtp_reference_drafts(block: Any, target: Any, sequence: list[int], k: int) -
     with torch.no_grad():
         ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
         s = ids.shape[1]
-        hidden = target(ids, hidden_layers=list(block.config.target_layer_ids), compute_logits=False).hidden
+        hidden = target(ids, TrainInputs(hidden_layers=list(block.config.target_layer_ids),
+                                         compute_logits=False)).hidden
         pos = torch.arange(s, device=ids.device)[None]
         out = ttt_rollout(block, concat_taps(hidden), ids, pos, None, k)  # taps [1, s, n·C]
     return out.logits[0, s - 2].argmax(dim=-1).tolist()

@@ -19,6 +19,7 @@ from angelspec.models.attention import (
     resolve_attention_backend,
     set_attention_backend,
 )
+from angelspec.models.decoder import CacheInputs, TrainInputs
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="FlexAttention's backward is not implemented on CPU: gradients are checked on a GPU")
@@ -130,11 +131,11 @@ def test_fresh_prefill_and_expanded_kv_equal_the_masked_path() -> None:
         set_attention_backend(model, backend)
         cache = model.new_cache(2, 32)
         with torch.no_grad():
-            fresh = model(ids, cache=cache, kv_len=9).logits
-            step = model(ids[:, :3], cache=cache).logits  # not fresh: the mask over the cache
-            packed = model(ids, cache=model.new_cache(2, 32), kv_len=9, keep=keep).logits
+            fresh = model.forward_cached(ids, CacheInputs(cache, kv_len=9)).logits
+            step = model.forward_cached(ids[:, :3], CacheInputs(cache)).logits  # not fresh: the mask over the cache
+            packed = model.forward_cached(ids, CacheInputs(model.new_cache(2, 32), kv_len=9, keep=keep)).logits
             cache = model.new_cache(2, 32)
-            masked = model(ids, cache=cache).logits  # no kv_len: the mask path
+            masked = model.forward_cached(ids, CacheInputs(cache)).logits  # no kv_len: the mask path
         outs[backend] = step
         torch.testing.assert_close(fresh, masked, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed[1, :5], masked[1, :5], atol=1e-5, rtol=1e-5)
@@ -155,16 +156,17 @@ def test_compiled_flex_cached_decode_verify_and_documents_equal_sdpa() -> None:
         set_attention_backend(model, backend)
         cache = model.new_cache(2, 150)  # capacity 166: two key tiles
         with torch.no_grad():
-            model(prompt, cache=cache, num_new=num_new, kv_len=6)
-            logits[backend] = model(step, cache=cache, kv_len=10).logits  # a decode step is the T = 1 case
+            model.forward_cached(prompt, CacheInputs(cache, num_new=num_new, kv_len=6))
+            # a decode step is the T = 1 case
+            logits[backend] = model.forward_cached(step, CacheInputs(cache, kv_len=10)).logits
     torch.testing.assert_close(logits["flex"], logits["sdpa"], atol=1e-5, rtol=1e-5)
     doc, pos = _packed_case(T=160)
     ids = torch.randint(0, 64, (2, 160), generator=g)
     with torch.no_grad():
         set_attention_backend(model, "flex")
-        flex = model(ids, document_ids=doc).logits
+        flex = model(ids, TrainInputs(document_ids=doc)).logits
         set_attention_backend(model, "sdpa")
-        dense = model(ids, document_ids=doc).logits
+        dense = model(ids, TrainInputs(document_ids=doc)).logits
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
@@ -207,7 +209,7 @@ def check_flex_gradients(device: str = "cuda") -> dict[str, float]:
     for backend in ("flex", "sdpa"):
         set_attention_backend(model, backend)
         model.zero_grad()
-        model(ids, document_ids=doc).logits.logsumexp(-1).sum().backward()
+        model(ids, TrainInputs(document_ids=doc)).logits.logsumexp(-1).sum().backward()
         per_backend[backend] = [p.grad.clone() for p in model.parameters()]
     errs["decoder"] = max(float((a - b).abs().max()) for a, b in zip(*per_backend.values(), strict=True))
     return errs

@@ -19,6 +19,7 @@ from angelspec.models.attention import (
     set_attention_backend,
     set_default_attention_backend,
 )
+from angelspec.models.decoder import CacheInputs
 from angelspec.models.device import resolve_placement
 
 
@@ -88,13 +89,14 @@ def _graphs_per_kv_len(model: Decoder, backend: str) -> tuple[int, list[torch.Te
         return gm.forward
 
     torch._dynamo.reset()
-    step = torch.compile(lambda t, c, n: model(t, cache=c, kv_len=n).logits, backend=count, dynamic=False)
+    step = torch.compile(lambda t, c, n: model.forward_cached(t, CacheInputs(c, kv_len=n)).logits, backend=count,
+                         dynamic=False)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 64, (2, 6), generator=g)
     cache = model.new_cache(2, 40)
     out = []
     with torch.no_grad():
-        model(prompt, cache=cache, kv_len=6)
+        model.forward_cached(prompt, CacheInputs(cache, kv_len=6))
         for n in (7, 8, 9):
             out.append(step(torch.randint(0, 64, (2, 1), generator=g), cache, n))
     torch._dynamo.reset()
@@ -127,7 +129,7 @@ def test_cuda_graph_options_and_the_engine_switch() -> None:
     set_attention_backend(model, "auto")
     plain = SpecEngine(model, config=EngineConfig(max_batch_size=1)).generate(reqs)
     graphs = SpecEngine(model, config=EngineConfig(max_batch_size=1, cuda_graphs=True))
-    assert not graphs._graphs  # without compile (and off CUDA) the switch changes nothing
+    assert not graphs.forwards.cuda_graphs  # without compile (and off CUDA) the switch changes nothing
     assert graphs.generate(reqs)[0].token_ids == plain[0].token_ids
 
 

@@ -34,6 +34,7 @@ from angelspec.models.block.presets import (
     qwen3_8b_shape,
 )
 from angelspec.models.block.targets import block_targets, sample_anchors
+from angelspec.models.decoder import TrainInputs
 from angelspec.models.mtp import concat_taps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,8 +75,8 @@ def tiny_drafter(target: Decoder, *, conditioning: str = "dfly", head: str = "hi
 def taps_of(target: Decoder, model: BlockDrafter, ids: torch.Tensor, positions: torch.Tensor | None = None,
             document_ids: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():  # the target is frozen: its taps are inputs, as in the trainer
-        out = target(ids, positions=positions, document_ids=document_ids,
-                     hidden_layers=list(model.config.target_layer_ids), compute_logits=False)
+        out = target(ids, TrainInputs(positions=positions, document_ids=document_ids,
+                                      hidden_layers=list(model.config.target_layer_ids), compute_logits=False))
     return concat_taps(out.hidden)
 
 
@@ -390,7 +391,8 @@ def test_conditioning_equations(conditioning: str) -> None:
                 params[name].copy_(noise * (0.2 if name == "fc.weight" else 1.0))
     ids = torch.randint(6, VOCAB, (1, 6), generator=g)
     with torch.no_grad():
-        h = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden  # n x [1, T, C]
+        inputs = TrainInputs(hidden_layers=list(model.config.target_layer_ids), compute_logits=False)
+        h = target(ids, inputs).hidden  # n x [1, T, C]
         feats = model.context_features(taps_of(target, model, ids))
     C, eps, n, L = model.config.hidden_size, model.config.rms_norm_eps, len(h), model.config.num_draft_layers
     assert len(feats) == L == 2 and n == 3
@@ -517,8 +519,8 @@ def test_shipped_dspark_loads_and_proposes_exactly_as_before(tmp_path) -> None:
         assert model.config.context_injection == "shared" and model.config.fc_bias and model.fc.bias is not None
         assert model.config.confidence_target == "tv"
         with torch.no_grad():
-            taps = concat_taps(target(ids, hidden_layers=list(model.config.target_layer_ids),
-                                      compute_logits=False).hidden)
+            taps = concat_taps(target(ids, TrainInputs(hidden_layers=list(model.config.target_layer_ids),
+                                                       compute_logits=False)).hidden)
             props.append(BlockProposer(model).propose_from_taps(taps, lengths - 1, ids[torch.arange(3), lengths - 1]))
     prop, prop_old = props
     assert torch.equal(prop.tokens, prop_old.tokens) and torch.equal(prop.logits, prop_old.logits)
@@ -984,7 +986,8 @@ def test_for_target_builds_the_shipped_dflys_qwen3_layers_and_proposes_the_same(
     ids = torch.randint(6, target.config.vocab_size, (2, 20), generator=g)
     lengths = torch.tensor([20, 11])
     with torch.no_grad():
-        taps = concat_taps(target(ids, hidden_layers=list(shipped.target_layer_ids), compute_logits=False).hidden)
+        inputs = TrainInputs(hidden_layers=list(shipped.target_layer_ids), compute_logits=False)
+        taps = concat_taps(target(ids, inputs).hidden)
         props = [BlockProposer(m).propose_from_taps(taps, lengths - 1, ids[torch.arange(2), lengths - 1])
                  for m in (loaded, model)]
     assert torch.equal(props[0].tokens, props[1].tokens) and torch.equal(props[0].logits, props[1].logits)

@@ -34,6 +34,7 @@ from angelspec.models import ConfigError, load_target
 from angelspec.models.block.config import BlockDrafterConfig
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.heads import ConfidenceHead, temperature_weights
+from angelspec.models.decoder import TrainInputs
 from angelspec.train.block import BlockDrafterTrainConfig, tiny_debug, train_dfly
 from angelspec.train.confidence import argmax_drafts, confidence_targets, protocol_acceptance
 from angelspec.train.losses import LossConfig, dspark_loss, dspark_position_weights
@@ -183,7 +184,7 @@ def test_shipped_folders_keep_the_tv_head_and_ignore_the_temperature(kind):
     model = drafter.model
     ids = torch.tensor([[100, 101, 102, 103, 104, 105]])
     with torch.no_grad():
-        taps = target(ids, hidden_layers=list(cfg.target_layer_ids), compute_logits=False).hidden
+        taps = target(ids, TrainInputs(hidden_layers=list(cfg.target_layer_ids), compute_logits=False)).hidden
         from angelspec.models.mtp import concat_taps
 
         args = (concat_taps(taps)[:, :5].expand(2, -1, -1), torch.tensor([5, 5]), ids[:, 5].expand(2))

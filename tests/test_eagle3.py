@@ -25,6 +25,7 @@ from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request
 from angelspec.models import Decoder, load_target, save_target
 from angelspec.models.config import ConfigError
+from angelspec.models.decoder import TrainInputs
 from angelspec.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from angelspec.models.hf_io import CheckpointError
 from angelspec.models.mtp import concat_taps
@@ -78,8 +79,8 @@ def test_fast_ttt_matches_explicit_mask_reference():
     packed = pack_documents(docs, 20, pad_id=0)
     assert packed.num_rows >= 2 and (packed.document_ids == -1).any()
     with torch.no_grad():
-        tout = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
-                      hidden_layers=list(TAPS), compute_logits=False)
+        tout = target(packed.input_ids, TrainInputs(positions=packed.positions, document_ids=packed.document_ids,
+                                                    hidden_layers=list(TAPS), compute_logits=False))
     taps = concat_taps(tout.hidden)  # [B, T, 3C]
     args = (model, taps, packed.input_ids, packed.positions, packed.document_ids, 4)
     fast, ref = ttt_rollout(*args, memory=RolloutMemory(query_chunk=6)), ttt_rollout(*args, attention="reference")

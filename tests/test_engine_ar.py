@@ -12,6 +12,7 @@ import torch
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.decoding.sampling import SamplingParams
 from angelspec.models import Decoder, DecoderConfig
+from angelspec.models.decoder import CacheInputs
 
 V = 64
 EOS = 3
@@ -205,7 +206,7 @@ def test_ragged_prefill_runs_no_padding_and_equals_each_prompt_alone(target, all
     assert seen == [sum(map(len, prompts))]
     for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
         alone_cache = target.new_cache(1, 16)
-        alone = target(torch.tensor([p]), cache=alone_cache, hidden_layers=[0, 1])
+        alone = target.forward_cached(torch.tensor([p]), CacheInputs(alone_cache, hidden_layers=[0, 1]))
         torch.testing.assert_close(out.logits[i, 0], alone.logits[0, -1], rtol=1e-10, atol=1e-10)
         for tap, ref in zip(out.hidden, alone.hidden, strict=True):
             torch.testing.assert_close(tap[i, : len(p)], ref[0], rtol=1e-10, atol=1e-10)
@@ -221,7 +222,7 @@ def test_the_sort_free_sampling_path_runs_only_when_no_active_sampled_row_filter
     """`process_logits(filtering=False)` promises that no sampled row has top-k or top-p on; the engine keeps
     `BatchSampling.filtering` in step with the rows that join and leave, and takes the sort-free path whenever it
     may (outputs equal the single-row loop, which always sorts)."""
-    import angelspec.decoding.engine as engine_module
+    import angelspec.decoding.engine.scheduler as engine_module
 
     seen = []
     real = engine_module.process_logits

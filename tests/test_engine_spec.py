@@ -194,14 +194,14 @@ def test_dense_packed_verification_is_used_for_ragged_depths_and_stays_exact(tar
     """With per-row depths (and rows idle at the tail of the queue) the verify forward packs only the verified
     positions; on or off, the output is AR's, token for token."""
     requests, ar_tokens, continuations = greedy_case
-    packed_calls, forward = [], target.forward
+    packed_calls, forward = [], target.forward_cached
 
-    def spy(*args, **kwargs):
-        if kwargs.get("keep") is not None and kwargs.get("num_new") is None:  # a (packed) prefill passes num_new
-            packed_calls.append(int(kwargs["keep"].sum()))
-        return forward(*args, **kwargs)
+    def spy(ids, inputs):
+        if inputs.keep is not None and inputs.num_new is None:  # a (packed) prefill passes num_new
+            packed_calls.append(int(inputs.keep.sum()))
+        return forward(ids, inputs)
 
-    monkeypatch.setattr(target, "forward", spy)
+    monkeypatch.setattr(target, "forward_cached", spy)
     engine = SpecEngine(target, OracleDrafter(continuations, error=0.3, seed=5, ragged=True),
                         EngineConfig(max_batch_size=7, num_draft_tokens=4, dense_verify=dense),
                         depth_policy=PositionHashDepth())
@@ -237,8 +237,8 @@ def test_draft_lm_early_stop_stays_exact_and_saves_draft_steps(target, greedy_ca
     draft = tiny_decoder(layers=1, seed=5)
     draft.load_state_dict(target.state_dict(), strict=False)
     drafter = DraftLMDrafter(draft, stop_below=stop_below)
-    calls, forward = [], draft.forward
-    monkeypatch.setattr(draft, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    calls, forward = [], draft.forward_cached
+    monkeypatch.setattr(draft, "forward_cached", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=4))
     assert [r.token_ids for r in engine.generate(requests)] == ar_tokens
     m = engine.metrics
@@ -400,7 +400,7 @@ def accept_every_draft(monkeypatch: pytest.MonkeyPatch) -> None:
     """A deliberately wrong sampler for negative controls: the engine's standard speculative sampling without the
     min(1, p/q) test. The target's distributions at the draft positions are replaced by the drafter's q (ratio 1),
     so every verified draft is accepted and the drafted tokens are distributed as q, not as the target."""
-    from angelspec.decoding import engine as engine_module
+    from angelspec.decoding.engine import step as engine_module
 
     real = engine_module.verify_speculative
 
@@ -500,8 +500,8 @@ def test_lengths_of_sampled_drafts_are_refused_under_standard_sampling(dist_case
     harmless: greedy rows, and a proposal-reading policy (deterministic-draft protocol, exact for any depth)."""
     tgt, draft, joint = dist_case
     engine = SpecEngine(tgt, SampledDraftLMWithLengths(draft), EngineConfig(max_batch_size=2, num_draft_tokens=3))
-    calls, forward = [], tgt.forward
-    monkeypatch.setattr(tgt, "forward", lambda *a, **kw: calls.append(a[0].shape[1]) or forward(*a, **kw))
+    calls, forward = [], tgt.forward_cached
+    monkeypatch.setattr(tgt, "forward_cached", lambda *a, **kw: calls.append(a[0].shape[1]) or forward(*a, **kw))
     sampled = [Request(PROMPT, 3, SamplingParams(temperature=1.0, seed=0), stop_ids=()),
                Request(PROMPT, 3, stop_ids=())]  # one sampled row is enough for standard sampling
     with pytest.raises(ValueError, match=r"lengths.*standard speculative sampling.*trap 1"):
@@ -693,7 +693,7 @@ def test_a_full_depth_step_reads_nothing_back_to_size_its_verify_forward(target,
 
     drafter = NGramDrafter() if drafter_kind == "ngram" else OracleDrafter(continuations, error=0.3, seed=1)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=3, num_draft_tokens=3))
-    assert engine._static_depth == 3
+    assert engine.step.static_depth == 3
     monkeypatch.setattr(torch.Tensor, "tolist", spy)
     out = engine.generate(requests[:6])
     assert [r.token_ids for r in out] == ar_tokens[:6]
@@ -780,10 +780,11 @@ class SometimesSilentOracle(OracleDrafter):
         return p
 
 
-def is_step_forward(kwargs) -> bool:
-    """Whether a target forward is a decoding step's (verify, packed verify or one-token): prefill, which runs
-    eagerly by design, always passes logits_index or compute_logits (`decoding.batching.prefill_rows`)."""
-    return "logits_index" not in kwargs and "compute_logits" not in kwargs
+def is_step_forward(inputs) -> bool:
+    """Whether a target forward (its `CacheInputs`) is a decoding step's (verify, packed verify or one-token):
+    prefill, which runs eagerly by design, always passes logits_index or compute_logits=False
+    (`decoding.batching.prefill_rows`)."""
+    return inputs.logits_index is None and inputs.compute_logits
 
 
 def _compiled_run_then_silent_run_without_recompiles(engine, drafter, first, second) -> list:
@@ -801,14 +802,14 @@ def test_compiled_packed_verify_forward_stays_exact_and_never_recompiles_mid_run
     happened)."""
 
     requests, ar_tokens, continuations = greedy_case
-    forward = target.forward
+    forward = target.forward_cached
 
-    def spy(*args, **kwargs):  # no side effect under tracing (is_compiling() is a constant there): no guards
-        if is_step_forward(kwargs) and not torch.compiler.is_compiling():
-            raise AssertionError(f"a step's forward ran eagerly (keep={kwargs.get('keep') is not None})")
-        return forward(*args, **kwargs)
+    def spy(ids, inputs):  # no side effect under tracing (is_compiling() is a constant there): no guards
+        if is_step_forward(inputs) and not torch.compiler.is_compiling():
+            raise AssertionError(f"a step's forward ran eagerly (keep={inputs.keep is not None})")
+        return forward(ids, inputs)
 
-    monkeypatch.setattr(target, "forward", spy)
+    monkeypatch.setattr(target, "forward_cached", spy)
     drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=5, num_draft_tokens=4, compile=True),
                         depth_policy=PositionHashDepth())
@@ -862,7 +863,7 @@ def test_a_compiled_engine_compiles_its_verify_graphs_up_front_for_any_cache_cap
         first.generate([replace(r, prompt_ids=r.prompt_ids[:4], max_new_tokens=1) for r in reqs[:4]])
         compiled = counters["frames"]["ok"]
         # the step without drafts and the verify graphs of this run's kind only (a step is greedy only if every row is)
-        assert first._graphs_compiled == {(2, "plain"), (2, "sampled" if temperature else "greedy")}
+        assert first.forwards.warmed == {(2, "plain"), (2, "sampled" if temperature else "greedy")}
         out = second.generate(reqs)
     assert counters["frames"]["ok"] == compiled
     if temperature == 0:
@@ -878,15 +879,15 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
     eager AR step each), and that graph is compiled when the run starts, never in the middle of it."""
 
     requests, ar_tokens, continuations = greedy_case
-    forward = target.forward
+    forward = target.forward_cached
     eager_calls = []
 
-    def spy(*args, **kwargs):
-        if is_step_forward(kwargs) and not torch.compiler.is_compiling():
-            eager_calls.append(kwargs.get("num_keep"))
-        return forward(*args, **kwargs)
+    def spy(ids, inputs):
+        if is_step_forward(inputs) and not torch.compiler.is_compiling():
+            eager_calls.append(inputs.num_keep)
+        return forward(ids, inputs)
 
-    monkeypatch.setattr(target, "forward", spy)
+    monkeypatch.setattr(target, "forward_cached", spy)
     drafter = SometimesSilentOracle(continuations, error=0.3, seed=5, ragged=True)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch_size=1, num_draft_tokens=3, compile=True))
     out = _compiled_run_then_silent_run_without_recompiles(engine, drafter, requests[:2], requests[2:5])

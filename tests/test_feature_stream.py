@@ -32,6 +32,7 @@ from conftest import QUIET, same_weights, train_log, write_conversations
 import angelspec
 from angelspec.data.tokenizer import load_tokenizer
 from angelspec.models import load_target
+from angelspec.models.decoder import TrainInputs
 from angelspec.train.data import dataset_identity, pack_conversations, pad_token_id
 from angelspec.train.stream import (
     Cursor,
@@ -126,7 +127,7 @@ def test_producers_stop_when_buffer_batches_wait_and_publish_the_inline_batch(
     idx = rows.rows(0, 2)
     b = rows.take(idx)
     with torch.no_grad():
-        out = target(b.input_ids, positions=b.positions, document_ids=b.document_ids, hidden_layers=(0, 1))
+        out = target(b.input_ids, TrainInputs(positions=b.positions, document_ids=b.document_ids, hidden_layers=(0, 1)))
     assert got["rows"].tolist() == idx and torch.equal(got["input_ids"], b.input_ids)
     assert torch.equal(got["hidden.0"], out.hidden[0]) and torch.equal(got["hidden.1"], out.hidden[1])
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from angelspec.models import CheckpointError, ConfigError, Decoder, DecoderConfig, load_target, save_target
+from angelspec.models.decoder import CacheInputs, TrainInputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,7 +73,7 @@ def test_cached_decode_with_appends_and_rollbacks_matches_hf(tmp_path, family):
     cache = ours.new_cache(B, 80, slack=8)
     prompt = torch.tensor([5, 9, 13])
     # Ragged prefill: rows have different prompt lengths; padded tail positions are ignored.
-    out = ours(seqs[:, :13], cache=cache, num_new=prompt)
+    out = ours.forward_cached(seqs[:, :13], CacheInputs(cache, num_new=prompt))
     for b in range(B):
         assert (out.logits[b, : prompt[b]] - full[b, : prompt[b]]).abs().max() < TOL
     assert cache.lengths.tolist() == prompt.tolist()
@@ -80,7 +81,7 @@ def test_cached_decode_with_appends_and_rollbacks_matches_hf(tmp_path, family):
     for k, keep in [(4, [1, 4, 2]), (6, [6, 0, 3]), (1, [1, 1, 1]), (8, [2, 5, 8])]:
         start = cache.lengths.clone()
         idx = start[:, None] + torch.arange(k)
-        out = ours(seqs.gather(1, idx), cache=cache)
+        out = ours.forward_cached(seqs.gather(1, idx), CacheInputs(cache))
         for b in range(B):
             assert (out.logits[b] - full[b, start[b]: start[b] + k]).abs().max() < TOL
         cache.truncate(start + torch.tensor(keep))  # rollback: stale slots beyond must be invisible
@@ -91,7 +92,7 @@ def test_hidden_taps_match_hf_hidden_states(tmp_path):
     ours, hf = _hf_pair(tmp_path, _cfg("qwen3"))
     ids = torch.randint(0, 97, (1, 20))
     ref = hf(ids, output_hidden_states=True).hidden_states
-    out = ours(ids, hidden_layers=[0, 2, 1])
+    out = ours(ids, TrainInputs(hidden_layers=[0, 2, 1]))
     # id i is the output of decoder layer i == HF hidden_states[i + 1] (the last one is pre-norm)
     for tap, i in zip(out.hidden, [0, 2, 1], strict=True):
         if i == 2:  # HF's last entry has the final norm applied; ours is the raw layer output
@@ -99,7 +100,7 @@ def test_hidden_taps_match_hf_hidden_states(tmp_path):
         else:
             assert (tap - ref[i + 1]).abs().max() < TOL
     with pytest.raises(ValueError, match="hidden layer id 3 out of range"):
-        ours(ids, hidden_layers=[3])
+        ours(ids, TrainInputs(hidden_layers=[3]))
 
 
 @torch.no_grad()
@@ -108,12 +109,12 @@ def test_logits_index_and_document_mask():
     ids = torch.randint(0, 97, (2, 12))
     full = m(ids).logits
     idx = torch.tensor([[3, 11], [0, 5]])
-    part = m(ids, logits_index=idx).logits
+    part = m(ids, TrainInputs(logits_index=idx)).logits
     assert torch.allclose(part, full.gather(1, idx[..., None].expand(-1, -1, 97)), atol=1e-6)
     # Two packed documents with document-local positions behave like two separate sequences.
     doc = torch.tensor([[0] * 5 + [1] * 7])
     pos = torch.tensor([list(range(5)) + list(range(7))])
-    packed = m(ids[:1], document_ids=doc, positions=pos).logits
+    packed = m(ids[:1], TrainInputs(document_ids=doc, positions=pos)).logits
     assert (packed[0, :5] - m(ids[:1, :5]).logits[0]).abs().max() < TOL
     assert (packed[0, 5:] - m(ids[:1, 5:]).logits[0]).abs().max() < TOL
 
@@ -180,7 +181,7 @@ def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_know
     def fresh_cache():
         cache = model.new_cache(B, 32, slack=8, dtype=torch.float64)
         ctx = torch.randint(0, 97, (B, 11), generator=torch.Generator().manual_seed(9))
-        model(ctx, cache=cache, num_new=prompt_lens)
+        model.forward_cached(ctx, CacheInputs(cache, num_new=prompt_lens))
         return cache
 
     ids = torch.randint(0, 97, (B, T), generator=g)
@@ -189,9 +190,9 @@ def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_know
     keep[3] = False  # an idle row keeps nothing
     padded_cache, packed_cache = fresh_cache(), fresh_cache()
     before = torch.stack(packed_cache.k)  # [L, B, Hkv, S, Dh]
-    ref = model(ids, cache=padded_cache, kv_len=24, hidden_layers=[0, 2])
-    out = model(ids, cache=packed_cache, kv_len=24, hidden_layers=[0, 2], keep=keep,
-                num_keep=int(keep.sum()) if num_keep_known else None)
+    ref = model.forward_cached(ids, CacheInputs(padded_cache, kv_len=24, hidden_layers=[0, 2]))
+    out = model.forward_cached(ids, CacheInputs(packed_cache, kv_len=24, hidden_layers=[0, 2], keep=keep,
+                                                num_keep=int(keep.sum()) if num_keep_known else None))
     torch.testing.assert_close(out.logits[keep], ref.logits[keep], rtol=1e-10, atol=1e-10)
     assert out.logits[~keep].abs().max() == 0
     for a, b in zip(out.hidden, ref.hidden, strict=True):
@@ -209,10 +210,11 @@ def test_dense_packed_verify_forward_equals_the_padded_one(family, num_keep_know
 def test_dense_packing_bad_input_is_a_clear_error():
     model = _random_model(_cfg("qwen3"))
     ids = torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="pass cache="):
-        model(ids, keep=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="keep"):  # keep packs a cached forward's tokens: no cache-free forward takes it
+        model(ids, TrainInputs(keep=torch.ones(2, 3, dtype=torch.bool)))
     cache = model.new_cache(2, 8)
     with pytest.raises(ValueError, match=r"keep must be a bool tensor \[B, T\] = \[2, 3\]"):
-        model(ids, cache=cache, keep=torch.ones(2, 4, dtype=torch.bool))
+        model.forward_cached(ids, CacheInputs(cache, keep=torch.ones(2, 4, dtype=torch.bool)))
     with pytest.raises(ValueError, match="cannot be combined"):
-        model(ids, cache=cache, keep=torch.ones(2, 3, dtype=torch.bool), logits_index=torch.zeros(2, 1).long())
+        model.forward_cached(ids, CacheInputs(cache, keep=torch.ones(2, 3, dtype=torch.bool),
+                                              logits_index=torch.zeros(2, 1).long()))

@@ -38,6 +38,7 @@ from angelspec.decoding.drafters.base import DrafterMismatchError
 from angelspec.decoding.drafters.mtp import MTPDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
+from angelspec.models.decoder import TrainInputs
 from angelspec.models.mtp import MTPConfig, MTPDraftModel
 from angelspec.train.losses import LossConfig, get_loss
 from angelspec.train.ttt import (
@@ -161,8 +162,8 @@ def test_depth_alignment_and_teacher_shift():
 def _per_doc_losses(model, target, docs, seq_len):
     packed = pack_documents(docs, seq_len, pad_id=0)
     with torch.no_grad():
-        tout = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
-                      hidden_layers=[model.config.target_layer_id])
+        tout = target(packed.input_ids, TrainInputs(positions=packed.positions, document_ids=packed.document_ids,
+                                                    hidden_layers=[model.config.target_layer_id]))
         out = ttt_rollout(model, tout.hidden[0], packed.input_ids, packed.positions, packed.document_ids, 3)
     lb = mtp_loss_batch(out, packed, tout.logits)
     per_doc = {}

@@ -32,6 +32,7 @@ from angelspec.data.packing import (
     varlen_attention_reference,
 )
 from angelspec.models import Decoder, DecoderConfig
+from angelspec.models.decoder import TrainInputs
 
 V = 64
 PAD = 0
@@ -62,8 +63,8 @@ def model() -> Decoder:
 def _forward(model: Decoder, packed: PackedBatch, *, gate: bool = True, local_positions: bool = True) -> torch.Tensor:
     positions = packed.positions if local_positions else torch.arange(packed.seq_len).expand_as(packed.input_ids)
     with torch.no_grad():
-        return model(packed.input_ids, positions=positions,
-                     document_ids=packed.document_ids if gate else None).logits  # [R, T, V]
+        inputs = TrainInputs(positions=positions, document_ids=packed.document_ids if gate else None)
+        return model(packed.input_ids, inputs).logits  # [R, T, V]
 
 
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # [R, T]

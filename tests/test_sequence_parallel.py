@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from angelspec.models.decoder import TrainInputs
+
 D = 3  # TTT depths
 RTOL = 1e-5
 
@@ -98,8 +100,8 @@ def _check_target(sp) -> None:
     target = tiny_decoder(vocab=vocab, dtype=torch.float32, heads=4, kv=1, layers=3)
     packed = _packed(vocab, T, T // 2)
     with torch.no_grad():
-        ref = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
-                     hidden_layers=(0, 1, 2))
+        ref = target(packed.input_ids, TrainInputs(positions=packed.positions, document_ids=packed.document_ids,
+                                                   hidden_layers=(0, 1, 2)))
     out = target_forward(sp, target, packed, (0, 1, 2))
 
     def close(got, want, what: str) -> None:  # 1e-5 of the tensor's scale (another summation order: ~1e-7)
@@ -442,7 +444,7 @@ def test_bad_sp_settings_are_one_line_errors(capsys, tiny_target_dir, conversati
 
 def test_target_forward_of_one_rank_is_the_whole_row_forward():
     """With no SP the target's sequence-parallel forward is the whole row through the tiled document-masked
-    attention (`Decoder.forward(attend=...)`): the whole-row forward's taps and final states within 1e-5; `attend`
+    attention (`TrainInputs.attend`): the whole-row forward's taps and final states within 1e-5; `attend`
     with a mask of the model's own (document_ids, a cache, keep) is refused."""
     from conftest import tiny_decoder
 
@@ -451,14 +453,15 @@ def test_target_forward_of_one_rank_is_the_whole_row_forward():
     target = tiny_decoder(vocab=64, dtype=torch.float32, heads=4, kv=2, layers=2)
     packed = _packed(64, 24, 12)
     with torch.no_grad():
-        ref = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids,
-                     hidden_layers=(0, 1))
+        ref = target(packed.input_ids, TrainInputs(positions=packed.positions, document_ids=packed.document_ids,
+                                                   hidden_layers=(0, 1)))
     out = target_forward(NO_SP, target, packed, (0, 1))
     assert out.logits is None
     for got, want in zip((*out.hidden, out.last_hidden), (*ref.hidden, ref.last_hidden), strict=True):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()))
     with pytest.raises(ValueError, match="attend= .* own mask"):
-        target(packed.input_ids, document_ids=packed.document_ids, attend=target_attention(NO_SP, packed.document_ids))
+        target(packed.input_ids, TrainInputs(document_ids=packed.document_ids,
+                                             attend=target_attention(NO_SP, packed.document_ids)))
 
 
 def test_anchors_go_to_the_rank_holding_them_padded_to_one_count():

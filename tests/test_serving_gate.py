@@ -164,7 +164,7 @@ def test_an_auto_engine_builds_its_serving_gate_and_verifies_all_k_at_first():
     engine = SpecEngine(target, perfect_draft_lm(target), EngineConfig(num_draft_tokens=3),
                         depth_policy=AutoDepth(cost=LinearCost()))
     assert isinstance(engine.gate, ServingGate) and engine.gate.num_draft_tokens == 3
-    assert engine._static_depth == 3 and not engine._policy_uses_proposal  # uniform depth: no host sync, trap 1 safe
+    assert engine.step.static_depth == 3 and not engine.step.uses_proposal  # uniform depth: no host sync, trap 1 safe
 
 
 class ScriptedDepthGate(ServingGate):

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from angelspec.models.block.drafter import BackboneOptions, BlockDrafter
+from angelspec.models.decoder import TrainInputs
 from angelspec.train.block import block_chunked_loss_batch
 from angelspec.train.confidence import confidence_targets
 from angelspec.train.losses import (
@@ -97,7 +98,7 @@ def test_trainer_features_give_the_teacher_as_states_and_head():
     assert isinstance(teacher, TeacherHead) and teacher.shape == (*packed.input_ids.shape, 48)
     assert teacher.states.shape[-1] == target.config.hidden_size  # D values a position travel, not V
     with torch.no_grad():
-        ref = target(packed.input_ids, positions=packed.positions, document_ids=packed.document_ids).logits
+        ref = target(packed.input_ids, TrainInputs(positions=packed.positions, document_ids=packed.document_ids)).logits
     torch.testing.assert_close(teacher_logits(teacher), ref)
 
 

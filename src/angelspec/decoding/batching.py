@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from angelspec.models.decoder import Decoder, DecoderOutput
+from angelspec.models.decoder import CacheInputs, Decoder, DecoderOutput
 from angelspec.models.kv_cache import StaticKVCache
 
 
@@ -37,7 +37,7 @@ def prefill_rows(
     position: -> DecoderOutput(logits [n, 1, V], hidden one [n, P_max, D] per tap id; zeros past a prompt's end
     when the prompts are ragged).
 
-    Ragged prompts run packed (`Decoder.forward(keep=...)`): projections and MLPs see only the real tokens, not
+    Ragged prompts run packed (`CacheInputs.keep`): projections and MLPs see only the real tokens, not
     the padding up to the longest prompt (a batch of one long and many short prompts would otherwise cost
     n x P_max tokens). When all B rows join at once (the first admission) the forward runs on the cache itself.
     Otherwise it runs on a temporary n-row cache and the keys/values are copied into the rows: the model only
@@ -46,18 +46,19 @@ def prefill_rows(
     ids, lengths = pad_prompts(prompts, cache.device)  # [n, P_max], [n]
     n, p_max = ids.shape
     num_keep = sum(len(p) for p in prompts)
-    kw: dict = dict(num_new=lengths, kv_len=p_max, hidden_layers=hidden_layers)
     if num_keep < n * p_max:  # ragged: no padding through the projections and MLPs
         keep = torch.arange(p_max, device=cache.device)[None, :] < lengths[:, None]  # [n, P_max]
-        kw.update(keep=keep, num_keep=num_keep, compute_logits=False)
+        how = dict(keep=keep, num_keep=num_keep, compute_logits=False)
     else:
-        kw.update(logits_index=(lengths - 1)[:, None], compute_logits=compute_logits)  # [n, 1]
+        how = dict(logits_index=(lengths - 1)[:, None], compute_logits=compute_logits)  # [n, 1]
     if list(rows) == list(range(cache.batch_size)):
         cache.reset()
-        out = model(ids, cache=cache, **kw)
+        out = model.forward_cached(ids, CacheInputs(cache, num_new=lengths, kv_len=p_max, hidden_layers=hidden_layers,
+                                                    **how))
     else:
         tmp = model.new_cache(n, p_max, slack=0, dtype=cache.dtype)
-        out = model(ids, cache=tmp, **kw)
+        out = model.forward_cached(ids, CacheInputs(tmp, num_new=lengths, kv_len=p_max, hidden_layers=hidden_layers,
+                                                    **how))
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=cache.device)
         for layer in range(model.config.num_hidden_layers):
             cache.k[layer][idx, :, :p_max] = tmp.k[layer]  # [n, Hkv, P_max, Dh]

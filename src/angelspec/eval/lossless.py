@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import Decoder, TrainInputs
 
 NEAR_TIE_RTOL_FLOOR = 1e-3  # fp32 / fp64 targets (covers TF32 matmuls on a GPU)
 NEAR_TIE_EPS = 4  # machine epsilons of the target's dtype, when larger than the floor
@@ -69,7 +69,7 @@ def check_divergence(target: Decoder, prefix: Sequence[int], ar_token: int | Non
     rtol = near_tie_rtol(weight.dtype) if rtol is None else rtol
     ids = torch.tensor([list(prefix)], dtype=torch.long, device=weight.device)
     last = torch.tensor([[len(prefix) - 1]], dtype=torch.long, device=weight.device)
-    logits = target(ids, logits_index=last).logits
+    logits = target(ids, TrainInputs(logits_index=last)).logits
     assert logits is not None
     row = logits[0, -1].float()
     best = float(row.max())

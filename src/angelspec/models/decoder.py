@@ -8,9 +8,11 @@ Hidden-state tap ids (docs/design.md trap 2): id `i` (0-based) is the OUTPUT of 
 HF `hidden_states[i + 1]`; the last id `L-1` is the final layer's output before the final norm.
 vLLM/SGLang count "before layer i" and are converted in the exporters, never here.
 
-`Decoder.forward(attend=...)` swaps the attention itself (q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> [B, H, T, Dh]) for
-a caller's pattern, e.g. sequence-parallel training's Ulysses attention over the whole row while the call holds a
-shard of it (`train.sequence_parallel.target_attention`); the model stays free of distributed code.
+Two forwards, each with its own argument object: `Decoder.forward(ids, TrainInputs(...))` over whole sequences
+(training, features, scoring) and `Decoder.forward_cached(ids, CacheInputs(cache, ...))` for serving (prefill,
+decode, verify). `TrainInputs.attend` swaps the attention itself (q [B, H, T, Dh], k, v [B, Hkv, T, Dh] ->
+[B, H, T, Dh]) for a caller's pattern, e.g. sequence-parallel training's Ulysses attention over the whole row while
+the call holds a shard of it (`train.sequence_parallel.target_attention`); the model stays free of distributed code.
 
 For speed on small models (where per-op overhead dominates) q/k/v and gate/up are fused into one
 matmul each; the HF adapter (`models/hf_io.py`) splits and joins the weights.
@@ -100,7 +102,7 @@ class Attention(nn.Module):
 
         x [B, T, C_in], cos/sin [B, 1, T, Dh] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh]; with heads_first=False,
         x [..., C_in], cos/sin [..., 1, Dh] -> q [..., H, Dh], k, v [..., Hkv, Dh] (the packed tokens of
-        `Decoder.forward(keep=...)`)."""
+        `Decoder.forward_cached(ids, CacheInputs(keep=...))`)."""
         qkv = self.qkv_proj(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
         q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=-2)  # [..., H|Hkv, Dh]
         if self.qk_norm:
@@ -162,7 +164,7 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-# A custom attention (`Decoder.forward(attend=...)`): q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> out [B, H, T, Dh].
+# A custom attention (`TrainInputs.attend`): q [B, H, T, Dh], k, v [B, Hkv, T, Dh] -> out [B, H, T, Dh].
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -202,6 +204,33 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, cache, write_idx, kv_len, packed=None, attend=None):
         x = x + self.attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx, kv_len, packed, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    """What a cache-free `Decoder.forward` takes besides input_ids [B, T] (training, features, scoring)."""
+
+    positions: torch.Tensor | None = None  # [B, T]; default arange(T)
+    document_ids: torch.Tensor | None = None  # [B, T] packed training: attend within a document only
+    attend: Attend | None = None  # this attention instead of the causal / document-masked one (brings its own mask)
+    hidden_layers: Sequence[int] = ()  # tap ids whose outputs come back in `DecoderOutput.hidden`
+    logits_index: torch.Tensor | None = None  # [B, n] positions whose logits are needed
+    compute_logits: bool = True
+
+
+@dataclass(frozen=True)
+class CacheInputs:
+    """What a serving `Decoder.forward_cached` takes besides input_ids [B, T]: the cache and how to use it."""
+
+    cache: StaticKVCache
+    positions: torch.Tensor | None = None  # [B, T]; default cache lengths + arange(T)
+    num_new: torch.Tensor | None = None  # [B] real tokens per row (<= T); rest is padding
+    kv_len: int | None = None  # host-side upper bound on lengths + T, to attend over fewer slots
+    hidden_layers: Sequence[int] = ()  # tap ids whose outputs come back in `DecoderOutput.hidden`
+    logits_index: torch.Tensor | None = None  # [B, n] positions whose logits are needed
+    compute_logits: bool = True
+    keep: torch.Tensor | None = None  # [B, T] bool, a prefix per row: only these tokens run
+    num_keep: int | None = None  # host-side keep.sum(), if the caller knows it (saves a host sync)
 
 
 @dataclass
@@ -265,107 +294,98 @@ class Decoder(nn.Module):
         return self.lm_head(h).float()
 
     # ----- forward -----
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, T]
-        *,
-        positions: torch.Tensor | None = None,  # [B, T]; default: cache lengths + arange(T), or arange(T)
-        cache: StaticKVCache | None = None,
-        num_new: torch.Tensor | None = None,  # [B] real tokens per row (<= T); rest is padding
-        kv_len: int | None = None,  # host-side upper bound on lengths + T, to attend over fewer slots
-        document_ids: torch.Tensor | None = None,  # [B, T] packed training: attend within a document only
-        hidden_layers: Sequence[int] = (),
-        logits_index: torch.Tensor | None = None,  # [B, n] positions whose logits are needed
-        compute_logits: bool = True,
-        keep: torch.Tensor | None = None,  # [B, T] bool, a prefix per row: only these tokens run (with a cache)
-        num_keep: int | None = None,  # host-side keep.sum(), if the caller knows it (saves a host sync)
-        attend: Attend | None = None,  # no cache: this attention instead of the causal / document-masked one
-    ) -> DecoderOutput:
-        """One forward pass.
+    def forward(self, input_ids: torch.Tensor, inputs: TrainInputs | None = None) -> DecoderOutput:
+        """A cache-free forward over whole sequences (training, features, scoring): input_ids [B, T], causal
+        attention within each row (within each document with `document_ids`, or the `attend` callable's own
+        pattern, module docstring)."""
+        inputs = TrainInputs() if inputs is None else inputs
+        B, T = self._check(input_ids, inputs.hidden_layers)
+        if inputs.attend is not None and inputs.document_ids is not None:
+            raise ValueError("attend= replaces the attention of a cache-free forward and brings its own mask; do not "
+                             "pass document_ids= with it")
+        dev = input_ids.device
+        positions = inputs.positions
+        if positions is None:
+            positions, table_len = torch.arange(T, device=dev).expand(B, T), T
+        else:
+            table_len = int(positions.max()) + 1 if positions.numel() else 1  # host sync; training only
+        mask = None if inputs.document_ids is None else AttentionPlan.documents(inputs.document_ids, self.attn_backend)
+        cos, sin = self._rope_at(positions, table_len)
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(inputs.hidden_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, None, None, None, attend=inputs.attend)
+            if i in wanted:
+                taps[i] = x
+        return self._output(self.norm(x), taps, inputs.hidden_layers, inputs.logits_index, inputs.compute_logits)
 
-        With a cache, the T tokens are appended at slots `lengths[b] .. lengths[b]+T-1`, attend to
-        every committed slot of their row plus the earlier new tokens, and `lengths += num_new`
+    def forward_cached(self, input_ids: torch.Tensor, inputs: CacheInputs) -> DecoderOutput:
+        """A serving forward: the T tokens are appended at slots `lengths[b] .. lengths[b]+T-1` of `inputs.cache`,
+        attend to every committed slot of their row plus the earlier new tokens, and `lengths += num_new`
         afterwards. Roll back a partial accept with `cache.truncate(...)`.
 
         `keep` packs ragged rows densely (speculative verification with per-row depths): the projections, MLPs
         and LM head run on the kept tokens only, dropped tokens write no cache slot, and their logits / taps
         come back as zeros. Each row's kept tokens must be a prefix of it (a dropped token is never attended to
-        by a kept one only because it comes after them); roll the cache back to at most the kept length.
+        by a kept one only because it comes after them); roll the cache back to at most the kept length."""
+        B, T = self._check(input_ids, inputs.hidden_layers)
+        cache = inputs.cache
+        if B != cache.batch_size:
+            raise ValueError(f"batch of {B} rows does not match the cache's {cache.batch_size} rows")
+        dev = input_ids.device
+        start = cache.lengths  # [B]
+        slots = start[:, None] + torch.arange(T, device=dev)  # [B, T]
+        positions = slots if inputs.positions is None else inputs.positions
+        # kv_len bounds lengths + T, so kv_len <= T says every row starts empty (a prefill). Not inside a compiled
+        # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
+        fresh = not torch.compiler.is_compiling() and inputs.kv_len is not None and inputs.kv_len <= T
+        kv_len = cache_span(inputs.kv_len, cache.capacity, self.attn_backend, dev)
+        mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
+        if inputs.keep is not None:
+            return self._forward_packed(input_ids, positions, mask, kv_len, inputs)
+        write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
+        cos, sin = self._rope_at(positions, cache.capacity)
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(inputs.hidden_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, write_idx, kv_len)
+            if i in wanted:
+                taps[i] = x
+        cache.lengths += T if inputs.num_new is None else inputs.num_new
+        return self._output(self.norm(x), taps, inputs.hidden_layers, inputs.logits_index, inputs.compute_logits)
 
-        `attend` (no cache, no `keep`, no `document_ids`: the callable brings its own mask) replaces every layer's
-        attention of the projected, rotated q, k, v (module docstring).
-        """
+    def _check(self, input_ids: torch.Tensor, hidden_layers: Sequence[int]) -> tuple[int, int]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
         L = self.config.num_hidden_layers
         for i in hidden_layers:
             if not 0 <= i < L:
                 raise ValueError(f"hidden layer id {i} out of range: ids are 0..{L - 1} "
                                  "(id i = output of decoder layer i)")
-        if attend is not None and (cache is not None or keep is not None or document_ids is not None):
-            raise ValueError("attend= replaces the attention of a cache-free forward and brings its own mask; do not "
-                             "pass cache=, keep= or document_ids= with it")
-        dev = input_ids.device
-        explicit_positions = positions is not None
-        mask: AttentionPlan | None = None
-        write_idx = None
-        if cache is not None:
-            if B != cache.batch_size:
-                raise ValueError(f"batch of {B} rows does not match the cache's {cache.batch_size} rows")
-            start = cache.lengths  # [B]
-            slots = start[:, None] + torch.arange(T, device=dev)  # [B, T]
-            if positions is None:
-                positions = slots
-            write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))
-            # kv_len bounds lengths + T, so kv_len <= T says every row starts empty (a prefill). Not inside a compiled
-            # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
-            fresh = not torch.compiler.is_compiling() and kv_len is not None and kv_len <= T
-            kv_len = cache_span(kv_len, cache.capacity, self.attn_backend, dev)
-            mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
-        else:
-            if positions is None:
-                positions = torch.arange(T, device=dev).expand(B, T)
-            if document_ids is not None:
-                mask = AttentionPlan.documents(document_ids, self.attn_backend)
-        if cache is not None:
-            table_len = cache.capacity
-        elif explicit_positions:
-            table_len = int(positions.max()) + 1 if positions.numel() else 1  # host sync; training only
-        else:
-            table_len = T
-        cos_t, sin_t = self.rope_table(table_len, dev)
-        if keep is not None:
-            return self._forward_packed(input_ids, positions, keep, num_keep, cos_t, sin_t, mask, cache, kv_len,
-                                        num_new, hidden_layers, logits_index, compute_logits)
-        cos = cos_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)  # [B, 1, T, Dh]
-        sin = sin_t[positions].unsqueeze(1).to(self.embed_tokens.weight.dtype)
+        return input_ids.shape
 
-        x = self.embed_tokens(input_ids)  # [B, T, D]
-        taps: dict[int, torch.Tensor] = {}
-        wanted = set(hidden_layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, write_idx, kv_len, attend=attend)
-            if i in wanted:
-                taps[i] = x
-        if cache is not None:
-            cache.lengths += T if num_new is None else num_new
-        h = self.norm(x)
+    def _rope_at(self, positions: torch.Tensor, table_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> cos, sin [..., 1, Dh] in the model's dtype, from `rope_table(table_len)`."""
+        cos_t, sin_t = self.rope_table(table_len, positions.device)
+        dtype = self.embed_tokens.weight.dtype
+        return cos_t[positions].unsqueeze(1).to(dtype), sin_t[positions].unsqueeze(1).to(dtype)
+
+    def _output(self, h: torch.Tensor, taps: dict[int, torch.Tensor], hidden_layers: Sequence[int],
+                logits_index: torch.Tensor | None, compute_logits: bool) -> DecoderOutput:
         logits = None
         if compute_logits:
             hl = h if logits_index is None else h.gather(1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
             logits = self.head_logits(hl)
         return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers), last_hidden=h)
 
-    def _forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                        num_keep: int | None, cos_t: torch.Tensor, sin_t: torch.Tensor, mask: AttentionPlan | None,
-                        cache: StaticKVCache | None, kv_len: int | None, num_new: torch.Tensor | None,
-                        hidden_layers: Sequence[int], logits_index: torch.Tensor | None,
-                        compute_logits: bool) -> DecoderOutput:
-        """`forward` with `keep`: the kept tokens as one dense [N, D] batch (see `forward`)."""
-        if cache is None:
-            raise ValueError("keep= packs the tokens of a cached (verification) forward; pass cache=")
-        if logits_index is not None:
+    def _forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: AttentionPlan, kv_len: int,
+                        inputs: CacheInputs) -> DecoderOutput:
+        """`forward_cached` with `keep`: the kept tokens as one dense [N, D] batch (see `forward_cached`)."""
+        cache, keep, num_keep = inputs.cache, inputs.keep, inputs.num_keep
+        assert keep is not None
+        if inputs.logits_index is not None:
             raise ValueError("keep= and logits_index= cannot be combined: keep already selects the positions")
         B, T = input_ids.shape
         if keep.shape != (B, T) or keep.dtype != torch.bool:
@@ -375,18 +395,16 @@ class Decoder(nn.Module):
         packed = Packing(index=index, shape=(B, T))
         slots = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
         write_idx = (index // T, slots.reshape(-1).index_select(0, index).clamp(max=cache.capacity - 1))
-        pos = positions.reshape(-1).index_select(0, index)  # [N]
-        dtype = self.embed_tokens.weight.dtype
-        cos, sin = cos_t[pos].unsqueeze(1).to(dtype), sin_t[pos].unsqueeze(1).to(dtype)  # [N, 1, Dh]
+        cos, sin = self._rope_at(positions.reshape(-1).index_select(0, index), cache.capacity)  # [N, 1, Dh]
         x = self.embed_tokens(input_ids.reshape(-1).index_select(0, index))  # [N, D]
         taps: dict[int, torch.Tensor] = {}
-        wanted = set(hidden_layers)
+        wanted = set(inputs.hidden_layers)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, write_idx, kv_len, packed)
             if i in wanted:
                 taps[i] = packed.scatter(x)
-        cache.lengths += T if num_new is None else num_new
+        cache.lengths += T if inputs.num_new is None else inputs.num_new
         h = self.norm(x)  # [N, D]
-        logits = packed.scatter(self.head_logits(h)) if compute_logits else None
-        return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in hidden_layers),
+        logits = packed.scatter(self.head_logits(h)) if inputs.compute_logits else None
+        return DecoderOutput(logits=logits, hidden=tuple(taps[i] for i in inputs.hidden_layers),
                              last_hidden=packed.scatter(h))

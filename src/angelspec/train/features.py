@@ -68,7 +68,7 @@ from torch import Tensor
 from angelspec.data.fingerprint import file_sha256, model_fingerprint, tensors_fingerprint
 from angelspec.data.packing import PackedBatch, packing_report
 from angelspec.fileio import check_writable_path, refuse_same_file
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import Decoder, TrainInputs
 from angelspec.models.device import Placement, placement_of
 from angelspec.models.hf_io import (
     iter_state_dict,
@@ -213,8 +213,9 @@ class OnlineFeatures:
             raise ValueError(f"packed.input_ids must be [B, T], got shape {tuple(packed.input_ids.shape)}")
         p = packed.to(self.device)
         spec = self.spec
-        out = self.target(p.input_ids, positions=p.positions, document_ids=p.document_ids,
-                          hidden_layers=spec.layer_ids, compute_logits=spec.with_logits is not False)
+        out = self.target(p.input_ids, TrainInputs(positions=p.positions, document_ids=p.document_ids,
+                                                   hidden_layers=spec.layer_ids,
+                                                   compute_logits=spec.with_logits is not False))
         batch = FeatureBatch(input_ids=p.input_ids, positions=p.positions, document_ids=p.document_ids,
                              loss_mask=p.loss_mask, labels=p.labels,
                              hidden={i: h.to(spec.torch_dtype) for i, h in zip(spec.layer_ids, out.hidden,
@@ -620,8 +621,8 @@ class TargetFeatures:
             if sp.enabled:
                 out = target_forward(sp, t, batch, self.layer_ids)
             else:
-                out = t(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids,
-                        hidden_layers=self.layer_ids, compute_logits=False)
+                out = t(batch.input_ids, TrainInputs(positions=batch.positions, document_ids=batch.document_ids,
+                                                     hidden_layers=self.layer_ids, compute_logits=False))
             taps, last = list(out.hidden), out.last_hidden
         else:
             taps, last = self._stored(batch, rows)

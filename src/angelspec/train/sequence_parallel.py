@@ -71,7 +71,7 @@ from angelspec.data.packing import PackedBatch
 from angelspec.errors import UsageError
 from angelspec.models.attention import document_first_index, document_prefix_attention
 from angelspec.models.block.drafter import AnchorIndex, anchored_block_attention
-from angelspec.models.decoder import Attend, Decoder, DecoderOutput
+from angelspec.models.decoder import Attend, Decoder, DecoderOutput, TrainInputs
 from angelspec.train.distributed import DistInfo
 
 
@@ -217,7 +217,7 @@ NO_SP = SequenceParallel()  # no sequence parallelism: one rank holds the whole 
 
 
 def target_attention(sp: SequenceParallel, document_ids: Tensor) -> Attend:
-    """The frozen target's attention on this rank's shard (`Decoder.forward(attend=...)`): q [B, H, S, Dh], k, v
+    """The frozen target's attention on this rank's shard (`TrainInputs.attend`): q [B, H, S, Dh], k, v
     [B, Hkv, S, Dh] of the shard's tokens go head-sharded over the whole row (`to_heads`), attend causally within
     their document (document_ids [B, T], the whole row's: -1 padding attends to earlier padding, as the target's
     own document mask does) through the tiled `document_prefix_attention` (no [T, T] mask or scores), and come back
@@ -243,8 +243,9 @@ def target_forward(sp: SequenceParallel, target: Decoder, batch: PackedBatch, la
     (`target_attention`). -> the taps of `layer_ids` and the final-norm output `last_hidden`, [B, S, D] each, no
     logits (the caller runs the LM head on the shard and its halo). At size 1 the whole row, through the same tiled
     attention."""
-    return target(sp.shard(batch.input_ids), positions=sp.shard(batch.positions), hidden_layers=layer_ids,
-                  compute_logits=False, attend=target_attention(sp, batch.document_ids))
+    return target(sp.shard(batch.input_ids), TrainInputs(positions=sp.shard(batch.positions), hidden_layers=layer_ids,
+                                                         compute_logits=False,
+                                                         attend=target_attention(sp, batch.document_ids)))
 
 
 # ----- block drafters: anchors by owner -----

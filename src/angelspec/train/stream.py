@@ -57,7 +57,7 @@ from torch import Tensor
 
 from angelspec.errors import require_range
 from angelspec.fileio import read_json_object, write_json_atomic
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import Decoder, TrainInputs
 from angelspec.models.device import Placement, dtype_label, placement_of
 from angelspec.models.hf_io import load_target, nonfinite_problem, save_safetensors_atomic
 from angelspec.train.data import PackedRows, dataset_identity, pack_conversations, pad_token_id
@@ -202,8 +202,8 @@ class FeatureProducer:
         idx = self.plan.rows(self.rows, step, rank)
         b = self.rows.take(idx)
         d = b.to(self.target.embed_tokens.weight.device)
-        out = self.target(d.input_ids, positions=d.positions, document_ids=d.document_ids,
-                          hidden_layers=self.plan.layer_ids, compute_logits=False)
+        out = self.target(d.input_ids, TrainInputs(positions=d.positions, document_ids=d.document_ids,
+                                                   hidden_layers=self.plan.layer_ids, compute_logits=False))
         tensors = {"rows": torch.tensor(idx, dtype=torch.int64), "input_ids": b.input_ids}
         tensors.update({f"hidden.{i}": h.cpu() for i, h in zip(self.plan.layer_ids, out.hidden, strict=True)})
         return tensors

@@ -21,7 +21,7 @@ from angelspec.data.lm_data import PackedStream, TokenizedDomain, read_jsonl, to
 from angelspec.errors import UsageError, require_range
 from angelspec.fileio import require_memory
 from angelspec.models.config import DecoderConfig
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import CacheInputs, Decoder
 from angelspec.models.hf_io import load_target, save_target, write_json_atomic
 from angelspec.train.checkpoint import refuse_resume_over_model
 from angelspec.train.config import LMRunConfig
@@ -107,14 +107,14 @@ PRESETS = {"embedded_target": embedded_target, "tiny_debug": tiny_debug}
 def greedy_complete(model: Decoder, prompt_ids: list[int], max_new: int, stop_ids: tuple[int, ...]) -> list[int]:
     """Plain single-row greedy decoding with the static cache (reference quality, not speed)."""
     cache = model.new_cache(1, len(prompt_ids) + max_new + 1)
-    logits = model(torch.tensor([prompt_ids]), cache=cache).logits[:, -1]
+    logits = model.forward_cached(torch.tensor([prompt_ids]), CacheInputs(cache)).logits[:, -1]
     out: list[int] = []
     for _ in range(max_new):
         tok = int(logits.argmax(-1))
         if tok in stop_ids:
             break
         out.append(tok)
-        logits = model(torch.tensor([[tok]]), cache=cache).logits[:, -1]
+        logits = model.forward_cached(torch.tensor([[tok]]), CacheInputs(cache)).logits[:, -1]
     return out
 
 

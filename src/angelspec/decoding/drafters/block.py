@@ -49,7 +49,7 @@ from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, proces
 from angelspec.models.block.drafter import BlockDrafter
 from angelspec.models.block.io import load_block_drafter, read_block_config
 from angelspec.models.config import ConfigError, DecoderConfig
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import Decoder, TrainInputs
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.mtp import concat_taps
 
@@ -278,7 +278,7 @@ def reference_drafts(model: BlockDrafter, target: Decoder, sequence: Sequence[in
     at positions 0..s−2 as the context and the newest token as the anchor (`BlockProposer.propose_from_taps`)."""
     ids = torch.tensor([list(sequence)], device=target.embed_tokens.weight.device)  # [1, s]
     s = ids.shape[1]
-    hidden = target(ids, hidden_layers=list(model.config.target_layer_ids), compute_logits=False).hidden
+    hidden = target(ids, TrainInputs(hidden_layers=list(model.config.target_layer_ids), compute_logits=False)).hidden
     taps = concat_taps(hidden)[:, : s - 1]  # [1, s−1, n·C]
     lengths = torch.tensor([s - 1], device=ids.device)
     return BlockProposer(model).propose_from_taps(taps, lengths, ids[:, -1]).tokens[0, :k].tolist()

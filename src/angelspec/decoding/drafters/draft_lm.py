@@ -39,7 +39,7 @@ from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal, switched
 from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, process_logits, sample
-from angelspec.models.decoder import Decoder
+from angelspec.models.decoder import CacheInputs, Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
 from angelspec.models.linear import linear
@@ -78,12 +78,14 @@ class DraftLMDrafter(Drafter):
                       index: Tensor) -> Tensor:
         """tokens [B, 2] = [pending or last, last] -> the logits [B, V'] (draft vocabulary) at position index
         [B, 1]."""
-        h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
+        inputs = CacheInputs(cache, num_new=num_new, kv_len=kv_len, compute_logits=False)
+        h = self.model.forward_cached(tokens, inputs).last_hidden
         return linear(h.gather(1, index[..., None].expand(-1, -1, h.shape[-1]))[:, 0], self._head).float()
 
     def _step_logits(self, tokens: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
         """tokens [B, 1] -> next-token logits [B, V'] (draft vocabulary)."""
-        h = self.model(tokens, cache=cache, num_new=num_new, kv_len=kv_len, compute_logits=False).last_hidden
+        inputs = CacheInputs(cache, num_new=num_new, kv_len=kv_len, compute_logits=False)
+        h = self.model.forward_cached(tokens, inputs).last_hidden
         return linear(h[:, 0], self._head).float()
 
     def _full(self, logits: Tensor) -> Tensor:

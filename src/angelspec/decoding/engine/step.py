@@ -1,0 +1,270 @@
+"""The step: one target forward over every row of the scheduler. An AR step decodes one token per row; a
+speculative step drafts, selects each row's depth, verifies the drafts in one forward, and commits the accepted
+prefix plus the target's own token (rolling the cache back past the rejected drafts).
+
+Verification protocol (docs/design.md trap 1), chosen per step on the host:
+* every active row greedy             -> greedy acceptance on raw logits (exact by construction), inside the
+  verify forward's call (`sampling.greedy_accept`, the rule `verify_greedy` checks its arguments for);
+* drafts deterministic, or the depth policy reads this round's drafts -> `verify_deterministic`
+  (exact for any depth choice);
+* otherwise                           -> `verify_speculative` with the drafter's probabilities; a proposal
+  that also carries per-row `lengths` is refused here (they could depend on the sampled drafts).
+
+Host syncs: one per step (the step's tokens, and for speculative steps num_accepted and depth, to learn which rows
+finished). A depth policy whose depths depend on data, or per-row `Proposal.lengths` without their host copy
+(`host_lengths`), add a second one: the verify width, so that positions no row verifies cost no compute.
+
+Shape legend: B rows, K draft depth, n verify width (<= K), V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from angelspec.decoding.drafters.base import Commit, Drafter, DraftState, Proposal
+from angelspec.decoding.engine.forwards import Taps, TargetForwards
+from angelspec.decoding.engine.scheduler import Scheduler, choose
+from angelspec.decoding.engine.types import DepthPolicyFn, VerifyEvent, VerifyProtocol
+from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
+from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
+from angelspec.decoding.policies.gate import ServingGate, SpecGate
+from angelspec.decoding.sampling import (
+    VerifyOutput,
+    process_logits,
+    verify_deterministic,
+    verify_greedy,
+    verify_speculative,
+)
+
+
+class Step:
+    """The steps over `rows` (a `Scheduler`), through the target's `forwards`.
+
+    depth_policy: `(Proposal, DraftState) -> depth [B]`; None = FixedDepth(K). `static_depth`: every row's depth
+    when the policy fixes one (no host read for the verify width). `gate`: the policy's own (`make_gate`) or, with
+    spec_gate, the plain `SpecGate`; before each speculative step it chooses how many drafts to verify (0: a plain
+    step). on_verify: called after verification and before the commit of each step that drafted."""
+
+    def __init__(self, rows: Scheduler, forwards: TargetForwards, drafter: Drafter | None, k: int, *,
+                 depth_policy: DepthPolicyFn | None, spec_gate: bool, dense_verify: bool,
+                 on_verify: Callable[[VerifyEvent], None] | None) -> None:
+        self.rows, self.forwards, self.drafter, self.k = rows, forwards, drafter, k
+        self.dense_verify, self.on_verify = dense_verify, on_verify
+        self.vocab_size = rows.target.config.vocab_size
+        if drafter is None and depth_policy is not None:
+            raise ValueError("a depth_policy needs a drafter")
+        self.depth_policy: DepthPolicyFn = depth_policy or FixedDepth()
+        static = policy_static_depth(self.depth_policy)
+        if static is not None and not 0 <= static <= k:
+            raise ValueError(f"depth policy verifies {static} drafts but num_draft_tokens is {k}")
+        if static is None and isinstance(self.depth_policy, FixedDepth):  # FixedDepth() verifies all K: static too
+            static = k
+        self.static_depth = static
+        self.uses_proposal = policy_uses_proposal(self.depth_policy)
+        make_gate = getattr(self.depth_policy, "make_gate", None)
+        self.gate: SpecGate | ServingGate | None = (
+            None if drafter is None else make_gate(k) if callable(make_gate) else SpecGate() if spec_gate else None)
+
+    def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
+        """One token per active row from the plain decode forward."""
+        rows = self.rows
+        cache = rows.cache
+        assert cache is not None
+        t0 = clock.mark()
+        # kv_len: the longest active row's cache after appending one token = its seq_len.
+        logits = self.forwards.decode(rows.last, cache, rows.active_long, rows.seq_len_bound())  # [B, V]
+        # After the forward, cache.lengths = position of the token being produced (its noise counter).
+        rows.last = choose(logits, rows.sampling, cache.lengths, rows.all_greedy)  # [B]
+        t1 = clock.mark()
+        host = rows.last.tolist()  # host sync: once per step, to learn which rows finished
+        rows.emit([(t,) for t in host])
+        metrics.record_decode(len(rows.active_rows))
+        clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()))
+
+    def spec(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
+        """draft -> select each row's depth -> verify (one target forward) -> commit."""
+        rows, k, gate = self.rows, self.k, self.gate
+        assert rows.cache is not None
+        t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
+        cap = k if gate is None else gate.choose_depth(len(rows.active_rows), k)  # drafts to verify, 0: a plain step
+        proposal, state = self._draft(cap)
+        protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
+        t1 = clock.mark()
+        if cap:
+            depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
+        else:
+            depth, width, num_keep = torch.zeros_like(rows.seq_lens), 0, len(rows.active_rows)
+        t2 = clock.mark()
+        old_len = rows.cache.lengths.clone() if width else None  # [B]; width 0 grows each active row by one
+        v, taps = self._verify(protocol, proposal, depth, width, num_keep, state.seq_len_bound)
+        t3 = clock.mark()
+        if self.on_verify is not None and cap:
+            self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=v.num_accepted,
+                                       active=rows.active.clone()))
+        accepted, depths, on_commit = self._commit(v, taps, depth, old_len, clock)
+        if cap:
+            metrics.record_verify(accepted, depths, protocol)
+        else:
+            metrics.record_decode(len(rows.active_rows))
+            metrics.skipped_steps += 1
+        t4 = clock.mark()
+        if gate is not None:
+            gate.observe_step(len(rows.active_rows), cap, time.perf_counter() - h0, accepted, depths)
+        clock.step(metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4), on_commit=on_commit)
+
+    def _draft(self, cap: int) -> tuple[Proposal, DraftState]:
+        """The drafter's proposal of `cap` drafts per row; with cap 0 (a plain step) its one token is chosen as an
+        AR step chooses it.
+
+        Compiled, a drafter's step is specialised on its number of drafts (an unrolled loop): asked for each depth
+        the gate picks, it would compile a graph per depth in the middle of timed decoding. So under compile it
+        drafts all K and `_select` verifies the first `cap` (a prefix of the drafts: exact at any temperature)."""
+        assert self.drafter is not None and self.rows.cache is not None
+        rows = self.rows
+        asked = self.k if cap and self.forwards.compiled else cap
+        state = DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
+                           active_rows=rows.active_rows, sampling=rows.sampling, draft_round=rows.draft_round,
+                           num_draft_tokens=asked, deterministic=self.uses_proposal, all_greedy=rows.all_greedy,
+                           seq_len_bound=rows.seq_len_bound())
+        proposal = self.drafter.propose(state)
+        proposal.check(rows.cache.batch_size, asked, self.vocab_size)
+        if not cap:
+            proposal = replace(proposal, deterministic=True, lengths=None, host_lengths=None)
+        return proposal, state
+
+    def _select(self, proposal: Proposal, state: DraftState, cap: int) -> tuple[Tensor, int, int]:
+        """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
+        positions sum over active rows of (depth + 1) (host ints). cap: the gate's most drafts per row this step."""
+        k, active, active_rows = self.k, self.rows.active, self.rows.active_rows
+        raw = self.depth_policy(proposal, state)
+        if not isinstance(raw, Tensor) or raw.shape != active.shape or raw.is_floating_point():
+            raise ValueError(f"depth policy must return an integer tensor [B] = [{active.shape[0]}], got "
+                             f"{getattr(raw, 'dtype', type(raw).__name__)} {tuple(getattr(raw, 'shape', ()))}")
+        raw = raw.long()
+        capped = cap < k
+        if capped:
+            raw = raw.clamp(max=cap)
+        depth = raw if proposal.lengths is None else torch.minimum(raw, proposal.lengths)
+        depth = torch.where(active, depth, 0)
+        static = self.static_depth
+        if static is not None and capped:
+            static = min(static, cap)
+        if static is not None:
+            if proposal.lengths is None:
+                return depth, static, len(active_rows) * (static + 1)
+            if proposal.host_lengths is not None:  # the drafter knows its lengths on the host (n-gram lookup)
+                kept = [min(static, proposal.host_lengths[r]) for r in active_rows]
+                return depth, max(kept), sum(kept) + len(kept)
+        # host sync (the second of this step, only for data-dependent depths): the verify width, so that
+        # positions no row verifies cost no compute; also lets us check the policy's values.
+        masked = torch.where(active, raw, 0)
+        kept = torch.where(active, depth + 1, 0).sum()
+        lo, hi, width, num_keep = torch.stack([masked.min(), masked.max(), depth.max(), kept]).tolist()
+        if lo < 0 or hi > k:
+            raise ValueError(f"depth policy returned depths in [{lo}, {hi}]; they must lie in [0, K={k}]")
+        return depth, width, num_keep
+
+    def _protocol(self, proposal: Proposal) -> VerifyProtocol:
+        """The step's verification protocol (docs/design.md trap 1); refuses a proposal it cannot verify exactly.
+
+        "greedy" when every active row is greedy; "deterministic" when the drafts are deterministic or the depth
+        policy reads this round's proposal (exact for any depth, even one computed from this round's drafts);
+        else "speculative", which is exact only if nothing that bounds the depth depends on the sampled drafts.
+        The engine cannot tell when a drafter fixed `Proposal.lengths`, so under standard sampling it refuses
+        lengths altogether: a per-row cap known before sampling belongs in the depth policy (`uses_proposal =
+        False`, depths from `DraftState` and earlier steps only)."""
+        if self.rows.all_greedy:
+            return "greedy"
+        if proposal.deterministic or self.uses_proposal:
+            return "deterministic"
+        name = type(self.drafter).__name__
+        if proposal.probs is None:
+            raise ValueError(f"{name} proposed sampled drafts (deterministic=False) without probs [B, K, V]; "
+                             "standard speculative sampling needs the draft distributions")
+        if proposal.lengths is not None:
+            raise ValueError(f"{name} proposed sampled drafts with per-row lengths, but standard speculative sampling "
+                             "is exact only if no depth depends on the sampled drafts (docs/design.md trap 1): "
+                             "return lengths=None for sampled drafts (end proposals early only when "
+                             "DraftState.deterministic or all_greedy asks for argmax drafts), or cap depths in a "
+                             "depth policy that reads only DraftState")
+        return "speculative"
+
+    def _verify(self, protocol: VerifyProtocol, proposal: Proposal, depth: Tensor, width: int, num_keep: int,
+                bound: int) -> tuple[VerifyOutput, Taps]:
+        """The target forward over [last, drafts] [B, n+1] and the verification of the drafts -> (VerifyOutput:
+        tokens [B, n+1], num_accepted [B]; the drafter's taps). bound: the longest active row's committed length."""
+        rows, fwd = self.rows, self.forwards
+        cache = rows.cache
+        assert cache is not None
+        if width == 0:
+            # No row verifies a draft (no n-gram match, the gate skipped drafting, the policy chose depth 0): the
+            # decode forward with the taps, its token chosen as an AR step chooses it (the same noise key as verifying
+            # zero drafts), without the verification sampler's checks and scans over zero drafts.
+            logits, taps = fwd.one_token(rows.last[:, None], cache, bound, rows.active_long)
+            chosen = choose(logits[:, 0], rows.sampling, rows.seq_lens, protocol == "greedy")  # [B]
+            return VerifyOutput(chosen[:, None], torch.zeros_like(rows.seq_lens)), taps
+        tokens = torch.cat([rows.last[:, None], proposal.tokens[:, :width]], dim=1)  # [B, n+1]
+        greedy, kv_len = protocol == "greedy", bound + width
+        if self.dense_verify and num_keep < cache.batch_size * (width + 1):
+            # Ragged or idle rows: pack the kept positions (at least two, since width >= 1).
+            args = (tokens, cache, kv_len, depth, rows.active, num_keep)
+            if greedy:
+                v_tokens, v_accepted, taps = fwd.greedy_packed_verify(*args)
+                return VerifyOutput(v_tokens, v_accepted), taps
+            logits, taps = fwd.packed_verify(*args)
+        elif greedy:
+            v_tokens, v_accepted, taps = fwd.greedy_verify(tokens, cache, kv_len, depth)
+            return VerifyOutput(v_tokens, v_accepted), taps
+        else:
+            logits, taps = fwd.verify(tokens, cache, kv_len)
+        return self._accept(protocol, proposal, tokens[:, 1:], logits, depth, width), taps
+
+    def _accept(self, protocol: VerifyProtocol, proposal: Proposal, drafts: Tensor, logits: Tensor, depth: Tensor,
+                width: int) -> VerifyOutput:
+        """drafts [B, n], logits [B, n+1, V] -> VerifyOutput(tokens [B, n+1], num_accepted [B]) by `protocol`."""
+        if protocol == "greedy":
+            return verify_greedy(drafts, logits, depth)
+        s, seq_lens = self.rows.sampling, self.rows.seq_lens
+        probs = process_logits(logits, s.temperature, s.top_k, s.top_p, filtering=s.filtering)  # [B, n+1, V]
+        if protocol == "deterministic":
+            return verify_deterministic(drafts, probs, depth, s.seeds, seq_lens)
+        assert proposal.probs is not None  # _protocol checked it
+        return verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds, seq_lens)
+
+    def _commit(self, v: VerifyOutput, taps: Taps, depth: Tensor, old_len: Tensor | None, clock: PhaseClock
+                ) -> tuple[list[int], list[int], tuple[object, object]]:
+        """Keep each active row's accepted drafts and the target's token: roll the cache back to them (trap 4), move
+        the rows' state on, emit on the host, tell the drafter. old_len [B]: cache lengths before the forward, None
+        when it verified no drafts -> (accepted, depths) per active row, and the span of the drafter's on_commit."""
+        rows = self.rows
+        cache, acc, width = rows.cache, v.num_accepted, v.tokens.shape[1] - 1
+        assert cache is not None and self.drafter is not None
+        host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
+        host_depths = [0] * cache.batch_size
+        if old_len is None:  # one token per active row, nothing to roll back
+            rows.seq_lens = rows.seq_lens + rows.active_long
+            rows.last = v.tokens[:, 0]
+            host_last = rows.last.tolist()  # host sync: once per step
+            for r in rows.active_rows:
+                host_tokens[r] = (host_last[r],)
+        else:
+            cache.truncate(torch.where(rows.active, old_len + acc + 1, old_len))
+            rows.seq_lens = torch.where(rows.active, rows.seq_lens + acc + 1, rows.seq_lens)
+            rows.last = v.tokens.gather(1, acc[:, None])[:, 0]
+            payload = torch.cat([v.tokens, acc[:, None], depth[:, None]], dim=1).tolist()  # host sync: once per step
+            for r in rows.active_rows:
+                host_tokens[r] = tuple(payload[r][: payload[r][width + 1] + 1])
+                host_depths[r] = payload[r][width + 2]
+        rows.draft_round += rows.active_long
+        rows.emit(host_tokens)
+        t = clock.mark()
+        self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=rows.seq_lens, active=rows.active,
+                                      host_tokens=tuple(host_tokens), target_hidden=taps,
+                                      host_depths=tuple(host_depths)))
+        accepted = [len(host_tokens[r]) - 1 for r in rows.active_rows]
+        return accepted, [host_depths[r] for r in rows.active_rows], (t, clock.mark())
