@@ -312,7 +312,7 @@ def test_the_decoding_bounds_as_library_calls() -> None:
     check_fits_target(config, rows=8, num_draft_tokens=16, available=1024**3)
     with pytest.raises(UsageError, match=r"--batch-size: the KV cache of 200 row\(s\)"):
         check_fits_target(config, rows=200, available=1024**3)  # 200 rows x 1026 tokens x 6 KiB: 1.2 GiB
-    with pytest.raises(UsageError, match=r"--num-draft-tokens must be at least 1 and at most 64, got nan"):
+    with pytest.raises(UsageError, match=r"^num_draft_tokens must be at least 1 and at most 64, got nan"):
         check_counts(num_draft_tokens=float("nan"))
 
 

@@ -5,14 +5,15 @@ kernel kills it.
 `check_counts` holds the fixed bounds; `check_fits_target` those that come from the target's config.json (its
 context) and from the machine: the KV cache of the rows decoded at once against the memory free where it lives (a
 CUDA device's, or the host's).
-Each message names the setting (the CLI's flag) and its range.
+Each message names the setting (its field name in the library's settings, which the command line words as its flag)
+and its range.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from angelspec.errors import UsageError, require_range
+from angelspec.errors import SettingError, require_range
 from angelspec.fileio import require_memory
 
 if TYPE_CHECKING:
@@ -32,29 +33,29 @@ def check_num_draft_tokens(k: int, context: int | None = None) -> None:
     takes K + 1 positions after at least one token). A drafter's own bound (a block drafter's block size - 1) is
     its `Drafter.check_depth`."""
     if isinstance(k, bool) or not isinstance(k, int | float):
-        raise UsageError(f"--num-draft-tokens must be a positive integer, got {k!r}")
+        raise SettingError(f"{{num_draft_tokens}} must be a positive integer, got {k!r}")
     if context is None:
-        require_range("--num-draft-tokens", k, 1, MAX_DRAFT_TOKENS)
+        require_range("num_draft_tokens", k, 1, MAX_DRAFT_TOKENS)
     else:
-        require_range("--num-draft-tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
+        require_range("num_draft_tokens", k, 1, min(MAX_DRAFT_TOKENS, context - 2),
                       f" (the target's context is {context} tokens)")
     if k != int(k):
-        raise UsageError(f"--num-draft-tokens must be a positive integer, got {k!r}")
+        raise SettingError(f"{{num_draft_tokens}} must be a positive integer, got {k!r}")
 
 
 def check_counts(*, max_new_tokens: int | None = None, batch_size: int | None = None,
                  num_draft_tokens: int | None = None, limit: int | None = None,
-                 batch_flag: str = "--batch-size") -> None:
+                 batch_flag: str = "batch_size") -> None:
     """The fixed bounds of the counts every decoding command shares (None: not taken by the command); the ones the
     target's config sets, `check_fits_target` checks once it is read."""
     if max_new_tokens is not None:
-        require_range("--max-new-tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+        require_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     if batch_size is not None:
         require_range(batch_flag, batch_size, 1, MAX_BATCH_SIZE)
     if num_draft_tokens is not None:
         check_num_draft_tokens(num_draft_tokens)
     if limit is not None:
-        require_range("--limit", limit, 1, 1 << 31)
+        require_range("limit", limit, 1, 1 << 31)
 
 
 def kv_cache_bytes(config: DecoderConfig, rows: int, tokens: int, dtype_bytes: int = 4) -> int:
