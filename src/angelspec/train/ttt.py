@@ -63,7 +63,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from angelspec.data.packing import PAD_DOCUMENT_ID, PackedBatch, attention_gate, mtp_labels
-from angelspec.models.attention import document_first_index, document_prefix_attention, merge_extra_keys
+from angelspec.models.attention import (
+    document_first_index,
+    document_prefix_attention,
+    grouped_query,
+    merge_extra_keys,
+)
 from angelspec.models.mtp import MTPDraftModel
 from angelspec.train.losses import (
     ChunkedLossBatch,
@@ -155,7 +160,7 @@ def ttt_attention_reference(q: Tensor, keys: list[Tensor], values: list[Tensor],
     T = q.shape[2]
     k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # [B, Hkv, (depth+1)·T, Dh]
     mask = full_mask[:, :, depth * T:(depth + 1) * T, :(depth + 1) * T]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k_all.shape[1])
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=grouped_query(q, k_all))
 
 
 @dataclass(frozen=True)
