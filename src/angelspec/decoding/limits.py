@@ -44,14 +44,13 @@ def check_num_draft_tokens(k: int, context: int | None = None) -> None:
 
 
 def check_counts(*, max_new_tokens: int | None = None, batch_size: int | None = None,
-                 num_draft_tokens: int | None = None, limit: int | None = None,
-                 batch_flag: str = "batch_size") -> None:
+                 num_draft_tokens: int | None = None, limit: int | None = None) -> None:
     """The fixed bounds of the counts every decoding command shares (None: not taken by the command); the ones the
     target's config sets, `check_fits_target` checks once it is read."""
     if max_new_tokens is not None:
         require_range("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     if batch_size is not None:
-        require_range(batch_flag, batch_size, 1, MAX_BATCH_SIZE)
+        require_range("batch_size", batch_size, 1, MAX_BATCH_SIZE)
     if num_draft_tokens is not None:
         check_num_draft_tokens(num_draft_tokens)
     if limit is not None:
