@@ -66,6 +66,7 @@ class Step:
             static = k
         self.static_depth = static
         self.uses_proposal = policy_uses_proposal(self.depth_policy)
+        self._none_accepted: Tensor | None = None  # zeros [B]: a plain step's accepted drafts (never written)
         make_gate = getattr(self.depth_policy, "make_gate", None)
         self.gate: SpecGate | ServingGate | None = (
             None if drafter is None else make_gate(k) if callable(make_gate) else SpecGate() if spec_gate else None)
@@ -92,6 +93,9 @@ class Step:
         assert rows.cache is not None
         t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
         cap = k if gate is None else gate.choose_depth(len(rows.active_rows), k)  # drafts to verify, 0: a plain step
+        if not cap:
+            self._plain(metrics, clock, t0, h0)
+            return
         proposal, state = self._draft(cap)
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
         t1 = clock.mark()
@@ -116,6 +120,36 @@ class Step:
         if gate is not None:
             gate.observe_step(len(rows.active_rows), cap, time.perf_counter() - h0, accepted, depths)
         clock.step(metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4), on_commit=on_commit)
+
+    def _plain(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
+        """A step the gate skipped: what an AR step does (one forward, one token per row, one host sync), through the
+        decode forward that also returns the drafter's taps; the drafter is not asked to propose, only told the commit
+        (a drafter keeps it for its next drafted round: `PendingCommits`). Its token is chosen as an AR step chooses it,
+        with the same noise key as a step verifying zero drafts, so outputs do not depend on which steps drafted."""
+        rows, gate = self.rows, self.gate
+        cache = rows.cache
+        assert cache is not None and self.drafter is not None and gate is not None
+        logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
+        rows.last = choose(logits[:, 0], rows.sampling, rows.seq_lens, rows.all_greedy)  # [B]
+        t1 = clock.mark()
+        host = rows.last.tolist()  # host sync: once per step
+        rows.seq_lens = rows.seq_lens + rows.active_long
+        rows.draft_round += rows.active_long
+        host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
+        for r in rows.active_rows:
+            host_tokens[r] = (host[r],)
+        rows.emit(host_tokens)
+        t2 = clock.mark()
+        if self._none_accepted is None or self._none_accepted.shape != rows.seq_lens.shape:
+            self._none_accepted = torch.zeros_like(rows.seq_lens)
+        self.drafter.on_commit(Commit(tokens=rows.last[:, None], num_accepted=self._none_accepted,
+                                      seq_lens=rows.seq_lens, active=rows.active, host_tokens=tuple(host_tokens),
+                                      target_hidden=taps, host_depths=(0,) * cache.batch_size))
+        t3 = clock.mark()
+        metrics.record_decode(len(rows.active_rows))
+        metrics.skipped_steps += 1
+        gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
+        clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
 
     def _draft(self, cap: int) -> tuple[Proposal, DraftState]:
         """The drafter's proposal of `cap` drafts per row; with cap 0 (a plain step) its one token is chosen as an
