@@ -122,13 +122,19 @@ class Step:
         clock.step(metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4), on_commit=on_commit)
 
     def _plain(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
-        """A step the gate skipped: what an AR step does (one forward, one token per row, one host sync), through the
-        decode forward that also returns the drafter's taps; the drafter is not asked to propose, only told the commit
-        (a drafter keeps it for its next drafted round: `PendingCommits`). Its token is chosen as an AR step chooses it,
-        with the same noise key as a step verifying zero drafts, so outputs do not depend on which steps drafted."""
+        """A step the gate skipped (or K = 0): what an AR step does (one forward, one token per row, one host sync), through the
+        decode forward that also returns the drafter's taps. The drafter's round is one of zero drafts (`propose`
+        with K = 0, which costs a drafter whose context comes from commits nothing; a draft LM feeds its own cache
+        there) and the commit (kept for its next drafted round: `PendingCommits`). The token is chosen as an AR step
+        chooses it, with the same noise key as a step verifying zero drafts, so outputs do not depend on which steps
+        drafted."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
-        assert cache is not None and self.drafter is not None and gate is not None
+        assert cache is not None and self.drafter is not None
+        self.drafter.propose(DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
+                                        active_rows=rows.active_rows, sampling=rows.sampling,
+                                        draft_round=rows.draft_round, num_draft_tokens=0, deterministic=True,
+                                        all_greedy=rows.all_greedy, seq_len_bound=rows.seq_len_bound()))
         logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
         rows.last = choose(logits[:, 0], rows.sampling, rows.seq_lens, rows.all_greedy)  # [B]
         t1 = clock.mark()
@@ -148,7 +154,8 @@ class Step:
         t3 = clock.mark()
         metrics.record_decode(len(rows.active_rows))
         metrics.skipped_steps += 1
-        gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
+        if gate is not None:
+            gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
 
     def _draft(self, cap: int) -> tuple[Proposal, DraftState]:
