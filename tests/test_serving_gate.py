@@ -100,13 +100,15 @@ def test_the_catch_up_step_after_plain_steps_is_not_timed():
 
 
 def test_probes_back_off_while_one_kind_clearly_wins():
-    """At a load where drafting never pays, drafted probes get rarer (the gap doubles up to max_probe_every); where
-    drafting clearly wins, plain probes do."""
-    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32)
-    m = Machine(cpu_like, plain_cost, accept=0)
-    run = [m.step(gate, 32) for _ in range(300)]
-    assert sum(d > 0 for d in run[100:]) <= 2 * 200 // 32 + 2  # two steps per probe, one probe per 32
-    assert gate.summary()["rows 17-32"]["probe_gap"] == 32
+    """At a load where drafting never pays, drafted probes get rarer (the gap doubles up to max_probe_every, and
+    further, up to max_budget_gap, where a probe costs more than `probe_budget` of the plain steps between them);
+    where drafting clearly wins, plain probes do."""
+    for budget_gap, gap in ((32, 32), (1024, 106)):  # a probe at batch 32 costs ~3.2 plain steps more: 106 at 3%
+        gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32, max_budget_gap=budget_gap)
+        m = Machine(cpu_like, plain_cost, accept=0)
+        run = [m.step(gate, 32) for _ in range(300)]
+        assert sum(d > 0 for d in run[100:]) <= 2 * 200 // 32 + 2  # two steps per probe, one probe per 32
+        assert gate.summary()["rows 17-32"]["probe_gap"] == gap
     gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32)
     m = Machine(cpu_like, plain_cost, accept=K)
     run = [m.step(gate, 1) for _ in range(300)]
@@ -236,3 +238,22 @@ def test_waiting_prompt_entries_bound_the_joined_width():
     assert count.tolist() == [3, 5]
     assert joined.shape[1] == 13  # the prompt's width and the commit after it, not 3 + 10 + 3
     assert joined[0, :3, 0].tolist() == [0.0, 1.0, 100.0] and joined[1, :5, 0].tolist() == [-1.0] * 4 + [103.0]
+
+
+def test_the_gate_lives_with_its_policy_and_keeps_what_it_measured_per_cache_size():
+    """One gate per `auto` policy and K (a server's engines share it); its measurements are kept per cache size, since
+    a step costs what the whole cache costs: an engine of the same size starts from them, one of another size does
+    not."""
+    policy = AutoDepth(cost=cpu_like)
+    gate = policy.make_gate(K)
+    assert policy.make_gate(K) is gate and policy.make_gate(K + 1) is not gate
+    gate.begin(8)
+    m = Machine(cpu_like, plain_cost, accept=3)
+    for _ in range(12):
+        m.step(gate, 8)
+    settled = gate.summary()
+    assert settled["rows 5-8"]["drafting"]
+    gate.begin(32)  # another engine size: nothing measured for it
+    assert "rows 5-8" not in gate.summary() and gate.choose_depth(8, K) == K  # warming up again, all K
+    gate.begin(8)  # the first size again: it goes on from what it settled
+    assert gate.summary()["rows 5-8"] == settled["rows 5-8"]

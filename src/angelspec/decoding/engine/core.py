@@ -135,6 +135,7 @@ class SpecEngine:
             # so a short call (a warm-up) and a longer one later share their graphs (docs/design.md section 9).
             max_len = self.config.max_seq_len
         cache = self.rows.setup(n_rows, max_len)
+        self.step.start(n_rows)
         if self.drafter is not None:
             temperatures = [r.sampling.temperature for r in requests]
             self.forwards.warm_up(cache, self.k, greedy=min(temperatures) == 0, sampled=max(temperatures) > 0,

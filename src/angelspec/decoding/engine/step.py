@@ -71,6 +71,11 @@ class Step:
         self.gate: SpecGate | ServingGate | None = (
             None if drafter is None else make_gate(k) if callable(make_gate) else SpecGate() if spec_gate else None)
 
+    def start(self, rows: int) -> None:
+        """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
+        if isinstance(self.gate, ServingGate):
+            self.gate.begin(rows)
+
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
         """One token per active row from the plain decode forward."""
         rows = self.rows

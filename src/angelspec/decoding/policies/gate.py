@@ -246,9 +246,12 @@ class ServingGate:
     the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
     drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. While off,
     the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
-    steps between them (at a large batch a probe, catch-up included, costs several plain steps). A step more
+    steps between them (at a large batch a probe, catch-up included, costs several plain steps), up to
+    `max_budget_gap`. A step more
     than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
     three in a row.
+
+    The gate lives as long as its policy (`AutoDepth.make_gate`): a server's engines share what it measured.
 
     Exactness: the depth reads only what earlier steps measured; timings differ between runs, so sampled outputs are
     exact in distribution but not bit-reproducible across runs (T = 0 outputs equal AR's)."""
@@ -260,11 +263,13 @@ class ServingGate:
     confident: float = 0.25
     probe_every: int = 8
     max_probe_every: int = 128
+    max_budget_gap: int = 1024  # the most plain steps between drafted probes that `probe_budget` may ask for
     probe_budget: float = 0.03  # what drafted probes may cost, as a share of the plain steps between them
     decay: float = 0.7  # EMA weight of the history for step seconds
     memory: float = 16.0  # row-steps the acceptance estimate remembers
     outlier: float = 10.0
-    _lanes: dict[int, _Lane] = field(default_factory=dict, init=False, repr=False)
+    _lanes: dict[tuple[int, int], _Lane] = field(default_factory=dict, init=False, repr=False)  # (rows, bucket)
+    _rows: int = field(default=0, init=False, repr=False)  # the engine's batch (cache rows) now: `begin`
     _tried: list[float] = field(default_factory=list, init=False, repr=False)
     _passed: list[float] = field(default_factory=list, init=False, repr=False)
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
@@ -292,6 +297,12 @@ class ServingGate:
         self._costs.clear()
         self.__post_init__()
         self._after_plain = False
+
+    def begin(self, rows: int) -> None:
+        """An engine with `rows` cache rows starts a run. A step costs what the whole cache costs, whatever the active
+        rows, so what was measured is kept per cache size: an engine of another size measures its own, one of the same
+        size (the next run of a server, a warm-up before a timed run) starts from what the earlier ones settled."""
+        self._rows, self._after_plain = rows, False
 
     # ----- estimates -------------------------------------------------------------------------------------------
     def survival(self) -> list[float]:
@@ -385,8 +396,8 @@ class ServingGate:
         if self.cost is None:
             return
         key = next(k for k, v in self._lanes.items() if v is lane)
-        donors = sorted((abs(k - key), k) for k, v in self._lanes.items()
-                        if v is not lane and v.spec_n >= self.warmup and v.plain_n >= self.warmup)
+        donors = sorted((abs(k[1] - key[1]), k) for k, v in self._lanes.items()
+                        if v is not lane and k[0] == key[0] and v.spec_n >= self.warmup and v.plain_n >= self.warmup)
         if not donors:
             return
         d = self._lanes[donors[0][1]]
@@ -408,7 +419,7 @@ class ServingGate:
         excess = (catch + lane.scale) * unit - 2.0 * gain * plain_s  # seconds a probe costs over plain steps
         if excess <= 0.0 or plain_s <= 0.0:
             return gap
-        return max(gap, min(math.ceil(excess / (self.probe_budget * plain_s)), self.max_probe_every))
+        return max(gap, min(math.ceil(excess / (self.probe_budget * plain_s)), self.max_budget_gap))
 
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
         """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
@@ -417,7 +428,7 @@ class ServingGate:
         return min(grown, self.max_probe_every)
 
     def _lane(self, num_active: int) -> _Lane:
-        lane = self._lanes.setdefault(batch_bucket(num_active), _Lane())
+        lane = self._lanes.setdefault((self._rows, batch_bucket(num_active)), _Lane())
         lane.gap = lane.gap or self.probe_every
         return lane
 
@@ -468,10 +479,13 @@ class ServingGate:
             self._passed[k] = self._passed[k] * f + passed
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per bucket (label "rows a-b"): the state, n* and the two rates (tokens/row/s), and the survival estimate."""
+        """Per bucket of the current cache size (label "rows a-b"): the state, n* and the two rates (tokens/row/s),
+        and the survival estimate."""
         out: dict[str, Any] = {"survival": [round(x, 3) for x in self.survival()]}
-        for key in sorted(self._lanes):
-            lane = self._lanes[key]
+        for rows, key in sorted(self._lanes):
+            if rows != self._rows:
+                continue
+            lane = self._lanes[rows, key]
             lo, hi = (1, 1) if key == 0 else (2 ** (key - 1) + 1, 2 ** key)
             ready = lane.spec_n and lane.plain_n
             n, rate = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
@@ -489,6 +503,13 @@ class AutoDepth(FixedDepth):
     anything; 0 is a plain step. Uniform depths from earlier steps only: `uses_proposal` stays False."""
 
     cost: Callable[[int, int], float] | None = None
+    _gates: dict[int, ServingGate] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def make_gate(self, num_draft_tokens: int) -> ServingGate:
-        return ServingGate(num_draft_tokens, cost=self.cost)
+        """The policy's gate for K = num_draft_tokens, one per policy and K: what it measured lives as long as the
+        policy does (a server's), across the engines that use it (one per batch shape) and their `generate` calls,
+        so a new engine starts from the decisions the earlier ones settled instead of measuring again."""
+        gate = self._gates.get(num_draft_tokens)
+        if gate is None:
+            gate = self._gates[num_draft_tokens] = ServingGate(num_draft_tokens, cost=self.cost)
+        return gate
