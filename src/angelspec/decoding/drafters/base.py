@@ -357,6 +357,10 @@ class PendingCommits:
     first, in commit order, then padding, and the total counts [B]; one commit comes back as it was added (padded to
     two columns when it has one: `take`)."""
 
+    # Joined into one entry once this many wait: while the speculation gate keeps drafting off, one commit a step
+    # waits, and `drop_rows` (each time a request leaves) and `take` work per entry.
+    fold_at = 32
+
     def __init__(self) -> None:
         self._items: list[tuple[tuple[Tensor, ...], Tensor]] = []
         self._starts: list[bool] = []  # per item: it starts its rows' context (a prompt), so earlier entries of them
@@ -370,6 +374,10 @@ class PendingCommits:
         item begins its rows' context (a prompt, after `drop_rows` of them): `take` then joins fewer columns."""
         self._items.append((tuple(tensors), count))
         self._starts.append(starts)
+        if len(self._items) >= self.fold_at:  # a long stretch without drafting: join what waits into one entry
+            folded = self.take()
+            assert folded is not None
+            self._items, self._starts = [folded], [False]
 
     def clear(self) -> None:
         self._items.clear()
