@@ -198,3 +198,39 @@ def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_n
     assert not c.prefers_lookup(1, 1)
     c.observe_round(1.0, False)  # a compile-long round is left out of the mean
     assert c.lookup_round_s == 0.010
+
+
+class ScriptedServing:
+    """A serving gate that cycles through `pattern`: "model" (all K drafts), "lookup" (a lookup step of 2 drafts) or
+    "plain" (0), whatever was measured."""
+
+    def __init__(self, pattern: list[str], k: int) -> None:
+        self.pattern, self.k, self.calls, self.lookup_only = pattern, k, 0, False
+
+    def choose_depth(self, num_active: int, k: int) -> int:
+        kind = self.pattern[self.calls % len(self.pattern)]
+        self.calls += 1
+        self.lookup_only = kind == "lookup"
+        return {"model": k, "lookup": 2, "plain": 0}[kind]
+
+    def observe_step(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
+def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models_context(case):
+    """The serving gate's lookup steps (`DraftState.lookup_only`): only rows with a match verify drafts, the model
+    sits them out and catches up on its next drafted round, outputs equal AR."""
+    target, drafter, vocab, recompute = case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
+    assert hybrid.lookup_drafts and not drafter.lookup_drafts
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=3, num_draft_tokens=3))
+    engine.gate = ScriptedServing(["lookup", "lookup", "model", "plain", "lookup"], 3)
+    reqs = requests(vocab, 5, 40, seed=2)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert hybrid.lookup_rounds > 0 and max(d for d, n in enumerate(engine.metrics.depth_hist) if n) >= 2
+    drafted = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]
+    assert drafted and len(drafted) < len(drafter.proposals) / 3  # the model drafted on model steps only
+    for seq, drafts in drafted:
+        assert recompute(seq)[: len(drafts)] == drafts

@@ -257,3 +257,31 @@ def test_the_gate_lives_with_its_policy_and_keeps_what_it_measured_per_cache_siz
     assert "rows 5-8" not in gate.summary() and gate.choose_depth(8, K) == K  # warming up again, all K
     gate.begin(8)  # the first size again: it goes on from what it settled
     assert gate.summary()["rows 5-8"] == settled["rows 5-8"]
+
+
+@pytest.mark.parametrize(("look_tokens", "look_cost", "expect"), [(1.8, 1.3, "lookup"), (1.05, 1.2, "plain")])
+def test_a_lookup_gate_runs_lookup_steps_instead_of_plain_ones_where_they_commit_more(look_tokens, look_cost, expect):
+    """A drafter that can draft by lookup alone: where the model's steps lose (no acceptance), the gate runs the
+    faster of plain and lookup steps; a lookup step that commits 1.8 tokens a row for 1.3 plain steps' time wins, one
+    that commits 1.05 for 1.2 does not. Lookup steps never move the model's acceptance estimate."""
+    gate = ServingGate(K, cost=cpu_like, lookup=True)
+    kinds = []
+    for i in range(200):
+        n = gate.choose_depth(1, K)
+        kind = "lookup" if gate.lookup_only else "model" if n else "plain"
+        kinds.append(kind)
+        if kind == "lookup":
+            assert n == gate.lookup_depth
+            seconds, accepted = plain_cost(1) * look_cost, [round(look_tokens - 1) if i % 2 else 0]
+            if look_tokens == 1.05:
+                accepted = [1 if i % 20 == 0 else 0]
+        elif kind == "model":
+            seconds, accepted = cpu_like(1, n + 1), [0]
+        else:
+            seconds, accepted = plain_cost(1), []
+        gate.observe_step(1, n, seconds, accepted, [n])
+    settled = kinds[100:]
+    assert max(set(settled), key=settled.count) == expect, settled
+    assert settled.count("model") <= 4  # drafted probes only
+    assert gate.summary()["rows 1-1"]["base"] == expect
+    assert gate.survival()[0] < 0.2  # only the model's zero acceptance counted

@@ -58,6 +58,9 @@ class DraftState:
     deterministic: bool  # True: the engine verifies with the deterministic-draft protocol; propose argmaxes
     all_greedy: bool  # host flag: every active row decodes at temperature 0
     seq_len_bound: int  # host upper bound of seq_lens over active rows (for `kv_len`)
+    # True: propose only drafts that cost no model forward (n-gram lookup), none where there are none; asked only of
+    # a drafter with `lookup_drafts` (the serving gate's lookup steps)
+    lookup_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ class Drafter(ABC):
     # drafts, so a round of 0 drafts may be followed by a commit of any width and drafts of another drafter may be
     # verified in its place (`HybridDrafter`). A draft LM caches its own drafts: False.
     context_from_commits: bool = False
+    # True when `DraftState.lookup_only` can be honoured: the drafter also drafts without a model forward (a model
+    # drafter with n-gram lookup in front, `HybridDrafter`)
+    lookup_drafts: bool = False
 
     @property
     def vocab_size(self) -> int | None:
@@ -283,6 +289,7 @@ class WrappedDrafter(Drafter):
         self.inner = inner
         self.target_layer_ids = inner.target_layer_ids
         self.context_from_commits = inner.context_from_commits
+        self.lookup_drafts = inner.lookup_drafts
 
     @property
     def vocab_size(self) -> int | None:

@@ -159,6 +159,7 @@ class HybridDrafter(WrappedDrafter):
                              "cannot be verified in its place; use a drafter that builds its context from the target's "
                              "commits (MTP, EAGLE-3, DFlash / DFlare / DFly / DSpark)")
         super().__init__(inner)
+        self.lookup_drafts = True
         self.ngram = ngram if ngram is not None else NGramDrafter()
         self.min_match = self.ngram.min_ngram if min_match is None else min_match
         if not self.ngram.min_ngram <= self.min_match <= self.ngram.max_ngram:
@@ -203,6 +204,8 @@ class HybridDrafter(WrappedDrafter):
         start = time.perf_counter()
         if k == 0:  # the speculation gate skipped the round
             return self.inner.propose(state)
+        if state.lookup_only:  # the serving gate's lookup step: the model sits the round out
+            return self._lookup_round(state, start)
         matched: dict[int, list[int]] = {}
         first_rounds = False
         for r in state.active_rows:
@@ -249,6 +252,25 @@ class HybridDrafter(WrappedDrafter):
             lengths.index_fill_(0, rows, k)
         return Proposal(tokens=tokens, confidences=conf, lengths=None if d == k and p.lengths is None else lengths,
                         deterministic=True)
+
+    def _lookup_round(self, state: DraftState, start: float) -> Proposal:
+        """Only the lookup's drafts (`DraftState.lookup_only`): rows with a match of at least `min_match` tokens
+        verify it, the others none (`Proposal.host_lengths`, so a round where nothing matched costs a plain step); the
+        model's round is one of zero drafts (it catches up on its next drafted round)."""
+        k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
+        self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False))
+        tokens = [[0] * k for _ in range(b)]
+        lengths = [0] * b
+        for r in state.active_rows:
+            n, drafts = self.ngram.match(r, k)
+            if n >= self.min_match:  # (rows without a match drafted nothing: no source to learn about)
+                tokens[r], lengths[r], self._sources[r] = drafts, k, n
+        self.lookup_rounds += sum(1 for r in state.active_rows if lengths[r])
+        self._timing = (start, False)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.int64, device=dev).view(b, k),
+                        confidences=torch.tensor(lengths, dtype=torch.float32, device=dev)[:, None].expand(b, k) / k,
+                        lengths=torch.tensor(lengths, dtype=torch.int64, device=dev), deterministic=True,
+                        host_lengths=tuple(lengths))
 
     def on_commit(self, commit: Commit) -> None:
         if self._timing is not None and self._sources:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -69,7 +68,8 @@ class Step:
         self._none_accepted: Tensor | None = None  # zeros [B]: a plain step's accepted drafts (never written)
         make_gate = getattr(self.depth_policy, "make_gate", None)
         self.gate: SpecGate | ServingGate | None = (
-            None if drafter is None else make_gate(k) if callable(make_gate) else SpecGate() if spec_gate else None)
+            None if drafter is None else make_gate(k, lookup=drafter.lookup_drafts) if callable(make_gate)
+            else SpecGate() if spec_gate else None)
 
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
@@ -101,34 +101,27 @@ class Step:
         if not cap:
             self._plain(metrics, clock, t0, h0)
             return
-        proposal, state = self._draft(cap)
+        proposal, state = self._draft(cap, gate is not None and gate.lookup_only)
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
         t1 = clock.mark()
-        if cap:
-            depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
-        else:
-            depth, width, num_keep = torch.zeros_like(rows.seq_lens), 0, len(rows.active_rows)
+        depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
         t2 = clock.mark()
         old_len = rows.cache.lengths.clone() if width else None  # [B]; width 0 grows each active row by one
         v, taps = self._verify(protocol, proposal, depth, width, num_keep, state.seq_len_bound)
         t3 = clock.mark()
-        if self.on_verify is not None and cap:
+        if self.on_verify is not None:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=v.num_accepted,
                                        active=rows.active.clone()))
         accepted, depths, on_commit = self._commit(v, taps, depth, old_len, clock)
-        if cap:
-            metrics.record_verify(accepted, depths, protocol)
-        else:
-            metrics.record_decode(len(rows.active_rows))
-            metrics.skipped_steps += 1
+        metrics.record_verify(accepted, depths, protocol)
         t4 = clock.mark()
         if gate is not None:
             gate.observe_step(len(rows.active_rows), cap, time.perf_counter() - h0, accepted, depths)
         clock.step(metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4), on_commit=on_commit)
 
     def _plain(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
-        """A step the gate skipped (or K = 0): what an AR step does (one forward, one token per row, one host sync), through the
-        decode forward that also returns the drafter's taps. The drafter's round is one of zero drafts (`propose`
+        """A step the gate skipped (or K = 0): what an AR step does (one forward, one token per row, one host sync),
+        through the decode forward that also returns the drafter's taps. The drafter's round is one of zero drafts (`propose`
         with K = 0, which costs a drafter whose context comes from commits nothing; a draft LM feeds its own cache
         there) and the commit (kept for its next drafted round: `PendingCommits`). The token is chosen as an AR step
         chooses it, with the same noise key as a step verifying zero drafts, so outputs do not depend on which steps
@@ -163,24 +156,22 @@ class Step:
             gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
 
-    def _draft(self, cap: int) -> tuple[Proposal, DraftState]:
-        """The drafter's proposal of `cap` drafts per row; with cap 0 (a plain step) its one token is chosen as an
-        AR step chooses it.
+    def _draft(self, cap: int, lookup: bool = False) -> tuple[Proposal, DraftState]:
+        """The drafter's proposal of `cap` > 0 drafts per row (`lookup`: the serving gate's lookup step, only the
+        drafts that cost no model forward, `DraftState.lookup_only`).
 
         Compiled, a drafter's step is specialised on its number of drafts (an unrolled loop): asked for each depth
         the gate picks, it would compile a graph per depth in the middle of timed decoding. So under compile it
         drafts all K and `_select` verifies the first `cap` (a prefix of the drafts: exact at any temperature)."""
         assert self.drafter is not None and self.rows.cache is not None
         rows = self.rows
-        asked = self.k if cap and self.forwards.compiled else cap
+        asked = self.k if cap and self.forwards.compiled and not lookup else cap  # (a lookup step runs no graph)
         state = DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
                            active_rows=rows.active_rows, sampling=rows.sampling, draft_round=rows.draft_round,
                            num_draft_tokens=asked, deterministic=self.uses_proposal, all_greedy=rows.all_greedy,
-                           seq_len_bound=rows.seq_len_bound())
+                           seq_len_bound=rows.seq_len_bound(), lookup_only=lookup)
         proposal = self.drafter.propose(state)
         proposal.check(rows.cache.batch_size, asked, self.vocab_size)
-        if not cap:
-            proposal = replace(proposal, deterministic=True, lengths=None, host_lengths=None)
         return proposal, state
 
     def _select(self, proposal: Proposal, state: DraftState, cap: int) -> tuple[Tensor, int, int]:

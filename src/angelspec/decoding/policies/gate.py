@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from angelspec.decoding.policies.base import FixedDepth
 
@@ -94,6 +94,7 @@ class SpecGate:
     outlier: float = 10.0  # a step this many times slower than its kind's EMA is not a measurement of it
     backoff_below: float = 0.75  # a probe doubles the gap only if speculation runs below this share of plain steps
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
+    lookup_only: ClassVar[bool] = False  # never asks for lookup steps (`ServingGate.lookup_only`)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.probe_every < 1:
@@ -212,6 +213,12 @@ class _Lane:
     probe: int = 0  # drafted probe steps still to run while off
     deep: int = 0  # drafted steps since one verified past n*
     catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
+    look_s: float = 0.0  # EMA of a lookup step's seconds per committed token per row, in `plain_s`'s units
+    look_n: int = 0
+    look_out: int = 0
+    base_look: bool = False  # while drafting is off, the step that runs is a lookup step (else a plain step)
+    base_run: int = 0  # steps of the base kind since it was chosen or the other one probed
+    base_gap: int = 0  # steps of the base kind before the other one is probed
 
 
 @dataclass
@@ -258,6 +265,8 @@ class ServingGate:
 
     num_draft_tokens: int
     cost: Callable[[int, int], float] | None = None  # the step-cost table C(B, N) (budget.CostModel)
+    lookup: bool = False  # the drafter can draft by lookup alone (`Drafter.lookup_drafts`): lookup steps are a choice
+    lookup_depth: int = 4  # drafts a lookup step verifies at most (each verified position costs the target)
     warmup: int = 2
     hysteresis: float = 0.1
     confident: float = 0.25
@@ -274,6 +283,7 @@ class ServingGate:
     _passed: list[float] = field(default_factory=list, init=False, repr=False)
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _after_plain: bool = field(default=False, init=False, repr=False)
+    lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -288,6 +298,8 @@ class ServingGate:
         if not 0.0 <= self.decay < 1.0 or self.memory < 1.0 or self.outlier <= 1.0:
             raise ValueError(f"ServingGate needs decay in [0, 1), memory >= 1, outlier > 1; got {self.decay}, "
                              f"{self.memory}, {self.outlier}")
+        if self.lookup_depth < 1:
+            raise ValueError(f"ServingGate needs lookup_depth >= 1, got {self.lookup_depth}")
         k = self.num_draft_tokens
         self._tried, self._passed = [1.0] * (k + 1), [0.5] * (k + 1)  # prior s_k = 0.5, worth one row
 
@@ -345,6 +357,14 @@ class ServingGate:
         if num_draft_tokens != self.num_draft_tokens:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
+        self.lookup_only = False
+        depth = self._decide(num_active)
+        if depth == 0 and self.lookup:
+            depth = self._base_step(self._lane(num_active), num_active)
+        return depth
+
+    def _decide(self, num_active: int) -> int:
+        """The model's depth this step, or 0 for the base step (plain, or lookup: `_base_step`)."""
         lane = self._lane(num_active)
         if not (lane.spec_n and lane.plain_n):
             self._borrow(lane)
@@ -353,7 +373,7 @@ class ServingGate:
         if lane.plain_n < self.warmup:
             return 0
         n, rate = self.best_depth(num_active)
-        plain = 1.0 / (lane.plain_s * self._plain_unit(num_active))
+        plain = self._base_rate(lane, num_active)
         if lane.probe > 0:
             return n
         if lane.on:
@@ -374,6 +394,41 @@ class ServingGate:
             lane.run, lane.probe = 0, 2
             return n
         return 0
+
+    def _base_rate(self, lane: _Lane, num_active: int) -> float:
+        """Tokens per row per second of the step that runs while the model does not draft: a plain step, or a lookup
+        step where those were measured faster."""
+        unit = self._plain_unit(num_active)
+        plain = 1.0 / (lane.plain_s * unit)
+        if lane.base_look and lane.look_n >= self.warmup:
+            return max(plain, 1.0 / (lane.look_s * unit))
+        return plain
+
+    def _base_step(self, lane: _Lane, num_active: int) -> int:
+        """While the model does not draft (`lookup` gates only): a plain step (0) or a lookup step (its depth, with
+        `lookup_only` set), whichever committed more tokens per second where measured; the same hysteresis keeps noise
+        from flipping it, and the other kind is probed after `base_gap` steps (doubling up to `max_probe_every`; both
+        kinds cost about a plain step, so probing them is cheap). `warmup` lookup steps first."""
+        look = min(self.lookup_depth, self.num_draft_tokens)
+        if lane.plain_n < self.warmup:
+            return 0
+        if lane.look_n < self.warmup:
+            self.lookup_only = True
+            return look
+        unit = self._plain_unit(num_active)
+        plain, looked = 1.0 / (lane.plain_s * unit), 1.0 / (lane.look_s * unit)
+        lane.base_gap = lane.base_gap or self.probe_every
+        lane.base_run += 1
+        running_wins = looked >= (1.0 - self.hysteresis) * plain if lane.base_look \
+            else looked <= (1.0 + self.hysteresis) * plain
+        if not running_wins:
+            lane.base_look, lane.base_run, lane.base_gap = not lane.base_look, 0, self.probe_every
+        elif lane.base_run >= lane.base_gap:  # probe the other kind once
+            lane.base_run, lane.base_gap = 0, min(2 * lane.base_gap, self.max_probe_every)
+            self.lookup_only = not lane.base_look
+            return look if self.lookup_only else 0
+        self.lookup_only = lane.base_look
+        return look if self.lookup_only else 0
 
     def _explore(self, lane: _Lane, n: int) -> int:
         """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
@@ -405,6 +460,8 @@ class ServingGate:
             lane.scale, lane.spec_n = d.scale, self.warmup
         if not lane.plain_n:
             lane.plain_s, lane.plain_n = d.plain_s, self.warmup
+        if not lane.look_n and d.look_n:
+            lane.look_s, lane.look_n, lane.base_look = d.look_s, d.look_n, d.base_look
         lane.on = d.on
 
     def _probe_gap(self, lane: _Lane, num_active: int, n: int, gap: int) -> int:
@@ -438,6 +495,14 @@ class ServingGate:
         """One step: the depth `choose_depth` gave (0: plain), its host seconds, and per active row the drafts it
         accepted and verified."""
         lane = self._lane(num_active)
+        if self.lookup_only:  # a lookup step: the base kind's rate, not the model's acceptance or timing
+            lane.run += not lane.on
+            if seconds > 0:
+                tokens = sum(accepted) / len(accepted) + 1.0 if accepted else 1.0
+                lane.look_s, lane.look_n, lane.look_out = self._fold(lane.look_s, lane.look_n, lane.look_out,
+                                                                     seconds / tokens / self._plain_unit(num_active))
+            self._after_plain = True  # the model sat it out: its next drafted step catches up
+            return
         lane.run += (depth > 0) == lane.on  # steps of the running state since the last switch or probe
         if depth <= 0:
             if seconds > 0:
@@ -490,9 +555,12 @@ class ServingGate:
             ready = lane.spec_n and lane.plain_n
             n, rate = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
             plain = 1.0 / (lane.plain_s * self._plain_unit(hi)) if lane.plain_s else 0.0
+            looked = 1.0 / (lane.look_s * self._plain_unit(hi)) if lane.look_s else 0.0
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
                                       "plain_rate": round(plain, 2),
-                                      "probe_gap": lane.gap}
+                                      "probe_gap": lane.gap,
+                                      **({"base": "lookup" if lane.base_look else "plain",
+                                          "lookup_rate": round(looked, 2)} if self.lookup else {})}
         return out
 
 
@@ -503,13 +571,15 @@ class AutoDepth(FixedDepth):
     anything; 0 is a plain step. Uniform depths from earlier steps only: `uses_proposal` stays False."""
 
     cost: Callable[[int, int], float] | None = None
-    _gates: dict[int, ServingGate] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    _gates: dict[tuple[int, bool], ServingGate] = field(default_factory=dict, init=False, repr=False, compare=False,
+                                                        hash=False)
 
-    def make_gate(self, num_draft_tokens: int) -> ServingGate:
-        """The policy's gate for K = num_draft_tokens, one per policy and K: what it measured lives as long as the
-        policy does (a server's), across the engines that use it (one per batch shape) and their `generate` calls,
-        so a new engine starts from the decisions the earlier ones settled instead of measuring again."""
-        gate = self._gates.get(num_draft_tokens)
+    def make_gate(self, num_draft_tokens: int, lookup: bool = False) -> ServingGate:
+        """The policy's gate for K = num_draft_tokens (with lookup steps where the drafter can draft by lookup alone),
+        one per policy and K: what it measured lives as long as the policy does (a server's), across the engines
+        that use it (one per batch shape) and their `generate` calls, so a new engine starts from the decisions the
+        earlier ones settled instead of measuring again."""
+        gate = self._gates.get((num_draft_tokens, lookup))
         if gate is None:
-            gate = self._gates[num_draft_tokens] = ServingGate(num_draft_tokens, cost=self.cost)
+            gate = self._gates[num_draft_tokens, lookup] = ServingGate(num_draft_tokens, cost=self.cost, lookup=lookup)
         return gate
