@@ -298,6 +298,7 @@ def test_bench_cli_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path
     (["--config", "A=/nonexistent/drafter"], "does not exist"),
     (["--config", "A"], "NAME=SPEC"),
     (["--config", "A=ngram@dcut:0.3"], "valid forms"),
+    (["--config", "A=none", "--repeats", "0"], "--repeats"),
 ])
 def test_bench_bad_input_is_one_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                            tiny_target_dir: Path, args: list[str], needle: str) -> None:

@@ -218,3 +218,31 @@ def test_bench_uses_the_vllm_venv_where_it_exists_unless_no_vllm(capsys: pytest.
     assert main([*args, "--no-vllm"]) == 0 and opened == [".venv-vllm"]
     assert main([*args, "--no-vllm", "--vllm", "x"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--repeats R: each point's configs run in turn R times, and each row is its median run (with every run's
+    tokens/s); a run whose outputs differ from the others' is reported instead, so a lossless failure shows."""
+    from angelspec.eval.serving import sweep
+
+    order: list[str] = []
+    speeds = {"A": iter([30.0, 10.0, 20.0]), "B": iter([5.0, 7.0, 6.0])}
+    outputs = {"A": iter([[[1]], [[1]], [[1]]]), "B": iter([[[1]], [[2]], [[1]]])}
+
+    def point(target, ct, workload, c, **_):
+        order.append(ct.config.name)
+        tps = next(speeds[ct.config.name])
+        return sweep.ServingRow(ct.config.name, ct.config.drafter, ct.kind, "full", 0, c, 1, 1, 1.0, tps, tps, 1.0,
+                                0.0, 1, 0.0, 0.0), next(outputs[ct.config.name])
+
+    monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "run_point", point)
+    monkeypatch.setattr(sweep, "_near_ties", lambda *a: 0)
+    report = sweep.run_sweep(None, [_contender("A=none"), _contender("B=ngram@full")],  # type: ignore[arg-type]
+                             [EvalPrompt([1, 2], "code")], concurrency=(1,), log=None, repeats=3)
+    assert order == ["A", "B"] * 3
+    a, b = report.rows
+    assert a.tokens_per_s == 20.0 and a.runs_tokens_per_s == (30.0, 10.0, 20.0)
+    assert b.tokens_per_s == 7.0 and b.identical == 0  # the run that differed from AR's outputs
+    with pytest.raises(sweep.ServingError, match="repeats"):
+        sweep.run_sweep(None, [_contender("A=none")], [EvalPrompt([1], "code")], repeats=0)  # type: ignore[arg-type]

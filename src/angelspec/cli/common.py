@@ -24,7 +24,7 @@ SETTING_FLAGS = {
     "feature_backend": "--feature-backend", "head": "--head", "init_from": "--init-from", "only": "--only",
     "concurrency": "--concurrency", "min_requests": "--min-requests", "warmup_tokens": "--warmup-tokens",
     "num_draft_tokens": "--num-draft-tokens", "max_new_tokens": "--max-new-tokens", "batch_size": "--batch-size",
-    "limit": "--limit",
+    "limit": "--limit", "repeats": "--repeats",
 }
 
 

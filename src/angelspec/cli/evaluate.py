@@ -177,6 +177,9 @@ def add_bench(sub: Subparsers) -> None:
     add_num_draft_tokens_flag(p, "drafts per step for configs that do not name one")
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
                    help="requests per point are max(4C, N) (default: 8)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="timed runs per point and config, the configs in turn each round; the run with the median "
+                        "throughput is reported (default: 1; 3 on a machine whose speed drifts)")
     p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",
                    help="new tokens of the untimed warm-up batch per config (default: 8)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -214,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              num_draft_tokens=args.num_draft_tokens, min_requests=args.min_requests,
                              warmup_tokens=args.warmup_tokens, compile=args.compile, limit=args.limit,
                              prompts=EVAL_PROMPTS if args.prompts is None else Path(args.prompts),
-                             breakeven=args.breakeven)
+                             breakeven=args.breakeven, repeats=args.repeats)
     report = run_bench(args.config, args.out, settings, target=args.target, vllm=vllm,
                        log=None if args.quiet else print, placement=placement(args), force=args.force)
     return EXIT_NOT_LOSSLESS if lossless(report) is False else 0

@@ -285,6 +285,7 @@ def run_bench(configs: Sequence[ServingConfig | str], out: str | Path, settings:
         require_range("concurrency", c, 1, MAX_BATCH_SIZE)
     require_range("min_requests", s.min_requests, 1, MAX_REQUESTS)
     require_range("warmup_tokens", warmup_tokens, 0, 1 << 24)
+    require_range("repeats", s.repeats, 1, 100)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; give a folder for results.json, results.md and the plots")

@@ -213,6 +213,9 @@ class _Lane:
     probe: int = 0  # drafted probe steps still to run while off
     deep: int = 0  # drafted steps since one verified past n*
     catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
+    real_s: float = 0.0  # EMA of a drafted step's seconds per committed token per row, every cost in, `plain_s`'s units
+    real_n: int = 0
+    real_out: int = 0
     look_s: float = 0.0  # EMA of a lookup step's seconds per committed token per row, in `plain_s`'s units
     look_n: int = 0
     look_out: int = 0
@@ -235,19 +238,27 @@ class ServingGate:
                    C(B, rho) with a uniform depth), scaled by what drafted steps of the bucket took against the table
                    (the machine's load now); without a table only n = K, T = the measured seconds
         n*       = argmax_n A(n) / T(B, n): the depth that commits most tokens per second at this load
-        plain    = 1 / (EMA of a plain step's seconds), measured as a share of the table's cost(B, B) when there is
-                   one (so the rows of one bucket share it, and a bucket with nothing measured yet starts from its
-                   nearest measured neighbour's shares instead of warming up)
-        drafting stays on while A(n*) / T(B, n*) >= (1 - hysteresis) * plain, and turns on only once it is
+        drafted  = 1 / (EMA over drafted steps of seconds per committed token per row): what drafting delivered, every
+                   cost in (the catch-up after plain steps, the drafting, the wider verify, the commit); before any
+                   drafted step, the forecast A(n*) / T(B, n*)
+        plain    = 1 / (EMA of a plain step's seconds); with a lookup drafter (`lookup`), the faster of that and a
+                   lookup step's tokens per row per second (`_base_step`)
+                   (both measured as shares of the table's cost(B, B) when there is one, so the rows of one bucket
+                   share them, and a bucket with nothing measured yet starts from its nearest measured neighbour's
+                   shares instead of warming up)
+        drafting stays on while drafted >= (1 - hysteresis) * plain, and turns on only once it is
         > (1 + hysteresis) * plain: noise within the margin never flips it.
 
-    So verification narrows with load (n* falls as T grows with the verified positions) before drafting stops, and
+    The forecast ranks the depths; the decision to draft at all reads what drafted steps delivered, since the forecast
+    leaves out what differs between a profiled step and a serving one (on a 2-core CPU it was up to 1.4x optimistic,
+    and a gate that trusted it drafted where it lost). So verification narrows with load (n* falls as T grows with the verified positions) before drafting stops, and
     the depth is a function of earlier steps only, the same for every row: no host sync, no packing, and standard
     speculative sampling stays exact (trap 1; `AutoDepth.uses_proposal` is False).
 
     Measuring: a bucket first runs `warmup` timed drafted steps and `warmup` plain ones. A drafted step right after a
-    plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`), a cost of switching rather than
-    of drafting: it is not timed (its acceptance counts). Probes keep the state that is not running measured: while
+    plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`): it counts in the drafted rate (a
+    real cost of drafting after plain steps) but not in `scale` (the table's timing of a drafted step, which sizes
+    the probes' cost). Probes keep the state that is not running measured: while
     off, two drafted steps (the second is timed) after `gap` plain ones; while on, one plain step after `gap` drafted
     ones. The gap starts at `probe_every` and grows after each probe that leaves the state as it was (doubling while
     the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
@@ -372,7 +383,8 @@ class ServingGate:
             return self.best_depth(num_active)[0] if lane.spec_n else self.num_draft_tokens
         if lane.plain_n < self.warmup:
             return 0
-        n, rate = self.best_depth(num_active)
+        n = self.best_depth(num_active)[0]
+        rate = self._drafted_rate(lane, num_active)
         plain = self._base_rate(lane, num_active)
         if lane.probe > 0:
             return n
@@ -394,6 +406,15 @@ class ServingGate:
             lane.run, lane.probe = 0, 2
             return n
         return 0
+
+    def _drafted_rate(self, lane: _Lane, num_active: int) -> float:
+        """Tokens per row per second that drafted steps committed, as measured: every drafted step's seconds (the
+        catch-up after plain steps, the drafting, the wider verify, the commit), not the cost table's forecast, which
+        only ranks the depths. Forecasts missed by up to 1.4x on a CPU (steps that switch, the table's drafting share):
+        a gate that trusts them drafts where it loses."""
+        if not lane.real_n:
+            return self.best_depth(num_active)[1]
+        return 1.0 / (lane.real_s * self._plain_unit(num_active))
 
     def _base_rate(self, lane: _Lane, num_active: int) -> float:
         """Tokens per row per second of the step that runs while the model does not draft: a plain step, or a lookup
@@ -458,6 +479,7 @@ class ServingGate:
         d = self._lanes[donors[0][1]]
         if not lane.spec_n:
             lane.scale, lane.spec_n = d.scale, self.warmup
+            lane.real_s, lane.real_n = d.real_s, d.real_n
         if not lane.plain_n:
             lane.plain_s, lane.plain_n = d.plain_s, self.warmup
         if not lane.look_n and d.look_n:
@@ -512,6 +534,10 @@ class ServingGate:
                     lane.run = 0  # warmed up: the first probe gap starts now
             self._after_plain = True
             return
+        if seconds > 0:
+            tokens = sum(accepted) / len(accepted) + 1.0 if accepted else 1.0
+            lane.real_s, lane.real_n, lane.real_out = self._fold(lane.real_s, lane.real_n, lane.real_out,
+                                                                 seconds / tokens / self._plain_unit(num_active))
         if lane.probe > 0:
             lane.probe -= 1
         # A probe (drafting is off) weighs 4x: two steps every `gap` must be able to show that acceptance came back.
@@ -553,7 +579,8 @@ class ServingGate:
             lane = self._lanes[rows, key]
             lo, hi = (1, 1) if key == 0 else (2 ** (key - 1) + 1, 2 ** key)
             ready = lane.spec_n and lane.plain_n
-            n, rate = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
+            n = self.best_depth(hi)[0] if ready else self.num_draft_tokens
+            rate = self._drafted_rate(lane, hi) if ready else 0.0
             plain = 1.0 / (lane.plain_s * self._plain_unit(hi)) if lane.plain_s else 0.0
             looked = 1.0 / (lane.look_s * self._plain_unit(hi)) if lane.look_s else 0.0
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),

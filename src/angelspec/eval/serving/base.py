@@ -51,6 +51,7 @@ class ServingRow:
     vllm_tokens_per_s: float | None = None
     vllm_mal: float | None = None  # vLLM's accepted drafts + 1 per verify step that had drafts
     vllm_identical: int | None = None  # vLLM outputs equal to this configuration's
+    runs_tokens_per_s: tuple[float, ...] = ()  # every timed run's tokens/s with `--repeats` (the row is the median)
 
     @property
     def lossless_ok(self) -> bool | None:

@@ -306,6 +306,16 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
     return row, [list(map(int, r.token_ids)) for r in results]
 
 
+def median_run(runs: Sequence[tuple[ServingRow, list[list[int]]]]) -> tuple[ServingRow, list[list[int]]]:
+    """The run with the median throughput (the lower middle one of an even count), its row carrying every run's
+    tokens/s; a run whose outputs differ from the others' is returned instead (a lossless failure must not hide)."""
+    first = runs[0][1]
+    odd = next((run for run in runs if run[1] != first), None)
+    ranked = sorted(runs, key=lambda run: run[0].tokens_per_s)
+    row, outputs = odd or ranked[(len(ranked) - 1) // 2]
+    return replace(row, runs_tokens_per_s=tuple(run[0].tokens_per_s for run in runs)), outputs
+
+
 def latency_percentiles(results: Sequence[Any]) -> dict[str, float]:
     """p50 / p95 of the requests' time to first token and time per output token (`Result`), seconds."""
     ttft = [r.first_token_s for r in results]
@@ -342,13 +352,16 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
               concurrency: Sequence[int] = DEFAULT_CONCURRENCY, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
               min_requests: int = DEFAULT_MIN_REQUESTS, warmup_tokens: int = 8,
               log: Callable[[str], None] | None = print, settings: dict[str, Any] | None = None,
-              vllm: VllmColumn | None = None) -> ServingReport:
-    """Every contender at every concurrency (contender-major, each warmed up once, a compiled one at every
-    point); speed-up and the lossless check against the first AR contender at the same concurrency; with `vllm`,
-    vLLM on the same requests for every contender it has a setup for (vllm.py)."""
-    if max_new_tokens < 1 or min_requests < 1 or warmup_tokens < 0:
-        raise ServingError(f"need max_new_tokens >= 1, min_requests >= 1, warmup_tokens >= 0; got {max_new_tokens}, "
-                           f"{min_requests}, {warmup_tokens}")
+              vllm: VllmColumn | None = None, repeats: int = 1) -> ServingReport:
+    """Every contender at every concurrency (concurrency-major, each warmed up once per point when compiled);
+    speed-up and the lossless check against the first AR contender at the same concurrency; with `vllm`, vLLM on
+    the same requests for every contender it has a setup for (vllm.py). `repeats` > 1: each point's timed run
+    `repeats` times per contender, the contenders in turn each round, and the run with the median throughput is the
+    point's row (`ServingRow.runs_tokens_per_s` keeps them all): on a machine whose speed drifts, the median of
+    interleaved runs is a ratio one can repeat."""
+    if max_new_tokens < 1 or min_requests < 1 or warmup_tokens < 0 or repeats < 1:
+        raise ServingError(f"need max_new_tokens >= 1, min_requests >= 1, warmup_tokens >= 0, repeats >= 1; got "
+                           f"{max_new_tokens}, {min_requests}, {warmup_tokens}, {repeats}")
     if not workload:
         raise ServingError("empty workload")
     concurrency = sorted(set(concurrency))
@@ -361,13 +374,19 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             elif ct.config.name not in warmed:
                 warm_up(target, ct, workload, batch=min(max(concurrency), 8), tokens=warmup_tokens)
             warmed.add(ct.config.name)
-            t0 = time.perf_counter()
-            row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens, min_requests=min_requests)
-            raw.append((row, outputs))
-            if log is not None:
-                log(f"{ct.config.name} C={c}: {row.tokens_per_s:.1f} tok/s, per-user {row.per_user_tokens_per_s:.1f} "
-                    f"tok/s, MAL {row.mal:.2f}, TPOT p50/p95 {row.tpot_p50_s * 1e3:.1f}/{row.tpot_p95_s * 1e3:.1f} "
-                    f"ms ({time.perf_counter() - t0:.1f} s)")
+        runs: dict[str, list[tuple[ServingRow, list[list[int]]]]] = {ct.config.name: [] for ct in contenders}
+        for r in range(repeats):
+            for ct in contenders:
+                t0 = time.perf_counter()
+                row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens,
+                                         min_requests=min_requests)
+                runs[ct.config.name].append((row, outputs))
+                if log is not None:
+                    log(f"{ct.config.name} C={c}{f' run {r + 1}/{repeats}' if repeats > 1 else ''}: "
+                        f"{row.tokens_per_s:.1f} tok/s, per-user {row.per_user_tokens_per_s:.1f} tok/s, MAL "
+                        f"{row.mal:.2f}, TPOT p50/p95 {row.tpot_p50_s * 1e3:.1f}/{row.tpot_p95_s * 1e3:.1f} ms "
+                        f"({time.perf_counter() - t0:.1f} s)")
+        raw += [median_run(point) for point in runs.values()]
     order = {ct.config.name: i for i, ct in enumerate(contenders)}
     raw.sort(key=lambda item: (order[item[0].config], item[0].concurrency))  # rows configuration-major
     ar_name = next((ct.config.name for ct in contenders if ct.drafter is None), None)
@@ -444,7 +463,8 @@ class BenchSettings:
     `max_new_tokens` per request, `num_draft_tokens` K for every drafter configuration that names none (None: the
     depth each was trained for), at least `min_requests` requests per point, `warmup_tokens` per warm-up request,
     `compile` every configuration (`+compile` on each), the workload from `prompts` (the first `limit` per domain
-    when given), and `breakeven`: also the break-even committed length (Eq. 25) in the table."""
+    when given), `breakeven`: also the break-even committed length (Eq. 25) in the table, and `repeats` timed runs
+    per point and configuration, the median one reported (`run_sweep`)."""
 
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -455,6 +475,7 @@ class BenchSettings:
     prompts: str | Path = EVAL_PROMPTS
     limit: int | None = None
     breakeven: bool = False
+    repeats: int = 1
 
 
 def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[ServingConfig],
@@ -487,7 +508,9 @@ def bench(model: Decoder, tokenizer: Any, target_dir: Path, configs: Sequence[Se
     t0 = time.perf_counter()
     report = run_sweep(model, contenders, workload, concurrency=concurrency, max_new_tokens=max_new_tokens,
                        min_requests=s.min_requests, warmup_tokens=s.warmup_tokens, log=log, vllm=vllm,
-                       settings={"target": str(target_dir), "prompts": str(prompts_path), "limit": s.limit})
+                       repeats=s.repeats,
+                       settings={"target": str(target_dir), "prompts": str(prompts_path), "limit": s.limit,
+                                 "repeats": s.repeats})
     report.settings["sweep_s"] = round(time.perf_counter() - t0, 2)
     out(report.format(breakeven=s.breakeven))
     if out_dir is not None:
