@@ -285,3 +285,21 @@ def test_a_lookup_gate_runs_lookup_steps_instead_of_plain_ones_where_they_commit
     assert settled.count("model") <= 4  # drafted probes only
     assert gate.summary()["rows 1-1"]["base"] == expect
     assert gate.survival()[0] < 0.2  # only the model's zero acceptance counted
+
+
+def test_lookup_steps_run_only_in_engines_of_one_row_by_default():
+    """Rows that fall out of step cost every later step (longer attention, split prefills), which a lookup step's own
+    timing cannot show: in an engine of several cache rows the gate chooses between plain and model steps only."""
+    gate = ServingGate(K, cost=cpu_like, lookup=True)
+    gate.begin(16)
+    for _ in range(50):
+        n = gate.choose_depth(16, K)
+        assert not gate.lookup_only
+        gate.observe_step(16, n, cpu_like(16, 16 * (n + 1)) if n else plain_cost(16), [0] * 16 if n else [], [n] * 16)
+    gate.begin(1)
+    seen = set()
+    for _ in range(20):
+        n = gate.choose_depth(1, K)
+        seen.add(gate.lookup_only)
+        gate.observe_step(1, n, plain_cost(1), [1 if gate.lookup_only else 0] if n else [], [n])
+    assert True in seen

@@ -278,6 +278,7 @@ class ServingGate:
     cost: Callable[[int, int], float] | None = None  # the step-cost table C(B, N) (budget.CostModel)
     lookup: bool = False  # the drafter can draft by lookup alone (`Drafter.lookup_drafts`): lookup steps are a choice
     lookup_depth: int = 4  # drafts a lookup step verifies at most (each verified position costs the target)
+    lookup_rows: int = 1  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
     warmup: int = 2
     hysteresis: float = 0.1
     confident: float = 0.25
@@ -370,9 +371,17 @@ class ServingGate:
                              f"{num_draft_tokens}")
         self.lookup_only = False
         depth = self._decide(num_active)
-        if depth == 0 and self.lookup:
+        if depth == 0 and self._lookup_here():
             depth = self._base_step(self._lane(num_active), num_active)
         return depth
+
+    def _lookup_here(self) -> bool:
+        """Lookup steps only where the engine has at most `lookup_rows` cache rows (0: not told, `begin`). A lookup
+        step commits more tokens in some rows than in others, which puts the rows out of step for good: every later
+        step attends over the longest row, and requests finish and join one or two at a time, in more prefills. The
+        steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones by 19% per step and
+        lost 23% end to end (`benchmarks/batch_alignment.py` measures both costs)."""
+        return self.lookup and self._rows <= self.lookup_rows
 
     def _decide(self, num_active: int) -> int:
         """The model's depth this step, or 0 for the base step (plain, or lookup: `_base_step`)."""
