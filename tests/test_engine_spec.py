@@ -894,3 +894,30 @@ def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid
     assert [r.token_ids for r in out] == ar_tokens[:5]
     assert drafter.silent_rounds > 5
     assert eager_calls == []
+
+
+class SwitchedDepth:
+    """Every row verifies `depth` drafts (None: all K); the test changes it between runs."""
+
+    uses_proposal = False
+    static_depth = None
+
+    def __init__(self) -> None:
+        self.depth: int | None = None
+
+    def __call__(self, proposal: Proposal, state: DraftState) -> torch.Tensor:
+        return torch.full_like(state.seq_lens, state.num_draft_tokens if self.depth is None else self.depth)
+
+
+def test_a_compiled_engine_narrowed_to_one_draft_mid_run_compiles_nothing(target, greedy_case):
+    """A serving policy may narrow every row to one draft at any step: verifying two tokens a row, whose greedy
+    acceptance dynamo guards apart from longer ones. The engine compiles that graph before the run (it used to
+    compile mid-run, 15 s on a 2-core CPU, the first time `auto` chose depth 1)."""
+    requests, ar_tokens, continuations = greedy_case
+    policy = SwitchedDepth()
+    engine = SpecEngine(target, OracleDrafter(continuations, error=0.3, seed=1),
+                        EngineConfig(max_batch_size=4, num_draft_tokens=4, compile=True), depth_policy=policy)
+    out = generate_twice_without_recompiles(engine, requests[:4], requests[4:8],
+                                            between=lambda: setattr(policy, "depth", 1))
+    assert [r.token_ids for r in out] == ar_tokens[:8]
+    assert engine.metrics.depth_hist[1] > 0 and not any(engine.metrics.depth_hist[2:])

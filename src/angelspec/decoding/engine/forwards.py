@@ -105,7 +105,8 @@ class TargetForwards:
         """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs
         are thrown away and the cache emptied again), rather than the first time a step needs one, mid-run.
         torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and
-        batch sizes reuse them (dynamic sizes). Compiled: the step without drafts, and the verify graphs at depth K,
+        batch sizes reuse them (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards
+        tell it apart), warmed too, since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts, and the verify graphs at depth K,
         dense and (packed, more than one row) packed; greedy ones when the run has a request at T = 0, sampled ones
         when it has one at T > 0 (a step is greedy only when all its rows are). The target's RoPE table is built
         first, eagerly: a graph traced before it existed would guard on its absence (docs/design.md section 9)."""
@@ -122,13 +123,20 @@ class TargetForwards:
         ragged[1:] = 0
         active = torch.ones(b, dtype=torch.bool, device=dev)
         packed = packed and b > 1
+        one_ragged = ragged.clamp(max=1)
+        one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row, which dynamo guards apart
         runs: dict[str, list[Callable[[], object]]] = {
             "plain": [lambda: self.one_token(torch.zeros(b, 1, dtype=torch.int64, device=dev), cache, 2,
                                              torch.ones(b, dtype=torch.int64, device=dev))],
             "greedy": [lambda: self.greedy_verify(drafts, cache, k + 1, full)]
-            + ([lambda: self.greedy_packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else []),
+            + ([lambda: self.greedy_verify(short, cache, 2, one)] if k > 1 else [])
+            + ([lambda: self.greedy_packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else [])
+            + ([lambda: self.greedy_packed_verify(short, cache, 2, one_ragged, active, 1 + b)] if packed and k > 1
+               else []),
             "sampled": [lambda: self.verify(drafts, cache, k + 1)]
-            + ([lambda: self.packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else []),
+            + ([lambda: self.verify(short, cache, 2)] if k > 1 else [])
+            + ([lambda: self.packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else [])
+            + ([lambda: self.packed_verify(short, cache, 2, one_ragged, active, 1 + b)] if packed and k > 1 else []),
         }
         with torch.inference_mode():
             for what in todo:
