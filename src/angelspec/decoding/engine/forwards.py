@@ -104,12 +104,13 @@ class TargetForwards:
     def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool) -> None:
         """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs
         are thrown away and the cache emptied again), rather than the first time a step needs one, mid-run.
-        torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and
-        batch sizes reuse them (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards
-        tell it apart), warmed too, since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts, and the verify graphs at depth K,
-        dense and (packed, more than one row) packed; greedy ones when the run has a request at T = 0, sampled ones
-        when it has one at T > 0 (a step is greedy only when all its rows are). The target's RoPE table is built
-        first, eagerly: a graph traced before it existed would guard on its absence (docs/design.md section 9)."""
+        torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and batch
+        sizes reuse them (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards tell it
+        apart), warmed too, since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts,
+        and the verify graphs at depth K and 1, dense and (packed, more than one row) packed; greedy ones when the run
+        has a request at T = 0, sampled ones when it has one at T > 0 (a step is greedy only when all its rows are).
+        The target's RoPE table is built first, eagerly: a graph traced before it existed would guard on its absence
+        (docs/design.md section 9)."""
         b, dev = cache.batch_size, cache.device
         kind = min(b, 2)
         wanted = {"plain": True, "greedy": greedy and k > 0, "sampled": sampled and k > 0}
@@ -124,7 +125,7 @@ class TargetForwards:
         active = torch.ones(b, dtype=torch.bool, device=dev)
         packed = packed and b > 1
         one_ragged = ragged.clamp(max=1)
-        one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row, which dynamo guards apart
+        one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row
         runs: dict[str, list[Callable[[], object]]] = {
             "plain": [lambda: self.one_token(torch.zeros(b, 1, dtype=torch.int64, device=dev), cache, 2,
                                              torch.ones(b, dtype=torch.int64, device=dev))],

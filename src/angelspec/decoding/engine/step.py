@@ -121,19 +121,17 @@ class Step:
 
     def _plain(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
         """A step the gate skipped (or K = 0): what an AR step does (one forward, one token per row, one host sync),
-        through the decode forward that also returns the drafter's taps. The drafter's round is one of zero drafts (`propose`
-        with K = 0, which costs a drafter whose context comes from commits nothing; a draft LM feeds its own cache
-        there) and the commit (kept for its next drafted round: `PendingCommits`). The token is chosen as an AR step
-        chooses it, with the same noise key as a step verifying zero drafts, so outputs do not depend on which steps
-        drafted."""
+        through the decode forward that also returns the drafter's taps. The drafter's round is one of zero drafts
+        (`propose` with K = 0, which costs a drafter whose context comes from commits nothing; a draft LM feeds its own
+        cache there) and the commit (kept for its next drafted round: `PendingCommits`). The token is chosen as an AR
+        step chooses it, with the same noise key as a step verifying zero drafts, so outputs do not depend on which
+        steps drafted."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and self.drafter is not None
-        self.drafter.propose(DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
-                                        active_rows=rows.active_rows, sampling=rows.sampling,
-                                        draft_round=rows.draft_round, num_draft_tokens=0, deterministic=True,
-                                        all_greedy=rows.all_greedy, seq_len_bound=rows.seq_len_bound()))
-        logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
+        state = self._state(0, deterministic=True)
+        self.drafter.propose(state)
+        logits, taps = self.forwards.one_token(rows.last[:, None], cache, state.seq_len_bound, rows.active_long)
         rows.last = choose(logits[:, 0], rows.sampling, rows.seq_lens, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
@@ -164,15 +162,19 @@ class Step:
         the gate picks, it would compile a graph per depth in the middle of timed decoding. So under compile it
         drafts all K and `_select` verifies the first `cap` (a prefix of the drafts: exact at any temperature)."""
         assert self.drafter is not None and self.rows.cache is not None
-        rows = self.rows
-        asked = self.k if cap and self.forwards.compiled and not lookup else cap  # (a lookup step runs no graph)
-        state = DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
-                           active_rows=rows.active_rows, sampling=rows.sampling, draft_round=rows.draft_round,
-                           num_draft_tokens=asked, deterministic=self.uses_proposal, all_greedy=rows.all_greedy,
-                           seq_len_bound=rows.seq_len_bound(), lookup_only=lookup)
+        asked = self.k if self.forwards.compiled and not lookup else cap  # (a lookup step runs no graph)
+        state = self._state(asked, deterministic=self.uses_proposal, lookup=lookup)
         proposal = self.drafter.propose(state)
-        proposal.check(rows.cache.batch_size, asked, self.vocab_size)
+        proposal.check(self.rows.cache.batch_size, asked, self.vocab_size)
         return proposal, state
+
+    def _state(self, num_draft_tokens: int, *, deterministic: bool, lookup: bool = False) -> DraftState:
+        """What the drafter reads this round: the rows' state, asking for `num_draft_tokens` drafts each."""
+        rows = self.rows
+        return DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
+                          active_rows=rows.active_rows, sampling=rows.sampling, draft_round=rows.draft_round,
+                          num_draft_tokens=num_draft_tokens, deterministic=deterministic, all_greedy=rows.all_greedy,
+                          seq_len_bound=rows.seq_len_bound(), lookup_only=lookup)
 
     def _select(self, proposal: Proposal, state: DraftState, cap: int) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified

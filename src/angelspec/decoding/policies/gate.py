@@ -250,10 +250,11 @@ class ServingGate:
         > (1 + hysteresis) * plain: noise within the margin never flips it.
 
     The forecast ranks the depths; the decision to draft at all reads what drafted steps delivered, since the forecast
-    leaves out what differs between a profiled step and a serving one (on a 2-core CPU it was up to 1.4x optimistic,
-    and a gate that trusted it drafted where it lost). So verification narrows with load (n* falls as T grows with the verified positions) before drafting stops, and
-    the depth is a function of earlier steps only, the same for every row: no host sync, no packing, and standard
-    speculative sampling stays exact (trap 1; `AutoDepth.uses_proposal` is False).
+    leaves out what differs between a profiled step and a serving one (on a 2-core CPU it was up to 1.4x optimistic, and
+    a gate that trusted it drafted where it lost). So verification narrows with load (n* falls as T grows with the
+    verified positions) before drafting stops, and the depth is a function of earlier steps only, the same for every
+    row: no host sync, no packing, and standard speculative sampling stays exact (trap 1; `AutoDepth.uses_proposal` is
+    False).
 
     Measuring: a bucket first runs `warmup` timed drafted steps and `warmup` plain ones. A drafted step right after a
     plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`): it counts in the drafted rate (a
@@ -392,8 +393,8 @@ class ServingGate:
             return self.best_depth(num_active)[0] if lane.spec_n else self.num_draft_tokens
         if lane.plain_n < self.warmup:
             return 0
-        n = self.best_depth(num_active)[0]
-        rate = self._drafted_rate(lane, num_active)
+        n, forecast = self.best_depth(num_active)
+        rate = self._drafted_rate(lane, num_active, forecast)
         plain = self._base_rate(lane, num_active)
         if lane.probe > 0:
             return n
@@ -416,23 +417,23 @@ class ServingGate:
             return n
         return 0
 
-    def _drafted_rate(self, lane: _Lane, num_active: int) -> float:
+    def _drafted_rate(self, lane: _Lane, num_active: int, forecast: float) -> float:
         """Tokens per row per second that drafted steps committed, as measured: every drafted step's seconds (the
         catch-up after plain steps, the drafting, the wider verify, the commit), not the cost table's forecast, which
         only ranks the depths. Forecasts missed by up to 1.4x on a CPU (steps that switch, the table's drafting share):
-        a gate that trusts them drafts where it loses."""
-        if not lane.real_n:
-            return self.best_depth(num_active)[1]
-        return 1.0 / (lane.real_s * self._plain_unit(num_active))
+        a gate that trusts them drafts where it loses. `forecast`: the rate before any drafted step was measured."""
+        return 1.0 / (lane.real_s * self._plain_unit(num_active)) if lane.real_n else forecast
 
     def _base_rate(self, lane: _Lane, num_active: int) -> float:
         """Tokens per row per second of the step that runs while the model does not draft: a plain step, or a lookup
         step where those were measured faster."""
+        plain, looked = self._plain_and_lookup_rates(lane, num_active)
+        return max(plain, looked) if lane.base_look and lane.look_n >= self.warmup else plain
+
+    def _plain_and_lookup_rates(self, lane: _Lane, num_active: int) -> tuple[float, float]:
+        """Tokens per row per second of a plain and of a lookup step as measured (0.0 for a kind not measured)."""
         unit = self._plain_unit(num_active)
-        plain = 1.0 / (lane.plain_s * unit)
-        if lane.base_look and lane.look_n >= self.warmup:
-            return max(plain, 1.0 / (lane.look_s * unit))
-        return plain
+        return tuple(1.0 / (x * unit) if x else 0.0 for x in (lane.plain_s, lane.look_s))  # type: ignore[return-value]
 
     def _base_step(self, lane: _Lane, num_active: int) -> int:
         """While the model does not draft (`lookup` gates only): a plain step (0) or a lookup step (its depth, with
@@ -445,8 +446,7 @@ class ServingGate:
         if lane.look_n < self.warmup:
             self.lookup_only = True
             return look
-        unit = self._plain_unit(num_active)
-        plain, looked = 1.0 / (lane.plain_s * unit), 1.0 / (lane.look_s * unit)
+        plain, looked = self._plain_and_lookup_rates(lane, num_active)
         lane.base_gap = lane.base_gap or self.probe_every
         lane.base_run += 1
         running_wins = looked >= (1.0 - self.hysteresis) * plain if lane.base_look \
@@ -588,10 +588,9 @@ class ServingGate:
             lane = self._lanes[rows, key]
             lo, hi = (1, 1) if key == 0 else (2 ** (key - 1) + 1, 2 ** key)
             ready = lane.spec_n and lane.plain_n
-            n = self.best_depth(hi)[0] if ready else self.num_draft_tokens
-            rate = self._drafted_rate(lane, hi) if ready else 0.0
-            plain = 1.0 / (lane.plain_s * self._plain_unit(hi)) if lane.plain_s else 0.0
-            looked = 1.0 / (lane.look_s * self._plain_unit(hi)) if lane.look_s else 0.0
+            n, forecast = self.best_depth(hi) if ready else (self.num_draft_tokens, 0.0)
+            rate = self._drafted_rate(lane, hi, forecast) if ready else 0.0
+            plain, looked = self._plain_and_lookup_rates(lane, hi)
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
                                       "plain_rate": round(plain, 2),
                                       "probe_gap": lane.gap,
