@@ -380,8 +380,9 @@ class ServingGate:
         """Lookup steps only where the engine has at most `lookup_rows` cache rows (0: not told, `begin`). A lookup
         step commits more tokens in some rows than in others, which puts the rows out of step for good: every later
         step attends over the longest row, and requests finish and join one or two at a time, in more prefills. The
-        steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones by 19% per step and
-        lost 23% end to end (`benchmarks/batch_alignment.py` measures both costs)."""
+        steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones in their own timing,
+        while n-gram lookup lost to AR end to end (0.73x in `angelspec bench`; `benchmarks/batch_alignment.py`
+        measures both costs)."""
         return self.lookup and self._rows <= self.lookup_rows
 
     def _decide(self, num_active: int) -> int:
