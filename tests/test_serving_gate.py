@@ -229,14 +229,14 @@ def test_waiting_prompt_entries_bound_the_joined_width():
 
     p = PendingCommits()
     x = torch.arange(2 * 3, dtype=torch.float32).view(2, 3, 1)
-    p.add([x], torch.tensor([2, 1]))  # a commit of width 3
-    p.drop_rows(torch.tensor([1]))  # row 1's request left ...
+    p.add([x], torch.tensor([2, 1]), [2, 1])  # a commit of width 3
+    p.drop_rows([1])  # row 1's request left ...
     prompt = torch.full((2, 10, 1), -1.0)
-    p.add([prompt], torch.tensor([0, 4]), starts=True)  # ... and a prompt of 4 (padded to 10) joined it
-    p.add([x + 100], torch.tensor([1, 1]))
+    p.add([prompt], torch.tensor([0, 4]), [0, 4])  # ... and a prompt of 4 (padded to 10) joined it
+    p.add([x + 100], torch.tensor([1, 1]), [1, 1])
     (joined,), count = p.take()
     assert count.tolist() == [3, 5]
-    assert joined.shape[1] == 13  # the prompt's width and the commit after it, not 3 + 10 + 3
+    assert joined.shape[1] == 5  # the longest row's entries, not the widths added (3 + 10 + 3)
     assert joined[0, :3, 0].tolist() == [0.0, 1.0, 100.0] and joined[1, :5, 0].tolist() == [-1.0] * 4 + [103.0]
 
 

@@ -128,6 +128,13 @@ class Commit:
     # them past `on_commit` (`PendingCommits`). seq_lens and active are the engine's buffers, which it updates in
     # place when rows join or leave: copy what you keep of them.
 
+    def new_counts(self) -> tuple[Tensor, list[int] | None]:
+        """Per row, the positions this step committed (num_accepted + 1 where active, else 0): [B] int64 on the
+        device, and the same on the host from `host_tokens` (None when they do not cover every row)."""
+        count = torch.where(self.active, self.num_accepted + 1, 0)
+        host = [len(t) for t in self.host_tokens] if len(self.host_tokens) == self.active.shape[0] else None
+        return count, host
+
 
 class Drafter(ABC):
     """Base class of all drafters. Subclasses set the class attributes they need and implement `propose`.
@@ -360,83 +367,137 @@ class PendingCommits:
     arithmetic, bounds these small appends on a CPU).
 
     Each commit adds per-row tensors [B, T_j, ...] (time on dim 1) whose first `count_j[b]` entries are new (the
-    rest: rejected drafts or idle rows). `take` returns them joined: [B, ΣT_j, ...] with each row's new entries
-    first, in commit order, then padding, and the total counts [B]; one commit comes back as it was added (padded to
-    two columns when it has one: `take`)."""
+    rest: rejected drafts or idle rows). `take` returns them joined: [B, W, ...] with each row's new entries first,
+    in commit order, then padding (whatever the buffer held: read only a row's first `count[b]`), and the total
+    counts [B]; one commit comes back as it was added (padded to two columns when it has one: `take`).
 
-    # Joined into one entry once this many wait: while the speculation gate keeps drafting off, one commit a step
-    # waits, and `drop_rows` (each time a request leaves) and `take` work per entry.
-    fold_at = 32
+    Storage: the first commit after a `take` is kept as it came (the usual case while drafting: one commit a round,
+    no copy). From the second on, entries are written into one buffer per tensor, [B, capacity, ...], at each row's
+    fill position (one scatter per commit, device ops only), so a long stretch of skipped rounds costs one small
+    write per step, whatever its length. W, the joined width, is the longest row's waiting count: exact when the
+    callers pass each row's count on the host (`host_count`, which a `Commit` has as its `host_tokens`), else a bound
+    that grows by each commit's width. The buffer grows by doubling and is kept between takes (it holds at most
+    what a row committed since its last drafted round)."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[tuple[Tensor, ...], Tensor]] = []
-        self._starts: list[bool] = []  # per item: it starts its rows' context (a prompt), so earlier entries of them
-        # were dropped (`drop_rows`): what bounds the joined width on the host
+        self._first: tuple[tuple[Tensor, ...], Tensor] | None = None  # the only waiting commit, as it came
+        self._bufs: tuple[Tensor, ...] = ()  # per tensor [B, capacity, ...], from the second waiting commit on
+        self._row_start = torch.zeros(0, dtype=torch.int64)  # [B] where each row starts in a buffer seen flat
+        self._fill: Tensor | None = None  # [B] int64, each row's entries in the buffers
+        self._host: list[int] = []  # per row, a host bound of its waiting entries (exact with host counts)
+        self._waiting = 0  # commits added since the last take
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._waiting
 
-    def add(self, tensors: Sequence[Tensor], count: Tensor, starts: bool = False) -> None:
-        """One commit: tensors [B, T, ...] (the same T), count [B] int64 new entries per row (0: none). starts: the
-        item begins its rows' context (a prompt, after `drop_rows` of them): `take` then joins fewer columns."""
-        self._items.append((tuple(tensors), count))
-        self._starts.append(starts)
-        if len(self._items) >= self.fold_at:  # a long stretch without drafting: join what waits into one entry
-            folded = self.take()
-            assert folded is not None
-            self._items, self._starts = [folded], [False]
+    def add(self, tensors: Sequence[Tensor], count: Tensor, host_count: Sequence[int] | None = None) -> None:
+        """One commit: tensors [B, T, ...] (the same T), count [B] int64 new entries per row (0: none); host_count:
+        the same counts on the host, if the caller has them (a tighter joined width, no host sync either way)."""
+        tensors = tuple(tensors)
+        b, width = tensors[0].shape[:2]
+        new = list(host_count) if host_count is not None else [width] * b
+        if len(new) != b or (new and (min(new) < 0 or max(new) > width)):
+            raise ValueError(f"PendingCommits.add: host_count must give 0..{width} for each of {b} rows, got {new}")
+        if not self._waiting:
+            self._first, self._host, self._waiting = (tensors, count), new, 1
+            return
+        if self._first is not None:  # a second commit: the first moves into the buffers
+            first, first_count = self._first
+            self._first = None
+            self._reserve(first, first[0].shape[1], keep=False)
+            self._fill = torch.zeros(b, dtype=torch.int64, device=count.device)
+            self._write(first, first_count)
+        self._reserve(tensors, max(h + width for h in self._host))
+        self._write(tensors, count)
+        self._host = [h + c for h, c in zip(self._host, new, strict=True)]
+        self._waiting += 1
+
+    def _reserve(self, like: tuple[Tensor, ...], width: int, keep: bool = True) -> None:
+        """Buffers shaped like `like` ([B, T, ...] each) with room for `width` entries per row (doubling); `keep`:
+        what the buffers hold waits and moves into the new ones."""
+        def shapes(ts: Sequence[Tensor]) -> list[tuple[Any, ...]]:
+            return [(t.shape[0], *t.shape[2:], t.dtype, t.device) for t in ts]
+
+        if keep and self._bufs[0].shape[1] >= width:  # the common case: room left (a mismatch fails in `_write`)
+            return
+        same = bool(self._bufs) and shapes(like) == shapes(self._bufs)
+        if same and self._bufs[0].shape[1] >= width:
+            return
+        if keep and not same:
+            raise ValueError("PendingCommits.add: a commit's tensors differ in batch, feature shape, dtype or device "
+                             "from the ones waiting (clear() between engines)")
+        cap = max(width, 2 * self._bufs[0].shape[1] if same else 16)
+        bufs = []
+        for i, t in enumerate(like):
+            buf = t.new_zeros(t.shape[0], cap, *t.shape[2:])
+            if keep:
+                old = self._bufs[i]
+                buf[:, :old.shape[1]] = old
+            bufs.append(buf)
+        self._bufs = tuple(bufs)
+        self._row_start = torch.arange(like[0].shape[0], device=like[0].device) * cap  # [B] each row's first entry
+
+    def _write(self, tensors: tuple[Tensor, ...], count: Tensor) -> None:
+        """Each row's entries of one commit at its fill position (all T columns: the ones past `count` are
+        overwritten by the next commit or read as padding), then move the fill on by `count`. One index_copy per
+        tensor into the buffer seen as [B * capacity, ...] rows (a gather-free write: the commit's entries are
+        contiguous per row)."""
+        assert self._fill is not None
+        b, width = tensors[0].shape[:2]
+        cap = self._bufs[0].shape[1]
+        pos = self._fill + self._row_start if width == 1 else \
+            ((self._fill + self._row_start)[:, None] + torch.arange(width, device=self._fill.device)).view(-1)  # [B T]
+        for buf, t in zip(self._bufs, tensors, strict=True):
+            buf.view(b * cap, *buf.shape[2:]).index_copy_(0, pos, t.reshape(b * width, *t.shape[2:]))
+        self._fill = self._fill + count
 
     def clear(self) -> None:
-        self._items.clear()
-        self._starts.clear()
+        """Forget everything waiting (and the buffers)."""
+        self._first, self._bufs, self._fill, self._host, self._waiting = None, (), None, [], 0
 
-    def _width_bound(self) -> int:
-        """Host upper bound of any row's waiting entries: a row that a prompt item started holds that item's width
-        and the later ones; any other row at most the widths of the items that start nothing."""
-        widths = [t[0].shape[1] for t, _ in self._items]
-        bound = sum(w for w, st in zip(widths, self._starts, strict=True) if not st)
-        for j, st in enumerate(self._starts):
-            if st:
-                bound = max(bound, widths[j] + sum(w for w, s2 in zip(widths[j + 1:], self._starts[j + 1:],
-                                                                       strict=True) if not s2))
-        return bound
-
-    def drop_rows(self, rows: Tensor) -> None:
-        """Forget the waiting entries of `rows` [n] int64 (their requests left: what they committed is no one's
-        context any more). Device ops only."""
-        for i, (tensors, count) in enumerate(self._items):
+    def drop_rows(self, rows: Sequence[int]) -> None:
+        """Forget the waiting entries of `rows` (their requests left: what they committed is no one's context any
+        more). Device writes only."""
+        rows = list(rows)
+        if not self._waiting or not rows:
+            return
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self._count_device())
+        if self._first is not None:
+            tensors, count = self._first
             count = count.clone()
-            count[rows] = 0
-            self._items[i] = (tensors, count)
+            count[idx] = 0
+            self._first = (tensors, count)
+        else:
+            assert self._fill is not None
+            self._fill = self._fill.clone()
+            self._fill[idx] = 0
+        for r in rows:
+            self._host[r] = 0
+
+    def _count_device(self) -> torch.device:
+        if self._first is not None:
+            return self._first[1].device
+        assert self._fill is not None
+        return self._fill.device
 
     def take(self) -> tuple[tuple[Tensor, ...], Tensor] | None:
         """Every waiting commit, joined (class docstring), and forget them; None when nothing waits. A width of one
         comes back padded to two (a placeholder column, counts unchanged): torch.compile specialises a size of 1, so
         a catch-up of one position (one gate-skipped step, or a step that verified no draft) would otherwise compile
         a graph of its own the first time it happens, in the middle of a run (seconds, at batch 1)."""
-        bound = self._width_bound() if self._items else 0
-        items, self._items, self._starts = self._items, [], []
-        if not items:
+        if not self._waiting:
             return None
-        if len(items) == 1:
-            tensors, count = items[0]
+        if self._first is not None:
+            tensors, count = self._first
             if tensors[0].shape[1] == 1:
                 tensors = tuple(torch.cat([t, torch.zeros_like(t)], dim=1) for t in tensors)
-            return tensors, count
-        counts = torch.stack([c for _, c in items], dim=1)  # [B, J]
-        dev = counts.device
-        valid = torch.cat([torch.arange(t[0].shape[1], device=dev)[None, :] < c[:, None] for t, c in items],
-                          dim=1)  # [B, ΣT]
-        total = valid.shape[1]
-        # New entries first, each group in its original order: sort by (padding?, time), keys all distinct.
-        order = torch.argsort((~valid).long() * total + torch.arange(total, device=dev), dim=1)  # [B, ΣT]
-        order = order[:, :max(bound, 2)]  # past the bound only padding: dropped entries and prompts' padding
-        joined = []
-        for i in range(len(items[0][0])):
-            x = torch.cat([t[i] for t, _ in items], dim=1)  # [B, ΣT, ...]
-            joined.append(x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand(
-                *order.shape, *x.shape[2:])))
-        return tuple(joined), counts.sum(dim=1)
+            out = (tensors, count)
+        else:
+            assert self._fill is not None
+            width = max(2, max(self._host))
+            out = (tuple(buf[:, :width].clone() for buf in self._bufs), self._fill)
+        self._first, self._fill, self._host, self._waiting = None, None, [], 0
+        return out
 
 
 @contextmanager

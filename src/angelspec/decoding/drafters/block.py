@@ -150,7 +150,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
         # Deferred like a commit: the rows' waiting entries belong to the requests that left them (dropped), and the
         # prompt's taps wait, scattered into all B rows, for the next round that drafts (`PendingCommits`): while the
         # speculation gate runs plain steps a joining request costs the drafter nothing.
-        self._pending.drop_rows(idx)
+        self._pending.drop_rows(rows)
         b = cache.batch_size
         taps = []
         for t in target_hidden:  # [n, P_max, D] -> [B, P_max, D]
@@ -159,7 +159,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             taps.append(full)
         count = torch.zeros(b, dtype=torch.int64, device=cache.device)
         count[idx] = lengths
-        self._pending.add(taps, count, starts=True)
+        host = [0] * b
+        for r, p in zip(rows, prompts, strict=True):
+            host[r] = len(p)
+        self._pending.add(taps, count, host)
 
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
@@ -223,7 +226,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
     def on_commit(self, commit: Commit) -> None:
         # The verify forward's taps at [last, d_1..d_n]: the old anchor and the accepted drafts become context, at
         # the next round that drafts (`_catch_up`).
-        self._pending.add(commit.target_hidden, torch.where(commit.active, commit.num_accepted + 1, 0))
+        self._pending.add(commit.target_hidden, *commit.new_counts())
 
     def _catch_up(self, eager: bool = False) -> None:
         """Append every waiting commit's new positions to the context cache, in one call. `eager`: outside any
@@ -238,7 +241,7 @@ class BlockDrafterAdapter(ModelConfigDrafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         assert self.cache is not None
         if self.defer_prefill:  # the rows' waiting entries belong to the requests that left: no one's context now
-            self._pending.drop_rows(torch.as_tensor(list(rows), dtype=torch.int64, device=self.cache.device))
+            self._pending.drop_rows(rows)
         else:
             self._catch_up(eager=True)
         self.cache.reset_rows(list(rows))

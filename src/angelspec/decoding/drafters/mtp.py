@@ -221,8 +221,8 @@ class MTPDrafter(ModelConfigDrafter):
         if not self._pending:
             self._pending_bound = self._bound
         # last, d_1..d_n as the target saw them, and the committed tokens: depth-0 entries at the next drafted round
-        count = torch.where(commit.active, commit.num_accepted + 1, 0)  # [B] new committed positions per row
-        self._pending.add((*commit.target_hidden, commit.tokens), count)
+        count, host = commit.new_counts()  # [B] new committed positions per row
+        self._pending.add((*commit.target_hidden, commit.tokens), count, host)
 
     def _catch_up(self, eager: bool = False) -> None:
         """Append the depth-0 entries of every waiting commit's new positions (one ragged forward) and set `_h_last`
