@@ -115,6 +115,22 @@ def test_probes_back_off_while_one_kind_clearly_wins():
     assert run[100:].count(0) <= 200 // 32 + 1
 
 
+def test_no_drafted_probes_while_even_the_forecast_loses():
+    """A probe where the cost table's forecast (the optimistic side) loses to plain steps can only confirm the loss,
+    and it puts the rows out of step: such a lane waits `max_budget_gap` between probes, not its own gap. When the
+    acceptance comes back, the next of those probes sees it and drafting resumes."""
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400)
+    m = Machine(cpu_like, plain_cost, accept=0)
+    run = [m.step(gate, 4) for _ in range(300)]
+    assert not gate.summary()["rows 3-4"]["drafting"]
+    assert sum(d > 0 for d in run[50:]) == 0  # the lane's own gap (<= 16) would have probed ~15 times
+    m.accept = [K]
+    run += [m.step(gate, 4) for _ in range(300)]
+    first = next(i for i in range(300, 600) if run[i] > 0)
+    assert first <= 50 + 400 + 2  # the next probe, at most max_budget_gap after the last one
+    assert gate.summary()["rows 3-4"]["drafting"] and run[-20:].count(0) <= 2
+
+
 def test_acceptance_changes_move_the_decision_within_a_request():
     """Prompts change mid-run (maths where the drafter hits, then code where it misses, then maths again): the gate
     turns drafting off and back on within a few dozen steps at batch 1 (the acceptance estimate remembers ~16

@@ -216,7 +216,9 @@ class _Lane:
     real_s: float = 0.0  # EMA of a drafted step's seconds per committed token per row, every cost in, `plain_s`'s units
     real_n: int = 0
     real_out: int = 0
-    look_s: float = 0.0  # EMA of a lookup step's seconds per committed token per row, in `plain_s`'s units
+    look_s: float = 0.0  # EMA of a lookup step's seconds, in `plain_s`'s units
+    look_tok: float = 0.0  # decayed mean of a lookup step's committed tokens per row (over ~`memory` steps)
+    look_seen: int = 0  # lookup steps whose tokens `look_tok` averaged
     look_n: int = 0
     look_out: int = 0
     base_look: bool = False  # while drafting is off, the step that runs is a lookup step (else a plain step)
@@ -266,7 +268,8 @@ class ServingGate:
     drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. While off,
     the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
     steps between them (at a large batch a probe, catch-up included, costs several plain steps), up to
-    `max_budget_gap`. A step more
+    `max_budget_gap`, and it is `max_budget_gap` while even the forecast loses to plain steps (`_off_gap`: such a probe
+    can only confirm the loss, and it puts the rows out of step). A step more
     than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
     three in a row.
 
@@ -412,7 +415,7 @@ class ServingGate:
         if rate > (1.0 + self.hysteresis) * plain:
             lane.on, lane.run, lane.gap = True, 0, self.probe_every
             return n
-        if lane.run >= lane.gap:  # a drafted probe (two steps: the first pays the catch-up)
+        if lane.run >= self._off_gap(lane, forecast, plain):  # a drafted probe (two steps: the first pays the catch-up)
             lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
             lane.run, lane.probe = 0, 2
             return n
@@ -434,7 +437,8 @@ class ServingGate:
     def _plain_and_lookup_rates(self, lane: _Lane, num_active: int) -> tuple[float, float]:
         """Tokens per row per second of a plain and of a lookup step as measured (0.0 for a kind not measured)."""
         unit = self._plain_unit(num_active)
-        return tuple(1.0 / (x * unit) if x else 0.0 for x in (lane.plain_s, lane.look_s))  # type: ignore[return-value]
+        plain = 1.0 / (lane.plain_s * unit) if lane.plain_s else 0.0
+        return plain, (lane.look_tok / (lane.look_s * unit) if lane.look_s else 0.0)
 
     def _base_step(self, lane: _Lane, num_active: int) -> int:
         """While the model does not draft (`lookup` gates only): a plain step (0) or a lookup step (its depth, with
@@ -494,7 +498,18 @@ class ServingGate:
             lane.plain_s, lane.plain_n = d.plain_s, self.warmup
         if not lane.look_n and d.look_n:
             lane.look_s, lane.look_n, lane.base_look = d.look_s, d.look_n, d.base_look
+            lane.look_tok, lane.look_seen = d.look_tok, d.look_seen
         lane.on = d.on
+
+    def _off_gap(self, lane: _Lane, forecast: float, plain: float) -> int:
+        """Plain steps before the next drafted probe while drafting is off: the lane's gap, or `max_budget_gap` while
+        even the forecast loses to the base step. The forecast leaves costs out and is the optimistic side (at every
+        load of a 2-core CPU it was at or above what drafted steps delivered), so while it loses a probe can only
+        confirm the loss, and a probe costs more than its own steps: rows that commit different counts fall out of
+        step for good (every later step attends over the longest row; requests finish and join one at a time, in
+        more prefills: `benchmarks/batch_alignment.py`). The acceptance the forecast reads stays current from the
+        loads where drafting runs; once the forecast is back above the base step, the lane's own gap applies again."""
+        return lane.gap if forecast >= plain else max(lane.gap, self.max_budget_gap)
 
     def _probe_gap(self, lane: _Lane, num_active: int, n: int, gap: int) -> int:
         """`gap`, or more plain steps between drafted probes where a probe costs more than `probe_budget` of them:
@@ -530,9 +545,15 @@ class ServingGate:
         if self.lookup_only:  # a lookup step: the base kind's rate, not the model's acceptance or timing
             lane.run += not lane.on
             if seconds > 0:
+                # Seconds and tokens apart: a step's seconds vary little, its tokens from 1 to all the drafts (one
+                # match or none), so its tokens are averaged over the last ~`memory` lookup steps (a plain mean of the
+                # first ones), not the timing's few.
                 tokens = sum(accepted) / len(accepted) + 1.0 if accepted else 1.0
                 lane.look_s, lane.look_n, lane.look_out = self._fold(lane.look_s, lane.look_n, lane.look_out,
-                                                                     seconds / tokens / self._plain_unit(num_active))
+                                                                     seconds / self._plain_unit(num_active))
+                lane.look_seen += 1
+                w = 1.0 / min(lane.look_seen, self.memory)
+                lane.look_tok = (1.0 - w) * lane.look_tok + w * tokens
             self._after_plain = True  # the model sat it out: its next drafted step catches up
             return
         lane.run += (depth > 0) == lane.on  # steps of the running state since the last switch or probe
