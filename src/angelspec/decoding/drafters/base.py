@@ -469,8 +469,7 @@ class PendingCommits:
             self._first = (tensors, count)
         else:
             assert self._fill is not None
-            self._fill = self._fill.clone()
-            self._fill[idx] = 0
+            self._fill[idx] = 0  # our own tensor (`_write` makes a new one each commit; `take` hands it over)
         for r in rows:
             self._host[r] = 0
 

@@ -157,12 +157,10 @@ class BlockDrafterAdapter(ModelConfigDrafter):
             full = t.new_zeros(b, *t.shape[1:])
             full[idx] = t
             taps.append(full)
-        count = torch.zeros(b, dtype=torch.int64, device=cache.device)
-        count[idx] = lengths
-        host = [0] * b
+        host = [0] * b  # new entries per row: the joining rows' prompt lengths
         for r, p in zip(rows, prompts, strict=True):
             host[r] = len(p)
-        self._pending.add(taps, count, host)
+        self._pending.add(taps, torch.tensor(host, dtype=torch.int64, device=cache.device), host)
 
     def propose(self, state: DraftState) -> Proposal:
         cache, k = self.cache, state.num_draft_tokens
