@@ -201,31 +201,43 @@ def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_n
 
 
 class ScriptedServing:
-    """A serving gate that cycles through `pattern`: "model" (all K drafts), "lookup" (a lookup step of 2 drafts) or
-    "plain" (0), whatever was measured."""
+    """A serving gate that cycles through `pattern`: "model" (all K drafts), "lookup" (a lookup step of 2 drafts),
+    "plain" (0) or "off" (0 while drafting is off: no upkeep of the drafter's context), whatever was measured."""
 
     def __init__(self, pattern: list[str], k: int) -> None:
-        self.pattern, self.k, self.calls, self.lookup_only = pattern, k, 0, False
+        self.pattern, self.k, self.calls, self.lookup_only, self.upkeep = pattern, k, 0, False, True
 
     def choose_depth(self, num_active: int, k: int) -> int:
         kind = self.pattern[self.calls % len(self.pattern)]
         self.calls += 1
-        self.lookup_only = kind == "lookup"
-        return {"model": k, "lookup": 2, "plain": 0}[kind]
+        self.lookup_only, self.upkeep = kind == "lookup", kind != "off"
+        return {"model": k, "lookup": 2, "plain": 0, "off": 0}[kind]
 
     def observe_step(self, *args) -> None:
         pass
 
 
 @pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
-def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models_context(case):
+@pytest.mark.parametrize("pattern", [["lookup", "lookup", "model", "plain", "lookup"],
+                                     ["lookup", "off", "off", "model", "off", "lookup", "off", "off", "off"]],
+                         ids=["upkeep", "lapses"])
+def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models_context(case, pattern):
     """The serving gate's lookup steps (`DraftState.lookup_only`): only rows with a match verify drafts, the model
-    sits them out and catches up on its next drafted round, outputs equal AR."""
+    sits them out and catches up on its next drafted round, outputs equal AR. After plain steps without upkeep the
+    lookup too sees every committed token (the catch-up's commit)."""
     target, drafter, vocab, recompute = case()
     hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
     assert hybrid.lookup_drafts and not drafter.lookup_drafts
     engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=3, num_draft_tokens=3))
-    engine.gate = ScriptedServing(["lookup", "lookup", "model", "plain", "lookup"], 3)
+    engine.gate = ScriptedServing(pattern, 3)
+    real_match = hybrid.ngram.match
+
+    def match(r: int, k: int):  # the lookup matches against the whole committed sequence, lapses or not
+        slot = engine.rows.slots[r]
+        assert hybrid.ngram._hist[r] == [*slot.request.prompt_ids, *slot.tokens]
+        return real_match(r, k)
+
+    hybrid.ngram.match = match
     reqs = requests(vocab, 5, 40, seed=2)
     got = engine.generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]

@@ -9,6 +9,7 @@ from conftest import tiny_decoder
 from test_spec_gate import block_case, eagle3_case, gated_engine, mtp_case, perfect_draft_lm, requests
 
 from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.decoding.policies.budget import LinearCost
 from angelspec.decoding.policies.factory import make_policy, parse_policy
 from angelspec.decoding.policies.gate import AutoDepth, ServingGate
@@ -222,6 +223,57 @@ def test_a_drafters_context_is_complete_after_narrowed_and_skipped_steps(case):
     assert {len(d) for _, d in drafted} >= {1, 2, 3}
     for seq, drafts in drafted[::3]:
         assert recompute(seq)[:len(drafts)] == drafts
+
+
+class ScriptedLapseGate(ScriptedDepthGate):
+    """`ScriptedDepthGate` where -1 is a plain step while drafting is off: no upkeep of the drafter's context."""
+
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        depth = super().choose_depth(num_active, num_draft_tokens)
+        self.upkeep = depth >= 0
+        return max(depth, 0)
+
+
+LAPSES = [3, -1, -1, 2, 0, -1, -1, -1, -1, -1, 1, -1, 3, 3]
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+def test_steps_without_upkeep_leave_the_drafter_alone_and_it_catches_up_exactly(case):
+    """While drafting is off a plain step is an AR step: the drafter is neither asked for a round nor told the commit.
+    The next step that drafts hands it every position it missed in one commit (taps from one forward over them), so
+    its context is complete again: its drafts equal a from-scratch recompute, across requests joining and leaving in
+    the lapses, and outputs equal AR's."""
+    target, drafter, vocab, recompute = case()
+    calls = {"propose": 0, "on_commit": 0}
+    for name in calls:
+        real = getattr(drafter, name)
+        setattr(drafter, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                or _real(*a))
+    engine = gated_engine(target, drafter, ScriptedLapseGate(LAPSES), max_batch_size=4, num_draft_tokens=3)
+    reqs = requests(vocab, 9, 40, seed=3)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    m = engine.metrics
+    assert m.skipped_steps > m.steps // 2
+    # one round per drafted or upkeep step, and one more per return from a lapse: far fewer than the steps
+    assert calls["propose"] < m.steps - m.skipped_steps // 2 and calls["propose"] == calls["on_commit"]
+    checked = [(seq, drafts) for seq, drafts in drafter.proposals if drafts]
+    assert {len(d) for _, d in checked} >= {1, 2, 3}
+    for seq, drafts in checked[::2]:
+        assert recompute(seq)[:len(drafts)] == drafts
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
+def test_sampled_outputs_do_not_depend_on_whether_skipped_steps_kept_the_context(case):
+    """At T > 0 a plain step without upkeep chooses its token with the same noise key as one with it, and the catch-up
+    brings the rows' draft rounds to where upkeep would have: the same seed gives the same tokens either way."""
+    target, drafter, vocab, _ = case()
+    outs = []
+    for pattern in (LAPSES, [max(d, 0) for d in LAPSES]):
+        engine = gated_engine(target, drafter, ScriptedLapseGate(pattern), max_batch_size=3, num_draft_tokens=3,
+                              seed=11)
+        reqs = requests(vocab, 5, 30, seed=5, sampling=lambda i: SamplingParams(temperature=0.9))
+        outs.append([r.token_ids for r in engine.generate(reqs)])
+    assert outs[0] == outs[1]
 
 
 def test_while_drafting_is_off_joining_requests_cost_a_block_drafter_nothing():

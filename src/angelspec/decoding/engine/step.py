@@ -33,6 +33,7 @@ from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
 from angelspec.decoding.policies.base import FixedDepth, policy_static_depth, policy_uses_proposal
 from angelspec.decoding.policies.gate import ServingGate, SpecGate
 from angelspec.decoding.sampling import (
+    PLACEHOLDER_TOKEN_ID,
     VerifyOutput,
     process_logits,
     verify_deterministic,
@@ -70,11 +71,16 @@ class Step:
         self.gate: SpecGate | ServingGate | None = (
             None if drafter is None else make_gate(k, lookup=drafter.lookup_drafts) if callable(make_gate)
             else SpecGate() if spec_gate else None)
+        # Steps the gate skipped may leave the drafter's context behind (`_bare`) when the drafter builds it from
+        # commits alone; a draft LM feeds its own cache on every round.
+        self.may_lapse = drafter is not None and drafter.context_from_commits
+        self._lapsed = False  # some row's drafter context stops before its committed tokens (`Slot.stale_from`)
 
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
             self.gate.begin(rows)
+        self._lapsed = False
 
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
         """One token per active row from the plain decode forward."""
@@ -98,6 +104,11 @@ class Step:
         assert rows.cache is not None
         t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
         cap = k if gate is None else gate.choose_depth(len(rows.active_rows), k)  # drafts to verify, 0: a plain step
+        if not cap and self.may_lapse and not getattr(gate, "upkeep", True):
+            self._bare(metrics, clock, t0, h0)
+            return
+        if self._lapsed:  # drafting (or upkeep) resumes after steps without upkeep: the drafter catches up first
+            h0 += self._resync()  # (what the gate times is the step; the catch-up depends on how long drafting was off)
         if not cap:
             self._plain(metrics, clock, t0, h0)
             return
@@ -153,6 +164,72 @@ class Step:
         if gate is not None:
             gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
+
+    def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
+        """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does and nothing
+        more, so that it costs what an AR step costs. The drafter is not called and its taps are dropped; each row
+        records where its drafter context stops (`Slot.stale_from`), and the next step that drafts (or keeps the
+        context) first catches the drafter up on every such position in one forward (`_resync`). The device's
+        `seq_lens` and `draft_round` are brought up to date there too. The token is chosen as `_plain` chooses it
+        (the cache length after the forward is the row's committed length before it: the same noise key)."""
+        rows, gate = self.rows, self.gate
+        cache = rows.cache
+        assert cache is not None and gate is not None
+        logits, _ = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
+        rows.last = choose(logits[:, 0], rows.sampling, cache.lengths, rows.all_greedy)  # [B]
+        t1 = clock.mark()
+        host = rows.last.tolist()  # host sync: once per step
+        for r in rows.active_rows:
+            slot = rows.slots[r]
+            assert slot is not None
+            if slot.stale_from is None:
+                slot.stale_from = slot.seq_len - 1  # the input token's position: its taps are the first missed
+        self._lapsed = True
+        rows.emit([(t,) for t in host])
+        metrics.record_decode(len(rows.active_rows))
+        metrics.skipped_steps += 1
+        gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
+        clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()))
+
+    def _resync(self) -> float:
+        """Hand the drafter every committed position it missed during steps without upkeep, as one commit after a
+        round of zero drafts (the contract of a drafter whose context comes from commits): the target's taps at those
+        positions from one packed forward over them (`TargetForwards.catch_up`; skipped when the drafter takes no
+        taps), their next tokens, and the rows' device state caught up -> the seconds it took."""
+        start = time.perf_counter()
+        rows, drafter = self.rows, self.drafter
+        cache = rows.cache
+        assert cache is not None and drafter is not None
+        self._lapsed = False
+        b = cache.batch_size
+        gaps, inputs, host_tokens = [0] * b, [[] for _ in range(b)], [()] * b
+        for r in rows.active_rows:
+            slot = rows.slots[r]
+            assert slot is not None
+            if slot.stale_from is None:
+                continue
+            seq = [slot.token_at(p) for p in range(slot.stale_from, slot.seq_len)]  # up to the newest token
+            gaps[r], inputs[r], host_tokens[r] = len(seq) - 1, seq[:-1], tuple(seq[1:])
+            slot.stale_from = None
+        width = max(gaps)
+        if not width:  # the rows that lapsed have all left
+            return time.perf_counter() - start
+        dev = cache.device
+        gap = torch.tensor(gaps, dtype=torch.int64, device=dev)  # [B] missed positions per row
+        rows.seq_lens = torch.where(rows.active, cache.lengths + 1, rows.seq_lens)
+        rows.draft_round += gap  # one round per step without upkeep, as `_plain` counts them
+        drafter.propose(self._state(0, deterministic=True))
+        taps: Taps = ()
+        if self.forwards.taps:
+            tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], dtype=torch.int64, device=dev)
+            cache.truncate(cache.lengths - gap)  # back to where each row's gap starts
+            taps = self.forwards.catch_up(tokens, cache, gap, sum(gaps), rows.seq_len_bound() + width)
+        committed = torch.tensor([list(t) + [PLACEHOLDER_TOKEN_ID] * (width - len(t)) for t in host_tokens],
+                                 dtype=torch.int64, device=dev)  # [B, G]
+        drafter.on_commit(Commit(tokens=committed, num_accepted=(gap - 1).clamp(min=0), seq_lens=rows.seq_lens,
+                                 active=gap > 0, host_tokens=tuple(host_tokens), target_hidden=taps,
+                                 host_depths=(0,) * b))
+        return time.perf_counter() - start
 
     def _draft(self, cap: int, lookup: bool = False) -> tuple[Proposal, DraftState]:
         """The drafter's proposal of `cap` > 0 drafts per row (`lookup`: the serving gate's lookup step, only the

@@ -95,6 +95,7 @@ class SpecGate:
     backoff_below: float = 0.75  # a probe doubles the gap only if speculation runs below this share of plain steps
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
     lookup_only: ClassVar[bool] = False  # never asks for lookup steps (`ServingGate.lookup_only`)
+    upkeep: ClassVar[bool] = True  # a skipped step keeps the drafter's context (`ServingGate.upkeep`)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.probe_every < 1:
@@ -300,6 +301,9 @@ class ServingGate:
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _after_plain: bool = field(default=False, init=False, repr=False)
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
+    # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
+    # context (the engine then runs it as an AR step and catches the drafter up when it drafts again)
+    upkeep: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -375,8 +379,10 @@ class ServingGate:
                              f"{num_draft_tokens}")
         self.lookup_only = False
         depth = self._decide(num_active)
+        lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
-            depth = self._base_step(self._lane(num_active), num_active)
+            depth = self._base_step(lane, num_active)
+        self.upkeep = depth > 0 or lane.on
         return depth
 
     def _lookup_here(self) -> bool:
