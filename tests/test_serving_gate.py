@@ -132,6 +132,28 @@ def test_no_drafted_probes_while_even_the_forecast_loses():
     assert gate.summary()["rows 3-4"]["drafting"] and run[-20:].count(0) <= 2
 
 
+def test_plain_steps_keep_the_drafters_context_unless_probes_are_far_apart():
+    """While probes are at most `lapse_gap` plain steps apart a plain step keeps the drafter's context (the catch-up
+    after a lapse costs a forward, which only a long gap amortizes); far apart (here: the forecast loses, so probes wait
+    `max_budget_gap`) plain steps keep none, and drafted steps and the warm-up always do."""
+    def upkeeps(gate, b, steps):
+        m, out = Machine(cpu_like, plain_cost, accept=0), []
+        for _ in range(steps):
+            n = m.step(gate, b)
+            out.append((n, gate.upkeep))
+        return out
+
+    far = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400), 4, 300)
+    assert all(keep for n, keep in far if n > 0) and all(keep for _, keep in far[:4])  # drafted, warm-up
+    assert [keep for n, keep in far[50:] if n == 0] == [False] * 250
+    near = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400,
+                               lapse_gap=401), 4, 300)
+    assert all(keep for _, keep in near)
+    looked = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400,
+                                 lookup=True, lookup_rows=4), 4, 300)  # a lookup step needs the whole history
+    assert all(keep for _, keep in looked)
+
+
 def test_acceptance_changes_move_the_decision_within_a_request():
     """Prompts change mid-run (maths where the drafter hits, then code where it misses, then maths again): the gate
     turns drafting off and back on within a few dozen steps at batch 1 (the acceptance estimate remembers ~16
