@@ -132,26 +132,25 @@ def test_no_drafted_probes_while_even_the_forecast_loses():
     assert gate.summary()["rows 3-4"]["drafting"] and run[-20:].count(0) <= 2
 
 
-def test_plain_steps_keep_the_drafters_context_unless_probes_are_far_apart():
-    """While probes are at most `lapse_gap` plain steps apart a plain step keeps the drafter's context (the catch-up
-    after a lapse costs a forward, which only a long gap amortizes); far apart (here: the forecast loses, so probes wait
-    `max_budget_gap`) plain steps keep none, and drafted steps and the warm-up always do."""
-    def upkeeps(gate, b, steps):
-        m, out = Machine(cpu_like, plain_cost, accept=0), []
+def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
+    """A plain step while drafting is on (a plain probe, the warm-up) keeps the drafter's context; one while it is off
+    keeps none (the engine runs an AR step and catches the drafter up when it drafts again); a gate that may take
+    lookup steps always keeps it."""
+    def upkeeps(gate, b, steps, accept):
+        m, out = Machine(cpu_like, plain_cost, accept=accept), []
         for _ in range(steps):
             n = m.step(gate, b)
-            out.append((n, gate.upkeep))
+            out.append((n, gate.upkeep, gate.summary()[f"rows {b}-{b}"]["drafting"] if b == 1 else None))
         return out
 
-    far = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400), 4, 300)
-    assert all(keep for n, keep in far if n > 0) and all(keep for _, keep in far[:4])  # drafted, warm-up
-    assert [keep for n, keep in far[50:] if n == 0] == [False] * 250
-    near = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400,
-                               lapse_gap=401), 4, 300)
-    assert all(keep for _, keep in near)
-    looked = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=400,
-                                 lookup=True, lookup_rows=4), 4, 300)  # a lookup step needs the whole history
-    assert all(keep for _, keep in looked)
+    off = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16), 1, 200, accept=0)
+    assert all(keep for n, keep, _ in off if n > 0) and all(keep for _, keep, _ in off[:4])  # drafted, warm-up
+    assert all(keep == on for n, keep, on in off[4:] if n == 0) and sum(not keep for _, keep, _ in off) > 150
+    on = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16), 1, 200, accept=K)
+    plain = [keep for n, keep, _ in on[4:] if n == 0]
+    assert plain and all(plain)  # the plain probes of a lane that drafts
+    looked = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, lookup=True), 1, 200, accept=0)
+    assert all(keep for _, keep, _ in looked)
 
 
 def test_acceptance_changes_move_the_decision_within_a_request():

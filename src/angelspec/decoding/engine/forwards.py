@@ -8,8 +8,6 @@
     greedy_verify         [B, n+1]          tokens [B, n+1], num_accepted [B], taps   greedy verification, equal depths
     packed_verify         [B, n+1] (kept)   logits [B, n+1, V], taps                  sampled, ragged depths / idle rows
     greedy_packed_verify  [B, n+1] (kept)   tokens, num_accepted, taps                greedy, ragged depths / idle rows
-    catch_up              [B, G] (kept)     taps                                      the drafter's context after
-                                                                                      steps without upkeep (eager)
 
 `tokens` = [last, d_1..d_n] per row; taps are the drafter's hidden-state taps of the target. The greedy variants
 accept inside the forward's call, so that compiled, the acceptance joins the forward's graph. The packed variants
@@ -102,16 +100,6 @@ class TargetForwards:
         keep = (torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= depth[:, None]) & active[:, None]
         return self.target.forward_cached(tokens, CacheInputs(cache, kv_len=kv_len, hidden_layers=self.taps, keep=keep,
                                                               num_keep=num_keep))
-
-    def catch_up(self, tokens: Tensor, cache: StaticKVCache, gaps: Tensor, num_keep: int, kv_len: int) -> Taps:
-        """The taps of committed positions the drafter missed (`Step._resync`): tokens [B, G], row b's first gaps[b]
-        of them the tokens at cache slots `lengths[b] ..` (the caller rolls the cache back to where its gap starts);
-        their keys and values are written again (as a verify forward writes its accepted ones) and lengths grow by
-        gaps. No logits. Eager: it runs once per return of drafting after a stretch without upkeep, at any width."""
-        keep = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < gaps[:, None]
-        out = self.target.forward_cached(tokens, CacheInputs(cache, num_new=gaps, kv_len=kv_len, hidden_layers=self.taps,
-                                                             compute_logits=False, keep=keep, num_keep=num_keep))
-        return out.hidden
 
     def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool) -> None:
         """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs

@@ -57,11 +57,6 @@ class Slot:
     # the first position whose taps the drafter has not been given (steps without upkeep, `Step._bare`); None: none
     stale_from: int | None = None
 
-    def token_at(self, position: int) -> int:
-        """The committed token at an absolute position (the prompt's, then the emitted ones)."""
-        prompt = self.request.prompt_ids
-        return int(prompt[position]) if position < len(prompt) else self.tokens[position - len(prompt)]
-
     def emit(self, new: Sequence[int]) -> None:
         """Append tokens until a stop token (kept) or max_new_tokens."""
         for t in new:

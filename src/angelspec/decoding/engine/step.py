@@ -75,12 +75,13 @@ class Step:
         # commits alone; a draft LM feeds its own cache on every round.
         self.may_lapse = drafter is not None and drafter.context_from_commits
         self._lapsed = False  # some row's drafter context stops before its committed tokens (`Slot.stale_from`)
+        self._held: list[Taps] = []  # the taps of each step without upkeep since the last catch-up (`_bare`)
 
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
             self.gate.begin(rows)
-        self._lapsed = False
+        self._lapsed, self._held = False, []
 
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
         """One token per active row from the plain decode forward."""
@@ -166,19 +167,22 @@ class Step:
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
 
     def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
-        """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does and nothing
-        more, so that it costs what an AR step costs. The drafter is not called and its taps are dropped; each row
-        records where its drafter context stops (`Slot.stale_from`), and the next step that drafts (or keeps the
-        context) first catches the drafter up on every such position in one forward (`_resync`). The device's
-        `seq_lens` and `draft_round` are brought up to date there too. The token is chosen as `_plain` chooses it
-        (the cache length after the forward is the row's committed length before it: the same noise key)."""
+        """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does, and of the
+        drafter's upkeep only this: the forward's taps are held as they came (`_held`, one tuple a step). The drafter
+        is neither asked for a round nor told the commit, the rows' device `seq_lens` and `draft_round` are not
+        advanced; each row records where its drafter context stops (`Slot.stale_from`), and the next step that drafts
+        (or keeps the context) first hands the drafter every missed position in one commit (`_resync`). The token is
+        chosen as `_plain` chooses it (the cache length after the forward is the row's committed length before it: the
+        same noise key)."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None
-        logits, _ = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
+        logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
         rows.last = choose(logits[:, 0], rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
+        if taps:  # a CUDA graph's outputs are its own memory, overwritten by its next replay: keep a copy
+            self._held.append(tuple(t.clone() for t in taps) if self.forwards.cuda_graphs else taps)
         for r in rows.active_rows:
             slot = rows.slots[r]
             assert slot is not None
@@ -193,24 +197,23 @@ class Step:
 
     def _resync(self) -> float:
         """Hand the drafter every committed position it missed during steps without upkeep, as one commit after a
-        round of zero drafts (the contract of a drafter whose context comes from commits): the target's taps at those
-        positions from one packed forward over them (`TargetForwards.catch_up`; skipped when the drafter takes no
-        taps), their next tokens, and the rows' device state caught up -> the seconds it took."""
+        round of zero drafts (the contract of a drafter whose context comes from commits): per row, its missed
+        positions' taps (the last of the held steps' taps: a row is active in every step since it lapsed, each
+        committing one token) and their next tokens; and the rows' device state caught up -> the seconds it took."""
         start = time.perf_counter()
         rows, drafter = self.rows, self.drafter
         cache = rows.cache
         assert cache is not None and drafter is not None
-        self._lapsed = False
+        held, self._held, self._lapsed = self._held, [], False
         b = cache.batch_size
-        gaps, inputs, host_tokens = [0] * b, [[] for _ in range(b)], [()] * b
+        gaps, host_tokens = [0] * b, [()] * b
         for r in rows.active_rows:
             slot = rows.slots[r]
             assert slot is not None
-            if slot.stale_from is None:
-                continue
-            seq = [slot.token_at(p) for p in range(slot.stale_from, slot.seq_len)]  # up to the newest token
-            gaps[r], inputs[r], host_tokens[r] = len(seq) - 1, seq[:-1], tuple(seq[1:])
-            slot.stale_from = None
+            if slot.stale_from is not None:
+                gaps[r] = slot.seq_len - 1 - slot.stale_from
+                host_tokens[r] = tuple(slot.tokens[len(slot.tokens) - gaps[r]:])  # positions stale_from + 1 ..
+                slot.stale_from = None
         width = max(gaps)
         if not width:  # the rows that lapsed have all left
             return time.perf_counter() - start
@@ -220,10 +223,15 @@ class Step:
         rows.draft_round += gap  # one round per step without upkeep, as `_plain` counts them
         drafter.propose(self._state(0, deterministic=True))
         taps: Taps = ()
-        if self.forwards.taps:
-            tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], dtype=torch.int64, device=dev)
-            cache.truncate(cache.lengths - gap)  # back to where each row's gap starts
-            taps = self.forwards.catch_up(tokens, cache, gap, sum(gaps), rows.seq_len_bound() + width)
+        if held:
+            n = len(held)
+            if width > n:
+                raise RuntimeError(f"internal: {width} positions to catch up but {n} steps' taps held")
+            # row r's positions are the last gaps[r] held steps: index n - gaps[r] + j, left-aligned (clamped padding)
+            index = (n - gap)[:, None] + torch.arange(width, device=dev)  # [B, G]
+            index = index.clamp(max=n - 1)
+            taps = tuple(torch.cat([h[i] for h in held], dim=1).gather(  # [B, n, D] -> [B, G, D]
+                1, index[:, :, None].expand(-1, -1, held[0][i].shape[-1])) for i in range(len(held[0])))
         committed = torch.tensor([list(t) + [PLACEHOLDER_TOKEN_ID] * (width - len(t)) for t in host_tokens],
                                  dtype=torch.int64, device=dev)  # [B, G]
         drafter.on_commit(Commit(tokens=committed, num_accepted=(gap - 1).clamp(min=0), seq_lens=rows.seq_lens,

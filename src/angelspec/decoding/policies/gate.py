@@ -275,12 +275,11 @@ class ServingGate:
     than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
     three in a row.
 
-    Upkeep: a plain step normally keeps the drafter's context (it hands the drafter its taps, kept for the next drafted
-    round: `PendingCommits`), a little host work per step. While drafting is off and the next drafted probe is at least
-    `lapse_gap` plain steps away, `upkeep` is False: the engine runs the step as an AR step and nothing more, and the
-    probe first catches the drafter up on every position it missed in one forward (`engine.step.Step._resync`), whose
-    fixed cost (an eager forward, ~4 plain steps at batch 1 on a CPU) only such a gap amortizes. Lookup steps need the
-    whole history, so a gate that may take them keeps the upkeep.
+    Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
+    zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
+    off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps, and the next step
+    that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). A gate
+    that may take lookup steps here keeps the upkeep: they alternate with plain steps, and each would catch up.
 
     The gate lives as long as its policy (`AutoDepth.make_gate`): a server's engines share what it measured.
 
@@ -298,7 +297,6 @@ class ServingGate:
     probe_every: int = 8
     max_probe_every: int = 128
     max_budget_gap: int = 1024  # the most plain steps between drafted probes that `probe_budget` may ask for
-    lapse_gap: int = 128  # from this many plain steps between drafted probes, plain steps keep no drafter context
     probe_budget: float = 0.03  # what drafted probes may cost, as a share of the plain steps between them
     decay: float = 0.7  # EMA weight of the history for step seconds
     memory: float = 16.0  # row-steps the acceptance estimate remembers
@@ -310,10 +308,9 @@ class ServingGate:
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _after_plain: bool = field(default=False, init=False, repr=False)
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
-    # False when the last `choose_depth` gave a plain step while drafting is off with at least `lapse_gap` plain steps
-    # between drafted probes: the step need not keep the drafter's context (`upkeep`)
+    # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
+    # context (class docstring, "Upkeep")
     upkeep: bool = field(default=True, init=False)
-    _lapse: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -328,9 +325,8 @@ class ServingGate:
         if not 0.0 <= self.decay < 1.0 or self.memory < 1.0 or self.outlier <= 1.0:
             raise ValueError(f"ServingGate needs decay in [0, 1), memory >= 1, outlier > 1; got {self.decay}, "
                              f"{self.memory}, {self.outlier}")
-        if self.lookup_depth < 1 or self.lapse_gap < 1:
-            raise ValueError(f"ServingGate needs lookup_depth >= 1 and lapse_gap >= 1, got {self.lookup_depth}, "
-                             f"{self.lapse_gap}")
+        if self.lookup_depth < 1:
+            raise ValueError(f"ServingGate needs lookup_depth >= 1, got {self.lookup_depth}")
         k = self.num_draft_tokens
         self._tried, self._passed = [1.0] * (k + 1), [0.5] * (k + 1)  # prior s_k = 0.5, worth one row
 
@@ -389,11 +385,11 @@ class ServingGate:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
         self.lookup_only = False
-        self._lapse = False
         depth = self._decide(num_active)
+        lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
-            depth = self._base_step(self._lane(num_active), num_active)
-        self.upkeep = depth > 0 or not self._lapse or self._lookup_here()
+            depth = self._base_step(lane, num_active)
+        self.upkeep = depth > 0 or lane.on or self._lookup_here()
         return depth
 
     def _lookup_here(self) -> bool:
@@ -432,12 +428,10 @@ class ServingGate:
         if rate > (1.0 + self.hysteresis) * plain:
             lane.on, lane.run, lane.gap = True, 0, self.probe_every
             return n
-        off_gap = self._off_gap(lane, forecast, plain)
-        if lane.run >= off_gap:  # a drafted probe (two steps: the first pays the catch-up)
+        if lane.run >= self._off_gap(lane, forecast, plain):  # a drafted probe (two steps: the first pays the catch-up)
             lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
             lane.run, lane.probe = 0, 2
             return n
-        self._lapse = off_gap >= self.lapse_gap
         return 0
 
     def _drafted_rate(self, lane: _Lane, num_active: int, forecast: float) -> float:
