@@ -9,10 +9,10 @@ from conftest import tiny_decoder
 from test_spec_gate import block_case, eagle3_case, gated_engine, mtp_case, perfect_draft_lm, requests
 
 from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
-from angelspec.decoding.sampling import SamplingParams
 from angelspec.decoding.policies.budget import LinearCost
 from angelspec.decoding.policies.factory import make_policy, parse_policy
 from angelspec.decoding.policies.gate import AutoDepth, ServingGate
+from angelspec.decoding.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K = 4
