@@ -332,7 +332,7 @@ def test_waiting_prompt_entries_bound_the_joined_width():
 def test_the_gate_lives_with_its_policy_and_keeps_what_it_measured_per_cache_size():
     """One gate per `auto` policy and K (a server's engines share it); its measurements are kept per cache size, since
     a step costs what the whole cache costs: an engine of the same size starts from them, one of another size does
-    not."""
+    not (but for a full cache: `test_a_new_cache_size_starts_from_another_full_caches_measurements`)."""
     policy = AutoDepth(cost=cpu_like)
     gate = policy.make_gate(K)
     assert policy.make_gate(K) is gate and policy.make_gate(K + 1) is not gate
@@ -346,6 +346,30 @@ def test_the_gate_lives_with_its_policy_and_keeps_what_it_measured_per_cache_siz
     assert "rows 5-8" not in gate.summary() and gate.choose_depth(8, K) == K  # warming up again, all K
     gate.begin(8)  # the first size again: it goes on from what it settled
     assert gate.summary()["rows 5-8"] == settled["rows 5-8"]
+
+
+@pytest.mark.parametrize("accept", [0, K])
+def test_a_new_cache_size_starts_from_another_full_caches_measurements(accept):
+    """An engine of a size the gate has not seen, with every row active, starts from the nearest full cache's shares
+    of the cost table, state and probe gap: after its own drafted warm-up (the steps that compile the drafter's graphs
+    for the batch, in a benchmark's untimed warm-up run) it runs the settled state at once, with no plain warm-up and
+    no probes at short gaps. Buckets of a cache that is not full do not borrow across sizes."""
+    gate = AutoDepth(cost=cpu_like).make_gate(K)
+    gate.begin(8)
+    m = Machine(cpu_like, plain_cost, accept=accept)
+    for _ in range(300):
+        m.step(gate, 8)
+    settled = gate.summary()["rows 5-8"]
+    assert settled["drafting"] == (accept == K)
+    gate.begin(16)
+    first = [m.step(gate, 16) for _ in range(40)]
+    assert first[0] == K and first[1] > 0 and gate.summary()["rows 9-16"]["drafting"] == settled["drafting"]
+    if settled["drafting"]:
+        assert first[2:].count(0) <= 2
+    else:
+        assert first[2:].count(0) == 38 and gate.summary()["rows 9-16"]["probe_gap"] == settled["probe_gap"]
+    gate.begin(32)
+    assert gate.choose_depth(8, K) == K  # 8 active rows of 32: nothing borrowed from another size, a warm-up
 
 
 @pytest.mark.parametrize(("look_tokens", "look_cost", "expect"), [(1.8, 1.3, "lookup"), (1.05, 1.2, "plain")])
