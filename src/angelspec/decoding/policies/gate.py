@@ -496,7 +496,12 @@ class ServingGate:
     def _borrow(self, lane: _Lane) -> None:
         """A bucket with nothing measured starts from the nearest bucket's scales (with a cost table they are shares
         of the table's seconds, which the machine's load moves alike at every batch size): no warm-up of its own, which
-        at the end of a run (the batch draining through every bucket) would cost a few slow steps per bucket."""
+        at the end of a run (the batch draining through every bucket) would cost a few slow steps per bucket. Across
+        cache sizes only a full cache's bucket (every row active) lends, to another full cache's: there the table's
+        cost at the active rows is the whole cache's in both. Such a lane keeps its own two drafted warm-up steps
+        (they compile the drafter's graphs for this batch, in a benchmark's untimed warm-up run; a first drafted probe
+        mid-run would compile them there) and then runs the lender's state with its probe gap, instead of learning
+        again with probes 8, 16, 32, ... steps apart."""
         if self.cost is None:
             return
         key = next(k for k, v in self._lanes.items() if v is lane)
