@@ -30,7 +30,7 @@ import torch
 from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import draft_depth, load_target_and_tokenizer, resolve_drafter
-from angelspec.eval.serving.sweep import serving_workload
+from angelspec.eval.serving.sweep import serving_workload, workload_requests
 
 
 class AlwaysPlain:
@@ -71,8 +71,7 @@ def main() -> None:
     print("| C | AR tok/s | AR ms/step | upkeep ms/step | no upkeep ms/step | upkeep / AR | no upkeep / AR |")
     print("|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
-        reqs = [Request(prompt_ids=workload[i % len(workload)].ids, max_new_tokens=args.max_new_tokens, stop_ids=(),
-                        request_id=i) for i in range(4 * c)]
+        reqs = workload_requests(workload, 4 * c, args.max_new_tokens)
         max_len = max(len(r.prompt_ids) for r in reqs) + args.max_new_tokens
         config = EngineConfig(max_batch_size=c, max_seq_len=max_len, num_draft_tokens=k, compile=args.compile,
                               spec_gate=True)

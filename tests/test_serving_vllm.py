@@ -80,7 +80,7 @@ class StandIn:
 
 
 def test_sweep_adds_vllm_cells_from_the_same_requests(tiny_target_dir: Path) -> None:
-    from angelspec.eval.serving.sweep import _requests, build_contenders, run_sweep
+    from angelspec.eval.serving.sweep import build_contenders, run_sweep, workload_requests
     from angelspec.models import load_target
 
     target = load_target(tiny_target_dir)
@@ -98,7 +98,7 @@ def test_sweep_adds_vllm_cells_from_the_same_requests(tiny_target_dir: Path) -> 
     assert [j["concurrency"] for j in stand_in.jobs] == [1, 2, 1, 2]
     for job in stand_in.jobs:
         n = max(4 * job["concurrency"], 3)
-        assert job["prompts"] == [r.prompt_ids for r in _requests(workload, n, 6)]
+        assert job["prompts"] == [r.prompt_ids for r in workload_requests(workload, n, 6)]
         assert job["max_new_tokens"] == 6 and job["warmup_tokens"] == 2 and job["target"] == str(tiny_target_dir)
     assert stand_in.jobs[2]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2,
                                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1}

@@ -226,7 +226,6 @@ class _Lane:
     base_look: bool = False  # while drafting is off, the step that runs is a lookup step (else a plain step)
     base_run: int = 0  # steps of the base kind since it was chosen or the other one probed
     base_gap: int = 0  # steps of the base kind before the other one is probed
-    lent: bool = False  # started from another cache size's measurements (`ServingGate._borrow`)
 
 
 @dataclass
@@ -513,11 +512,10 @@ class ServingGate:
             return k[0] >= 1 and k[1] == batch_bucket(k[0])
 
         donors = sorted((abs(k[1] - key[1]), k) for k, v in self._lanes.items() if ready(v) and k[0] == key[0])
-        if not donors and full(key) and not lane.spec_n and not lane.plain_n and not lane.lent:
+        if not donors and full(key) and not lane.spec_n and not lane.plain_n:  # (once lent, plain_n > 0)
             donors = sorted((abs(k[1] - key[1]), k) for k, v in self._lanes.items() if ready(v) and full(k))
             if donors:  # another size's full cache: all but the drafted warm-up, which compiles the drafter here
                 d = self._lanes[donors[0][1]]
-                lane.lent = True
                 lane.scale, lane.real_s, lane.real_n = d.scale, d.real_s, d.real_n
                 lane.plain_s, lane.plain_n, lane.on, lane.gap = d.plain_s, self.warmup, d.on, d.gap
                 return

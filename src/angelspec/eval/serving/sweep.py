@@ -260,7 +260,9 @@ def point_requests(concurrency: int, min_requests: int) -> int:
     return max(REQUESTS_PER_ROW * concurrency, min_requests)
 
 
-def _requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None) -> list[Any]:
+def workload_requests(workload: Sequence[EvalPrompt], n: int, max_new_tokens: int, budget: int | None = None
+                      ) -> list[Any]:
+    """The first n requests of a point: the workload's prompts in order (cycled), `budget` or max_new_tokens each."""
     from angelspec.decoding.engine import Request
 
     return [Request(prompt_ids=workload[i % len(workload)].ids, max_new_tokens=budget or max_new_tokens, stop_ids=(),
@@ -338,7 +340,7 @@ def _engine(target: Decoder, contender: Contender, workload: Sequence[EvalPrompt
     """A `SpecEngine` with `concurrency` rows for the contender, and n requests of the workload."""
     from angelspec.decoding.engine import EngineConfig, SpecEngine
 
-    requests = _requests(workload, n, max_new_tokens)
+    requests = workload_requests(workload, n, max_new_tokens)
     max_len = max(len(r.prompt_ids) for r in requests) + max_new_tokens
     engine = SpecEngine(target, contender.drafter,
                         EngineConfig(max_batch_size=concurrency, max_seq_len=max_len,
@@ -428,7 +430,8 @@ def _vllm_column(vllm: VllmColumn, contenders: Sequence[Contender], workload: Se
     settings record)."""
     setups = {ct.config.name: ct.vllm_setup() for ct in contenders}
     wanted = list(dict.fromkeys(s for s in setups.values() if s is not None))
-    points = [(c, [list(r.prompt_ids) for r in _requests(workload, point_requests(c, min_requests), max_new_tokens)])
+    points = [(c, [list(r.prompt_ids)
+                   for r in workload_requests(workload, point_requests(c, min_requests), max_new_tokens)])
               for c in concurrency]
     if not wanted and log is not None:
         log("vLLM column: no AR or full-depth n-gram configuration in this sweep, so nothing for vLLM to run")
