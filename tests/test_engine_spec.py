@@ -676,6 +676,22 @@ def test_ngram_confidences_learn_from_the_depths_the_engine_verified(target, gre
     assert proposal.lengths.tolist() == [4]
 
 
+def test_a_match_is_verified_to_the_depth_its_measured_acceptance_pays_for():
+    """`MatchAcceptance.best_depth`: (1 + expected accepted drafts) / cost per depth against a step verifying none. An
+    unseen match length is verified as deep as any depth pays (the estimate starts at 1.0); one whose first draft the
+    target keeps rejecting is not verified; one right for two drafts and then wrong stops at 2."""
+    acc = MatchAcceptance(3)
+    costs = (1.0, 1.3, 1.6, 1.9, 2.2)
+    assert acc.best_depth(3, costs) == 4
+    assert acc.best_depth(3, (1.0, 2.5, 3.5)) == 0  # verifying costs more than a certain draft returns
+    for _ in range(20):
+        acc.observe(1, 4, 0)
+        acc.observe(2, 4, 2)
+    assert acc.best_depth(1, costs) == 0
+    assert acc.best_depth(2, costs) == 2
+    assert acc.best_depth(3, costs) == 4
+
+
 @pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])
 def test_a_full_depth_step_reads_nothing_back_to_size_its_verify_forward(target, greedy_case, monkeypatch,
                                                                          drafter_kind):

@@ -206,6 +206,7 @@ class ScriptedServing:
 
     def __init__(self, pattern: list[str], k: int) -> None:
         self.pattern, self.k, self.calls, self.lookup_only, self.upkeep = pattern, k, 0, False, True
+        self.lookup_costs: tuple[float, ...] = ()  # handed to lookup steps (`DraftState.lookup_costs`)
 
     def choose_depth(self, num_active: int, k: int) -> int:
         kind = self.pattern[self.calls % len(self.pattern)]
@@ -246,3 +247,26 @@ def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models
     assert drafted and len(drafted) < len(drafter.proposals) / 3  # the model drafted on model steps only
     for seq, drafts in drafted:
         assert recompute(seq)[: len(drafts)] == drafts
+
+
+@pytest.mark.parametrize(("costs", "verifies"), [((1.0, 1.1, 1.2), True), ((1.0, 2.5, 3.5), False)],
+                         ids=["cheap", "dear"])
+def test_a_lookup_step_verifies_a_match_only_to_a_depth_its_acceptance_pays_for(costs, verifies):
+    """With the gate's costs (`DraftState.lookup_costs`), a lookup step verifies a row's match to the depth its match
+    length's measured acceptance pays for: where verifying costs more than a certain draft returns, no match is
+    verified and every lookup step is a one-token step; where it is cheap, matches are verified. Outputs equal AR's
+    and the lookup learns acceptance from the rows it drafted."""
+    target, drafter, vocab, _ = block_case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=1)
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=1, num_draft_tokens=3))
+    engine.gate = ScriptedServing(["lookup"], 3)
+    engine.gate.lookup_costs = costs
+    reqs = requests(vocab, 3, 40, seed=2)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    verified = sum(n for d, n in enumerate(engine.metrics.depth_hist) if d)
+    if verifies:
+        assert hybrid.lookup_rounds > 0 and verified == hybrid.lookup_rounds
+        assert any(t for t in hybrid.ngram.acceptance.trials if t)
+    else:
+        assert hybrid.lookup_rounds == 0 and verified == 0

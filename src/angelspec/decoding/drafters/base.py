@@ -61,6 +61,10 @@ class DraftState:
     # True: propose only drafts that cost no model forward (n-gram lookup), none where there are none; asked only of
     # a drafter with `lookup_drafts` (the serving gate's lookup steps)
     lookup_only: bool = False
+    # With lookup_only: what a step verifying d = 0..K drafts per row costs against one verifying none (the serving
+    # gate's cost table). A row verifies its match to the depth expected to commit most tokens per unit of cost, and
+    # none where no depth is expected to beat a plain step; () verifies every match to K.
+    lookup_costs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,7 @@ class HybridDrafter(WrappedDrafter):
             if n >= self.min_match and (self.chooser is None or self.chooser.prefers_lookup(r, n)):
                 matched[r] = drafts
                 self._sources[r] = n
+                self.ngram.note_match(r, n)
         self.lookup_rounds += len(matched)
         self.model_rounds += len(state.active_rows) - len(matched)
         shallow = self.model_depth is not None and self.model_depth < k
@@ -254,23 +255,30 @@ class HybridDrafter(WrappedDrafter):
                         deterministic=True)
 
     def _lookup_round(self, state: DraftState, start: float) -> Proposal:
-        """Only the lookup's drafts (`DraftState.lookup_only`): rows with a match of at least `min_match` tokens
-        verify it, the others none (`Proposal.host_lengths`, so a round where nothing matched costs a plain step); the
-        model's round is one of zero drafts (it catches up on its next drafted round)."""
+        """Only the lookup's drafts (`DraftState.lookup_only`): a row with a match of at least `min_match` tokens
+        verifies it to the depth its match length's measured acceptance pays for against `DraftState.lookup_costs`
+        (`MatchAcceptance.best_depth`; all K without costs), the others none (`Proposal.host_lengths`, so a round
+        where nothing is verified costs a plain step); the model's round is one of zero drafts (it catches up on its
+        next drafted round)."""
         k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
-        self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False))
+        self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
+        costs = state.lookup_costs[: k + 1]
         tokens = [[0] * k for _ in range(b)]
         lengths = [0] * b
         for r in state.active_rows:
             n, drafts = self.ngram.match(r, k)
-            if n >= self.min_match:  # (rows without a match drafted nothing: no source to learn about)
-                tokens[r], lengths[r], self._sources[r] = drafts, k, n
+            if n < self.min_match:  # (rows without a match drafted nothing: no source to learn about)
+                continue
+            depth = self.ngram.acceptance.best_depth(n, costs) if len(costs) > 1 else k
+            if depth:
+                tokens[r], lengths[r], self._sources[r] = drafts, depth, n
+                self.ngram.note_match(r, n)
         self.lookup_rounds += sum(1 for r in state.active_rows if lengths[r])
         self._timing = (start, False)
+        length = torch.tensor(lengths, dtype=torch.int64, device=dev)  # [B]
         return Proposal(tokens=torch.tensor(tokens, dtype=torch.int64, device=dev).view(b, k),
-                        confidences=torch.tensor(lengths, dtype=torch.float32, device=dev)[:, None].expand(b, k) / k,
-                        lengths=torch.tensor(lengths, dtype=torch.int64, device=dev), deterministic=True,
-                        host_lengths=tuple(lengths))
+                        confidences=(torch.arange(k, device=dev) < length[:, None]).float(), lengths=length,
+                        deterministic=True, host_lengths=tuple(lengths))
 
     def on_commit(self, commit: Commit) -> None:
         if self._timing is not None and self._sources:

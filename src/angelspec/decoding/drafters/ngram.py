@@ -45,6 +45,19 @@ class MatchAcceptance:
         hits, trials, prior = self.hits[n], self.trials[n], self.prior
         return [(hits[m] + prior) / (trials[m] + prior) if m < len(trials) else 1.0 for m in range(k)]
 
+    def best_depth(self, n: int, costs: Sequence[float]) -> int:
+        """After an n-token match: the depth d in 1..len(costs) - 1 that is expected to commit most tokens per unit of
+        cost, (1 + expected accepted drafts of the first d) / costs[d], or 0 where none beats verifying no draft
+        (1 / costs[0]). costs[d]: what a step verifying d drafts costs."""
+        est = self.estimate(n, len(costs) - 1)
+        best, best_rate, alive, expected = 0, 1.0 / costs[0], 1.0, 1.0
+        for d in range(1, len(costs)):
+            alive *= est[d - 1]
+            expected += alive
+            if expected / costs[d] > best_rate:
+                best, best_rate = d, expected / costs[d]
+        return best
+
     def observe(self, n: int, verified: int, accepted: int) -> None:
         """A row verified `verified` drafts of an n-token match and the target accepted the first `accepted`."""
         hits, trials = self.hits[n], self.trials[n]
@@ -121,6 +134,11 @@ class NGramDrafter(Drafter):
                     out.append(h[j + m] if j + m < length else out[j + m - length])
                 return n, out
         return 0, []
+
+    def note_match(self, r: int, n: int) -> None:
+        """Row r's next commit verifies drafts that followed an n-token match (another drafter proposed them, from
+        `match`): what the target accepts teaches `acceptance`."""
+        self._matched[r] = n
 
     def propose(self, state: DraftState) -> Proposal:
         k, b = state.num_draft_tokens, state.seq_lens.shape[0]

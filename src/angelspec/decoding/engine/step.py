@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -249,6 +250,8 @@ class Step:
         assert self.drafter is not None and self.rows.cache is not None
         asked = self.k if self.forwards.compiled and not lookup else cap  # (a lookup step runs no graph)
         state = self._state(asked, deterministic=self.uses_proposal, lookup=lookup)
+        if lookup and self.gate is not None and self.gate.lookup_costs:
+            state = replace(state, lookup_costs=self.gate.lookup_costs)
         proposal = self.drafter.propose(state)
         proposal.check(self.rows.cache.batch_size, asked, self.vocab_size)
         return proposal, state

@@ -96,6 +96,7 @@ class SpecGate:
     backoff_below: float = 0.75  # a probe doubles the gap only if speculation runs below this share of plain steps
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
     lookup_only: ClassVar[bool] = False  # never asks for lookup steps (`ServingGate.lookup_only`)
+    lookup_costs: ClassVar[tuple[float, ...]] = ()
     upkeep: ClassVar[bool] = True  # a skipped step keeps the drafter's context (`ServingGate.upkeep`)
 
     def __post_init__(self) -> None:
@@ -223,9 +224,6 @@ class _Lane:
     look_seen: int = 0  # lookup steps whose tokens `look_tok` averaged
     look_n: int = 0
     look_out: int = 0
-    base_look: bool = False  # while drafting is off, the step that runs is a lookup step (else a plain step)
-    base_run: int = 0  # steps of the base kind since it was chosen or the other one probed
-    base_gap: int = 0  # steps of the base kind before the other one is probed
 
 
 @dataclass
@@ -245,8 +243,8 @@ class ServingGate:
         drafted  = 1 / (EMA over drafted steps of seconds per committed token per row): what drafting delivered, every
                    cost in (the catch-up after plain steps, the drafting, the wider verify, the commit); before any
                    drafted step, the forecast A(n*) / T(B, n*)
-        plain    = 1 / (EMA of a plain step's seconds); with a lookup drafter (`lookup`), the faster of that and a
-                   lookup step's tokens per row per second (`_base_step`)
+        plain    = 1 / (EMA of a plain step's seconds); with a lookup drafter (`lookup`), a lookup step's tokens per
+                   row per second once measured (`_base_step`: the step that runs while the model does not draft)
                    (both measured as shares of the table's cost(B, B) when there is one, so the rows of one bucket
                    share them, and a bucket with nothing measured yet starts from its nearest measured neighbour's
                    shares instead of warming up)
@@ -308,6 +306,9 @@ class ServingGate:
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _after_plain: bool = field(default=False, init=False, repr=False)
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
+    # with `lookup_only`: a step's cost verifying d = 0..depth drafts per row against none, from the cost table
+    # (`DraftState.lookup_costs`; () without a table)
+    lookup_costs: tuple[float, ...] = field(default=(), init=False)
     # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
     # context (class docstring, "Upkeep")
     upkeep: bool = field(default=True, init=False)
@@ -384,7 +385,7 @@ class ServingGate:
         if num_draft_tokens != self.num_draft_tokens:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
-        self.lookup_only = False
+        self.lookup_only, self.lookup_costs = False, ()
         depth = self._decide(num_active)
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
@@ -445,7 +446,7 @@ class ServingGate:
         """Tokens per row per second of the step that runs while the model does not draft: a plain step, or a lookup
         step where those were measured faster."""
         plain, looked = self._plain_and_lookup_rates(lane, num_active)
-        return max(plain, looked) if lane.base_look and lane.look_n >= self.warmup else plain
+        return looked if self._lookup_here() and lane.look_n >= self.warmup else plain
 
     def _plain_and_lookup_rates(self, lane: _Lane, num_active: int) -> tuple[float, float]:
         """Tokens per row per second of a plain and of a lookup step as measured (0.0 for a kind not measured)."""
@@ -454,29 +455,20 @@ class ServingGate:
         return plain, (lane.look_tok / (lane.look_s * unit) if lane.look_s else 0.0)
 
     def _base_step(self, lane: _Lane, num_active: int) -> int:
-        """While the model does not draft (`lookup` gates only): a plain step (0) or a lookup step (its depth, with
-        `lookup_only` set), whichever committed more tokens per second where measured; the same hysteresis keeps noise
-        from flipping it, and the other kind is probed after `base_gap` steps (doubling up to `max_probe_every`; both
-        kinds cost about a plain step, so probing them is cheap). `warmup` lookup steps first."""
-        look = min(self.lookup_depth, self.num_draft_tokens)
+        """While the model does not draft (`lookup` gates only, after the plain warm-up): a lookup step of
+        `lookup_depth` drafts, with `lookup_only` and the cost table's `lookup_costs` set. Each row verifies its match
+        to the depth its match length's measured acceptance pays for and none where no depth is expected to beat a
+        plain step (`HybridDrafter`), so a lookup step where nothing pays costs a plain step and the choice follows the
+        text from step to step. (Choosing between whole lookup and plain steps by their measured rates lagged the
+        lookup's hit rate: a run of plain steps saw a returning repetition only at its next probe.)"""
         if lane.plain_n < self.warmup:
             return 0
-        if lane.look_n < self.warmup:
-            self.lookup_only = True
-            return look
-        plain, looked = self._plain_and_lookup_rates(lane, num_active)
-        lane.base_gap = lane.base_gap or self.probe_every
-        lane.base_run += 1
-        running_wins = looked >= (1.0 - self.hysteresis) * plain if lane.base_look \
-            else looked <= (1.0 + self.hysteresis) * plain
-        if not running_wins:
-            lane.base_look, lane.base_run, lane.base_gap = not lane.base_look, 0, self.probe_every
-        elif lane.base_run >= lane.base_gap:  # probe the other kind once
-            lane.base_run, lane.base_gap = 0, min(2 * lane.base_gap, self.max_probe_every)
-            self.lookup_only = not lane.base_look
-            return look if self.lookup_only else 0
-        self.lookup_only = lane.base_look
-        return look if self.lookup_only else 0
+        look = min(self.lookup_depth, self.num_draft_tokens)
+        self.lookup_only = True
+        if self.cost is not None:
+            table = self._table(num_active)
+            self.lookup_costs = tuple(c / table[0] for c in table[: look + 1])
+        return look
 
     def _explore(self, lane: _Lane, n: int) -> int:
         """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
@@ -645,10 +637,8 @@ class ServingGate:
             rate = self._drafted_rate(lane, hi, forecast) if ready else 0.0
             plain, looked = self._plain_and_lookup_rates(lane, hi)
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
-                                      "plain_rate": round(plain, 2),
-                                      "probe_gap": lane.gap,
-                                      **({"base": "lookup" if lane.base_look else "plain",
-                                          "lookup_rate": round(looked, 2)} if self.lookup else {})}
+                                      "plain_rate": round(plain, 2), "probe_gap": lane.gap,
+                                      **({"lookup_rate": round(looked, 2)} if self.lookup else {})}
         return out
 
 
