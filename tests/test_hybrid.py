@@ -17,6 +17,7 @@ from angelspec.decoding.drafters import hybrid as hybrid_module
 from angelspec.decoding.drafters.hybrid import HybridDrafter
 from angelspec.decoding.engine import EngineConfig, SpecEngine, reference_generate
 from angelspec.decoding.loading import resolve_drafter
+from angelspec.decoding.sampling import SamplingParams
 from angelspec.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -202,7 +203,8 @@ def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_n
 
 class ScriptedServing:
     """A serving gate that cycles through `pattern`: "model" (all K drafts), "lookup" (a lookup step of 2 drafts),
-    "plain" (0) or "off" (0 while drafting is off: no upkeep of the drafter's context), whatever was measured."""
+    "plain" (0), or while drafting is off (no upkeep of the model's context) "off" (0) and "lookoff" (a lookup step of
+    2 drafts), whatever was measured."""
 
     def __init__(self, pattern: list[str], k: int) -> None:
         self.pattern, self.k, self.calls, self.lookup_only, self.upkeep = pattern, k, 0, False, True
@@ -211,8 +213,8 @@ class ScriptedServing:
     def choose_depth(self, num_active: int, k: int) -> int:
         kind = self.pattern[self.calls % len(self.pattern)]
         self.calls += 1
-        self.lookup_only, self.upkeep = kind == "lookup", kind != "off"
-        return {"model": k, "lookup": 2, "plain": 0, "off": 0}[kind]
+        self.lookup_only, self.upkeep = kind in ("lookup", "lookoff"), kind not in ("off", "lookoff")
+        return {"model": k, "lookup": 2, "plain": 0, "off": 0, "lookoff": 2}[kind]
 
     def observe_step(self, *args) -> None:
         pass
@@ -220,12 +222,15 @@ class ScriptedServing:
 
 @pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
 @pytest.mark.parametrize("pattern", [["lookup", "lookup", "model", "plain", "lookup"],
-                                     ["lookup", "off", "off", "model", "off", "lookup", "off", "off", "off"]],
-                         ids=["upkeep", "lapses"])
+                                     ["lookup", "off", "off", "model", "off", "lookup", "off", "off", "off"],
+                                     ["lookoff", "off", "lookoff", "lookoff", "model", "lookoff", "off", "lookup",
+                                      "lookoff", "lookoff", "lookoff", "plain", "model"]],
+                         ids=["upkeep", "lapses", "lookup-lapses"])
 def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models_context(case, pattern):
     """The serving gate's lookup steps (`DraftState.lookup_only`): only rows with a match verify drafts, the model
-    sits them out and catches up on its next drafted round, outputs equal AR. After plain steps without upkeep the
-    lookup too sees every committed token (the catch-up's commit)."""
+    sits them out and catches up on its next drafted round, outputs equal AR. Steps without upkeep (plain and lookup
+    steps while the model is off) leave the model alone and tell only the lookup, which sees every committed token;
+    the model's catch-up takes every position it missed, also those of lookup steps that committed several."""
     target, drafter, vocab, recompute = case()
     hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
     assert hybrid.lookup_drafts and not drafter.lookup_drafts
@@ -270,3 +275,26 @@ def test_a_lookup_step_verifies_a_match_only_to_a_depth_its_acceptance_pays_for(
         assert any(t for t in hybrid.ngram.acceptance.trials if t)
     else:
         assert hybrid.lookup_rounds == 0 and verified == 0
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case], ids=["dfly", "mtp"])
+def test_sampled_outputs_do_not_depend_on_whether_lookup_steps_kept_the_models_context(case):
+    """At T > 0, lookup and plain steps without the model's upkeep choose and verify with the same noise keys as with
+    it, and the catch-up brings the rows' draft rounds to where upkeep would have: the same seed gives the same
+    tokens either way, and the model is asked for fewer rounds."""
+    target, drafter, vocab, _ = case()
+    lapsed = ["model", "lookoff", "off", "lookoff", "lookoff", "model", "lookoff", "plain", "model", "off"]
+    kept = [{"lookoff": "lookup", "off": "plain"}.get(kind, kind) for kind in lapsed]
+    outs, rounds = [], []
+    real = drafter.propose
+    for pattern in (lapsed, kept):
+        calls = []
+        drafter.propose = lambda state, _calls=calls: _calls.append(state.num_draft_tokens) or real(state)
+        hybrid = HybridDrafter(drafter, NGramDrafter(max_ngram=2), min_match=1)
+        engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=3, num_draft_tokens=3, seed=11))
+        engine.gate = ScriptedServing(pattern, 3)
+        reqs = requests(vocab, 5, 30, seed=5, sampling=lambda i: SamplingParams(temperature=0.9))
+        outs.append([r.token_ids for r in engine.generate(reqs)])
+        rounds.append(len(calls))
+        assert hybrid.lookup_rounds > 0
+    assert outs[0] == outs[1] and rounds[0] < rounds[1]

@@ -134,12 +134,14 @@ def test_no_drafted_probes_while_even_the_forecast_loses():
 
 def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
     """A plain step while drafting is on (a plain probe, the warm-up) keeps the drafter's context; one while it is off
-    keeps none (the engine runs an AR step and catches the drafter up when it drafts again); a gate that may take
-    lookup steps always keeps it."""
+    keeps none (the engine runs an AR step and catches the drafter up when it drafts again); so does a lookup step of a
+    gate with lookup steps (only the lookup's history takes its tokens)."""
     def upkeeps(gate, b, steps, accept):
         m, out = Machine(cpu_like, plain_cost, accept=accept), []
         for _ in range(steps):
             n = m.step(gate, b)
+            if gate.lookup_only:
+                n = -n  # (a lookup step: negative)
             out.append((n, gate.upkeep, gate.summary()[f"rows {b}-{b}"]["drafting"] if b == 1 else None))
         return out
 
@@ -150,7 +152,8 @@ def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
     plain = [keep for n, keep, _ in on[4:] if n == 0]
     assert plain and all(plain)  # the plain probes of a lane that drafts
     looked = upkeeps(ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, lookup=True), 1, 200, accept=0)
-    assert all(keep for _, keep, _ in looked)
+    assert all(keep for n, keep, _ in looked if n > 0) and all(keep == on for n, keep, on in looked if n <= 0)
+    assert sum(not keep for n, keep, _ in looked if n < 0) > 150
 
 
 def test_acceptance_changes_move_the_decision_within_a_request():

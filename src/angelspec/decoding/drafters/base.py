@@ -61,6 +61,9 @@ class DraftState:
     # True: propose only drafts that cost no model forward (n-gram lookup), none where there are none; asked only of
     # a drafter with `lookup_drafts` (the serving gate's lookup steps)
     lookup_only: bool = False
+    # With lookup_only: the model's context is left behind this round (a step without upkeep): the model is not
+    # asked for a round, the commit goes to `on_lookup_commit`, and the model catches up in `on_catch_up`
+    lapsed: bool = False
     # With lookup_only: what a step verifying d = 0..K drafts per row costs against one verifying none (the serving
     # gate's cost table). A row verifies its match to the depth expected to commit most tokens per unit of cost, and
     # none where no depth is expected to beat a plain step; () verifies every match to K.
@@ -245,6 +248,19 @@ class Drafter(ABC):
         positions may wait for the next `propose` that drafts (`PendingCommits`): until then the drafter holds the
         commits, and it must catch up before rows change (`prefill`, `reset_rows`) and drop them in `allocate`."""
 
+    def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
+        """(Drafters with `lookup_drafts`.) A step that left the model's context behind (the engine's steps without
+        upkeep: plain steps and lookup steps while the serving gate has the model off) committed `host_tokens` per
+        row (() for idle rows), after verifying `host_depths` lookup drafts (() or zeros: none): keep the lookup's
+        history current; the model gets these positions later, in `on_catch_up`."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
+
+    def on_catch_up(self, commit: Commit) -> None:
+        """Every position the steps without upkeep committed since the drafter's context stopped, in one commit after
+        a round of zero drafts (the engine's `Step._resync`; only for drafters with `context_from_commits`). Default:
+        `on_commit`. A drafter whose lookup took them already (`on_lookup_commit`) hands them to its model only."""
+        self.on_commit(commit)
+
     def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027
         """Requests left `rows`; their state may be dropped."""
 
@@ -341,6 +357,12 @@ class WrappedDrafter(Drafter):
 
     def on_commit(self, commit: Commit) -> None:
         self.inner.on_commit(commit)
+
+    def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
+        self.inner.on_lookup_commit(host_tokens, host_depths)
+
+    def on_catch_up(self, commit: Commit) -> None:
+        self.inner.on_catch_up(commit)
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         self.inner.reset_rows(rows)

@@ -261,7 +261,8 @@ class HybridDrafter(WrappedDrafter):
         where nothing is verified costs a plain step); the model's round is one of zero drafts (it catches up on its
         next drafted round)."""
         k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
-        self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
+        if not state.lapsed:
+            self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
         costs = state.lookup_costs[: k + 1]
         tokens = [[0] * k for _ in range(b)]
         lengths = [0] * b
@@ -294,6 +295,16 @@ class HybridDrafter(WrappedDrafter):
         self._sources, self._timing = {}, None
         self.inner.on_commit(commit)
         self.ngram.on_commit(commit)
+
+    def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
+        """A step that left the model behind: the lookup's history (and what it learns of the rows it drafted) takes
+        the tokens, the model waits for `on_catch_up`."""
+        self._sources, self._timing = {}, None
+        self.ngram.extend(host_tokens, host_depths)
+
+    def on_catch_up(self, commit: Commit) -> None:
+        """The positions the model missed: the lookup took them already (`on_lookup_commit`)."""
+        self.inner.on_catch_up(commit)
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         self.inner.reset_rows(rows)

@@ -162,8 +162,13 @@ class NGramDrafter(Drafter):
                         host_lengths=tuple(lengths))
 
     def on_commit(self, commit: Commit) -> None:
-        depths = commit.host_depths  # () from a caller that does not say (nothing is learned then)
-        for r, toks in enumerate(commit.host_tokens):
+        self.extend(commit.host_tokens, commit.host_depths)
+
+    def extend(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
+        """Each row's committed tokens into its history; a row that verified `host_depths[r]` drafts of a match
+        (`note_match`, or this drafter's own proposal) teaches `acceptance` what the target kept of them."""
+        depths = host_depths  # () from a caller that does not say (nothing is learned then)
+        for r, toks in enumerate(host_tokens):
             if toks:
                 self._extend(r, toks)
                 if self._matched[r] and depths and depths[r]:

@@ -56,6 +56,7 @@ class Slot:
     first_at: float = 0.0  # perf_counter() once the first token is on the host
     # the first position whose taps the drafter has not been given (steps without upkeep, `Step._bare`); None: none
     stale_from: int | None = None
+    stale_step: int = 0  # `steps` when stale_from was set: the drafter rounds the row has missed since
 
     def emit(self, new: Sequence[int]) -> None:
         """Append tokens until a stop token (kept) or max_new_tokens."""

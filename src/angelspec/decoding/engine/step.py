@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -76,13 +75,16 @@ class Step:
         # commits alone; a draft LM feeds its own cache on every round.
         self.may_lapse = drafter is not None and drafter.context_from_commits
         self._lapsed = False  # some row's drafter context stops before its committed tokens (`Slot.stale_from`)
-        self._held: list[Taps] = []  # the taps of each step without upkeep since the last catch-up (`_bare`)
+        # per step without upkeep since the last catch-up: its taps and, for a lookup step, the tokens each row
+        # committed (None: a plain step, one per row)
+        self._held: list[tuple[Taps, tuple[int, ...] | None]] = []
+        self._lens_stale = False  # plain steps without upkeep left `rows.seq_lens` behind the cache
 
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
             self.gate.begin(rows)
-        self._lapsed, self._held = False, []
+        self._lapsed, self._held, self._lens_stale = False, [], False
 
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
         """One token per active row from the plain decode forward."""
@@ -106,15 +108,22 @@ class Step:
         assert rows.cache is not None
         t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
         cap = k if gate is None else gate.choose_depth(len(rows.active_rows), k)  # drafts to verify, 0: a plain step
-        if not cap and self.may_lapse and not getattr(gate, "upkeep", True):
+        lookup = gate is not None and gate.lookup_only
+        lapse = self.may_lapse and not getattr(gate, "upkeep", True)  # a step without the drafter's upkeep
+        if lapse and not cap:
             self._bare(metrics, clock, t0, h0)
             return
-        if self._lapsed:  # drafting (or upkeep) resumes after steps without upkeep: the drafter catches up first
+        if lapse and not lookup:
+            raise RuntimeError("internal: a step the model drafts in must keep its context (the gate's upkeep)")
+        if self._lapsed and not lapse:  # drafting (or upkeep) resumes after steps without it: the drafter catches up
             h0 += self._resync()  # (what the gate times is the step; the catch-up depends on how long drafting was off)
         if not cap:
             self._plain(metrics, clock, t0, h0)
             return
-        proposal, state = self._draft(cap, gate is not None and gate.lookup_only)
+        if lapse and self._lens_stale:  # a lookup step after plain steps without upkeep: the rows' lengths first
+            rows.seq_lens = torch.where(rows.active, rows.cache.lengths + 1, rows.seq_lens)
+            self._lens_stale = False
+        proposal, state = self._draft(cap, lookup, lapse)
         protocol = self._protocol(proposal)  # refuses an unsafe proposal before any target work
         t1 = clock.mark()
         depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
@@ -125,7 +134,7 @@ class Step:
         if self.on_verify is not None:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=v.num_accepted,
                                        active=rows.active.clone()))
-        accepted, depths, on_commit = self._commit(v, taps, depth, old_len, clock)
+        accepted, depths, on_commit = self._commit(v, taps, depth, old_len, clock, lapse)
         metrics.record_verify(accepted, depths, protocol)
         t4 = clock.mark()
         if gate is not None:
@@ -169,50 +178,67 @@ class Step:
 
     def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
         """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does, and of the
-        drafter's upkeep only this: the forward's taps are held as they came (`_held`, one tuple a step). The drafter
-        is neither asked for a round nor told the commit, the rows' device `seq_lens` and `draft_round` are not
-        advanced; each row records where its drafter context stops (`Slot.stale_from`), and the next step that drafts
-        (or keeps the context) first hands the drafter every missed position in one commit (`_resync`). The token is
-        chosen as `_plain` chooses it (the cache length after the forward is the row's committed length before it: the
-        same noise key)."""
+        drafter's upkeep only this: the forward's taps are held as they came (`_hold`, one tuple a step). The drafter
+        is neither asked for a round nor told the commit (a drafter with lookup drafts: only its lookup, through
+        `on_lookup_commit`), the rows' device `seq_lens` and `draft_round` are not advanced; each row records where its
+        drafter context stops (`Slot.stale_from`), and the next step that drafts (or keeps the context) first hands
+        the drafter every missed position in one commit (`_resync`). A lookup step while drafting is off lapses the
+        same way (`_commit` with `lapse`). The token is chosen as `_plain` chooses it (the cache length after the
+        forward is the row's committed length before it: the same noise key)."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
-        assert cache is not None and gate is not None
+        assert cache is not None and gate is not None and self.drafter is not None
         logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
         rows.last = choose(logits[:, 0], rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
-        if taps:  # a CUDA graph's outputs are its own memory, overwritten by its next replay: keep a copy
-            self._held.append(tuple(t.clone() for t in taps) if self.forwards.cuda_graphs else taps)
-        for r in rows.active_rows:
-            slot = rows.slots[r]
-            assert slot is not None
-            if slot.stale_from is None:
-                slot.stale_from = slot.seq_len - 1  # the input token's position: its taps are the first missed
-        self._lapsed = True
-        rows.emit([(t,) for t in host])
+        self._hold(taps, None)
+        self._lens_stale = True
+        if self.drafter.lookup_drafts:  # the lookup's history stays current (its lookup steps read it)
+            host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
+            for r in rows.active_rows:
+                host_tokens[r] = (host[r],)
+            rows.emit(host_tokens)
+            self.drafter.on_lookup_commit(host_tokens)
+        else:
+            rows.emit([(t,) for t in host])
         metrics.record_decode(len(rows.active_rows))
         metrics.skipped_steps += 1
         gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()))
 
+    def _hold(self, taps: Taps, counts: tuple[int, ...] | None) -> None:
+        """A step without upkeep, before its `emit`: hold its taps (`counts`: each row's committed tokens, None for a
+        plain step's one a row) and mark where each active row's drafter context stops (`Slot.stale_from`)."""
+        if taps:  # a CUDA graph's outputs are its own memory, overwritten by its next replay: keep a copy
+            self._held.append((tuple(t.clone() for t in taps) if self.forwards.cuda_graphs else taps, counts))
+        rows = self.rows
+        for r in rows.active_rows:
+            slot = rows.slots[r]
+            assert slot is not None
+            if slot.stale_from is None:  # the input token's position: its taps are the first missed
+                slot.stale_from, slot.stale_step = slot.seq_len - 1, slot.steps
+        self._lapsed = True
+
     def _resync(self) -> float:
         """Hand the drafter every committed position it missed during steps without upkeep, as one commit after a
-        round of zero drafts (the contract of a drafter whose context comes from commits): per row, its missed
-        positions' taps (the last of the held steps' taps: a row is active in every step since it lapsed, each
-        committing one token) and their next tokens; and the rows' device state caught up -> the seconds it took."""
+        round of zero drafts (the contract of a drafter whose context comes from commits, `Drafter.on_catch_up`):
+        per row, its missed positions' taps (its last committed positions across the held steps: a row is active in
+        every step since it lapsed) and their next tokens; and the rows' device state caught up -> the seconds it
+        took."""
         start = time.perf_counter()
         rows, drafter = self.rows, self.drafter
         cache = rows.cache
         assert cache is not None and drafter is not None
-        held, self._held, self._lapsed = self._held, [], False
+        held, self._held, self._lapsed, self._lens_stale = self._held, [], False, False
         b = cache.batch_size
-        gaps, host_tokens = [0] * b, [()] * b
+        gaps, missed, host_tokens = [0] * b, [0] * b, [()] * b
         for r in rows.active_rows:
             slot = rows.slots[r]
             assert slot is not None
             if slot.stale_from is not None:
                 gaps[r] = slot.seq_len - 1 - slot.stale_from
+                missed[r] = slot.steps - slot.stale_step
                 host_tokens[r] = tuple(slot.tokens[len(slot.tokens) - gaps[r]:])  # positions stale_from + 1 ..
                 slot.stale_from = None
         width = max(gaps)
@@ -221,48 +247,68 @@ class Step:
         dev = cache.device
         gap = torch.tensor(gaps, dtype=torch.int64, device=dev)  # [B] missed positions per row
         rows.seq_lens = torch.where(rows.active, cache.lengths + 1, rows.seq_lens)
-        rows.draft_round += gap  # one round per step without upkeep, as `_plain` counts them
+        rows.draft_round += torch.tensor(missed, dtype=torch.int64, device=dev)  # one round per step missed
         drafter.propose(self._state(0, deterministic=True))
         taps: Taps = ()
         if held:
-            n = len(held)
-            if width > n:
-                raise RuntimeError(f"internal: {width} positions to catch up but {n} steps' taps held")
-            # row r's positions are the last gaps[r] held steps: index n - gaps[r] + j, left-aligned (clamped padding)
-            index = (n - gap)[:, None] + torch.arange(width, device=dev)  # [B, G]
-            index = index.clamp(max=n - 1)
-            taps = tuple(torch.cat([h[i] for h in held], dim=1).gather(  # [B, n, D] -> [B, G, D]
-                1, index[:, :, None].expand(-1, -1, held[0][i].shape[-1])) for i in range(len(held[0])))
+            index = self._held_index(held, gaps, gap, width)  # [B, G] into the held steps' taps joined on dim 1
+            taps = tuple(torch.cat([h[i] for h, _ in held], dim=1).gather(  # [B, sum T, D] -> [B, G, D]
+                1, index[:, :, None].expand(-1, -1, held[0][0][i].shape[-1])) for i in range(len(held[0][0])))
         committed = torch.tensor([list(t) + [PLACEHOLDER_TOKEN_ID] * (width - len(t)) for t in host_tokens],
                                  dtype=torch.int64, device=dev)  # [B, G]
-        drafter.on_commit(Commit(tokens=committed, num_accepted=(gap - 1).clamp(min=0), seq_lens=rows.seq_lens,
-                                 active=gap > 0, host_tokens=tuple(host_tokens), target_hidden=taps,
-                                 host_depths=(0,) * b))
+        drafter.on_catch_up(Commit(tokens=committed, num_accepted=(gap - 1).clamp(min=0), seq_lens=rows.seq_lens,
+                                   active=gap > 0, host_tokens=tuple(host_tokens), target_hidden=taps,
+                                   host_depths=(0,) * b))
         return time.perf_counter() - start
 
-    def _draft(self, cap: int, lookup: bool = False) -> tuple[Proposal, DraftState]:
+    @staticmethod
+    def _held_index(held: list[tuple[Taps, tuple[int, ...] | None]], gaps: list[int], gap: Tensor, width: int
+                    ) -> Tensor:
+        """Where each row's last gaps[r] committed positions lie in the held steps' taps joined on dim 1 -> [B, G],
+        left-aligned (padding repeats a valid index). Plain steps only (one position a row each): on the device."""
+        n = len(held)
+        if all(counts is None for _, counts in held):
+            if width > n:
+                raise RuntimeError(f"internal: {width} positions to catch up but {n} steps' taps held")
+            return ((n - gap)[:, None] + torch.arange(width, device=gap.device)).clamp(max=n - 1)
+        rows = []
+        for r, g in enumerate(gaps):
+            flat, offset = [], 0
+            for taps, counts in held:
+                flat.extend(range(offset, offset + (1 if counts is None else counts[r])))
+                offset += taps[0].shape[1]
+            if g > len(flat):
+                raise RuntimeError(f"internal: {g} positions of row {r} to catch up but {len(flat)} held")
+            mine = flat[len(flat) - g:] if g else [0]
+            rows.append(mine + [mine[-1]] * (width - len(mine)))
+        return torch.tensor(rows, dtype=torch.int64, device=gap.device)
+
+    def _draft(self, cap: int, lookup: bool = False, lapse: bool = False) -> tuple[Proposal, DraftState]:
         """The drafter's proposal of `cap` > 0 drafts per row (`lookup`: the serving gate's lookup step, only the
         drafts that cost no model forward, `DraftState.lookup_only`).
 
         Compiled, a drafter's step is specialised on its number of drafts (an unrolled loop): asked for each depth
         the gate picks, it would compile a graph per depth in the middle of timed decoding. So under compile it
-        drafts all K and `_select` verifies the first `cap` (a prefix of the drafts: exact at any temperature)."""
+        drafts all K and `_select` verifies the first `cap` (a prefix of the drafts: exact at any temperature).
+        `lapse`: a lookup step without the model's upkeep (`DraftState.lapsed`)."""
         assert self.drafter is not None and self.rows.cache is not None
         asked = self.k if self.forwards.compiled and not lookup else cap  # (a lookup step runs no graph)
-        state = self._state(asked, deterministic=self.uses_proposal, lookup=lookup)
-        if lookup and self.gate is not None and self.gate.lookup_costs:
-            state = replace(state, lookup_costs=self.gate.lookup_costs)
+        state = self._state(asked, deterministic=self.uses_proposal, lookup=lookup, lapse=lapse)
         proposal = self.drafter.propose(state)
         proposal.check(self.rows.cache.batch_size, asked, self.vocab_size)
         return proposal, state
 
-    def _state(self, num_draft_tokens: int, *, deterministic: bool, lookup: bool = False) -> DraftState:
-        """What the drafter reads this round: the rows' state, asking for `num_draft_tokens` drafts each."""
+    def _state(self, num_draft_tokens: int, *, deterministic: bool, lookup: bool = False, lapse: bool = False
+               ) -> DraftState:
+        """What the drafter reads this round: the rows' state, asking for `num_draft_tokens` drafts each (`lookup`:
+        the gate's lookup step, with its costs; `lapse`: without the model's upkeep)."""
         rows = self.rows
         return DraftState(last_tokens=rows.last, seq_lens=rows.seq_lens, active=rows.active,
                           active_rows=rows.active_rows, sampling=rows.sampling, draft_round=rows.draft_round,
                           num_draft_tokens=num_draft_tokens, deterministic=deterministic, all_greedy=rows.all_greedy,
-                          seq_len_bound=rows.seq_len_bound(), lookup_only=lookup)
+                          seq_len_bound=rows.seq_len_bound(), lookup_only=lookup,
+                          lookup_costs=self.gate.lookup_costs if lookup and self.gate is not None else (),
+                          lapsed=lapse)
 
     def _select(self, proposal: Proposal, state: DraftState, cap: int) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified
@@ -363,11 +409,13 @@ class Step:
         assert proposal.probs is not None  # _protocol checked it
         return verify_speculative(drafts, proposal.probs[:, :width], probs, depth, s.seeds, seq_lens)
 
-    def _commit(self, v: VerifyOutput, taps: Taps, depth: Tensor, old_len: Tensor | None, clock: PhaseClock
-                ) -> tuple[list[int], list[int], tuple[object, object]]:
+    def _commit(self, v: VerifyOutput, taps: Taps, depth: Tensor, old_len: Tensor | None, clock: PhaseClock,
+                lapse: bool = False) -> tuple[list[int], list[int], tuple[object, object]]:
         """Keep each active row's accepted drafts and the target's token: roll the cache back to them (trap 4), move
         the rows' state on, emit on the host, tell the drafter. old_len [B]: cache lengths before the forward, None
-        when it verified no drafts -> (accepted, depths) per active row, and the span of the drafter's on_commit."""
+        when it verified no drafts; `lapse`: a lookup step without the model's upkeep (its taps are held, the
+        rows' `draft_round` waits for the catch-up, only the lookup is told) -> (accepted, depths) per active row, and
+        the span of the drafter's on_commit."""
         rows = self.rows
         cache, acc, width = rows.cache, v.num_accepted, v.tokens.shape[1] - 1
         assert cache is not None and self.drafter is not None
@@ -387,6 +435,13 @@ class Step:
             for r in rows.active_rows:
                 host_tokens[r] = tuple(payload[r][: payload[r][width + 1] + 1])
                 host_depths[r] = payload[r][width + 2]
+        if lapse:
+            self._hold(taps, tuple(len(t) for t in host_tokens))
+            rows.emit(host_tokens)
+            t = clock.mark()
+            self.drafter.on_lookup_commit(host_tokens, host_depths)
+            accepted = [len(host_tokens[r]) - 1 for r in rows.active_rows]
+            return accepted, [host_depths[r] for r in rows.active_rows], (t, clock.mark())
         rows.draft_round += rows.active_long
         rows.emit(host_tokens)
         t = clock.mark()

@@ -276,8 +276,9 @@ class ServingGate:
     Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
     off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps, and the next step
-    that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). A gate
-    that may take lookup steps here keeps the upkeep: they alternate with plain steps, and each would catch up.
+    that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). The same
+    holds for lookup steps while drafting is off: only the lookup's history takes their tokens, the model catches up
+    on its next drafted step.
 
     The gate lives as long as its policy (`AutoDepth.make_gate`): a server's engines share what it measured.
 
@@ -390,7 +391,7 @@ class ServingGate:
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
             depth = self._base_step(lane, num_active)
-        self.upkeep = depth > 0 or lane.on or self._lookup_here()
+        self.upkeep = (depth > 0 and not self.lookup_only) or lane.on
         return depth
 
     def _lookup_here(self) -> bool:
@@ -443,10 +444,12 @@ class ServingGate:
         return 1.0 / (lane.real_s * self._plain_unit(num_active)) if lane.real_n else forecast
 
     def _base_rate(self, lane: _Lane, num_active: int) -> float:
-        """Tokens per row per second of the step that runs while the model does not draft: a plain step, or a lookup
-        step where those were measured faster."""
+        """Tokens per row per second that the model's drafted steps must beat: a plain step's, or with lookup steps
+        (which run instead of plain ones while the model does not draft) the better of the two once both are
+        measured (a lookup step whose rows verify nothing is a plain step, and its rows verify matches only where they
+        are expected to pay, so a lookup rate below the plain one is not the model's to beat)."""
         plain, looked = self._plain_and_lookup_rates(lane, num_active)
-        return looked if self._lookup_here() and lane.look_n >= self.warmup else plain
+        return max(plain, looked) if self._lookup_here() and lane.look_n >= self.warmup else plain
 
     def _plain_and_lookup_rates(self, lane: _Lane, num_active: int) -> tuple[float, float]:
         """Tokens per row per second of a plain and of a lookup step as measured (0.0 for a kind not measured)."""
