@@ -403,6 +403,24 @@ def test_a_lookup_gate_runs_lookup_steps_with_the_tables_costs_while_the_model_l
     assert ServingGate(K, lookup=True).lookup_costs == ()
 
 
+def test_a_lookup_lane_with_nothing_measured_starts_from_its_neighbours_lookup_rates():
+    """Rows leave a lookup engine (`lookup_rows` = 4) and the batch drains into buckets with nothing measured: each
+    starts from the nearest bucket's measurements, lookup steps included, so it runs lookup steps at once (no
+    warm-up of its own at the end of a run)."""
+    gate = ServingGate(K, cost=cpu_like, lookup=True, lookup_rows=4)
+    gate.begin(4)
+    for _ in range(40):
+        n = gate.choose_depth(4, K)
+        seconds = plain_cost(4) * (1.2 if gate.lookup_only else 1.0) if not n or gate.lookup_only \
+            else cpu_like(4, 4 * (n + 1))
+        gate.observe_step(4, n, seconds, [1 if gate.lookup_only else 0] * 4, [n] * 4)
+    assert gate.lookup_only
+    for b in (2, 1):
+        n = gate.choose_depth(b, K)
+        assert gate.lookup_only and n == gate.lookup_depth
+        assert gate.summary()[f"rows {b}-{b}"]["lookup_rate"] > 0
+
+
 def test_lookup_steps_run_only_in_engines_of_one_row_by_default():
     """Rows that fall out of step cost every later step (longer attention, split prefills), which a lookup step's own
     timing cannot show: in an engine of several cache rows the gate chooses between plain and model steps only."""

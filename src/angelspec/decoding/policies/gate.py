@@ -523,7 +523,7 @@ class ServingGate:
         if not lane.plain_n:
             lane.plain_s, lane.plain_n = d.plain_s, self.warmup
         if not lane.look_n and d.look_n:
-            lane.look_s, lane.look_n, lane.base_look = d.look_s, d.look_n, d.base_look
+            lane.look_s, lane.look_n = d.look_s, d.look_n
             lane.look_tok, lane.look_seen = d.look_tok, d.look_seen
         lane.on = d.on
 
