@@ -421,19 +421,17 @@ def test_a_lookup_lane_with_nothing_measured_starts_from_its_neighbours_lookup_r
         assert gate.summary()[f"rows {b}-{b}"]["lookup_rate"] > 0
 
 
-def test_lookup_steps_run_only_in_engines_of_one_row_by_default():
+@pytest.mark.parametrize(("rows", "lookup"), [(8, False), (16, False), (4, True), (1, True)])
+def test_lookup_steps_run_only_in_engines_of_at_most_four_rows_by_default(rows, lookup):
     """Rows that fall out of step cost every later step (longer attention, split prefills), which a lookup step's own
-    timing cannot show: in an engine of several cache rows the gate chooses between plain and model steps only."""
+    timing cannot show: in an engine of more than four cache rows the gate chooses between plain and model steps
+    only."""
     gate = ServingGate(K, cost=cpu_like, lookup=True)
-    gate.begin(16)
-    for _ in range(50):
-        n = gate.choose_depth(16, K)
-        assert not gate.lookup_only
-        gate.observe_step(16, n, cpu_like(16, 16 * (n + 1)) if n else plain_cost(16), [0] * 16 if n else [], [n] * 16)
-    gate.begin(1)
+    gate.begin(rows)
     seen = set()
-    for _ in range(20):
-        n = gate.choose_depth(1, K)
+    for _ in range(50):
+        n = gate.choose_depth(rows, K)
         seen.add(gate.lookup_only)
-        gate.observe_step(1, n, plain_cost(1), [1 if gate.lookup_only else 0] if n else [], [n])
-    assert True in seen
+        seconds = plain_cost(rows) if not n or gate.lookup_only else cpu_like(rows, rows * (n + 1))
+        gate.observe_step(rows, n, seconds, [1 if gate.lookup_only else 0] * rows if n else [], [n] * rows)
+    assert (True in seen) == lookup

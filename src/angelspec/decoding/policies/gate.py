@@ -289,7 +289,7 @@ class ServingGate:
     cost: Callable[[int, int], float] | None = None  # the step-cost table C(B, N) (budget.CostModel)
     lookup: bool = False  # the drafter can draft by lookup alone (`Drafter.lookup_drafts`): lookup steps are a choice
     lookup_depth: int = 4  # drafts a lookup step verifies at most (each verified position costs the target)
-    lookup_rows: int = 1  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
+    lookup_rows: int = 4  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
     warmup: int = 2
     hysteresis: float = 0.1
     confident: float = 0.25
@@ -400,7 +400,8 @@ class ServingGate:
         step attends over the longest row, and requests finish and join one or two at a time, in more prefills. The
         steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones in their own timing,
         while n-gram lookup lost to AR end to end (0.73x in `angelspec bench`; `benchmarks/batch_alignment.py`
-        measures both costs)."""
+        measures both costs). In `angelspec bench` on that CPU, n-gram lookup at every step ran 1.2x / 1.0-1.06x /
+        0.82-0.85x AR's throughput at 2 / 4 / 8 concurrent requests, hence 4."""
         return self.lookup and self._rows <= self.lookup_rows
 
     def _decide(self, num_active: int) -> int:
