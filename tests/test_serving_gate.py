@@ -388,7 +388,7 @@ def test_a_lookup_gate_runs_lookup_steps_with_the_tables_costs_while_the_model_l
         kind = "lookup" if gate.lookup_only else "model" if n else "plain"
         kinds.append(kind)
         if kind == "lookup":
-            assert n == gate.lookup_depth
+            assert n == K
             assert gate.lookup_costs == pytest.approx([cpu_like(1, d + 1) / cpu_like(1, 1) for d in range(n + 1)])
             seconds, accepted = plain_cost(1) * 1.1, [round(look_tokens - 1) if i % 2 else 0]
         elif kind == "model":
@@ -417,7 +417,7 @@ def test_a_lookup_lane_with_nothing_measured_starts_from_its_neighbours_lookup_r
     assert gate.lookup_only
     for b in (2, 1):
         n = gate.choose_depth(b, K)
-        assert gate.lookup_only and n == gate.lookup_depth
+        assert gate.lookup_only and n == K
         assert gate.summary()[f"rows {b}-{b}"]["lookup_rate"] > 0
 
 
