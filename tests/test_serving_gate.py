@@ -421,11 +421,11 @@ def test_a_lookup_lane_with_nothing_measured_starts_from_its_neighbours_lookup_r
         assert gate.summary()[f"rows {b}-{b}"]["lookup_rate"] > 0
 
 
-@pytest.mark.parametrize(("rows", "lookup"), [(8, False), (16, False), (4, True), (1, True)])
-def test_lookup_steps_run_only_in_engines_of_at_most_four_rows_by_default(rows, lookup):
+@pytest.mark.parametrize(("rows", "lookup"), [(4, False), (16, False), (2, True), (1, True)])
+def test_lookup_steps_run_only_in_engines_of_at_most_two_rows_by_default(rows, lookup):
     """Rows that fall out of step cost every later step (longer attention, split prefills), which a lookup step's own
-    timing cannot show: in an engine of more than four cache rows the gate chooses between plain and model steps
-    only."""
+    timing cannot show, and a row that matches nothing waits for the others' verifies: in an engine of more than two
+    cache rows the gate chooses between plain and model steps only."""
     gate = ServingGate(K, cost=cpu_like, lookup=True)
     gate.begin(rows)
     seen = set()

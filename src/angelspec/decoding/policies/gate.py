@@ -291,7 +291,7 @@ class ServingGate:
     # drafts a lookup step verifies at most (None: K); each row verifies its match only as deep as that match length's
     # measured acceptance pays for (`HybridDrafter`), so a cap only bounds what it may try
     lookup_depth: int | None = None
-    lookup_rows: int = 4  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
+    lookup_rows: int = 2  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
     warmup: int = 2
     hysteresis: float = 0.1
     confident: float = 0.25
@@ -403,7 +403,9 @@ class ServingGate:
         steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones in their own timing,
         while n-gram lookup lost to AR end to end (0.73x in `angelspec bench`; `benchmarks/batch_alignment.py`
         measures both costs). In `angelspec bench` on that CPU, n-gram lookup at every step ran 1.2x / 1.0-1.06x /
-        0.82-0.85x AR's throughput at 2 / 4 / 8 concurrent requests, hence 4."""
+        0.82-0.85x AR's throughput at 2 / 4 / 8 concurrent requests, and `auto` with lookup steps at 4 rows 1.03x
+        AR's throughput with a p95 time per output token 1.34x AR's (a row that matches nothing waits for the others'
+        verifies), at 2 rows 1.19x with 1.13x: hence 2."""
         return self.lookup and self._rows <= self.lookup_rows
 
     def _decide(self, num_active: int) -> int:
