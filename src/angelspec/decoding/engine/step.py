@@ -107,6 +107,8 @@ class Step:
         rows, k, gate = self.rows, self.k, self.gate
         assert rows.cache is not None
         t0, h0 = clock.mark(), time.perf_counter()  # h0: host time, what the gate weighs
+        if isinstance(gate, ServingGate):
+            gate.greedy = rows.all_greedy  # (lookup steps only for greedy rows)
         cap = k if gate is None else gate.choose_depth(len(rows.active_rows), k)  # drafts to verify, 0: a plain step
         lookup = gate is not None and gate.lookup_only
         lapse = self.may_lapse and not getattr(gate, "upkeep", True)  # a step without the drafter's upkeep

@@ -315,6 +315,8 @@ class ServingGate:
     # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
     # context (class docstring, "Upkeep")
     upkeep: bool = field(default=True, init=False)
+    # every active row decodes greedily this step (the engine sets it before `choose_depth`): lookup steps only then
+    greedy: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -405,8 +407,12 @@ class ServingGate:
         measures both costs). In `angelspec bench` on that CPU, n-gram lookup at every step ran 1.2x / 1.0-1.06x /
         0.82-0.85x AR's throughput at 2 / 4 / 8 concurrent requests, and `auto` with lookup steps at 4 rows 1.03x
         AR's throughput with a p95 time per output token 1.34x AR's (a row that matches nothing waits for the others'
-        verifies), at 2 rows 1.19x with 1.13x: hence 2."""
-        return self.lookup and self._rows <= self.lookup_rows
+        verifies), at 2 rows 1.19x with 1.13x: hence 2.
+
+        And only while every row decodes greedily (`greedy`): sampled, the target kept few lookup drafts (MAL
+        1.03-1.05 at T = 0.8 on the eval prompts) and a sampled verify costs more than the table's greedy one, so
+        `auto` with lookup steps ran 0.91-0.92x AR at two rows, where plain steps ran 1.0x."""
+        return self.lookup and self.greedy and self._rows <= self.lookup_rows
 
     def _decide(self, num_active: int) -> int:
         """The model's depth this step, or 0 for the base step (plain, or lookup: `_base_step`)."""
