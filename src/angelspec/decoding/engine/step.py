@@ -437,18 +437,17 @@ class Step:
             for r in rows.active_rows:
                 host_tokens[r] = tuple(payload[r][: payload[r][width + 1] + 1])
                 host_depths[r] = payload[r][width + 2]
-        if lapse:
+        if lapse:  # (before `emit`: where each row's context stops)
             self._hold(taps, tuple(len(t) for t in host_tokens))
-            rows.emit(host_tokens)
-            t = clock.mark()
-            self.drafter.on_lookup_commit(host_tokens, host_depths)
-            accepted = [len(host_tokens[r]) - 1 for r in rows.active_rows]
-            return accepted, [host_depths[r] for r in rows.active_rows], (t, clock.mark())
-        rows.draft_round += rows.active_long
+        else:
+            rows.draft_round += rows.active_long
         rows.emit(host_tokens)
         t = clock.mark()
-        self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=rows.seq_lens, active=rows.active,
-                                      host_tokens=tuple(host_tokens), target_hidden=taps,
-                                      host_depths=tuple(host_depths)))
+        if lapse:
+            self.drafter.on_lookup_commit(host_tokens, host_depths)
+        else:
+            self.drafter.on_commit(Commit(tokens=v.tokens, num_accepted=acc, seq_lens=rows.seq_lens,
+                                          active=rows.active, host_tokens=tuple(host_tokens), target_hidden=taps,
+                                          host_depths=tuple(host_depths)))
         accepted = [len(host_tokens[r]) - 1 for r in rows.active_rows]
         return accepted, [host_depths[r] for r in rows.active_rows], (t, clock.mark())
