@@ -36,7 +36,7 @@ from angelspec.eval.serving.sweep import serving_workload, workload_requests
 class AlwaysPlain:
     """A gate that never drafts; `upkeep` as given. The run's last step drafts (one draft: the catch-up runs once)."""
 
-    lookup_only = False
+    lookup_only = lookup_engine = measure_only = False
 
     def __init__(self, upkeep: bool, steps: int) -> None:
         self.upkeep, self.steps, self.calls = upkeep, steps, 0

@@ -889,6 +889,33 @@ def test_a_compiled_engine_compiles_its_verify_graphs_up_front_for_any_cache_cap
     assert hist[k] > 0 and sum(hist[:k]) > 0  # full-depth and shallower rows: the dense and the packed graph
 
 
+def test_a_new_compiled_engine_over_a_warmed_target_runs_no_warm_up_forwards(monkeypatch):
+    """The step graphs an engine warmed up are dynamo's, shared by every engine over the same target: the next engine
+    (a server's for another batch shape, a benchmark's next run) neither runs the warm-up's forwards again (they would
+    be timed as part of its run) nor compiles anything; an engine over another target warms its own."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_decoder(seed=11)
+    rng = random.Random(3)
+    reqs = [Request([rng.randrange(V) for _ in range(4)] * 3, max_new_tokens=12, stop_ids=()) for _ in range(4)]
+    config = EngineConfig(max_batch_size=4, num_draft_tokens=3, compile=True, max_seq_len=40)
+    SpecEngine(target, NGramDrafter(), config).generate(reqs)
+    compiled = counters["frames"]["ok"]
+    second = SpecEngine(target, NGramDrafter(), config)
+    assert second.forwards.warmed == {(2, "plain"), (2, "greedy")}
+    calls = []
+    with torch.inference_mode():  # (as in `generate`: a cache made outside it would guard differently)
+        cache = second.rows.setup(4, 40)
+        monkeypatch.setattr(cache, "reset", lambda: calls.append(1))  # the warm-up empties the cache after a forward
+        second.forwards.warm_up(cache, 3, greedy=True, sampled=False, packed=True)
+    assert not calls
+    monkeypatch.undo()
+    out = second.generate(reqs)
+    assert counters["frames"]["ok"] == compiled
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert SpecEngine(tiny_decoder(seed=12), NGramDrafter(), config).forwards.warmed == set()
+
+
 def test_at_batch_1_a_step_without_drafts_runs_compiled_and_compiles_nothing_mid_run(target, greedy_case, monkeypatch):
     """Batch 1, compile=True: a step where the drafter proposes nothing (n-gram without a match, a gate-skipped
     step) runs the compiled one-token verify forward, not an eager one (that made n-gram's no-match steps cost an

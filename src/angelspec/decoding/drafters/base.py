@@ -252,13 +252,16 @@ class Drafter(ABC):
         """(Drafters with `lookup_drafts`.) A step that left the model's context behind (the engine's steps without
         upkeep: plain steps and lookup steps while the serving gate has the model off) committed `host_tokens` per
         row (() for idle rows), after verifying `host_depths` lookup drafts (() or zeros: none): keep the lookup's
-        history current; the model gets these positions later, in `on_catch_up`."""
+        history current; the model gets these positions later, in `on_catch_up`. Called only in engines that may run
+        lookup steps (`ServingGate.lookup_engine`); elsewhere the lookup's history lapses with the model's context and
+        `on_catch_up` brings both up to date."""
         raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
 
     def on_catch_up(self, commit: Commit) -> None:
         """Every position the steps without upkeep committed since the drafter's context stopped, in one commit after
         a round of zero drafts (the engine's `Step._resync`; only for drafters with `context_from_commits`). Default:
-        `on_commit`. A drafter whose lookup took them already (`on_lookup_commit`) hands them to its model only."""
+        `on_commit`. A drafter with lookup drafts hands them to its model, and to its lookup where the lookup's
+        history lapsed too (only steps of engines that may run lookup steps call `on_lookup_commit`)."""
         self.on_commit(commit)
 
     def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027

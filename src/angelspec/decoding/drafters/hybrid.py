@@ -303,7 +303,9 @@ class HybridDrafter(WrappedDrafter):
         self.ngram.extend(host_tokens, host_depths)
 
     def on_catch_up(self, commit: Commit) -> None:
-        """The positions the model missed: the lookup took them already (`on_lookup_commit`)."""
+        """The positions the model missed; the lookup takes those it has not seen (an engine that runs no lookup steps
+        leaves its history behind too; one that does kept it current, `on_lookup_commit`)."""
+        self.ngram.catch_up(commit.host_tokens, commit.seq_lens.tolist())
         self.inner.on_catch_up(commit)
 
     def reset_rows(self, rows: Sequence[int]) -> None:

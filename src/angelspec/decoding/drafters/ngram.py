@@ -175,6 +175,16 @@ class NGramDrafter(Drafter):
                     self.acceptance.observe(self._matched[r], depths[r], len(toks) - 1)
             self._matched[r] = 0
 
+    def catch_up(self, host_tokens: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
+        """Rows whose history stops short of their committed length `seq_lens[r]` take the missing tail of
+        `host_tokens[r]` (their last committed tokens); rows that are current are left as they are."""
+        for r, toks in enumerate(host_tokens):
+            missing = seq_lens[r] - len(self._hist[r]) if toks else 0
+            if missing > len(toks):
+                raise RuntimeError(f"internal: row {r}'s lookup history misses {missing} tokens, {len(toks)} given")
+            if missing > 0:
+                self._extend(r, toks[len(toks) - missing:])
+
     def reset_rows(self, rows: Sequence[int]) -> None:
         for r in rows:
             self._hist[r], self._index[r] = [], {}

@@ -17,6 +17,7 @@ one list of compiled graphs per function, and checks their guards in turn on eve
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Literal
 
@@ -38,17 +39,25 @@ VARIANTS: dict[str, tuple[str, Literal["ar", "spec"]]] = {
     "packed_verify": ("packed verify forward", "spec"),
     "greedy_packed_verify": ("packed greedy verify step", "spec"),
 }
+# What `TargetForwards.warm_up` ran, per target and taps: the compiled graphs live in dynamo's cache, per function
+# and guarded on shapes (duck sizing off: any cache capacity), which every engine over the same target shares; a new
+# engine (one per batch shape in a server, one per run in a benchmark) need not run them again, which would cost a
+# few verify forwards at the start of every run. (Not with CUDA graphs: those are recorded on an engine's own cache
+# buffers, so each engine warms its own.)
+_WARMED: weakref.WeakKeyDictionary[Decoder, dict[tuple[int, ...], set[tuple[int, str]]]] = weakref.WeakKeyDictionary()
 
 
 class TargetForwards:
     """`VARIANTS` over one target; with compile, each variant the engine runs is replaced by its compiled twin
     (`compiled.try_compile`, captured as CUDA graphs when cuda_graphs). `warmed` records which step graphs `warm_up`
-    compiled: (batch kind: 1, or 2 for larger batches; "plain" / "greedy" / "sampled")."""
+    compiled: (batch kind: 1, or 2 for larger batches; "plain" / "greedy" / "sampled"), shared by every engine over
+    the same target with the same taps (their compiled graphs are the same), without CUDA graphs."""
 
     def __init__(self, target: Decoder, taps: tuple[int, ...], *, speculative: bool, compile: bool,
                  cuda_graphs: bool) -> None:
         self.target, self.taps, self.compiled, self.cuda_graphs = target, taps, compile, cuda_graphs
-        self.warmed: set[tuple[int, str]] = set()
+        self.warmed: set[tuple[int, str]] = set() if cuda_graphs else _WARMED.setdefault(target, {}).setdefault(taps,
+                                                                                                             set())
         mode = "spec" if speculative else "ar"
         for name, (what, used_by) in VARIANTS.items():
             if compile and used_by == mode:

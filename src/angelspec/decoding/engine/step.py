@@ -136,10 +136,21 @@ class Step:
         if self.on_verify is not None:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=v.num_accepted,
                                        active=rows.active.clone()))
+        measured: tuple[list[int], list[int]] | None = None
+        if gate is not None and gate.measure_only and width:
+            # A probe while drafting is off: what the rows accepted goes to the gate, and one token a row is committed
+            # (the first verified one, the target's own token at that position: exact at any temperature), so the rows
+            # stay in step as plain steps keep them; the drafter learns nothing of drafts it was not credited with.
+            # (One more host sync, on probes only.)
+            acc, verified = torch.stack([v.num_accepted, depth]).tolist()
+            measured = [acc[r] for r in rows.active_rows], [verified[r] for r in rows.active_rows]
+            v, depth = VerifyOutput(v.tokens, torch.zeros_like(v.num_accepted)), torch.zeros_like(depth)
         accepted, depths, on_commit = self._commit(v, taps, depth, old_len, clock, lapse)
         metrics.record_verify(accepted, depths, protocol)
         t4 = clock.mark()
         if gate is not None:
+            if measured is not None:
+                accepted, depths = measured
             gate.observe_step(len(rows.active_rows), cap, time.perf_counter() - h0, accepted, depths)
         clock.step(metrics, draft=(t0, t1), select=(t1, t2), verify=(t2, t3), commit=(t3, t4), on_commit=on_commit)
 
@@ -181,12 +192,12 @@ class Step:
     def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
         """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does, and of the
         drafter's upkeep only this: the forward's taps are held as they came (`_hold`, one tuple a step). The drafter
-        is neither asked for a round nor told the commit (a drafter with lookup drafts: only its lookup, through
-        `on_lookup_commit`), the rows' device `seq_lens` and `draft_round` are not advanced; each row records where its
-        drafter context stops (`Slot.stale_from`), and the next step that drafts (or keeps the context) first hands
-        the drafter every missed position in one commit (`_resync`). A lookup step while drafting is off lapses the
-        same way (`_commit` with `lapse`). The token is chosen as `_plain` chooses it (the cache length after the
-        forward is the row's committed length before it: the same noise key)."""
+        is neither asked for a round nor told the commit (a drafter with lookup drafts, in an engine that may run lookup
+        steps: only its lookup, through `on_lookup_commit`), the rows' device `seq_lens` and `draft_round` are not
+        advanced; each row records where its drafter context stops (`Slot.stale_from`), and the next step that drafts
+        (or keeps the context) first hands the drafter every missed position in one commit (`_resync`). A lookup step
+        while drafting is off lapses the same way (`_commit` with `lapse`). The token is chosen as `_plain` chooses it
+        (the cache length after the forward is the row's committed length before it: the same noise key)."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
@@ -196,7 +207,7 @@ class Step:
         host = rows.last.tolist()  # host sync: once per step
         self._hold(taps, None)
         self._lens_stale = True
-        if self.drafter.lookup_drafts:  # the lookup's history stays current (its lookup steps read it)
+        if self.drafter.lookup_drafts and gate.lookup_engine:  # the lookup's history stays current (its steps read it)
             host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
             for r in rows.active_rows:
                 host_tokens[r] = (host[r],)

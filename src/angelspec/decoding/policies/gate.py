@@ -96,6 +96,8 @@ class SpecGate:
     backoff_below: float = 0.75  # a probe doubles the gap only if speculation runs below this share of plain steps
     _buckets: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
     lookup_only: ClassVar[bool] = False  # never asks for lookup steps (`ServingGate.lookup_only`)
+    lookup_engine: ClassVar[bool] = False  # (`ServingGate.lookup_engine`)
+    measure_only: ClassVar[bool] = False  # its probes commit what they accept (`ServingGate.measure_only`)
     lookup_costs: ClassVar[tuple[float, ...]] = ()
     upkeep: ClassVar[bool] = True  # a skipped step keeps the drafter's context (`ServingGate.upkeep`)
 
@@ -214,6 +216,7 @@ class _Lane:
     run: int = 0  # steps since the last switch or probe
     gap: int = 0  # steps of the current state before the next probe of the other one
     probe: int = 0  # drafted probe steps still to run while off
+    confirm: bool = False  # the last probe won: the two running now confirm it before drafting turns on
     deep: int = 0  # drafted steps since one verified past n*
     catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
     real_s: float = 0.0  # EMA of a drafted step's seconds per committed token per row, every cost in, `plain_s`'s units
@@ -248,8 +251,11 @@ class ServingGate:
                    (both measured as shares of the table's cost(B, B) when there is one, so the rows of one bucket
                    share them, and a bucket with nothing measured yet starts from its nearest measured neighbour's
                    shares instead of warming up)
-        drafting stays on while drafted >= (1 - hysteresis) * plain, and turns on only once it is
-        > (1 + hysteresis) * plain: noise within the margin never flips it.
+        drafting turns on only once drafted > (1 + hysteresis) * plain, and stays on while drafted >= (1 - hold) *
+        plain: noise inside that band never flips it. The band sits mostly above the plain rate: a drafted step's
+        timing leaves out what drafting costs the steps around it (rows that commit different counts fall out of step,
+        and requests then finish and join one at a time, in more and smaller prefills), so a lane that stayed on down
+        to 0.9x plain ran 0.86x AR end to end at four rows on a 2-core CPU.
 
     The forecast ranks the depths; the decision to draft at all reads what drafted steps delivered, since the forecast
     leaves out what differs between a profiled step and a serving one (on a 2-core CPU it was up to 1.4x optimistic, and
@@ -269,9 +275,15 @@ class ServingGate:
     the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
     steps between them (at a large batch a probe, catch-up included, costs several plain steps), up to
     `max_budget_gap`, and it is `max_budget_gap` while even the forecast loses to plain steps (`_off_gap`: such a probe
-    can only confirm the loss, and it puts the rows out of step). A step more
-    than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
-    three in a row.
+    can only confirm the loss). A probe that shows drafting winning is confirmed by two more drafted steps before
+    drafting turns on: two steps' acceptance is a thin sample (a lucky pair turned drafting on at four rows on a
+    2-core CPU, where it then ran at about the plain rate for dozens of steps and cost the run 12% through its rows
+    falling out of step). A drafted probe while off measures and commits nothing more (`measure_only`): the
+    engine verifies its drafts, reports what each row accepted, and commits one token a row, the first of the verified
+    ones (exact at any temperature: it is the target's own token at that position). Committing the accepted drafts
+    would put the rows out of step for good, and that costs more than the probe: every later step attends over the
+    longest row, and requests finish and join one at a time, in more and smaller prefills. A step more than `outlier`
+    times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to three in a row.
 
     Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
@@ -293,7 +305,8 @@ class ServingGate:
     lookup_depth: int | None = None
     lookup_rows: int = 2  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
     warmup: int = 2
-    hysteresis: float = 0.1
+    hysteresis: float = 0.1  # drafting turns on above (1 + hysteresis) x the plain rate
+    hold: float = 0.05  # ... and stays on down to (1 - hold) x it
     confident: float = 0.25
     probe_every: int = 8
     max_probe_every: int = 128
@@ -317,6 +330,9 @@ class ServingGate:
     upkeep: bool = field(default=True, init=False)
     # every active row decodes greedily this step (the engine sets it before `choose_depth`): lookup steps only then
     greedy: bool = field(default=True, init=False)
+    # True when the last `choose_depth` gave a drafted probe while drafting is off: the engine verifies the drafts and
+    # reports what was accepted, but commits one token a row, as a plain step does (class docstring, "Probes")
+    measure_only: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -325,9 +341,9 @@ class ServingGate:
         if self.warmup < 1 or self.probe_every < 1 or self.max_probe_every < self.probe_every:
             raise ValueError(f"ServingGate needs warmup >= 1 and 1 <= probe_every <= max_probe_every, got "
                              f"{self.warmup}, {self.probe_every}, {self.max_probe_every}")
-        if not 0.0 <= self.hysteresis < 1.0 or self.confident < self.hysteresis:
-            raise ValueError(f"ServingGate needs 0 <= hysteresis < 1 and confident >= hysteresis, got "
-                             f"{self.hysteresis}, {self.confident}")
+        if not 0.0 <= self.hysteresis < 1.0 or not 0.0 <= self.hold < 1.0 or self.confident < self.hysteresis:
+            raise ValueError(f"ServingGate needs 0 <= hysteresis, hold < 1 and confident >= hysteresis, got "
+                             f"{self.hysteresis}, {self.hold}, {self.confident}")
         if not 0.0 <= self.decay < 1.0 or self.memory < 1.0 or self.outlier <= 1.0:
             raise ValueError(f"ServingGate needs decay in [0, 1), memory >= 1, outlier > 1; got {self.decay}, "
                              f"{self.memory}, {self.outlier}")
@@ -396,7 +412,15 @@ class ServingGate:
         if depth == 0 and self._lookup_here():
             depth = self._base_step(lane, num_active)
         self.upkeep = (depth > 0 and not self.lookup_only) or lane.on
+        self.measure_only = depth > 0 and not self.lookup_only and not lane.on
         return depth
+
+    @property
+    def lookup_engine(self) -> bool:
+        """This run's engine may run lookup steps (a drafter with lookup drafts, at most `lookup_rows` cache rows): the
+        engine keeps the lookup's history current in its steps without upkeep only then; elsewhere the lookup catches
+        up with the model."""
+        return self.lookup and self._rows <= self.lookup_rows
 
     def _lookup_here(self) -> bool:
         """Lookup steps only where the engine has at most `lookup_rows` cache rows (0: not told, `begin`). A lookup
@@ -412,7 +436,7 @@ class ServingGate:
         And only while every row decodes greedily (`greedy`): sampled, the target kept few lookup drafts (MAL
         1.03-1.05 at T = 0.8 on the eval prompts) and a sampled verify costs more than the table's greedy one, so
         `auto` with lookup steps ran 0.91-0.92x AR at two rows, where plain steps ran 1.0x."""
-        return self.lookup and self.greedy and self._rows <= self.lookup_rows
+        return self.lookup_engine and self.greedy
 
     def _decide(self, num_active: int) -> int:
         """The model's depth this step, or 0 for the base step (plain, or lookup: `_base_step`)."""
@@ -429,7 +453,7 @@ class ServingGate:
         if lane.probe > 0:
             return n
         if lane.on:
-            if rate < (1.0 - self.hysteresis) * plain:
+            if rate < (1.0 - self.hold) * plain:
                 lane.on, lane.run = False, 0
                 lane.gap = self._probe_gap(lane, num_active, n, self.probe_every)
                 return 0
@@ -439,8 +463,12 @@ class ServingGate:
                 return 0
             return self._explore(lane, n)
         if rate > (1.0 + self.hysteresis) * plain:
-            lane.on, lane.run, lane.gap = True, 0, self.probe_every
+            if not lane.confirm:  # a probe that wins is confirmed by two more drafted steps before drafting turns on
+                lane.confirm, lane.probe = True, 2
+                return n
+            lane.on, lane.run, lane.gap, lane.confirm = True, 0, self.probe_every, False
             return n
+        lane.confirm = False
         if lane.run >= self._off_gap(lane, forecast, plain):  # a drafted probe (two steps: the first pays the catch-up)
             lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
             lane.run, lane.probe = 0, 2
