@@ -56,8 +56,9 @@ class TargetForwards:
     def __init__(self, target: Decoder, taps: tuple[int, ...], *, speculative: bool, compile: bool,
                  cuda_graphs: bool) -> None:
         self.target, self.taps, self.compiled, self.cuda_graphs = target, taps, compile, cuda_graphs
-        self.warmed: set[tuple[int, str]] = set() if cuda_graphs else _WARMED.setdefault(target, {}).setdefault(taps,
-                                                                                                             set())
+        self.warmed: set[tuple[int, str]] = set()
+        if not cuda_graphs:  # (CUDA graphs are recorded on each engine's own buffers: each engine warms its own)
+            self.warmed = _WARMED.setdefault(target, {}).setdefault(taps, set())
         mode = "spec" if speculative else "ar"
         for name, (what, used_by) in VARIANTS.items():
             if compile and used_by == mode:
