@@ -254,8 +254,8 @@ class ServingGate:
         drafting turns on only once drafted > (1 + hysteresis) * plain, and stays on while drafted >= (1 - hold) *
         plain: noise inside that band never flips it. The band sits mostly above the plain rate: a drafted step's
         timing leaves out what drafting costs the steps around it (rows that commit different counts fall out of step,
-        and requests then finish and join one at a time, in more and smaller prefills), so a lane that stayed on down
-        to 0.9x plain ran 0.86x AR end to end at four rows on a 2-core CPU.
+        and requests then finish and join one at a time, in more and smaller prefills): lanes that stayed on down to
+        0.9x plain ran 0.86-0.87x AR end to end at four rows on a 2-core CPU (`angelspec bench`).
 
     The forecast ranks the depths; the decision to draft at all reads what drafted steps delivered, since the forecast
     leaves out what differs between a profiled step and a serving one (on a 2-core CPU it was up to 1.4x optimistic, and
@@ -277,13 +277,14 @@ class ServingGate:
     `max_budget_gap`, and it is `max_budget_gap` while even the forecast loses to plain steps (`_off_gap`: such a probe
     can only confirm the loss). A probe that shows drafting winning is confirmed by two more drafted steps before
     drafting turns on: two steps' acceptance is a thin sample (a lucky pair turned drafting on at four rows on a
-    2-core CPU, where it then ran at about the plain rate for dozens of steps and cost the run 12% through its rows
-    falling out of step). A drafted probe while off measures and commits nothing more (`measure_only`): the
-    engine verifies its drafts, reports what each row accepted, and commits one token a row, the first of the verified
-    ones (exact at any temperature: it is the target's own token at that position). Committing the accepted drafts
-    would put the rows out of step for good, and that costs more than the probe: every later step attends over the
-    longest row, and requests finish and join one at a time, in more and smaller prefills. A step more than `outlier`
-    times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to three in a row.
+    2-core CPU, where it then ran at about the plain rate for dozens of steps, and with its rows out of step those
+    `angelspec bench` runs ran 0.86-0.87x AR). A drafted probe while off measures and commits nothing more
+    (`measure_only`): the engine verifies its drafts, reports what each row accepted, and commits one token a row, the
+    first of the verified ones (exact at any temperature: it is the target's own token at that position). Committing
+    the accepted drafts would put the rows out of step for good, a cost no step's timing shows: every later step
+    attends over the longest row, and requests finish and join one at a time, in more and smaller prefills. A step
+    more than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
+    three in a row.
 
     Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
