@@ -190,6 +190,14 @@ class Scheduler:
             self.drafter.prefill(rows, prompts, first_host, out.hidden)
         clock.add(metrics, "prefill", m0, clock.mark())
 
+    def one_each(self, host: Sequence[int]) -> list[tuple[int, ...]]:
+        """A step's commit of one token a row as `emit` and the drafter take it: (host[r],) for each active row r, ()
+        for idle rows."""
+        out: list[tuple[int, ...]] = [()] * len(host)
+        for r in self.active_rows:
+            out[r] = (host[r],)
+        return out
+
     def emit(self, host_tokens: Sequence[Sequence[int]]) -> None:
         """A step's commit on the host: each active row r appends host_tokens[r] (then its slot stops at a stop
         token or its length limit)."""

@@ -172,9 +172,7 @@ class Step:
         host = rows.last.tolist()  # host sync: once per step
         rows.seq_lens = rows.seq_lens + rows.active_long
         rows.draft_round += rows.active_long
-        host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
-        for r in rows.active_rows:
-            host_tokens[r] = (host[r],)
+        host_tokens = rows.one_each(host)
         rows.emit(host_tokens)
         t2 = clock.mark()
         if self._none_accepted is None or self._none_accepted.shape != rows.seq_lens.shape:
@@ -208,9 +206,7 @@ class Step:
         self._hold(taps, None)
         self._lens_stale = True
         if self.drafter.lookup_drafts and gate.lookup_engine:  # the lookup's history stays current (its steps read it)
-            host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
-            for r in rows.active_rows:
-                host_tokens[r] = (host[r],)
+            host_tokens = rows.one_each(host)
             rows.emit(host_tokens)
             self.drafter.on_lookup_commit(host_tokens)
         else:
@@ -432,15 +428,14 @@ class Step:
         rows = self.rows
         cache, acc, width = rows.cache, v.num_accepted, v.tokens.shape[1] - 1
         assert cache is not None and self.drafter is not None
-        host_tokens: list[tuple[int, ...]] = [()] * cache.batch_size
+        host_tokens: list[tuple[int, ...]]
         host_depths = [0] * cache.batch_size
         if old_len is None:  # one token per active row, nothing to roll back
             rows.seq_lens = rows.seq_lens + rows.active_long
             rows.last = v.tokens[:, 0]
-            host_last = rows.last.tolist()  # host sync: once per step
-            for r in rows.active_rows:
-                host_tokens[r] = (host_last[r],)
+            host_tokens = rows.one_each(rows.last.tolist())  # host sync: once per step
         else:
+            host_tokens = [()] * cache.batch_size
             cache.truncate(torch.where(rows.active, old_len + acc + 1, old_len))
             rows.seq_lens = torch.where(rows.active, rows.seq_lens + acc + 1, rows.seq_lens)
             rows.last = v.tokens.gather(1, acc[:, None])[:, 0]
