@@ -212,7 +212,7 @@ class _Lane:
     scale: float = 0.0  # EMA of a timed drafted step's seconds / the cost table's seconds for it (1 s without one)
     spec_n: int = 0
     spec_out: int = 0
-    on: bool = True  # drafting (the state the hysteresis holds)
+    on: bool = False  # drafting (the state the hysteresis holds); off until drafted steps showed it wins
     run: int = 0  # steps since the last switch or probe
     gap: int = 0  # steps of the current state before the next probe of the other one
     probe: int = 0  # drafted probe steps still to run while off
@@ -630,7 +630,9 @@ class ServingGate:
                 lane.plain_s, lane.plain_n, lane.plain_out = self._fold(lane.plain_s, lane.plain_n, lane.plain_out,
                                                                         seconds / self._plain_unit(num_active))
                 if lane.plain_n == self.warmup and lane.spec_n >= self.warmup:
-                    lane.run = 0  # warmed up: the first probe gap starts now
+                    lane.run = 0  # warmed up: the first probe gap starts now, as long as a switch off would make it
+                    if not lane.on:
+                        lane.gap = self._probe_gap(lane, num_active, self.best_depth(num_active)[0], lane.gap)
             self._after_plain = True
             return
         if seconds > 0:
