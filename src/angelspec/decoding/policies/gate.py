@@ -264,27 +264,27 @@ class ServingGate:
     row: no host sync, no packing, and standard speculative sampling stays exact (trap 1; `AutoDepth.uses_proposal` is
     False).
 
-    Measuring: a bucket first runs `warmup` timed drafted steps and `warmup` plain ones. A drafted step right after a
-    plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`): it counts in the drafted rate (a
-    real cost of drafting after plain steps) but not in `scale` (the table's timing of a drafted step, which sizes
-    the probes' cost). Probes keep the state that is not running measured: while
-    off, two drafted steps (the second is timed) after `gap` plain ones; while on, one plain step after `gap` drafted
-    ones. The gap starts at `probe_every` and grows after each probe that leaves the state as it was (doubling while
-    the running state wins by more than `confident`, by half otherwise) up to `max_probe_every`: a probe pays the
-    drafter's catch-up over the skipped steps, and one that changes nothing is wasted. A switch resets it. While off,
-    the gap is also at least what keeps the probes' excess over plain steps within `probe_budget` (3%) of the plain
-    steps between them (at a large batch a probe, catch-up included, costs several plain steps), up to
-    `max_budget_gap`, and it is `max_budget_gap` while even the forecast loses to plain steps (`_off_gap`: such a probe
-    can only confirm the loss). A probe that shows drafting winning is confirmed by two more drafted steps before
-    drafting turns on: two steps' acceptance is a thin sample (a lucky pair turned drafting on at four rows on a
-    2-core CPU, where it then ran at about the plain rate for dozens of steps, and with its rows out of step those
-    `angelspec bench` runs ran 0.86-0.87x AR). A drafted probe while off measures and commits nothing more
-    (`measure_only`): the engine verifies its drafts, reports what each row accepted, and commits one token a row, the
-    first of the verified ones (exact at any temperature: it is the target's own token at that position). Committing
-    the accepted drafts would put the rows out of step for good, a cost no step's timing shows: every later step
-    attends over the longest row, and requests finish and join one at a time, in more and smaller prefills. A step
-    more than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to
-    three in a row.
+    Measuring: a bucket starts with drafting off and first runs `warmup` timed drafted steps (probes, so they only
+    measure: see below) and `warmup` plain ones; drafting turns on as it would after a probe. A drafted step right after
+    a plain one pays the drafter's catch-up over the skipped steps (`PendingCommits`): it counts in the drafted rate (a
+    real cost of drafting after plain steps) but not in `scale` (the table's timing of a drafted step, which sizes the
+    probes' cost). Probes keep the state that is not running measured: while off, two drafted steps (the second is
+    timed) after `gap` plain ones; while on, one plain step after `gap` drafted ones. The gap starts at `probe_every`
+    and grows after each probe that leaves the state as it was (doubling while the running state wins by more than
+    `confident`, by half otherwise) up to `max_probe_every`: a probe pays the drafter's catch-up over the skipped steps,
+    and one that changes nothing is wasted. A switch resets it. While off, the gap is also at least what keeps the
+    probes' excess over plain steps within `probe_budget` (1%) of the plain steps between them (at a large batch a
+    probe, catch-up included, costs several plain steps), up to `max_budget_gap`, and it is `max_budget_gap` while even
+    the forecast loses to plain steps (`_off_gap`: such a probe can only confirm the loss). A probe that shows drafting
+    winning is confirmed by two more drafted steps before drafting turns on: two steps' acceptance is a thin sample (a
+    lucky pair turned drafting on at four rows on a 2-core CPU, where it then ran at about the plain rate for dozens of
+    steps, and with its rows out of step those `angelspec bench` runs ran 0.86-0.87x AR). A drafted probe while off
+    measures and commits nothing more (`measure_only`): the engine verifies its drafts, reports what each row accepted,
+    and commits one token a row, the first of the verified ones (exact at any temperature: it is the target's own token
+    at that position). Committing the accepted drafts would put the rows out of step for good, a cost no step's timing
+    shows: every later step attends over the longest row, and requests finish and join one at a time, in more and
+    smaller prefills. A step more than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core
+    taken) is left out, up to three in a row.
 
     Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
@@ -312,7 +312,7 @@ class ServingGate:
     probe_every: int = 8
     max_probe_every: int = 128
     max_budget_gap: int = 1024  # the most plain steps between drafted probes that `probe_budget` may ask for
-    probe_budget: float = 0.03  # what drafted probes may cost, as a share of the plain steps between them
+    probe_budget: float = 0.01  # what drafted probes may cost, as a share of the plain steps between them
     decay: float = 0.7  # EMA weight of the history for step seconds
     memory: float = 16.0  # row-steps the acceptance estimate remembers
     outlier: float = 10.0
