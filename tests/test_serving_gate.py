@@ -92,7 +92,7 @@ def test_noise_within_the_margin_never_flips_the_decision():
         gate = ServingGate(K, cost=flat, probe_every=4)
         # rate(drafting) = (1 + s_1) / 20 ms, s_1 -> 1 with one accepted draft a row: ~100 tokens/s
         plain = {"s": 0.015 if expect_on else plain_s}
-        m = Machine(flat, lambda b: plain["s"], accept=accept)
+        m = Machine(flat, lambda b, p=plain: p["s"], accept=accept)
         states = []
         for i in range(360):
             if i == 60:
@@ -121,13 +121,48 @@ def test_probes_back_off_while_one_kind_clearly_wins():
     for budget_gap, gap in ((32, 32), (1024, 318)):  # a probe at batch 32 costs ~3.2 plain steps more: 318 at 1%
         gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32, max_budget_gap=budget_gap)
         m = Machine(cpu_like, plain_cost, accept=0)
-        run = [m.step(gate, 32) for _ in range(300)]
-        assert sum(d > 0 for d in run[100:]) <= 2 * 200 // 32 + 2  # two steps per probe, one probe per 32
+        steps = 1100  # (the forecast loses: the first probe after the warm-up comes max_budget_gap steps later)
+        run = [m.step(gate, 32) for _ in range(steps)]
+        assert sum(d > 0 for d in run[100:]) <= 2 * (steps - 100) // 32 + 2  # two steps per probe, one per 32
         assert gate.summary()["rows 17-32"]["probe_gap"] == gap
     gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=32)
     m = Machine(cpu_like, plain_cost, accept=K)
     run = [m.step(gate, 1) for _ in range(300)]
     assert run[100:].count(0) <= 200 // 32 + 1
+
+
+def test_the_catch_up_before_a_probe_counts_in_the_probe_budget():
+    """The engine's catch-up before a drafted probe (`observe_catch_up`: seconds per step without upkeep) grows with
+    the plain steps since the last probe: the gap keeps the probe and its catch-up within `probe_budget` of the plain
+    steps between probes, so a catch-up costing half the budget per step doubles the gap, and one costing the whole
+    budget leaves only `max_budget_gap`."""
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=5000)
+    m = Machine(cpu_like, plain_cost, accept=0)
+    for _ in range(20):
+        m.step(gate, 32)
+    lane, plain_s = gate._lane(32), plain_cost(32)
+    alone = gate._probe_gap(lane, 32, 1, 4)
+    assert 100 < alone < 5000
+    gate.observe_catch_up(32, 0.5 * gate.probe_budget * plain_s * 200, 200)  # half the budget per held step
+    assert gate._probe_gap(lane, 32, 1, 4) == pytest.approx(2 * alone, rel=0.02)
+    lane.held_s = 0.0
+    gate.observe_catch_up(32, 1.1 * gate.probe_budget * plain_s * 200, 200)
+    assert gate._probe_gap(lane, 32, 1, 4) == 5000
+
+
+def test_the_engine_reports_its_catch_up_to_the_gate():
+    """Each catch-up before a drafted step (`Step._resync`) reports its seconds and the steps without upkeep it made
+    up for."""
+    target, drafter, vocab, _ = block_case()
+    seen = []
+
+    class Reporting(ScriptedLapseGate):
+        def observe_catch_up(self, num_active, seconds, steps):
+            seen.append((num_active, seconds, steps))
+
+    engine = gated_engine(target, drafter, Reporting([3, -1, -1, -1, 2, 0]), max_batch_size=2, num_draft_tokens=3)
+    engine.generate(requests(vocab, 2, 20, seed=0))
+    assert seen and all(rows >= 1 and seconds > 0 and steps == 3 for rows, seconds, steps in seen[:-1])
 
 
 def test_no_drafted_probes_while_even_the_forecast_loses():
@@ -140,16 +175,16 @@ def test_no_drafted_probes_while_even_the_forecast_loses():
     assert not gate.summary()["rows 3-4"]["drafting"]
     assert sum(d > 0 for d in run[50:]) == 0  # the lane's own gap (<= 16) would have probed ~15 times
     m.accept = [K]
-    run += [m.step(gate, 4) for _ in range(400)]  # (after the first probe that sees it, probes at the budget's gap)
-    first = next(i for i in range(300, 700) if run[i] > 0)
+    run += [m.step(gate, 4) for _ in range(800)]  # (after the first probe that sees it, probes at the budget's gap)
+    first = next(i for i in range(300, 1100) if run[i] > 0)
     assert first <= 50 + 400 + 2  # the next probe, at most max_budget_gap after the last one
     assert gate.summary()["rows 3-4"]["drafting"] and run[-20:].count(0) <= 2
 
 
 def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
-    """A plain step while drafting is on (a plain probe) keeps the drafter's context; one while it is off (the warm-up too)
-    keeps none (the engine runs an AR step and catches the drafter up when it drafts again); so does a lookup step of a
-    gate with lookup steps (only the lookup's history takes its tokens)."""
+    """A plain step while drafting is on (a plain probe) keeps the drafter's context; one while it is off (the warm-up
+    too) keeps none (the engine runs an AR step and catches the drafter up when it drafts again); so does a lookup step
+    of a gate with lookup steps (only the lookup's history takes its tokens)."""
     def upkeeps(gate, b, steps, accept):
         m, out = Machine(cpu_like, plain_cost, accept=accept), []
         for _ in range(steps):
@@ -172,17 +207,19 @@ def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
 
 def test_only_drafted_probes_while_drafting_is_off_are_measure_only():
     """Drafted steps while drafting is on commit what they accept; drafted probes while it is off only measure
-    (`measure_only`), and their acceptance still turns drafting back on once it returns."""
-    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=16)
-    m = Machine(cpu_like, plain_cost, accept=0)
-    seen = []
-    for i in range(160):
-        if i == 80:
-            m.accept = [K]
-        n = m.step(gate, 1)
-        seen.append((n, gate.summary()["rows 1-1"]["drafting"], gate.measure_only))  # (the state this step ran in)
-    assert all(measure == (n > 0 and not on) for n, on, measure in seen)
-    assert any(measure for _, _, measure in seen[:80]) and gate.summary()["rows 1-1"]["drafting"]
+    (`measure_only`), and their acceptance still turns drafting back on once it returns. One row alone has no other
+    row to fall out of step with: its probes commit what they accept."""
+    for b in (2, 1):
+        gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=16, max_budget_gap=16)
+        m = Machine(cpu_like, plain_cost, accept=0)
+        seen = []
+        for i in range(160):
+            if i == 80:
+                m.accept = [K]
+            n = m.step(gate, b)
+            seen.append((n, gate.summary()[f"rows {b}-{b}"]["drafting"], gate.measure_only))  # (the state it ran in)
+        assert all(measure == (n > 0 and not on and b > 1) for n, on, measure in seen)
+        assert any(n > 0 and not on for n, on, _ in seen[:80]) and gate.summary()[f"rows {b}-{b}"]["drafting"]
 
 
 def test_a_lucky_probe_does_not_turn_drafting_on_until_two_more_steps_confirm_it():
@@ -488,7 +525,8 @@ def test_the_gate_lives_with_its_policy_and_keeps_what_it_measured_per_cache_siz
     assert policy.make_gate(K) is gate and policy.make_gate(K + 1) is not gate
     gate.begin(8)
     m = Machine(cpu_like, plain_cost, accept=3)
-    for _ in range(40):  # (drafting wins by ~17%: it turns on at a probe once its estimate clears the 10% hysteresis)
+    for _ in range(600):  # (drafting wins by ~17%: on at a probe once its estimate clears the 10% hysteresis; probes
+        # cost 4 plain steps more here, so they come every few hundred steps: `probe_budget`)
         m.step(gate, 8)
     settled = gate.summary()
     assert settled["rows 5-8"]["drafting"]

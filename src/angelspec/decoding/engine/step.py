@@ -118,7 +118,11 @@ class Step:
         if lapse and not lookup:
             raise RuntimeError("internal: a step the model drafts in must keep its context (the gate's upkeep)")
         if self._lapsed and not lapse:  # drafting (or upkeep) resumes after steps without it: the drafter catches up
-            h0 += self._resync()  # (what the gate times is the step; the catch-up depends on how long drafting was off)
+            held = len(self._held)
+            caught = self._resync()
+            h0 += caught  # (what the gate times is the step; the catch-up depends on how long drafting was off)
+            if isinstance(gate, ServingGate):  # (a cost of probing, which sizes the gap between probes)
+                gate.observe_catch_up(len(rows.active_rows), caught, held)
         if not cap:
             self._plain(metrics, clock, t0, h0)
             return

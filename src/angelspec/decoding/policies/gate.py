@@ -219,6 +219,7 @@ class _Lane:
     confirm: bool = False  # the last probe won: the two running now confirm it before drafting turns on
     deep: int = 0  # drafted steps since one verified past n*
     catch: float = 0.0  # EMA of a drafted step right after a plain one (with the catch-up), in `scale`'s units
+    held_s: float = 0.0  # EMA of the engine's catch-up seconds per step without upkeep (`observe_catch_up`), per unit
     real_s: float = 0.0  # EMA of a drafted step's seconds per committed token per row, every cost in, `plain_s`'s units
     real_n: int = 0
     real_out: int = 0
@@ -279,12 +280,13 @@ class ServingGate:
     winning is confirmed by two more drafted steps before drafting turns on: two steps' acceptance is a thin sample (a
     lucky pair turned drafting on at four rows on a 2-core CPU, where it then ran at about the plain rate for dozens of
     steps, and with its rows out of step those `angelspec bench` runs ran 0.86-0.87x AR). A drafted probe while off
-    measures and commits nothing more (`measure_only`): the engine verifies its drafts, reports what each row accepted,
-    and commits one token a row, the first of the verified ones (exact at any temperature: it is the target's own token
-    at that position). Committing the accepted drafts would put the rows out of step for good, a cost no step's timing
-    shows: every later step attends over the longest row, and requests finish and join one at a time, in more and
-    smaller prefills. A step more than `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core
-    taken) is left out, up to three in a row.
+    (with more than one row active; one row alone has nothing to fall out of step with) measures and commits nothing
+    more (`measure_only`): the engine verifies its drafts, reports what each row accepted, and commits one token a row,
+    the first of the verified ones (exact at any temperature: it is the target's own token at that position). Committing
+    the accepted drafts would put the rows out of step for good, a cost no step's timing shows: every later step attends
+    over the longest row, and requests finish and join one at a time, in more and smaller prefills. A step more than
+    `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to three in a
+    row.
 
     Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
@@ -413,7 +415,7 @@ class ServingGate:
         if depth == 0 and self._lookup_here():
             depth = self._base_step(lane, num_active)
         self.upkeep = (depth > 0 and not self.lookup_only) or lane.on
-        self.measure_only = depth > 0 and not self.lookup_only and not lane.on
+        self.measure_only = depth > 0 and not self.lookup_only and not lane.on and num_active > 1
         return depth
 
     @property
@@ -582,16 +584,23 @@ class ServingGate:
     def _probe_gap(self, lane: _Lane, num_active: int, n: int, gap: int) -> int:
         """`gap`, or more plain steps between drafted probes where a probe costs more than `probe_budget` of them:
         a probe's two drafted steps (the first with the drafter's catch-up) take longer than the plain steps that would
-        commit their tokens, and at a large batch on a CPU (a catch-up over every skipped position of every row) that
-        excess is several plain steps."""
+        commit their tokens (one a row where rows must stay in step, `measure_only`; what one row accepts where it
+        decodes alone); and before them the engine hands the drafter the
+        positions it missed (`observe_catch_up`), a cost that grows with the gap. At a large batch on a CPU a probe
+        costs several plain steps, and its catch-up a share of every plain step between probes: the gap g keeps
+        excess + g * held <= budget * g * plain, or is `max_budget_gap` where no gap can."""
         unit = 1.0 if self.cost is None else self._table(num_active)[n]
-        plain_s = lane.plain_s * self._plain_unit(num_active)
-        gain = 1.0 + sum(self.survival()[:n])
+        plain_unit = self._plain_unit(num_active)
+        plain_s = lane.plain_s * plain_unit
         catch = lane.catch or lane.scale
-        excess = (catch + lane.scale) * unit - 2.0 * gain * plain_s  # seconds a probe costs over plain steps
-        if excess <= 0.0 or plain_s <= 0.0:
+        tokens = 1.0 if num_active > 1 else 1.0 + sum(self.survival()[:n])  # a probe step's tokens per row
+        excess = (catch + lane.scale) * unit - 2.0 * tokens * plain_s  # seconds the drafted steps cost over plain ones
+        room = self.probe_budget * plain_s - lane.held_s * plain_unit  # budget per plain step left after catch-up
+        if plain_s <= 0.0 or (excess <= 0.0 and room >= 0.0):
             return gap
-        return max(gap, min(math.ceil(excess / (self.probe_budget * plain_s)), self.max_budget_gap))
+        if room <= 0.0:
+            return max(gap, self.max_budget_gap)
+        return max(gap, min(math.ceil(excess / room), self.max_budget_gap))
 
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
         """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
@@ -605,6 +614,16 @@ class ServingGate:
         return lane
 
     # ----- measurements ----------------------------------------------------------------------------------------
+    def observe_catch_up(self, num_active: int, seconds: float, steps: int) -> None:
+        """The engine handed the drafter what `steps` steps without upkeep missed (`Step._resync`) in `seconds`,
+        before a drafted step: a cost of probing that grows with the gap (`_probe_gap`), not timed in the step itself
+        (it says how long drafting was off, not what drafting delivers)."""
+        if steps <= 0 or seconds <= 0.0:
+            return
+        lane = self._lane(num_active)
+        x = seconds / steps / self._plain_unit(num_active)
+        lane.held_s = x if not lane.held_s else self.decay * lane.held_s + (1.0 - self.decay) * x
+
     def observe_step(self, num_active: int, depth: int, seconds: float, accepted: Sequence[int],
                      depths: Sequence[int]) -> None:
         """One step: the depth `choose_depth` gave (0: plain), its host seconds, and per active row the drafts it
@@ -630,9 +649,7 @@ class ServingGate:
                 lane.plain_s, lane.plain_n, lane.plain_out = self._fold(lane.plain_s, lane.plain_n, lane.plain_out,
                                                                         seconds / self._plain_unit(num_active))
                 if lane.plain_n == self.warmup and lane.spec_n >= self.warmup:
-                    lane.run = 0  # warmed up: the first probe gap starts now, as long as a switch off would make it
-                    if not lane.on:
-                        lane.gap = self._probe_gap(lane, num_active, self.best_depth(num_active)[0], lane.gap)
+                    lane.run = 0  # warmed up: the first probe gap starts now
             self._after_plain = True
             return
         if seconds > 0:
