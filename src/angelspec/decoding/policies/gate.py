@@ -288,7 +288,7 @@ class ServingGate:
     `outlier` times slower than its kind's EMA (a graph compiled mid-run, the core taken) is left out, up to three in a
     row.
 
-    Upkeep: a plain step while drafting is on (a plain probe, the warm-up) hands the drafter its taps and its round of
+    Upkeep: a plain step while drafting is on (a plain probe) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
     off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps, and the next step
     that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). The same
@@ -585,10 +585,10 @@ class ServingGate:
         """`gap`, or more plain steps between drafted probes where a probe costs more than `probe_budget` of them:
         a probe's two drafted steps (the first with the drafter's catch-up) take longer than the plain steps that would
         commit their tokens (one a row where rows must stay in step, `measure_only`; what one row accepts where it
-        decodes alone); and before them the engine hands the drafter the
-        positions it missed (`observe_catch_up`), a cost that grows with the gap. At a large batch on a CPU a probe
-        costs several plain steps, and its catch-up a share of every plain step between probes: the gap g keeps
-        excess + g * held <= budget * g * plain, or is `max_budget_gap` where no gap can."""
+        decodes alone); and before them the engine hands the drafter the positions it missed (`observe_catch_up`), a
+        cost that grows with the gap. At a large batch on a CPU a probe costs several plain steps, and its catch-up a
+        share of every plain step between probes: the gap g keeps excess + g * held <= budget * g * plain, or is
+        `max_budget_gap` where no gap can."""
         unit = 1.0 if self.cost is None else self._table(num_active)[n]
         plain_unit = self._plain_unit(num_active)
         plain_s = lane.plain_s * plain_unit
