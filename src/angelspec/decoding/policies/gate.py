@@ -50,6 +50,10 @@ from typing import Any, ClassVar
 
 from angelspec.decoding.policies.base import FixedDepth
 
+# drafted steps of a probe while drafting is off, and of the confirmation of one that won (the first pays the drafter's
+# catch-up, the second is timed)
+_PROBE_STEPS = 2
+
 
 def batch_bucket(num_active: int) -> int:
     """0 for 1 row, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(num_active))."""
@@ -415,7 +419,7 @@ class ServingGate:
         if depth == 0 and self._lookup_here():
             depth = self._base_step(lane, num_active)
         self.upkeep = (depth > 0 and not self.lookup_only) or lane.on
-        self.measure_only = depth > 0 and not self.lookup_only and not lane.on and num_active > 1
+        self.measure_only = depth > 0 and not self.lookup_only and not lane.on and self._in_step(num_active)
         return depth
 
     @property
@@ -467,14 +471,14 @@ class ServingGate:
             return self._explore(lane, n)
         if rate > (1.0 + self.hysteresis) * plain:
             if not lane.confirm:  # a probe that wins is confirmed by two more drafted steps before drafting turns on
-                lane.confirm, lane.probe = True, 2
+                lane.confirm, lane.probe = True, _PROBE_STEPS
                 return n
             lane.on, lane.run, lane.gap, lane.confirm = True, 0, self.probe_every, False
             return n
         lane.confirm = False
         if lane.run >= self._off_gap(lane, forecast, plain):  # a drafted probe (two steps: the first pays the catch-up)
             lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
-            lane.run, lane.probe = 0, 2
+            lane.run, lane.probe = 0, _PROBE_STEPS
             return n
         return 0
 
@@ -593,7 +597,7 @@ class ServingGate:
         plain_unit = self._plain_unit(num_active)
         plain_s = lane.plain_s * plain_unit
         catch = lane.catch or lane.scale
-        tokens = 1.0 if num_active > 1 else 1.0 + sum(self.survival()[:n])  # a probe step's tokens per row
+        tokens = 1.0 if self._in_step(num_active) else 1.0 + sum(self.survival()[:n])  # a probe step's tokens a row
         excess = (catch + lane.scale) * unit - 2.0 * tokens * plain_s  # seconds the drafted steps cost over plain ones
         room = self.probe_budget * plain_s - lane.held_s * plain_unit  # budget per plain step left after catch-up
         if plain_s <= 0.0 or (excess <= 0.0 and room >= 0.0):
@@ -601,6 +605,16 @@ class ServingGate:
         if room <= 0.0:
             return max(gap, self.max_budget_gap)
         return max(gap, min(math.ceil(excess / room), self.max_budget_gap))
+
+    @staticmethod
+    def _in_step(num_active: int) -> bool:
+        """Whether a drafted probe while drafting is off commits one token a row (`measure_only`) at this many active
+        rows: rows must stay in step with each other; one row alone has nothing to fall out of step with."""
+        return num_active > 1
+
+    def _decayed(self, ema: float, x: float) -> float:
+        """x folded into an EMA by `decay` (x itself while the EMA is still unset, 0)."""
+        return x if not ema else self.decay * ema + (1.0 - self.decay) * x
 
     def _next_gap(self, lane: _Lane, confident: bool) -> int:
         """The gap after this probe: doubled where the running state wins by more than `confident`, else grown by
@@ -622,7 +636,7 @@ class ServingGate:
             return
         lane = self._lane(num_active)
         x = seconds / steps / self._plain_unit(num_active)
-        lane.held_s = x if not lane.held_s else self.decay * lane.held_s + (1.0 - self.decay) * x
+        lane.held_s = self._decayed(lane.held_s, x)
 
     def observe_step(self, num_active: int, depth: int, seconds: float, accepted: Sequence[int],
                      depths: Sequence[int]) -> None:
@@ -666,7 +680,7 @@ class ServingGate:
                                                                 seconds / unit)
         elif seconds > 0:  # ... but what it cost sizes the gap between drafted probes (`_probe_gap`)
             x = seconds / unit
-            lane.catch = x if not lane.catch else self.decay * lane.catch + (1.0 - self.decay) * x
+            lane.catch = self._decayed(lane.catch, x)
         self._after_plain = False
 
     def _fold(self, ema: float, n: int, out: int, x: float) -> tuple[float, int, int]:
