@@ -50,7 +50,7 @@ def main() -> None:
     b, lens = args.batch, [int(x) for x in args.kv_lens.split(",")]
     fwd = TargetForwards(model, (), speculative=True, compile=args.compile, cuda_graphs=False)
     cache = StaticKVCache(model.config, b, max(lens) + 8, slack=8, dtype=torch.float32, device="cpu")
-    last = torch.randint(0, model.config.vocab_size, (b, 1))
+    last = torch.randint(0, model.config.vocab_size, (b,))
     ones = torch.ones(b, dtype=torch.int64)
 
     def forward_ms(kv_len: int) -> float:

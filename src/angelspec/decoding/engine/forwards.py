@@ -3,7 +3,7 @@
 
     variant               tokens            returns                                   used by
     decode                [B, 1]            logits [B, V]                             the AR step
-    one_token             [B, 1]            logits [B, 1, V], taps                    a speculative step without drafts
+    one_token             [B]               logits [B, V], taps                       a speculative step without drafts
     verify                [B, n+1]          logits [B, n+1, V], taps                  sampled verification, equal depths
     greedy_verify         [B, n+1]          tokens [B, n+1], num_accepted [B], taps   greedy verification, equal depths
     packed_verify         [B, n+1] (kept)   logits [B, n+1, V], taps                  sampled, ragged depths / idle rows
@@ -69,12 +69,14 @@ class TargetForwards:
         out = self.target.forward_cached(last[:, None], CacheInputs(cache, num_new=num_new, kv_len=kv_len))
         return out.logits[:, 0]
 
-    def one_token(self, tokens: Tensor, cache: StaticKVCache, kv_len: int, num_new: Tensor) -> tuple[Tensor, Taps]:
-        """A step without drafts (tokens [B, 1], the newest committed token per row): the decode forward plus the
-        taps, so it costs what a plain step costs; the cache grows by num_new [B] (1 for active rows, 0 for idle)."""
-        out = self.target.forward_cached(tokens, CacheInputs(cache, num_new=num_new, kv_len=kv_len,
-                                                             hidden_layers=self.taps))
-        return out.logits, out.hidden
+    def one_token(self, last: Tensor, cache: StaticKVCache, kv_len: int, num_new: Tensor) -> tuple[Tensor, Taps]:
+        """A step without drafts (last [B], the newest committed token per row): `decode` plus the taps, so it costs
+        what a plain step costs -> logits [B, V], taps; the cache grows by num_new [B] (1 for active rows, 0 for
+        idle). Its inputs and logits have `decode`'s shapes: compiled, a [B, 1] input made outside the graph and
+        [B, 1, V] logits sliced outside it cost a few percent of a small target's step."""
+        out = self.target.forward_cached(last[:, None], CacheInputs(cache, num_new=num_new, kv_len=kv_len,
+                                                                    hidden_layers=self.taps))
+        return out.logits[:, 0], out.hidden
 
     def verify(self, tokens: Tensor, cache: StaticKVCache, kv_len: int) -> tuple[Tensor, Taps]:
         """tokens [B, n+1] -> logits [B, n+1, V] and the taps; the cache grows by n+1."""
@@ -137,7 +139,7 @@ class TargetForwards:
         one_ragged = ragged.clamp(max=1)
         one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row
         runs: dict[str, list[Callable[[], object]]] = {
-            "plain": [lambda: self.one_token(torch.zeros(b, 1, dtype=torch.int64, device=dev), cache, 2,
+            "plain": [lambda: self.one_token(torch.zeros(b, dtype=torch.int64, device=dev), cache, 2,
                                              torch.ones(b, dtype=torch.int64, device=dev))],
             "greedy": [lambda: self.greedy_verify(drafts, cache, k + 1, full)]
             + ([lambda: self.greedy_verify(short, cache, 2, one)] if k > 1 else [])

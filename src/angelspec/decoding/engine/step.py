@@ -170,8 +170,8 @@ class Step:
         assert cache is not None and self.drafter is not None
         state = self._state(0, deterministic=True)
         self.drafter.propose(state)
-        logits, taps = self.forwards.one_token(rows.last[:, None], cache, state.seq_len_bound, rows.active_long)
-        rows.last = choose(logits[:, 0], rows.sampling, rows.seq_lens, rows.all_greedy)  # [B]
+        logits, taps = self.forwards.one_token(rows.last, cache, state.seq_len_bound, rows.active_long)
+        rows.last = choose(logits, rows.sampling, rows.seq_lens, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
         rows.seq_lens = rows.seq_lens + rows.active_long
@@ -203,8 +203,8 @@ class Step:
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
-        logits, taps = self.forwards.one_token(rows.last[:, None], cache, rows.seq_len_bound(), rows.active_long)
-        rows.last = choose(logits[:, 0], rows.sampling, cache.lengths, rows.all_greedy)  # [B]
+        logits, taps = self.forwards.one_token(rows.last, cache, rows.seq_len_bound(), rows.active_long)
+        rows.last = choose(logits, rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
         self._hold(taps, None)
@@ -391,8 +391,8 @@ class Step:
             # No row verifies a draft (no n-gram match, the gate skipped drafting, the policy chose depth 0): the
             # decode forward with the taps, its token chosen as an AR step chooses it (the same noise key as verifying
             # zero drafts), without the verification sampler's checks and scans over zero drafts.
-            logits, taps = fwd.one_token(rows.last[:, None], cache, bound, rows.active_long)
-            chosen = choose(logits[:, 0], rows.sampling, rows.seq_lens, protocol == "greedy")  # [B]
+            logits, taps = fwd.one_token(rows.last, cache, bound, rows.active_long)
+            chosen = choose(logits, rows.sampling, rows.seq_lens, protocol == "greedy")  # [B]
             return VerifyOutput(chosen[:, None], torch.zeros_like(rows.seq_lens)), taps
         tokens = torch.cat([rows.last[:, None], proposal.tokens[:, :width]], dim=1)  # [B, n+1]
         greedy, kv_len = protocol == "greedy", bound + width
