@@ -9,10 +9,15 @@ host bookkeeping, admissions), each in its own engine with the same cache size:
                 kept for the next drafted round): what a plain probe does while drafting is on
     no upkeep   the drafter, every step plain as the gate runs them while drafting is off (an AR step that holds on
                 to its taps), and one catch-up at the end of the run (a drafted step's first part: `Step._resync`)
+    no taps     what "no upkeep" would cost if its forward returned no taps: its plain steps run AR's decode forward
+                (compiled on its own) and hold nothing, and it never drafts (there is nothing to catch up from). Not
+                an engine anyone can run: the counterfactual that prices the taps
 
 Printed per concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): tokens/s and ms per step of
-each, and each speculative engine's throughput as a share of AR's. Medians of interleaved repeats in one process (this
-CPU's speed drifts between runs; the ratios hold).
+each, each speculative engine's throughput as a share of AR's, and the split of a step: the target forward alone
+(`forwards.decode` for AR, `forwards.one_token` for the plain steps, timed around the call) and the rest (the token
+choice, the gate, the host bookkeeping, admissions, the catch-up), in ms per step. Medians of interleaved repeats in
+one process (this CPU's speed drifts between runs; the ratios hold).
 
     .venv/bin/python benchmarks/plain_step.py                        # shipped DFly, C = 1,4,16, compiled
     .venv/bin/python benchmarks/plain_step.py --drafter mtp:src/angelspec/assets/drafters/mtp --concurrency 8
@@ -22,24 +27,33 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.decoding.engine.forwards import TargetForwards
 from angelspec.decoding.loading import draft_depth, load_target_and_tokenizer, resolve_drafter
 from angelspec.eval.serving.sweep import serving_workload, workload_requests
 
 
 class AlwaysPlain:
-    """A gate that never drafts; `upkeep` as given. The run's last step drafts (one draft: the catch-up runs once)."""
+    """A gate that never drafts, but on its `steps`-th step (one draft: the catch-up runs once), keeping the
+    drafter's context as `upkeep` says on the others."""
 
     lookup_only = lookup_engine = measure_only = False
 
     def __init__(self, upkeep: bool, steps: int) -> None:
-        self.upkeep, self.steps, self.calls = upkeep, steps, 0
+        self.keep, self.steps, self.calls = upkeep, steps, 0
+
+    @property
+    def upkeep(self) -> bool:
+        """Read after `choose_depth`: the drafted step keeps the context (it catches up first)."""
+        return self.keep or self.calls == self.steps
 
     def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
         self.calls += 1
@@ -68,39 +82,78 @@ def main() -> None:
     k = draft_depth(drafter)
     print(f"plain steps against AR steps: {args.drafter} (K = {k}), compile={args.compile}, "
           f"{args.max_new_tokens} new tokens, 4C requests, {torch.get_num_threads()} threads")
-    print("| C | AR tok/s | AR ms/step | upkeep ms/step | no upkeep ms/step | upkeep / AR | no upkeep / AR |")
-    print("|---|---|---|---|---|---|---|")
+    names = ("AR", "upkeep", "no upkeep", "no taps")
+    print("| C | AR tok/s | " + " | ".join(f"{n} ms/step (forward + rest)" for n in names) + " | "
+          + " | ".join(f"{n} / AR" for n in names[1:]) + " |")
+    print("|---" * (2 + 2 * len(names) - 1) + "|")
     for c in (int(x) for x in args.concurrency.split(",")):
         reqs = workload_requests(workload, 4 * c, args.max_new_tokens)
         max_len = max(len(r.prompt_ids) for r in reqs) + args.max_new_tokens
         config = EngineConfig(max_batch_size=c, max_seq_len=max_len, num_draft_tokens=k, compile=args.compile,
                               spec_gate=True)
-        engines = {"AR": SpecEngine(model, None, config), "upkeep": SpecEngine(model, drafter, config),
-                   "no upkeep": SpecEngine(model, drafter, config)}
+        engines = {"AR": SpecEngine(model, None, config)}
+        engines.update({name: SpecEngine(model, drafter, config) for name in names[1:]})
+        untapped(engines["no taps"], args.compile)
+        clocks = {name: ForwardClock(engine) for name, engine in engines.items()}
         rates: dict[str, list[float]] = {name: [] for name in engines}
-        steps: dict[str, list[float]] = {name: [] for name in engines}
+        steps: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for rep in range(args.repeats + 1):  # the first round warms every engine up (compiles), untimed
             for name, engine in engines.items():
+                clocks[name].seconds = 0.0
                 tps, ms = run(engine, name, reqs if rep else reqs[:c])
                 if rep:
                     rates[name].append(tps)
-                    steps[name].append(ms)
+                    steps[name].append((ms, 1e3 * clocks[name].seconds / engine.metrics.steps))
         tps = {name: statistics.median(v) for name, v in rates.items()}
-        ms = {name: statistics.median(v) for name, v in steps.items()}
-        print(f"| {c} | {tps['AR']:.0f} | {ms['AR']:.3f} | {ms['upkeep']:.3f} | {ms['no upkeep']:.3f} | "
-              f"{tps['upkeep'] / tps['AR']:.3f} | {tps['no upkeep'] / tps['AR']:.3f} |", flush=True)
+        split = {name: (statistics.median(m for m, _ in v), statistics.median(f for _, f in v))
+                 for name, v in steps.items()}
+        cells = [f"{m:.3f} ({f:.3f} + {m - f:.3f})" for m, f in (split[n] for n in names)]
+        ratios = [f"{tps[n] / tps['AR']:.3f}" for n in names[1:]]
+        print(f"| {c} | {tps['AR']:.0f} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |", flush=True)
+
+
+class ForwardClock:
+    """Times an engine's target forward of a plain step (`decode` without a drafter, `one_token` with one)."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        self.seconds = 0.0
+        name = "decode" if engine.drafter is None else "one_token"
+        forward: Callable[..., object] = getattr(engine.forwards, name)
+
+        def timed(*args: object) -> object:
+            t = time.perf_counter()
+            out = forward(*args)
+            self.seconds += time.perf_counter() - t
+            return out
+
+        setattr(engine.forwards, name, timed)
+
+
+def untapped(engine: SpecEngine, compile: bool) -> None:
+    """The "no taps" counterfactual: the engine's plain-step forward becomes AR's decode forward (its own compiled
+    copy), which returns no taps, so its steps hold nothing."""
+    fwd = engine.forwards
+    decode = TargetForwards.decode.__get__(fwd)
+    if compile:
+        decode = try_compile(decode, "decode step (no taps)")
+
+    def one_token(last: torch.Tensor, cache: object, kv_len: int, num_new: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        return decode(last, cache, num_new, kv_len), ()
+
+    fwd.one_token = one_token  # type: ignore[method-assign]
 
 
 def run(engine: SpecEngine, name: str, reqs: Sequence[Request]) -> tuple[float, float]:
     """One generate call -> (tokens/s, ms per step)."""
+    drafts = 1 if name in ("upkeep", "no upkeep") else 0  # "no taps" has no taps to catch up from: it never drafts
     if name != "AR":
         # every row makes a token a step, the first at admission: the drafted step is the run's last but one
         steps = sum(r.max_new_tokens - 1 for r in reqs) // engine.config.max_batch_size
-        engine.gate = AlwaysPlain(upkeep=name == "upkeep", steps=steps - 1)
+        engine.gate = AlwaysPlain(upkeep=name == "upkeep", steps=steps - 1 if drafts else -1)
     engine.generate(reqs)
     m = engine.metrics
-    if name != "AR" and m.skipped_steps != m.steps - 1:
-        raise SystemExit(f"{name}: expected one drafted step in {m.steps}, got {m.steps - m.skipped_steps}")
+    if name != "AR" and m.skipped_steps != m.steps - drafts:
+        raise SystemExit(f"{name}: expected {drafts} drafted step in {m.steps}, got {m.steps - m.skipped_steps}")
     return m.tokens_per_s, 1e3 * m.wall_s / m.steps
 
 
