@@ -9,9 +9,10 @@ host bookkeeping, admissions), each in its own engine with the same cache size:
                 kept for the next drafted round): what a plain probe does while drafting is on
     no upkeep   the drafter, every step plain as the gate runs them while drafting is off (an AR step that holds on
                 to its taps), and one catch-up at the end of the run (a drafted step's first part: `Step._resync`)
-    no taps     what "no upkeep" would cost if its forward returned no taps: its plain steps run AR's decode forward
-                (compiled on its own) and hold nothing, and it never drafts (there is nothing to catch up from). Not
-                an engine anyone can run: the counterfactual that prices the taps
+    dropped     counterfactual: "no upkeep" whose plain steps return the taps from the forward as usual but drop
+                them (nothing held, so it never drafts: there is nothing to catch up from); prices holding them
+    no taps     counterfactual: "no upkeep" whose plain steps run AR's decode forward (compiled on its own), which
+                returns no taps (it never drafts either); prices the taps altogether
 
 Printed per concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): tokens/s and ms per step of
 each, each speculative engine's throughput as a share of AR's, and the split of a step: the target forward alone
@@ -82,7 +83,7 @@ def main() -> None:
     k = draft_depth(drafter)
     print(f"plain steps against AR steps: {args.drafter} (K = {k}), compile={args.compile}, "
           f"{args.max_new_tokens} new tokens, 4C requests, {torch.get_num_threads()} threads")
-    names = ("AR", "upkeep", "no upkeep", "no taps")
+    names = ("AR", "upkeep", "no upkeep", "dropped", "no taps")
     print("| C | AR tok/s | " + " | ".join(f"{n} ms/step (forward + rest)" for n in names) + " | "
           + " | ".join(f"{n} / AR" for n in names[1:]) + " |")
     print("|---" * (2 + 2 * len(names) - 1) + "|")
@@ -93,6 +94,7 @@ def main() -> None:
                               spec_gate=True)
         engines = {"AR": SpecEngine(model, None, config)}
         engines.update({name: SpecEngine(model, drafter, config) for name in names[1:]})
+        dropped(engines["dropped"])
         untapped(engines["no taps"], args.compile)
         clocks = {name: ForwardClock(engine) for name, engine in engines.items()}
         rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -129,6 +131,17 @@ class ForwardClock:
         setattr(engine.forwards, name, timed)
 
 
+def dropped(engine: SpecEngine) -> None:
+    """The "dropped" counterfactual: the plain-step forward as the engine runs it, its taps dropped, not held."""
+    fwd = engine.forwards
+    one_token = fwd.one_token
+
+    def without(last: torch.Tensor, cache: object, kv_len: int, num_new: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        return one_token(last, cache, kv_len, num_new)[0], ()
+
+    fwd.one_token = without  # type: ignore[method-assign]
+
+
 def untapped(engine: SpecEngine, compile: bool) -> None:
     """The "no taps" counterfactual: the engine's plain-step forward becomes AR's decode forward (its own compiled
     copy), which returns no taps, so its steps hold nothing."""
@@ -145,7 +158,7 @@ def untapped(engine: SpecEngine, compile: bool) -> None:
 
 def run(engine: SpecEngine, name: str, reqs: Sequence[Request]) -> tuple[float, float]:
     """One generate call -> (tokens/s, ms per step)."""
-    drafts = 1 if name in ("upkeep", "no upkeep") else 0  # "no taps" has no taps to catch up from: it never drafts
+    drafts = 1 if name in ("upkeep", "no upkeep") else 0  # the counterfactuals hold no taps: they never draft
     if name != "AR":
         # every row makes a token a step, the first at admission: the drafted step is the run's last but one
         steps = sum(r.max_new_tokens - 1 for r in reqs) // engine.config.max_batch_size

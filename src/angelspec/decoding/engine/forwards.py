@@ -70,10 +70,10 @@ class TargetForwards:
         return out.logits[:, 0]
 
     def one_token(self, last: Tensor, cache: StaticKVCache, kv_len: int, num_new: Tensor) -> tuple[Tensor, Taps]:
-        """A step without drafts (last [B], the newest committed token per row): `decode` plus the taps, so it costs
-        what a plain step costs -> logits [B, V], taps; the cache grows by num_new [B] (1 for active rows, 0 for
-        idle). Its inputs and logits have `decode`'s shapes: compiled, a [B, 1] input made outside the graph and
-        [B, 1, V] logits sliced outside it cost a few percent of a small target's step."""
+        """A step without drafts (last [B], the newest committed token per row): `decode` plus the taps -> logits
+        [B, V], taps; the cache grows by num_new [B] (1 for active rows, 0 for idle). It takes and returns what
+        `decode` does (compiled, what is made or sliced outside the graph is host work every step); the taps cost a
+        compiled plain step a few percent more than `decode` (benchmarks/plain_step.py)."""
         out = self.target.forward_cached(last[:, None], CacheInputs(cache, num_new=num_new, kv_len=kv_len,
                                                                     hidden_layers=self.taps))
         return out.logits[:, 0], out.hidden

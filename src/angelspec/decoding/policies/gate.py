@@ -294,7 +294,8 @@ class ServingGate:
 
     Upkeep: a plain step while drafting is on (a plain probe) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
-    off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps, and the next step
+    off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps (returning and
+    holding them cost a compiled plain step a few percent over AR's: `benchmarks/plain_step.py`), and the next step
     that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). The same
     holds for lookup steps while drafting is off: only the lookup's history takes their tokens, the model catches up
     on its next drafted step.
