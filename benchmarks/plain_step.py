@@ -1,24 +1,24 @@
 """What a plain step of a speculative engine costs beside an AR step, with and without the drafter's upkeep.
 
 While the serving gate (`--policy auto`) has drafting off, every step is a plain step. It should cost what an AR step
-costs. Three engines over the same requests, end to end (`SpecEngine.generate`: the forward, the token choice, the
-host bookkeeping, admissions), each in its own engine with the same cache size:
+costs. Engines over the same requests, end to end (`SpecEngine.generate`: the forward, the token choice, the host
+bookkeeping, admissions), each in its own engine with the same cache size:
 
     AR          no drafter
     upkeep      the drafter, every step plain and keeping the drafter's context (its round of zero drafts, the commit
                 kept for the next drafted round): what a plain probe does while drafting is on
-    no upkeep   the drafter, every step plain as the gate runs them while drafting is off (an AR step that holds on
-                to its taps), and one catch-up at the end of the run (a drafted step's first part: `Step._resync`)
-    dropped     counterfactual: "no upkeep" whose plain steps return the taps from the forward as usual but drop
-                them (nothing held, so it never drafts: there is nothing to catch up from); prices holding them
-    no taps     counterfactual: "no upkeep" whose plain steps run AR's decode forward (compiled on its own), which
-                returns no taps (it never drafts either); prices the taps altogether
+    held        the drafter, every step plain without upkeep, each holding its taps for the catch-up (what the gate
+                runs for a drafter that needs every missed position, `resume_window` None), and one drafted step near
+                the end of the run that catches up on all of them (`Step._resync`)
+    no taps     the drafter, every step plain without upkeep as the gate runs them for a drafter that resumes from its
+                newest positions: AR's decode forward, no taps, but for the drafter's window of steps before the one
+                drafted step, which hold theirs (`ServingGate.keep_taps`)
 
 Printed per concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): tokens/s and ms per step of
 each, each speculative engine's throughput as a share of AR's, and the split of a step: the target forward alone
-(`forwards.decode` for AR, `forwards.one_token` for the plain steps, timed around the call) and the rest (the token
-choice, the gate, the host bookkeeping, admissions, the catch-up), in ms per step. Medians of interleaved repeats in
-one process (this CPU's speed drifts between runs; the ratios hold).
+(`forwards.decode` and `forwards.one_token`, timed around the call) and the rest (the token choice, the gate, the host
+bookkeeping, admissions, the catch-up), in ms per step. Medians of interleaved repeats in one process (this CPU's speed
+drifts between runs; the ratios hold).
 
     .venv/bin/python benchmarks/plain_step.py                        # shipped DFly, C = 1,4,16, compiled
     .venv/bin/python benchmarks/plain_step.py --drafter mtp:src/angelspec/assets/drafters/mtp --concurrency 8
@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
-from angelspec.decoding.compiled import try_compile
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.engine.forwards import TargetForwards
 from angelspec.decoding.loading import draft_depth, load_target_and_tokenizer, resolve_drafter
@@ -44,17 +43,22 @@ from angelspec.eval.serving.sweep import serving_workload, workload_requests
 
 class AlwaysPlain:
     """A gate that never drafts, but on its `steps`-th step (one draft: the catch-up runs once), keeping the
-    drafter's context as `upkeep` says on the others."""
+    drafter's context as `upkeep` says on the others, and (without upkeep) holding the taps of every step, or with
+    `window` only of the `window` steps before the drafted one."""
 
     lookup_only = lookup_engine = measure_only = False
 
-    def __init__(self, upkeep: bool, steps: int) -> None:
-        self.keep, self.steps, self.calls = upkeep, steps, 0
+    def __init__(self, upkeep: bool, steps: int, window: int | None = None) -> None:
+        self.keep, self.steps, self.window, self.calls = upkeep, steps, window, 0
 
     @property
     def upkeep(self) -> bool:
         """Read after `choose_depth`: the drafted step keeps the context (it catches up first)."""
         return self.keep or self.calls == self.steps
+
+    @property
+    def keep_taps(self) -> bool:
+        return self.window is None or self.steps - self.calls <= self.window
 
     def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
         self.calls += 1
@@ -83,7 +87,7 @@ def main() -> None:
     k = draft_depth(drafter)
     print(f"plain steps against AR steps: {args.drafter} (K = {k}), compile={args.compile}, "
           f"{args.max_new_tokens} new tokens, 4C requests, {torch.get_num_threads()} threads")
-    names = ("AR", "upkeep", "no upkeep", "dropped", "no taps")
+    names = ("AR", "upkeep", "held", "no taps")
     print("| C | AR tok/s | " + " | ".join(f"{n} ms/step (forward + rest)" for n in names) + " | "
           + " | ".join(f"{n} / AR" for n in names[1:]) + " |")
     print("|---" * (2 + 2 * len(names) - 1) + "|")
@@ -94,15 +98,13 @@ def main() -> None:
                               spec_gate=True)
         engines = {"AR": SpecEngine(model, None, config)}
         engines.update({name: SpecEngine(model, drafter, config) for name in names[1:]})
-        dropped(engines["dropped"])
-        untapped(engines["no taps"], args.compile)
         clocks = {name: ForwardClock(engine) for name, engine in engines.items()}
         rates: dict[str, list[float]] = {name: [] for name in engines}
         steps: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for rep in range(args.repeats + 1):  # the first round warms every engine up (compiles), untimed
             for name, engine in engines.items():
                 clocks[name].seconds = 0.0
-                tps, ms = run(engine, name, reqs if rep else reqs[:c])
+                tps, ms = run(engine, name, reqs if rep else reqs[:c], drafter.resume_window)
                 if rep:
                     rates[name].append(tps)
                     steps[name].append((ms, 1e3 * clocks[name].seconds / engine.metrics.steps))
@@ -115,12 +117,15 @@ def main() -> None:
 
 
 class ForwardClock:
-    """Times an engine's target forward of a plain step (`decode` without a drafter, `one_token` with one)."""
+    """Times an engine's target forwards of a plain step (`decode`, and `one_token` with a drafter)."""
 
     def __init__(self, engine: SpecEngine) -> None:
         self.seconds = 0.0
-        name = "decode" if engine.drafter is None else "one_token"
-        forward: Callable[..., object] = getattr(engine.forwards, name)
+        for name in ("decode",) if engine.drafter is None else ("decode", "one_token"):
+            self._wrap(engine.forwards, name)
+
+    def _wrap(self, forwards: TargetForwards, name: str) -> None:
+        forward: Callable[..., object] = getattr(forwards, name)
 
         def timed(*args: object) -> object:
             t = time.perf_counter()
@@ -128,41 +133,17 @@ class ForwardClock:
             self.seconds += time.perf_counter() - t
             return out
 
-        setattr(engine.forwards, name, timed)
+        setattr(forwards, name, timed)
 
 
-def dropped(engine: SpecEngine) -> None:
-    """The "dropped" counterfactual: the plain-step forward as the engine runs it, its taps dropped, not held."""
-    fwd = engine.forwards
-    one_token = fwd.one_token
-
-    def without(last: torch.Tensor, cache: object, kv_len: int, num_new: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        return one_token(last, cache, kv_len, num_new)[0], ()
-
-    fwd.one_token = without  # type: ignore[method-assign]
-
-
-def untapped(engine: SpecEngine, compile: bool) -> None:
-    """The "no taps" counterfactual: the engine's plain-step forward becomes AR's decode forward (its own compiled
-    copy), which returns no taps, so its steps hold nothing."""
-    fwd = engine.forwards
-    decode = TargetForwards.decode.__get__(fwd)
-    if compile:
-        decode = try_compile(decode, "decode step (no taps)")
-
-    def one_token(last: torch.Tensor, cache: object, kv_len: int, num_new: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        return decode(last, cache, num_new, kv_len), ()
-
-    fwd.one_token = one_token  # type: ignore[method-assign]
-
-
-def run(engine: SpecEngine, name: str, reqs: Sequence[Request]) -> tuple[float, float]:
+def run(engine: SpecEngine, name: str, reqs: Sequence[Request], window: int | None) -> tuple[float, float]:
     """One generate call -> (tokens/s, ms per step)."""
-    drafts = 1 if name in ("upkeep", "no upkeep") else 0  # the counterfactuals hold no taps: they never draft
+    drafts = 0 if name == "AR" else 1
     if name != "AR":
         # every row makes a token a step, the first at admission: the drafted step is the run's last but one
         steps = sum(r.max_new_tokens - 1 for r in reqs) // engine.config.max_batch_size
-        engine.gate = AlwaysPlain(upkeep=name == "upkeep", steps=steps - 1 if drafts else -1)
+        engine.gate = AlwaysPlain(upkeep=name == "upkeep", steps=steps - 1,
+                                  window=window if name == "no taps" else None)
     engine.generate(reqs)
     m = engine.metrics
     if name != "AR" and m.skipped_steps != m.steps - drafts:

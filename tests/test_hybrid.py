@@ -203,23 +203,24 @@ def test_the_chooser_takes_the_lookup_while_it_pays_and_probes_it_when_it_does_n
 
 class ScriptedServing:
     """A serving gate that cycles through `pattern`: "model" (all K drafts), "probe" (all K drafts, measured but only
-    one token a row committed: `ServingGate.measure_only`), "lookup" (a lookup step of 2 drafts),
-    "plain" (0), or while drafting is off (no upkeep of the model's context) "off" (0) and "lookoff" (a lookup step of
-    2 drafts), whatever was measured. An engine whose pattern has no lookup steps is one that runs none
-    (`ServingGate.lookup_engine`): its steps without upkeep leave the lookup's history behind too."""
+    one token a row committed: `ServingGate.measure_only`), "lookup" (a lookup step of 2 drafts), "plain" (0), or while
+    drafting is off (no upkeep of the model's context) "off" (0), "bare" (0, making no taps: `ServingGate.keep_taps`
+    False) and "lookoff" (a lookup step of 2 drafts), whatever was measured. An engine whose pattern has no lookup steps
+    is one that runs none (`ServingGate.lookup_engine`): its steps without upkeep leave the lookup's history behind
+    too."""
 
     def __init__(self, pattern: list[str], k: int) -> None:
         self.pattern, self.k, self.calls, self.lookup_only, self.upkeep = pattern, k, 0, False, True
-        self.measure_only = False
+        self.measure_only, self.keep_taps = False, True
         self.lookup_engine = any(kind in ("lookup", "lookoff") for kind in pattern)
         self.lookup_costs: tuple[float, ...] = ()  # handed to lookup steps (`DraftState.lookup_costs`)
 
     def choose_depth(self, num_active: int, k: int) -> int:
         kind = self.pattern[self.calls % len(self.pattern)]
         self.calls += 1
-        self.lookup_only, self.upkeep = kind in ("lookup", "lookoff"), kind not in ("off", "lookoff")
-        self.measure_only = kind == "probe"
-        return {"model": k, "probe": k, "lookup": 2, "plain": 0, "off": 0, "lookoff": 2}[kind]
+        self.lookup_only, self.upkeep = kind in ("lookup", "lookoff"), kind not in ("off", "bare", "lookoff")
+        self.measure_only, self.keep_taps = kind == "probe", kind != "bare"
+        return {"model": k, "probe": k, "lookup": 2, "plain": 0, "off": 0, "bare": 0, "lookoff": 2}[kind]
 
     def observe_step(self, *args) -> None:
         pass
@@ -263,6 +264,33 @@ def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models
     assert drafted and len(drafted) < len(drafter.proposals) / 2.5  # the model drafted on model steps only
     for seq, drafts in drafted:
         assert recompute(seq)[: len(drafts)] == drafts
+
+
+@pytest.mark.parametrize("pattern", [["model", "bare", "bare", "bare", "off", "model", "bare", "off", "off", "model"],
+                                     ["lookoff", "bare", "bare", "lookoff", "off", "model", "bare", "bare", "model"]],
+                         ids=["no-lookup-steps", "lookup-steps"])
+def test_the_lookup_sees_every_token_when_the_models_catch_up_leaves_positions_out(pattern):
+    """Plain steps that make no taps leave positions out of the model's catch-up (`Drafter.resume_window`); the lookup
+    still matches against the whole committed sequence: an engine with lookup steps tells it every step, one without
+    hands it the tokens left out before the catch-up. Outputs equal AR's."""
+    target, drafter, vocab, _ = block_case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
+    assert hybrid.resume_window == drafter.resume_window is not None
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=3, num_draft_tokens=3))
+    engine.gate = ScriptedServing(pattern, 3)
+    real_match, matched = hybrid.ngram.match, []
+
+    def match(r: int, k: int):
+        slot = engine.rows.slots[r]
+        assert hybrid.ngram._hist[r] == [*slot.request.prompt_ids, *slot.tokens]
+        matched.append(r)
+        return real_match(r, k)
+
+    hybrid.ngram.match = match
+    reqs = requests(vocab, 5, 40, seed=2)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert matched and engine.metrics.skipped_steps > engine.metrics.steps // 3
 
 
 @pytest.mark.parametrize(("costs", "verifies"), [((1.0, 1.1, 1.2), True), ((1.0, 2.5, 3.5), False)],

@@ -205,6 +205,46 @@ def test_plain_steps_keep_the_drafters_context_only_while_drafting_is_on():
     assert sum(not keep for n, keep, _ in looked if n <= 0) > 150 and any(not keep for n, keep, _ in looked if n < 0)
 
 
+def kept_or_held(seen: list[tuple[int, bool, bool]], i: int, window: int) -> bool:
+    """Whether the `window` steps before step i of `seen` ((depth, upkeep, keep_taps) per step) all kept or held the
+    drafter's context."""
+    return all(upkeep or keep for _, upkeep, keep in seen[i - window:i])
+
+
+def test_steps_without_upkeep_make_taps_only_within_the_drafters_window_before_it_drafts():
+    """While drafting is off a plain step makes no taps (`keep_taps` False: the engine runs AR's decode forward) unless
+    the next drafted step (a probe) is at most the drafter's window away (`begin(rows, window)`): every drafted step
+    after steps without upkeep finds its newest `window` steps held. Where drafting turns on unannounced (plain steps
+    got slower), the gate first runs `window` plain steps that hold their taps. A drafter without a window
+    (`resume_window` None) has every step's taps held."""
+    window = 8
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=64, max_budget_gap=64)
+    gate.begin(4, window=window)
+    m, seen = Machine(cpu_like, plain_cost, accept=0), []
+    for _ in range(600):
+        n = m.step(gate, 4)
+        seen.append((n, gate.upkeep, gate.keep_taps))
+    drafted = [i for i, (n, _, _) in enumerate(seen) if n > 0 and i > 20]  # (after the warm-up)
+    assert len(drafted) >= 10 and all(kept_or_held(seen, i, window) for i in drafted)
+    bare = sum(not upkeep and not keep for _, upkeep, keep in seen)
+    assert bare > 400  # most plain steps make no taps
+    changed = len(seen)
+    m.plain = lambda b: 4 * plain_cost(b)  # plain steps slow down: drafting wins now, ahead of the next probe
+    for _ in range(100):
+        n = m.step(gate, 4)
+        seen.append((n, gate.upkeep, gate.keep_taps))
+    first = next(i for i in range(changed, len(seen)) if seen[i][0] > 0)
+    assert kept_or_held(seen, first, window) and first - changed <= window + 2
+    assert gate.summary()["rows 3-4"]["drafting"]
+
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=64, max_budget_gap=64)
+    gate.begin(4)  # no window: the drafter needs every missed position
+    m = Machine(cpu_like, plain_cost, accept=0)
+    for _ in range(300):
+        m.step(gate, 4)
+        assert gate.keep_taps
+
+
 def test_only_drafted_probes_while_drafting_is_off_are_measure_only():
     """Drafted steps while drafting is on commit what they accept; drafted probes while it is off only measure
     (`measure_only`), and their acceptance still turns drafting back on once it returns. One row alone has no other
@@ -391,6 +431,71 @@ def test_sampled_outputs_do_not_depend_on_whether_skipped_steps_kept_the_context
         reqs = requests(vocab, 5, 30, seed=5, sampling=lambda i: SamplingParams(temperature=0.9))
         outs.append([r.token_ids for r in engine.generate(reqs)])
     assert outs[0] == outs[1]
+
+
+class ScriptedTapsGate(ScriptedLapseGate):
+    """`ScriptedLapseGate` where -1 is a plain step while drafting is off that makes no taps (`keep_taps` False) and
+    -2 one that holds them."""
+
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        self.keep_taps = self.pattern[self.calls % len(self.pattern)] != -1
+        return super().choose_depth(num_active, num_draft_tokens)
+
+
+def test_a_block_drafter_resumes_from_the_positions_held_after_steps_that_made_no_taps():
+    """Plain steps without taps leave a gap in the drafter's context: the catch-up hands it only the positions whose
+    taps were held (the steps just before it drafts), and its context runs on across the gap. Its drafts equal a
+    from-scratch recompute over the target's taps at exactly the positions it was given; outputs equal AR's."""
+    from test_block_engine import tiny_block_drafter, tiny_target
+
+    from angelspec.decoding.drafters.block import BlockDrafterAdapter
+    from angelspec.decoding.drafters.block_propose import BlockProposer
+    from angelspec.models.decoder import TrainInputs
+    from angelspec.models.mtp import concat_taps
+
+    target = tiny_target()
+    drafter = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))
+    missing, held = 10, 3
+    engine = gated_engine(target, drafter, ScriptedTapsGate([3, 3] + [-1] * missing + [-2] * held + [3] * 200),
+                          max_batch_size=1, num_draft_tokens=3)
+    seen = []
+    real = drafter.propose
+
+    def propose(state):
+        prop = real(state)
+        if state.num_draft_tokens:
+            slot = engine.rows.slots[0]
+            seen.append(([*slot.request.prompt_ids, *slot.tokens], prop.tokens[0].tolist(),
+                         int(drafter.cache.lengths[0])))
+        return prop
+
+    drafter.propose = propose
+    reqs = requests(16, 1, 48, seed=2)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert len(seen) > 4
+    resumed = len(seen[2][0])  # the first drafted step after the lapse: its anchor is position resumed - 1
+    gap = range(resumed - 1 - missing - held, resumed - 1 - held)  # the positions whose taps were never made
+    for i, (seq, drafts, cached) in enumerate(seen):
+        kept = [p for p in range(len(seq) - 1) if i < 2 or p not in gap]
+        assert cached == len(kept)
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            hidden = target(ids, TrainInputs(hidden_layers=list(drafter.target_layer_ids), compute_logits=False)).hidden
+            want = BlockProposer(drafter.model).propose_from_taps(concat_taps(hidden)[:, kept],
+                                                                  torch.tensor([len(kept)]), ids[:, -1])
+        assert want.tokens[0, :3].tolist() == drafts
+
+
+@pytest.mark.parametrize("case", [block_case, mtp_case, eagle3_case], ids=["dfly", "mtp", "eagle3"])
+def test_steps_that_make_no_taps_leave_outputs_equal_to_ar(case):
+    """Plain steps without taps among held ones, drafted steps and probes, with requests joining and leaving in the
+    lapses: outputs equal AR's, and every drafter keeps drafting after its catch-ups."""
+    target, drafter, vocab, _ = case()
+    gate = ScriptedTapsGate([3, -1, -1, -1, -2, -2, 2, 0, -1, -2, 1, -1, -1, 3, 3])
+    engine = gated_engine(target, drafter, gate, max_batch_size=4, num_draft_tokens=3)
+    reqs = requests(vocab, 9, 40, seed=3)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert engine.metrics.skipped_steps > engine.metrics.steps // 3 and sum(engine.metrics.accept_hist[1:]) > 0
 
 
 PROBE = 100  # in a `ScriptedProbeGate` pattern: PROBE + d is a drafted probe of d drafts while drafting is off

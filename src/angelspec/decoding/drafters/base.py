@@ -159,6 +159,11 @@ class Drafter(ABC):
     # True when `DraftState.lookup_only` can be honoured: the drafter also drafts without a model forward (a model
     # drafter with n-gram lookup in front, `HybridDrafter`)
     lookup_drafts: bool = False
+    # (Drafters with `context_from_commits`.) How many of the newest committed positions the drafter needs to draft
+    # well again after steps that left its context behind (`on_catch_up`); the positions before them may be left
+    # out, and its context then runs on across the gap (its cache slots, which are its positions, follow on). None:
+    # it needs every missed position.
+    resume_window: int | None = None
 
     @property
     def vocab_size(self) -> int | None:
@@ -252,16 +257,19 @@ class Drafter(ABC):
         """(Drafters with `lookup_drafts`.) A step that left the model's context behind (the engine's steps without
         upkeep: plain steps and lookup steps while the serving gate has the model off) committed `host_tokens` per
         row (() for idle rows), after verifying `host_depths` lookup drafts (() or zeros: none): keep the lookup's
-        history current; the model gets these positions later, in `on_catch_up`. Called only in engines that may run
+        history current; the model gets these positions later, in `on_catch_up`. Called in engines that may run
         lookup steps (`ServingGate.lookup_engine`); elsewhere the lookup's history lapses with the model's context and
-        `on_catch_up` brings both up to date."""
+        `on_catch_up` brings both up to date, after this call with the tokens of the positions it leaves out
+        (`resume_window`)."""
         raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
 
     def on_catch_up(self, commit: Commit) -> None:
-        """Every position the steps without upkeep committed since the drafter's context stopped, in one commit after
-        a round of zero drafts (the engine's `Step._resync`; only for drafters with `context_from_commits`). Default:
-        `on_commit`. A drafter with lookup drafts hands them to its model, and to its lookup where the lookup's
-        history lapsed too (only steps of engines that may run lookup steps call `on_lookup_commit`)."""
+        """The positions the steps without upkeep committed since the drafter's context stopped, in one commit after a
+        round of zero drafts (the engine's `Step._resync`; only for drafters with `context_from_commits`): every one of
+        them, or with `resume_window` set at least the newest `resume_window` of them (a drafter with lookup drafts was
+        given the tokens before those through `on_lookup_commit` first). Default: `on_commit`. A drafter with lookup
+        drafts hands them to its model, and to its lookup where the lookup's history lapsed too (only steps of engines
+        that may run lookup steps call `on_lookup_commit`)."""
         self.on_commit(commit)
 
     def reset_rows(self, rows: Sequence[int]) -> None:  # noqa: B027
@@ -320,6 +328,7 @@ class WrappedDrafter(Drafter):
         self.target_layer_ids = inner.target_layer_ids
         self.context_from_commits = inner.context_from_commits
         self.lookup_drafts = inner.lookup_drafts
+        self.resume_window = inner.resume_window
 
     @property
     def vocab_size(self) -> int | None:

@@ -5,13 +5,15 @@ the four kinds (`kind` names the folder kind `from_pretrained` loads). Per step 
 the block `[last, m, …, m]` and then the small sequential head left to right over the first K ≤ B−1 positions
 only (`block_propose.BlockProposer.propose`), and returns those K drafts.
 
-Draft context cache convention, per row, whenever a round drafts: the cache holds the injected K/V of every
-committed position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's
-anchor, at position `seq_lens − 1`. Block entries are never cached, so a step needs no rollback: the a+1 newly
-committed positions of a step (the old anchor and the a accepted drafts) are appended from the verify forward's
-taps, whose hidden states the target has now computed. `on_commit` only keeps those taps (`PendingCommits`); the
-next round that drafts appends them first, so a round the speculation gate skips costs nothing here, and a run of
-skipped rounds is appended in one call. Before rows change (`prefill`, `reset_rows`) the cache catches up.
+Draft context cache convention, per row, whenever a round drafts: the cache holds the injected K/V of every committed
+position except the newest token (`cache.lengths == seq_lens − 1`); the newest token is the block's anchor, at position
+`seq_lens − 1`. (After a catch-up that left out older missed positions, `resume_window`, the cache holds fewer: its
+slots are the positions the drafter sees, and the text runs on across the gap.) Block entries are never cached, so a
+step needs no rollback: the a+1 newly committed positions of a step (the old anchor and the a accepted drafts) are
+appended from the verify forward's taps, whose hidden states the target has now computed. `on_commit` only keeps those
+taps (`PendingCommits`); the next round that drafts appends them first, so a round the speculation gate skips costs
+nothing here, and a run of skipped rounds is appended in one call. Before rows change (`prefill`, `reset_rows`) the
+cache catches up.
 
 Drafts are the argmax when the engine verifies deterministically or every row is greedy; otherwise they are
 sampled from q = process_logits(logits, request temperature / top-k / top-p) with the request's DRAFT noise
@@ -61,6 +63,9 @@ class BlockDrafterAdapter(ModelConfigDrafter):
 
     kind: str | None = None
     context_from_commits = True
+    # After steps that left the context behind, the newest 32 positions are enough: the shipped DFly drafted as well
+    # from the prompt and them as from its whole context (`benchmarks/resume_window.py`).
+    resume_window = 32
 
     def __init__(self, model: BlockDrafter) -> None:
         self.model = model.eval()

@@ -62,6 +62,8 @@ class MTPDrafter(ModelConfigDrafter):
 
     kind = "mtp"
     context_from_commits = True
+    # After steps that left the context behind, the newest 32 positions are enough (`benchmarks/resume_window.py`).
+    resume_window = 32
     # False: a one-row greedy round's catch-up and its K depths run as two calls (`benchmarks/joined_calls.py`
     # measures one against the other; same drafts either way).
     join_catch_up = True

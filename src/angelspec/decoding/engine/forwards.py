@@ -2,7 +2,8 @@
 `EngineConfig.compile` is on, and the speculative ones are warmed up (compiled) before a run needs them.
 
     variant               tokens            returns                                   used by
-    decode                [B, 1]            logits [B, V]                             the AR step
+    decode                [B, 1]            logits [B, V]                             the AR step; a step without
+                                                                                    drafts whose taps nobody needs
     one_token             [B]               logits [B, V], taps                       a speculative step without drafts
     verify                [B, n+1]          logits [B, n+1, V], taps                  sampled verification, equal depths
     greedy_verify         [B, n+1]          tokens [B, n+1], num_accepted [B], taps   greedy verification, equal depths
@@ -31,13 +32,13 @@ from angelspec.models.kv_cache import StaticKVCache
 
 Taps = tuple[Tensor, ...]
 # variant -> (what a compile failure's warning names, the engines that run it: "ar" without a drafter, "spec" with one)
-VARIANTS: dict[str, tuple[str, Literal["ar", "spec"]]] = {
-    "decode": ("decode step", "ar"),
-    "one_token": ("one-token verify forward", "spec"),
-    "verify": ("verify forward", "spec"),
-    "greedy_verify": ("greedy verify step", "spec"),
-    "packed_verify": ("packed verify forward", "spec"),
-    "greedy_packed_verify": ("packed greedy verify step", "spec"),
+VARIANTS: dict[str, tuple[str, tuple[Literal["ar", "spec"], ...]]] = {
+    "decode": ("decode step", ("ar", "spec")),
+    "one_token": ("one-token verify forward", ("spec",)),
+    "verify": ("verify forward", ("spec",)),
+    "greedy_verify": ("greedy verify step", ("spec",)),
+    "packed_verify": ("packed verify forward", ("spec",)),
+    "greedy_packed_verify": ("packed greedy verify step", ("spec",)),
 }
 # What `TargetForwards.warm_up` ran, per target and taps: the compiled graphs live in dynamo's cache, per function
 # and guarded on shapes (duck sizing off: any cache capacity), which every engine over the same target shares; a new
@@ -61,7 +62,7 @@ class TargetForwards:
             self.warmed = _WARMED.setdefault(target, {}).setdefault(taps, set())
         mode = "spec" if speculative else "ar"
         for name, (what, used_by) in VARIANTS.items():
-            if compile and used_by == mode:
+            if compile and mode in used_by:
                 setattr(self, name, try_compile(getattr(self, name), what, cuda_graphs=cuda_graphs))
 
     def decode(self, last: Tensor, cache: StaticKVCache, num_new: Tensor, kv_len: int) -> Tensor:
@@ -114,15 +115,15 @@ class TargetForwards:
                                                               num_keep=num_keep))
 
     def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool) -> None:
-        """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs
-        are thrown away and the cache emptied again), rather than the first time a step needs one, mid-run.
-        torch.compile specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and batch
-        sizes reuse them (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards tell it
-        apart), warmed too, since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts,
-        and the verify graphs at depth K and 1, dense and (packed, more than one row) packed; greedy ones when the run
-        has a request at T = 0, sampled ones when it has one at T > 0 (a step is greedy only when all its rows are).
-        The target's RoPE table is built first, eagerly: a graph traced before it existed would guard on its absence
-        (docs/design.md section 9)."""
+        """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs are
+        thrown away and the cache emptied again), rather than the first time a step needs one, mid-run. torch.compile
+        specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and batch sizes reuse them
+        (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards tell it apart), warmed too,
+        since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts (with taps, and the
+        decode step for one whose taps nobody needs), and the verify graphs at depth K and 1, dense and (packed, more
+        than one row) packed; greedy ones when the run has a request at T = 0, sampled ones when it has one at T > 0 (a
+        step is greedy only when all its rows are). The target's RoPE table is built first, eagerly: a graph traced
+        before it existed would guard on its absence (docs/design.md section 9)."""
         b, dev = cache.batch_size, cache.device
         kind = min(b, 2)
         wanted = {"plain": True, "greedy": greedy and k > 0, "sampled": sampled and k > 0}
@@ -140,7 +141,9 @@ class TargetForwards:
         one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row
         runs: dict[str, list[Callable[[], object]]] = {
             "plain": [lambda: self.one_token(torch.zeros(b, dtype=torch.int64, device=dev), cache, 2,
-                                             torch.ones(b, dtype=torch.int64, device=dev))],
+                                             torch.ones(b, dtype=torch.int64, device=dev)),
+                      lambda: self.decode(torch.zeros(b, dtype=torch.int64, device=dev), cache,
+                                          torch.ones(b, dtype=torch.int64, device=dev), 2)],
             "greedy": [lambda: self.greedy_verify(drafts, cache, k + 1, full)]
             + ([lambda: self.greedy_verify(short, cache, 2, one)] if k > 1 else [])
             + ([lambda: self.greedy_packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else [])

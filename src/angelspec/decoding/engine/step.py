@@ -83,7 +83,8 @@ class Step:
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
-            self.gate.begin(rows)
+            assert self.drafter is not None
+            self.gate.begin(rows, window=self.drafter.resume_window if self.may_lapse else None)
         self._lapsed, self._held, self._lens_stale = False, [], False
 
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
@@ -193,7 +194,10 @@ class Step:
 
     def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
         """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does, and of the
-        drafter's upkeep only this: the forward's taps are held as they came (`_hold`, one tuple a step). The drafter
+        drafter's upkeep only this: the forward's taps are held as they came (`_hold`, one tuple a step), or where
+        the gate does not need them (`gate.keep_taps` False: the drafter resumes from its newest positions, and the
+        next drafted step is further away than those) none are made, the step runs AR's own decode forward and the
+        taps held so far are dropped (`_resync` hands the drafter only positions after them). The drafter
         is neither asked for a round nor told the commit (a drafter with lookup drafts, in an engine that may run lookup
         steps: only its lookup, through `on_lookup_commit`), the rows' device `seq_lens` and `draft_round` are not
         advanced; each row records where its drafter context stops (`Slot.stale_from`), and the next step that drafts
@@ -203,11 +207,19 @@ class Step:
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
-        logits, taps = self.forwards.one_token(rows.last, cache, rows.seq_len_bound(), rows.active_long)
+        taps: Taps | None = None
+        if getattr(gate, "keep_taps", True):
+            logits, taps = self.forwards.one_token(rows.last, cache, rows.seq_len_bound(), rows.active_long)
+        else:
+            logits = self.forwards.decode(rows.last, cache, rows.active_long, rows.seq_len_bound())
         rows.last = choose(logits, rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
-        self._hold(taps, None)
+        if taps is None:
+            self._held.clear()
+            self._lapse_rows()
+        else:
+            self._hold(taps, None)
         self._lens_stale = True
         if self.drafter.lookup_drafts and gate.lookup_engine:  # the lookup's history stays current (its steps read it)
             host_tokens = rows.one_each(host)
@@ -225,6 +237,11 @@ class Step:
         plain step's one a row) and mark where each active row's drafter context stops (`Slot.stale_from`)."""
         if taps:  # a CUDA graph's outputs are its own memory, overwritten by its next replay: keep a copy
             self._held.append((tuple(t.clone() for t in taps) if self.forwards.cuda_graphs else taps, counts))
+        self._lapse_rows()
+
+    def _lapse_rows(self) -> None:
+        """Mark where each active row's drafter context stops (`Slot.stale_from`), before a step without upkeep
+        commits."""
         rows = self.rows
         for r in rows.active_rows:
             slot = rows.slots[r]
@@ -234,67 +251,76 @@ class Step:
         self._lapsed = True
 
     def _resync(self) -> float:
-        """Hand the drafter every committed position it missed during steps without upkeep, as one commit after a
-        round of zero drafts (the contract of a drafter whose context comes from commits, `Drafter.on_catch_up`):
-        per row, its missed positions' taps (its last committed positions across the held steps: a row is active in
-        every step since it lapsed) and their next tokens; and the rows' device state caught up -> the seconds it
-        took."""
+        """Hand the drafter the committed positions it missed during steps without upkeep, as one commit after a round
+        of zero drafts (the contract of a drafter whose context comes from commits, `Drafter.on_catch_up`): per row,
+        the missed positions whose taps were held (its last committed positions across the held steps: a row is
+        active in every step since it lapsed), all of them unless the drafter resumes from its newest ones
+        (`Drafter.resume_window`; the gate then held the steps before a drafted one, `ServingGate.keep_taps`), and
+        their next tokens; a lookup whose history lapsed too takes the tokens left out first (`on_lookup_commit`).
+        The rows' device state is caught up -> the seconds it took."""
         start = time.perf_counter()
         rows, drafter = self.rows, self.drafter
         cache = rows.cache
         assert cache is not None and drafter is not None
         held, self._held, self._lapsed, self._lens_stale = self._held, [], False, False
         b = cache.batch_size
-        gaps, missed, host_tokens = [0] * b, [0] * b, [()] * b
+        gaps, missed, tokens = [0] * b, [0] * b, [()] * b
         for r in rows.active_rows:
             slot = rows.slots[r]
             assert slot is not None
             if slot.stale_from is not None:
                 gaps[r] = slot.seq_len - 1 - slot.stale_from
                 missed[r] = slot.steps - slot.stale_step
-                host_tokens[r] = tuple(slot.tokens[len(slot.tokens) - gaps[r]:])  # positions stale_from + 1 ..
+                tokens[r] = tuple(slot.tokens[len(slot.tokens) - gaps[r]:])  # positions stale_from + 1 ..
                 slot.stale_from = None
-        width = max(gaps)
-        if not width:  # the rows that lapsed have all left
+        if not max(gaps):  # the rows that lapsed have all left
             return time.perf_counter() - start
         dev = cache.device
-        gap = torch.tensor(gaps, dtype=torch.int64, device=dev)  # [B] missed positions per row
         rows.seq_lens = torch.where(rows.active, cache.lengths + 1, rows.seq_lens)
         rows.draft_round += torch.tensor(missed, dtype=torch.int64, device=dev)  # one round per step missed
+        plain = all(counts is None for _, counts in held)
+        flat = None if plain else self._held_positions(held, b)
+        avail = [len(held)] * b if plain else [len(f) for f in flat]  # positions held per row
+        takes = gaps if not drafter.target_layer_ids else [min(g, n) for g, n in zip(gaps, avail, strict=True)]
+        if takes != gaps:
+            if drafter.resume_window is None:
+                raise RuntimeError(f"internal: {gaps} positions to catch up but {avail} held")
+            if drafter.lookup_drafts and not getattr(self.gate, "lookup_engine", False):
+                drafter.on_lookup_commit([t[:g - k] for t, g, k in zip(tokens, gaps, takes, strict=True)])
+        width = max(takes)
+        if not width:
+            return time.perf_counter() - start
+        host_tokens = tuple(t[len(t) - k:] if k else () for t, k in zip(tokens, takes, strict=True))
+        take = torch.tensor(takes, dtype=torch.int64, device=dev)  # [B] positions handed over per row
         drafter.propose(self._state(0, deterministic=True))
         taps: Taps = ()
-        if held:
-            index = self._held_index(held, gaps, gap, width)  # [B, G] into the held steps' taps joined on dim 1
+        if held:  # [B, G]: where each row's last takes[r] held positions lie in the held taps joined on dim 1
+            if flat is None:  # one position a row per step: on the device
+                n = len(held)
+                index = ((n - take)[:, None] + torch.arange(width, device=dev)).clamp(0, n - 1)
+            else:  # left-aligned, padding repeats a valid index
+                index = torch.tensor([f[len(f) - k:] + [f[-1]] * (width - k) if k else [0] * width
+                                      for f, k in zip(flat, takes, strict=True)], dtype=torch.int64, device=dev)
             taps = tuple(torch.cat([h[i] for h, _ in held], dim=1).gather(  # [B, sum T, D] -> [B, G, D]
                 1, index[:, :, None].expand(-1, -1, held[0][0][i].shape[-1])) for i in range(len(held[0][0])))
         committed = torch.tensor([list(t) + [PLACEHOLDER_TOKEN_ID] * (width - len(t)) for t in host_tokens],
                                  dtype=torch.int64, device=dev)  # [B, G]
-        drafter.on_catch_up(Commit(tokens=committed, num_accepted=(gap - 1).clamp(min=0), seq_lens=rows.seq_lens,
-                                   active=gap > 0, host_tokens=tuple(host_tokens), target_hidden=taps,
+        drafter.on_catch_up(Commit(tokens=committed, num_accepted=(take - 1).clamp(min=0), seq_lens=rows.seq_lens,
+                                   active=take > 0, host_tokens=host_tokens, target_hidden=taps,
                                    host_depths=(0,) * b))
         return time.perf_counter() - start
 
     @staticmethod
-    def _held_index(held: list[tuple[Taps, tuple[int, ...] | None]], gaps: list[int], gap: Tensor, width: int
-                    ) -> Tensor:
-        """Where each row's last gaps[r] committed positions lie in the held steps' taps joined on dim 1 -> [B, G],
-        left-aligned (padding repeats a valid index). Plain steps only (one position a row each): on the device."""
-        n = len(held)
-        if all(counts is None for _, counts in held):
-            if width > n:
-                raise RuntimeError(f"internal: {width} positions to catch up but {n} steps' taps held")
-            return ((n - gap)[:, None] + torch.arange(width, device=gap.device)).clamp(max=n - 1)
-        rows = []
-        for r, g in enumerate(gaps):
-            flat, offset = [], 0
-            for taps, counts in held:
-                flat.extend(range(offset, offset + (1 if counts is None else counts[r])))
-                offset += taps[0].shape[1]
-            if g > len(flat):
-                raise RuntimeError(f"internal: {g} positions of row {r} to catch up but {len(flat)} held")
-            mine = flat[len(flat) - g:] if g else [0]
-            rows.append(mine + [mine[-1]] * (width - len(mine)))
-        return torch.tensor(rows, dtype=torch.int64, device=gap.device)
+    def _held_positions(held: list[tuple[Taps, tuple[int, ...] | None]], b: int) -> list[list[int]]:
+        """Per row, where the positions of the held steps lie in their taps joined on dim 1, oldest first (a plain
+        step holds one position a row, a lookup step `counts[r]`)."""
+        flat: list[list[int]] = [[] for _ in range(b)]
+        offset = 0
+        for taps, counts in held:
+            for r in range(b):
+                flat[r].extend(range(offset, offset + (1 if counts is None else counts[r])))
+            offset += taps[0].shape[1]
+        return flat
 
     def _draft(self, cap: int, lookup: bool = False, lapse: bool = False) -> tuple[Proposal, DraftState]:
         """The drafter's proposal of `cap` > 0 drafts per row (`lookup`: the serving gate's lookup step, only the

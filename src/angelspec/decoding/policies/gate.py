@@ -8,7 +8,7 @@ drafter that is weak on the current prompts (low acceptance) costs more than it 
 alternatives online and runs the better one; a skipped step is a plain decode step of the target that still
 hands the drafter its taps (`Drafter.on_commit` with no drafts accepted), so the drafter's context stays
 complete and speculation can resume at any step. (The serving gate below may instead let a long stretch of plain
-steps skip that upkeep: `ServingGate.upkeep`.)
+steps skip that upkeep, and most of them make no taps at all: `ServingGate.upkeep`, `ServingGate.keep_taps`.)
 
 Rule, per batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of a step grows smoothly with the batch):
     rate_spec = EMA over drafted steps of (committed tokens per active row) / (step seconds)
@@ -104,6 +104,7 @@ class SpecGate:
     measure_only: ClassVar[bool] = False  # its probes commit what they accept (`ServingGate.measure_only`)
     lookup_costs: ClassVar[tuple[float, ...]] = ()
     upkeep: ClassVar[bool] = True  # a skipped step keeps the drafter's context (`ServingGate.upkeep`)
+    keep_taps: ClassVar[bool] = True  # (`ServingGate.keep_taps`)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.probe_every < 1:
@@ -294,11 +295,17 @@ class ServingGate:
 
     Upkeep: a plain step while drafting is on (a plain probe) hands the drafter its taps and its round of
     zero drafts, kept for the next drafted round (`PendingCommits`): a little host work per step. While drafting is
-    off, `upkeep` is False: the engine runs the step as an AR step that only holds on to its taps (returning and
-    holding them cost a compiled plain step a few percent over AR's: `benchmarks/plain_step.py`), and the next step
-    that drafts first hands the drafter every position it missed, in one commit (`engine.step.Step._resync`). The same
-    holds for lookup steps while drafting is off: only the lookup's history takes their tokens, the model catches up
-    on its next drafted step.
+    off, `upkeep` is False: the engine runs the step as an AR step, and the next step that drafts first hands the
+    drafter the positions it missed, in one commit (`engine.step.Step._resync`). A drafter that drafts well again from
+    its newest positions (`Drafter.resume_window`, given to `begin`: 32 for the model drafters,
+    `benchmarks/resume_window.py`) needs only their taps: a step without upkeep makes none (`keep_taps` False: AR's
+    own decode forward; returning and holding taps cost a compiled plain step 3-6% over AR's at four to sixteen rows
+    on a 2-core CPU, `benchmarks/plain_step.py`) unless the next drafted step is at most that window away: the last
+    `window` plain steps before a probe hold their taps, and a drafted step the gate did not see coming (drafting
+    turning on between probes, a new lane's warm-up) waits for `window` plain steps that hold theirs first. The
+    drafter's context then runs on across the gap. Without a window every such step holds its taps. The same holds
+    for lookup steps while drafting is off (their verify forward returns the taps anyway): only the lookup's history
+    takes their tokens, the model catches up on its next drafted step.
 
     The gate lives as long as its policy (`AutoDepth.make_gate`): a server's engines share what it measured.
 
@@ -329,6 +336,10 @@ class ServingGate:
     _passed: list[float] = field(default_factory=list, init=False, repr=False)
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     _after_plain: bool = field(default=False, init=False, repr=False)
+    _window: int | None = field(default=None, init=False, repr=False)  # `begin`
+    # steps since the last one that neither kept nor held the drafter's context (None: none since `begin`)
+    _since_gap: int | None = field(default=None, init=False, repr=False)
+    _due: int = field(default=0, init=False, repr=False)  # `_decide` with a plain step: steps before a drafted one
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
     # with `lookup_only`: a step's cost verifying d = 0..depth drafts per row against none, from the cost table
     # (`DraftState.lookup_costs`; () without a table)
@@ -336,6 +347,10 @@ class ServingGate:
     # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
     # context (class docstring, "Upkeep")
     upkeep: bool = field(default=True, init=False)
+    # With `upkeep` False: the engine holds the step's taps for the drafter's catch-up. False only where the drafter
+    # resumes from its newest `window` positions (`begin`) and the next step that may draft is further away (class
+    # docstring, "Upkeep"): the step is then AR's own decode step.
+    keep_taps: bool = field(default=True, init=False)
     # every active row decodes greedily this step (the engine sets it before `choose_depth`): lookup steps only then
     greedy: bool = field(default=True, init=False)
     # True when the last `choose_depth` gave a drafted probe while drafting is off: the engine verifies the drafts and
@@ -365,13 +380,17 @@ class ServingGate:
         self._lanes.clear()
         self._costs.clear()
         self.__post_init__()
-        self._after_plain = False
+        self._after_plain, self._since_gap = False, None
 
-    def begin(self, rows: int) -> None:
+    def begin(self, rows: int, window: int | None = None) -> None:
         """An engine with `rows` cache rows starts a run. A step costs what the whole cache costs, whatever the active
         rows, so what was measured is kept per cache size: an engine of another size measures its own, one of the same
-        size (the next run of a server, a warm-up before a timed run) starts from what the earlier ones settled."""
-        self._rows, self._after_plain = rows, False
+        size (the next run of a server, a warm-up before a timed run) starts from what the earlier ones settled.
+        `window`: the drafter drafts again from the taps of its newest `window` missed positions
+        (`Drafter.resume_window`); None: it needs them all, and every step without upkeep holds its taps."""
+        if window is not None and window < 0:
+            raise ValueError(f"ServingGate.begin needs window >= 0 or None, got {window}")
+        self._rows, self._after_plain, self._window, self._since_gap = rows, False, window, None
 
     # ----- estimates -------------------------------------------------------------------------------------------
     def survival(self) -> list[float]:
@@ -414,14 +433,29 @@ class ServingGate:
         if num_draft_tokens != self.num_draft_tokens:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
-        self.lookup_only, self.lookup_costs = False, ()
+        self.lookup_only, self.lookup_costs, self._due = False, (), 0
         depth = self._decide(num_active)
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
             depth = self._base_step(lane, num_active)
         self.upkeep = (depth > 0 and not self.lookup_only) or lane.on
+        self.keep_taps = True
+        if depth > 0 and not self.lookup_only and self._short_context():
+            # The model would draft from a context whose gap ends inside its window: plain steps that hold their taps
+            # until it does not (the decision stands: `_decide` gives it again).
+            depth, self.upkeep = 0, False
+        elif not self.upkeep and not self.lookup_only and self._window is not None:
+            self.keep_taps = self._due <= self._window  # (a lookup step's verify returns its taps anyway)
         self.measure_only = depth > 0 and not self.lookup_only and not lane.on and self._in_step(num_active)
+        if not (self.upkeep or self.keep_taps or self.lookup_only):
+            self._since_gap = 0
+        elif self._since_gap is not None:
+            self._since_gap += 1
         return depth
+
+    def _short_context(self) -> bool:
+        """Whether the drafter's context misses positions among its newest `window` (`begin`)."""
+        return self._window is not None and self._since_gap is not None and self._since_gap < self._window
 
     @property
     def lookup_engine(self) -> bool:
@@ -464,6 +498,7 @@ class ServingGate:
             if rate < (1.0 - self.hold) * plain:
                 lane.on, lane.run = False, 0
                 lane.gap = self._probe_gap(lane, num_active, n, self.probe_every)
+                self._due = self._off_gap(lane, forecast, plain)
                 return 0
             if lane.run >= lane.gap:  # a plain probe keeps the plain rate current
                 lane.gap = self._next_gap(lane, rate > (1.0 + self.confident) * plain)
@@ -477,10 +512,12 @@ class ServingGate:
             lane.on, lane.run, lane.gap, lane.confirm = True, 0, self.probe_every, False
             return n
         lane.confirm = False
-        if lane.run >= self._off_gap(lane, forecast, plain):  # a drafted probe (two steps: the first pays the catch-up)
+        off_gap = self._off_gap(lane, forecast, plain)
+        if lane.run >= off_gap:  # a drafted probe (two steps: the first pays the catch-up)
             lane.gap = self._probe_gap(lane, num_active, n, self._next_gap(lane, rate < (1.0 - self.confident) * plain))
             lane.run, lane.probe = 0, _PROBE_STEPS
             return n
+        self._due = off_gap - lane.run
         return 0
 
     def _drafted_rate(self, lane: _Lane, num_active: int, forecast: float) -> float:
