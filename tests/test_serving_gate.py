@@ -498,6 +498,30 @@ def test_steps_that_make_no_taps_leave_outputs_equal_to_ar(case):
     assert engine.metrics.skipped_steps > engine.metrics.steps // 3 and sum(engine.metrics.accept_hist[1:]) > 0
 
 
+def test_compiled_plain_steps_without_taps_run_a_decode_graph_warmed_up_before_the_run():
+    """An engine whose serving gate may run plain steps without taps (a drafter with `resume_window`) warms AR's decode
+    graph up with the others (`Step.bare_decode`), so those steps compile nothing mid-run; outputs equal AR's. A drafter
+    that needs every position (n-gram lookup alone) does not warm it."""
+    from conftest import generate_twice_without_recompiles
+    from test_block_engine import tiny_block_drafter, tiny_target
+
+    from angelspec.decoding.drafters import NGramDrafter
+    from angelspec.decoding.drafters.block import BlockDrafterAdapter
+
+    target = tiny_target()
+    drafter = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))
+    engine = gated_engine(target, drafter, ScriptedTapsGate([3, -1, -1, -2, -2, 3, -1, 0]), max_batch_size=2,
+                          num_draft_tokens=3, compile=True, max_seq_len=64)
+    assert engine.step.bare_decode
+    first, second = requests(16, 2, 8, seed=4), requests(16, 4, 30, seed=5)
+    got = generate_twice_without_recompiles(engine, first, second)
+    assert (2, "decode") in engine.forwards.warmed
+    want = reference_generate(target, first) + reference_generate(target, second)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    lookup = gated_engine(target, NGramDrafter(), ScriptedTapsGate([3]), max_batch_size=2, num_draft_tokens=3)
+    assert not lookup.step.bare_decode
+
+
 PROBE = 100  # in a `ScriptedProbeGate` pattern: PROBE + d is a drafted probe of d drafts while drafting is off
 
 

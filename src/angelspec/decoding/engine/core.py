@@ -139,5 +139,5 @@ class SpecEngine:
         if self.drafter is not None:
             temperatures = [r.sampling.temperature for r in requests]
             self.forwards.warm_up(cache, self.k, greedy=min(temperatures) == 0, sampled=max(temperatures) > 0,
-                                  packed=self.config.dense_verify)
+                                  packed=self.config.dense_verify, decode=self.step.bare_decode)
             self.drafter.allocate(n_rows, max_len, device=self.device, slack=self.k + 2)

@@ -114,20 +114,21 @@ class TargetForwards:
         return self.target.forward_cached(tokens, CacheInputs(cache, kv_len=kv_len, hidden_layers=self.taps, keep=keep,
                                                               num_keep=num_keep))
 
-    def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool) -> None:
+    def warm_up(self, cache: StaticKVCache, k: int, *, greedy: bool, sampled: bool, packed: bool,
+                decode: bool = False) -> None:
         """Compile the speculative step's graphs for the cache's batch before the run, on dummy inputs (the outputs are
         thrown away and the cache emptied again), rather than the first time a step needs one, mid-run. torch.compile
         specialises a batch of 1, so batch 1 and larger batches get graphs each; later depths and batch sizes reuse them
         (dynamic sizes), but for depth 1 (two tokens a row: the greedy acceptance's guards tell it apart), warmed too,
-        since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts (with taps, and the
-        decode step for one whose taps nobody needs), and the verify graphs at depth K and 1, dense and (packed, more
-        than one row) packed; greedy ones when the run has a request at T = 0, sampled ones when it has one at T > 0 (a
-        step is greedy only when all its rows are). The target's RoPE table is built first, eagerly: a graph traced
-        before it existed would guard on its absence (docs/design.md section 9)."""
+        since a serving policy narrows the depth to 1 mid-run. Compiled: the step without drafts (and with `decode` the
+        decode step, for steps without drafts whose taps nobody needs: `ServingGate.keep_taps`), and the verify graphs
+        at depth K and 1, dense and (packed, more than one row) packed; greedy ones when the run has a request at T = 0,
+        sampled ones when it has one at T > 0 (a step is greedy only when all its rows are). The target's RoPE table is
+        built first, eagerly: a graph traced before it existed would guard on its absence (docs/design.md section 9)."""
         b, dev = cache.batch_size, cache.device
         kind = min(b, 2)
-        wanted = {"plain": True, "greedy": greedy and k > 0, "sampled": sampled and k > 0}
-        todo = [w for w in ("plain", "greedy", "sampled") if wanted[w] and (kind, w) not in self.warmed]
+        wanted = {"plain": True, "decode": decode, "greedy": greedy and k > 0, "sampled": sampled and k > 0}
+        todo = [w for w in ("plain", "decode", "greedy", "sampled") if wanted[w] and (kind, w) not in self.warmed]
         if not self.compiled or not todo:
             return
         self.target.rope_table(cache.capacity, dev)
@@ -141,9 +142,9 @@ class TargetForwards:
         one, short = full.clamp(max=1), drafts[:, :2].contiguous()  # depth 1: two tokens a row
         runs: dict[str, list[Callable[[], object]]] = {
             "plain": [lambda: self.one_token(torch.zeros(b, dtype=torch.int64, device=dev), cache, 2,
-                                             torch.ones(b, dtype=torch.int64, device=dev)),
-                      lambda: self.decode(torch.zeros(b, dtype=torch.int64, device=dev), cache,
-                                          torch.ones(b, dtype=torch.int64, device=dev), 2)],
+                                             torch.ones(b, dtype=torch.int64, device=dev))],
+            "decode": [lambda: self.decode(torch.zeros(b, dtype=torch.int64, device=dev), cache,
+                                           torch.ones(b, dtype=torch.int64, device=dev), 2)],
             "greedy": [lambda: self.greedy_verify(drafts, cache, k + 1, full)]
             + ([lambda: self.greedy_verify(short, cache, 2, one)] if k > 1 else [])
             + ([lambda: self.greedy_packed_verify(drafts, cache, k + 1, ragged, active, k + b)] if packed else [])

@@ -80,6 +80,13 @@ class Step:
         self._held: list[tuple[Taps, tuple[int, ...] | None]] = []
         self._lens_stale = False  # plain steps without upkeep left `rows.seq_lens` behind the cache
 
+    @property
+    def bare_decode(self) -> bool:
+        """Steps may run AR's decode forward: the serving gate's plain steps while drafting is off that make no taps,
+        for a drafter that resumes from its newest positions (`ServingGate.keep_taps`)."""
+        return (self.may_lapse and isinstance(self.gate, ServingGate) and self.drafter is not None
+                and self.drafter.resume_window is not None)
+
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
