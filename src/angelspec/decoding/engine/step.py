@@ -81,17 +81,21 @@ class Step:
         self._lens_stale = False  # plain steps without upkeep left `rows.seq_lens` behind the cache
 
     @property
+    def resume_window(self) -> int | None:
+        """The newest missed positions the drafter needs after steps without upkeep (`Drafter.resume_window`); None
+        where it needs them all or never misses any."""
+        return self.drafter.resume_window if self.may_lapse and self.drafter is not None else None
+
+    @property
     def bare_decode(self) -> bool:
         """Steps may run AR's decode forward: the serving gate's plain steps while drafting is off that make no taps,
         for a drafter that resumes from its newest positions (`ServingGate.keep_taps`)."""
-        return (self.may_lapse and isinstance(self.gate, ServingGate) and self.drafter is not None
-                and self.drafter.resume_window is not None)
+        return isinstance(self.gate, ServingGate) and self.resume_window is not None
 
     def start(self, rows: int) -> None:
         """A run over a cache of `rows` rows begins (the serving gate keeps its measurements per cache size)."""
         if isinstance(self.gate, ServingGate):
-            assert self.drafter is not None
-            self.gate.begin(rows, window=self.drafter.resume_window if self.may_lapse else None)
+            self.gate.begin(rows, window=self.resume_window)
         self._lapsed, self._held, self._lens_stale = False, [], False
 
     def ar(self, metrics: DecodeMetrics, clock: PhaseClock) -> None:
