@@ -205,22 +205,24 @@ class ScriptedServing:
     """A serving gate that cycles through `pattern`: "model" (all K drafts), "probe" (all K drafts, measured but only
     one token a row committed: `ServingGate.measure_only`), "lookup" (a lookup step of 2 drafts), "plain" (0), or while
     drafting is off (no upkeep of the model's context) "off" (0), "bare" (0, making no taps: `ServingGate.keep_taps`
-    False) and "lookoff" (a lookup step of 2 drafts), whatever was measured. An engine whose pattern has no lookup steps
-    is one that runs none (`ServingGate.lookup_engine`): its steps without upkeep leave the lookup's history behind
-    too."""
+    False), "lookoff" (a lookup step of 2 drafts) and "lookbare" (one with `keep_taps` False), whatever was measured. An
+    engine whose pattern has no lookup steps is one that runs none (`ServingGate.lookup_engine`): its steps without
+    upkeep leave the lookup's history behind too."""
+
+    LOOKUP, OFF = ("lookup", "lookoff", "lookbare"), ("off", "bare", "lookoff", "lookbare")
 
     def __init__(self, pattern: list[str], k: int) -> None:
         self.pattern, self.k, self.calls, self.lookup_only, self.upkeep = pattern, k, 0, False, True
         self.measure_only, self.keep_taps = False, True
-        self.lookup_engine = any(kind in ("lookup", "lookoff") for kind in pattern)
+        self.lookup_engine = any(kind in self.LOOKUP for kind in pattern)
         self.lookup_costs: tuple[float, ...] = ()  # handed to lookup steps (`DraftState.lookup_costs`)
 
     def choose_depth(self, num_active: int, k: int) -> int:
         kind = self.pattern[self.calls % len(self.pattern)]
         self.calls += 1
-        self.lookup_only, self.upkeep = kind in ("lookup", "lookoff"), kind not in ("off", "bare", "lookoff")
-        self.measure_only, self.keep_taps = kind == "probe", kind != "bare"
-        return {"model": k, "probe": k, "lookup": 2, "plain": 0, "off": 0, "bare": 0, "lookoff": 2}[kind]
+        self.lookup_only, self.upkeep = kind in self.LOOKUP, kind not in self.OFF
+        self.measure_only, self.keep_taps = kind == "probe", kind not in ("bare", "lookbare")
+        return {"model": k, "probe": k, "plain": 0, "off": 0, "bare": 0}.get(kind, 2)
 
     def observe_step(self, *args) -> None:
         pass
@@ -267,8 +269,10 @@ def test_lookup_steps_between_model_and_plain_steps_equal_ar_and_keep_the_models
 
 
 @pytest.mark.parametrize("pattern", [["model", "bare", "bare", "bare", "off", "model", "bare", "off", "off", "model"],
-                                     ["lookoff", "bare", "bare", "lookoff", "off", "model", "bare", "bare", "model"]],
-                         ids=["no-lookup-steps", "lookup-steps"])
+                                     ["lookoff", "bare", "bare", "lookoff", "off", "model", "bare", "bare", "model"],
+                                     ["lookbare", "lookbare", "lookoff", "bare", "lookbare", "off", "model", "lookbare",
+                                      "lookoff", "model"]],
+                         ids=["no-lookup-steps", "lookup-steps", "tapless-lookup-steps"])
 def test_the_lookup_sees_every_token_when_the_models_catch_up_leaves_positions_out(pattern):
     """Plain steps that make no taps leave positions out of the model's catch-up (`Drafter.resume_window`); the lookup
     still matches against the whole committed sequence: an engine with lookup steps tells it every step, one without
@@ -290,7 +294,63 @@ def test_the_lookup_sees_every_token_when_the_models_catch_up_leaves_positions_o
     reqs = requests(vocab, 5, 40, seed=2)
     got = engine.generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
-    assert matched and engine.metrics.skipped_steps > engine.metrics.steps // 3
+    off = sum(pattern[i % len(pattern)] in ScriptedServing.OFF for i in range(engine.gate.calls))  # without upkeep
+    assert matched and off > engine.metrics.steps // 3
+
+
+def test_lookup_steps_that_verify_nothing_make_no_taps_and_the_model_resumes_from_the_held_positions():
+    """A lookup step while the model is away (no upkeep) where no row verifies a draft, and the gate needs no taps
+    (`keep_taps` False), is AR's decode step: it makes no taps and drops those held so far. The model's catch-up then
+    hands it only the positions held since (the lookup steps just before it drafts), its context runs on across the
+    gap, and its drafts equal a from-scratch recompute over the target's taps at exactly those positions; outputs
+    equal AR's."""
+    import torch
+    from test_block_engine import tiny_block_drafter, tiny_target
+
+    from angelspec.decoding.drafters.block import BlockDrafterAdapter
+    from angelspec.decoding.drafters.block_propose import BlockProposer
+    from angelspec.models.decoder import TrainInputs
+    from angelspec.models.mtp import concat_taps
+
+    target = tiny_target()
+    drafter = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))
+    hybrid = HybridDrafter(drafter, NGramDrafter(max_ngram=2))
+    missing, held = 10, 3
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=1, num_draft_tokens=3))
+    engine.gate = ScriptedServing(["model"] * 2 + ["lookbare"] * missing + ["lookoff"] * held + ["model"] * 200, 3)
+    hybrid.ngram.match = lambda r, k: (0, [0] * k)  # no row ever matches: lookup steps verify nothing, the model drafts
+    calls = {"decode": 0, "one_token": 0}
+    for name in calls:
+        real_forward = getattr(engine.forwards, name)
+        setattr(engine.forwards, name, lambda *a, _real=real_forward, _name=name: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a))
+    seen = []
+    real = drafter.propose
+
+    def propose(state):
+        prop = real(state)
+        if state.num_draft_tokens:
+            slot = engine.rows.slots[0]
+            seen.append(([*slot.request.prompt_ids, *slot.tokens], prop.tokens[0].tolist(),
+                         int(drafter.cache.lengths[0])))
+        return prop
+
+    drafter.propose = propose
+    reqs = requests(16, 1, 48, seed=2)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert calls == {"decode": missing, "one_token": held}  # (every lookup step verified nothing)
+    assert len(seen) > 4
+    resumed = len(seen[2][0])  # the first drafted step after the lapse: its anchor is position resumed - 1
+    gap = range(resumed - 1 - missing - held, resumed - 1 - held)  # the positions whose taps were never made
+    for i, (seq, drafts, cached) in enumerate(seen):
+        kept = [p for p in range(len(seq) - 1) if i < 2 or p not in gap]
+        assert cached == len(kept)
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            hidden = target(ids, TrainInputs(hidden_layers=list(drafter.target_layer_ids), compute_logits=False)).hidden
+            want = BlockProposer(drafter.model).propose_from_taps(concat_taps(hidden)[:, kept],
+                                                                  torch.tensor([len(kept)]), ids[:, -1])
+        assert want.tokens[0, :3].tolist() == drafts
 
 
 @pytest.mark.parametrize(("costs", "verifies"), [((1.0, 1.1, 1.2), True), ((1.0, 2.5, 3.5), False)],

@@ -245,6 +245,23 @@ def test_steps_without_upkeep_make_taps_only_within_the_drafters_window_before_i
         assert gate.keep_taps
 
 
+def test_lookup_steps_without_upkeep_need_taps_only_within_the_drafters_window_before_it_drafts():
+    """A gate with lookup steps keeps the same window: a lookup step while drafting is off needs no taps (`keep_taps`
+    False: where no row verifies a match, the engine runs AR's decode step) unless the next drafted step is at most
+    the drafter's window away, so every drafted step finds its newest `window` steps kept or held."""
+    window = 8
+    gate = ServingGate(K, cost=cpu_like, probe_every=4, max_probe_every=64, max_budget_gap=64, lookup=True)
+    gate.begin(1, window=window)
+    m, seen = Machine(cpu_like, plain_cost, accept=0), []
+    for _ in range(600):
+        n = m.step(gate, 1)
+        seen.append((-n if gate.lookup_only else n, gate.upkeep, gate.keep_taps))  # (a lookup step: negative)
+    drafted = [i for i, (n, _, _) in enumerate(seen) if n > 0 and i > 20]  # (after the warm-up)
+    assert len(drafted) >= 8 and all(kept_or_held(seen, i, window) for i in drafted)
+    tapless = sum(n < 0 and not upkeep and not keep for n, upkeep, keep in seen)
+    assert tapless > 400  # most lookup steps need no taps
+
+
 def test_only_drafted_probes_while_drafting_is_off_are_measure_only():
     """Drafted steps while drafting is on commit what they accept; drafted probes while it is off only measure
     (`measure_only`), and their acceptance still turns drafting back on once it returns. One row alone has no other

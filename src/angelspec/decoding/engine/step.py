@@ -147,7 +147,9 @@ class Step:
         depth, width, num_keep = self._select(proposal, state, cap)  # [B], host ints n and sum of (depth + 1)
         t2 = clock.mark()
         old_len = rows.cache.lengths.clone() if width else None  # [B]; width 0 grows each active row by one
-        v, taps = self._verify(protocol, proposal, depth, width, num_keep, state.seq_len_bound)
+        # (a lookup step without upkeep where no row verifies a draft makes no taps unless the gate keeps them)
+        make_taps = not lapse or getattr(gate, "keep_taps", True)
+        v, taps = self._verify(protocol, proposal, depth, width, num_keep, state.seq_len_bound, make_taps)
         t3 = clock.mark()
         if self.on_verify is not None:
             self.on_verify(VerifyEvent(proposal=proposal, depth=depth, num_accepted=v.num_accepted,
@@ -218,7 +220,7 @@ class Step:
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
-        taps: Taps | None = None
+        taps: Taps = ()
         if getattr(gate, "keep_taps", True):
             logits, taps = self.forwards.one_token(rows.last, cache, rows.seq_len_bound(), rows.active_long)
         else:
@@ -226,11 +228,7 @@ class Step:
         rows.last = choose(logits, rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
-        if taps is None:
-            self._held.clear()
-            self._lapse_rows()
-        else:
-            self._hold(taps, None)
+        self._hold(taps, None)
         self._lens_stale = True
         if self.drafter.lookup_drafts and gate.lookup_engine:  # the lookup's history stays current (its steps read it)
             host_tokens = rows.one_each(host)
@@ -245,9 +243,13 @@ class Step:
 
     def _hold(self, taps: Taps, counts: tuple[int, ...] | None) -> None:
         """A step without upkeep, before its `emit`: hold its taps (`counts`: each row's committed tokens, None for a
-        plain step's one a row) and mark where each active row's drafter context stops (`Slot.stale_from`)."""
+        plain step's one a row), or drop those held so far where it made none (they no longer end at the rows' newest
+        positions, which `_resync` hands over), and mark where each active row's drafter context stops
+        (`Slot.stale_from`)."""
         if taps:  # a CUDA graph's outputs are its own memory, overwritten by its next replay: keep a copy
             self._held.append((tuple(t.clone() for t in taps) if self.forwards.cuda_graphs else taps, counts))
+        else:  # (a drafter without taps never holds any)
+            self._held.clear()
         self._lapse_rows()
 
     def _lapse_rows(self) -> None:
@@ -418,9 +420,10 @@ class Step:
         return "speculative"
 
     def _verify(self, protocol: VerifyProtocol, proposal: Proposal, depth: Tensor, width: int, num_keep: int,
-                bound: int) -> tuple[VerifyOutput, Taps]:
+                bound: int, make_taps: bool = True) -> tuple[VerifyOutput, Taps]:
         """The target forward over [last, drafts] [B, n+1] and the verification of the drafts -> (VerifyOutput:
-        tokens [B, n+1], num_accepted [B]; the drafter's taps). bound: the longest active row's committed length."""
+        tokens [B, n+1], num_accepted [B]; the drafter's taps). bound: the longest active row's committed length;
+        `make_taps` False: where no row verifies a draft, AR's decode forward, and no taps."""
         rows, fwd = self.rows, self.forwards
         cache = rows.cache
         assert cache is not None
@@ -428,7 +431,10 @@ class Step:
             # No row verifies a draft (no n-gram match, the gate skipped drafting, the policy chose depth 0): the
             # decode forward with the taps, its token chosen as an AR step chooses it (the same noise key as verifying
             # zero drafts), without the verification sampler's checks and scans over zero drafts.
-            logits, taps = fwd.one_token(rows.last, cache, bound, rows.active_long)
+            if make_taps:
+                logits, taps = fwd.one_token(rows.last, cache, bound, rows.active_long)
+            else:
+                logits, taps = fwd.decode(rows.last, cache, rows.active_long, bound), ()
             chosen = choose(logits, rows.sampling, rows.seq_lens, protocol == "greedy")  # [B]
             return VerifyOutput(chosen[:, None], torch.zeros_like(rows.seq_lens)), taps
         tokens = torch.cat([rows.last[:, None], proposal.tokens[:, :width]], dim=1)  # [B, n+1]

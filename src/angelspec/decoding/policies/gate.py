@@ -304,8 +304,9 @@ class ServingGate:
     `window` plain steps before a probe hold their taps, and a drafted step the gate did not see coming (drafting
     turning on between probes, a new lane's warm-up) waits for `window` plain steps that hold theirs first. The
     drafter's context then runs on across the gap. Without a window every such step holds its taps. The same holds
-    for lookup steps while drafting is off (their verify forward returns the taps anyway): only the lookup's history
-    takes their tokens, the model catches up on its next drafted step.
+    for lookup steps while drafting is off: only the lookup's history takes their tokens, the model catches up on its
+    next drafted step; one where some row verifies a match holds the taps its verify forward returns anyway, one where
+    no row does (no match, or none that pays) is AR's decode step when `keep_taps` is False.
 
     The gate lives as long as its policy (`AutoDepth.make_gate`): a server's engines share what it measured.
 
@@ -349,7 +350,7 @@ class ServingGate:
     upkeep: bool = field(default=True, init=False)
     # With `upkeep` False: the engine holds the step's taps for the drafter's catch-up. False only where the drafter
     # resumes from its newest `window` positions (`begin`) and the next step that may draft is further away (class
-    # docstring, "Upkeep"): the step is then AR's own decode step.
+    # docstring, "Upkeep"): the step is then AR's own decode step (a lookup step: where no row verifies a draft).
     keep_taps: bool = field(default=True, init=False)
     # every active row decodes greedily this step (the engine sets it before `choose_depth`): lookup steps only then
     greedy: bool = field(default=True, init=False)
@@ -444,10 +445,11 @@ class ServingGate:
             # The model would draft from a context whose gap ends inside its window: plain steps that hold their taps
             # until it does not (the decision stands: `_decide` gives it again).
             depth, self.upkeep = 0, False
-        elif not self.upkeep and not self.lookup_only and self._window is not None:
-            self.keep_taps = self._due <= self._window  # (a lookup step's verify returns its taps anyway)
+        elif not self.upkeep and self._window is not None:
+            # (a lookup step where some row verifies a match returns its taps anyway; one where none does may not)
+            self.keep_taps = self._due <= self._window
         self.measure_only = depth > 0 and not self.lookup_only and not lane.on and self._in_step(num_active)
-        if not (self.upkeep or self.keep_taps or self.lookup_only):
+        if not (self.upkeep or self.keep_taps):
             self._since_gap = 0
         elif self._since_gap is not None:
             self._since_gap += 1
