@@ -131,6 +131,11 @@ def test_the_auto_line_compares_auto_with_ar_and_the_best_other_config() -> None
     assert "C=1 1.90x AR, 0.86x DFly+D-cut, p95 TPOT 0.90x AR's" in line and "C=64 1.10x AR, 0.50x DFly+D-cut" in line
     assert report.to_json()["auto"] == [line] and line in report.format()
     assert _report(221, 2.95).auto_lines() == []
+    # with --repeats, against the best other config too: the median of the rounds' ratios (190/95, 200/400, 180/230),
+    # not the rows' 190/221
+    paired = ServingReport(settings={}, rows=[replace(r, runs_tokens_per_s=runs) for r, runs in (
+        (report.row("DFly+D-cut", 1), (95.0, 400.0, 230.0)), (report.row("DFly auto", 1), (190.0, 200.0, 180.0)))])
+    assert "C=1 1.90x AR, 0.78x DFly+D-cut" in paired.auto_lines()[0]
 
 
 def test_a_point_with_a_stalled_step_is_flagged(tmp_path: Path) -> None:

@@ -244,5 +244,8 @@ def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: 
     a, b = report.rows
     assert a.tokens_per_s == 20.0 and a.runs_tokens_per_s == (30.0, 10.0, 20.0)
     assert b.tokens_per_s == 7.0 and b.identical == 0  # the run that differed from AR's outputs
+    # the speed-up pairs the runs of a round (5/30, 7/10, 6/20): their median, not the medians' ratio (7/20)
+    assert b.runs_speedup == pytest.approx((5 / 30, 0.7, 0.3)) and b.speedup == pytest.approx(0.3)
+    assert "0.30x (0.17-0.70)" in report.format_table()
     with pytest.raises(sweep.ServingError, match="repeats"):
         sweep.run_sweep(None, [_contender("A=none")], [EvalPrompt([1], "code")], repeats=0)  # type: ignore[arg-type]

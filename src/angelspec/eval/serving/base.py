@@ -5,6 +5,7 @@ list of rows that the report, the break-even analysis and the plots all use.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +44,9 @@ class ServingRow:
     ttft_p95_s: float = 0.0
     tpot_p50_s: float = 0.0
     tpot_p95_s: float = 0.0
-    speedup: float | None = None  # tokens/s over the AR configuration's at the same concurrency
+    # tokens/s over the AR configuration's at the same concurrency (with `--repeats`: the median of `runs_speedup`)
+    speedup: float | None = None
+    runs_speedup: tuple[float, ...] = ()  # with `--repeats`: each round's run over the AR run of the same round
     tpot_p95_vs_ar: float | None = None  # p95 TPOT over the AR configuration's at the same concurrency (< 1: faster)
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
     near_ties: int = 0  # other outputs: they part from AR's where the target's best logits nearly tie (eval.lossless)
@@ -68,6 +71,26 @@ class ServingRow:
         """Eq. 25's decode-step latency proxy: T_exec + T_sample, the sum of the two medians (as in the report, not
         the median of the steps' sums)."""
         return self.exec_s_per_step + self.sample_s_per_step
+
+
+def paired_ratio(a: ServingRow, b: ServingRow) -> float | None:
+    """a's throughput over b's at one point. With `--repeats` (both rows hold every round's run), the median over rounds
+    of the ratio of the two runs of the same round: the runs of a round ran back to back, so a machine whose speed
+    drifts from round to round moves both alike and the ratio cancels it; else the two rows' own throughputs. None
+    where b measured nothing."""
+    rounds = round_ratios(a, b)
+    if rounds:
+        return statistics.median(rounds)
+    return a.tokens_per_s / b.tokens_per_s if b.tokens_per_s > 0 else None
+
+
+def round_ratios(a: ServingRow, b: ServingRow) -> tuple[float, ...]:
+    """Per round of `--repeats`, a's run's throughput over b's run of the same round (() unless both rows hold the
+    same number of runs, more than one, and b's all measured something)."""
+    ra, rb = a.runs_tokens_per_s, b.runs_tokens_per_s
+    if len(ra) < 2 or len(ra) != len(rb) or min(rb) <= 0:
+        return ()
+    return tuple(x / y for x, y in zip(ra, rb, strict=True))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -4,7 +4,8 @@ table, results.json / results.md, and through breakeven.py and plots.py the Eq. 
 Per point (a `ServingRow`): aggregate tokens/s = output tokens / wall-clock of the run; per-user tokens/s = the mean
 over requests of emitted tokens / (admission to last token); p50 / p95 over requests of the time to first token
 (TTFT) and of the time per output token after it (TPOT), and p95 TPOT over the AR run's at the same C; MAL; speed-up
-over the AR configuration at the same C; mean verified drafts per request-step; per-step seconds of target
+over the AR configuration at the same C (with `--repeats`, the median over rounds of each round's ratio, and their
+range: `base.paired_ratio`); mean verified drafts per request-step; per-step seconds of target
 verification (`verify`, the report's execute_model) and of drafting + depth selection (`draft` + `select`, its
 sample_tokens); and at T=0 whether every output equals the AR configuration's (it must: lossless). With a vLLM
 column (vllm.py) four more: vLLM's tokens/s on the same requests, ours / vLLM, vLLM's MAL over its steps with
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from angelspec.decoding.metrics import STALL_S
-from angelspec.eval.serving.base import ServingRow, concurrency_levels, config_names, find_row
+from angelspec.eval.serving.base import ServingRow, concurrency_levels, config_names, find_row, paired_ratio
 from angelspec.eval.serving.breakeven import BreakEven, breakeven_json, compute_breakeven, format_breakeven
 from angelspec.eval.serving.plots import plot_sweep
 from angelspec.fileio import replace_atomic, write_json_atomic
@@ -136,7 +137,7 @@ class ServingReport:
                 if r is None or not others:
                     continue
                 best = max(others, key=lambda o: o.tokens_per_s)
-                ratio = r.tokens_per_s / best.tokens_per_s if best.tokens_per_s else 0.0
+                ratio = paired_ratio(r, best) or 0.0
                 ar = "" if r.speedup is None else f"{r.speedup:.2f}x AR, "
                 tpot = "" if r.tpot_p95_vs_ar is None else f", p95 TPOT {r.tpot_p95_vs_ar:.2f}x AR's"
                 cells.append(f"C={c} {ar}{ratio:.2f}x {best.config}{tpot}")
@@ -189,7 +190,7 @@ class ServingReport:
                     else f"NO ({r.requests - r.identical - r.near_ties}/{r.requests} differ{ties})")
                 body.append([r.config, r.policy, str(r.num_draft_tokens), str(c), str(r.requests),
                              f"{r.tokens_per_s:.1f}", f"{r.per_user_tokens_per_s:.1f}",
-                             "-" if r.speedup is None else f"{r.speedup:.2f}x", f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
+                             _speedup_cell(r), f"{r.mal:.2f}", f"{r.mean_depth:.2f}",
                              f"{r.ttft_p50_s * 1e3:.1f}/{r.ttft_p95_s * 1e3:.1f}",
                              f"{r.tpot_p50_s * 1e3:.2f}/{r.tpot_p95_s * 1e3:.2f}",
                              "-" if r.tpot_p95_vs_ar is None else f"{r.tpot_p95_vs_ar:.2f}x",
@@ -263,6 +264,15 @@ class ServingReport:
             else:
                 lines.append(f"{k}: {v}")
         return lines
+
+
+def _speedup_cell(r: ServingRow) -> str:
+    """'1.10x', or with `--repeats` '1.10x (0.96-1.15)': the median of the rounds' ratios to AR's run of the same round
+    and their range (how far this machine's noise moved one round)."""
+    if r.speedup is None:
+        return "-"
+    spread = f" ({min(r.runs_speedup):.2f}-{max(r.runs_speedup):.2f})" if r.runs_speedup else ""
+    return f"{r.speedup:.2f}x{spread}"
 
 
 def _vllm_cells(r: ServingRow) -> list[str]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS
-from angelspec.eval.serving.base import ServingError, ServingRow, percentile
+from angelspec.eval.serving.base import ServingError, ServingRow, paired_ratio, percentile, round_ratios
 from angelspec.eval.serving.report import ServingReport
 from angelspec.eval.serving.vllm import VllmColumn, VllmSetup, add_vllm
 
@@ -399,11 +399,11 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
         if ref is None:
             rows.append(row)
             continue
-        speedup = row.tokens_per_s / ref[0].tokens_per_s if ref[0].tokens_per_s > 0 else None
         tpot = row.tpot_p95_s / ref[0].tpot_p95_s if ref[0].tpot_p95_s > 0 else None
         identical = sum(a == b for a, b in zip(ref[1], out, strict=True))
         near = _near_ties(target, workload, row.requests, ref[1], out) if identical < len(out) else 0
-        rows.append(replace(row, speedup=speedup, tpot_p95_vs_ar=tpot, identical=identical, near_ties=near))
+        rows.append(replace(row, speedup=paired_ratio(row, ref[0]), runs_speedup=round_ratios(row, ref[0]),
+                            tpot_p95_vs_ar=tpot, identical=identical, near_ties=near))
     extra: dict[str, Any] = {}
     if vllm is not None:
         rows, extra["vllm"] = _vllm_column(vllm, contenders, workload, rows, [out for _, out in raw],
