@@ -304,53 +304,25 @@ def test_lookup_steps_that_verify_nothing_make_no_taps_and_the_model_resumes_fro
     hands it only the positions held since (the lookup steps just before it drafts), its context runs on across the
     gap, and its drafts equal a from-scratch recompute over the target's taps at exactly those positions; outputs
     equal AR's."""
-    import torch
     from test_block_engine import tiny_block_drafter, tiny_target
+    from test_serving_gate import assert_resumes_across_the_gap
 
     from angelspec.decoding.drafters.block import BlockDrafterAdapter
-    from angelspec.decoding.drafters.block_propose import BlockProposer
-    from angelspec.models.decoder import TrainInputs
-    from angelspec.models.mtp import concat_taps
 
     target = tiny_target()
     drafter = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))
     hybrid = HybridDrafter(drafter, NGramDrafter(max_ngram=2))
+    hybrid.ngram.match = lambda r, k: (0, [0] * k)  # no row ever matches: lookup steps verify nothing, the model drafts
     missing, held = 10, 3
     engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=1, num_draft_tokens=3))
     engine.gate = ScriptedServing(["model"] * 2 + ["lookbare"] * missing + ["lookoff"] * held + ["model"] * 200, 3)
-    hybrid.ngram.match = lambda r, k: (0, [0] * k)  # no row ever matches: lookup steps verify nothing, the model drafts
     calls = {"decode": 0, "one_token": 0}
     for name in calls:
         real_forward = getattr(engine.forwards, name)
         setattr(engine.forwards, name, lambda *a, _real=real_forward, _name=name: calls.__setitem__(
             _name, calls[_name] + 1) or _real(*a))
-    seen = []
-    real = drafter.propose
-
-    def propose(state):
-        prop = real(state)
-        if state.num_draft_tokens:
-            slot = engine.rows.slots[0]
-            seen.append(([*slot.request.prompt_ids, *slot.tokens], prop.tokens[0].tolist(),
-                         int(drafter.cache.lengths[0])))
-        return prop
-
-    drafter.propose = propose
-    reqs = requests(16, 1, 48, seed=2)
-    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in reference_generate(target, reqs)]
+    assert_resumes_across_the_gap(engine, drafter, missing, held)
     assert calls == {"decode": missing, "one_token": held}  # (every lookup step verified nothing)
-    assert len(seen) > 4
-    resumed = len(seen[2][0])  # the first drafted step after the lapse: its anchor is position resumed - 1
-    gap = range(resumed - 1 - missing - held, resumed - 1 - held)  # the positions whose taps were never made
-    for i, (seq, drafts, cached) in enumerate(seen):
-        kept = [p for p in range(len(seq) - 1) if i < 2 or p not in gap]
-        assert cached == len(kept)
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            hidden = target(ids, TrainInputs(hidden_layers=list(drafter.target_layer_ids), compute_logits=False)).hidden
-            want = BlockProposer(drafter.model).propose_from_taps(concat_taps(hidden)[:, kept],
-                                                                  torch.tensor([len(kept)]), ids[:, -1])
-        assert want.tokens[0, :3].tolist() == drafts
 
 
 @pytest.mark.parametrize(("costs", "verifies"), [((1.0, 1.1, 1.2), True), ((1.0, 2.5, 3.5), False)],

@@ -466,17 +466,25 @@ def test_a_block_drafter_resumes_from_the_positions_held_after_steps_that_made_n
     from test_block_engine import tiny_block_drafter, tiny_target
 
     from angelspec.decoding.drafters.block import BlockDrafterAdapter
-    from angelspec.decoding.drafters.block_propose import BlockProposer
-    from angelspec.models.decoder import TrainInputs
-    from angelspec.models.mtp import concat_taps
 
     target = tiny_target()
     drafter = BlockDrafterAdapter(tiny_block_drafter(target, "dfly"))
     missing, held = 10, 3
     engine = gated_engine(target, drafter, ScriptedTapsGate([3, 3] + [-1] * missing + [-2] * held + [3] * 200),
                           max_batch_size=1, num_draft_tokens=3)
-    seen = []
-    real = drafter.propose
+    assert_resumes_across_the_gap(engine, drafter, missing, held)
+
+
+def assert_resumes_across_the_gap(engine: SpecEngine, drafter, missing: int, held: int) -> None:
+    """Run one request through `engine` (one row, K = 3), whose gate drafts twice, then runs `missing` steps that make
+    no taps and `held` that hold theirs, then drafts: outputs equal AR's, and every proposal of the block `drafter`
+    equals a from-scratch recompute over the target's taps at exactly the positions its context holds (all of them
+    but the `missing` ones of the gap)."""
+    from angelspec.decoding.drafters.block_propose import BlockProposer
+    from angelspec.models.decoder import TrainInputs
+    from angelspec.models.mtp import concat_taps
+
+    target, seen, real = engine.target, [], drafter.propose
 
     def propose(state):
         prop = real(state)
