@@ -220,11 +220,7 @@ class Step:
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
-        taps: Taps = ()
-        if getattr(gate, "keep_taps", True):
-            logits, taps = self.forwards.one_token(rows.last, cache, rows.seq_len_bound(), rows.active_long)
-        else:
-            logits = self.forwards.decode(rows.last, cache, rows.active_long, rows.seq_len_bound())
+        logits, taps = self._one_token(rows.seq_len_bound(), getattr(gate, "keep_taps", True))
         rows.last = choose(logits, rows.sampling, cache.lengths, rows.all_greedy)  # [B]
         t1 = clock.mark()
         host = rows.last.tolist()  # host sync: once per step
@@ -240,6 +236,15 @@ class Step:
         metrics.skipped_steps += 1
         gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()))
+
+    def _one_token(self, bound: int, make_taps: bool) -> tuple[Tensor, Taps]:
+        """One token per active row from the target: next-token logits [B, V] and the drafter's taps, or where nobody
+        needs them (`make_taps` False) AR's own decode forward and no taps. bound: the longest active row's length."""
+        rows = self.rows
+        assert rows.cache is not None
+        if make_taps:
+            return self.forwards.one_token(rows.last, rows.cache, bound, rows.active_long)
+        return self.forwards.decode(rows.last, rows.cache, rows.active_long, bound), ()
 
     def _hold(self, taps: Taps, counts: tuple[int, ...] | None) -> None:
         """A step without upkeep, before its `emit`: hold its taps (`counts`: each row's committed tokens, None for a
@@ -431,10 +436,7 @@ class Step:
             # No row verifies a draft (no n-gram match, the gate skipped drafting, the policy chose depth 0): the
             # decode forward with the taps, its token chosen as an AR step chooses it (the same noise key as verifying
             # zero drafts), without the verification sampler's checks and scans over zero drafts.
-            if make_taps:
-                logits, taps = fwd.one_token(rows.last, cache, bound, rows.active_long)
-            else:
-                logits, taps = fwd.decode(rows.last, cache, rows.active_long, bound), ()
+            logits, taps = self._one_token(bound, make_taps)
             chosen = choose(logits, rows.sampling, rows.seq_lens, protocol == "greedy")  # [B]
             return VerifyOutput(chosen[:, None], torch.zeros_like(rows.seq_lens)), taps
         tokens = torch.cat([rows.last[:, None], proposal.tokens[:, :width]], dim=1)  # [B, n+1]
