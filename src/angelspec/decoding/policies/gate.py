@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from angelspec.decoding.policies.base import FixedDepth
+from angelspec.decoding.policies.trials import LookupTrials
 
 # drafted steps of a probe while drafting is off, and of the confirmation of one that won (the first pays the drafter's
 # catch-up, the second is timed)
@@ -319,7 +320,9 @@ class ServingGate:
     # drafts a lookup step verifies at most (None: K); each row verifies its match only as deep as that match length's
     # measured acceptance pays for (`HybridDrafter`), so a cap only bounds what it may try
     lookup_depth: int | None = None
-    lookup_rows: int = 2  # lookup steps only in engines of at most this many cache rows (`_lookup_here`)
+    lookup_rows: int = 2  # lookup steps without trials in engines of at most this many cache rows (`_lookup_here`)
+    # above `lookup_rows`: lookup steps where epochs with them commit more per second than epochs without (None: none)
+    trials: LookupTrials | None = field(default_factory=LookupTrials)
     warmup: int = 2
     hysteresis: float = 0.1  # drafting turns on above (1 + hysteresis) x the plain rate
     hold: float = 0.05  # ... and stays on down to (1 - hold) x it
@@ -341,6 +344,7 @@ class ServingGate:
     # steps since the last one that neither kept nor held the drafter's context (None: none since `begin`)
     _since_gap: int | None = field(default=None, init=False, repr=False)
     _due: int = field(default=0, init=False, repr=False)  # `_decide` with a plain step: steps before a drafted one
+    _lookup_on: bool = field(default=True, init=False, repr=False)  # lookup steps allowed this step (`_lookup_here`)
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
     # with `lookup_only`: a step's cost verifying d = 0..depth drafts per row against none, from the cost table
     # (`DraftState.lookup_costs`; () without a table)
@@ -380,6 +384,8 @@ class ServingGate:
         """Forget every measurement (a new machine load, another drafter)."""
         self._lanes.clear()
         self._costs.clear()
+        if self.trials is not None:
+            self.trials.reset()
         self.__post_init__()
         self._after_plain, self._since_gap = False, None
 
@@ -392,6 +398,8 @@ class ServingGate:
         if window is not None and window < 0:
             raise ValueError(f"ServingGate.begin needs window >= 0 or None, got {window}")
         self._rows, self._after_plain, self._window, self._since_gap = rows, False, window, None
+        if self.trials is not None:
+            self.trials.begin(rows)
 
     # ----- estimates -------------------------------------------------------------------------------------------
     def survival(self) -> list[float]:
@@ -435,6 +443,7 @@ class ServingGate:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
         self.lookup_only, self.lookup_costs, self._due = False, (), 0
+        self._lookup_on = self._rows <= self.lookup_rows or (self.lookup_engine and self._trials().tick())
         depth = self._decide(num_active)
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
@@ -461,26 +470,29 @@ class ServingGate:
 
     @property
     def lookup_engine(self) -> bool:
-        """This run's engine may run lookup steps (a drafter with lookup drafts, at most `lookup_rows` cache rows): the
-        engine keeps the lookup's history current in its steps without upkeep only then; elsewhere the lookup catches
-        up with the model."""
-        return self.lookup and self._rows <= self.lookup_rows
+        """This run's engine may run lookup steps (a drafter with lookup drafts; at most `lookup_rows` cache rows, or
+        any with `trials`): the engine keeps the lookup's history current in its steps without upkeep only then;
+        elsewhere the lookup catches up with the model."""
+        return self.lookup and (self._rows <= self.lookup_rows or self.trials is not None)
+
+    def _trials(self) -> LookupTrials:
+        assert self.trials is not None
+        return self.trials
 
     def _lookup_here(self) -> bool:
-        """Lookup steps only where the engine has at most `lookup_rows` cache rows (0: not told, `begin`). A lookup
+        """Lookup steps in an engine of at most `lookup_rows` cache rows (0: not told, `begin`), and in a larger one
+        where `trials` found that epochs with them commit more tokens per wall second than epochs without. A lookup
         step commits more tokens in some rows than in others, which puts the rows out of step for good: every later
         step attends over the longest row, and requests finish and join one or two at a time, in more prefills. The
-        steps' own timing cannot see that: at 16 rows on a 2-core CPU lookup steps beat plain ones in their own timing,
-        while n-gram lookup lost to AR end to end (0.73x in `angelspec bench`; `benchmarks/batch_alignment.py`
-        measures both costs). In `angelspec bench` on that CPU, n-gram lookup at every step ran 1.2x / 1.0-1.06x /
-        0.82-0.85x AR's throughput at 2 / 4 / 8 concurrent requests, and `auto` with lookup steps at 4 rows 1.03x
-        AR's throughput with a p95 time per output token 1.34x AR's (a row that matches nothing waits for the others'
-        verifies), at 2 rows 1.19x with 1.13x: hence 2.
+        steps' own timing cannot see that (`benchmarks/batch_alignment.py` measures both costs), and what it costs
+        depends on the machine: on one 2-core CPU n-gram lookup at every step ran 1.2x / 1.0-1.06x / 0.82-0.85x AR's
+        throughput at 2 / 4 / 8 concurrent requests in `angelspec bench`, on another 1.0x / 1.5x / 1.1x. At two rows it
+        paid on both: there lookup steps need no trial.
 
         And only while every row decodes greedily (`greedy`): sampled, the target kept few lookup drafts (MAL
         1.03-1.05 at T = 0.8 on the eval prompts) and a sampled verify costs more than the table's greedy one, so
         `auto` with lookup steps ran 0.91-0.92x AR at two rows, where plain steps ran 1.0x."""
-        return self.lookup_engine and self.greedy
+        return self.lookup_engine and self.greedy and self._lookup_on
 
     def _decide(self, num_active: int) -> int:
         """The model's depth this step, or 0 for the base step (plain, or lookup: `_base_step`)."""
@@ -683,6 +695,9 @@ class ServingGate:
         """One step: the depth `choose_depth` gave (0: plain), its host seconds, and per active row the drafts it
         accepted and verified."""
         lane = self._lane(num_active)
+        if self._rows > self.lookup_rows and self.lookup_engine:  # (a measure-only probe committed one token a row)
+            one_each = depth <= 0 or self.measure_only or not accepted
+            self._trials().observe(None if one_each else [a + 1 for a in accepted], num_active)
         if self.lookup_only:  # a lookup step: the base kind's rate, not the model's acceptance or timing
             lane.run += not lane.on
             if seconds > 0:
@@ -757,6 +772,8 @@ class ServingGate:
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
                                       "plain_rate": round(plain, 2), "probe_gap": lane.gap,
                                       **({"lookup_rate": round(looked, 2)} if self.lookup else {})}
+        if self.lookup_engine and self._rows > self.lookup_rows:
+            out["lookup_trials"] = self._trials().summary().get(f"rows {self._rows}", {})
         return out
 
 
