@@ -124,6 +124,23 @@ def test_a_runs_last_epoch_counts_with_its_drain_when_it_has_a_quarter_of_the_st
     assert trials.summary()["rows 4"]["gap"] == 8  # (the trial lost)
 
 
+def test_a_larger_batch_than_one_where_lookup_steps_lost_waits_before_its_first_trial():
+    """A larger batch verifies at a higher cost and pays more for rows out of step: after lookup steps lost at 4 rows,
+    8 rows measure `max_gap` plain epochs before their trial; 2 rows (smaller) and a size beside a win try at once."""
+    clock = Clock(on=2.0, off=1.0)  # lookup steps lose (0.75x)
+    trials = new(clock, max_gap=3)
+    run(trials, clock, 2 * EPOCH, [2, 1, 2, 1])
+    assert not trials.summary()["rows 4"]["lookup"]
+    for rows, first_trial in ((8, 3), (2, 1)):
+        trials.begin(rows)
+        arms = run(trials, clock, (first_trial + 1) * EPOCH, [2, 1, 2, 1])
+        assert arms == [False] * first_trial * EPOCH + [True] * EPOCH, rows
+    won = new(Clock(on=1.0, off=1.0))
+    run(won, won.clock, 2 * EPOCH, [2, 1, 2, 1])
+    won.begin(8)
+    assert run(won, won.clock, 2 * EPOCH, [2, 1, 2, 1]) == [False] * EPOCH + [True] * EPOCH
+
+
 @pytest.mark.parametrize("bad", [{"epoch_steps": 0}, {"max_gap": 0}, {"margin": -0.1}, {"decay": 1.0}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="LookupTrials needs"):

@@ -25,7 +25,10 @@ The rule, per cache size (an engine's rows; what one size measured is kept for t
               rate_on > (1 + margin) * rate_off. The winner runs `gap` epochs (1, doubled up to `max_gap` by each
               plain trial that leaves the state as it was, back to 1 when one changes it), then the other arm gets a
               trial epoch. After an on trial that lost the next waits `max_gap`: such a trial costs more than its
-              epoch (below), where a plain one costs what plain decoding does.
+              epoch (below), where a plain one costs what plain decoding does. A size larger than one where lookup
+              steps lost waits as long before its first trial: a larger batch verifies at a higher cost (it is nearer
+              compute-bound) and pays more for rows out of step (in `angelspec bench` n-gram lookup's speed-up fell
+              with the batch from four rows on, on both 2-core CPUs measured).
               Only measured epochs count: after an on trial that lost, the off epochs left in the run (out of step)
               do not, and the next run measures off again first. An off trial can only be measured in step: while on,
               it waits for the next run (`begin`), whose first epoch it takes.
@@ -122,14 +125,17 @@ class LookupTrials:
         self._end = self.clock()
 
     def _size(self) -> _Size:
-        return self._sizes.setdefault(self._rows, _Size())
+        s = self._sizes.get(self._rows)
+        if s is None:
+            s = self._sizes[self._rows] = _Size()
+            if any(rows < self._rows and t.epochs[True] and not t.on for rows, t in self._sizes.items()):
+                s.gap = self.max_gap  # lookup steps lost at a smaller batch: the first trial waits too
+        return s
 
     def _next_arm(self) -> bool:
         s = self._size()
         if not s.epochs[False]:  # first the batch as plain decoding runs it (then the trial)
             return False if self._in_step else s.on
-        if not s.epochs[True]:
-            return True
         if s.run < s.gap or (s.on and not self._in_step):  # the state; an off trial needs rows in step
             return s.on
         return not s.on
@@ -141,10 +147,8 @@ class LookupTrials:
         s.tokens[arm] = self.decay * s.tokens[arm] + self._tokens
         s.seconds[arm] = self.decay * s.seconds[arm] + seconds
         s.epochs[arm] += 1
-        if arm == s.on and s.epochs[not arm]:
+        if arm == s.on:  # the state ran (the first epoch of a size: plain decoding, then the trial)
             s.run += 1
-            return
-        if not s.epochs[not arm]:  # the first epoch of this size: nothing to compare yet
             return
         won = s.rate(True) > (1.0 + self.margin) * s.rate(False)
         if won != s.on:
