@@ -121,7 +121,7 @@ def test_a_runs_last_epoch_counts_with_its_drain_when_it_has_a_quarter_of_the_st
     assert s["epochs_on"] == 1 and s["rate_on"] == 3.5 and not s["lookup"]
     trials.begin(8)
     assert trials.tick() is False  # another size starts from plain decoding
-    assert trials.summary()["rows 4"]["gap"] == 8  # (the trial lost)
+    assert trials.summary()["rows 4"]["gap"] == 16  # (the trial lost: `max_gap`)
 
 
 def test_a_larger_batch_than_one_where_lookup_steps_lost_waits_before_its_first_trial():

@@ -254,7 +254,9 @@ class ServingGate:
                    cost in (the catch-up after plain steps, the drafting, the wider verify, the commit); before any
                    drafted step, the forecast A(n*) / T(B, n*)
         plain    = 1 / (EMA of a plain step's seconds); with a lookup drafter (`lookup`), a lookup step's tokens per
-                   row per second once measured (`_base_step`: the step that runs while the model does not draft)
+                   row per second once measured (`_base_step`: the step that runs while the model does not draft; in
+                   an engine of more than `lookup_rows` rows only where `trials` found that epochs with lookup steps
+                   commit more per wall second than epochs without, `policies/trials.py`)
                    (both measured as shares of the table's cost(B, B) when there is one, so the rows of one bucket
                    share them, and a bucket with nothing measured yet starts from its nearest measured neighbour's
                    shares instead of warming up)

@@ -74,7 +74,7 @@ class LookupTrials:
 
     epoch_steps: int = 128
     margin: float = 0.1
-    max_gap: int = 8
+    max_gap: int = 16
     decay: float = 0.7
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
     _sizes: dict[int, _Size] = field(default_factory=dict, init=False, repr=False)
