@@ -2,9 +2,8 @@
 plain decoding and then one with lookup steps, runs the one that commits more tokens per wall second (by a margin),
 and tries the other again after a gap that grows while the state holds (the longest at once after lookup steps lost);
 plain epochs count only while the rows are in step, and a run's last epoch (its drain) when it has a quarter of the
-steps. In the serving gate the trials decide above
-`lookup_rows`; at or below it lookup steps need none. An engine of four rows runs lookup steps once they won, with
-AR's outputs."""
+steps. In the serving gate the trials decide above `lookup_rows` (and measure nothing while a row samples); at or
+below it lookup steps need none. An engine of four rows runs lookup steps once they won, with AR's outputs."""
 
 from __future__ import annotations
 
@@ -172,6 +171,10 @@ def test_the_serving_gate_asks_the_trials_only_above_lookup_rows():
         clock.now += 0.01
     assert gate.lookup_engine and gate.summary()["lookup_trials"]["lookup"]
     assert any(kinds) and kinds.index(True) >= EPOCH  # none in the plain epoch first
+    sampled = ServingGate(3, lookup=True, trials=LookupTrials(epoch_steps=EPOCH, clock=clock))
+    sampled.begin(ROWS)
+    sampled.greedy = False  # a sampled row: no lookup steps, and no epoch is measured
+    assert not any(gate_steps(sampled, 4 * EPOCH, ROWS)) and sampled.summary()["lookup_trials"] == {}
     off = ServingGate(3, lookup=True, trials=None)
     off.begin(ROWS)
     assert not off.lookup_engine and not any(gate_steps(off, 40, ROWS))

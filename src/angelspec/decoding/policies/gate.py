@@ -445,7 +445,7 @@ class ServingGate:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
         self.lookup_only, self.lookup_costs, self._due = False, (), 0
-        self._lookup_on = self._rows <= self.lookup_rows or (self.lookup_engine and self._trials().tick())
+        self._lookup_on = self._rows <= self.lookup_rows or (self.lookup_engine and self._tick())
         depth = self._decide(num_active)
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
@@ -480,6 +480,14 @@ class ServingGate:
     def _trials(self) -> LookupTrials:
         assert self.trials is not None
         return self.trials
+
+    def _tick(self) -> bool:
+        """Whether this step of an engine above `lookup_rows` may be a lookup step (`trials`); while a row samples no
+        step may, and the epoch in progress is dropped."""
+        if not self.greedy:
+            self._trials().pause()
+            return False
+        return self._trials().tick()
 
     def _lookup_here(self) -> bool:
         """Lookup steps in an engine of at most `lookup_rows` cache rows (0: not told, `begin`), and in a larger one

@@ -20,7 +20,9 @@ The rule, per cache size (an engine's rows; what one size measured is kept for t
     arms      off: no lookup steps (the gate's plain steps); on: lookup steps where the model does not draft
     measured  an on epoch always; an off epoch only while the rows are in step (no step since the run began committed
               different counts in different rows): what lookup steps must beat is the batch as plain decoding runs it,
-              not plain steps in a batch that lookup steps already put out of step (that cost stays with them)
+              not plain steps in a batch that lookup steps already put out of step (that cost stays with them). A
+              step where no lookup step may run whatever the arm (a sampled row: `ServingGate.greedy`) drops the
+              epoch in progress (`pause`)
     order     a new size runs one off epoch, then one on epoch (a trial), then the winner: on iff
               rate_on > (1 + margin) * rate_off. The winner runs `gap` epochs (1, doubled up to `max_gap` by each
               plain trial that leaves the state as it was, back to 1 when one changes it), then the other arm gets a
@@ -102,6 +104,11 @@ class LookupTrials:
         if self._start is not None and self._steps >= max(self.epoch_steps // 4, 1):
             self._close(self._end - self._start)
         self._rows, self._in_step, self._start = rows, True, None
+
+    def pause(self) -> None:
+        """A step that may not be a lookup step whatever the arm (a sampled row is active): the epoch in progress
+        is dropped, since an epoch of lookup steps without them would measure plain decoding as the lookup's."""
+        self._start = None
 
     def tick(self) -> bool:
         """The start of a step -> whether it may be a lookup step. Closes the epoch in progress once it has its
