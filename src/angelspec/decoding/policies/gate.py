@@ -445,7 +445,7 @@ class ServingGate:
             raise ValueError(f"ServingGate was built for K={self.num_draft_tokens}, the engine drafts "
                              f"{num_draft_tokens}")
         self.lookup_only, self.lookup_costs, self._due = False, (), 0
-        self._lookup_on = self._rows <= self.lookup_rows or (self.lookup_engine and self._tick())
+        self._lookup_on = not self._by_trials or self._tick()
         depth = self._decide(num_active)
         lane = self._lane(num_active)
         if depth == 0 and self._lookup_here():
@@ -476,6 +476,12 @@ class ServingGate:
         any with `trials`): the engine keeps the lookup's history current in its steps without upkeep only then;
         elsewhere the lookup catches up with the model."""
         return self.lookup and (self._rows <= self.lookup_rows or self.trials is not None)
+
+    @property
+    def _by_trials(self) -> bool:
+        """This run's lookup steps are `trials`' to allow: a drafter with lookup drafts, more than `lookup_rows` cache
+        rows, and trials."""
+        return self.lookup and self._rows > self.lookup_rows and self.trials is not None
 
     def _trials(self) -> LookupTrials:
         assert self.trials is not None
@@ -705,7 +711,7 @@ class ServingGate:
         """One step: the depth `choose_depth` gave (0: plain), its host seconds, and per active row the drafts it
         accepted and verified."""
         lane = self._lane(num_active)
-        if self._rows > self.lookup_rows and self.lookup_engine:  # (a measure-only probe committed one token a row)
+        if self._by_trials:  # (a measure-only probe committed one token a row)
             one_each = depth <= 0 or self.measure_only or not accepted
             self._trials().observe(None if one_each else [a + 1 for a in accepted], num_active)
         if self.lookup_only:  # a lookup step: the base kind's rate, not the model's acceptance or timing
@@ -782,7 +788,7 @@ class ServingGate:
             out[f"rows {lo}-{hi}"] = {"drafting": lane.on, "depth": n, "spec_rate": round(rate, 2),
                                       "plain_rate": round(plain, 2), "probe_gap": lane.gap,
                                       **({"lookup_rate": round(looked, 2)} if self.lookup else {})}
-        if self.lookup_engine and self._rows > self.lookup_rows:
+        if self._by_trials:
             out["lookup_trials"] = self._trials().summary().get(f"rows {self._rows}", {})
         return out
 

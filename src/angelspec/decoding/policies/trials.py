@@ -142,7 +142,7 @@ class LookupTrials:
     def _next_arm(self) -> bool:
         s = self._size()
         if not s.epochs[False]:  # first the batch as plain decoding runs it (then the trial)
-            return False if self._in_step else s.on
+            return False
         if s.run < s.gap or (s.on and not self._in_step):  # the state; an off trial needs rows in step
             return s.on
         return not s.on
