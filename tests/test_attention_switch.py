@@ -119,7 +119,7 @@ def test_cuda_graph_options_and_the_engine_switch() -> None:
     from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
     from angelspec.decoding.sampling import SamplingParams
 
-    assert compile_options(True) == {"triton.cudagraphs": True} and compile_options(False) == {"freezing": True}
+    assert compile_options(True) == {"triton.cudagraphs": True} and compile_options(False) == {}
     model = _decoder()
     set_attention_backend(model, "flex")
     assert not static_attention(model)  # CUDA graphs exist on CUDA only

@@ -82,7 +82,7 @@ class SpecEngine:
         """CPU only: few-row fp32 GEMMs (a verify forward over K + 1 tokens, a block of drafts, a batch of rows) run
         much faster on weights stored as [in, out] (`models.linear`, `benchmarks/weight_layout.py`). Same values,
         in place, once per model; a tied LM head gets its own copy, so the target counts as frozen from here on
-        (as `compile`'s frozen graphs already assume)."""
+        (its weights' values may still change; a tie split here no longer ties them)."""
         transpose_weights(self.target)
         if self.drafter is not None:
             self.drafter.transpose_weights()

@@ -72,10 +72,10 @@ class EngineConfig:
     verify forward (padded and packed) and whatever the drafter compiles (`Drafter.compile`); the first calls pay the
     compilation; falls back to eager if compilation fails. With compile, an explicit
     max_seq_len also sizes every call's caches (one shape for all calls: a warm-up compiles what later calls use). The
-    compiled step freezes the target's weights as constants: do not modify the target under a compiled
-    engine. spec_gate: before each speculative step, skip drafting when plain steps have been committing tokens
-    faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay exact in
-    distribution but are not bit-reproducible across runs). cuda_graphs: with compile, on a CUDA target whose
+    compiled graphs take the weights as inputs (never frozen into them: `compiled.compile_options`), so every model
+    runs its own current weights. spec_gate: before each speculative step, skip drafting when plain steps have been
+    committing tokens faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay
+    exact in distribution but are not bit-reproducible across runs). cuda_graphs: with compile, on a CUDA target whose
     attention resolves to flex (static shapes: every decode / verify step attends over the whole cache), also
     capture the compiled target forwards as CUDA graphs (`compiled.try_compile`); ignored elsewhere."""
 
