@@ -11,19 +11,15 @@ import random
 import pytest
 import torch
 import torch._dynamo.config as dynamo_config
+from conftest import tiny_decoder
 
 from angelspec.decoding.compiled import compile_options
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
-from angelspec.models import Decoder, DecoderConfig
+from angelspec.models import Decoder
 
 
 def _decoder(seed: int) -> Decoder:
-    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-    torch.manual_seed(seed)
-    model = Decoder(cfg)
-    model.init_weights(std=0.3)
-    return model.eval()
+    return tiny_decoder(seed=seed, dtype=torch.float32)
 
 
 def _requests() -> list[Request]:
