@@ -44,10 +44,10 @@ def try_compile(fn: Callable[..., R], what: str, *, cuda_graphs: bool = False) -
     equal when a graph is traced share one symbol, and when one of them is fixed by the weights the other is
     fixed with it: a KV cache of capacity 64 traced beside a head_dim of 64 gives a graph for capacity 64 only,
     and the next engine with another capacity compiles again mid-run (`angelspec bench`'s warm-up has a shorter
-    capacity than its timed run). The switch is cheap (numbers: docs/design.md §12). So is dynamo's preparation for
-    freezing (`TORCHDYNAMO_PREPARE_FREEZING=1` in a user's environment): with it on, a graph traced for one model
-    runs for another of the same shapes with the first one's weights, without any freezing asked for
-    (`compile_options`). cuda_graphs: `compile_options`; for callers whose every call has the same shapes
+    capacity than its timed run). The switch is cheap (numbers: docs/design.md §12). Dynamo's preparation for
+    freezing is off too, whatever the environment says (`TORCHDYNAMO_PREPARE_FREEZING=1`): with it on, a graph
+    traced for one model runs for another of the same shapes with the first one's weights, without any freezing
+    asked for (`compile_options`). cuda_graphs: `compile_options`; for callers whose every call has the same shapes
     (`static_attention`)."""
     compiled = torch.compile(fn, dynamic=True, options=compile_options(cuda_graphs))
     state: dict[str, Callable[..., R]] = {"fn": compiled}
