@@ -4,7 +4,7 @@
 One pass runs every linear layer of the target once (the weights one forward streams), with M rows of input,
 M = 1..16 (a verify over K + 1 positions at batch 1 has M = K + 1; a decode step at batch B has M = B), three ways:
 
-    engine    x @ W^T from the stored transpose, what the engine runs on CPU (`models.linear`; aten.mm, the BLAS)
+    engine    `models.linear.linear` on the stored transpose (x @ W^T), what the engine runs on CPU (aten.mm, the BLAS)
     F.linear  the row-major [out, in] weight, nn.Linear's own call
     oneDNN    weights prepacked once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight` for M rows, then
               `_linear_pointwise`): what inductor calls for weights frozen into a compiled graph, which the engine
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from angelspec.assets import resolve_target_dir
 from angelspec.decoding.loading import load_target_and_tokenizer
-from angelspec.models.linear import Linear, transposed_copy
+from angelspec.models.linear import Linear, linear, transposed_copy
 
 
 def weights(target_dir: str | None) -> list[Tensor]:
@@ -47,7 +47,7 @@ def passes(ws: list[Tensor], m: int) -> dict[str, Callable[[], None]]:
 
     def run_engine() -> None:
         for w in engine:
-            torch.matmul(xs[w.shape[1]], w.t())
+            linear(xs[w.shape[1]], w)
 
     def run_linear() -> None:
         for w in ws:

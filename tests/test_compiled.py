@@ -13,7 +13,6 @@ import torch
 import torch._dynamo.config as dynamo_config
 from conftest import tiny_decoder
 
-from angelspec.decoding.compiled import compile_options
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
 
@@ -33,30 +32,23 @@ def _compiled_tokens(model: Decoder, reqs: list[Request]) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(reqs)]
 
 
-def test_no_freezing_asked_of_inductor() -> None:
-    assert "freezing" not in compile_options(False) and "freezing" not in compile_options(True)
-
-
 @pytest.mark.parametrize("prepare_freezing", [False, True], ids=["default", "TORCHDYNAMO_PREPARE_FREEZING"])
 def test_each_model_runs_its_own_weights(prepare_freezing: bool) -> None:
+    """(The options themselves: `test_attention_switch.test_cuda_graph_options_and_the_engine_switch`.)"""
     with dynamo_config.patch(prepare_freezing=prepare_freezing):
-        _each_model_runs_its_own_weights(prepare_freezing)
+        torch._dynamo.reset()  # graphs traced by other tests (with other settings) must not answer for these
+        reqs = _requests()
+        first, second = _decoder(1), _decoder(2)
+        want_first = [r.token_ids for r in reference_generate(first, reqs)]
+        want_second = [r.token_ids for r in reference_generate(second, reqs)]
+        assert want_first != want_second  # the two models tell their weights apart
+        assert _compiled_tokens(first, reqs) == want_first
+        assert _compiled_tokens(second, reqs) == want_second  # the same graphs, the second model's weights
 
-
-def _each_model_runs_its_own_weights(prepare_freezing: bool) -> None:
-    torch._dynamo.reset()  # graphs traced by other tests (with other settings) must not answer for these
-    reqs = _requests()
-    first, second = _decoder(1), _decoder(2)
-    want_first = [r.token_ids for r in reference_generate(first, reqs)]
-    want_second = [r.token_ids for r in reference_generate(second, reqs)]
-    assert want_first != want_second  # the two models tell their weights apart
-    assert _compiled_tokens(first, reqs) == want_first
-    assert _compiled_tokens(second, reqs) == want_second  # the same graphs, the second model's weights
-
-    with torch.no_grad():  # new values in place (the engine's weight layout stays)
-        for p in first.parameters():
-            p.mul_(-1.5)
-    changed = [r.token_ids for r in reference_generate(first, reqs)]
-    assert changed != want_first
-    assert _compiled_tokens(first, reqs) == changed
-    assert dynamo_config.prepare_freezing is prepare_freezing  # the caller's setting is back after each call
+        with torch.no_grad():  # new values in place (the engine's weight layout stays)
+            for p in first.parameters():
+                p.mul_(-1.5)
+        changed = [r.token_ids for r in reference_generate(first, reqs)]
+        assert changed != want_first
+        assert _compiled_tokens(first, reqs) == changed
+        assert dynamo_config.prepare_freezing is prepare_freezing  # the caller's setting is back after each call
