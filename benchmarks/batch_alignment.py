@@ -32,7 +32,7 @@ from angelspec.decoding.batching import prefill_rows
 from angelspec.decoding.engine.forwards import TargetForwards
 from angelspec.decoding.loading import load_target_and_tokenizer
 from angelspec.models.kv_cache import StaticKVCache
-from angelspec.models.linear import transpose_weights
+from angelspec.models.linear import lay_out_weights
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_target_and_tokenizer(Path(args.target))
-    transpose_weights(model)  # as the engine lays weights out on a CPU
+    lay_out_weights(model)  # as the engine lays weights out on a CPU
     b, lens = args.batch, [int(x) for x in args.kv_lens.split(",")]
     fwd = TargetForwards(model, (), speculative=True, compile=args.compile, cuda_graphs=False)
     cache = StaticKVCache(model.config, b, max(lens) + 8, slack=8, dtype=torch.float32, device="cpu")

@@ -1,11 +1,13 @@
-"""What storing the linear weights transposed (`models.linear`) buys: the same decoding, side by side.
+"""What the engine's CPU weight layout (`models.linear`) buys: the same decoding, side by side.
 
-Two copies of the target are loaded: one keeps `nn.Linear`'s [out, in] rows (the engine's transposition is
-switched off for it), the other is laid out as the engine does on CPU ([in, out] contiguous). Both decode the
-same held-out prompts in one process, alternating, with AR and with the oracle drafter (every draft accepted, so
-a step verifies K + 1 tokens), and optionally a real drafter folder. Printed per config: wall ms per step of the
-verify forward and CPU ms of the whole run (the process's own time, so other jobs on a shared machine distort it
-less than wall time) for each layout, best of --repeats, and the ratios. Outputs must be identical across layouts.
+Three copies of the target are loaded: "rows" keeps `nn.Linear`'s [out, in] rows (the engine's layout is switched
+off for it), "transposed" is stored [in, out] contiguous (`EngineConfig(prepack=False)`), "prepacked" is laid out
+as the engine does by default on a CPU with oneDNN (transposed, and the large weights multiplied through copies
+prepacked for few rows). All decode the same held-out prompts in one process, alternating, with AR and with the
+oracle drafter (every draft accepted, so a step verifies K + 1 tokens), and optionally a real drafter folder.
+Printed per config: wall ms per step of the verify forward (the AR decode forward for AR) and CPU ms of the whole
+run (the process's own time, so other jobs on a shared machine distort it less than wall time) for each layout,
+best of --repeats, and each layout's ratio to "rows". Outputs must be identical across layouts.
 
     .venv/bin/python benchmarks/weight_layout.py                       # eager, batch 1, K = 4 and 7
     .venv/bin/python benchmarks/weight_layout.py --compile --batch-sizes 1,16
@@ -26,6 +28,8 @@ from angelspec.data.prompts import load_prompts
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer, resolve_drafter
 from angelspec_research.oracle import OracleDrafter, greedy_continuations
+
+LAYOUTS = ("rows", "transposed", "prepacked")
 
 
 @contextmanager
@@ -61,47 +65,59 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # Three targets of the same shapes through the same compiled functions: one graph each per batch size (their
+    # weight strides and keys differ), more than dynamo's default of 8 before it falls back to eager.
+    torch._dynamo.config.recompile_limit = 64
 
     target_dir = resolve_target_dir(args.target)
-    rows, tok = load_target_and_tokenizer(target_dir)
-    cols = copy.deepcopy(rows)
+    first, tok = load_target_and_tokenizer(target_dir)
+    targets = {"rows": first, "transposed": copy.deepcopy(first), "prepacked": copy.deepcopy(first)}
     prompts = encode_prompts(tok, load_prompts(EVAL_PROMPTS)[: args.num_prompts],
-                             context=rows.config.max_position_embeddings, think=False, source=str(EVAL_PROMPTS))
+                             context=first.config.max_position_embeddings, think=False, source=str(EVAL_PROMPTS))
     with row_major():
-        ar = SpecEngine(rows, None, EngineConfig(max_batch_size=len(prompts))).generate(
+        ar = SpecEngine(first, None, EngineConfig(max_batch_size=len(prompts))).generate(
             [Request(p, max_new_tokens=args.new_tokens) for p in prompts])
     table = greedy_continuations(prompts, [r.token_ids for r in ar])
 
-    def drafters(k: int) -> list[tuple[str, object, object]]:
-        out: list[tuple[str, object, object]] = [(f"oracle K={k}", OracleDrafter(table), OracleDrafter(table))]
+    def drafters(k: int) -> list[tuple[str, dict[str, object]]]:
+        out: list[tuple[str, dict[str, object]]] = [(f"oracle K={k}", {n: OracleDrafter(table) for n in LAYOUTS})]
         if args.drafter:
-            out.append((f"drafter K={k}", resolve_drafter(args.drafter, rows, target_dir),
-                        resolve_drafter(args.drafter, cols, target_dir)))
+            out.append((f"drafter K={k}", {n: resolve_drafter(args.drafter, t, target_dir)
+                                            for n, t in targets.items()}))
         return out
 
     print(f"target {target_dir}, {len(prompts)} prompts x {args.new_tokens} new tokens, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s); best of {args.repeats}\n")
-    print(f"{'B':>3}  {'config':<16}{'verify ms/step rows':>20}{'transposed':>11}{'ratio':>7}"
-          f"{'run CPU ms rows':>17}{'transposed':>11}{'ratio':>7}")
+    print(f"{'':>21}{'verify ms/step':^39}{'run CPU ms':^39}")
+    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"{'ratios':>6}"))
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        configs = [("AR", None, None, 1)] + [(n, dr, dc, k) for k in map(int, args.ks.split(","))
-                                               for n, dr, dc in drafters(k)]
-        for name, d_rows, d_cols, k in configs:
-            cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile)
-            with row_major():
-                engines = {"rows": SpecEngine(rows, d_rows, cfg)}
-            engines["cols"] = SpecEngine(cols, d_cols, cfg)
+        configs = [("AR", dict.fromkeys(LAYOUTS), 1)] + [(n, ds, k) for k in map(int, args.ks.split(","))
+                                                           for n, ds in drafters(k)]
+        for name, ds, k in configs:
+            engines = {}
+            for layout in LAYOUTS:
+                cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile,
+                                   prepack=layout == "prepacked")
+                if layout == "rows":
+                    with row_major():
+                        engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
+                else:
+                    engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
             best: dict[str, dict] = {}
             for rep in range(args.repeats + 1):  # the first round warms up (and compiles); one engine per layout
                 for layout, engine in engines.items():
                     r = run(engine, prompts, args.new_tokens)
                     if rep and (layout not in best or r["cpu"] < best[layout]["cpu"]):
                         best[layout] = r
-            a, c = best["rows"], best["cols"]
-            assert a["tokens"] == c["tokens"], f"{name}: outputs differ between weight layouts"
-            va, vc = 1000 * a["verify"] / a["steps"], 1000 * c["verify"] / c["steps"]
-            print(f"{b:>3}  {name:<16}{va:>20.3f}{vc:>11.3f}{vc / va:>6.2f}x"
-                  f"{1000 * a['cpu']:>13.1f}{1000 * c['cpu']:>11.1f}{c['cpu'] / a['cpu']:>6.2f}x", flush=True)
+            for layout in LAYOUTS[1:]:
+                assert best[layout]["tokens"] == best["rows"]["tokens"], f"{name}: outputs differ ({layout} vs rows)"
+            verify = {n: 1000 * r["verify"] / r["steps"] for n, r in best.items()}
+            cpu = {n: 1000 * r["cpu"] for n, r in best.items()}
+            line = f"{b:>3}  {name:<16}"
+            for col in (verify, cpu):
+                line += "".join(f"{col[n]:>11.3f}" for n in LAYOUTS)
+                line += "  " + " / ".join(f"{col[n] / col['rows']:.2f}x" for n in LAYOUTS[1:])
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from conftest import tiny_decoder
 
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine, reference_generate
 from angelspec.models import Decoder
+from angelspec.models import linear as linear_module
 
 
 def _decoder(seed: int) -> Decoder:
@@ -33,8 +34,15 @@ def _compiled_tokens(model: Decoder, reqs: list[Request]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("prepare_freezing", [False, True], ids=["default", "TORCHDYNAMO_PREPARE_FREEZING"])
-def test_each_model_runs_its_own_weights(prepare_freezing: bool) -> None:
-    """(The options themselves: `test_attention_switch.test_cuda_graph_options_and_the_engine_switch`.)"""
+@pytest.mark.parametrize("prepack_all", [False, True], ids=["", "every-weight-prepacked"])
+def test_each_model_runs_its_own_weights(prepare_freezing: bool, prepack_all: bool, monkeypatch) -> None:
+    """(The options themselves: `test_attention_switch.test_cuda_graph_options_and_the_engine_switch`.) With every
+    weight prepacked (`models.linear.prepack_weights`), the graphs take the layers' keys, and each copy follows its
+    weight."""
+    if prepack_all:
+        if not linear_module.prepack_available():
+            pytest.skip("this torch has no oneDNN")
+        monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
     with dynamo_config.patch(prepare_freezing=prepare_freezing):
         torch._dynamo.reset()  # graphs traced by other tests (with other settings) must not answer for these
         reqs = _requests()

@@ -1,8 +1,10 @@
-"""`models.linear`: weights stored transposed for few-row CPU GEMMs, the same layer and the same outputs."""
+"""`models.linear`: weights stored transposed, and the large ones prepacked for oneDNN, for few-row CPU GEMMs: the
+same layer and the same outputs, whatever happens to the weights afterwards."""
 
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,10 @@ import torch.nn.functional as F
 from conftest import tiny_decoder
 
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
-from angelspec.models.linear import Linear, is_transposed, transpose_weights
+from angelspec.models import linear as linear_module
+from angelspec.models.linear import PACK_KEY, Linear, is_transposed, prepack_weights, transpose_weights
+
+needs_onednn = pytest.mark.skipif(not linear_module.prepack_available(), reason="this torch has no oneDNN")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -82,3 +87,108 @@ def test_the_engine_on_cpu_transposes_and_decodes_what_the_row_major_model_decod
     out = engine.generate([Request(p, n_new, stop_ids=()) for p in prompts])
     assert [r.token_ids for r in out] == want
     assert engine.metrics.mean_accepted_length == k + 1
+
+
+def _packed_layer(bias: bool = False) -> Linear:
+    torch.manual_seed(0)
+    lin = Linear(256, 1024, bias=bias).eval()  # 2**18 weights: above PACK_MIN_ELEMENTS
+    assert lin.weight.numel() >= linear_module.PACK_MIN_ELEMENTS
+    transpose_weights(lin)
+    assert prepack_weights(lin) == 1 and PACK_KEY in lin._buffers
+    return lin
+
+
+def _calls_packed(lin: Linear, x: torch.Tensor) -> bool:
+    """Whether `lin(x)` goes through the prepacked copy (it makes or checks one in `_packs`)."""
+    key = int(lin._buffers[PACK_KEY])
+    linear_module._packs.pop(key, None)
+    lin(x)
+    return key in linear_module._packs
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(2, 256), (3, 5, 256), (7, 256, "t")], ids=["2d", "3d", "strided"])
+def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(bias, shape):
+    lin = _packed_layer(bias)
+    x = torch.randn(*shape[:2]) if shape[-1] == "t" else torch.randn(*shape)
+    if shape[-1] == "t":
+        x = torch.randn(256, 7).t()  # a transposed view: not contiguous
+    with torch.no_grad():
+        assert _calls_packed(lin, x)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        assert not _calls_packed(lin, torch.randn(1, 256))  # one row keeps the BLAS
+    assert not _calls_packed(lin, torch.randn(4, 256))  # recording gradients: the plain layer
+
+
+@needs_onednn
+def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced():
+    lin = _packed_layer()
+    x = torch.randn(5, 256)
+
+    def check() -> None:
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)  # stale: O(1) off
+
+    check()
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)  # in place: the version counter moves
+    check()
+    lin.weight.data = torch.randn(1024, 256)  # another tensor under the same parameter
+    check()
+    lin.weight = torch.nn.Parameter(torch.randn(1024, 256))  # another parameter
+    check()
+    lin.weight = torch.nn.Parameter(lin.weight.detach().double())  # a dtype no copy serves
+    x = x.double()
+    check()
+
+
+@needs_onednn
+def test_prepacking_is_inference_only_switchable_and_leaves_state_and_training_alone():
+    lin = _packed_layer()
+    state = lin.state_dict()
+    assert set(state) == {"weight"}  # the key is not saved
+    ref = copy.deepcopy(lin)
+    x = torch.randn(6, 256)
+    lin(x).square().sum().backward()  # gradients: the plain layer
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    assert prepack_weights(lin, enabled=False) == 0 and PACK_KEY not in lin._buffers
+    assert prepack_weights(torch.nn.Sequential(Linear(32, 32)).eval()) == 0  # too small to pay
+    assert prepack_weights(Linear(256, 1024).double()) == 0  # fp32 only
+
+
+@needs_onednn
+def test_a_packed_copy_goes_with_its_layer():
+    lin = _packed_layer()
+    key = int(lin._buffers[PACK_KEY])
+    with torch.no_grad():
+        lin(torch.randn(3, 256))
+    assert key in linear_module._packs
+    del lin
+    gc.collect()
+    assert key not in linear_module._packs
+
+
+@needs_onednn
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_the_engine_with_every_weight_prepacked_decodes_what_the_row_major_model_decodes(monkeypatch, compile):
+    from angelspec_research.oracle import OracleDrafter, greedy_continuations
+
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
+    target = tiny_decoder(vocab=64, dtype=torch.float32)
+    untouched = copy.deepcopy(target)
+    prompts = [[5, 9, 11, 4], [7, 7, 8, 20, 21, 6]]
+    k = 4
+    n_new = 1 + 3 * (k + 1)
+    with torch.no_grad():
+        want = [_greedy_reference(untouched, p, n_new) for p in prompts]
+    table = greedy_continuations(prompts, want)
+    for prepack in (True, False):
+        engine = SpecEngine(target, OracleDrafter(table), EngineConfig(max_batch_size=2, num_draft_tokens=k,
+                                                                       compile=compile, prepack=prepack))
+        linears = [m for m in target.modules() if isinstance(m, Linear)]
+        assert all((PACK_KEY in m._buffers) == prepack for m in linears)
+        out = engine.generate([Request(p, n_new, stop_ids=()) for p in prompts])
+        assert [r.token_ids for r in out] == want
+        assert engine.metrics.mean_accepted_length == k + 1

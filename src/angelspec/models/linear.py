@@ -11,9 +11,20 @@ contiguous (`transpose_weights`) is multiplied as x @ (Wᵀ), any other as `F.li
 shape [out, in], its name in `state_dict` and the checkpoint files are the same either way (`hf_io` saves
 contiguous copies), so training, loading and exporting never see the difference. Only the inference engine
 transposes, and only on CPU (`decoding.engine.SpecEngine`); GPU GEMMs do not care.
+
+On a CPU with oneDNN the engine also prepacks the large weights (`prepack_weights`): for two rows or more, such a
+`Linear` multiplies through oneDNN on a copy of its weight reordered once for few-row products, which on CPUs whose
+BLAS runs few rows far below memory speed costs much less (`benchmarks/gemm_rows.py`). One row (an AR decode step
+at batch 1) keeps the BLAS, which is faster there. The copy is looked up by a per-module key at each call and made
+again whenever the weight is another tensor or was changed in place, so compiled graphs (which take the weight and
+the key as inputs, never the copy) always multiply by the module's current weight.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +53,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that multiplies by the stored transpose when its weight was laid out by `transpose_weights`."""
+    """`nn.Linear` that multiplies by the stored transpose when its weight was laid out by `transpose_weights`, and
+    through its prepacked copy (`prepack_weights`) for two rows or more where there is one and no gradient is
+    being recorded."""
 
     def forward(self, x: Tensor) -> Tensor:
+        key = self._buffers.get(PACK_KEY)
+        if key is not None and x.is_cpu and not torch.is_grad_enabled() and x.numel() > x.shape[-1]:
+            return torch.ops.angelspec.packed_linear(x, self.weight, self.bias, key)
         return linear(x, self.weight, self.bias)
 
 
@@ -79,3 +95,100 @@ def transpose_weights(module: nn.Module) -> int:
             w.data = transposed_copy(w.data)
         moved += 1
     return moved
+
+
+# --- oneDNN prepacked weights (CPU) ---
+#
+# A prepacked copy pays for itself only where the product is large enough that oneDNN's per-call set-up (about
+# 20 us here) is small beside the GEMM: on the embedded target the fused QKV, gate-up, down projections and the LM
+# head qualify, the 256 x 256 output projection does not (`benchmarks/gemm_rows.py`). Every weight of a real model
+# does.
+PACK_MIN_ELEMENTS = 2**17
+PACK_ROWS = 8  # the row count oneDNN's layout is chosen for; the same copy serves any count from 2 up
+PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (not in state_dict)
+
+
+@dataclass
+class _Pack:
+    """One module's prepacked copy and the weight it was made from. `source` is held, so its memory cannot be
+    reused by another tensor while the copy lives: the same data pointer, shape, strides and version counter mean
+    the same values."""
+
+    source: Tensor
+    version: int
+    packed: Tensor
+
+    def serves(self, weight: Tensor) -> bool:
+        return (weight.data_ptr() == self.source.data_ptr() and weight.shape == self.source.shape
+                and weight.stride() == self.source.stride() and weight._version == self.version)
+
+
+_packs: dict[int, _Pack] = {}
+_keys = itertools.count()
+
+
+def _packable(weight: Tensor) -> bool:
+    """fp32 CPU weights that oneDNN can reorder and whose in-place changes the version counter records (an inference
+    tensor has none)."""
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and not weight.is_inference()
+
+
+def _pack(key: int, weight: Tensor) -> _Pack:
+    w = weight.detach()
+    pack = _Pack(w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
+    _packs[key] = pack
+    return pack
+
+
+def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) -> Tensor:
+    if not _packable(weight) or x.dtype != weight.dtype:  # the weight was swapped for one no copy can serve
+        return linear(x, weight, bias)
+    pack = _packs.get(k := int(key))
+    if pack is None or not pack.serves(weight):
+        pack = _pack(k, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, pack.packed, bias, "none", [], "")
+
+
+_library = torch.library.Library("angelspec", "FRAGMENT")
+_library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor")
+_library.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("angelspec::packed_linear")
+def _packed_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def prepack_available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+@torch.no_grad()
+def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
+    """Give every `Linear` in `module` with an fp32 CPU weight of at least `PACK_MIN_ELEMENTS` elements a oneDNN
+    prepacked copy (`enabled`), or take the copies away (not `enabled`); returns how many `Linear`s have one
+    afterwards. Idempotent. Inference only: a `Linear` uses its copy only while no gradient is recorded. Costs one
+    more copy of each packed weight's memory, made at the first call with two rows or more."""
+    packed = 0
+    for m in module.modules():
+        if not isinstance(m, Linear):
+            continue
+        key = m._buffers.get(PACK_KEY)
+        want = (enabled and prepack_available() and _packable(m.weight)
+                and m.weight.numel() >= PACK_MIN_ELEMENTS)
+        if want and key is None:
+            k = next(_keys)
+            m.register_buffer(PACK_KEY, torch.tensor(k), persistent=False)
+            weakref.finalize(m, _packs.pop, k, None)
+        elif not want and key is not None:
+            _packs.pop(int(key), None)
+            del m._buffers[PACK_KEY]
+        packed += want
+    return packed
+
+
+def lay_out_weights(module: nn.Module, prepack: bool = True) -> None:
+    """What the engine does to a model it runs on a CPU: `transpose_weights`, then `prepack_weights(module,
+    prepack)`."""
+    transpose_weights(module)
+    prepack_weights(module, prepack)

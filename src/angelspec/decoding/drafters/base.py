@@ -36,7 +36,7 @@ from torch import Tensor
 
 from angelspec.decoding.sampling import BatchSampling
 from angelspec.models.config import DecoderConfig
-from angelspec.models.linear import transpose_weights as transpose_linear_weights
+from angelspec.models.linear import lay_out_weights as lay_out_linear_weights
 
 
 class DrafterMismatchError(ValueError):
@@ -279,8 +279,8 @@ class Drafter(ABC):
         """`EngineConfig(compile=True)`: compile the drafter's hot calls (`spec.compiled.try_compile`); its
         weights are frozen from then on. Default: nothing to compile."""
 
-    def transpose_weights(self) -> None:  # noqa: B027
-        """Lay the draft model's linear weights out for few-row GEMMs on a CPU (`models.linear.transpose_weights`;
+    def lay_out_weights(self, prepack: bool = True) -> None:  # noqa: B027
+        """Lay the draft model's linear weights out for few-row GEMMs on a CPU (`models.linear.lay_out_weights`;
         the engine calls it on CPU, before any compile). Default: no model weights."""
 
     @contextmanager
@@ -307,8 +307,8 @@ class ModelConfigDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def transpose_weights(self) -> None:
-        transpose_linear_weights(self.model)
+    def lay_out_weights(self, prepack: bool = True) -> None:
+        lay_out_linear_weights(self.model, prepack)
 
     @property
     def target_fingerprint(self) -> str | None:
@@ -379,8 +379,8 @@ class WrappedDrafter(Drafter):
     def reset_rows(self, rows: Sequence[int]) -> None:
         self.inner.reset_rows(rows)
 
-    def transpose_weights(self) -> None:
-        self.inner.transpose_weights()
+    def lay_out_weights(self, prepack: bool = True) -> None:
+        self.inner.lay_out_weights(prepack)
 
     @contextmanager
     def full_depth(self) -> Iterator[None]:

@@ -42,8 +42,8 @@ from angelspec.decoding.sampling import NoiseStream, draft_noise_counter, proces
 from angelspec.models.decoder import CacheInputs, Decoder
 from angelspec.models.hf_io import load_target
 from angelspec.models.kv_cache import StaticKVCache
+from angelspec.models.linear import lay_out_weights as lay_out_linear_weights
 from angelspec.models.linear import linear
-from angelspec.models.linear import transpose_weights as transpose_linear_weights
 from angelspec.models.vocab import expand_logits
 
 
@@ -94,8 +94,8 @@ class DraftLMDrafter(Drafter):
             return logits
         return expand_logits(logits, self.draft_vocab, self.model.config.vocab_size)
 
-    def transpose_weights(self) -> None:
-        transpose_linear_weights(self.model)
+    def lay_out_weights(self, prepack: bool = True) -> None:
+        lay_out_linear_weights(self.model, prepack)
 
     def compile(self) -> None:
         self._first_fn = try_compile(self._first_logits, "draft LM's first step")

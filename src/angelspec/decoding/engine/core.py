@@ -18,7 +18,7 @@ from angelspec.decoding.engine.types import DepthPolicyFn, EngineConfig, Request
 from angelspec.decoding.metrics import DecodeMetrics, PhaseClock
 from angelspec.decoding.policies.gate import ServingGate, SpecGate
 from angelspec.models.decoder import Decoder
-from angelspec.models.linear import transpose_weights
+from angelspec.models.linear import lay_out_weights
 
 
 class SpecEngine:
@@ -80,12 +80,14 @@ class SpecEngine:
 
     def _lay_out_weights(self) -> None:
         """CPU only: few-row fp32 GEMMs (a verify forward over K + 1 tokens, a block of drafts, a batch of rows) run
-        much faster on weights stored as [in, out] (`models.linear`, `benchmarks/weight_layout.py`). Same values,
-        in place, once per model; a tied LM head gets its own copy, so the target counts as frozen from here on
-        (its weights' values may still change; a tie split here no longer ties them)."""
-        transpose_weights(self.target)
+        much faster on weights stored as [in, out] (`models.linear`, `benchmarks/weight_layout.py`), and faster still
+        for the large weights through oneDNN copies prepacked for few rows (`EngineConfig.prepack`,
+        `benchmarks/gemm_rows.py`). Same values, in place, once per model; a tied LM head gets its own copy, so the
+        target counts as frozen from here on (its weights' values may still change; a tie split here no longer ties
+        them)."""
+        lay_out_weights(self.target, self.config.prepack)
         if self.drafter is not None:
-            self.drafter.transpose_weights()
+            self.drafter.lay_out_weights(self.config.prepack)
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], progress: bool = False) -> list[Result]:

@@ -77,7 +77,10 @@ class EngineConfig:
     committing tokens faster at this batch size (`policies.gate.SpecGate`; timing-based, so sampled outputs stay
     exact in distribution but are not bit-reproducible across runs). cuda_graphs: with compile, on a CUDA target whose
     attention resolves to flex (static shapes: every decode / verify step attends over the whole cache), also
-    capture the compiled target forwards as CUDA graphs (`compiled.try_compile`); ignored elsewhere."""
+    capture the compiled target forwards as CUDA graphs (`compiled.try_compile`); ignored elsewhere. prepack: on a
+    CPU with oneDNN, multiply the large fp32 linear weights of the target and the drafter through copies prepacked
+    for few rows wherever a product has two rows or more (`models.linear.prepack_weights`: one more copy of those
+    weights in memory; False takes copies an earlier engine made away again); ignored elsewhere."""
 
     max_batch_size: int = 8
     max_seq_len: int | None = None
@@ -88,6 +91,7 @@ class EngineConfig:
     dense_verify: bool = True
     spec_gate: bool = False
     cuda_graphs: bool = False
+    prepack: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_draft_tokens"):
