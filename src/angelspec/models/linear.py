@@ -110,21 +110,21 @@ PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (n
 
 @dataclass
 class _Pack:
-    """One module's prepacked copy and the weight it was made from. `source` is held, so its memory cannot be
-    reused by another tensor while the copy lives: the same data pointer, shape, strides and version counter mean
-    the same values."""
+    """One module's prepacked copy and what it was made from. `source` is held, so its memory cannot be reused by
+    another tensor while the copy lives: the same data pointer, shape, strides and version counter then mean the same
+    values (`_packed_linear` compares them inline: it runs for every packed layer of every forward)."""
 
     source: Tensor
+    ptr: int
     version: int
+    shape: torch.Size
+    stride: tuple[int, ...]
     packed: Tensor
-
-    def serves(self, weight: Tensor) -> bool:
-        return (weight.data_ptr() == self.source.data_ptr() and weight.shape == self.source.shape
-                and weight.stride() == self.source.stride() and weight._version == self.version)
 
 
 _packs: dict[int, _Pack] = {}
 _keys = itertools.count()
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
 
 
 def _packable(weight: Tensor) -> bool:
@@ -133,20 +133,18 @@ def _packable(weight: Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and not weight.is_inference()
 
 
-def _pack(key: int, weight: Tensor) -> _Pack:
-    w = weight.detach()
-    pack = _Pack(w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
-    _packs[key] = pack
-    return pack
-
-
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) -> Tensor:
-    if not _packable(weight) or x.dtype != weight.dtype:  # the weight was swapped for one no copy can serve
-        return linear(x, weight, bias)
-    pack = _packs.get(k := int(key))
-    if pack is None or not pack.serves(weight):
-        pack = _pack(k, weight)
-    return torch.ops.mkldnn._linear_pointwise(x, pack.packed, bias, "none", [], "")
+    pack = _packs.get(k := key.item())
+    if (pack is None or weight.data_ptr() != pack.ptr or weight._version != pack.version
+            or weight.shape != pack.shape or weight.stride() != pack.stride):
+        # (the same pointer as the held source means not an inference tensor, so `_version` exists there)
+        if not _packable(weight) or x.dtype != weight.dtype:  # swapped for a weight no copy can serve
+            return linear(x, weight, bias)
+        w = weight.detach()  # shares the version counter
+        pack = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride(),
+                     torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
+        _packs[k] = pack
+    return _linear_pointwise(x, pack.packed, bias, "none", [], "")
 
 
 _library = torch.library.Library("angelspec", "FRAGMENT")
