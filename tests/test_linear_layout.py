@@ -138,6 +138,10 @@ def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced():
     check()
     lin.weight = torch.nn.Parameter(torch.randn(1024, 256))  # another parameter
     check()
+    with torch.inference_mode():
+        made_in_inference = torch.randn(1024, 256)
+    lin.weight.data = made_in_inference  # no version counter: no copy can be trusted, the plain layer runs
+    check()
     lin.weight = torch.nn.Parameter(lin.weight.detach().double())  # a dtype no copy serves
     x = x.double()
     check()

@@ -124,7 +124,8 @@ class _Pack:
 
 _packs: dict[int, _Pack] = {}
 _keys = itertools.count()
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+# (a torch built without oneDNN has no such op: then nothing is prepacked)
+_linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 
 
 def _packable(weight: Tensor) -> bool:
@@ -135,9 +136,8 @@ def _packable(weight: Tensor) -> bool:
 
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) -> Tensor:
     pack = _packs.get(k := key.item())
-    if (pack is None or weight.data_ptr() != pack.ptr or weight._version != pack.version
+    if (pack is None or weight.data_ptr() != pack.ptr or weight.is_inference() or weight._version != pack.version
             or weight.shape != pack.shape or weight.stride() != pack.stride):
-        # (the same pointer as the held source means not an inference tensor, so `_version` exists there)
         if not _packable(weight) or x.dtype != weight.dtype:  # swapped for a weight no copy can serve
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
@@ -158,7 +158,8 @@ def _packed_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, key: Te
 
 
 def prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available()
+    """Whether this torch can prepack weights for oneDNN."""
+    return torch.backends.mkldnn.is_available() and _linear_pointwise is not None
 
 
 @torch.no_grad()
