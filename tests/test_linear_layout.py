@@ -142,6 +142,11 @@ def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced():
         made_in_inference = torch.randn(1024, 256)
     lin.weight.data = made_in_inference  # no version counter: no copy can be trusted, the plain layer runs
     check()
+    lin.weight = torch.nn.Parameter(torch.randn(1024, 256))
+    check()
+    lin.weight.data.mul_(3.0)  # through `.data`: no version counter moves, so the copy cannot tell ...
+    prepack_weights(lin)  # ... until the next engine lays the weights out again
+    check()
     lin.weight = torch.nn.Parameter(lin.weight.detach().double())  # a dtype no copy serves
     x = x.double()
     check()

@@ -166,8 +166,10 @@ def prepack_available() -> bool:
 def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
     """Give every `Linear` in `module` with an fp32 CPU weight of at least `PACK_MIN_ELEMENTS` elements a oneDNN
     prepacked copy (`enabled`), or take the copies away (not `enabled`); returns how many `Linear`s have one
-    afterwards. Idempotent. Inference only: a `Linear` uses its copy only while no gradient is recorded. Costs one
-    more copy of each packed weight's memory, made at the first call with two rows or more."""
+    afterwards. Idempotent, but existing copies are dropped and made again at the next call, so every engine starts
+    from the weights as they are (even where they were written through `.data`, which no version counter records).
+    Inference only: a `Linear` uses its copy only while no gradient is recorded. Costs one more copy of each packed
+    weight's memory, made at the first call with two rows or more."""
     packed = 0
     for m in module.modules():
         if not isinstance(m, Linear):
@@ -179,7 +181,11 @@ def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
             k = next(_keys)
             m.register_buffer(PACK_KEY, torch.tensor(k), persistent=False)
             weakref.finalize(m, _packs.pop, k, None)
-        elif not want and key is not None:
+        elif want:
+            # made again at the next call, from the weight as it is now: values written through `.data` (which the
+            # version counter does not see) count from here on
+            _packs.pop(int(key), None)
+        elif key is not None:
             _packs.pop(int(key), None)
             del m._buffers[PACK_KEY]
         packed += want
