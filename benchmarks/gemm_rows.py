@@ -4,11 +4,14 @@
 One pass runs every linear layer of the target once (the weights one forward streams), with M rows of input,
 M = 1..16 (a verify over K + 1 positions at batch 1 has M = K + 1; a decode step at batch B has M = B), three ways:
 
-    engine    `models.linear.linear` on the stored transpose (x @ W^T), what the engine runs on CPU (aten.mm, the BLAS)
+    engine    `models.linear.linear` on the stored transpose (x @ W^T) through the BLAS (aten.mm): what the engine
+              runs on CPU for one row, for weights below `models.linear.PACK_MIN_ELEMENTS`, and with
+              `EngineConfig(prepack=False)`
     F.linear  the row-major [out, in] weight, nn.Linear's own call
-    oneDNN    weights prepacked once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight` for M rows, then
-              `_linear_pointwise`): what inductor calls for weights frozen into a compiled graph, which the engine
-              does not allow (docs/design.md, trap 5); here for scale only
+    oneDNN    weights prepacked once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight` laid out for M rows, then
+              `_linear_pointwise`), every weight: the kernel the engine's prepacked layers call from two rows up
+              (`models.linear.prepack_weights`, whose copies are laid out for 8 rows whatever M is, and which also
+              pay a custom op's call and a check per product)
 
 Rounds interleave the ways and row counts; each cell is the median over --repeats rounds of the mean over --iters
 passes, in ms per pass, and "/ x1" is a cell over the engine's one-row pass. A GEMM bound by reading the weights

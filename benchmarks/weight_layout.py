@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -89,7 +89,7 @@ def main() -> None:
     print(f"target {target_dir}, {len(prompts)} prompts x {args.new_tokens} new tokens, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s); best of {args.repeats}\n")
     print(f"{'':>21}{'verify ms/step':^39}{'run CPU ms':^39}")
-    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"{'ratios':>6}"))
+    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"  {'vs rows':<13}"))
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         configs = [("AR", dict.fromkeys(LAYOUTS), 1)] + [(n, ds, k) for k in map(int, args.ks.split(","))
                                                            for n, ds in drafters(k)]
@@ -98,10 +98,7 @@ def main() -> None:
             for layout in LAYOUTS:
                 cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile,
                                    prepack=layout == "prepacked")
-                if layout == "rows":
-                    with row_major():
-                        engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
-                else:
+                with row_major() if layout == "rows" else nullcontext():
                     engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
             best: dict[str, dict] = {}
             for rep in range(args.repeats + 1):  # the first round warms up (and compiles); one engine per layout

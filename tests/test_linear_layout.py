@@ -70,24 +70,28 @@ def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_the_engine_on_cpu_transposes_and_decodes_what_the_row_major_model_decodes(k):
+def _oracle_engine_decodes_the_reference(target, untouched, k: int, **config) -> None:
+    """The engine on `target` with the oracle drafter (every draft accepted) decodes what a cache-free greedy loop on
+    `untouched` (a row-major copy of it made before any engine) decodes, K + 1 tokens a step."""
     from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
-    target = tiny_decoder(vocab=64)
-    untouched = copy.deepcopy(target)
     prompts = [[5, 9, 11, 4], [7, 7, 8, 20, 21, 6]]
     n_new = 1 + 3 * (k + 1)  # prefill emits one token, then three full blocks
     with torch.no_grad():
         want = [_greedy_reference(untouched, p, n_new) for p in prompts]
     assert not any(is_transposed(m.weight) for m in untouched.modules() if isinstance(m, Linear))
     table = greedy_continuations(prompts, want)
-    engine = SpecEngine(target, OracleDrafter(table), EngineConfig(max_batch_size=2, num_draft_tokens=k))
-    assert all(is_transposed(m.weight) for m in target.modules() if isinstance(m, Linear))
+    engine = SpecEngine(target, OracleDrafter(table), EngineConfig(max_batch_size=2, num_draft_tokens=k, **config))
     out = engine.generate([Request(p, n_new, stop_ids=()) for p in prompts])
     assert [r.token_ids for r in out] == want
     assert engine.metrics.mean_accepted_length == k + 1
 
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_engine_on_cpu_transposes_and_decodes_what_the_row_major_model_decodes(k):
+    target = tiny_decoder(vocab=64)
+    _oracle_engine_decodes_the_reference(target, copy.deepcopy(target), k)
+    assert all(is_transposed(m.weight) for m in target.modules() if isinstance(m, Linear))
 
 def _packed_layer(bias: bool = False) -> Linear:
     torch.manual_seed(0)
@@ -111,9 +115,7 @@ def _calls_packed(lin: Linear, x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("shape", [(2, 256), (3, 5, 256), (7, 256, "t")], ids=["2d", "3d", "strided"])
 def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(bias, shape):
     lin = _packed_layer(bias)
-    x = torch.randn(*shape[:2]) if shape[-1] == "t" else torch.randn(*shape)
-    if shape[-1] == "t":
-        x = torch.randn(256, 7).t()  # a transposed view: not contiguous
+    x = torch.randn(256, 7).t() if shape[-1] == "t" else torch.randn(*shape)  # "t": a transposed view
     with torch.no_grad():
         assert _calls_packed(lin, x)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -182,22 +184,10 @@ def test_a_packed_copy_goes_with_its_layer():
 @needs_onednn
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_the_engine_with_every_weight_prepacked_decodes_what_the_row_major_model_decodes(monkeypatch, compile):
-    from angelspec_research.oracle import OracleDrafter, greedy_continuations
-
     monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
     target = tiny_decoder(vocab=64, dtype=torch.float32)
     untouched = copy.deepcopy(target)
-    prompts = [[5, 9, 11, 4], [7, 7, 8, 20, 21, 6]]
-    k = 4
-    n_new = 1 + 3 * (k + 1)
-    with torch.no_grad():
-        want = [_greedy_reference(untouched, p, n_new) for p in prompts]
-    table = greedy_continuations(prompts, want)
     for prepack in (True, False):
-        engine = SpecEngine(target, OracleDrafter(table), EngineConfig(max_batch_size=2, num_draft_tokens=k,
-                                                                       compile=compile, prepack=prepack))
+        _oracle_engine_decodes_the_reference(target, untouched, 4, compile=compile, prepack=prepack)
         linears = [m for m in target.modules() if isinstance(m, Linear)]
         assert all((PACK_KEY in m._buffers) == prepack for m in linears)
-        out = engine.generate([Request(p, n_new, stop_ids=()) for p in prompts])
-        assert [r.token_ids for r in out] == want
-        assert engine.metrics.mean_accepted_length == k + 1

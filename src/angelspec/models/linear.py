@@ -177,17 +177,16 @@ def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
         key = m._buffers.get(PACK_KEY)
         want = (enabled and prepack_available() and _packable(m.weight)
                 and m.weight.numel() >= PACK_MIN_ELEMENTS)
-        if want and key is None:
+        if key is not None:
+            # a kept key's copy is made again at the next call, from the weight as it is now: values written
+            # through `.data` (which the version counter does not see) count from here on
+            _packs.pop(int(key), None)
+            if not want:
+                del m._buffers[PACK_KEY]
+        elif want:
             k = next(_keys)
             m.register_buffer(PACK_KEY, torch.tensor(k), persistent=False)
             weakref.finalize(m, _packs.pop, k, None)
-        elif want:
-            # made again at the next call, from the weight as it is now: values written through `.data` (which the
-            # version counter does not see) count from here on
-            _packs.pop(int(key), None)
-        elif key is not None:
-            _packs.pop(int(key), None)
-            del m._buffers[PACK_KEY]
         packed += want
     return packed
 
