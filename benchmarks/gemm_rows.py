@@ -9,9 +9,11 @@ M = 1..16 (a verify over K + 1 positions at batch 1 has M = K + 1; a decode step
               `EngineConfig(prepack=False)`
     F.linear  the row-major [out, in] weight, nn.Linear's own call
     oneDNN    weights prepacked once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight` laid out for M rows, then
-              `_linear_pointwise`), every weight: the kernel the engine's prepacked layers call from two rows up
-              (`models.linear.prepack_weights`, whose copies are laid out for 8 rows whatever M is, and which also
-              pay a custom op's call and a check per product)
+              `_linear_pointwise`), every weight: what the engine's prepacked layers call past the few-rows
+              kernel's row limit (`models.linear.prepack_weights`, whose copies are laid out for 8 rows whatever M
+              is, and which also pay a custom op's call and a check per product)
+    kernel    the few-rows kernel (`models.few_rows`) on row-major copies: what the prepacked layers call from two
+              rows up to `few_rows.max_rows()` (printed); absent where it is not built
 
 Rounds interleave the ways and row counts; each cell is the median over --repeats rounds of the mean over --iters
 passes, in ms per pass, and "/ x1" is a cell over the engine's one-row pass. A GEMM bound by reading the weights
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from angelspec.assets import resolve_target_dir
 from angelspec.decoding.loading import load_target_and_tokenizer
+from angelspec.models import few_rows
 from angelspec.models.linear import Linear, linear, transposed_copy
 
 
@@ -60,7 +63,14 @@ def passes(ws: list[Tensor], m: int) -> dict[str, Callable[[], None]]:
         for w, p in zip(ws, packed, strict=True):
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-    return {"engine": run_engine, "F.linear": run_linear, "oneDNN": run_onednn}
+    ways = {"engine": run_engine, "F.linear": run_linear, "oneDNN": run_onednn}
+    if few_rows.available():
+        def run_kernel() -> None:
+            for w in ws:
+                few_rows.linear(xs[w.shape[1]], w)
+
+        ways["kernel"] = run_kernel
+    return ways
 
 
 def main() -> None:
@@ -86,7 +96,8 @@ def main() -> None:
     ms = {key: statistics.median(v[1:]) for key, v in times.items()}
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     print(f"{len(ws)} weights, {nbytes / 2**20:.1f} MiB fp32; {args.threads} thread(s), "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}; median of {args.repeats} rounds\n")
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}; median of {args.repeats} rounds; few-rows "
+          f"kernel: {few_rows.status()}, engine uses it up to {few_rows.max_rows()} rows\n")
     ways = list(cells[rows[0]])
     print(f"{'M':>3}" + "".join(f"{w + ' ms':>13}{'/ x1':>7}" for w in ways))
     one = ms[(rows[0], "engine")] if rows[0] == 1 else None

@@ -1,13 +1,15 @@
 """What the engine's CPU weight layout (`models.linear`) buys: the same decoding, side by side.
 
-Three copies of the target are loaded: "rows" keeps `nn.Linear`'s [out, in] rows (the engine's layout is switched
-off for it), "transposed" is stored [in, out] contiguous (`EngineConfig(prepack=False)`), "prepacked" is laid out
-as the engine does by default on a CPU with oneDNN (transposed, and the large weights multiplied through copies
-prepacked for few rows). All decode the same held-out prompts in one process, alternating, with AR and with the
-oracle drafter (every draft accepted, so a step verifies K + 1 tokens), and optionally a real drafter folder.
-Printed per config: wall ms per step of the verify forward (the AR decode forward for AR) and CPU ms of the whole
-run (the process's own time, so other jobs on a shared machine distort it less than wall time) for each layout,
-best of --repeats, and each layout's ratio to "rows". Outputs must be identical across layouts.
+Four copies of the target are loaded: "rows" keeps `nn.Linear`'s [out, in] rows (the engine's layout is switched
+off for it), "transposed" is stored [in, out] contiguous (`EngineConfig(prepack=False)`), "oneDNN" is prepacked
+with the few-rows kernel switched off (every product of two rows or more through oneDNN's prepacked copies), and
+"prepacked" is laid out as the engine does by default on a CPU (transposed, and the large weights multiplied
+through the few-rows kernel, `models.few_rows`, up to its row limit and oneDNN past it). All decode the same
+held-out prompts in one process, alternating, with AR and with the oracle drafter (every draft accepted, so a step
+verifies K + 1 tokens), and optionally a real drafter folder. Printed per config: wall ms per step of the verify
+forward (the AR decode forward for AR) and CPU ms of the whole run (the process's own time, every thread's, so
+other jobs on a shared machine distort it less than wall time) for each layout, best of --repeats, each layout's
+ratio to "rows", and prepacked over oneDNN (what the kernel changes). Outputs must be identical across layouts.
 
     .venv/bin/python benchmarks/weight_layout.py                       # eager, batch 1, K = 4 and 7
     .venv/bin/python benchmarks/weight_layout.py --compile --batch-sizes 1,16
@@ -27,9 +29,10 @@ from angelspec.assets import EVAL_PROMPTS, resolve_target_dir
 from angelspec.data.prompts import load_prompts
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer, resolve_drafter
+from angelspec.models import few_rows
 from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
-LAYOUTS = ("rows", "transposed", "prepacked")
+LAYOUTS = ("rows", "transposed", "oneDNN", "prepacked")
 
 
 @contextmanager
@@ -43,10 +46,12 @@ def row_major():
         SpecEngine._lay_out_weights = saved
 
 
-def run(engine, prompts, new_tokens):
-    c0, t0 = time.thread_time(), time.perf_counter()
+def run(engine, prompts, new_tokens, layout):
+    few_rows.set_enabled(layout != "oneDNN")
+    c0, t0 = time.process_time(), time.perf_counter()
     out = engine.generate([Request(p, max_new_tokens=new_tokens) for p in prompts])
-    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    few_rows.set_enabled(True)
     m = engine.metrics
     return {"cpu": cpu, "wall": wall, "steps": m.steps, "verify": m.seconds["verify"],
             "tokens": [r.token_ids for r in out]}
@@ -65,13 +70,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # Three targets of the same shapes through the same compiled functions: one graph each per batch size (their
+    # Four targets of the same shapes through the same compiled functions: one graph each per batch size (their
     # weight strides and keys differ), more than dynamo's default of 8 before it falls back to eager.
     torch._dynamo.config.recompile_limit = 64
 
     target_dir = resolve_target_dir(args.target)
     first, tok = load_target_and_tokenizer(target_dir)
-    targets = {"rows": first, "transposed": copy.deepcopy(first), "prepacked": copy.deepcopy(first)}
+    targets = {"rows": first, **{n: copy.deepcopy(first) for n in LAYOUTS[1:]}}
     prompts = encode_prompts(tok, load_prompts(EVAL_PROMPTS)[: args.num_prompts],
                              context=first.config.max_position_embeddings, think=False, source=str(EVAL_PROMPTS))
     with row_major():
@@ -87,9 +92,12 @@ def main() -> None:
         return out
 
     print(f"target {target_dir}, {len(prompts)} prompts x {args.new_tokens} new tokens, "
-          f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s); best of {args.repeats}\n")
-    print(f"{'':>21}{'verify ms/step':^39}{'run CPU ms':^39}")
-    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"  {'vs rows':<13}"))
+          f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s); best of {args.repeats}; "
+          f"few-rows kernel: {few_rows.status()}, up to {few_rows.max_rows()} rows\n")
+    width = 11 * len(LAYOUTS) + 33
+    print(f"{'':>21}{'verify ms/step':^{width}}{'run CPU ms':^{width}}")
+    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"  {'vs rows':<22}"
+                                             f"{'vs oneDNN':<11}"))
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         configs = [("AR", dict.fromkeys(LAYOUTS), 1)] + [(n, ds, k) for k in map(int, args.ks.split(","))
                                                            for n, ds in drafters(k)]
@@ -97,13 +105,13 @@ def main() -> None:
             engines = {}
             for layout in LAYOUTS:
                 cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile,
-                                   prepack=layout == "prepacked")
+                                   prepack=layout in ("oneDNN", "prepacked"))
                 with row_major() if layout == "rows" else nullcontext():
                     engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
             best: dict[str, dict] = {}
             for rep in range(args.repeats + 1):  # the first round warms up (and compiles); one engine per layout
                 for layout, engine in engines.items():
-                    r = run(engine, prompts, args.new_tokens)
+                    r = run(engine, prompts, args.new_tokens, layout)
                     if rep and (layout not in best or r["cpu"] < best[layout]["cpu"]):
                         best[layout] = r
             for layout in LAYOUTS[1:]:
@@ -114,6 +122,7 @@ def main() -> None:
             for col in (verify, cpu):
                 line += "".join(f"{col[n]:>11.3f}" for n in LAYOUTS)
                 line += "  " + " / ".join(f"{col[n] / col['rows']:.2f}x" for n in LAYOUTS[1:])
+                line += f"  {col['prepacked'] / col['oneDNN']:.2f}x"
             print(line, flush=True)
 
 

@@ -1,5 +1,6 @@
-"""`models.linear`: weights stored transposed, and the large ones prepacked for oneDNN, for few-row CPU GEMMs: the
-same layer and the same outputs, whatever happens to the weights afterwards."""
+"""`models.linear`: weights stored transposed, and the large ones prepacked (for the few-rows kernel and oneDNN), for
+few-row CPU GEMMs: the same layer and the same outputs, whatever happens to the weights afterwards. The prepacked
+tests run once per product kernel (`product`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,24 @@ import torch.nn.functional as F
 from conftest import tiny_decoder
 
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
+from angelspec.models import few_rows
 from angelspec.models import linear as linear_module
 from angelspec.models.linear import PACK_KEY, Linear, is_transposed, prepack_weights, transpose_weights
 
-needs_onednn = pytest.mark.skipif(not linear_module.prepack_available(), reason="this torch has no oneDNN")
+
+@pytest.fixture(params=["few-rows", "oneDNN"])
+def product(request, monkeypatch):
+    """The kernel every prepacked product of two rows or more takes: the few-rows kernel (its row limit lifted, so
+    each test's products all take it) or oneDNN (the kernel switched off)."""
+    if request.param == "few-rows":
+        if not few_rows.available():
+            pytest.skip(f"the few-rows kernel is not built here: {few_rows.status()}")
+        monkeypatch.setattr(few_rows, "ROWS_PER_THREAD", 1024)
+    else:
+        if linear_module._linear_pointwise is None:
+            pytest.skip("this torch has no oneDNN")
+        monkeypatch.setattr(few_rows, "_enabled", False)
+    return request.param
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -110,10 +125,9 @@ def _calls_packed(lin: Linear, x: torch.Tensor) -> bool:
     return key in linear_module._packs
 
 
-@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(2, 256), (3, 5, 256), (7, 256, "t")], ids=["2d", "3d", "strided"])
-def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(bias, shape):
+def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(product, bias, shape):
     lin = _packed_layer(bias)
     x = torch.randn(256, 7).t() if shape[-1] == "t" else torch.randn(*shape)  # "t": a transposed view
     with torch.no_grad():
@@ -123,8 +137,7 @@ def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(bias, s
     assert not _calls_packed(lin, torch.randn(4, 256))  # recording gradients: the plain layer
 
 
-@needs_onednn
-def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced():
+def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced(product):
     lin = _packed_layer()
     x = torch.randn(5, 256)
 
@@ -154,8 +167,7 @@ def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced():
     check()
 
 
-@needs_onednn
-def test_prepacking_is_inference_only_switchable_and_leaves_state_and_training_alone():
+def test_prepacking_is_inference_only_switchable_and_leaves_state_and_training_alone(product):
     lin = _packed_layer()
     state = lin.state_dict()
     assert set(state) == {"weight"}  # the key is not saved
@@ -169,8 +181,7 @@ def test_prepacking_is_inference_only_switchable_and_leaves_state_and_training_a
     assert prepack_weights(Linear(256, 1024).double()) == 0  # fp32 only
 
 
-@needs_onednn
-def test_a_packed_copy_goes_with_its_layer():
+def test_a_packed_copy_goes_with_its_layer(product):
     lin = _packed_layer()
     key = int(lin._buffers[PACK_KEY])
     with torch.no_grad():
@@ -181,9 +192,9 @@ def test_a_packed_copy_goes_with_its_layer():
     assert key not in linear_module._packs
 
 
-@needs_onednn
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_the_engine_with_every_weight_prepacked_decodes_what_the_row_major_model_decodes(monkeypatch, compile):
+def test_the_engine_with_every_weight_prepacked_decodes_what_the_row_major_model_decodes(product, monkeypatch,
+                                                                                          compile):
     monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
     target = tiny_decoder(vocab=64, dtype=torch.float32)
     untouched = copy.deepcopy(target)
@@ -191,3 +202,18 @@ def test_the_engine_with_every_weight_prepacked_decodes_what_the_row_major_model
         _oracle_engine_decodes_the_reference(target, untouched, 4, compile=compile, prepack=prepack)
         linears = [m for m in target.modules() if isinstance(m, Linear)]
         assert all((PACK_KEY in m._buffers) == prepack for m in linears)
+
+
+def test_few_row_products_take_the_kernel_and_more_rows_take_onednn():
+    if not few_rows.available() or linear_module._linear_pointwise is None:
+        pytest.skip("needs both the few-rows kernel and oneDNN")
+    lin = _packed_layer()
+    key = int(lin._buffers[PACK_KEY])
+    limit = few_rows.max_rows()
+    with torch.no_grad():
+        for rows, kernel in ((2, True), (limit, True), (limit + 1, False)):
+            linear_module._packs.pop(key, None)
+            x = torch.randn(rows, 256)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+            pack = linear_module._packs[key]
+            assert (pack.rows is not None, pack.packed is not None) == (kernel, not kernel), rows

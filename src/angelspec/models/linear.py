@@ -12,12 +12,13 @@ shape [out, in], its name in `state_dict` and the checkpoint files are the same 
 contiguous copies), so training, loading and exporting never see the difference. Only the inference engine
 transposes, and only on CPU (`decoding.engine.SpecEngine`); GPU GEMMs do not care.
 
-On a CPU with oneDNN the engine also prepacks the large weights (`prepack_weights`): for two rows or more, such a
-`Linear` multiplies through oneDNN on a copy of its weight reordered once for few-row products, which on CPUs whose
-BLAS runs few rows far below memory speed costs much less (`benchmarks/gemm_rows.py`). One row (an AR decode step
-at batch 1) keeps the BLAS, which is faster there. The copy is looked up by a per-module key at each call and made
-again whenever the weight is another tensor or was changed in place, so compiled graphs (which take the weight and
-the key as inputs, never the copy) always multiply by the module's current weight.
+On a CPU the engine also prepacks the large weights (`prepack_weights`): for two rows or more, such a `Linear`
+multiplies by a copy of its weight laid out for few-row products, which on CPUs whose BLAS runs few rows far below
+memory speed costs much less (`benchmarks/gemm_rows.py`): a row-major copy for the few-rows kernel (`few_rows`, up
+to `few_rows.max_rows()` rows, where it is built) and past that a copy reordered for oneDNN. One row (an AR decode
+step at batch 1) keeps the BLAS. The copies are looked up by a per-module key at each call and made again whenever
+the weight is another tensor or was changed in place, so compiled graphs (which take the weight and the key as
+inputs, never a copy) always multiply by the module's current weight.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from angelspec.models import few_rows
 
 
 def is_transposed(weight: Tensor) -> bool:
@@ -97,12 +100,12 @@ def transpose_weights(module: nn.Module) -> int:
     return moved
 
 
-# --- oneDNN prepacked weights (CPU) ---
+# --- prepacked weights (CPU): the few-rows kernel up to `few_rows.max_rows()` rows, oneDNN past that ---
 #
-# A prepacked copy pays for itself only where the product is large enough that oneDNN's per-call set-up (about
-# 20 us here) is small beside the GEMM: on the embedded target the fused QKV, gate-up, down projections and the LM
-# head qualify, the 256 x 256 output projection does not (`benchmarks/gemm_rows.py`). Every weight of a real model
-# does.
+# A prepacked copy pays for itself only where the product is large enough that the packed call's set-up (about
+# 15-20 us here: the custom op's Python side, oneDNN's own) is small beside the GEMM: on the embedded target the
+# fused QKV, gate-up, down projections and the LM head qualify, the 256 x 256 output projection does not
+# (`benchmarks/gemm_rows.py`). Every weight of a real model does.
 PACK_MIN_ELEMENTS = 2**17
 PACK_ROWS = 8  # the row count oneDNN's layout is chosen for; the same copy serves any count from 2 up
 PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (not in state_dict)
@@ -110,8 +113,8 @@ PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (n
 
 @dataclass
 class _Pack:
-    """One module's prepacked copy and what it was made from. `source` is held, so its memory cannot be reused by
-    another tensor while the copy lives: the same data pointer, shape, strides and version counter then mean the same
+    """One module's prepacked copies and what they were made from. `source` is held, so its memory cannot be reused
+    by another tensor while a copy lives: the same data pointer, shape, strides and version counter then mean the same
     values (`_packed_linear` compares them inline: it runs for every packed layer of every forward)."""
 
     source: Tensor
@@ -119,13 +122,15 @@ class _Pack:
     version: int
     shape: torch.Size
     stride: tuple[int, ...]
-    packed: Tensor
+    packed: Tensor | None = None  # oneDNN's reordered copy, made at the first product past `few_rows.max_rows()`
+    rows: Tensor | None = None  # a row-major copy for `few_rows.linear`, made at the first product it takes
 
 
 _packs: dict[int, _Pack] = {}
 _keys = itertools.count()
-# (a torch built without oneDNN has no such op: then nothing is prepacked)
-_linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+# (None in a torch built without oneDNN: products past the few-rows kernel then take `linear`)
+_linear_pointwise = (getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+                     if torch.backends.mkldnn.is_available() else None)
 
 
 def _packable(weight: Tensor) -> bool:
@@ -141,9 +146,15 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
         if not _packable(weight) or x.dtype != weight.dtype:  # swapped for a weight no copy can serve
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
-        pack = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride(),
-                     torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
-        _packs[k] = pack
+        pack = _packs[k] = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride())
+    if x.numel() <= few_rows.max_rows() * x.shape[-1]:
+        if pack.rows is None:
+            pack.rows = pack.source.contiguous()
+        return few_rows.linear(x, pack.rows, bias)
+    if _linear_pointwise is None:
+        return linear(x, weight, bias)
+    if pack.packed is None:
+        pack.packed = torch.ops.mkldnn._reorder_linear_weight(pack.source.contiguous(), PACK_ROWS)
     return _linear_pointwise(x, pack.packed, bias, "none", [], "")
 
 
@@ -158,18 +169,20 @@ def _packed_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, key: Te
 
 
 def prepack_available() -> bool:
-    """Whether this torch can prepack weights for oneDNN."""
-    return torch.backends.mkldnn.is_available() and _linear_pointwise is not None
+    """Whether prepacked copies can serve here: this torch has oneDNN's prepacked product, or the few-rows kernel
+    built (`few_rows.available`; built by this call at its first use)."""
+    return _linear_pointwise is not None or few_rows.available()
 
 
 @torch.no_grad()
 def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
-    """Give every `Linear` in `module` with an fp32 CPU weight of at least `PACK_MIN_ELEMENTS` elements a oneDNN
-    prepacked copy (`enabled`), or take the copies away (not `enabled`); returns how many `Linear`s have one
+    """Give every `Linear` in `module` with an fp32 CPU weight of at least `PACK_MIN_ELEMENTS` elements prepacked
+    copies (`enabled`), or take the copies away (not `enabled`); returns how many `Linear`s have one
     afterwards. Idempotent, but existing copies are dropped and made again at the next call, so every engine starts
     from the weights as they are (even where they were written through `.data`, which no version counter records).
-    Inference only: a `Linear` uses its copy only while no gradient is recorded. Costs one more copy of each packed
-    weight's memory, made at the first call with two rows or more."""
+    Inference only: a `Linear` uses its copies only while no gradient is recorded. Each copy costs the weight's
+    memory once more: the row-major one is made at the first product of two rows up to `few_rows.max_rows()`, the
+    oneDNN one at the first of more rows."""
     packed = 0
     for m in module.modules():
         if not isinstance(m, Linear):
