@@ -32,7 +32,7 @@ from angelspec.decoding.policies.costmodel import (
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.scheduler import prefix_schedule
 from angelspec.eval.cost_profile import SpreadDepth, load_or_profile, profile_costs, token_grid
-from angelspec.models import load_target
+from angelspec.models import few_rows, load_target
 
 KEY = CostKey(model="m" * 16, drafter="draft-lm:abc", num_draft_tokens=3, dtype="float32", torch_version="2.x",
               machine="host|cpu|2 cores|1 threads")
@@ -114,6 +114,7 @@ def test_keys_name_model_drafter_dtype_and_machine(target) -> None:
     assert key.model == target.config.fingerprint() and key.drafter == "ngram" and key.dtype == "float32"
     assert key.torch_version == torch.__version__ and key.machine == machine_id("cpu")
     assert f"{torch.get_num_threads()} threads" in key.machine
+    assert key.kernels == few_rows.identity()  # the CPU product kernel the engine's steps take
     assert default_table_path(key).name.startswith(key.model)
     assert default_table_path(key) != default_table_path(replace(key, machine="elsewhere"))
 
@@ -124,8 +125,10 @@ def test_a_compiled_engine_has_a_table_of_its_own_and_eager_keys_keep_their_dige
     compiled = replace(KEY, compiled=True)
     assert "compiled" not in KEY.to_json() and compiled.to_json()["compiled"] is True
     assert KEY.digest() != compiled.digest() and default_table_path(KEY) != default_table_path(compiled)
-    old_style = {k: v for k, v in vars(KEY).items() if k != "compiled"}  # a key as written before the field
+    old_style = {k: v for k, v in vars(KEY).items() if k not in ("compiled", "kernels")}  # written before them
     assert KEY.digest() == hashlib.sha256(json.dumps(old_style, sort_keys=True).encode()).hexdigest()[:12]
+    kernel = replace(KEY, kernels="few-rows:0123")  # another CPU product kernel: another table
+    assert kernel.to_json()["kernels"] == "few-rows:0123" and kernel.digest() != KEY.digest()
     path = table_from(lambda b, n: 0.001 * n, key=compiled).save(tmp_path / "c.json")
     assert CostTable.load(path, compiled).key.compiled and "compiled" in CostTable.load(path).format()
     with pytest.raises(StaleCostTableError, match="compiled"):

@@ -40,6 +40,7 @@ ROWS_PER_THREAD = 6  # the kernel beats oneDNN's prepacked product up to about t
 _CAPABLE = ("AVX2", "AVX512")  # torch's CPU capability names of x86 CPUs with AVX2 and FMA
 
 _fn = None  # the loaded C function, once `_load` succeeded
+_built: Path | None = None  # the library it came from
 _threaded = False
 _status: str | None = None  # None: not tried yet
 _enabled = True
@@ -89,10 +90,11 @@ def _load() -> None:
     if not compiler:
         _status = "no C compiler (set CC or install gcc)"
         return
+    global _built
     errors = []
     for openmp in (True, False):
         try:
-            lib = ctypes.CDLL(str(_build(compiler, openmp)))
+            lib = ctypes.CDLL(str(path := _build(compiler, openmp)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(f"{'with' if openmp else 'without'} OpenMP: {e}")
             continue
@@ -100,7 +102,7 @@ def _load() -> None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        _fn, _threaded = fn, openmp
+        _fn, _threaded, _built = fn, openmp, path
         _status = f"built with {compiler}{'' if openmp else ', one thread (no OpenMP)'}"
         return
     _status = "build failed: " + "; ".join(errors)
@@ -117,6 +119,12 @@ def status() -> str:
     """How the kernel was built, or why it is not used."""
     available()
     return _status if _enabled or _fn is None else f"switched off ({_status})"
+
+
+def identity() -> str:
+    """"few-rows:<digest of the build>" while the kernel is in use, else "": what a measured step cost depends on
+    (`decoding.policies.costmodel.CostKey.kernels`)."""
+    return f"few-rows:{_built.stem.rsplit('-', 1)[-1]}" if available() and _built is not None else ""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -137,10 +145,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` through the kernel: x [..., K] fp32 on the CPU, weight [N, K] fp32 row-major
     contiguous, bias [N] or None. The caller checks `available()`."""
     k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k).contiguous()
-    out = x2.new_empty((x2.shape[0], n))
-    b = None if bias is None else bias.contiguous()
-    threads = max(torch.get_num_threads(), 1) if _threaded else 1
-    _fn(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
-        threads)
-    return out.view(*x.shape[:-1], n)
+    flat = x.dim() == 2 and x.is_contiguous()  # (the common case, without the reshapes: this runs per layer)
+    x2 = x if flat else x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32)
+    b = None if bias is None else bias.contiguous().data_ptr()
+    _fn(x2.data_ptr(), rows, k, weight.data_ptr(), n, b, out.data_ptr(), torch.get_num_threads() if _threaded else 1)
+    return out if flat else out.view(*x.shape[:-1], n)

@@ -63,7 +63,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         key = self._buffers.get(PACK_KEY)
         if key is not None and x.is_cpu and not torch.is_grad_enabled() and x.numel() > x.shape[-1]:
-            return torch.ops.angelspec.packed_linear(x, self.weight, self.bias, key)
+            return _packed_linear_op(x, self.weight, self.bias, key)
         return linear(x, self.weight, self.bias)
 
 
@@ -161,6 +161,9 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
 _library = torch.library.Library("angelspec", "FRAGMENT")
 _library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor")
 _library.impl("packed_linear", _packed_linear, "CPU")
+
+
+_packed_linear_op = torch.ops.angelspec.packed_linear.default
 
 
 @torch.library.register_fake("angelspec::packed_linear")

@@ -38,6 +38,7 @@ from angelspec.decoding.drafters.base import Drafter, unwrap
 from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.families import family_of
 from angelspec.fileio import write_json_atomic
+from angelspec.models import few_rows
 from angelspec.models.decoder import Decoder
 
 DEFAULT_COST_DIR = Path(".cache/angelspec-costs")
@@ -69,17 +70,21 @@ class CostKey:
     torch_version: str
     machine: str  # see machine_id
     compiled: bool = False  # measured with the engine's torch.compile on (a compiled step costs far less)
+    # the CPU product kernel the engine's prepacked layers call for few rows (`models.few_rows.identity`: its
+    # build, so a changed kernel is measured again); "" where none is used (a GPU, no compiler)
+    kernels: str = ""
 
     def differences(self, other: CostKey) -> list[str]:
         """'field: mine != theirs' for every field that differs."""
         return [f"{k}: {v!r} != {getattr(other, k)!r}" for k, v in asdict(self).items() if getattr(other, k) != v]
 
     def to_json(self) -> dict[str, Any]:
-        """The key's fields; `compiled` only when set, so an eager table keeps the file name and digest it had
-        before the field existed."""
+        """The key's fields; `compiled` and `kernels` only when set, so a table without them keeps the file name and
+        digest it had before the fields existed."""
         d = asdict(self)
-        if not self.compiled:
-            del d["compiled"]
+        for name in ("compiled", "kernels"):
+            if not d[name]:
+                del d[name]
         return d
 
     def digest(self) -> str:
@@ -119,7 +124,8 @@ def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: 
     weight = target.embed_tokens.weight
     return CostKey(model=target.config.fingerprint(), drafter=drafter_id(drafter), num_draft_tokens=num_draft_tokens,
                    dtype=str(weight.dtype).removeprefix("torch."), torch_version=torch.__version__,
-                   machine=machine if machine is not None else machine_id(weight.device), compiled=compiled)
+                   machine=machine if machine is not None else machine_id(weight.device), compiled=compiled,
+                   kernels=few_rows.identity() if weight.device.type == "cpu" else "")
 
 
 def default_table_path(key: CostKey, cache_dir: Path = DEFAULT_COST_DIR) -> Path:
