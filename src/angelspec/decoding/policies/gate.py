@@ -234,9 +234,6 @@ class _Lane:
     look_seen: int = 0  # lookup steps whose tokens `look_tok` averaged
     look_n: int = 0
     look_out: int = 0
-    # EMA of a lookup step's seconds by its verify width (its deepest row's drafts; 0: nothing verified), in
-    # `plain_s`'s units: what `_lookup_costs` prices depths with once measured
-    look_width: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -587,32 +584,10 @@ class ServingGate:
             return 0
         look = self.num_draft_tokens if self.lookup_depth is None else min(self.lookup_depth, self.num_draft_tokens)
         self.lookup_only = True
-        self.lookup_costs = self._lookup_costs(lane, num_active, look)
-        return look
-
-    def _lookup_costs(self, lane: _Lane, num_active: int, look: int) -> tuple[float, ...]:
-        """What a lookup step verifying d = 0..look drafts (in its deepest row) costs against one verifying none: as
-        measured, once lookup steps of some width ran (piecewise linear between the measured widths, from the lookup
-        step that verified nothing, else the plain step, at d = 0; the last segment's slope past the deepest; never
-        falling as d grows), else the cost table's ratios (() without a table: the drafter verifies every match to
-        `look`). The table times whole steps of the model drafter, its drafting included, which a lookup step does not
-        pay: its ratios put verifying close to free (a 2-core CPU: a lookup step of 7 drafts at about 1.1 plain steps
-        by the table, 1.5-1.9 measured), so the lookup verified weak matches to full depth."""
-        base = lane.look_width.get(0) or lane.plain_s
-        points = sorted((d, x) for d, x in lane.look_width.items() if 0 < d <= look)
-        if not base or not points:
-            if self.cost is None:
-                return ()
+        if self.cost is not None:
             table = self._table(num_active)
-            return tuple(c / table[0] for c in table[: look + 1])
-        points = [(0, base), *points]
-        out = []
-        for d in range(look + 1):
-            i = min(next((j for j in range(1, len(points)) if points[j][0] >= d), len(points) - 1), len(points) - 1)
-            (d0, x0), (d1, x1) = points[i - 1], points[i]
-            x = x0 + (x1 - x0) * (d - d0) / (d1 - d0)
-            out.append(max(x, out[-1]) if out else base)
-        return tuple(x / base for x in out)
+            self.lookup_costs = tuple(c / table[0] for c in table[: look + 1])
+        return look
 
     def _explore(self, lane: _Lane, n: int) -> int:
         """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
@@ -666,7 +641,6 @@ class ServingGate:
         if not lane.look_n and d.look_n:
             lane.look_s, lane.look_n = d.look_s, d.look_n
             lane.look_tok, lane.look_seen = d.look_tok, d.look_seen
-            lane.look_width = dict(d.look_width)
         lane.on = d.on
 
     def _off_gap(self, lane: _Lane, forecast: float, plain: float) -> int:
@@ -747,11 +721,8 @@ class ServingGate:
                 # match or none), so its tokens are averaged over the last ~`memory` lookup steps (a plain mean of the
                 # first ones), not the timing's few.
                 tokens = sum(accepted) / len(accepted) + 1.0 if accepted else 1.0
-                x = seconds / self._plain_unit(num_active)
-                lane.look_s, lane.look_n, lane.look_out = self._fold(lane.look_s, lane.look_n, lane.look_out, x)
-                width, ref = max(depths, default=0), lane.look_width.get(0) or lane.plain_s
-                if not ref or x <= self.outlier * ref:  # (a graph compiled mid-run is not what a width costs)
-                    lane.look_width[width] = self._decayed(lane.look_width.get(width, 0.0), x)
+                lane.look_s, lane.look_n, lane.look_out = self._fold(lane.look_s, lane.look_n, lane.look_out,
+                                                                     seconds / self._plain_unit(num_active))
                 lane.look_seen += 1
                 w = 1.0 / min(lane.look_seen, self.memory)
                 lane.look_tok = (1.0 - w) * lane.look_tok + w * tokens
