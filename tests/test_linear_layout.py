@@ -162,6 +162,8 @@ def test_a_prepacked_layer_follows_its_weight_changed_in_place_or_replaced(produ
     lin.weight.data.mul_(3.0)  # through `.data`: no version counter moves, so the copy cannot tell ...
     prepack_weights(lin)  # ... until the next engine lays the weights out again
     check()
+    with torch.no_grad(), pytest.raises(RuntimeError):  # an input of another dtype than its (copied) weight: the
+        lin(x.double())  # error F.linear gives, never the copy's bytes read as another dtype
     lin.weight = torch.nn.Parameter(lin.weight.detach().double())  # a dtype no copy serves
     x = x.double()
     check()

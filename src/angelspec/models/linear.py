@@ -147,6 +147,8 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
         pack = _packs[k] = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride())
+    if x.dtype != torch.float32:  # (the copies are fp32: another input dtype gets `F.linear`'s own answer)
+        return linear(x, weight, bias)
     if x.numel() <= few_rows.max_rows() * x.shape[-1]:
         if pack.rows is None:
             pack.rows = pack.source.contiguous()
