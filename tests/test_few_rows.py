@@ -3,6 +3,7 @@ whatever rows share its call, and where it cannot be built says why and leaves t
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -18,7 +19,7 @@ needs_kernel = pytest.mark.skipif(not few_rows.available(), reason=f"the kernel 
 
 def test_it_builds_wherever_there_is_a_compiler_and_avx2():
     capable = torch.backends.cpu.get_cpu_capability().startswith(few_rows._CAPABLE)
-    if capable and shutil.which("cc") and few_rows.os.environ.get("ANGELSPEC_FEW_ROWS", "1") != "0":
+    if capable and shutil.which("cc") and os.environ.get("ANGELSPEC_FEW_ROWS", "1") != "0":
         assert few_rows.available(), few_rows.status()
     assert few_rows.status()
 

@@ -108,6 +108,7 @@ def test_the_engine_on_cpu_transposes_and_decodes_what_the_row_major_model_decod
     _oracle_engine_decodes_the_reference(target, copy.deepcopy(target), k)
     assert all(is_transposed(m.weight) for m in target.modules() if isinstance(m, Linear))
 
+
 def _packed_layer(bias: bool = False) -> Linear:
     torch.manual_seed(0)
     lin = Linear(256, 1024, bias=bias).eval()  # 2**18 weights: above PACK_MIN_ELEMENTS

@@ -75,7 +75,7 @@ def _build(compiler: str, openmp: bool) -> Path:
 
 
 def _load() -> None:
-    global _fn, _threaded, _status
+    global _fn, _threaded, _built, _status
     if os.environ.get("ANGELSPEC_FEW_ROWS", "1") == "0":
         _status = "off (ANGELSPEC_FEW_ROWS=0)"
         return
@@ -90,7 +90,6 @@ def _load() -> None:
     if not compiler:
         _status = "no C compiler (set CC or install gcc)"
         return
-    global _built
     errors = []
     for openmp in (True, False):
         try:
@@ -133,12 +132,15 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def _threads() -> int:
+    """The threads the kernel runs on now: torch's intra-op count, one without OpenMP."""
+    return torch.get_num_threads() if _threaded else 1
+
+
 def max_rows() -> int:
     """The most rows a product sends to the kernel now (0 where it is not available): `ROWS_PER_THREAD` per
-    thread torch runs (one thread without OpenMP). Past that, oneDNN's prepacked product is faster."""
-    if not available():
-        return 0
-    return ROWS_PER_THREAD * (max(torch.get_num_threads(), 1) if _threaded else 1)
+    thread it runs on (`_threads`). Past that, oneDNN's prepacked product is faster."""
+    return ROWS_PER_THREAD * _threads() if available() else 0
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -150,5 +152,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=torch.float32)
     b = None if bias is None else bias.contiguous().data_ptr()
-    _fn(x2.data_ptr(), rows, k, weight.data_ptr(), n, b, out.data_ptr(), torch.get_num_threads() if _threaded else 1)
+    _fn(x2.data_ptr(), rows, k, weight.data_ptr(), n, b, out.data_ptr(), _threads())
     return out if flat else out.view(*x.shape[:-1], n)

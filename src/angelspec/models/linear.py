@@ -143,7 +143,7 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
     pack = _packs.get(k := key.item())
     if (pack is None or weight.data_ptr() != pack.ptr or weight.is_inference() or weight._version != pack.version
             or weight.shape != pack.shape or weight.stride() != pack.stride):
-        if not _packable(weight) or x.dtype != weight.dtype:  # swapped for a weight no copy can serve
+        if not _packable(weight):  # swapped for a weight no copy can serve
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
         pack = _packs[k] = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride())
