@@ -1,15 +1,18 @@
 """What the engine's CPU weight layout (`models.linear`) buys: the same decoding, side by side.
 
-Four copies of the target are loaded: "rows" keeps `nn.Linear`'s [out, in] rows (the engine's layout is switched
-off for it), "transposed" is stored [in, out] contiguous (`EngineConfig(prepack=False)`), "oneDNN" is prepacked
-with the few-rows kernel switched off (every product of two rows or more through oneDNN's prepacked copies), and
-"prepacked" is laid out as the engine does by default on a CPU (transposed, and the large weights multiplied
-through the few-rows kernel, `models.few_rows`, up to its row limit and oneDNN past it). All decode the same
+Five copies of the target are loaded: "rows" keeps `nn.Linear`'s [out, in] rows (the engine's layout is switched
+off for it), "transposed" is stored [in, out] contiguous (`EngineConfig(prepack=False)`), "python-op" is prepacked
+as where the native op cannot be built (every product of two rows or more through oneDNN's prepacked copies, called
+from the op written in Python in `models.linear`), "oneDNN" the same through the native op with its few-rows kernel
+switched off, and "prepacked" is laid out as the engine does by default on a CPU (transposed, and the large weights
+multiplied through the native op: the few-rows kernel up to its row limit, one row included, and oneDNN past it,
+`models.few_rows`). All decode the same
 held-out prompts in one process, alternating, with AR and with the oracle drafter (every draft accepted, so a step
 verifies K + 1 tokens), and optionally a real drafter folder. Printed per config: wall ms per step of the verify
 forward (the AR decode forward for AR) and CPU ms of the whole run (the process's own time, every thread's, so
 other jobs on a shared machine distort it less than wall time) for each layout, best of --repeats, each layout's
-ratio to "rows", and prepacked over oneDNN (what the kernel changes). Outputs must be identical across layouts.
+ratio to "rows", oneDNN over python-op (what calling from C++ instead of Python saves) and prepacked over oneDNN
+(what the kernel changes). Outputs must be identical across layouts.
 
     .venv/bin/python benchmarks/weight_layout.py                       # eager, batch 1, K = 4 and 7
     .venv/bin/python benchmarks/weight_layout.py --compile --batch-sizes 1,16
@@ -32,7 +35,7 @@ from angelspec.decoding.loading import encode_prompts, load_target_and_tokenizer
 from angelspec.models import few_rows
 from angelspec_research.oracle import OracleDrafter, greedy_continuations
 
-LAYOUTS = ("rows", "transposed", "oneDNN", "prepacked")
+LAYOUTS = ("rows", "transposed", "python-op", "oneDNN", "prepacked")
 
 
 @contextmanager
@@ -47,7 +50,7 @@ def row_major():
 
 
 def run(engine, prompts, new_tokens, layout):
-    few_rows.set_enabled(layout != "oneDNN")
+    few_rows.set_enabled(layout == "prepacked", native=layout != "python-op")
     c0, t0 = time.process_time(), time.perf_counter()
     out = engine.generate([Request(p, max_new_tokens=new_tokens) for p in prompts])
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
@@ -94,10 +97,10 @@ def main() -> None:
     print(f"target {target_dir}, {len(prompts)} prompts x {args.new_tokens} new tokens, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads} thread(s); best of {args.repeats}; "
           f"few-rows kernel: {few_rows.status()}, up to {few_rows.max_rows()} rows\n")
-    width = 11 * len(LAYOUTS) + 33
+    width = 11 * len(LAYOUTS) + 47
     print(f"{'':>21}{'verify ms/step':^{width}}{'run CPU ms':^{width}}")
-    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"  {'vs rows':<22}"
-                                             f"{'vs oneDNN':<11}"))
+    print(f"{'B':>3}  {'config':<16}" + 2 * ("".join(f"{n:>11}" for n in LAYOUTS) + f"  {'vs rows':<29}"
+                                             f"{'native':<8}{'kernel':<8}"))
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         configs = [("AR", dict.fromkeys(LAYOUTS), 1)] + [(n, ds, k) for k in map(int, args.ks.split(","))
                                                            for n, ds in drafters(k)]
@@ -105,7 +108,7 @@ def main() -> None:
             engines = {}
             for layout in LAYOUTS:
                 cfg = EngineConfig(max_batch_size=b, num_draft_tokens=k, compile=args.compile,
-                                   prepack=layout in ("oneDNN", "prepacked"))
+                                   prepack=layout in ("python-op", "oneDNN", "prepacked"))
                 with row_major() if layout == "rows" else nullcontext():
                     engines[layout] = SpecEngine(targets[layout], ds[layout], cfg)
             best: dict[str, dict] = {}
@@ -122,7 +125,7 @@ def main() -> None:
             for col in (verify, cpu):
                 line += "".join(f"{col[n]:>11.3f}" for n in LAYOUTS)
                 line += "  " + " / ".join(f"{col[n] / col['rows']:.2f}x" for n in LAYOUTS[1:])
-                line += f"  {col['prepacked'] / col['oneDNN']:.2f}x"
+                line += f"  {col['oneDNN'] / col['python-op']:.2f}x   {col['prepacked'] / col['oneDNN']:.2f}x  "
             print(line, flush=True)
 
 

@@ -19,19 +19,25 @@ from angelspec.models import linear as linear_module
 from angelspec.models.linear import PACK_KEY, Linear, is_transposed, prepack_weights, transpose_weights
 
 
-@pytest.fixture(params=["few-rows", "oneDNN"])
+@pytest.fixture(params=["few-rows", "oneDNN", "python"])
 def product(request, monkeypatch):
-    """The kernel every prepacked product of two rows or more takes: the few-rows kernel (its row limit lifted, so
-    each test's products all take it) or oneDNN (the kernel switched off)."""
+    """How every prepacked product is made: the native op's few-rows kernel (its row limit lifted, so each test's
+    products all take it, one row too), the native op with the kernel switched off (oneDNN for two rows or more), or
+    the Python op where the native one is not built (oneDNN for two rows or more)."""
+    if request.param != "python" and few_rows.native_op() is None:
+        pytest.skip(f"the native op is not built here: {few_rows.status()}")
+    if request.param != "few-rows" and linear_module._linear_pointwise is None:
+        pytest.skip("this torch has no oneDNN")
     if request.param == "few-rows":
-        if not few_rows.available():
-            pytest.skip(f"the few-rows kernel is not built here: {few_rows.status()}")
         monkeypatch.setattr(few_rows, "ROWS_PER_THREAD", 1024)
-    else:
-        if linear_module._linear_pointwise is None:
-            pytest.skip("this torch has no oneDNN")
+    elif request.param == "oneDNN":
         monkeypatch.setattr(few_rows, "_enabled", False)
-    return request.param
+    else:
+        monkeypatch.setattr(few_rows, "_ready", False)
+    few_rows._configure()
+    yield request.param
+    monkeypatch.undo()
+    few_rows._configure()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -119,11 +125,10 @@ def _packed_layer(bias: bool = False) -> Linear:
 
 
 def _calls_packed(lin: Linear, x: torch.Tensor) -> bool:
-    """Whether `lin(x)` goes through the prepacked copy (it makes or checks one in `_packs`)."""
-    key = int(lin._buffers[PACK_KEY])
-    linear_module._packs.pop(key, None)
+    """Whether `lin(x)` multiplies by a prepacked copy (it makes one: `linear.copies`)."""
+    linear_module._drop(int(lin._buffers[PACK_KEY]))
     lin(x)
-    return key in linear_module._packs
+    return bool(linear_module.copies(lin))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -134,7 +139,9 @@ def test_a_prepacked_weight_computes_the_same_layer_for_two_rows_or_more(product
     with torch.no_grad():
         assert _calls_packed(lin, x)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-        assert not _calls_packed(lin, torch.randn(1, 256))  # one row keeps the BLAS
+        one = torch.randn(1, 256)  # one row: the kernel's where it runs, else the BLAS
+        assert _calls_packed(lin, one) == (product == "few-rows")
+        torch.testing.assert_close(lin(one), F.linear(one, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert not _calls_packed(lin, torch.randn(4, 256))  # recording gradients: the plain layer
 
 
@@ -189,10 +196,10 @@ def test_a_packed_copy_goes_with_its_layer(product):
     key = int(lin._buffers[PACK_KEY])
     with torch.no_grad():
         lin(torch.randn(3, 256))
-    assert key in linear_module._packs
+    assert linear_module.copies(lin)
     del lin
     gc.collect()
-    assert key not in linear_module._packs
+    assert key not in linear_module._packs and few_rows.copies(key) is None
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -211,12 +218,10 @@ def test_few_row_products_take_the_kernel_and_more_rows_take_onednn():
     if not few_rows.available() or linear_module._linear_pointwise is None:
         pytest.skip("needs both the few-rows kernel and oneDNN")
     lin = _packed_layer()
-    key = int(lin._buffers[PACK_KEY])
     limit = few_rows.max_rows()
     with torch.no_grad():
-        for rows, kernel in ((2, True), (limit, True), (limit + 1, False)):
-            linear_module._packs.pop(key, None)
+        for rows, kernel in ((1, True), (2, True), (limit, True), (limit + 1, False)):
+            linear_module._drop(int(lin._buffers[PACK_KEY]))
             x = torch.randn(rows, 256)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
-            pack = linear_module._packs[key]
-            assert (pack.rows is not None, pack.packed is not None) == (kernel, not kernel), rows
+            assert linear_module.copies(lin) == ({"rows"} if kernel else {"onednn"}), rows

@@ -12,11 +12,12 @@ shape [out, in], its name in `state_dict` and the checkpoint files are the same 
 contiguous copies), so training, loading and exporting never see the difference. Only the inference engine
 transposes, and only on CPU (`decoding.engine.SpecEngine`); GPU GEMMs do not care.
 
-On a CPU the engine also prepacks the large weights (`prepack_weights`): for two rows or more, such a `Linear`
-multiplies by a copy of its weight laid out for few-row products, which on CPUs whose BLAS runs few rows far below
-memory speed costs much less (`benchmarks/gemm_rows.py`): a row-major copy for the few-rows kernel (`few_rows`, up
-to `few_rows.max_rows()` rows, where it is built) and past that a copy reordered for oneDNN. One row (an AR decode
-step at batch 1) keeps the BLAS. The copies are looked up by a per-module key at each call and made again whenever
+On a CPU the engine also prepacks the large weights (`prepack_weights`): such a `Linear` multiplies through a
+native op (`few_rows`: C++, built at first use) that keeps copies of its weight laid out for few-row products, which
+on CPUs whose BLAS runs few rows far below memory speed costs much less (`benchmarks/gemm_rows.py`): a row-major copy
+for the few-rows kernel up to `few_rows.max_rows()` rows (one row included), and past that a copy reordered for
+oneDNN. Where the native op cannot be built, an op written in Python here keeps the oneDNN copies for two rows or
+more, and one row keeps the BLAS. The copies are looked up by a per-module key at each call and made again whenever
 the weight is another tensor or was changed in place, so compiled graphs (which take the weight and the key as
 inputs, never a copy) always multiply by the module's current weight.
 """
@@ -62,8 +63,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         key = self._buffers.get(PACK_KEY)
-        if key is not None and x.is_cpu and not torch.is_grad_enabled() and x.numel() > x.shape[-1]:
-            return _packed_linear_op(x, self.weight, self.bias, key)
+        if key is not None and x.is_cpu and not torch.is_grad_enabled():
+            native = few_rows.native_op()  # (every row count: one row too goes faster through its kernel)
+            if native is not None:
+                return native(x, self.weight, self.bias, key)
+            if x.numel() > x.shape[-1]:
+                return _packed_linear_op(x, self.weight, self.bias, key)
         return linear(x, self.weight, self.bias)
 
 
@@ -100,12 +105,11 @@ def transpose_weights(module: nn.Module) -> int:
     return moved
 
 
-# --- prepacked weights (CPU): the few-rows kernel up to `few_rows.max_rows()` rows, oneDNN past that ---
+# --- prepacked weights (CPU): the native op (`few_rows.native_op`), or oneDNN's copies through the op below ---
 #
-# A prepacked copy pays for itself only where the product is large enough that the packed call's set-up (about
-# 15-20 us here: the custom op's Python side, oneDNN's own) is small beside the GEMM: on the embedded target the
-# fused QKV, gate-up, down projections and the LM head qualify, the 256 x 256 output projection does not
-# (`benchmarks/gemm_rows.py`). Every weight of a real model does.
+# A prepacked copy pays for itself only where the product is large enough that the packed call's set-up is small
+# beside the GEMM: on the embedded target the fused QKV, gate-up, down projections and the LM head qualify, the
+# 256 x 256 output projection does not (`benchmarks/gemm_rows.py`). Every weight of a real model does.
 PACK_MIN_ELEMENTS = 2**17
 PACK_ROWS = 8  # the row count oneDNN's layout is chosen for; the same copy serves any count from 2 up
 PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (not in state_dict)
@@ -113,22 +117,22 @@ PACK_KEY = "prepack_key"  # the non-persistent buffer a packed Linear carries (n
 
 @dataclass
 class _Pack:
-    """One module's prepacked copies and what they were made from. `source` is held, so its memory cannot be reused
-    by another tensor while a copy lives: the same data pointer, shape, strides and version counter then mean the same
-    values (`_packed_linear` compares them inline: it runs for every packed layer of every forward)."""
+    """One module's oneDNN copy and what it was made from (the Python op's; the native op keeps its own). `source` is
+    held, so its memory cannot be reused by another tensor while a copy lives: the same data pointer, shape, strides
+    and version counter then mean the same values (`_packed_linear` compares them inline: it runs for every packed
+    layer of every forward)."""
 
     source: Tensor
     ptr: int
     version: int
     shape: torch.Size
     stride: tuple[int, ...]
-    packed: Tensor | None = None  # oneDNN's reordered copy, made at the first product past `few_rows.max_rows()`
-    rows: Tensor | None = None  # a row-major copy for `few_rows.linear`, made at the first product it takes
+    packed: Tensor | None = None  # oneDNN's reordered copy, made at the first product
 
 
 _packs: dict[int, _Pack] = {}
 _keys = itertools.count()
-# (None in a torch built without oneDNN: products past the few-rows kernel then take `linear`)
+# (None in a torch built without oneDNN: the Python op then takes `linear`)
 _linear_pointwise = (getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
                      if torch.backends.mkldnn.is_available() else None)
 
@@ -140,6 +144,8 @@ def _packable(weight: Tensor) -> bool:
 
 
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) -> Tensor:
+    """The prepacked product where the native op is not built: oneDNN's copy (`kernels/packed_op.cpp` does the same,
+    with the few-rows kernel in front)."""
     pack = _packs.get(k := key.item())
     if (pack is None or weight.data_ptr() != pack.ptr or weight.is_inference() or weight._version != pack.version
             or weight.shape != pack.shape or weight.stride() != pack.stride):
@@ -147,17 +153,27 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
         pack = _packs[k] = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride())
-    if x.dtype != torch.float32:  # (the copies are fp32: another input dtype gets `F.linear`'s own answer)
-        return linear(x, weight, bias)
-    if x.numel() <= few_rows.max_rows() * x.shape[-1]:
-        if pack.rows is None:
-            pack.rows = pack.source.contiguous()
-        return few_rows.linear(x, pack.rows, bias)
-    if _linear_pointwise is None:
-        return linear(x, weight, bias)
+    if x.dtype != torch.float32 or _linear_pointwise is None:  # (the copy is fp32: another dtype gets F.linear's own
+        return linear(x, weight, bias)                       # answer)
     if pack.packed is None:
         pack.packed = torch.ops.mkldnn._reorder_linear_weight(pack.source.contiguous(), PACK_ROWS)
     return _linear_pointwise(x, pack.packed, bias, "none", [], "")
+
+
+def copies(module: nn.Module) -> set[str] | None:
+    """Which copies a packed `Linear` holds now ({"rows", "onednn"} or a part; None: none made, or not packed)."""
+    key = module._buffers.get(PACK_KEY)
+    if key is None:
+        return None
+    if few_rows.native_op() is not None:
+        return few_rows.copies(int(key))
+    pack = _packs.get(int(key))
+    return None if pack is None else ({"onednn"} if pack.packed is not None else set())
+
+
+def _drop(key: int) -> None:
+    _packs.pop(key, None)
+    few_rows.drop(key)
 
 
 _library = torch.library.Library("angelspec", "FRAGMENT")
@@ -174,9 +190,9 @@ def _packed_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, key: Te
 
 
 def prepack_available() -> bool:
-    """Whether prepacked copies can serve here: this torch has oneDNN's prepacked product, or the few-rows kernel
-    built (`few_rows.available`; built by this call at its first use)."""
-    return _linear_pointwise is not None or few_rows.available()
+    """Whether prepacked copies can serve here: the native op built (`few_rows.available`; built by this call at its
+    first use), or this torch has oneDNN's prepacked product."""
+    return few_rows.available() or few_rows.native_op() is not None or _linear_pointwise is not None
 
 
 @torch.no_grad()
@@ -186,8 +202,8 @@ def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
     afterwards. Idempotent, but existing copies are dropped and made again at the next call, so every engine starts
     from the weights as they are (even where they were written through `.data`, which no version counter records).
     Inference only: a `Linear` uses its copies only while no gradient is recorded. Each copy costs the weight's
-    memory once more: the row-major one is made at the first product of two rows up to `few_rows.max_rows()`, the
-    oneDNN one at the first of more rows."""
+    memory once more: the row-major one is made at the first product up to `few_rows.max_rows()` rows, the oneDNN
+    one at the first of more rows."""
     packed = 0
     for m in module.modules():
         if not isinstance(m, Linear):
@@ -198,13 +214,13 @@ def prepack_weights(module: nn.Module, enabled: bool = True) -> int:
         if key is not None:
             # a kept key's copy is made again at the next call, from the weight as it is now: values written
             # through `.data` (which the version counter does not see) count from here on
-            _packs.pop(int(key), None)
+            _drop(int(key))
             if not want:
                 del m._buffers[PACK_KEY]
         elif want:
             k = next(_keys)
             m.register_buffer(PACK_KEY, torch.tensor(k), persistent=False)
-            weakref.finalize(m, _packs.pop, k, None)
+            weakref.finalize(m, _drop, k)
         packed += want
     return packed
 
