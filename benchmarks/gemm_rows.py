@@ -11,9 +11,9 @@ M = 1..16 (a verify over K + 1 positions at batch 1 has M = K + 1; a decode step
     oneDNN    weights prepacked once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight` laid out for M rows, then
               `_linear_pointwise`), every weight: what the engine's prepacked layers call past the few-rows
               kernel's row limit (`models.linear.prepack_weights`, whose copies are laid out for 8 rows whatever M
-              is, and which also pay a custom op's call and a check per product)
-    kernel    the few-rows kernel (`models.few_rows`) on row-major copies: what the prepacked layers call from two
-              rows up to `few_rows.max_rows()` (printed); absent where it is not built
+              is, and which also pay the native op's call and a check per product)
+    kernel    the few-rows kernel (`models.few_rows`, its native op) on row-major copies: what the prepacked
+              layers call from one row up to `few_rows.max_rows()` (printed); absent where it is not built
 
 Rounds interleave the ways and row counts; each cell is the median over --repeats rounds of the mean over --iters
 passes, in ms per pass, and "/ x1" is a cell over the engine's one-row pass. A GEMM bound by reading the weights
