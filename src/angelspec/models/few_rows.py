@@ -35,6 +35,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def _build(compiler: str, openmp: bool) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"angelspec: building the native CPU op for this torch (once, about 15 s) into {out.parent}",
+          file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         run = subprocess.run([compiler, *flags, "-o", str(part), str(SOURCES[0]), *link], capture_output=True,
