@@ -153,8 +153,8 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, key: Tensor) 
             return linear(x, weight, bias)
         w = weight.detach()  # shares the version counter
         pack = _packs[k] = _Pack(w, w.data_ptr(), w._version, w.shape, w.stride())
-    if x.dtype != torch.float32 or _linear_pointwise is None:  # (the copy is fp32: another dtype gets F.linear's own
-        return linear(x, weight, bias)                       # answer)
+    if x.dtype != torch.float32 or _linear_pointwise is None:  # (another dtype than the fp32 copy's: F.linear's error)
+        return linear(x, weight, bias)
     if pack.packed is None:
         pack.packed = torch.ops.mkldnn._reorder_linear_weight(pack.source.contiguous(), PACK_ROWS)
     return _linear_pointwise(x, pack.packed, bias, "none", [], "")
