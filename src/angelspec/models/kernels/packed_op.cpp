@@ -88,7 +88,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
                          const at::Tensor& key) {
   static const c10::OperatorHandle* reorder = onednn_op("mkldnn::_reorder_linear_weight");
   static const c10::OperatorHandle* pointwise = onednn_op("mkldnn::_linear_pointwise");
-  const int64_t id = key.item<int64_t>();
+  // (the key a module carries is a CPU int64 scalar: read it directly, not through a dispatched item())
+  const int64_t id = key.scalar_type() == at::kLong && key.is_cpu() && key.numel() == 1
+                         ? *key.const_data_ptr<int64_t>() : key.item<int64_t>();
   at::Tensor rows, packed;
   {
     std::lock_guard<std::mutex> guard(registry_lock);
