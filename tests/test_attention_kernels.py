@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from angelspec.models import Decoder, DecoderConfig
+from angelspec.models import Decoder, DecoderConfig, few_rows
 from angelspec.models.attention import (
     AttentionPlan,
     document_first_index,
@@ -44,9 +44,10 @@ def _packed_case(B: int = 2, T: int = 300, device: str = "cpu") -> tuple[torch.T
 
 
 def test_backend_names_and_auto() -> None:
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"
+    cpu = "native" if few_rows.attention_op() is not None else "sdpa"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == cpu
     assert resolve_attention_backend("auto", torch.device("cuda")) == "flex"
-    with pytest.raises(ValueError, match="attention backend must be one of auto, sdpa, flex, expand"):
+    with pytest.raises(ValueError, match="attention backend must be one of auto, sdpa, native, flex, expand"):
         resolve_attention_backend("flash", torch.device("cpu"))
     model = _decoder()
     set_attention_backend(model, "expand")

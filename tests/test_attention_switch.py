@@ -10,7 +10,7 @@ import torch
 from conftest import assert_bad_input, run_cli, write_conversations
 
 from angelspec.errors import UsageError
-from angelspec.models import Decoder, DecoderConfig
+from angelspec.models import Decoder, DecoderConfig, few_rows
 from angelspec.models.attention import (
     cache_span,
     compiled_flex_attention,
@@ -42,14 +42,15 @@ def test_placement_carries_the_attention_and_auto_follows_it(default_backend) ->
     where = resolve_placement("cpu", "float32", "flex")
     assert where.attention == "flex" and resolve_placement("cpu").attention == "auto"
     model = _decoder()
-    assert resolve_attention_backend(model.attn_backend, torch.device("cpu")) == "sdpa"
+    cpu = "native" if few_rows.attention_op() is not None else "sdpa"
+    assert resolve_attention_backend(model.attn_backend, torch.device("cpu")) == cpu
     where.use_attention()  # what every command does before it loads a model
     assert resolve_attention_backend(model.attn_backend, torch.device("cpu")) == "flex"
     set_attention_backend(model, "expand")  # a module's own choice wins over the default
     assert resolve_attention_backend(model.attn_backend, torch.device("cpu")) == "expand"
     resolve_placement("cpu", attention="auto").use_attention()
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"
-    with pytest.raises(UsageError, match="attention 'flash' is not a backend; use one of auto, sdpa, flex, expand"):
+    assert resolve_attention_backend("auto", torch.device("cpu")) == cpu
+    with pytest.raises(UsageError, match="attention 'flash' is not a backend; use one of auto, sdpa, native, flex"):
         resolve_placement("cpu", attention="flash")
 
 
@@ -58,7 +59,7 @@ def test_a_misspelt_attention_flag_is_one_line(capsys, tmp_path, tiny_target_dir
     prompts.write_text('{"prompt": "hi"}\n')
     code, _, err = run_cli(capsys, "generate", "--prompts", prompts, "--out", tmp_path / "out.jsonl",
                            "--target", tiny_target_dir, "--attention", "flash")
-    assert_bad_input(code, err, "attention 'flash'", "auto, sdpa, flex, expand")
+    assert_bad_input(code, err, "attention 'flash'", "auto, sdpa, native, flex, expand")
     assert not (tmp_path / "out.jsonl").exists()
 
 

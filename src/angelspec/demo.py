@@ -492,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 "
                              "elsewhere)")
     parser.add_argument("--attention", default=None, metavar="KERNEL",
-                        help="attention kernels: auto, sdpa, flex or expand (default auto: FlexAttention on a GPU, "
-                             "SDPA with masks elsewhere)")
+                        help="attention kernels: auto, sdpa, native, flex or expand (default auto: FlexAttention on a "
+                             "GPU, our native kernel for decode and verify steps on a CPU)")
     args = parser.parse_args(argv)
     for flag, value in (("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):

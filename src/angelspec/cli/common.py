@@ -54,8 +54,8 @@ __all__ = ["DRAFTER_SPECS", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_NOT_LOSS
            "warn"]
 
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: cuda:0 where torch sees a GPU, else cpu)"
-ATTENTION_HELP = ("attention kernels: auto, sdpa, flex or expand (default auto: FlexAttention on a GPU, SDPA with "
-                  "masks elsewhere; docs/devices.md)")
+ATTENTION_HELP = ("attention kernels: auto, sdpa, native, flex or expand (default auto: FlexAttention on a GPU, our "
+                  "native kernel for decode and verify steps on a CPU; docs/devices.md)")
 DTYPE_HELP = "float32, bfloat16 or float16 of the target (default: bfloat16 on a GPU, float32 elsewhere)"
 
 

@@ -219,16 +219,22 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
 #
 #   sdpa    today's kernels: SDPA under a boolean [B, 1, T, S] mask for cached calls and document-masked
 #           forwards, the tiled kernel above for the prefix patterns of training
+#   native  cached calls (a decode or verify step: at most `NATIVE_MAX_NEW` new positions a row, fp32, on a CPU
+#           where the native library is built: `models.few_rows`) through our kernel (`kernels/cached_attention.c`):
+#           each row read only up to its own last slot, each kv head once for its query group, no mask; every
+#           other call as sdpa
 #   flex    FlexAttention (compiled) under a block mask built from per-row lengths / document ids: no dense
 #           mask, no [T, S] scores, GQA native, empty tiles skipped; cached calls attend over the whole
 #           capacity (static shapes), the block mask skips what no row reaches. Its backward needs a GPU.
 #   expand  cached calls repeat the kv heads (K/V [B, H, S, Dh]) and pass the mask to SDPA: without
 #           enable_gqa a fused memory-efficient kernel takes an arbitrary mask on CUDA
-#   auto    flex on CUDA; sdpa elsewhere (on a CPU the mask path is the fastest measured)
+#   auto    flex on CUDA; native on a CPU where the native library is built, else sdpa (on a CPU the fastest
+#           measured: `benchmarks/cached_attention.py`)
 # A fresh prefill (every row empty, known on the host from kv_len <= T) runs SDPA with is_causal under
 # every backend but flex: flash kernels take that without a mask.
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "expand")
+ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flex", "expand")
+NATIVE_MAX_NEW = 64  # the most new positions a row of a cached call the native kernel takes (past that: sdpa)
 FLEX_BLOCK = 128  # FlexAttention's tile (queries and keys)
 
 
@@ -257,8 +263,17 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = _default_backend
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        if device.type == "cuda":
+            return "flex"
+        return "native" if device.type == "cpu" and _native_attention() is not None else "sdpa"
     return backend
+
+
+def _native_attention():
+    """The native cached-attention op where its library is built (`models.few_rows`), else None."""
+    from angelspec.models import few_rows
+
+    return few_rows.attention_op()
 
 
 def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
@@ -392,13 +407,15 @@ def flex_prefix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, *, lse: b
 class AttentionPlan:
     """How one forward's queries see their keys, built once per forward and handed to every layer (in place of
     the boolean mask): `kind` is "causal" (SDPA is_causal), "mask" (SDPA under `mask`), "expand" (the same with
-    the kv heads repeated) or "flex" (FlexAttention under `block_mask`); `kv_len` slices a cache's slots (None:
-    the keys as given)."""
+    the kv heads repeated), "flex" (FlexAttention under `block_mask`) or "rows" (the native kernel: query t of row b
+    sees slots <= `start[b]` + t; SDPA under that mask where the kernel cannot take the call); `kv_len` slices a
+    cache's slots (None: the keys as given)."""
 
     kind: str
     kv_len: int | None = None
     mask: Tensor | None = None  # [B, 1, T, S] bool (True = attend)
     block_mask: object | None = None  # a FlexAttention BlockMask
+    start: Tensor | None = None  # "rows": each row's first new slot [B]
 
     @classmethod
     def cached(cls, start: Tensor, T: int, kv_len: int, capacity: int, backend: str, fresh: bool) -> AttentionPlan:
@@ -408,12 +425,12 @@ class AttentionPlan:
         kind = resolve_attention_backend(backend, start.device)
         if fresh:
             return cls("causal", kv_len)
-        slots = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
         if kind == "flex":
+            slots = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
             return cls("flex", capacity, block_mask=prefix_block_mask(slots, capacity, batch=start.shape[0]))
-        key_pos = torch.arange(kv_len, device=start.device)
-        mask = (key_pos[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]
-        return cls("mask" if kind == "sdpa" else kind, kv_len, mask=mask)
+        if kind == "native" and T <= NATIVE_MAX_NEW and start.device.type == "cpu":
+            return cls("rows", kv_len, start=start)
+        return cls("mask" if kind in ("sdpa", "native") else kind, kv_len, mask=_cached_mask(start, T, kv_len))
 
     @classmethod
     def documents(cls, document_ids: Tensor | None, backend: str) -> AttentionPlan:
@@ -422,6 +439,8 @@ class AttentionPlan:
             return cls("causal")
         kind = resolve_attention_backend(backend, document_ids.device)
         T = document_ids.shape[1]
+        if kind == "native":
+            kind = "sdpa"
         if kind == "flex":
             q_last = torch.arange(T, device=document_ids.device)[None]
             first = document_first_index(document_ids)
@@ -438,8 +457,24 @@ class AttentionPlan:
         gqa = grouped_query(q, k)
         if self.kind == "flex":
             return flex_prefix_attention(q, k, v, self.block_mask)  # type: ignore[return-value]
+        mask = self.mask
+        if self.kind == "rows":
+            assert self.start is not None
+            op = _native_attention()
+            # (the kernel has no backward: a call that needs gradients takes SDPA)
+            grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            if op is not None and not grads and q.dtype == k.dtype == v.dtype == torch.float32:
+                return op(q, k, v, self.start, q.shape[-1] ** -0.5)
+            mask = _cached_mask(self.start, q.shape[2], k.shape[2])
         if self.kind == "expand" and gqa:
             g = q.shape[1] // k.shape[1]
             k, v, gqa = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.kind == "causal",
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.kind == "causal",
                                               enable_gqa=gqa)
+
+
+def _cached_mask(start: Tensor, T: int, kv_len: int) -> Tensor:
+    """[B, 1, T, kv_len] bool: query t of row b sees slots <= start[b] + t."""
+    slots = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+    key_pos = torch.arange(kv_len, device=start.device)
+    return (key_pos[None, None, :] <= slots[:, :, None])[:, None]

@@ -100,7 +100,8 @@ class Placement:
 def resolve_placement(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                       attention: str | None = None) -> Placement:
     """`--device`, `--dtype` and `--attention` (None = the defaults of `resolve_device` / `resolve_dtype`, and
-    "auto": FlexAttention on a GPU, SDPA elsewhere) -> a `Placement`. An unknown attention name is a UsageError."""
+    "auto": FlexAttention on a GPU, the native kernel or SDPA elsewhere) -> a `Placement`. An unknown attention name
+    is a UsageError."""
     from angelspec.models.attention import ATTENTION_BACKENDS
 
     dev = resolve_device(device)
@@ -108,7 +109,7 @@ def resolve_placement(device: str | torch.device | None = None, dtype: str | tor
         attention = "auto"
     if attention not in ATTENTION_BACKENDS:
         raise UsageError(f"attention {attention!r} is not a backend; use one of {', '.join(ATTENTION_BACKENDS)} "
-                         "(auto: FlexAttention on a GPU, SDPA elsewhere)")
+                         "(auto: FlexAttention on a GPU, the native kernel or SDPA elsewhere)")
     return Placement(dev, resolve_dtype(dtype, dev), attention)
 
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "packed_op.cpp", KERNELS / "few_rows.c")
+SOURCES = (KERNELS / "packed_op.cpp", KERNELS / "few_rows.c", KERNELS / "cached_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17", "-w")
 ROWS_PER_THREAD = 6  # the kernel beats oneDNN's prepacked product up to about this many rows per thread
 _CAPABLE = ("AVX2", "AVX512")  # torch's CPU capability names of x86 CPUs with AVX2 and FMA
@@ -126,6 +126,7 @@ def _load() -> None:
         if _loaded is None:
             torch.library.register_fake("angelspec_native::packed_linear")(_product_shape)
             torch.library.register_fake("angelspec_native::few_rows_linear")(_product_shape)
+            torch.library.register_fake("angelspec_native::cached_attention")(_attention_shape)
             _loaded, _threaded = path, bool(torch.ops.angelspec_native.threaded())
             _op = torch.ops.angelspec_native.packed_linear.default
         _ready = True
@@ -137,6 +138,11 @@ def _load() -> None:
 
 def _product_shape(x: Tensor, weight: Tensor, bias: Tensor | None = None, key: Tensor | None = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _attention_shape(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:
+    B, H, T, D = q.shape
+    return q.new_empty((B, T, H, D)).transpose(1, 2)
 
 
 def _configure() -> None:
@@ -155,6 +161,15 @@ def native_op() -> torch._ops.OpOverload | None:
     """The native prepacked product (`angelspec_native::packed_linear`) where the library is loaded, else None. It
     never builds: `available()` does, which every prepacking calls first (`models.linear.prepack_available`)."""
     return _op if _ready and _native_on else None
+
+
+def attention_op() -> torch._ops.OpOverload | None:
+    """The native cached attention (`angelspec_native::cached_attention`, `kernels/cached_attention.c`: q [B, H, T, D],
+    k / v [B, Hkv, S, D] fp32, start [B] int64, scale -> [B, H, T, D]) where the library is built (building it at the
+    first call), else None. `set_enabled` does not switch it: the attention backend does (`models.attention`)."""
+    if _status is None:
+        _load()
+    return torch.ops.angelspec_native.cached_attention.default if _ready else None
 
 
 def status() -> str:

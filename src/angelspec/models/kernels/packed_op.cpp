@@ -23,6 +23,7 @@
 #include <vector>
 
 extern "C" {
+#include "cached_attention.c"
 #include "few_rows.c"
 }
 
@@ -137,6 +138,39 @@ at::Tensor few_rows_op(const at::Tensor& x, const at::Tensor& weight, const std:
   return kernel_linear(x, weight, bias);
 }
 
+// Attention of q's new positions over a KV cache (cached_attention.c): q [B, H, T, D], k / v [B, Hkv, S, D] (the
+// cache's buffers, or their first S slots: the slots that may be read), start [B] int64 (each row's first new slot).
+// Returns [B, H, T, D], a transposed view of a contiguous [B, T, H, D] (what the output projection reads as
+// [B, T, H * D] without a copy).
+at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "cached_attention needs fp32 q [B, H, T, D] and k, v [B, Hkv, S, D]");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0,
+              "cached_attention: k and v must be [B, Hkv, S, D] with H a multiple of Hkv, got q ", q.sizes(), ", k ",
+              k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(start.dim() == 1 && start.size(0) == B && start.scalar_type() == at::kLong,
+              "cached_attention: start must be an int64 [B] tensor");
+  const int64_t kv_len = k.size(2);
+  TORCH_CHECK(kv_len >= 1, "cached_attention: no slots to attend over");
+  at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  at::Tensor kc = k, vc = v;
+  if (k.stride(3) != 1 || v.strides() != k.strides()) {
+    kc = k.contiguous();
+    vc = v.contiguous();
+  }
+  at::Tensor sc = start.contiguous();
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  const int failed = cached_attention(qc.const_data_ptr<float>(), B, H, T, D, qc.stride(0), qc.stride(1), qc.stride(2),
+                                      kc.const_data_ptr<float>(), vc.const_data_ptr<float>(), Hkv, kc.stride(0),
+                                      kc.stride(1), kc.stride(2), sc.const_data_ptr<int64_t>(), kv_len,
+                                      static_cast<float>(scale), out.data_ptr<float>(), kernel_threads());
+  TORCH_CHECK(failed == 0, "cached_attention: out of memory for its work buffers");
+  return out.transpose(1, 2);
+}
+
 void configure(int64_t per_thread) { rows_per_thread = per_thread; }
 
 void drop_pack(int64_t id) {
@@ -165,6 +199,7 @@ int64_t threaded() {
 TORCH_LIBRARY(angelspec_native, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor");
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale) -> Tensor");
   m.def("configure(int rows_per_thread) -> ()", &configure);
   m.def("drop_pack(int key) -> ()", &drop_pack);
   m.def("pack_copies(int key) -> int", &pack_copies);
@@ -174,4 +209,5 @@ TORCH_LIBRARY(angelspec_native, m) {
 TORCH_LIBRARY_IMPL(angelspec_native, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("few_rows_linear", &few_rows_op);
+  m.impl("cached_attention", &cached_attention_op);
 }
