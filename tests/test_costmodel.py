@@ -33,6 +33,7 @@ from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.scheduler import prefix_schedule
 from angelspec.eval.cost_profile import SpreadDepth, load_or_profile, profile_costs, token_grid
 from angelspec.models import few_rows, load_target
+from angelspec.models.attention import set_attention_backend
 
 KEY = CostKey(model="m" * 16, drafter="draft-lm:abc", num_draft_tokens=3, dtype="float32", torch_version="2.x",
               machine="host|cpu|2 cores|1 threads")
@@ -114,7 +115,13 @@ def test_keys_name_model_drafter_dtype_and_machine(target) -> None:
     assert key.model == target.config.fingerprint() and key.drafter == "ngram" and key.dtype == "float32"
     assert key.torch_version == torch.__version__ and key.machine == machine_id("cpu")
     assert f"{torch.get_num_threads()} threads" in key.machine
-    assert key.kernels == few_rows.identity()  # the CPU product kernel the engine's steps take
+    native = few_rows.attention_op() is not None  # "auto" on a CPU: the native attention where it is built
+    assert key.kernels == "|".join(p for p in (few_rows.identity(), "attention:native" if native else "") if p)
+    set_attention_backend(target, "sdpa")  # another attention, another table
+    try:
+        assert cost_key(target, NGramDrafter(), 3).kernels == few_rows.identity()
+    finally:
+        set_attention_backend(target, "auto")
     assert default_table_path(key).name.startswith(key.model)
     assert default_table_path(key) != default_table_path(replace(key, machine="elsewhere"))
 

@@ -39,6 +39,7 @@ from angelspec.decoding.drafters.draft_lm import DraftLMDrafter
 from angelspec.decoding.drafters.families import family_of
 from angelspec.fileio import write_json_atomic
 from angelspec.models import few_rows
+from angelspec.models.attention import resolve_attention_backend
 from angelspec.models.decoder import Decoder
 
 DEFAULT_COST_DIR = Path(".cache/angelspec-costs")
@@ -70,8 +71,8 @@ class CostKey:
     torch_version: str
     machine: str  # see machine_id
     compiled: bool = False  # measured with the engine's torch.compile on (a compiled step costs far less)
-    # the CPU product kernel the engine's prepacked layers call for few rows (`models.few_rows.identity`: its
-    # build, so a changed kernel is measured again); "" where none is used (a GPU, no compiler)
+    # the CPU kernels a step runs (`cpu_kernels`): the few-rows product's build (`models.few_rows.identity`, so a
+    # changed kernel is measured again) and the attention when it is not SDPA's; "" where none is used (a GPU)
     kernels: str = ""
 
     def differences(self, other: CostKey) -> list[str]:
@@ -125,7 +126,15 @@ def cost_key(target: Decoder, drafter: Drafter, num_draft_tokens: int, machine: 
     return CostKey(model=target.config.fingerprint(), drafter=drafter_id(drafter), num_draft_tokens=num_draft_tokens,
                    dtype=str(weight.dtype).removeprefix("torch."), torch_version=torch.__version__,
                    machine=machine if machine is not None else machine_id(weight.device), compiled=compiled,
-                   kernels=few_rows.identity() if weight.device.type == "cpu" else "")
+                   kernels=cpu_kernels(target) if weight.device.type == "cpu" else "")
+
+
+def cpu_kernels(target: Decoder) -> str:
+    """`CostKey.kernels` of a CPU target: "few-rows:<build>" while the product kernel is in use, joined by "|" with
+    "attention:<backend>" where the target's cached attention is not SDPA's (`models.attention`)."""
+    attention = resolve_attention_backend(target.attn_backend, target.embed_tokens.weight.device)
+    parts = [few_rows.identity(), "" if attention == "sdpa" else f"attention:{attention}"]
+    return "|".join(p for p in parts if p)
 
 
 def default_table_path(key: CostKey, cache_dir: Path = DEFAULT_COST_DIR) -> Path:
