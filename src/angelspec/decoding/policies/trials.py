@@ -24,9 +24,13 @@ The rule, per cache size (an engine's rows; what one size measured is kept for t
               step where no lookup step may run whatever the arm (a sampled row: `ServingGate.greedy`) drops the
               epoch in progress (`pause`)
     order     a new size runs one off epoch, then one on epoch (a trial), then the winner: on iff
-              rate_on > (1 + margin) * rate_off. The winner runs `gap` epochs (1, doubled up to `max_gap` by each
-              plain trial that leaves the state as it was, back to 1 when one changes it), then the other arm gets a
-              trial epoch. After an on trial that lost the next waits `max_gap`: such a trial costs more than its
+              rate_on > (1 + margin) * rate_off in `confirm` (2) on trials in a row, each after an off epoch of its
+              own (a trial puts the rows out of step, so the next one waits for the next run): epoch rates on a
+              shared 2-core CPU drift by more than the margin (AR's own runs moved up to 1.3x inside one
+              `angelspec bench` point), and one trial that won by drift let lookup steps in at four rows that then
+              ran 0.89x AR end to end. An off trial that loses turns them off at once. The winner runs `gap` epochs
+              (1, doubled up to `max_gap` by each plain trial that leaves the state as it was, back to 1 when one
+              changes it), then the other arm gets a trial epoch. After an on trial that lost the next waits `max_gap`: such a trial costs more than its
               epoch (below), where a plain one costs what plain decoding does. A size larger than one where lookup
               steps lost waits as long before its first trial: a larger batch verifies at a higher cost (it is nearer
               compute-bound) and pays more for rows out of step (in `angelspec bench` n-gram lookup's speed-up fell
@@ -63,6 +67,7 @@ class _Size:
     epochs: list[int] = field(default_factory=lambda: [0, 0])  # epochs measured per arm
     run: int = 0  # epochs of the state since the last trial or switch
     gap: int = 1  # epochs of the state before the next trial
+    wins: int = 0  # on trials won in a row while off (`LookupTrials.confirm`)
 
     def rate(self, arm: bool) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
@@ -71,11 +76,13 @@ class _Size:
 @dataclass
 class LookupTrials:
     """Lookup steps on or off per cache size, from timed epochs of each (module docstring). epoch_steps: steps of an
-    epoch; margin: how much more an on epoch must commit per second; max_gap: the most epochs of the state between
-    trials; decay: per-epoch weight of the history in the arms' sums; clock: seconds (a test's fake one)."""
+    epoch; margin: how much more an on epoch must commit per second; confirm: on trials that must win in a row, each
+    after a plain epoch of its own, before lookup steps run; max_gap: the most epochs of the state between trials;
+    decay: per-epoch weight of the history in the arms' sums; clock: seconds (a test's fake one)."""
 
     epoch_steps: int = 128
     margin: float = 0.1
+    confirm: int = 2
     max_gap: int = 16
     decay: float = 0.7
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
@@ -89,9 +96,11 @@ class LookupTrials:
     _tokens: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.epoch_steps < 1 or self.max_gap < 1 or self.margin < 0.0 or not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"LookupTrials needs epoch_steps >= 1, max_gap >= 1, margin >= 0 and decay in [0, 1); "
-                             f"got {self.epoch_steps}, {self.max_gap}, {self.margin}, {self.decay}")
+        if (self.epoch_steps < 1 or self.max_gap < 1 or self.confirm < 1 or self.margin < 0.0
+                or not 0.0 <= self.decay < 1.0):
+            raise ValueError(f"LookupTrials needs epoch_steps >= 1, max_gap >= 1, confirm >= 1, margin >= 0 and decay "
+                             f"in [0, 1); got {self.epoch_steps}, {self.max_gap}, {self.confirm}, {self.margin}, "
+                             f"{self.decay}")
 
     def reset(self) -> None:
         """Forget every measurement."""
@@ -135,7 +144,7 @@ class LookupTrials:
         s = self._sizes.get(self._rows)
         if s is None:
             s = self._sizes[self._rows] = _Size()
-            if any(rows < self._rows and t.epochs[True] and not t.on for rows, t in self._sizes.items()):
+            if any(rows < self._rows and t.epochs[True] and not t.on and not t.wins for rows, t in self._sizes.items()):
                 s.gap = self.max_gap  # lookup steps lost at a smaller batch: the first trial waits too
         return s
 
@@ -158,6 +167,12 @@ class LookupTrials:
             s.run += 1
             return
         won = s.rate(True) > (1.0 + self.margin) * s.rate(False)
+        if won and not s.on:  # an on trial won: lookup steps run once `confirm` have in a row
+            s.wins += 1
+            if s.wins < self.confirm:
+                s.gap, s.run = 1, 0  # the next trial follows the next plain epoch measured (in step: the next run)
+                return
+        s.wins = 0
         if won != s.on:
             s.gap = 1
         elif not won:  # an on trial lost: it cost the rest of its run too
