@@ -87,6 +87,10 @@ class NGramDrafter(Drafter):
         self._device = torch.device("cpu")
         self._hist: list[list[int]] = []
         self._index: list[dict[tuple[int, ...], int]] = []  # per row; keys of every n share one dict
+        # per row, the history positions the index holds (`_indexed`): commits only append to the history, and a
+        # row's index catches up when it is looked up, so steps that look nothing up (a gate that keeps lookup steps
+        # off at a large batch) pay one list append a row
+        self._upto: list[int] = []
         self._matched: list[int] = []  # per row, the match length behind its last proposal (0: none)
         # Cost profiling (`full_depth`): rows that matched nothing propose K copies of their last token
         # (confidence 0), so every step verifies as many positions as the profile asks for.
@@ -96,22 +100,28 @@ class NGramDrafter(Drafter):
         self._device = device
         self._hist = [[] for _ in range(batch_size)]
         self._index = [{} for _ in range(batch_size)]
+        self._upto = [0] * batch_size
         self._matched = [0] * batch_size
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
         for r, prompt, first in zip(rows, prompts, first_tokens, strict=True):
-            self._hist[r], self._index[r] = [], {}
+            self._hist[r], self._index[r], self._upto[r] = [], {}, 0
             self._extend(r, [*prompt, first])
 
     def _extend(self, r: int, tokens: Sequence[int]) -> None:
+        self._hist[r].extend(tokens)
+
+    def _indexed(self, r: int) -> tuple[list[int], dict[tuple[int, ...], int]]:
+        """Row r's history and its index, brought up to the history's end (positions in order, so a later occurrence
+        of an n-gram replaces an earlier one: the index says where each n-gram last occurred)."""
         h, index = self._hist[r], self._index[r]
         lo, hi = self.min_ngram, self.max_ngram
-        for t in tokens:
-            i = len(h)  # position of t: every n-gram ending at i-1 is now followed by position i
-            h.append(t)
+        for i in range(self._upto[r], len(h)):  # position i: every n-gram ending at i-1 is followed by position i
             for n in range(lo, min(hi, i) + 1):
                 index[tuple(h[i - n: i])] = i
+        self._upto[r] = len(h)
+        return h, index
 
     def full_depth(self) -> AbstractContextManager[None]:
         """Rows without a match draft K padding tokens inside (`Drafter.full_depth`)."""
@@ -124,7 +134,7 @@ class NGramDrafter(Drafter):
     def match(self, r: int, k: int) -> tuple[int, list[int]]:
         """(n, drafts): the longest n-gram of row r's history tail that occurred before (0 when none) and the k
         tokens that followed its most recent occurrence ([] when none). A longer match is usually a surer draft."""
-        h, index = self._hist[r], self._index[r]
+        h, index = self._indexed(r)
         length = len(h)
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             j = index.get(tuple(h[length - n:]))
@@ -187,7 +197,7 @@ class NGramDrafter(Drafter):
 
     def reset_rows(self, rows: Sequence[int]) -> None:
         for r in rows:
-            self._hist[r], self._index[r] = [], {}
+            self._hist[r], self._index[r], self._upto[r] = [], {}, 0
             self._matched[r] = 0
 
 
