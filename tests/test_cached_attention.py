@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_kernels import _decoder
 
-from angelspec.models import Decoder, DecoderConfig, few_rows
+from angelspec.models import few_rows
 from angelspec.models.attention import AttentionPlan, resolve_attention_backend, set_attention_backend
 from angelspec.models.decoder import CacheInputs
 
@@ -87,15 +88,6 @@ def test_bad_inputs_get_a_clear_error():
         op(q, k[:, :1].expand(2, 3, 10, 16), v[:, :1].expand(2, 3, 10, 16), start, 0.25)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k, v, start.int(), 0.25)
-
-
-def _decoder() -> Decoder:
-    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Decoder(cfg)
-    model.init_weights(std=0.3)
-    return model.eval()
 
 
 @needs_kernel

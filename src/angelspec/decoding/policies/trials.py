@@ -30,11 +30,12 @@ The rule, per cache size (an engine's rows; what one size measured is kept for t
               `angelspec bench` point), and one trial that won by drift let lookup steps in at four rows that then
               ran 0.89x AR end to end. An off trial that loses turns them off at once. The winner runs `gap` epochs
               (1, doubled up to `max_gap` by each plain trial that leaves the state as it was, back to 1 when one
-              changes it), then the other arm gets a trial epoch. After an on trial that lost the next waits `max_gap`: such a trial costs more than its
-              epoch (below), where a plain one costs what plain decoding does. A size larger than one where lookup
-              steps lost waits as long before its first trial: a larger batch verifies at a higher cost (it is nearer
-              compute-bound) and pays more for rows out of step (in `angelspec bench` n-gram lookup's speed-up fell
-              with the batch from four rows on, on both 2-core CPUs measured).
+              changes it), then the other arm gets a trial epoch. After an on trial that lost the next waits
+              `max_gap`: such a trial costs more than its epoch (below), where a plain one costs what plain decoding
+              does. A size larger than one where lookup steps lost waits as long before its first trial: a larger
+              batch verifies at a higher cost (it is nearer compute-bound) and pays more for rows out of step (in
+              `angelspec bench` n-gram lookup's speed-up fell with the batch from four rows on, on both 2-core CPUs
+              measured). A win not yet confirmed is not a loss there.
               Only measured epochs count: after an on trial that lost, the off epochs left in the run (out of step)
               do not, and the next run measures off again first. An off trial can only be measured in step: while on,
               it waits for the next run (`begin`), whose first epoch it takes.
