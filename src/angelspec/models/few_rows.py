@@ -26,6 +26,10 @@ itself loaded (the same `libgomp.so.1`), as many as `torch.get_num_threads()`.
 
 Every output element is computed the same way whatever the number of rows, so a row's result does not depend on
 the other rows of the call (tested).
+
+The same library holds the attention of decode and verify steps over a KV cache (`kernels/cached_attention.c`,
+`attention_op()`, the "native" attention backend of `models.attention`): where the library is not built, attention
+takes SDPA's masked path instead.
 """
 
 from __future__ import annotations
