@@ -19,12 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float attn_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
+/* (hsum: few_rows.c's, which packed_op.cpp includes before this file) */
 
 #define KB 8 /* keys per block of the scores: 8 independent FMA chains */
 #define VB 4 /* 8-wide accumulators per chunk of the weighted sum (32 dims) */
@@ -43,7 +38,7 @@ static void attn_scores(const float *qi, const float *kj, int64_t ks, int nb, in
         for (int c = 0; c < KB; c++) acc[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[c] + d), acc[c]);
     }
     for (int c = 0; c < nb; c++) {
-        float x = attn_hsum(acc[c]);
+        float x = hsum(acc[c]);
         for (int64_t t = d; t < D; t++) x += qi[t] * kr[c][t];
         s[c] = x * scale;
     }
@@ -88,7 +83,7 @@ static float attn_softmax(float *s, int64_t seen) {
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
     }
-    return attn_hsum(sum);
+    return hsum(sum);
 }
 
 /* o[0:D] = inv * sum_j p[j] v_j over the first `seen` value rows from vr on (stride vs), slot order */

@@ -23,8 +23,8 @@
 #include <vector>
 
 extern "C" {
-#include "cached_attention.c"
 #include "few_rows.c"
+#include "cached_attention.c"  // (after few_rows.c: it uses its hsum)
 }
 
 namespace {
