@@ -117,6 +117,7 @@ def test_auto_on_a_cpu_is_the_kernel_and_cached_forwards_equal_sdpa():
     assert AttentionPlan.cached(start, 2, 5, 48, "native", False).kind == "rows"
     assert AttentionPlan.cached(start, 2, 5, 48, "native", True).kind == "causal"
     assert AttentionPlan.cached(start, 65, 70, 96, "native", False).kind == "mask"  # past NATIVE_MAX_NEW
+    assert AttentionPlan.cached(start, 2, 5, 48, "native", False, torch.bfloat16).kind == "mask"  # a bf16 cache
     assert AttentionPlan.documents(torch.zeros(2, 4, dtype=torch.long), "native").kind == "mask"
 
 

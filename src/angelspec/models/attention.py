@@ -418,17 +418,20 @@ class AttentionPlan:
     start: Tensor | None = None  # "rows": each row's first new slot [B]
 
     @classmethod
-    def cached(cls, start: Tensor, T: int, kv_len: int, capacity: int, backend: str, fresh: bool) -> AttentionPlan:
-        """T new queries per row at slots start[b] + t [B] over a static cache: each sees slots <= its own.
+    def cached(cls, start: Tensor, T: int, kv_len: int, capacity: int, backend: str, fresh: bool,
+               dtype: torch.dtype = torch.float32) -> AttentionPlan:
+        """T new queries per row at slots start[b] + t [B] over a static cache of `dtype`: each sees slots <= its own.
         `fresh` (host-side: every row starts empty) takes SDPA's is_causal; flex attends over the whole
-        capacity (one shape for every step, the block mask skips the slots no row has reached)."""
+        capacity (one shape for every step, the block mask skips the slots no row has reached); native takes the
+        kernel where it can (decided here, once a forward, not per layer)."""
         kind = resolve_attention_backend(backend, start.device)
         if fresh:
             return cls("causal", kv_len)
         if kind == "flex":
             slots = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
             return cls("flex", capacity, block_mask=prefix_block_mask(slots, capacity, batch=start.shape[0]))
-        if kind == "native" and T <= NATIVE_MAX_NEW and start.device.type == "cpu":
+        if (kind == "native" and T <= NATIVE_MAX_NEW and start.device.type == "cpu" and dtype == torch.float32
+                and _native_attention() is not None):
             return cls("rows", kv_len, start=start)
         return cls("mask" if kind in ("sdpa", "native") else kind, kv_len, mask=_cached_mask(start, T, kv_len))
 
@@ -461,7 +464,8 @@ class AttentionPlan:
         if self.kind == "rows":
             assert self.start is not None
             op = _native_attention()
-            # (the kernel has no backward: a call that needs gradients takes SDPA)
+            # (the kernel has no backward: a call that needs gradients takes SDPA, as does one whose tensors are not
+            # the fp32 the plan was built for)
             grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             if op is not None and not grads and q.dtype == k.dtype == v.dtype == torch.float32:
                 return op(q, k, v, self.start, q.shape[-1] ** -0.5)

@@ -341,7 +341,7 @@ class Decoder(nn.Module):
         # step: there the test would guard the graph on kv_len and recompile it when a warm-up's bound differs.
         fresh = not torch.compiler.is_compiling() and inputs.kv_len is not None and inputs.kv_len <= T
         kv_len = cache_span(inputs.kv_len, cache.capacity, self.attn_backend, dev)
-        mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh)
+        mask = AttentionPlan.cached(start, T, kv_len, cache.capacity, self.attn_backend, fresh, cache.dtype)
         if inputs.keep is not None:
             return self._forward_packed(input_ids, positions, mask, kv_len, inputs)
         write_idx = (torch.arange(B, device=dev)[:, None], slots.clamp(max=cache.capacity - 1))

@@ -225,7 +225,8 @@ class MTPDraftModel(DraftRope, DraftVocabulary, nn.Module):
         dev = token_ids.device
         slots = cache.lengths[:, None] + torch.arange(T, device=dev)  # [B, T]
         kv_len = cache_span(kv_len, cache.capacity, self.attn_backend, dev)
-        mask = AttentionPlan.cached(cache.lengths, T, kv_len, cache.capacity, self.attn_backend, False)
+        mask = AttentionPlan.cached(cache.lengths, T, kv_len, cache.capacity, self.attn_backend, False,
+                                    cache.dtype)
         write = slots.clamp(max=cache.capacity - 1)  # slots past the end hold only entries beyond num_new
         write_idx = (torch.arange(B, device=dev)[:, None], write)
         cos, sin = self.rope_at(write, cache.capacity, hidden.dtype)
