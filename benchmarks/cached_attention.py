@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from angelspec.models import few_rows
+from angelspec.models.attention import AttentionPlan
 
 SHAPES = {"embedded": (4, 2, 64), "8B-like": (32, 8, 128)}  # query heads, kv heads, head dim
 
@@ -41,17 +41,15 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def _ways(op, q, k, v, start) -> dict[str, Callable[[], object]]:
-    T, D = q.shape[2], q.shape[3]
-    slots = start[:, None] + torch.arange(T)
-    mask = (torch.arange(k.shape[2])[None, None, :] <= slots[:, :, None])[:, None]
-    return {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-            "native": lambda: op(q, k, v, start, D ** -0.5)}
+def _ways(q, k, v, start) -> dict[str, Callable[[], object]]:
+    """One cached attention call each way, as the engine plans it (the plan and its mask built outside the timing)."""
+    T, S = q.shape[2], k.shape[2]
+    plans = {way: AttentionPlan.cached(start, T, S, S, way, fresh=False) for way in ("sdpa", "native")}
+    assert plans["native"].kind == "rows"
+    return {way: (lambda plan=plan: plan(q, k, v)) for way, plan in plans.items()}
 
 
 def kernel_rows(batch_sizes: list[int], news: list[int], length: int, repeats: int, iters: int) -> list[str]:
-    op = few_rows.attention_op()
-    assert op is not None
     lines = [f"kernel: one call, rows of lengths in [{length // 2}, {length}] (us per call; median of {repeats})",
              f"{'layer':<10}{'B':>4}{'T':>3}{'sdpa':>10}{'native':>10}{'native/sdpa':>13}"]
     g = torch.Generator().manual_seed(0)
@@ -63,7 +61,7 @@ def kernel_rows(batch_sizes: list[int], news: list[int], length: int, repeats: i
                 v = torch.randn(B, Hkv, length + 16, D, generator=g)
                 start = torch.randint(length // 2 - T, length - T + 1, (B,), generator=g)
                 start[0] = length - T
-                ways = _ways(op, q, k[:, :, :length], v[:, :, :length], start)
+                ways = _ways(q, k[:, :, :length], v[:, :, :length], start)
                 torch.testing.assert_close(ways["native"](), ways["sdpa"](), atol=1e-5, rtol=1e-4)
                 got: dict[str, list[float]] = {w: [] for w in ways}
                 for _ in range(repeats):
