@@ -325,6 +325,37 @@ def test_lookup_steps_that_verify_nothing_make_no_taps_and_the_model_resumes_fro
     assert calls == {"decode": missing, "one_token": held}  # (every lookup step verified nothing)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_lookup_step_where_no_row_would_verify_runs_as_a_plain_step_and_looks_up_each_row_once(batch):
+    """A lookup step while the model is away where no row would verify a match (`Drafter.lookup_depths` all 0) runs
+    as AR's step: no round is proposed, no verify forward runs, and it counts as a step that verified no drafts (not
+    as one the gate skipped). One that verifies a match proposes the plan `lookup_depths` made: each active row is
+    looked up once a step either way. Outputs equal AR's."""
+    target, drafter, vocab, _ = block_case()
+    hybrid = CountingHybrid(drafter, NGramDrafter(max_ngram=2), min_match=2)
+    engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=batch, num_draft_tokens=3))
+    engine.gate = ScriptedServing(["model", "model"] + ["lookoff"] * 300, 3)
+    real_match, real_propose, looked, proposed = hybrid.ngram.match, hybrid.propose, [], []
+    hybrid.ngram.match = lambda r, k: (looked.append(r), real_match(r, k))[1]
+    hybrid.propose = lambda state: (proposed.append(state.lookup_only), real_propose(state))[1]
+    verifies = []
+    for name in ("greedy_verify", "greedy_packed_verify"):
+        real = getattr(engine.forwards, name)
+        setattr(engine.forwards, name, lambda *a, _real=real: (verifies.append(1), _real(*a))[1])
+    reqs = requests(vocab, 2 * batch, 40, seed=2)
+    got = engine.generate(reqs)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]
+    m = engine.metrics
+    lookup_steps = engine.gate.calls - 2
+    verified_steps = sum(proposed)  # lookup steps that proposed: those where some row verifies a match
+    assert 0 < verified_steps < lookup_steps  # both kinds ran
+    assert len(verifies) == 2 + verified_steps  # (the model's two steps verify too)
+    assert m.skipped_steps == 0 and m.steps == engine.gate.calls
+    model_row_steps = 2 * batch  # (every row is busy in the model's two steps, whose rounds look nothing up)
+    assert len(looked) == m.row_steps - model_row_steps
+    assert hybrid.lookup_rounds == sum(n for d, n in enumerate(m.depth_hist) if d) - model_row_steps
+
+
 @pytest.mark.parametrize(("costs", "verifies"), [((1.0, 1.1, 1.2), True), ((1.0, 2.5, 3.5), False)],
                          ids=["cheap", "dear"])
 def test_a_lookup_step_verifies_a_match_only_to_a_depth_its_acceptance_pays_for(costs, verifies):

@@ -263,6 +263,13 @@ class Drafter(ABC):
         (`resume_window`)."""
         raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
 
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
+                      ) -> tuple[int, ...]:
+        """(Drafters with `lookup_drafts`.) Per row of the batch, the drafts a lookup step (`DraftState.lookup_only`
+        with k drafts and these `lookup_costs`) would verify now, 0 for rows that would verify none: asked before the
+        round, so that a step where no row would verify anything runs as a plain one."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
+
     def on_catch_up(self, commit: Commit) -> None:
         """The positions the steps without upkeep committed since the drafter's context stopped, in one commit after a
         round of zero drafts (the engine's `Step._resync`; only for drafters with `context_from_commits`): every one of
@@ -372,6 +379,10 @@ class WrappedDrafter(Drafter):
 
     def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
         self.inner.on_lookup_commit(host_tokens, host_depths)
+
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
+                      ) -> tuple[int, ...]:
+        return self.inner.lookup_depths(active_rows, batch_size, k, costs)
 
     def on_catch_up(self, commit: Commit) -> None:
         self.inner.on_catch_up(commit)

@@ -176,6 +176,8 @@ class HybridDrafter(WrappedDrafter):
         # else always (the default)
         self.chooser = LookupChooser(self.ngram.max_ngram) if adaptive else None
         self._sources: dict[int, int] = {}  # this round: row -> match length its lookup drafts came from, 0 = model
+        # this round's lookup plan (`lookup_depths`): (what it was made for, row -> (match length, drafts, depth))
+        self._plan: tuple[tuple, dict[int, tuple[int, list[int], int]]] | None = None
         self._timing: tuple[float, bool] | None = None  # this round: (start of propose, the model drafted)
         # for reports: "lookup" (every active row drafted from the lookup) and "model" (the model drafted in it)
         # rounds; a request's first rounds are left out
@@ -187,7 +189,7 @@ class HybridDrafter(WrappedDrafter):
         self._model_first = [MODEL_FIRST_ROUNDS] * batch_size
         if self.chooser is not None:
             self.chooser.reset(batch_size)
-        self._sources, self._timing = {}, None
+        self._sources, self._timing, self._plan = {}, None, None
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
@@ -254,6 +256,28 @@ class HybridDrafter(WrappedDrafter):
         return Proposal(tokens=tokens, confidences=conf, lengths=None if d == k and p.lengths is None else lengths,
                         deterministic=True)
 
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
+                      ) -> tuple[int, ...]:
+        """Per row, the drafts a lookup step of k drafts with these `costs` would verify (`_lookup_round`'s choice,
+        from the rows' histories alone), without proposing. The plan is kept for this round's `propose` (it reads
+        the same histories), so asking first costs no second lookup."""
+        costs = tuple(costs[: k + 1])
+        plan: dict[int, tuple[int, list[int], int]] = {}
+        depths = [0] * batch_size
+        for r in active_rows:
+            n, drafts = self.ngram.match(r, k)
+            if n < self.min_match:  # (rows without a match drafted nothing: no source to learn about)
+                continue
+            depth = self.ngram.acceptance.best_depth(n, costs) if len(costs) > 1 else k
+            if depth:
+                plan[r], depths[r] = (n, drafts, depth), depth
+        self._plan = (self._plan_key(active_rows, k, costs), plan)
+        return tuple(depths)
+
+    def _plan_key(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]) -> tuple:
+        """What a lookup plan was made for: its rows, their histories' lengths, the depth and the costs."""
+        return tuple(active_rows), tuple(self.ngram.history_len(r) for r in active_rows), k, costs
+
     def _lookup_round(self, state: DraftState, start: float) -> Proposal:
         """Only the lookup's drafts (`DraftState.lookup_only`): a row with a match of at least `min_match` tokens
         verifies it to the depth its match length's measured acceptance pays for against `DraftState.lookup_costs`
@@ -263,17 +287,17 @@ class HybridDrafter(WrappedDrafter):
         k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
         if not state.lapsed:
             self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
-        costs = state.lookup_costs[: k + 1]
+        costs = tuple(state.lookup_costs[: k + 1])
+        planned, self._plan = self._plan, None
+        if planned is None or planned[0] != self._plan_key(state.active_rows, k, costs):
+            self.lookup_depths(state.active_rows, b, k, costs)
+            planned, self._plan = self._plan, None
+        assert planned is not None
         tokens = [[0] * k for _ in range(b)]
         lengths = [0] * b
-        for r in state.active_rows:
-            n, drafts = self.ngram.match(r, k)
-            if n < self.min_match:  # (rows without a match drafted nothing: no source to learn about)
-                continue
-            depth = self.ngram.acceptance.best_depth(n, costs) if len(costs) > 1 else k
-            if depth:
-                tokens[r], lengths[r], self._sources[r] = drafts, depth, n
-                self.ngram.note_match(r, n)
+        for r, (n, drafts, depth) in planned[1].items():
+            tokens[r], lengths[r], self._sources[r] = drafts, depth, n
+            self.ngram.note_match(r, n)
         self.lookup_rounds += sum(1 for r in state.active_rows if lengths[r])
         self._timing = (start, False)
         length = torch.tensor(lengths, dtype=torch.int64, device=dev)  # [B]
@@ -292,14 +316,14 @@ class HybridDrafter(WrappedDrafter):
         if self.chooser is not None:
             for r, n in self._sources.items():
                 self.chooser.observe_accepted(r, n, len(commit.host_tokens[r]) - 1)
-        self._sources, self._timing = {}, None
+        self._sources, self._timing, self._plan = {}, None, None
         self.inner.on_commit(commit)
         self.ngram.on_commit(commit)
 
     def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
         """A step that left the model behind: the lookup's history (and what it learns of the rows it drafted) takes
         the tokens, the model waits for `on_catch_up`."""
-        self._sources, self._timing = {}, None
+        self._sources, self._timing, self._plan = {}, None, None
         self.ngram.extend(host_tokens, host_depths)
 
     def on_catch_up(self, commit: Commit) -> None:

@@ -123,6 +123,10 @@ class NGramDrafter(Drafter):
         self._upto[r] = len(h)
         return h, index
 
+    def history_len(self, r: int) -> int:
+        """Tokens in row r's history."""
+        return len(self._hist[r])
+
     def full_depth(self) -> AbstractContextManager[None]:
         """Rows without a match draft K padding tokens inside (`Drafter.full_depth`)."""
         return switched(self, "draft_every_row", True)

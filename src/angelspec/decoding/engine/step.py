@@ -129,6 +129,12 @@ class Step:
             return
         if lapse and not lookup:
             raise RuntimeError("internal: a step the model drafts in must keep its context (the gate's upkeep)")
+        if lapse and not any(self.drafter.lookup_depths(rows.active_rows, rows.cache.batch_size, cap,
+                                                        gate.lookup_costs)):
+            # A lookup step where no row would verify a match: AR's step, without building a round to verify nothing
+            # (the host work between two forwards is what such a step pays over AR's: `_bare`)
+            self._bare(metrics, clock, t0, h0, lookup=True)
+            return
         if self._lapsed and not lapse:  # drafting (or upkeep) resumes after steps without it: the drafter catches up
             held = len(self._held)
             caught = self._resync()
@@ -205,7 +211,8 @@ class Step:
             gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()), on_commit=(t2, t3))
 
-    def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float) -> None:
+    def _bare(self, metrics: DecodeMetrics, clock: PhaseClock, t0: object, h0: float, *, lookup: bool = False
+              ) -> None:
         """A step the gate skipped while drafting is off (`gate.upkeep` False): what an AR step does, and of the
         drafter's upkeep only this: the forward's taps are held as they came (`_hold`, one tuple a step), or where
         the gate does not need them (`gate.keep_taps` False: the drafter resumes from its newest positions, and the
@@ -216,7 +223,9 @@ class Step:
         advanced; each row records where its drafter context stops (`Slot.stale_from`), and the next step that drafts
         (or keeps the context) first hands the drafter every missed position in one commit (`_resync`). A lookup step
         while drafting is off lapses the same way (`_commit` with `lapse`). The token is chosen as `_plain` chooses it
-        (the cache length after the forward is the row's committed length before it: the same noise key)."""
+        (the cache length after the forward is the row's committed length before it: the same noise key). `lookup`: a
+        lookup step where no row verifies a match (`Drafter.lookup_depths`), counted as a step that verified no
+        drafts, not as one the gate skipped."""
         rows, gate = self.rows, self.gate
         cache = rows.cache
         assert cache is not None and gate is not None and self.drafter is not None
@@ -232,8 +241,12 @@ class Step:
             self.drafter.on_lookup_commit(host_tokens)
         else:
             rows.emit([(t,) for t in host])
-        metrics.record_decode(len(rows.active_rows))
-        metrics.skipped_steps += 1
+        if lookup:  # (the gate reads it as the lookup step it asked for: `lookup_only`, one token a row)
+            none = [0] * len(rows.active_rows)
+            metrics.record_verify(none, none, "greedy")
+        else:
+            metrics.record_decode(len(rows.active_rows))
+            metrics.skipped_steps += 1
         gate.observe_step(len(rows.active_rows), 0, time.perf_counter() - h0, (), ())
         clock.step(metrics, verify=(t0, t1), commit=(t1, clock.mark()))
 
