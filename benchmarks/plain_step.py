@@ -13,6 +13,9 @@ bookkeeping, admissions), each in its own engine with the same cache size:
     no taps     the drafter, every step plain without upkeep as the gate runs them for a drafter that resumes from its
                 newest positions: AR's decode forward, no taps, but for the drafter's window of steps before the one
                 drafted step, which hold theirs (`ServingGate.keep_taps`)
+    lookup      the drafter with n-gram lookup in front (`HybridDrafter`), every step a lookup step without upkeep as
+                the gate runs them while the model is off, at costs under which no match pays: every row looks its
+                match up and verifies none (`Drafter.lookup_depths`), so the step should cost an AR step
 
 Printed per concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): tokens/s and ms per step of
 each, each speculative engine's throughput as a share of AR's, and the split of a step: the target forward alone
@@ -35,6 +38,8 @@ from pathlib import Path
 import torch
 
 from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+from angelspec.decoding.drafters import NGramDrafter
+from angelspec.decoding.drafters.hybrid import HybridDrafter
 from angelspec.decoding.engine import EngineConfig, Request, SpecEngine
 from angelspec.decoding.engine.forwards import TargetForwards
 from angelspec.decoding.loading import draft_depth, load_target_and_tokenizer, resolve_drafter
@@ -68,6 +73,22 @@ class AlwaysPlain:
         pass
 
 
+class LookupNothing(AlwaysPlain):
+    """`AlwaysPlain` without upkeep whose steps are the serving gate's lookup steps, with costs (`lookup_costs`) under
+    which verifying any draft costs more than it can return: each row looks its match up and verifies none."""
+
+    lookup_engine = True
+
+    def __init__(self, steps: int, window: int | None, k: int) -> None:
+        super().__init__(upkeep=False, steps=steps, window=window)
+        self.lookup_only, self.lookup_costs = False, (1.0,) + (1e3,) * k
+
+    def choose_depth(self, num_active: int, num_draft_tokens: int) -> int:
+        drafted = super().choose_depth(num_active, num_draft_tokens)
+        self.lookup_only = not drafted
+        return drafted or num_draft_tokens
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(DEFAULT_TARGET))
@@ -87,7 +108,8 @@ def main() -> None:
     k = draft_depth(drafter)
     print(f"plain steps against AR steps: {args.drafter} (K = {k}), compile={args.compile}, "
           f"{args.max_new_tokens} new tokens, 4C requests, {torch.get_num_threads()} threads")
-    names = ("AR", "upkeep", "held", "no taps")
+    hybrid = HybridDrafter(drafter, NGramDrafter())
+    names = ("AR", "upkeep", "held", "no taps", "lookup")
     print("| C | AR tok/s | " + " | ".join(f"{n} ms/step (forward + rest)" for n in names) + " | "
           + " | ".join(f"{n} / AR" for n in names[1:]) + " |")
     print("|---" * (2 + 2 * len(names) - 1) + "|")
@@ -97,7 +119,8 @@ def main() -> None:
         config = EngineConfig(max_batch_size=c, max_seq_len=max_len, num_draft_tokens=k, compile=args.compile,
                               spec_gate=True)
         engines = {"AR": SpecEngine(model, None, config)}
-        engines.update({name: SpecEngine(model, drafter, config) for name in names[1:]})
+        engines.update({name: SpecEngine(model, hybrid if name == "lookup" else drafter, config)
+                        for name in names[1:]})
         clocks = {name: ForwardClock(engine) for name, engine in engines.items()}
         rates: dict[str, list[float]] = {name: [] for name in engines}
         steps: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
@@ -142,12 +165,14 @@ def run(engine: SpecEngine, name: str, reqs: Sequence[Request], window: int | No
     if name != "AR":
         # every row makes a token a step, the first at admission: the drafted step is the run's last but one
         steps = sum(r.max_new_tokens - 1 for r in reqs) // engine.config.max_batch_size
-        engine.gate = AlwaysPlain(upkeep=name == "upkeep", steps=steps - 1,
-                                  window=window if name == "no taps" else None)
+        engine.gate = LookupNothing(steps - 1, window, engine.k) if name == "lookup" else AlwaysPlain(
+            upkeep=name == "upkeep", steps=steps - 1, window=window if name == "no taps" else None)
     engine.generate(reqs)
     m = engine.metrics
-    if name != "AR" and m.skipped_steps != m.steps - drafts:
-        raise SystemExit(f"{name}: expected {drafts} drafted step in {m.steps}, got {m.steps - m.skipped_steps}")
+    skipped = m.steps - drafts if name not in ("AR", "lookup") else 0  # (a lookup step verifying nothing is no skip)
+    if m.skipped_steps != skipped or (name == "lookup" and sum(m.depth_hist[1:]) > engine.config.max_batch_size):
+        raise SystemExit(f"{name}: expected {drafts} drafted step in {m.steps}, got {m.steps - m.skipped_steps} "
+                         f"({m.skipped_steps} skipped, drafts verified per row {m.depth_hist})")
     return m.tokens_per_s, 1e3 * m.wall_s / m.steps
 
 
