@@ -261,18 +261,25 @@ class HybridDrafter(WrappedDrafter):
         """Per row, the drafts a lookup step of k drafts with these `costs` would verify (`_lookup_round`'s choice,
         from the rows' histories alone), without proposing. The plan is kept for this round's `propose` (it reads
         the same histories), so asking first costs no second lookup."""
-        costs = tuple(costs[: k + 1])
-        plan: dict[int, tuple[int, list[int], int]] = {}
+        self._plan = self._make_plan(active_rows, k, tuple(costs[: k + 1]))
         depths = [0] * batch_size
+        for r, (_, _, depth) in self._plan[1].items():
+            depths[r] = depth
+        return tuple(depths)
+
+    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]
+                   ) -> tuple[tuple, dict[int, tuple[int, list[int], int]]]:
+        """(what the plan is for, row -> (match length, drafts, depth)) for the rows whose match of at least
+        `min_match` tokens is worth verifying to some depth at these relative `costs` (all k without costs)."""
+        plan: dict[int, tuple[int, list[int], int]] = {}
         for r in active_rows:
             n, drafts = self.ngram.match(r, k)
             if n < self.min_match:  # (rows without a match drafted nothing: no source to learn about)
                 continue
             depth = self.ngram.acceptance.best_depth(n, costs) if len(costs) > 1 else k
             if depth:
-                plan[r], depths[r] = (n, drafts, depth), depth
-        self._plan = (self._plan_key(active_rows, k, costs), plan)
-        return tuple(depths)
+                plan[r] = (n, drafts, depth)
+        return self._plan_key(active_rows, k, costs), plan
 
     def _plan_key(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]) -> tuple:
         """What a lookup plan was made for: its rows, their histories' lengths, the depth and the costs."""
@@ -290,15 +297,13 @@ class HybridDrafter(WrappedDrafter):
         costs = tuple(state.lookup_costs[: k + 1])
         planned, self._plan = self._plan, None
         if planned is None or planned[0] != self._plan_key(state.active_rows, k, costs):
-            self.lookup_depths(state.active_rows, b, k, costs)
-            planned, self._plan = self._plan, None
-        assert planned is not None
+            planned = self._make_plan(state.active_rows, k, costs)
         tokens = [[0] * k for _ in range(b)]
         lengths = [0] * b
         for r, (n, drafts, depth) in planned[1].items():
             tokens[r], lengths[r], self._sources[r] = drafts, depth, n
             self.ngram.note_match(r, n)
-        self.lookup_rounds += sum(1 for r in state.active_rows if lengths[r])
+        self.lookup_rounds += len(planned[1])
         self._timing = (start, False)
         length = torch.tensor(lengths, dtype=torch.int64, device=dev)  # [B]
         return Proposal(tokens=torch.tensor(tokens, dtype=torch.int64, device=dev).view(b, k),

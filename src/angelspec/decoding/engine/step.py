@@ -242,8 +242,8 @@ class Step:
         else:
             rows.emit([(t,) for t in host])
         if lookup:  # (the gate reads it as the lookup step it asked for: `lookup_only`, one token a row)
-            none = [0] * len(rows.active_rows)
-            metrics.record_verify(none, none, "greedy")
+            none = [0] * len(rows.active_rows)  # (a lookup proposal is deterministic: `_protocol`)
+            metrics.record_verify(none, none, "greedy" if rows.all_greedy else "deterministic")
         else:
             metrics.record_decode(len(rows.active_rows))
             metrics.skipped_steps += 1
