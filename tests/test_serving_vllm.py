@@ -221,8 +221,10 @@ def test_bench_uses_the_vllm_venv_where_it_exists_unless_no_vllm(capsys: pytest.
 
 
 def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--repeats R: each point's configs run in turn R times, and each row is its median run (with every run's
-    tokens/s); a run whose outputs differ from the others' is reported instead, so a lossless failure shows."""
+    """--repeats R: each point's configs run in turn R times, every other round in reverse order (a machine that
+    speeds up or slows down through a round favours no config over two rounds), and each row is its median run (with
+    every run's tokens/s); a run whose outputs differ from the others' is reported instead, so a lossless failure
+    shows."""
     from angelspec.eval.serving import sweep
 
     order: list[str] = []
@@ -240,7 +242,7 @@ def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: 
     monkeypatch.setattr(sweep, "_near_ties", lambda *a: 0)
     report = sweep.run_sweep(None, [_contender("A=none"), _contender("B=ngram@full")],  # type: ignore[arg-type]
                              [EvalPrompt([1, 2], "code")], concurrency=(1,), log=None, repeats=3)
-    assert order == ["A", "B"] * 3
+    assert order == ["A", "B", "B", "A", "A", "B"]
     a, b = report.rows
     assert a.tokens_per_s == 20.0 and a.runs_tokens_per_s == (30.0, 10.0, 20.0)
     assert b.tokens_per_s == 7.0 and b.identical == 0  # the run that differed from AR's outputs

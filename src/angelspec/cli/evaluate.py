@@ -178,7 +178,8 @@ def add_bench(sub: Subparsers) -> None:
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
                    help="requests per point are max(4C, N) (default: 8)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="timed runs per point and config, the configs in turn each round; the run with the median "
+                   help="timed runs per point and config, the configs in turn each round (every other round in reverse "
+                        "order, so that drift through a round favours none); the run with the median "
                         "throughput is reported, and the speed-up is the median of each round's ratio to AR's run of "
                         "the same round, with their range (default: 1; 3 or more on a machine whose speed drifts)")
     p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",

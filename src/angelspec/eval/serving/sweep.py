@@ -358,9 +358,10 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
     """Every contender at every concurrency (concurrency-major, each warmed up once per point when compiled);
     speed-up and the lossless check against the first AR contender at the same concurrency; with `vllm`, vLLM on
     the same requests for every contender it has a setup for (vllm.py). `repeats` > 1: each point's timed run
-    `repeats` times per contender, the contenders in turn each round, and the run with the median throughput is the
-    point's row (`ServingRow.runs_tokens_per_s` keeps them all): on a machine whose speed drifts, the median of
-    interleaved runs is a ratio one can repeat."""
+    `repeats` times per contender, the contenders in turn each round (in reverse order every other round, so that a
+    machine speeding up or slowing down through a round favours no contender over two rounds), and the run with the
+    median throughput is the point's row (`ServingRow.runs_tokens_per_s` keeps them all): on a machine whose speed
+    drifts, the median of interleaved runs is a ratio one can repeat."""
     if max_new_tokens < 1 or min_requests < 1 or warmup_tokens < 0 or repeats < 1:
         raise ServingError(f"need max_new_tokens >= 1, min_requests >= 1, warmup_tokens >= 0, repeats >= 1; got "
                            f"{max_new_tokens}, {min_requests}, {warmup_tokens}, {repeats}")
@@ -378,7 +379,7 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
             warmed.add(ct.config.name)
         runs: dict[str, list[tuple[ServingRow, list[list[int]]]]] = {ct.config.name: [] for ct in contenders}
         for r in range(repeats):
-            for ct in contenders:
+            for ct in contenders if r % 2 == 0 else contenders[::-1]:  # (drift through a round cancels in pairs)
                 t0 = time.perf_counter()
                 row, outputs = run_point(target, ct, workload, c, max_new_tokens=max_new_tokens,
                                          min_requests=min_requests)
