@@ -677,19 +677,35 @@ def test_ngram_confidences_learn_from_the_depths_the_engine_verified(target, gre
 
 
 def test_a_match_is_verified_to_the_depth_its_measured_acceptance_pays_for():
-    """`MatchAcceptance.best_depth`: (1 + expected accepted drafts) / cost per depth against a step verifying none. An
-    unseen match length is verified as deep as any depth pays (the estimate starts at 1.0); one whose first draft the
-    target keeps rejecting is not verified; one right for two drafts and then wrong stops at 2."""
+    """`MatchAcceptance.plan` for one row: (1 + expected accepted drafts) / cost per number of drafts against a step
+    verifying none. An unseen match length is verified as deep as any depth pays (the estimate starts at 1.0); one
+    whose first draft the target keeps rejecting is not verified; one right for two drafts and then wrong stops at 2."""
     acc = MatchAcceptance(3)
     costs = (1.0, 1.3, 1.6, 1.9, 2.2)
-    assert acc.best_depth(3, costs) == 4
-    assert acc.best_depth(3, (1.0, 2.5, 3.5)) == 0  # verifying costs more than a certain draft returns
+    assert acc.plan({0: 3}, 1, 4, costs) == {0: 4}
+    assert acc.plan({0: 3}, 1, 4, (1.0, 2.5, 3.5)) == {}  # verifying costs more than a certain draft returns
+    assert acc.plan({0: 3}, 1, 4, (1.0, 1.1, 1.2)) == {0: 2}  # at most len(costs) - 1 drafts
     for _ in range(20):
         acc.observe(1, 4, 0)
         acc.observe(2, 4, 2)
-    assert acc.best_depth(1, costs) == 0
-    assert acc.best_depth(2, costs) == 2
-    assert acc.best_depth(3, costs) == 4
+    assert acc.plan({0: 1}, 1, 4, costs) == {}
+    assert acc.plan({0: 2}, 1, 4, costs) == {0: 2}
+    assert acc.plan({0: 3}, 1, 4, costs) == {0: 4}
+
+
+def test_a_lookup_plan_weighs_what_a_rows_drafts_cost_the_whole_step():
+    """`MatchAcceptance.plan` over a batch: a verify step's fixed price slows every row in it, so a draft that pays for
+    its own row alone does not pay in a batch of two where the other row verifies nothing, and does where the other
+    row's drafts already pay for the verify step; the surest drafts go first, across rows."""
+    acc = MatchAcceptance(3)
+    for _ in range(40):
+        acc.observe(1, 4, 0)
+        acc.observe(1, 4, 1)  # a 1-token match: its first draft right half the time, its second never
+    costs = (1.0,) + tuple(1.3 + 0.05 * m for m in range(1, 9))  # a fixed 0.3, then 0.05 a draft
+    assert acc.plan({0: 1}, 1, 1, costs) == {0: 1}  # alone: (1 + 0.5) / 1.35 > 1
+    assert acc.plan({0: 1}, 2, 1, costs) == {}  # beside a row that verifies none: (2 + 0.5) / 1.35 < 2
+    assert acc.plan({0: 1, 1: 3}, 2, 4, costs) == {0: 1, 1: 4}  # the other row's sure drafts pay the fixed price
+    assert acc.plan({0: 1, 1: 3}, 2, 4, costs[:4]) == {1: 3}  # three drafts in all: the sure ones
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])

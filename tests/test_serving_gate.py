@@ -715,21 +715,29 @@ def test_a_new_cache_size_starts_from_another_full_caches_measurements(accept):
 
 
 @pytest.mark.parametrize(("look_tokens", "look_cost"), [(1.8, 1.1), (1.0, 1.05)])
-def test_a_lookup_gate_runs_lookup_steps_with_the_tables_costs_while_the_model_loses(look_tokens, look_cost):
+def test_a_lookup_gate_runs_lookup_steps_with_their_measured_costs_while_the_model_loses(look_tokens, look_cost):
     """A drafter that can draft by lookup alone: where the model's steps lose (no acceptance), the steps after the
-    plain warm-up are lookup steps, with the cost table's cost of verifying d = 0..K drafts against none, whatever
-    they commit (the drafter verifies a match only where its measured acceptance pays, `test_hybrid.py`, so where
-    nothing pays a lookup step is a plain step). The model is probed rarely, and lookup steps never move its
-    acceptance estimate."""
+    plain warm-up are lookup steps, whatever they commit (the drafter verifies a match only where its measured
+    acceptance pays, `test_hybrid.py`, so where nothing pays a lookup step is a plain step), with the cost of
+    verifying m = 0..K drafts against none: the table's increments on the plain step until a lookup step verified
+    some, then what those steps took. The model is probed rarely, and lookup steps never move its acceptance
+    estimate."""
     gate = ServingGate(K, cost=cpu_like, lookup=True)
-    kinds = []
+    kinds, looked = [], 0
     for i in range(300):
         n = gate.choose_depth(1, K)
         kind = "lookup" if gate.lookup_only else "model" if n else "plain"
         kinds.append(kind)
         if kind == "lookup":
-            assert n == K
-            assert gate.lookup_costs == pytest.approx([cpu_like(1, d + 1) / cpu_like(1, 1) for d in range(n + 1)])
+            assert n == K and len(gate.lookup_costs) == K + 1 and gate.lookup_costs[0] == 1.0
+            assert list(gate.lookup_costs) == sorted(gate.lookup_costs)
+            if not looked:  # the table's increments, over the measured plain step
+                base = gate._lanes[0, 0].plain_s * cpu_like(1, 1)
+                assert gate.lookup_costs == pytest.approx(
+                    [1.0] + [(base + cpu_like(1, 1 + m) - cpu_like(1, 1)) / base for m in range(1, K + 1)])
+            else:  # every lookup step verified K drafts and took look_cost plain steps
+                assert gate.lookup_costs[K] == pytest.approx(look_cost)
+            looked += 1
             seconds, accepted = plain_cost(1) * look_cost, [round(2 * (look_tokens - 1)) if i % 2 else 0]
         elif kind == "model":
             assert gate.lookup_costs == ()
@@ -791,3 +799,27 @@ def test_lookup_steps_run_only_while_every_row_is_greedy():
             gate.observe_step(1, n, plain_cost(1) if not n or gate.lookup_only else cpu_like(1, n + 1),
                               [1 if gate.lookup_only else 0] if n else [], [n])
         assert (True in seen) == greedy
+
+
+def test_lookup_costs_follow_what_lookup_steps_took_by_the_drafts_they_verified():
+    """`ServingGate.lookup_cost_fit`: a lookup step verifying nothing sets the base (AR's step), those verifying x
+    drafts in all a line fixed + slope * x (least squares), and `lookup_costs` hands the drafter their ratio to the
+    base for m = 0..B * K drafts; a step far slower than the line (a graph compiled mid-run) is left out."""
+    gate = ServingGate(K, cost=cpu_like, lookup=True)
+    gate.begin(2)
+    unit = cpu_like(2, 2)  # the table's step verifying none: the gate's unit of seconds
+    gate.lookup_only = True
+    for i, x in enumerate([0, 2, 7, 14, 0, 5, 9, 1] * 8):
+        gate.observe_step(2, K, unit * (0.5 if x == 0 else 0.75 + 0.02 * x), [0, 0], [x // 2, x - x // 2])
+        if i == 20:
+            gate.observe_step(2, K, unit * 100.0, [0, 0], [3, 3])
+    base, fixed, slope = gate.lookup_cost_fit(2)
+    assert base == pytest.approx(0.5) and fixed == pytest.approx(0.75, rel=0.02)
+    assert slope == pytest.approx(0.02, rel=0.05)
+    for _ in range(gate.warmup):  # the plain warm-up, then the steps are lookup steps (the model has no drafts yet)
+        gate._lanes[2, 1].plain_n += 1
+    gate._lanes[2, 1].spec_n = gate.warmup
+    assert gate._base_step(gate._lanes[2, 1], 2) == K
+    assert len(gate.lookup_costs) == 2 * K + 1 and gate.lookup_costs[0] == 1.0
+    assert gate.lookup_costs[1] == pytest.approx((fixed + slope) / base)
+    assert gate.lookup_costs[2 * K] == pytest.approx((fixed + slope * 2 * K) / base)

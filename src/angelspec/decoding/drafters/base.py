@@ -64,9 +64,10 @@ class DraftState:
     # With lookup_only: the model's context is left behind this round (a step without upkeep): the model is not
     # asked for a round, the commit goes to `on_lookup_commit`, and the model catches up in `on_catch_up`
     lapsed: bool = False
-    # With lookup_only: what a step verifying d = 0..K drafts per row costs against one verifying none (the serving
-    # gate's cost table). A row verifies its match to the depth expected to commit most tokens per unit of cost, and
-    # none where no depth is expected to beat a plain step; () verifies every match to K.
+    # With lookup_only: what the step costs verifying m = 0, 1, ... drafts in all (every row's together) against one
+    # verifying none (the serving gate's, from the lookup steps it timed). The rows verify the drafts that make the
+    # step's expected committed tokens per unit of cost highest, none where no number of drafts is expected to beat a
+    # plain step; () verifies every match to K.
     lookup_costs: tuple[float, ...] = ()
 
 

@@ -261,7 +261,7 @@ class HybridDrafter(WrappedDrafter):
         """Per row, the drafts a lookup step of k drafts with these `costs` would verify (`_lookup_round`'s choice,
         from the rows' histories alone), without proposing. The plan is kept for this round's `propose` (it reads
         the same histories), so asking first costs no second lookup."""
-        self._plan = self._make_plan(active_rows, k, tuple(costs[: k + 1]))
+        self._plan = self._make_plan(active_rows, k, tuple(costs))
         depths = [0] * batch_size
         for r, (_, _, depth) in self._plan[1].items():
             depths[r] = depth
@@ -270,15 +270,16 @@ class HybridDrafter(WrappedDrafter):
     def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]
                    ) -> tuple[tuple, dict[int, tuple[int, list[int], int]]]:
         """(what the plan is for, row -> (match length, drafts, depth)) for the rows whose match of at least
-        `min_match` tokens is worth verifying to some depth at these relative `costs` (all k without costs)."""
-        plan: dict[int, tuple[int, list[int], int]] = {}
+        `min_match` tokens is worth verifying to some depth in a step of these rows at these relative `costs` of
+        verifying m drafts in all (`MatchAcceptance.plan`; every match to k without costs)."""
+        matches: dict[int, tuple[int, list[int]]] = {}
         for r in active_rows:
             n, drafts = self.ngram.match(r, k)
-            if n < self.min_match:  # (rows without a match drafted nothing: no source to learn about)
-                continue
-            depth = self.ngram.acceptance.best_depth(n, costs) if len(costs) > 1 else k
-            if depth:
-                plan[r] = (n, drafts, depth)
+            if n >= self.min_match:  # (rows without a match drafted nothing: no source to learn about)
+                matches[r] = (n, drafts)
+        depths = (self.ngram.acceptance.plan({r: n for r, (n, _) in matches.items()}, len(active_rows), k, costs)
+                  if len(costs) > 1 else dict.fromkeys(matches, k))
+        plan = {r: (matches[r][0], matches[r][1], d) for r, d in depths.items()}
         return self._plan_key(active_rows, k, costs), plan
 
     def _plan_key(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]) -> tuple:
@@ -286,15 +287,15 @@ class HybridDrafter(WrappedDrafter):
         return tuple(active_rows), tuple(self.ngram.history_len(r) for r in active_rows), k, costs
 
     def _lookup_round(self, state: DraftState, start: float) -> Proposal:
-        """Only the lookup's drafts (`DraftState.lookup_only`): a row with a match of at least `min_match` tokens
-        verifies it to the depth its match length's measured acceptance pays for against `DraftState.lookup_costs`
-        (`MatchAcceptance.best_depth`; all K without costs), the others none (`Proposal.host_lengths`, so a round
-        where nothing is verified costs a plain step); the model's round is one of zero drafts (it catches up on its
-        next drafted round)."""
+        """Only the lookup's drafts (`DraftState.lookup_only`): the rows with a match of at least `min_match` tokens
+        verify as many of its drafts as the step's expected tokens per unit of `DraftState.lookup_costs` pays for
+        (`MatchAcceptance.plan`, over the step's rows together; all K without costs), the others none
+        (`Proposal.host_lengths`, so a round where nothing is verified costs a plain step); the model's round is one of
+        zero drafts (it catches up on its next drafted round)."""
         k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
         if not state.lapsed:
             self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
-        costs = tuple(state.lookup_costs[: k + 1])
+        costs = tuple(state.lookup_costs)
         planned, self._plan = self._plan, None
         if planned is None or planned[0] != self._plan_key(state.active_rows, k, costs):
             planned = self._make_plan(state.active_rows, k, costs)

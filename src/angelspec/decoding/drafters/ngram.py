@@ -19,7 +19,7 @@ Shape legend: B rows, K draft depth.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -45,18 +45,32 @@ class MatchAcceptance:
         hits, trials, prior = self.hits[n], self.trials[n], self.prior
         return [(hits[m] + prior) / (trials[m] + prior) if m < len(trials) else 1.0 for m in range(k)]
 
-    def best_depth(self, n: int, costs: Sequence[float]) -> int:
-        """After an n-token match: the depth d in 1..len(costs) - 1 that is expected to commit most tokens per unit of
-        cost, (1 + expected accepted drafts of the first d) / costs[d], or 0 where none beats verifying no draft
-        (1 / costs[0]). costs[d]: what a step verifying d drafts costs."""
-        est = self.estimate(n, len(costs) - 1)
-        best, best_rate, alive, expected = 0, 1.0 / costs[0], 1.0, 1.0
-        for d in range(1, len(costs)):
-            alive *= est[d - 1]
-            expected += alive
-            if expected / costs[d] > best_rate:
-                best, best_rate = d, expected / costs[d]
-        return best
+    def plan(self, matches: Mapping[int, int], num_rows: int, k: int, costs: Sequence[float]) -> dict[int, int]:
+        """How many drafts each row with a match verifies in one step of `num_rows` rows: `matches` row -> its match
+        length n, costs[m] what the step costs verifying m drafts in all (every row's together) against one verifying
+        none. The step commits num_rows + sum over rows of the expected accepted drafts, P(the first d accepted) for
+        each verified depth d; the plan keeps the drafts with the highest such chances, as many as make the step's
+        expected tokens per unit of cost highest, and none where no number of drafts beats a plain step
+        (num_rows / costs[0]). A row's drafts are verified in order (its chances fall with depth), at most k and at
+        most len(costs) - 1 in all. Since the step is shared, a draft that pays for its row alone may not pay for the
+        batch: the fixed part of a verify step slows every row in it. -> row -> drafts to verify (rows left out:
+        none)."""
+        ranked = []  # (-P(first d accepted), d, row)
+        for r, n in matches.items():
+            alive = 1.0
+            for d, p in enumerate(self.estimate(n, k), 1):
+                alive *= p
+                ranked.append((-alive, d, r))
+        ranked.sort()
+        tokens, best, best_rate = float(num_rows), 0, num_rows / costs[0]
+        for m, (neg, _, _) in enumerate(ranked[: len(costs) - 1], 1):
+            tokens -= neg
+            if tokens / costs[m] > best_rate:
+                best, best_rate = m, tokens / costs[m]
+        depths: dict[int, int] = {}
+        for _, _, r in ranked[:best]:
+            depths[r] = depths.get(r, 0) + 1
+        return depths
 
     def observe(self, n: int, verified: int, accepted: int) -> None:
         """A row verified `verified` drafts of an n-token match and the target accepted the first `accepted`."""

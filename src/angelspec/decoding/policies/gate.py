@@ -234,6 +234,11 @@ class _Lane:
     look_seen: int = 0  # lookup steps whose tokens `look_tok` averaged
     look_n: int = 0
     look_out: int = 0
+    # What a lookup step costs by the drafts it verifies in all, x (`ServingGate.lookup_cost_fit`), in `plain_s`'s
+    # units: look0 an EMA of those verifying none (AR's step); decayed sums over those verifying some, of weight w, x,
+    # x^2, seconds y and x * y, for the line y = fixed + slope * x
+    look0: float = 0.0
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)
 
 
 @dataclass
@@ -348,8 +353,8 @@ class ServingGate:
     _due: int = field(default=0, init=False, repr=False)  # `_decide` with a plain step: steps before a drafted one
     _lookup_on: bool = field(default=True, init=False, repr=False)  # lookup steps allowed this step (`_lookup_here`)
     lookup_only: bool = field(default=False, init=False)  # the last `choose_depth` asked for a lookup step
-    # with `lookup_only`: a step's cost verifying d = 0..depth drafts per row against none, from the cost table
-    # (`DraftState.lookup_costs`; () without a table)
+    # with `lookup_only`: a step's cost verifying m = 0..B * depth drafts in all against none, as lookup steps measured
+    # it (`lookup_cost_fit`, `DraftState.lookup_costs`; () without a table)
     lookup_costs: tuple[float, ...] = field(default=(), init=False)
     # False when the last `choose_depth` gave a plain step while drafting is off: the step need not keep the drafter's
     # context (class docstring, "Upkeep")
@@ -573,21 +578,49 @@ class ServingGate:
 
     def _base_step(self, lane: _Lane, num_active: int) -> int:
         """While the model does not draft (`lookup` gates only, after the plain warm-up): a lookup step of
-        `lookup_depth` drafts (K by default), with `lookup_only` and the cost table's `lookup_costs` set. Each row
-        verifies its match to the depth its match length's measured acceptance pays for and none where no depth is
-        expected to beat a plain step (`HybridDrafter`), so a lookup step where nothing pays costs a plain step and the
-        choice follows the text from step to step. (Choosing between whole lookup and plain steps by their measured
-        rates lagged the lookup's hit rate: a run of plain steps saw a returning repetition only at its next probe.
-        Verifying at most 4 lookup drafts instead of K = 7 ran 1.32-1.35x AR instead of 1.39-1.43x at one request on
-        a 2-core CPU, the same within noise at 2 and 4.)"""
+        `lookup_depth` drafts a row (K by default), with `lookup_only` and `lookup_costs` set (`lookup_cost_fit`). The
+        rows verify the drafts whose expected tokens pay for what they add to the step, none where nothing beats a
+        plain step (`HybridDrafter`, `MatchAcceptance.plan`), so a lookup step where nothing pays costs a plain step
+        and the choice follows the text from step to step. (Choosing between whole lookup and plain steps by their
+        measured rates lagged the lookup's hit rate: a run of plain steps saw a returning repetition only at its next
+        probe.)"""
         if lane.plain_n < self.warmup:
             return 0
         look = self.num_draft_tokens if self.lookup_depth is None else min(self.lookup_depth, self.num_draft_tokens)
         self.lookup_only = True
         if self.cost is not None:
-            table = self._table(num_active)
-            self.lookup_costs = tuple(c / table[0] for c in table[: look + 1])
+            base, fixed, slope = self.lookup_cost_fit(num_active)
+            self.lookup_costs = (1.0,) + tuple((fixed + slope * m) / base for m in range(1, num_active * look + 1))
         return look
+
+    def lookup_cost_fit(self, num_active: int) -> tuple[float, float, float]:
+        """(base, fixed, slope): a lookup step of this bucket costs `base` verifying no draft and fixed + slope * x
+        verifying x drafts in all, in the units of the table's step verifying none. Measured on the lookup steps
+        themselves: base from those that verified none (AR's step; the plain steps' until one did), the line by
+        decayed least squares over those that verified some (`observe_step`), its slope pulled towards the table's per
+        draft by one step's weight where their counts vary little (at one row a lookup step verifies K or nothing).
+        Before any such step, the table's cost of x more positions.
+
+        Why not the table alone: its steps include the model's drafting, which a lookup step does not run, so the share
+        a verified draft adds looks far smaller there than it is (in the shipped DFly's table at one row, 8 positions
+        cost 1.17x one, while a lookup step verifying one draft cost about half again a plain step), and a step
+        verifying drafts has a fixed price of its own that the table's increments hide. The measured line says what
+        a draft really adds, and how much the first one costs, on this machine now: a quieter machine made the
+        one-token step much faster than the verify step (docs/performance.md), and the depth that pays moved with it."""
+        lane, table = self._lane(num_active), self._table(num_active)
+        base = lane.look0 or lane.plain_s or 1.0
+        n_pos = num_active * self.num_draft_tokens  # the table's slope per draft over its whole row
+        prior = ((float(self.cost(num_active, num_active + n_pos)) - float(self.cost(num_active, num_active + 1)))
+                 / max(n_pos - 1, 1) / table[0])
+        w, sx, sxx, sy, sxy = lane.fit
+        if w <= 0.0:  # nothing measured yet: the table's increments on the measured base
+            first = float(self.cost(num_active, num_active + 1)) / table[0] - 1.0
+            return base, base + max(first - prior, 0.0), max(prior, 0.0)
+        mx, my = sx / w, sy / w
+        slope = max(((sxy - w * mx * my) + prior) / (max(sxx - w * mx * mx, 0.0) + 1.0), 0.0)
+        if my - slope * mx < base:  # no line through the measured mean starts below a plain step
+            slope = max((my - base) / mx, 0.0)
+        return base, max(my - slope * mx, base), slope
 
     def _explore(self, lane: _Lane, n: int) -> int:
         """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
@@ -726,6 +759,7 @@ class ServingGate:
                 lane.look_seen += 1
                 w = 1.0 / min(lane.look_seen, self.memory)
                 lane.look_tok = (1.0 - w) * lane.look_tok + w * tokens
+                self._fit_lookup(lane, sum(depths), seconds / self._plain_unit(num_active))
             self._after_plain = True  # the model sat it out: its next drafted step catches up
             return
         lane.run += (depth > 0) == lane.on  # steps of the running state since the last switch or probe
@@ -753,6 +787,20 @@ class ServingGate:
             x = seconds / unit
             lane.catch = self._decayed(lane.catch, x)
         self._after_plain = False
+
+    def _fit_lookup(self, lane: _Lane, x: int, y: float) -> None:
+        """A lookup step that verified x drafts in all took y (`plain_s`'s units): into `look0` (x = 0) or the line's
+        sums (`lookup_cost_fit`), which forget at the pace of the acceptance estimate (~`memory` steps). A step more
+        than `outlier` times what the fit expects (a graph compiled mid-run) is left out."""
+        if x <= 0:
+            if not lane.look0 or y < self.outlier * lane.look0:
+                lane.look0 = self._decayed(lane.look0, y)
+            return
+        w, sx, sxx, sy, sxy = lane.fit
+        if w > 0.0 and y > self.outlier * (sy / w):
+            return
+        keep = 1.0 - 1.0 / self.memory
+        lane.fit = [keep * w + 1.0, keep * sx + x, keep * sxx + x * x, keep * sy + y, keep * sxy + x * y]
 
     def _fold(self, ema: float, n: int, out: int, x: float) -> tuple[float, int, int]:
         """x into an EMA (ema, samples, slow outliers in a row) -> the new triple (see the class docstring)."""
