@@ -1,0 +1,141 @@
+"""How the serving setting `auto` plans its lookup steps: on what lookup steps measured to cost, over the step's rows
+together (the engine's way), against the cost table's costs with each row deciding alone (the way before it).
+
+While the model does not draft, `auto` runs lookup steps: each row with an n-gram match verifies some of its drafts.
+How many depends on what a verified draft is expected to return (its match length's acceptance so far) against what
+it adds to the step:
+
+    measured    `ServingGate.lookup_cost_fit`: lookup steps timed by the drafts they verified in all, AR's step when
+                none, a fixed price for verifying plus a price per draft when some; `MatchAcceptance.plan` keeps the
+                surest drafts of all rows while the step's expected committed tokens per second rise
+    table       the cost table's step verifying d drafts in every row against one verifying none (its steps include
+                the model's drafting), each row choosing its own depth as if the step were its alone
+
+Both run the same drafter (the shipped DFly with the lookup in front) over the same requests, each with its own
+policy and gate, beside AR, the engines in turn each round (every other round in reverse order). Printed per
+concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): AR's tokens/s; each plan's throughput and
+p95 time per output token over AR's of the same round (medians over rounds, and the range of the throughput ratio),
+its committed tokens per row-step (MAL) and drafts verified per row-step; and measured over table. Outputs are checked
+equal to AR's.
+
+    .venv/bin/python benchmarks/lookup_plan.py                       # C = 1,2,4, 5 rounds, compiled
+    .venv/bin/python benchmarks/lookup_plan.py --concurrency 2 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
+from angelspec.decoding.drafters.hybrid import HybridDrafter
+from angelspec.decoding.loading import load_target_and_tokenizer
+from angelspec.decoding.policies.gate import ServingGate, _Lane
+from angelspec.eval.serving.base import ServingRow
+from angelspec.eval.serving.sweep import build_contenders, parse_config, run_point, serving_workload, warm_up
+
+
+class TableCosts(ServingGate):
+    """The serving gate, but its lookup steps carry the cost table's cost of verifying d = 0..K drafts in every row
+    against none (the table's steps include the model's drafting)."""
+
+    def _base_step(self, lane: _Lane, num_active: int) -> int:
+        look = super()._base_step(lane, num_active)
+        if look and self.cost is not None:
+            table = self._table(num_active)
+            self.lookup_costs = tuple(c / table[0] for c in table[: look + 1])
+        return look
+
+
+class PerRowPlan(HybridDrafter):
+    """The hybrid drafter, but each row with a match verifies the depth d that maximizes (1 + its expected accepted
+    drafts) / costs[d] on its own, none where no depth beats 1 / costs[0] (costs per uniform depth: `TableCosts`)."""
+
+    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]
+                   ) -> tuple[tuple, dict[int, tuple[int, list[int], int]]]:
+        plan = {}
+        for r in active_rows:
+            n, drafts = self.ngram.match(r, k)
+            if n < self.min_match:
+                continue
+            est = self.ngram.acceptance.estimate(n, k)
+            depth, rate, alive, expected = 0, 1.0 / costs[0], 1.0, 1.0
+            for d in range(1, min(k, len(costs) - 1) + 1):
+                alive *= est[d - 1]
+                expected += alive
+                if expected / costs[d] > rate:
+                    depth, rate = d, expected / costs[d]
+            if depth:
+                plan[r] = (n, drafts, depth)
+        return self._plan_key(active_rows, k, costs), plan
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTERS / "dfly+ngram"), help="a DIR+ngram drafter")
+    p.add_argument("--concurrency", default="1,2,4")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    target_dir = Path(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir)
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    compiled = "+compile" if args.compile else ""
+    spec = args.drafter if "+ngram" in args.drafter else f"{args.drafter}+ngram"
+    # two configurations of the same drafter, each loaded on its own (a drafter keeps what its lookup learned)
+    ar, measured, table = build_contenders(
+        model, target_dir, [parse_config(f"AR=none{compiled}"), parse_config(f"measured={spec}{compiled}"),
+                            parse_config(f"table=./{spec}{compiled}" if not spec.startswith(("/", ".")) else
+                                         f"table={Path(spec).parent}/./{Path(spec).name}{compiled}")],
+        concurrency=concurrency, log=None)
+    if not isinstance(table.drafter, HybridDrafter) or table.drafter is measured.drafter:
+        raise SystemExit(f"--drafter {args.drafter!r}: name a model drafter's folder (the lookup goes in front)")
+    table.drafter.__class__ = PerRowPlan
+    k = table.num_draft_tokens
+    assert table.policy is not None and table.policy.cost is not None  # `auto` with the cost table
+    table.policy._gates[k, True] = TableCosts(k, cost=table.policy.cost, lookup=True)
+    workload = serving_workload(tokenizer, model.config.max_position_embeddings, args.max_new_tokens)
+    contenders = (ar, measured, table)
+    print(f"lookup plans: {spec} (K = {k}), compile={args.compile}, {args.max_new_tokens} new tokens, 4C requests, "
+          f"{args.repeats} rounds, {torch.get_num_threads()} threads")
+    print("| C | AR tok/s | measured / AR (range) | table / AR (range) | measured / table | p95 TPOT / AR's: measured, "
+          "table | MAL: measured, table | drafts a row-step: measured, table |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in concurrency:
+        for ct in contenders:
+            warm_up(model, ct, workload, batch=c, tokens=8)
+        runs: dict[str, list[ServingRow]] = {ct.config.name: [] for ct in contenders}
+        reference: list[list[int]] = []
+        for r in range(args.repeats):
+            for ct in contenders if r % 2 == 0 else contenders[::-1]:  # (AR runs first in the first round)
+                row, outputs = run_point(model, ct, workload, c, max_new_tokens=args.max_new_tokens)
+                reference = reference or outputs
+                if outputs != reference:
+                    raise SystemExit(f"{ct.config.name} at C = {c}: outputs differ from AR's (a bug)")
+                runs[ct.config.name].append(row)
+        base = runs["AR"]
+
+        m, t = ratios(runs["measured"], base), ratios(runs["table"], base)
+        p95 = [statistics.median(ratios(runs[n], base, "tpot_p95_s")) for n in ("measured", "table")]
+        mal = [statistics.median(x.mal for x in runs[n]) for n in ("measured", "table")]
+        depth = [statistics.median(x.mean_depth for x in runs[n]) for n in ("measured", "table")]
+        print(f"| {c} | {statistics.median(x.tokens_per_s for x in base):.0f} | {statistics.median(m):.3f} "
+              f"({min(m):.2f}-{max(m):.2f}) | {statistics.median(t):.3f} ({min(t):.2f}-{max(t):.2f}) | "
+              f"{statistics.median(ratios(runs['measured'], runs['table'])):.3f} | {p95[0]:.2f}, {p95[1]:.2f} | "
+              f"{mal[0]:.2f}, {mal[1]:.2f} | {depth[0]:.2f}, {depth[1]:.2f} |", flush=True)
+
+
+def ratios(runs: Sequence[ServingRow], other: Sequence[ServingRow], field: str = "tokens_per_s") -> list[float]:
+    """Per round, `field` of a run over the other's run of the same round."""
+    return [getattr(a, field) / getattr(b, field) for a, b in zip(runs, other, strict=True)]
+
+
+if __name__ == "__main__":
+    main()
