@@ -602,9 +602,9 @@ class ServingGate:
         Before any such step, the table's cost of x more positions.
 
         Why not the table alone: its steps include the model's drafting, which a lookup step does not run, so the share
-        a verified draft adds looks far smaller there than it is (in the shipped DFly's table at one row, 8 positions
-        cost 1.17x one, while a lookup step verifying one draft cost about half again a plain step), and a step
-        verifying drafts has a fixed price of its own that the table's increments hide. The measured line says what
+        a verified draft adds looks far smaller there than it is (in the shipped DFly's compiled table at one row, 8
+        positions cost 1.17x one), and a step verifying drafts has a fixed price of its own over a plain step (the
+        verify path's forward and host work) that the table's increments hide. The measured line says what
         a draft really adds, and how much the first one costs, on this machine now: a quieter machine made the
         one-token step much faster than the verify step (docs/performance.md), and the depth that pays moved with it."""
         lane, table = self._lane(num_active), self._table(num_active)
