@@ -719,8 +719,8 @@ def test_a_lookup_gate_runs_lookup_steps_with_their_measured_costs_while_the_mod
     """A drafter that can draft by lookup alone: where the model's steps lose (no acceptance), the steps after the
     plain warm-up are lookup steps, whatever they commit (the drafter verifies a match only where its measured
     acceptance pays, `test_hybrid.py`, so where nothing pays a lookup step is a plain step), with the cost of
-    verifying m = 0..K drafts against none: the table's increments on the plain step until a lookup step verified
-    some, then what those steps took. The model is probed rarely, and lookup steps never move its acceptance
+    verifying m = 0..K drafts against none: the table's ratios until a lookup step verified some, then what those
+    steps took. The model is probed rarely, and lookup steps never move its acceptance
     estimate."""
     gate = ServingGate(K, cost=cpu_like, lookup=True)
     kinds, looked = [], 0
@@ -731,10 +731,8 @@ def test_a_lookup_gate_runs_lookup_steps_with_their_measured_costs_while_the_mod
         if kind == "lookup":
             assert n == K and len(gate.lookup_costs) == K + 1 and gate.lookup_costs[0] == 1.0
             assert list(gate.lookup_costs) == sorted(gate.lookup_costs)
-            if not looked:  # the table's increments, over the measured plain step
-                base = gate._lanes[0, 0].plain_s * cpu_like(1, 1)
-                assert gate.lookup_costs == pytest.approx(
-                    [1.0] + [(base + cpu_like(1, 1 + m) - cpu_like(1, 1)) / base for m in range(1, K + 1)])
+            if not looked:  # the table's ratios
+                assert gate.lookup_costs == pytest.approx([cpu_like(1, 1 + m) / cpu_like(1, 1) for m in range(K + 1)])
             else:  # every lookup step verified K drafts and took look_cost plain steps
                 assert gate.lookup_costs[K] == pytest.approx(look_cost)
             looked += 1

@@ -599,7 +599,7 @@ class ServingGate:
         themselves: base from those that verified none (AR's step; the plain steps' until one did), the line by
         decayed least squares over those that verified some (`observe_step`), its slope pulled towards the table's per
         draft by one step's weight where their counts vary little (at one row a lookup step verifies K or nothing).
-        Before any such step, the table's cost of x more positions.
+        Before any such step, the table's ratios (its step verifying x more positions over its step verifying none).
 
         Why not the table alone: its steps include the model's drafting, which a lookup step does not run, so the share
         a verified draft adds looks far smaller there than it is (in the shipped DFly's compiled table at one row, 8
@@ -609,13 +609,17 @@ class ServingGate:
         one-token step much faster than the verify step (docs/performance.md), and the depth that pays moved with it."""
         lane, table = self._lane(num_active), self._table(num_active)
         base = lane.look0 or lane.plain_s or 1.0
-        n_pos = num_active * self.num_draft_tokens  # the table's slope per draft over its whole row
-        prior = ((float(self.cost(num_active, num_active + n_pos)) - float(self.cost(num_active, num_active + 1)))
-                 / max(n_pos - 1, 1) / table[0])
+        n_pos = num_active * self.num_draft_tokens
+
+        def share(m: int) -> float:  # the table's step verifying m more positions, over its step verifying none
+            return float(self.cost(num_active, num_active + m)) / table[0]
+
+        # the table's price of a draft, as the same share of the measured plain step (only the table's ratios are
+        # read: its seconds may come from another machine, or from no machine at all, `LinearCost`)
+        prior = max((share(n_pos) - share(1)) / max(n_pos - 1, 1), 0.0) * base
         w, sx, sxx, sy, sxy = lane.fit
-        if w <= 0.0:  # nothing measured yet: the table's increments on the measured base
-            first = float(self.cost(num_active, num_active + 1)) / table[0] - 1.0
-            return base, base + max(first - prior, 0.0), max(prior, 0.0)
+        if w <= 0.0:  # nothing measured yet: the table's ratios
+            return base, max(base * share(1) - prior, base), prior
         mx, my = sx / w, sy / w
         slope = max(((sxy - w * mx * my) + prior) / (max(sxx - w * mx * mx, 0.0) + 1.0), 0.0)
         if my - slope * mx < base:  # no line through the measured mean starts below a plain step
