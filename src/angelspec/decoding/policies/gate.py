@@ -346,6 +346,7 @@ class ServingGate:
     _tried: list[float] = field(default_factory=list, init=False, repr=False)
     _passed: list[float] = field(default_factory=list, init=False, repr=False)
     _costs: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
+    _shares: dict[int, tuple[float, float]] = field(default_factory=dict, init=False, repr=False)  # `_table_shares`
     _after_plain: bool = field(default=False, init=False, repr=False)
     _window: int | None = field(default=None, init=False, repr=False)  # `begin`
     # steps since the last one that neither kept nor held the drafter's context (None: none since `begin`)
@@ -391,6 +392,7 @@ class ServingGate:
         """Forget every measurement (a new machine load, another drafter)."""
         self._lanes.clear()
         self._costs.clear()
+        self._shares.clear()
         if self.trials is not None:
             self.trials.reset()
         self.__post_init__()
@@ -607,24 +609,30 @@ class ServingGate:
         verify path's forward and host work) that the table's increments hide. The measured line says what
         a draft really adds, and how much the first one costs, on this machine now: a quieter machine made the
         one-token step much faster than the verify step (docs/performance.md), and the depth that pays moved with it."""
-        lane, table = self._lane(num_active), self._table(num_active)
+        lane = self._lane(num_active)
         base = lane.look0 or lane.plain_s or 1.0
-        n_pos = num_active * self.num_draft_tokens
-
-        def share(m: int) -> float:  # the table's step verifying m more positions, over its step verifying none
-            return float(self.cost(num_active, num_active + m)) / table[0]
-
+        first, per_draft = self._table_shares(num_active)
         # the table's price of a draft, as the same share of the measured plain step (only the table's ratios are
         # read: its seconds may come from another machine, or from no machine at all, `LinearCost`)
-        prior = max((share(n_pos) - share(1)) / max(n_pos - 1, 1), 0.0) * base
+        prior = per_draft * base
         w, sx, sxx, sy, sxy = lane.fit
         if w <= 0.0:  # nothing measured yet: the table's ratios
-            return base, max(base * share(1) - prior, base), prior
+            return base, max(base * first - prior, base), prior
         mx, my = sx / w, sy / w
         slope = max(((sxy - w * mx * my) + prior) / (max(sxx - w * mx * mx, 0.0) + 1.0), 0.0)
         if my - slope * mx < base:  # no line through the measured mean starts below a plain step
             slope = max((my - base) / mx, 0.0)
         return base, max(my - slope * mx, base), slope
+
+    def _table_shares(self, num_active: int) -> tuple[float, float]:
+        """The table's step verifying one more position than rows, and the price of each further draft up to K a row,
+        as shares of its step verifying none (cached: the table does not change during a run)."""
+        got = self._shares.get(num_active)
+        if got is None:
+            table, n_pos = self._table(num_active), num_active * self.num_draft_tokens
+            first = float(self.cost(num_active, num_active + 1)) / table[0]  # (table[K]: n_pos more positions)
+            got = self._shares[num_active] = first, max((table[-1] / table[0] - first) / max(n_pos - 1, 1), 0.0)
+        return got
 
     def _explore(self, lane: _Lane, n: int) -> int:
         """n, or n + 1 on every `probe_every`-th drafted step below K: acceptance past n* is measured only where it
@@ -795,7 +803,7 @@ class ServingGate:
     def _fit_lookup(self, lane: _Lane, x: int, y: float) -> None:
         """A lookup step that verified x drafts in all took y (`plain_s`'s units): into `look0` (x = 0) or the line's
         sums (`lookup_cost_fit`), which forget at the pace of the acceptance estimate (~`memory` steps). A step more
-        than `outlier` times what the fit expects (a graph compiled mid-run) is left out."""
+        than `outlier` times the mean of those it holds (a graph compiled mid-run) is left out."""
         if x <= 0:
             if not lane.look0 or y < self.outlier * lane.look0:
                 lane.look0 = self._decayed(lane.look0, y)
