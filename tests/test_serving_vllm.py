@@ -230,12 +230,13 @@ def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: 
     order: list[str] = []
     speeds = {"A": iter([30.0, 10.0, 20.0]), "B": iter([5.0, 7.0, 6.0])}
     outputs = {"A": iter([[[1]], [[1]], [[1]]]), "B": iter([[[1]], [[2]], [[1]]])}
+    p95 = {"A": iter([1.0, 3.0, 2.0]), "B": iter([1.2, 3.3, 1.0])}
 
     def point(target, ct, workload, c, **_):
         order.append(ct.config.name)
         tps = next(speeds[ct.config.name])
         return sweep.ServingRow(ct.config.name, ct.config.drafter, ct.kind, "full", 0, c, 1, 1, 1.0, tps, tps, 1.0,
-                                0.0, 1, 0.0, 0.0), next(outputs[ct.config.name])
+                                0.0, 1, 0.0, 0.0, tpot_p95_s=next(p95[ct.config.name])), next(outputs[ct.config.name])
 
     monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
     monkeypatch.setattr(sweep, "run_point", point)
@@ -249,5 +250,7 @@ def test_repeated_points_run_interleaved_and_report_the_median_run(monkeypatch: 
     # the speed-up pairs the runs of a round (5/30, 7/10, 6/20): their median, not the medians' ratio (7/20)
     assert b.runs_speedup == pytest.approx((5 / 30, 0.7, 0.3)) and b.speedup == pytest.approx(0.3)
     assert "0.30x (0.17-0.70)" in report.format_table()
+    # so does the p95 TPOT against AR's (1.2/1, 3.3/3, 1/2): the median 1.1, where the rows' own runs give 3.3/2
+    assert b.runs_tpot_p95_s == (1.2, 3.3, 1.0) and b.tpot_p95_vs_ar == pytest.approx(1.1)
     with pytest.raises(sweep.ServingError, match="repeats"):
         sweep.run_sweep(None, [_contender("A=none")], [EvalPrompt([1], "code")], repeats=0)  # type: ignore[arg-type]

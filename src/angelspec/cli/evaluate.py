@@ -180,8 +180,9 @@ def add_bench(sub: Subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed runs per point and config, the configs in turn each round (every other round in reverse "
                         "order, so that drift through a round favours none); the run with the median "
-                        "throughput is reported, and the speed-up is the median of each round's ratio to AR's run of "
-                        "the same round, with their range (default: 1; 3 or more on a machine whose speed drifts)")
+                        "throughput is reported, and the speed-up and p95 TPOT against AR's are the medians of each "
+                        "round's ratio to AR's run of the same round, the speed-up with their range (default: 1; 3 or "
+                        "more on a machine whose speed drifts)")
     p.add_argument("--warmup-tokens", type=int, default=8, metavar="N",
                    help="new tokens of the untimed warm-up batch per config (default: 8)")
     p.add_argument("--no-compile", dest="compile", action="store_false",

@@ -47,7 +47,9 @@ class ServingRow:
     # tokens/s over the AR configuration's at the same concurrency (with `--repeats`: the median of `runs_speedup`)
     speedup: float | None = None
     runs_speedup: tuple[float, ...] = ()  # with `--repeats`: each round's run over the AR run of the same round
-    tpot_p95_vs_ar: float | None = None  # p95 TPOT over the AR configuration's at the same concurrency (< 1: faster)
+    # p95 TPOT over the AR configuration's at the same concurrency (< 1: faster); with `--repeats`, the median over
+    # rounds of the ratio of the two runs of a round (`paired_tpot_p95`)
+    tpot_p95_vs_ar: float | None = None
     identical: int | None = None  # outputs equal to the AR configuration's (T=0); None without an AR config
     near_ties: int = 0  # other outputs: they part from AR's where the target's best logits nearly tie (eval.lossless)
     # vLLM on the same requests (`angelspec bench --vllm`, vllm.py); None where it was not run or has no equivalent
@@ -55,6 +57,7 @@ class ServingRow:
     vllm_mal: float | None = None  # vLLM's accepted drafts + 1 per verify step that had drafts
     vllm_identical: int | None = None  # vLLM outputs equal to this configuration's
     runs_tokens_per_s: tuple[float, ...] = ()  # every timed run's tokens/s with `--repeats` (the row is the median)
+    runs_tpot_p95_s: tuple[float, ...] = ()  # every timed run's p95 TPOT with `--repeats`, in the same order
 
     @property
     def lossless_ok(self) -> bool | None:
@@ -87,10 +90,25 @@ def paired_ratio(a: ServingRow, b: ServingRow) -> float | None:
 def round_ratios(a: ServingRow, b: ServingRow) -> tuple[float, ...]:
     """Per round of `--repeats`, a's run's throughput over b's run of the same round (() unless both rows hold the
     same number of runs, more than one, and b's all measured something)."""
-    ra, rb = a.runs_tokens_per_s, b.runs_tokens_per_s
-    if len(ra) < 2 or len(ra) != len(rb) or min(rb) <= 0:
+    return _per_round(a.runs_tokens_per_s, b.runs_tokens_per_s)
+
+
+def paired_tpot_p95(a: ServingRow, b: ServingRow) -> float | None:
+    """a's p95 time per output token over b's at one point. With `--repeats`, the median over rounds of the ratio of
+    the two runs of the same round, as for throughput (`paired_ratio`): each row is its median-throughput run, and the
+    two rows' runs may come from rounds minutes apart, between which a drifting machine moves a p95 over a few requests
+    by more than the 5% a latency goal allows; else the two rows' own p95s. None where b measured nothing."""
+    rounds = _per_round(a.runs_tpot_p95_s, b.runs_tpot_p95_s)
+    if rounds:
+        return statistics.median(rounds)
+    return a.tpot_p95_s / b.tpot_p95_s if b.tpot_p95_s > 0 else None
+
+
+def _per_round(xa: Sequence[float], xb: Sequence[float]) -> tuple[float, ...]:
+    """xa[i] / xb[i] per round (() unless both hold the same number of runs, more than one, and xb's are all > 0)."""
+    if len(xa) < 2 or len(xa) != len(xb) or min(xb) <= 0:
         return ()
-    return tuple(x / y for x, y in zip(ra, rb, strict=True))
+    return tuple(x / y for x, y in zip(xa, xb, strict=True))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from angelspec.assets import EVAL_PROMPTS
-from angelspec.eval.serving.base import ServingError, ServingRow, paired_ratio, percentile, round_ratios
+from angelspec.eval.serving.base import (
+    ServingError,
+    ServingRow,
+    paired_ratio,
+    paired_tpot_p95,
+    percentile,
+    round_ratios,
+)
 from angelspec.eval.serving.report import ServingReport
 from angelspec.eval.serving.vllm import VllmColumn, VllmSetup, add_vllm
 
@@ -310,12 +317,13 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
 
 def median_run(runs: Sequence[tuple[ServingRow, list[list[int]]]]) -> tuple[ServingRow, list[list[int]]]:
     """The run with the median throughput (the lower middle one of an even count), its row carrying every run's
-    tokens/s; a run whose outputs differ from the others' is returned instead (a lossless failure must not hide)."""
+    tokens/s and p95 TPOT; a run whose outputs differ from the others' is returned instead (a lossless failure must not hide)."""
     first = runs[0][1]
     odd = next((run for run in runs if run[1] != first), None)
     ranked = sorted(runs, key=lambda run: run[0].tokens_per_s)
     row, outputs = odd or ranked[(len(ranked) - 1) // 2]
-    return replace(row, runs_tokens_per_s=tuple(run[0].tokens_per_s for run in runs)), outputs
+    return replace(row, runs_tokens_per_s=tuple(run[0].tokens_per_s for run in runs),
+                   runs_tpot_p95_s=tuple(run[0].tpot_p95_s for run in runs)), outputs
 
 
 def latency_percentiles(results: Sequence[Any]) -> dict[str, float]:
@@ -400,11 +408,10 @@ def run_sweep(target: Decoder, contenders: Sequence[Contender], workload: Sequen
         if ref is None:
             rows.append(row)
             continue
-        tpot = row.tpot_p95_s / ref[0].tpot_p95_s if ref[0].tpot_p95_s > 0 else None
         identical = sum(a == b for a, b in zip(ref[1], out, strict=True))
         near = _near_ties(target, workload, row.requests, ref[1], out) if identical < len(out) else 0
         rows.append(replace(row, speedup=paired_ratio(row, ref[0]), runs_speedup=round_ratios(row, ref[0]),
-                            tpot_p95_vs_ar=tpot, identical=identical, near_ties=near))
+                            tpot_p95_vs_ar=paired_tpot_p95(row, ref[0]), identical=identical, near_ties=near))
     extra: dict[str, Any] = {}
     if vllm is not None:
         rows, extra["vllm"] = _vllm_column(vllm, contenders, workload, rows, [out for _, out in raw],
