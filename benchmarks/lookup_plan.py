@@ -12,11 +12,12 @@ it adds to the step:
                 the model's drafting), each row choosing its own depth as if the step were its alone
 
 Both run the same drafter (the shipped DFly with the lookup in front) over the same requests, each with its own
-policy and gate, beside AR, the engines in turn each round (every other round in reverse order). Printed per
-concurrency C (C rows, 4C requests of 128 new tokens from the eval prompts): AR's tokens/s; each plan's throughput and
-p95 time per output token over AR's of the same round (medians over rounds, and the range of the throughput ratio),
-its committed tokens per row-step (MAL) and drafts verified per row-step; and measured over table. Outputs are checked
-equal to AR's.
+policy and gate, beside AR, through `angelspec bench`'s sweep with repeats (`eval.serving.sweep.run_sweep`: the
+engines in turn each round, every other round in reverse order). Printed per concurrency C (C rows, 4C requests of 128
+new tokens from the eval prompts): AR's tokens/s (median run); each plan's throughput and p95 time per output token
+over AR's of the same round (medians over rounds, and the range of the throughput ratio), its committed tokens per
+row-step (MAL) and drafts verified per row-step in its median run; and measured over table per round (median).
+Outputs are checked equal to AR's.
 
     .venv/bin/python benchmarks/lookup_plan.py                       # C = 1,2,4, 5 rounds, compiled
     .venv/bin/python benchmarks/lookup_plan.py --concurrency 2 --repeats 9
@@ -25,7 +26,6 @@ equal to AR's.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,8 +35,8 @@ from angelspec.assets import DEFAULT_DRAFTERS, DEFAULT_TARGET
 from angelspec.decoding.drafters.hybrid import HybridDrafter
 from angelspec.decoding.loading import load_target_and_tokenizer
 from angelspec.decoding.policies.gate import ServingGate, _Lane
-from angelspec.eval.serving.base import ServingRow
-from angelspec.eval.serving.sweep import build_contenders, parse_config, run_point, serving_workload, warm_up
+from angelspec.eval.serving.base import ServingRow, paired_ratio
+from angelspec.eval.serving.sweep import build_contenders, parse_config, run_sweep, serving_workload
 
 
 class TableCosts(ServingGate):
@@ -102,39 +102,28 @@ def main() -> None:
     assert table.policy is not None and table.policy.cost is not None  # `auto` with the cost table
     table.policy._gates[k, True] = TableCosts(k, cost=table.policy.cost, lookup=True)
     workload = serving_workload(tokenizer, model.config.max_position_embeddings, args.max_new_tokens)
-    contenders = (ar, measured, table)
     print(f"lookup plans: {spec} (K = {k}), compile={args.compile}, {args.max_new_tokens} new tokens, 4C requests, "
           f"{args.repeats} rounds, {torch.get_num_threads()} threads")
     print("| C | AR tok/s | measured / AR (range) | table / AR (range) | measured / table | p95 TPOT / AR's: measured, "
           "table | MAL: measured, table | drafts a row-step: measured, table |")
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrency:
-        for ct in contenders:
-            warm_up(model, ct, workload, batch=c, tokens=8)
-        runs: dict[str, list[ServingRow]] = {ct.config.name: [] for ct in contenders}
-        reference: list[list[int]] = []
-        for r in range(args.repeats):
-            for ct in contenders if r % 2 == 0 else contenders[::-1]:  # (AR runs first in the first round)
-                row, outputs = run_point(model, ct, workload, c, max_new_tokens=args.max_new_tokens)
-                reference = reference or outputs
-                if outputs != reference:
-                    raise SystemExit(f"{ct.config.name} at C = {c}: outputs differ from AR's (a bug)")
-                runs[ct.config.name].append(row)
-        base = runs["AR"]
-
-        m, t = ratios(runs["measured"], base), ratios(runs["table"], base)
-        p95 = [statistics.median(ratios(runs[n], base, "tpot_p95_s")) for n in ("measured", "table")]
-        mal = [statistics.median(x.mal for x in runs[n]) for n in ("measured", "table")]
-        depth = [statistics.median(x.mean_depth for x in runs[n]) for n in ("measured", "table")]
-        print(f"| {c} | {statistics.median(x.tokens_per_s for x in base):.0f} | {statistics.median(m):.3f} "
-              f"({min(m):.2f}-{max(m):.2f}) | {statistics.median(t):.3f} ({min(t):.2f}-{max(t):.2f}) | "
-              f"{statistics.median(ratios(runs['measured'], runs['table'])):.3f} | {p95[0]:.2f}, {p95[1]:.2f} | "
-              f"{mal[0]:.2f}, {mal[1]:.2f} | {depth[0]:.2f}, {depth[1]:.2f} |", flush=True)
+        report = run_sweep(model, (ar, measured, table), workload, concurrency=(c,), max_new_tokens=args.max_new_tokens,
+                           log=None, repeats=args.repeats)
+        base, m, t = (report.row(name, c) for name in ("AR", "measured", "table"))
+        for row in (m, t):
+            if not row.lossless_ok:
+                raise SystemExit(f"{row.config} at C = {c}: outputs differ from AR's (a bug)")
+        print(f"| {c} | {base.tokens_per_s:.0f} | {m.speedup:.3f} ({span(m)}) | "
+              f"{t.speedup:.3f} ({span(t)}) | {paired_ratio(m, t):.3f} | "
+              f"{m.tpot_p95_vs_ar:.2f}, {t.tpot_p95_vs_ar:.2f} | {m.mal:.2f}, {t.mal:.2f} | "
+              f"{m.mean_depth:.2f}, {t.mean_depth:.2f} |", flush=True)
 
 
-def ratios(runs: Sequence[ServingRow], other: Sequence[ServingRow], field: str = "tokens_per_s") -> list[float]:
-    """Per round, `field` of a run over the other's run of the same round."""
-    return [getattr(a, field) / getattr(b, field) for a, b in zip(runs, other, strict=True)]
+def span(row: ServingRow) -> str:
+    """The range of a row's per-round throughput ratios to AR's (one round: its ratio)."""
+    runs = row.runs_speedup or (row.speedup,)
+    return f"{min(runs):.2f}-{max(runs):.2f}"
 
 
 if __name__ == "__main__":
