@@ -317,7 +317,8 @@ def run_point(target: Decoder, contender: Contender, workload: Sequence[EvalProm
 
 def median_run(runs: Sequence[tuple[ServingRow, list[list[int]]]]) -> tuple[ServingRow, list[list[int]]]:
     """The run with the median throughput (the lower middle one of an even count), its row carrying every run's
-    tokens/s and p95 TPOT; a run whose outputs differ from the others' is returned instead (a lossless failure must not hide)."""
+    tokens/s and p95 TPOT; a run whose outputs differ from the others' is returned instead (a lossless failure must
+    not hide)."""
     first = runs[0][1]
     odd = next((run for run in runs if run[1] != first), None)
     ranked = sorted(runs, key=lambda run: run[0].tokens_per_s)
