@@ -708,6 +708,45 @@ def test_a_lookup_plan_weighs_what_a_rows_drafts_cost_the_whole_step():
     assert acc.plan({0: 1, 1: 3}, 2, 4, costs[:4]) == {1: 3}  # three drafts in all: the sure ones
 
 
+def test_a_lookup_plan_keeps_what_it_costs_every_row_within_the_rows_latency_room():
+    """`room` (`LatencyBudget`): a plan that pays for the batch is kept only as far as its cost to each row, beyond what
+    the row is expected to gain, fits the row's room; a row out of room takes only what pays for itself."""
+    acc = MatchAcceptance(3)
+    for _ in range(40):
+        acc.observe(3, 4, 4)  # after a 3-token match every draft was accepted
+        acc.observe(1, 4, 0)
+        acc.observe(1, 4, 1)  # after a 1-token match the first draft half the time, the second never
+    costs = (1.0,) + tuple(1.3 + 0.05 * m for m in range(1, 9))  # a fixed 0.3, then 0.05 a draft
+    # row 1's sure drafts pay the fixed price for both rows; row 0 matches nothing and only waits
+    assert acc.plan({1: 3}, 2, 4, costs) == {1: 4}
+    assert acc.plan({1: 3}, 2, 4, costs, room={0: 0.5, 1: 0.0}) == {1: 4}  # costs row 0 0.5 plain steps: it has them
+    assert acc.plan({1: 3}, 2, 4, costs, room={0: 0.42, 1: 0.0}) == {1: 2}  # only 1.4: two drafts
+    assert acc.plan({1: 3}, 2, 4, costs, room={0: 0.2, 1: 5.0}) == {}  # less than the fixed price: none
+    assert acc.plan({1: 3}, 2, 4, costs, room={0: -3.0, 1: 5.0}) == {}  # out of room: as none
+    # alone and out of room, a row still verifies what its own expected gain pays for, and nothing that does not
+    assert acc.plan({0: 3}, 1, 4, costs, room={0: -1.0}) == {0: 4}
+    assert acc.plan({0: 1}, 1, 4, costs, room={0: -1.0}) == {0: 1}  # 1.35 against 1 + 0.5
+    assert acc.plan({0: 1}, 1, 4, (1.0, 1.6, 1.7), room={0: -1.0}) == {}
+
+
+def test_the_latency_budget_charges_each_row_what_lookup_steps_cost_it_beyond_their_tokens():
+    from angelspec.decoding.drafters.hybrid import LatencyBudget
+
+    budget = LatencyBudget(0.05, allowance=20)
+    budget.reset(3)
+    budget.start_row(0, 10)
+    budget.start_row(1, 10)
+    assert budget.room(0, 10) == pytest.approx(1.0)  # 5% of the allowance's 20 tokens, from the first
+    budget.charge(1.4, [(5,), (6, 7, 8), ()])  # 1.4 plain steps: row 0 got one token, row 1 three, row 2 is idle
+    assert budget.debt == pytest.approx([0.4, -1.6, 0.0])
+    assert budget.room(0, 11) == pytest.approx(0.6) and budget.room(1, 13) == pytest.approx(2.6)
+    assert budget.room(0, 50) == pytest.approx(0.05 * 40 - 0.4)  # past the allowance: 5% of its tokens
+    budget.start_row(0, 60)  # a new request in the row
+    assert budget.room(0, 60) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="slack"):
+        LatencyBudget(-0.1)
+
+
 @pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])
 def test_a_full_depth_step_reads_nothing_back_to_size_its_verify_forward(target, greedy_case, monkeypatch,
                                                                          drafter_kind):

@@ -147,13 +147,47 @@ class LookupChooser:
             self.lookup_round_s = _ema(old, seconds, self.global_alpha)
 
 
+class LatencyBudget:
+    """How much each request's lookup steps may slow it against plain decoding: `slack` (0.05: 5%) of its time per
+    output token. A lookup step of m drafts in all costs every row of the batch costs[m] (its planned cost against a
+    plain step, `DraftState.lookup_costs`) and commits 1 + its accepted drafts to each; per row, `debt` sums what its
+    lookup steps cost it beyond the tokens they gave it, in plain steps (a plain step costs 1 and gives 1: nothing),
+    and `room` = slack * (tokens since its prefill) - debt is what the plan may still spend of it
+    (`MatchAcceptance.plan`). So a request that matches nothing beside one that matches much is slowed by at most
+    the slack, as planned (the step costs as the gate measured them; what rows out of step cost is not in them),
+    and one whose drafts keep failing verifies only what is expected to pay for itself."""
+
+    def __init__(self, slack: float, allowance: int = 32) -> None:
+        if not slack >= 0.0 or allowance < 0:
+            raise ValueError(f"LatencyBudget needs slack >= 0 and allowance >= 0, got {slack}, {allowance}")
+        self.slack, self.allowance = slack, allowance
+        self.debt: list[float] = []
+        self.base: list[int] = []  # per row, its history's length after the prefill (the prompt and first token)
+
+    def reset(self, batch_size: int) -> None:
+        self.debt, self.base = [0.0] * batch_size, [0] * batch_size
+
+    def start_row(self, r: int, history_len: int) -> None:
+        self.debt[r], self.base[r] = 0.0, history_len
+
+    def room(self, r: int, history_len: int) -> float:
+        """Plain steps' worth of time row r may still lose (negative: it lost more than the slack allows)."""
+        return self.slack * max(history_len - self.base[r], self.allowance) - self.debt[r]
+
+    def charge(self, cost: float, host_tokens: Sequence[Sequence[int]]) -> None:
+        """A lookup step that cost `cost` plain steps committed host_tokens[r] to each active row (empty: idle)."""
+        for r, toks in enumerate(host_tokens):
+            if toks:
+                self.debt[r] += cost - len(toks)
+
+
 class HybridDrafter(WrappedDrafter):
     """`inner` (a model drafter) with `ngram` in front; rows whose n-gram match is at least `min_match` tokens long
     draft from the lookup (always, or with `adaptive` where it has paid so far). Not registered: it is built around
     another drafter (`loading.resolve_drafter`)."""
 
     def __init__(self, inner: Drafter, ngram: NGramDrafter | None = None, min_match: int | None = None, *,
-                 adaptive: bool = False, model_depth: int | None = None) -> None:
+                 adaptive: bool = False, model_depth: int | None = None, latency_slack: float | None = 0.05) -> None:
         if not inner.context_from_commits:
             raise ValueError(f"HybridDrafter: {type(inner).__name__} keeps its own drafts as context, so lookup drafts "
                              "cannot be verified in its place; use a drafter that builds its context from the target's "
@@ -182,6 +216,10 @@ class HybridDrafter(WrappedDrafter):
         # for reports: "lookup" (every active row drafted from the lookup) and "model" (the model drafted in it)
         # rounds; a request's first rounds are left out
         self.round_stats = RoundStats(("lookup", "model"))
+        # lookup steps planned on costs (the serving gate's) slow no request by more than this share of its time per
+        # output token (`LatencyBudget`; None: no bound)
+        self.budget = None if latency_slack is None else LatencyBudget(latency_slack)
+        self._charge = 0.0  # this round: what its lookup step cost every row, in plain steps (0.0: not a lookup step)
 
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
         self.inner.allocate(batch_size, max_len, device=device, slack=slack)
@@ -189,7 +227,9 @@ class HybridDrafter(WrappedDrafter):
         self._model_first = [MODEL_FIRST_ROUNDS] * batch_size
         if self.chooser is not None:
             self.chooser.reset(batch_size)
-        self._sources, self._timing, self._plan = {}, None, None
+        if self.budget is not None:
+            self.budget.reset(batch_size)
+        self._sources, self._timing, self._plan, self._charge = {}, None, None, 0.0
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
                 target_hidden: tuple[Tensor, ...]) -> None:
@@ -199,6 +239,8 @@ class HybridDrafter(WrappedDrafter):
             self._model_first[r] = MODEL_FIRST_ROUNDS
             if self.chooser is not None:
                 self.chooser.start_row(r)
+            if self.budget is not None:
+                self.budget.start_row(r, self.ngram.history_len(r))
 
     def propose(self, state: DraftState) -> Proposal:
         k = state.num_draft_tokens
@@ -277,7 +319,9 @@ class HybridDrafter(WrappedDrafter):
             n, drafts = self.ngram.match(r, k)
             if n >= self.min_match:  # (rows without a match drafted nothing: no source to learn about)
                 matches[r] = (n, drafts)
-        depths = (self.ngram.acceptance.plan({r: n for r, (n, _) in matches.items()}, len(active_rows), k, costs)
+        room = None if self.budget is None else {r: self.budget.room(r, self.ngram.history_len(r)) for r in active_rows}
+        depths = (self.ngram.acceptance.plan({r: n for r, (n, _) in matches.items()}, len(active_rows), k, costs,
+                                             room)
                   if len(costs) > 1 else dict.fromkeys(matches, k))
         plan = {r: (matches[r][0], matches[r][1], d) for r, d in depths.items()}
         return self._plan_key(active_rows, k, costs), plan
@@ -304,6 +348,8 @@ class HybridDrafter(WrappedDrafter):
         for r, (n, drafts, depth) in planned[1].items():
             tokens[r], lengths[r], self._sources[r] = drafts, depth, n
             self.ngram.note_match(r, n)
+        verified = sum(lengths)
+        self._charge = costs[verified] / costs[0] if verified and len(costs) > verified else 0.0
         self.lookup_rounds += len(planned[1])
         self._timing = (start, False)
         length = torch.tensor(lengths, dtype=torch.int64, device=dev)  # [B]
@@ -322,6 +368,7 @@ class HybridDrafter(WrappedDrafter):
         if self.chooser is not None:
             for r, n in self._sources.items():
                 self.chooser.observe_accepted(r, n, len(commit.host_tokens[r]) - 1)
+        self._settle(commit.host_tokens)
         self._sources, self._timing, self._plan = {}, None, None
         self.inner.on_commit(commit)
         self.ngram.on_commit(commit)
@@ -329,8 +376,15 @@ class HybridDrafter(WrappedDrafter):
     def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
         """A step that left the model behind: the lookup's history (and what it learns of the rows it drafted) takes
         the tokens, the model waits for `on_catch_up`."""
+        self._settle(host_tokens)
         self._sources, self._timing, self._plan = {}, None, None
         self.ngram.extend(host_tokens, host_depths)
+
+    def _settle(self, host_tokens: Sequence[Sequence[int]]) -> None:
+        """A lookup step's cost goes to every active row's latency budget (`LatencyBudget.charge`)."""
+        if self._charge and self.budget is not None:
+            self.budget.charge(self._charge, host_tokens)
+        self._charge = 0.0
 
     def on_catch_up(self, commit: Commit) -> None:
         """The positions the model missed; the lookup takes those it has not seen (an engine that runs no lookup steps

@@ -19,6 +19,7 @@ Shape legend: B rows, K draft depth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 
@@ -45,7 +46,8 @@ class MatchAcceptance:
         hits, trials, prior = self.hits[n], self.trials[n], self.prior
         return [(hits[m] + prior) / (trials[m] + prior) if m < len(trials) else 1.0 for m in range(k)]
 
-    def plan(self, matches: Mapping[int, int], num_rows: int, k: int, costs: Sequence[float]) -> dict[int, int]:
+    def plan(self, matches: Mapping[int, int], num_rows: int, k: int, costs: Sequence[float],
+             room: Mapping[int, float] | None = None) -> dict[int, int]:
         """How many drafts each row with a match verifies in one step of `num_rows` rows: `matches` row -> its match
         length n, costs[m] what the step costs verifying m drafts in all (every row's together) against one verifying
         none. The step commits num_rows + sum over rows of the expected accepted drafts, P(the first d accepted) for
@@ -53,8 +55,13 @@ class MatchAcceptance:
         expected tokens per unit of cost highest, and none where no number of drafts beats a plain step
         (num_rows / costs[0]). A row's drafts are verified in order (its chances fall with depth), at most k and at
         most len(costs) - 1 in all. Since the step is shared, a draft that pays for its row alone may not pay for the
-        batch: the fixed part of a verify step slows every row in it. -> row -> drafts to verify (rows left out:
-        none)."""
+        batch: the fixed part of a verify step slows every row in it.
+
+        `room`: every active row -> how much more its request may be slowed, in plain steps (`LatencyBudget`). A
+        step of m drafts costs a row costs[m] / costs[0] - 1 - (its expected accepted drafts) plain steps more than a
+        plain step; only plans whose cost to every row stays within its room (or, for a row out of room, that are
+        expected to pay for the row itself) are kept, so a row that matches nothing does not wait for the others'
+        drafts without end. -> row -> drafts to verify (rows left out: none)."""
         ranked = []  # (-P(first d accepted), d, row)
         for r, n in matches.items():
             alive = 1.0
@@ -63,9 +70,17 @@ class MatchAcceptance:
                 ranked.append((-alive, d, r))
         ranked.sort()
         tokens, best, best_rate = float(num_rows), 0, num_rows / costs[0]
-        for m, (neg, _, _) in enumerate(ranked[: len(costs) - 1], 1):
+        # with room: per row, the most the step may cost it (1 + its room + its expected accepted drafts so far)
+        limit = {r: 1.0 + max(x, 0.0) for r, x in room.items()} if room is not None else {}
+        lowest = min(limit.values(), default=math.inf)
+        for m, (neg, _, r) in enumerate(ranked[: len(costs) - 1], 1):
             tokens -= neg
-            if tokens / costs[m] > best_rate:
+            if r in limit:
+                was = limit[r]
+                limit[r] = was - neg
+                if was == lowest:
+                    lowest = min(limit.values())
+            if tokens / costs[m] > best_rate and costs[m] / costs[0] <= lowest:
                 best, best_rate = m, tokens / costs[m]
         depths: dict[int, int] = {}
         for _, _, r in ranked[:best]:
