@@ -1,5 +1,6 @@
 """How the serving setting `auto` plans its lookup steps: on what lookup steps measured to cost, over the step's rows
-together (the engine's way), against the cost table's costs with each row deciding alone (the way before it).
+together (the engine's way), against the cost table's costs with each row deciding alone (the way before it), or
+against the engine's own plan without its latency budget.
 
 While the model does not draft, `auto` runs lookup steps: each row with an n-gram match verifies some of its drafts.
 How many depends on what a verified draft is expected to return (its match length's acceptance so far) against what
@@ -10,17 +11,20 @@ it adds to the step:
                 surest drafts of all rows while the step's expected committed tokens per second rise
     table       the cost table's step verifying d drafts in every row against one verifying none (its steps include
                 the model's drafting), each row choosing its own depth as if the step were its alone
+    unbounded   (`--against unbounded`) measured, without the latency budget that keeps each request's wait on the
+                other rows' drafts within 5% of its time (`hybrid.LatencyBudget`)
 
-Both run the same drafter (the shipped DFly with the lookup in front) over the same requests, each with its own
+The two run the same drafter (the shipped DFly with the lookup in front) over the same requests, each with its own
 policy and gate, beside AR, through `angelspec bench`'s sweep with repeats (`eval.serving.sweep.run_sweep`: the
 engines in turn each round, every other round in reverse order). Printed per concurrency C (C rows, 4C requests of 128
 new tokens from the eval prompts): AR's tokens/s (median run); each plan's throughput and p95 time per output token
 over AR's of the same round (medians over rounds, and the range of the throughput ratio), its committed tokens per
-row-step (MAL) and drafts verified per row-step in its median run; and measured over table per round (median).
+row-step (MAL) and drafts verified per row-step in its median run; and measured over the other per round (median).
 Outputs are checked equal to AR's.
 
     .venv/bin/python benchmarks/lookup_plan.py                       # C = 1,2,4, 5 rounds, compiled
     .venv/bin/python benchmarks/lookup_plan.py --concurrency 2 --repeats 9
+    .venv/bin/python benchmarks/lookup_plan.py --against unbounded --concurrency 2,4 --repeats 7
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,2,4")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--against", choices=("table", "unbounded"), default="table",
+                   help="the plan beside the engine's: the table's per row (default), or the engine's own without the "
+                        "latency budget (HybridDrafter(latency_slack=None))")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -90,27 +97,31 @@ def main() -> None:
     compiled = "+compile" if args.compile else ""
     spec = args.drafter if "+ngram" in args.drafter else f"{args.drafter}+ngram"
     # two configurations of the same drafter, each loaded on its own (a drafter keeps what its lookup learned)
+    other = args.against
     ar, measured, table = build_contenders(
         model, target_dir, [parse_config(f"AR=none{compiled}"), parse_config(f"measured={spec}{compiled}"),
-                            parse_config(f"table=./{spec}{compiled}" if not spec.startswith(("/", ".")) else
-                                         f"table={Path(spec).parent}/./{Path(spec).name}{compiled}")],
+                            parse_config(f"{other}=./{spec}{compiled}" if not spec.startswith(("/", ".")) else
+                                         f"{other}={Path(spec).parent}/./{Path(spec).name}{compiled}")],
         concurrency=concurrency, log=None)
     if not isinstance(table.drafter, HybridDrafter) or table.drafter is measured.drafter:
         raise SystemExit(f"--drafter {args.drafter!r}: name a model drafter's folder (the lookup goes in front)")
-    table.drafter.__class__ = PerRowPlan
     k = table.num_draft_tokens
-    assert table.policy is not None and table.policy.cost is not None  # `auto` with the cost table
-    table.policy._gates[k, True] = TableCosts(k, cost=table.policy.cost, lookup=True)
+    if other == "unbounded":
+        table.drafter.budget = None
+    else:
+        table.drafter.__class__ = PerRowPlan
+        assert table.policy is not None and table.policy.cost is not None  # `auto` with the cost table
+        table.policy._gates[k, True] = TableCosts(k, cost=table.policy.cost, lookup=True)
     workload = serving_workload(tokenizer, model.config.max_position_embeddings, args.max_new_tokens)
     print(f"lookup plans: {spec} (K = {k}), compile={args.compile}, {args.max_new_tokens} new tokens, 4C requests, "
           f"{args.repeats} rounds, {torch.get_num_threads()} threads")
-    print("| C | AR tok/s | measured / AR (range) | table / AR (range) | measured / table | p95 TPOT / AR's: measured, "
-          "table | MAL: measured, table | drafts a row-step: measured, table |")
+    print(f"| C | AR tok/s | measured / AR (range) | {other} / AR (range) | measured / {other} | p95 TPOT / AR's: "
+          f"measured, {other} | MAL: measured, {other} | drafts a row-step: measured, {other} |")
     print("|---|---|---|---|---|---|---|---|")
     for c in concurrency:
         report = run_sweep(model, (ar, measured, table), workload, concurrency=(c,), max_new_tokens=args.max_new_tokens,
                            log=None, repeats=args.repeats)
-        base, m, t = (report.row(name, c) for name in ("AR", "measured", "table"))
+        base, m, t = (report.row(name, c) for name in ("AR", "measured", other))
         for row in (m, t):
             if not row.lossless_ok:
                 raise SystemExit(f"{row.config} at C = {c}: outputs differ from AR's (a bug)")

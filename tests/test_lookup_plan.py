@@ -14,13 +14,14 @@ import lookup_plan  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_both_plans_run_beside_ar_and_the_table_has_their_ratios(capsys, monkeypatch):
+@pytest.mark.parametrize("against", ["table", "unbounded"])
+def test_both_plans_run_beside_ar_and_the_table_has_their_ratios(capsys, monkeypatch, against):
     monkeypatch.setattr(sys, "argv", ["lookup_plan.py", "--no-compile", "--concurrency", "1,2", "--max-new-tokens",
-                                      "8", "--repeats", "2"])
+                                      "8", "--repeats", "2", "--against", against])
     lookup_plan.main()
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert len(rows) == 2
+    assert len(rows) == 2 and f"measured / {against}" in out
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 8

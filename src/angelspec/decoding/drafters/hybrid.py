@@ -37,6 +37,10 @@ best K (measured in `benchmarks/hybrid.py --model-depths`). With D set the model
 at T > 0 where no row matched, verified with the deterministic-draft protocol (exact; per-row lengths are refused
 under standard speculative sampling).
 
+The serving gate's lookup steps (`DraftState.lookup_only`, with the costs of verifying m drafts in all) are planned
+over the step's rows together (`MatchAcceptance.plan`), within each request's `LatencyBudget`: waiting on other rows'
+drafts slows a request by at most `latency_slack` (5%) of its time per output token, as the plan's costs count it.
+
 `--drafter DIR+ngram` (or `KIND:DIR+ngram`; `...+ngram:N:M:D` for the longest n-gram N, the shortest match M and
 the model's depth D) builds one.
 
@@ -152,12 +156,14 @@ class LatencyBudget:
     output token. A lookup step of m drafts in all costs every row of the batch costs[m] (its planned cost against a
     plain step, `DraftState.lookup_costs`) and commits 1 + its accepted drafts to each; per row, `debt` sums what its
     lookup steps cost it beyond the tokens they gave it, in plain steps (a plain step costs 1 and gives 1: nothing),
-    and `room` = slack * (tokens since its prefill) - debt is what the plan may still spend of it
-    (`MatchAcceptance.plan`). So a request that matches nothing beside one that matches much is slowed by at most
-    the slack, as planned (the step costs as the gate measured them; what rows out of step cost is not in them),
-    and one whose drafts keep failing verifies only what is expected to pay for itself."""
+    and `room` = slack * max(tokens since its prefill, `allowance`) - debt is what the plan may still spend of it
+    (`MatchAcceptance.plan`; the allowance lets a request's first tokens wait on others' drafts that its later ones
+    will make up for, as a time per output token over the whole request does). So a request that matches nothing
+    beside one that matches much is slowed by at most the slack, as planned (the step costs as the gate measured
+    them; what rows out of step cost is not in them), and one whose drafts keep failing verifies only what is
+    expected to pay for itself."""
 
-    def __init__(self, slack: float, allowance: int = 32) -> None:
+    def __init__(self, slack: float, allowance: int = 128) -> None:
         if not slack >= 0.0 or allowance < 0:
             raise ValueError(f"LatencyBudget needs slack >= 0 and allowance >= 0, got {slack}, {allowance}")
         self.slack, self.allowance = slack, allowance
