@@ -12,7 +12,7 @@ it adds to the step:
     table       the cost table's step verifying d drafts in every row against one verifying none (its steps include
                 the model's drafting), each row choosing its own depth as if the step were its alone
     unbounded   (`--against unbounded`) measured, without the latency budget that keeps each request's wait on the
-                other rows' drafts within 5% of its time (`hybrid.LatencyBudget`)
+                other rows' drafts within 5% of its time (`hybrid.LatencyBudget`; `--policy auto:slack=none`)
 
 The two run the same drafter (the shipped DFly with the lookup in front) over the same requests, each with its own
 policy and gate, beside AR, through `angelspec bench`'s sweep with repeats (`eval.serving.sweep.run_sweep`: the
@@ -59,7 +59,7 @@ class PerRowPlan(HybridDrafter):
     """The hybrid drafter, but each row with a match verifies the depth d that maximizes (1 + its expected accepted
     drafts) / costs[d] on its own, none where no depth beats 1 / costs[0] (costs per uniform depth: `TableCosts`)."""
 
-    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]
+    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...], slack: float | None
                    ) -> tuple[tuple, dict[int, tuple[int, list[int], int]]]:
         plan = {}
         for r in active_rows:
@@ -75,7 +75,7 @@ class PerRowPlan(HybridDrafter):
                     depth, rate = d, expected / costs[d]
             if depth:
                 plan[r] = (n, drafts, depth)
-        return self._plan_key(active_rows, k, costs), plan
+        return self._plan_key(active_rows, k, costs, slack), plan
 
 
 def main() -> None:
@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--against", choices=("table", "unbounded"), default="table",
                    help="the plan beside the engine's: the table's per row (default), or the engine's own without the "
-                        "latency budget (HybridDrafter(latency_slack=None))")
+                        "latency budget (auto:slack=none)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -107,7 +107,8 @@ def main() -> None:
         raise SystemExit(f"--drafter {args.drafter!r}: name a model drafter's folder (the lookup goes in front)")
     k = table.num_draft_tokens
     if other == "unbounded":
-        table.drafter.budget = None
+        assert table.policy is not None
+        table.policy._gates[k, True] = ServingGate(k, cost=table.policy.cost, lookup=True, latency_slack=None)
     else:
         table.drafter.__class__ = PerRowPlan
         assert table.policy is not None and table.policy.cost is not None  # `auto` with the cost table

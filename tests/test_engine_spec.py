@@ -732,19 +732,22 @@ def test_a_lookup_plan_keeps_what_it_costs_every_row_within_the_rows_latency_roo
 def test_the_latency_budget_charges_each_row_what_lookup_steps_cost_it_beyond_their_tokens():
     from angelspec.decoding.drafters.hybrid import LatencyBudget
 
-    budget = LatencyBudget(0.05, allowance=20)
+    budget = LatencyBudget(allowance=20)
     budget.reset(3)
     budget.start_row(0, 10)
     budget.start_row(1, 10)
-    assert budget.room(0, 10) == pytest.approx(1.0)  # 5% of the allowance's 20 tokens, from the first
+    assert budget.room(0, 10, 0.05) == pytest.approx(1.0)  # 5% of the allowance's 20 tokens, from the first
     budget.charge(1.4, [(5,), (6, 7, 8), ()])  # 1.4 plain steps: row 0 got one token, row 1 three, row 2 is idle
     assert budget.debt == pytest.approx([0.4, -1.6, 0.0])
-    assert budget.room(0, 11) == pytest.approx(0.6) and budget.room(1, 13) == pytest.approx(2.6)
-    assert budget.room(0, 50) == pytest.approx(0.05 * 40 - 0.4)  # past the allowance: 5% of its tokens
+    assert budget.room(0, 11, 0.05) == pytest.approx(0.6) and budget.room(1, 13, 0.05) == pytest.approx(2.6)
+    assert budget.room(0, 50, 0.05) == pytest.approx(0.05 * 40 - 0.4)  # past the allowance: 5% of its tokens
+    assert budget.room(0, 50, 0.1) == pytest.approx(0.1 * 40 - 0.4)  # the slack is the plan's to say
     budget.start_row(0, 60)  # a new request in the row
-    assert budget.room(0, 60) == pytest.approx(1.0)
+    assert budget.room(0, 60, 0.05) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="slack"):
-        LatencyBudget(-0.1)
+        budget.room(0, 60, -0.1)
+    with pytest.raises(ValueError, match="allowance"):
+        LatencyBudget(-1)
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "oracle"])

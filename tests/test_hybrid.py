@@ -381,15 +381,14 @@ def test_a_lookup_step_verifies_a_match_only_to_a_depth_its_acceptance_pays_for(
 
 @pytest.mark.parametrize("slack", [0.0, 1e9], ids=["no-slack", "unbounded"])
 def test_with_no_latency_slack_waiting_for_other_rows_drafts_never_puts_a_row_behind_plain_decoding(slack):
-    """The latency budget in an engine (`LatencyBudget`, `HybridDrafter(latency_slack=...)`): a row that verifies
-    nothing in a lookup step where others verify drafts pays the step's cost for one token. With no slack and no
-    allowance the plan lets it wait only on what its own earlier accepted drafts saved (its debt never rises above
-    zero, or above where its own failed drafts left it); with an unbounded slack, waiting puts rows behind. Outputs
-    equal AR's either way."""
+    """The latency budget in an engine (`LatencyBudget`, the gate's `latency_slack` in `DraftState.lookup_slack`): a
+    row that verifies nothing in a lookup step where others verify drafts pays the step's cost for one token. With no
+    slack and no allowance the plan lets it wait only on what its own earlier accepted drafts saved (its debt never
+    rises above zero, or above where its own failed drafts left it); with an unbounded slack, waiting puts rows
+    behind. Outputs equal AR's either way."""
     target, drafter, vocab, _ = block_case()
-    hybrid = HybridDrafter(drafter, NGramDrafter(max_ngram=2), min_match=1, latency_slack=slack)
+    hybrid = HybridDrafter(drafter, NGramDrafter(max_ngram=2), min_match=1)
     budget = hybrid.budget
-    assert budget is not None
     budget.allowance = 0
     waiting: list[int] = []
     behind = []
@@ -410,6 +409,7 @@ def test_with_no_latency_slack_waiting_for_other_rows_drafts_never_puts_a_row_be
     engine = SpecEngine(target, hybrid, EngineConfig(max_batch_size=2, num_draft_tokens=3), on_verify=watch)
     engine.gate = ScriptedServing(["lookup"], 3)
     engine.gate.lookup_costs = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3)  # a cheap verify: drafts pay for the batch
+    engine.gate.latency_slack = slack
     reqs = requests(vocab, 4, 40, seed=2)
     got = engine.generate(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in reference_generate(target, reqs)]

@@ -4,6 +4,7 @@ the cost table they load or profile, and `--policy` on `angelspec generate` / `a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from angelspec.decoding.policies.budget import LinearCost
 from angelspec.decoding.policies.costmodel import CostTable
 from angelspec.decoding.policies.dcut import DCut
 from angelspec.decoding.policies.factory import POLICY_FORMS, PolicyError, cost_batch_sizes, make_policy, parse_policy
+from angelspec.decoding.policies.gate import AutoDepth
 from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
 from angelspec.eval.cost_profile import load_or_profile
 from angelspec.models import load_target
@@ -41,12 +43,15 @@ def test_parse_valid_forms() -> None:
     assert parse_policy(" DCut ").kind == "dcut"  # case and surrounding spaces do not matter
     bounded = parse_policy("dcut:max-loss=0.03")
     assert bounded.max_loss == pytest.approx(0.03) and bounded.arg is None and bounded.needs_cost_model
+    assert parse_policy("auto").arg is None and parse_policy("auto:slack=0.1").arg == pytest.approx(0.1)
+    assert parse_policy("auto:slack=none").arg == math.inf and parse_policy("auto: Slack=0").arg == 0.0
 
 
 @pytest.mark.parametrize("spec", ["", "fulll", "fixed", "fixed:-1", "fixed:2.5", "threshold", "threshold:1.5",
                                   "threshold:nan", "dcut:0.3", "dcut:x", "dcut:", "dcut:max-loss=1",
                                   "dcut:max-loss=x", "alg1:1", "alg1:-0.1",
-                                  "production:2", "full:1"])
+                                  "production:2", "full:1", "auto:0.1", "auto:slack", "auto:slack=-1",
+                                  "auto:slack=x", "auto:slack=inf", "auto:depth=3"])
 def test_parse_errors_list_the_valid_forms(spec: str) -> None:
     with pytest.raises(PolicyError) as info:
         parse_policy(spec)
@@ -91,6 +96,10 @@ def test_cost_policies_load_or_profile_the_table(target, tmp_path: Path) -> None
     assert any("loaded" in x for x in lines) and not any("profiled" in x for x in lines)
     prod = make_policy("production", **kw)
     assert isinstance(prod, ProductionScheduler) and isinstance(prod.cost, CostTable)
+    auto = make_policy("auto", **kw)  # the serving setting: its gate bounds each request's wait on others' drafts
+    assert isinstance(auto, AutoDepth) and auto.make_gate(2, lookup=True).latency_slack == 0.05
+    assert make_policy("auto:slack=0.2", **kw).make_gate(2, lookup=True).latency_slack == pytest.approx(0.2)
+    assert make_policy("auto:slack=none", **kw).make_gate(2, lookup=True).latency_slack is None
     lines.clear()
     make_policy("dcut", **{**kw, "batch_sizes": (1, 2, 3)})  # a batch size the table lacks: re-profiled
     assert any("profiled" in x and "not measured" in x for x in lines)

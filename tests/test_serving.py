@@ -136,6 +136,10 @@ def test_the_auto_line_compares_auto_with_ar_and_the_best_other_config() -> None
     paired = ServingReport(settings={}, rows=[replace(r, runs_tokens_per_s=runs) for r, runs in (
         (report.row("DFly+D-cut", 1), (95.0, 400.0, 230.0)), (report.row("DFly auto", 1), (190.0, 200.0, 180.0)))])
     assert "C=1 1.90x AR, 0.78x DFly+D-cut" in paired.auto_lines()[0]
+    # auto with its latency slack named is the serving setting too (a line of its own, not a config to beat)
+    slack = ServingReport(settings={}, rows=[replace(r, policy="auto:slack=none") if r.config == "DFly auto" else r
+                                             for r in report.rows])
+    assert slack.auto_lines() == [line]
 
 
 def test_a_point_with_a_stalled_step_is_flagged(tmp_path: Path) -> None:

@@ -348,7 +348,7 @@ def test_auto_is_a_policy_spec_that_needs_a_drafter_and_a_cost_table():
     target = tiny_decoder(64, layers=2, heads=2, kv=1)
     with pytest.raises(ValueError, match="no drafter"):
         make_policy("auto", target=target, drafter=None, num_draft_tokens=K)
-    with pytest.raises(ValueError, match="takes no value"):
+    with pytest.raises(ValueError, match="auto takes slack=S"):  # its one setting is named: auto:slack=S
         parse_policy("auto:2")
 
 

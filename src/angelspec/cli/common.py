@@ -41,9 +41,10 @@ def error_line(exc: BaseException) -> str:
 TARGET_HELP = "HF checkpoint folder (default: the embedded target)"
 DRAFTER_SPECS = "none | ngram | ngram:N | draft-lm:DIR | DIR"
 POLICY_HELP = ("drafts each request verifies per step: full | fixed:N | threshold:C | dcut | dcut:RHO | alg1 | "
-               "alg1:TAU | production | auto (default: full; auto: per step the depth that commits most tokens per "
-               "second at the current load, or plain steps; dcut, alg1, production and auto read a measured cost "
-               "table, profiled on first use and cached)")
+               "alg1:TAU | production | auto | auto:slack=S (default: full; auto: per step the depth that commits "
+               "most tokens per second at the current load, or plain steps, its lookup steps slowing no request by "
+               "more than S = 0.05 of its time per token, none: no bound; dcut, alg1, production and auto read a "
+               "measured cost table, profiled on first use and cached)")
 THINK_HELP = "render the chat template in thinking mode (default: --no-think)"
 
 Subparsers = argparse._SubParsersAction

@@ -69,6 +69,9 @@ class DraftState:
     # step's expected committed tokens per unit of cost highest, none where no number of drafts is expected to beat a
     # plain step; () verifies every match to K.
     lookup_costs: tuple[float, ...] = ()
+    # With lookup_costs: how much a request may be slowed by waiting on the other rows' drafts, as a share of its time
+    # per output token counted in those costs (the serving gate's `latency_slack`); None: no bound
+    lookup_slack: float | None = None
 
 
 @dataclass(frozen=True)
@@ -264,11 +267,11 @@ class Drafter(ABC):
         (`resume_window`)."""
         raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
 
-    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
-                      ) -> tuple[int, ...]:
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = (),
+                      slack: float | None = None) -> tuple[int, ...]:
         """(Drafters with `lookup_drafts`.) Per row of the batch, the drafts a lookup step (`DraftState.lookup_only`
-        with k drafts and these `lookup_costs`) would verify now, 0 for rows that would verify none: asked before the
-        round, so that a step where no row would verify anything runs as a plain one."""
+        with k drafts, these `lookup_costs` and this `lookup_slack`) would verify now, 0 for rows that would verify
+        none: asked before the round, so that a step where no row would verify anything runs as a plain one."""
         raise NotImplementedError(f"{type(self).__name__} drafts no lookup drafts (lookup_drafts is False)")
 
     def on_catch_up(self, commit: Commit) -> None:
@@ -381,9 +384,9 @@ class WrappedDrafter(Drafter):
     def on_lookup_commit(self, host_tokens: Sequence[Sequence[int]], host_depths: Sequence[int] = ()) -> None:
         self.inner.on_lookup_commit(host_tokens, host_depths)
 
-    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
-                      ) -> tuple[int, ...]:
-        return self.inner.lookup_depths(active_rows, batch_size, k, costs)
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = (),
+                      slack: float | None = None) -> tuple[int, ...]:
+        return self.inner.lookup_depths(active_rows, batch_size, k, costs, slack)
 
     def on_catch_up(self, commit: Commit) -> None:
         self.inner.on_catch_up(commit)

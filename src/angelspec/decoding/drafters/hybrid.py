@@ -39,7 +39,8 @@ under standard speculative sampling).
 
 The serving gate's lookup steps (`DraftState.lookup_only`, with the costs of verifying m drafts in all) are planned
 over the step's rows together (`MatchAcceptance.plan`), within each request's `LatencyBudget`: waiting on other rows'
-drafts slows a request by at most `latency_slack` (5%) of its time per output token, as the plan's costs count it.
+drafts slows a request by at most the gate's `latency_slack` (5% by default, `--policy auto:slack=S`) of its time per
+output token, as the plan's costs count it.
 
 `--drafter DIR+ngram` (or `KIND:DIR+ngram`; `...+ngram:N:M:D` for the longest n-gram N, the shortest match M and
 the model's depth D) builds one.
@@ -152,21 +153,21 @@ class LookupChooser:
 
 
 class LatencyBudget:
-    """How much each request's lookup steps may slow it against plain decoding: `slack` (0.05: 5%) of its time per
-    output token. A lookup step of m drafts in all costs every row of the batch costs[m] (its planned cost against a
-    plain step, `DraftState.lookup_costs`) and commits 1 + its accepted drafts to each; per row, `debt` sums what its
-    lookup steps cost it beyond the tokens they gave it, in plain steps (a plain step costs 1 and gives 1: nothing),
-    and `room` = slack * max(tokens since its prefill, `allowance`) - debt is what the plan may still spend of it
-    (`MatchAcceptance.plan`; the allowance lets a request's first tokens wait on others' drafts that its later ones
-    will make up for, as a time per output token over the whole request does). So a request that matches nothing
-    beside one that matches much is slowed by at most the slack, as planned (the step costs as the gate measured
-    them; what rows out of step cost is not in them), and one whose drafts keep failing verifies only what is
-    expected to pay for itself."""
+    """How much each request's lookup steps may slow it against plain decoding: a `slack` (the serving gate's
+    `latency_slack`, 0.05: 5%) of its time per output token. A lookup step of m drafts in all costs every row of the
+    batch costs[m] (its planned cost against a plain step, `DraftState.lookup_costs`) and commits 1 + its accepted
+    drafts to each; per row, `debt` sums what its lookup steps cost it beyond the tokens they gave it, in plain steps
+    (a plain step costs 1 and gives 1: nothing), and `room(slack)` = slack * max(tokens since its prefill,
+    `allowance`) - debt is what the plan may still spend of it (`MatchAcceptance.plan`; the allowance lets a
+    request's first tokens wait on others' drafts that its later ones will make up for, as a time per output token
+    over the whole request does). So a request that matches nothing beside one that matches much is slowed by at
+    most the slack, as planned (the step costs as the gate measured them; what rows out of step cost is not in
+    them), and one whose drafts keep failing verifies only what is expected to pay for itself."""
 
-    def __init__(self, slack: float, allowance: int = 128) -> None:
-        if not slack >= 0.0 or allowance < 0:
-            raise ValueError(f"LatencyBudget needs slack >= 0 and allowance >= 0, got {slack}, {allowance}")
-        self.slack, self.allowance = slack, allowance
+    def __init__(self, allowance: int = 128) -> None:
+        if allowance < 0:
+            raise ValueError(f"LatencyBudget needs allowance >= 0, got {allowance}")
+        self.allowance = allowance
         self.debt: list[float] = []
         self.base: list[int] = []  # per row, its history's length after the prefill (the prompt and first token)
 
@@ -176,9 +177,11 @@ class LatencyBudget:
     def start_row(self, r: int, history_len: int) -> None:
         self.debt[r], self.base[r] = 0.0, history_len
 
-    def room(self, r: int, history_len: int) -> float:
+    def room(self, r: int, history_len: int, slack: float) -> float:
         """Plain steps' worth of time row r may still lose (negative: it lost more than the slack allows)."""
-        return self.slack * max(history_len - self.base[r], self.allowance) - self.debt[r]
+        if not slack >= 0.0:
+            raise ValueError(f"the latency slack must be >= 0, got {slack}")
+        return slack * max(history_len - self.base[r], self.allowance) - self.debt[r]
 
     def charge(self, cost: float, host_tokens: Sequence[Sequence[int]]) -> None:
         """A lookup step that cost `cost` plain steps committed host_tokens[r] to each active row (empty: idle)."""
@@ -193,7 +196,7 @@ class HybridDrafter(WrappedDrafter):
     another drafter (`loading.resolve_drafter`)."""
 
     def __init__(self, inner: Drafter, ngram: NGramDrafter | None = None, min_match: int | None = None, *,
-                 adaptive: bool = False, model_depth: int | None = None, latency_slack: float | None = 0.05) -> None:
+                 adaptive: bool = False, model_depth: int | None = None) -> None:
         if not inner.context_from_commits:
             raise ValueError(f"HybridDrafter: {type(inner).__name__} keeps its own drafts as context, so lookup drafts "
                              "cannot be verified in its place; use a drafter that builds its context from the target's "
@@ -222,9 +225,9 @@ class HybridDrafter(WrappedDrafter):
         # for reports: "lookup" (every active row drafted from the lookup) and "model" (the model drafted in it)
         # rounds; a request's first rounds are left out
         self.round_stats = RoundStats(("lookup", "model"))
-        # lookup steps planned on costs (the serving gate's) slow no request by more than this share of its time per
-        # output token (`LatencyBudget`; None: no bound)
-        self.budget = None if latency_slack is None else LatencyBudget(latency_slack)
+        # what lookup steps cost each request beyond the tokens they gave it, against the slack a lookup step is
+        # planned with (`DraftState.lookup_slack`)
+        self.budget = LatencyBudget()
         self._charge = 0.0  # this round: what its lookup step cost every row, in plain steps (0.0: not a lookup step)
 
     def allocate(self, batch_size: int, max_len: int, *, device: torch.device, slack: int) -> None:
@@ -233,8 +236,7 @@ class HybridDrafter(WrappedDrafter):
         self._model_first = [MODEL_FIRST_ROUNDS] * batch_size
         if self.chooser is not None:
             self.chooser.reset(batch_size)
-        if self.budget is not None:
-            self.budget.reset(batch_size)
+        self.budget.reset(batch_size)
         self._sources, self._timing, self._plan, self._charge = {}, None, None, 0.0
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], first_tokens: Sequence[int],
@@ -245,8 +247,7 @@ class HybridDrafter(WrappedDrafter):
             self._model_first[r] = MODEL_FIRST_ROUNDS
             if self.chooser is not None:
                 self.chooser.start_row(r)
-            if self.budget is not None:
-                self.budget.start_row(r, self.ngram.history_len(r))
+            self.budget.start_row(r, self.ngram.history_len(r))
 
     def propose(self, state: DraftState) -> Proposal:
         k = state.num_draft_tokens
@@ -304,37 +305,39 @@ class HybridDrafter(WrappedDrafter):
         return Proposal(tokens=tokens, confidences=conf, lengths=None if d == k and p.lengths is None else lengths,
                         deterministic=True)
 
-    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = ()
-                      ) -> tuple[int, ...]:
-        """Per row, the drafts a lookup step of k drafts with these `costs` would verify (`_lookup_round`'s choice,
-        from the rows' histories alone), without proposing. The plan is kept for this round's `propose` (it reads
-        the same histories), so asking first costs no second lookup."""
-        self._plan = self._make_plan(active_rows, k, tuple(costs))
+    def lookup_depths(self, active_rows: Sequence[int], batch_size: int, k: int, costs: Sequence[float] = (),
+                      slack: float | None = None) -> tuple[int, ...]:
+        """Per row, the drafts a lookup step of k drafts with these `costs` and latency `slack` would verify
+        (`_lookup_round`'s choice, from the rows' histories alone), without proposing. The plan is kept for this
+        round's `propose` (it reads the same histories), so asking first costs no second lookup."""
+        self._plan = self._make_plan(active_rows, k, tuple(costs), slack)
         depths = [0] * batch_size
         for r, (_, _, depth) in self._plan[1].items():
             depths[r] = depth
         return tuple(depths)
 
-    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]
+    def _make_plan(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...], slack: float | None
                    ) -> tuple[tuple, dict[int, tuple[int, list[int], int]]]:
         """(what the plan is for, row -> (match length, drafts, depth)) for the rows whose match of at least
         `min_match` tokens is worth verifying to some depth in a step of these rows at these relative `costs` of
-        verifying m drafts in all (`MatchAcceptance.plan`; every match to k without costs)."""
+        verifying m drafts in all, each row kept within its latency budget at this `slack` (None: unbounded)
+        (`MatchAcceptance.plan`; every match to k without costs)."""
         matches: dict[int, tuple[int, list[int]]] = {}
         for r in active_rows:
             n, drafts = self.ngram.match(r, k)
             if n >= self.min_match:  # (rows without a match drafted nothing: no source to learn about)
                 matches[r] = (n, drafts)
-        room = None if self.budget is None else {r: self.budget.room(r, self.ngram.history_len(r)) for r in active_rows}
+        budget = self.budget
+        room = None if slack is None else {r: budget.room(r, self.ngram.history_len(r), slack) for r in active_rows}
         depths = (self.ngram.acceptance.plan({r: n for r, (n, _) in matches.items()}, len(active_rows), k, costs,
                                              room)
                   if len(costs) > 1 else dict.fromkeys(matches, k))
         plan = {r: (matches[r][0], matches[r][1], d) for r, d in depths.items()}
-        return self._plan_key(active_rows, k, costs), plan
+        return self._plan_key(active_rows, k, costs, slack), plan
 
-    def _plan_key(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...]) -> tuple:
-        """What a lookup plan was made for: its rows, their histories' lengths, the depth and the costs."""
-        return tuple(active_rows), tuple(self.ngram.history_len(r) for r in active_rows), k, costs
+    def _plan_key(self, active_rows: Sequence[int], k: int, costs: tuple[float, ...], slack: float | None) -> tuple:
+        """What a lookup plan was made for: its rows, their histories' lengths, the depth, the costs and the slack."""
+        return tuple(active_rows), tuple(self.ngram.history_len(r) for r in active_rows), k, costs, slack
 
     def _lookup_round(self, state: DraftState, start: float) -> Proposal:
         """Only the lookup's drafts (`DraftState.lookup_only`): the rows with a match of at least `min_match` tokens
@@ -344,11 +347,12 @@ class HybridDrafter(WrappedDrafter):
         zero drafts (it catches up on its next drafted round)."""
         k, b, dev = state.num_draft_tokens, state.seq_lens.shape[0], state.seq_lens.device
         if not state.lapsed:
-            self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=()))
-        costs = tuple(state.lookup_costs)
+            self.inner.propose(replace(state, num_draft_tokens=0, lookup_only=False, lookup_costs=(),
+                                       lookup_slack=None))
+        costs, slack = tuple(state.lookup_costs), state.lookup_slack
         planned, self._plan = self._plan, None
-        if planned is None or planned[0] != self._plan_key(state.active_rows, k, costs):
-            planned = self._make_plan(state.active_rows, k, costs)
+        if planned is None or planned[0] != self._plan_key(state.active_rows, k, costs, slack):
+            planned = self._make_plan(state.active_rows, k, costs, slack)
         tokens = [[0] * k for _ in range(b)]
         lengths = [0] * b
         for r, (n, drafts, depth) in planned[1].items():
@@ -388,7 +392,7 @@ class HybridDrafter(WrappedDrafter):
 
     def _settle(self, host_tokens: Sequence[Sequence[int]]) -> None:
         """A lookup step's cost goes to every active row's latency budget (`LatencyBudget.charge`)."""
-        if self._charge and self.budget is not None:
+        if self._charge:
             self.budget.charge(self._charge, host_tokens)
         self._charge = 0.0
 

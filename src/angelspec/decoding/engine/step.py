@@ -130,7 +130,7 @@ class Step:
         if lapse and not lookup:
             raise RuntimeError("internal: a step the model drafts in must keep its context (the gate's upkeep)")
         if lapse and not any(self.drafter.lookup_depths(rows.active_rows, rows.cache.batch_size, cap,
-                                                        gate.lookup_costs)):
+                                                        gate.lookup_costs, getattr(gate, "latency_slack", None))):
             # A lookup step where no row would verify a match: AR's step, without building a round to verify nothing
             # (the host work between two forwards is what such a step pays over AR's: `_bare`)
             self._bare(metrics, clock, t0, h0, lookup=True)
@@ -378,7 +378,7 @@ class Step:
                           num_draft_tokens=num_draft_tokens, deterministic=deterministic, all_greedy=rows.all_greedy,
                           seq_len_bound=rows.seq_len_bound(), lookup_only=lookup,
                           lookup_costs=self.gate.lookup_costs if lookup and self.gate is not None else (),
-                          lapsed=lapse)
+                          lookup_slack=getattr(self.gate, "latency_slack", None) if lookup else None, lapsed=lapse)
 
     def _select(self, proposal: Proposal, state: DraftState, cap: int) -> tuple[Tensor, int, int]:
         """Per-row depth [B] (0 for idle rows), the verify width n = max depth and the number of verified

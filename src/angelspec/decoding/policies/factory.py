@@ -19,7 +19,10 @@ Forms (K = drafts proposed per step, B = concurrent requests):
 * `production`   DSpark's production scheduler (budget sized from confidences two steps old, global search).
 * `auto`         the serving setting: one depth for every row per step, chosen from the cost table and the measured
                  acceptance to commit the most tokens per second at the current batch size, narrowing with load,
-                 and plain steps where no depth beats them (`gate.AutoDepth` / `gate.ServingGate`).
+                 and plain steps where no depth beats them (`gate.AutoDepth` / `gate.ServingGate`). `auto:slack=S`:
+                 its lookup steps slow no request by more than a share S of its time per output token waiting on
+                 the other rows' drafts (default 0.05; `auto:slack=none`: no bound, a little more throughput where
+                 lookup steps pay, a longer tail).
 
 Policies with a cost model (`dcut`, `alg1`, `production`, `auto`) receive the measured table from a
 `costmodel.CostSource`: a table cached on disk per (target, drafter, K, dtype, torch, machine). The default source
@@ -47,7 +50,8 @@ if TYPE_CHECKING:
     from angelspec.models.decoder import Decoder
 
 POLICY_FORMS = ("full | fixed:N (0 <= N <= K) | threshold:C (C in [0, 1]) | dcut | dcut:RHO (RHO in 0.25, 0.5, "
-                "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production | auto")
+                "0.75, 1) | dcut:max-loss=E (E in [0, 1)) | alg1 | alg1:TAU (TAU in [0, 1)) | production | auto | "
+                "auto:slack=S (S >= 0, or none)")
 POLICY_KINDS = ("full", "fixed", "threshold", "dcut", "alg1", "production", "auto")
 COST_POLICIES = ("dcut", "alg1", "production", "auto")  # kinds that may need a measured cost table
 DEFAULT_ALG1_EPS = 1e-6
@@ -104,6 +108,17 @@ def parse_policy(spec: str) -> PolicySpec:
         raise _bad(spec, f"unknown policy {kind!r}")
     if sep and not arg:
         raise _bad(spec, f"{kind}: is missing its value after the colon")
+    if kind == "auto" and sep:
+        name, eq, value = arg.partition("=")
+        if name.strip().lower() != "slack" or not eq:
+            raise _bad(spec, f"auto takes slack=S (the share of a request's time per output token its lookup steps "
+                             f"may spend waiting on other rows' drafts, S >= 0, or none), got {arg!r}")
+        if value.strip().lower() == "none":
+            return PolicySpec(text, kind, math.inf)
+        slack = _number(spec, value.strip(), "the latency slack S")
+        if not 0.0 <= slack < math.inf:
+            raise _bad(spec, f"auto:slack=S needs S >= 0 (or none), got {slack}")
+        return PolicySpec(text, kind, slack)
     if kind in ("full", "production", "auto"):
         if sep:
             raise _bad(spec, f"{kind} takes no value")
@@ -212,7 +227,9 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     if kind == "dcut":
         return DCut(cost=table, max_loss=parsed.max_loss)
     if kind == "auto":
-        return AutoDepth(cost=table)
+        if arg is None:
+            return AutoDepth(cost=table)
+        return AutoDepth(cost=table, latency_slack=None if math.isinf(arg) else arg)
     if kind == "alg1":
         return PrefixScheduler(cost=table, eps=DEFAULT_ALG1_EPS if arg is None else arg)
     return ProductionScheduler(table)

@@ -328,6 +328,9 @@ class ServingGate:
     # measured acceptance pays for (`HybridDrafter`), so a cap only bounds what it may try
     lookup_depth: int | None = None
     lookup_rows: int = 2  # lookup steps without trials in engines of at most this many cache rows (`_lookup_here`)
+    # a lookup step slows no request by more than this share of its time per output token waiting on the other rows'
+    # drafts, as the step costs count it (`DraftState.lookup_slack`, `drafters.hybrid.LatencyBudget`); None: no bound
+    latency_slack: float | None = 0.05
     # above `lookup_rows`: lookup steps where epochs with them commit more per second than epochs without (None: none)
     trials: LookupTrials | None = field(default_factory=LookupTrials)
     warmup: int = 2
@@ -385,6 +388,8 @@ class ServingGate:
                              f"{self.memory}, {self.outlier}")
         if self.lookup_depth is not None and self.lookup_depth < 1:
             raise ValueError(f"ServingGate needs lookup_depth >= 1, got {self.lookup_depth}")
+        if self.latency_slack is not None and not self.latency_slack >= 0.0:
+            raise ValueError(f"ServingGate needs latency_slack >= 0 or None, got {self.latency_slack}")
         k = self.num_draft_tokens
         self._tried, self._passed = [1.0] * (k + 1), [0.5] * (k + 1)  # prior s_k = 0.5, worth one row
 
@@ -860,6 +865,7 @@ class AutoDepth(FixedDepth):
     anything; 0 is a plain step. Uniform depths from earlier steps only: `uses_proposal` stays False."""
 
     cost: Callable[[int, int], float] | None = None
+    latency_slack: float | None = 0.05  # `ServingGate.latency_slack` (`auto:slack=S`; None: `auto:slack=none`)
     _gates: dict[tuple[int, bool], ServingGate] = field(default_factory=dict, init=False, repr=False, compare=False,
                                                         hash=False)
 
@@ -870,5 +876,6 @@ class AutoDepth(FixedDepth):
         earlier ones settled instead of measuring again."""
         gate = self._gates.get((num_draft_tokens, lookup))
         if gate is None:
-            gate = self._gates[num_draft_tokens, lookup] = ServingGate(num_draft_tokens, cost=self.cost, lookup=lookup)
+            gate = self._gates[num_draft_tokens, lookup] = ServingGate(num_draft_tokens, cost=self.cost, lookup=lookup,
+                                                                       latency_slack=self.latency_slack)
         return gate

@@ -128,12 +128,12 @@ class ServingReport:
         lines = []
         for name in self.configs:
             first = next(r for r in self.rows if r.config == name)
-            if first.policy != "auto":
+            if not is_auto(first.policy):
                 continue
             cells = []
             for c in self.concurrency:
                 r = self.row(name, c)
-                others = [o for o in self.rows if o.concurrency == c and o.policy != "auto"]
+                others = [o for o in self.rows if o.concurrency == c and not is_auto(o.policy)]
                 if r is None or not others:
                     continue
                 best = max(others, key=lambda o: o.tokens_per_s)
@@ -292,3 +292,7 @@ def lossless(report: ServingReport) -> bool | None:
     checked = [r for r in report.rows if r.identical is not None]
     return None if not checked else all(r.lossless_ok for r in checked)
 
+
+def is_auto(policy: str) -> bool:
+    """Whether a row's policy spec is the serving setting `auto` (with or without its `slack=S`)."""
+    return policy.partition(":")[0].strip().lower() == "auto"
