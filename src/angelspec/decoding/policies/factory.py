@@ -115,8 +115,8 @@ def parse_policy(spec: str) -> PolicySpec:
                              f"may spend waiting on other rows' drafts, S >= 0, or none), got {arg!r}")
         if value.strip().lower() == "none":
             return PolicySpec(text, kind, math.inf)
-        slack = _number(spec, value.strip(), "the latency slack S")
-        if not 0.0 <= slack < math.inf:
+        slack = _number(spec, value.strip(), "the latency slack S")  # (finite)
+        if slack < 0.0:
             raise _bad(spec, f"auto:slack=S needs S >= 0 (or none), got {slack}")
         return PolicySpec(text, kind, slack)
     if kind in ("full", "production", "auto"):
@@ -192,7 +192,7 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
     from angelspec.decoding.policies.base import ConfidenceThreshold, FixedDepth
     from angelspec.decoding.policies.budget import LinearCost
     from angelspec.decoding.policies.dcut import DCut
-    from angelspec.decoding.policies.gate import AutoDepth
+    from angelspec.decoding.policies.gate import DEFAULT_LATENCY_SLACK, AutoDepth
     from angelspec.decoding.policies.scheduler import PrefixScheduler, ProductionScheduler
 
     parsed = spec if isinstance(spec, PolicySpec) else parse_policy(spec)
@@ -226,10 +226,9 @@ def make_policy(spec: str | PolicySpec, *, target: Decoder, drafter: Drafter | N
         log(f"policy {parsed.text}: cost table {what}")
     if kind == "dcut":
         return DCut(cost=table, max_loss=parsed.max_loss)
-    if kind == "auto":
-        if arg is None:
-            return AutoDepth(cost=table)
-        return AutoDepth(cost=table, latency_slack=None if math.isinf(arg) else arg)
+    if kind == "auto":  # (arg: the slack; inf for auto:slack=none, no bound)
+        slack = DEFAULT_LATENCY_SLACK if arg is None else None if math.isinf(arg) else arg
+        return AutoDepth(cost=table, latency_slack=slack)
     if kind == "alg1":
         return PrefixScheduler(cost=table, eps=DEFAULT_ALG1_EPS if arg is None else arg)
     return ProductionScheduler(table)

@@ -56,6 +56,11 @@ from angelspec.decoding.policies.trials import LookupTrials
 _PROBE_STEPS = 2
 
 
+# the share of a request's time per output token its lookup steps may spend waiting on other rows' drafts
+# (`ServingGate.latency_slack`, `--policy auto:slack=S`)
+DEFAULT_LATENCY_SLACK = 0.05
+
+
 def batch_bucket(num_active: int) -> int:
     """0 for 1 row, 1 for 2, 2 for 3-4, 3 for 5-8, ...: ceil(log2(num_active))."""
     if num_active < 1:
@@ -330,7 +335,7 @@ class ServingGate:
     lookup_rows: int = 2  # lookup steps without trials in engines of at most this many cache rows (`_lookup_here`)
     # a lookup step slows no request by more than this share of its time per output token waiting on the other rows'
     # drafts, as the step costs count it (`DraftState.lookup_slack`, `drafters.hybrid.LatencyBudget`); None: no bound
-    latency_slack: float | None = 0.05
+    latency_slack: float | None = DEFAULT_LATENCY_SLACK
     # above `lookup_rows`: lookup steps where epochs with them commit more per second than epochs without (None: none)
     trials: LookupTrials | None = field(default_factory=LookupTrials)
     warmup: int = 2
@@ -865,7 +870,7 @@ class AutoDepth(FixedDepth):
     anything; 0 is a plain step. Uniform depths from earlier steps only: `uses_proposal` stays False."""
 
     cost: Callable[[int, int], float] | None = None
-    latency_slack: float | None = 0.05  # `ServingGate.latency_slack` (`auto:slack=S`; None: `auto:slack=none`)
+    latency_slack: float | None = DEFAULT_LATENCY_SLACK  # `ServingGate.latency_slack` (`auto:slack=S`; None: none)
     _gates: dict[tuple[int, bool], ServingGate] = field(default_factory=dict, init=False, repr=False, compare=False,
                                                         hash=False)
 

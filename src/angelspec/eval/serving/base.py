@@ -81,10 +81,7 @@ def paired_ratio(a: ServingRow, b: ServingRow) -> float | None:
     of the ratio of the two runs of the same round: the runs of a round ran back to back, so a machine whose speed
     drifts from round to round moves both alike and the ratio cancels it; else the two rows' own throughputs. None
     where b measured nothing."""
-    rounds = round_ratios(a, b)
-    if rounds:
-        return statistics.median(rounds)
-    return a.tokens_per_s / b.tokens_per_s if b.tokens_per_s > 0 else None
+    return _paired(a.runs_tokens_per_s, b.runs_tokens_per_s, a.tokens_per_s, b.tokens_per_s)
 
 
 def round_ratios(a: ServingRow, b: ServingRow) -> tuple[float, ...]:
@@ -98,10 +95,15 @@ def paired_tpot_p95(a: ServingRow, b: ServingRow) -> float | None:
     the two runs of the same round, as for throughput (`paired_ratio`): each row is its median-throughput run, and the
     two rows' runs may come from rounds minutes apart, between which a drifting machine moves a p95 over a few requests
     by more than the 5% a latency goal allows; else the two rows' own p95s. None where b measured nothing."""
-    rounds = _per_round(a.runs_tpot_p95_s, b.runs_tpot_p95_s)
+    return _paired(a.runs_tpot_p95_s, b.runs_tpot_p95_s, a.tpot_p95_s, b.tpot_p95_s)
+
+
+def _paired(xa: Sequence[float], xb: Sequence[float], a: float, b: float) -> float | None:
+    """The median of xa[i] / xb[i] over rounds (`_per_round`), else a / b; None where b is not positive."""
+    rounds = _per_round(xa, xb)
     if rounds:
         return statistics.median(rounds)
-    return a.tpot_p95_s / b.tpot_p95_s if b.tpot_p95_s > 0 else None
+    return a / b if b > 0 else None
 
 
 def _per_round(xa: Sequence[float], xb: Sequence[float]) -> tuple[float, ...]:
